@@ -1,0 +1,607 @@
+package ratelimit
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"flag"
+	"os"
+	"path/filepath"
+	"reflect"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/caddyserver/caddy/v2"
+	"github.com/caddyserver/caddy/v2/caddyconfig"
+	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
+	_ "github.com/caddyserver/caddy/v2/modules/standard"
+)
+
+var updateAdapt = flag.Bool("update", false, "rewrite testdata/adapt/*.json from the Caddyfile adapter's output")
+
+func cfInt64(v int64) *int64 { return &v }
+func cfBool(v bool) *bool    { return &v }
+
+// parseTestCaddyfile unmarshals one rate_limit directive into a Handler.
+func parseTestCaddyfile(input string) (*Handler, error) {
+	h := new(Handler)
+	err := h.UnmarshalCaddyfile(caddyfile.NewTestDispenser(input))
+	return h, err
+}
+
+func TestUnmarshalCaddyfileParsesEveryForm(t *testing.T) {
+	for _, tc := range []struct {
+		name  string
+		input string
+		want  Handler
+	}{
+		{
+			name:  "inline rate and burst",
+			input: `rate_limit 10 20`,
+			want:  Handler{ReplenishRate: 10, BurstCapacity: cfInt64(20)},
+		},
+		{
+			name:  "inline rate, burst and requested tokens",
+			input: `rate_limit 10 20 2`,
+			want:  Handler{ReplenishRate: 10, BurstCapacity: cfInt64(20), RequestedTokens: 2},
+		},
+		{
+			name:  "inline args with a block",
+			input: "rate_limit 10 20 {\n\tzone api\n}",
+			want:  Handler{Zone: "api", ReplenishRate: 10, BurstCapacity: cfInt64(20)},
+		},
+		{
+			name: "every subdirective",
+			input: `rate_limit {
+				zone api
+				key {http.request.header.X-API-Key}
+				replenish_rate 10
+				burst_capacity 20
+				requested_tokens 2
+				deny_empty_key false
+				empty_key_status 401
+				status_code 503
+				include_headers false
+				on_error deny
+			}`,
+			want: Handler{
+				Zone:            "api",
+				Key:             "{http.request.header.X-API-Key}",
+				ReplenishRate:   10,
+				BurstCapacity:   cfInt64(20),
+				RequestedTokens: 2,
+				DenyEmptyKey:    cfBool(false),
+				EmptyKeyStatus:  401,
+				StatusCode:      503,
+				IncludeHeaders:  cfBool(false),
+				OnError:         "deny",
+			},
+		},
+		{
+			name:  "true booleans and on_error allow",
+			input: "rate_limit 1 1 {\n\tdeny_empty_key true\n\tinclude_headers true\n\ton_error allow\n}",
+			want: Handler{ReplenishRate: 1, BurstCapacity: cfInt64(1),
+				DenyEmptyKey: cfBool(true), IncludeHeaders: cfBool(true), OnError: "allow"},
+		},
+		{
+			name:  "fractional rate",
+			input: "rate_limit 0.5 1",
+			want:  Handler{ReplenishRate: 0.5, BurstCapacity: cfInt64(1)},
+		},
+		{
+			name:  "rate per minute",
+			input: "rate_limit {\n\treplenish_rate 100/1m\n\tburst_capacity 100\n}",
+			want:  Handler{ReplenishRate: 1.6666666666666667, BurstCapacity: cfInt64(100)},
+		},
+		{
+			name:  "rate per hour inline",
+			input: "rate_limit 5000/1h 100",
+			want:  Handler{ReplenishRate: 5000.0 / 3600, BurstCapacity: cfInt64(100)},
+		},
+		{
+			name:  "burst_capacity 0 alone blocks",
+			input: "rate_limit {\n\tburst_capacity 0\n}",
+			want:  Handler{BurstCapacity: cfInt64(0)},
+		},
+		{
+			name:  "redis addresses inline and in the block add up",
+			input: "rate_limit 1 1 {\n\tredis 127.0.0.1:6379 127.0.0.1:6380 {\n\t\taddress 127.0.0.1:6381\n\t}\n}",
+			want: Handler{ReplenishRate: 1, BurstCapacity: cfInt64(1), Redis: &RedisConfig{
+				Addresses: []string{"127.0.0.1:6379", "127.0.0.1:6380", "127.0.0.1:6381"},
+			}},
+		},
+		{
+			name:  "redis address repeated and URLs",
+			input: "rate_limit 1 1 {\n\tredis {\n\t\taddress redis://u:p@h1:6379/2\n\t\taddress rediss://h2:6380 [::1]:6379\n\t}\n}",
+			want: Handler{ReplenishRate: 1, BurstCapacity: cfInt64(1), Redis: &RedisConfig{
+				Addresses: []string{"redis://u:p@h1:6379/2", "rediss://h2:6380", "[::1]:6379"},
+			}},
+		},
+		{
+			name:  "redis address placeholder is left for provisioning",
+			input: "rate_limit 1 1 {\n\tredis {env.REDIS_ADDRESS}\n}",
+			want: Handler{ReplenishRate: 1, BurstCapacity: cfInt64(1), Redis: &RedisConfig{
+				Addresses: []string{"{env.REDIS_ADDRESS}"},
+			}},
+		},
+		{
+			name: "redis block with every field",
+			input: `rate_limit 1 1 {
+				redis {
+					address 10.0.0.1:26379 10.0.0.2:26379
+					cluster
+					master_name mymaster
+					sentinel_username sentinel-user
+					sentinel_password sentinel-secret
+					username app
+					password secret
+					db 3
+					key_prefix rl:
+					timeout 250ms
+					dial_timeout 2s
+					pool_size 20
+					tls {
+						ca /etc/redis/ca.pem
+						cert /etc/redis/client.pem
+						key /etc/redis/client.key
+						server_name redis.internal
+						insecure_skip_verify
+					}
+				}
+			}`,
+			want: Handler{ReplenishRate: 1, BurstCapacity: cfInt64(1), Redis: &RedisConfig{
+				Addresses:        []string{"10.0.0.1:26379", "10.0.0.2:26379"},
+				Cluster:          true,
+				MasterName:       "mymaster",
+				SentinelUsername: "sentinel-user",
+				SentinelPassword: "sentinel-secret",
+				Username:         "app",
+				Password:         "secret",
+				DB:               3,
+				KeyPrefix:        "rl:",
+				Timeout:          caddy.Duration(250 * time.Millisecond),
+				DialTimeout:      caddy.Duration(2 * time.Second),
+				PoolSize:         20,
+				TLS: &RedisTLS{
+					CA:                 "/etc/redis/ca.pem",
+					Cert:               "/etc/redis/client.pem",
+					Key:                "/etc/redis/client.key",
+					ServerName:         "redis.internal",
+					InsecureSkipVerify: true,
+				},
+			}},
+		},
+		{
+			name:  "empty redis and tls blocks",
+			input: "rate_limit 1 1 {\n\tredis {\n\t\ttls\n\t}\n}",
+			want: Handler{ReplenishRate: 1, BurstCapacity: cfInt64(1), Redis: &RedisConfig{
+				TLS: &RedisTLS{},
+			}},
+		},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			h, err := parseTestCaddyfile(tc.input)
+			if err != nil {
+				t.Fatalf("unexpected error: %v", err)
+			}
+			if !reflect.DeepEqual(*h, tc.want) {
+				got, _ := json.Marshal(h)
+				want, _ := json.Marshal(tc.want)
+				t.Errorf("parsed\n%s\nwant\n%s", got, want)
+			}
+		})
+	}
+}
+
+func TestUnmarshalCaddyfileErrorsNameSubdirectiveAndValue(t *testing.T) {
+	// redis wraps a redis block body, rtls a tls block body.
+	redis := func(body string) string { return "rate_limit 1 1 {\n\tredis {\n\t\t" + body + "\n\t}\n}" }
+	rtls := func(body string) string { return redis("tls {\n\t\t\t" + body + "\n\t\t}") }
+	block := func(body string) string { return "rate_limit 1 1 {\n\t" + body + "\n}" }
+
+	for _, tc := range []struct {
+		name  string
+		input string
+		want  []string // substrings of the error
+	}{
+		// unknown and duplicated subdirectives
+		{"unknown subdirective", block("bogus 1"), []string{"unrecognized rate_limit subdirective 'bogus'"}},
+		{"unknown subdirective without value", block("bogus"), []string{"unrecognized rate_limit subdirective 'bogus'"}},
+		{"unknown redis subdirective", redis("bogus 1"), []string{"unrecognized redis subdirective 'bogus'"}},
+		{"unknown redis subdirective without value", redis("bogus"), []string{"unrecognized redis subdirective 'bogus'"}},
+		{"unknown tls subdirective", rtls("bogus x"), []string{"unrecognized redis tls subdirective 'bogus'"}},
+		{"duplicated subdirective", block("zone a\n\tzone b"), []string{"subdirective 'zone' is given twice"}},
+		{"inline rate plus replenish_rate", block("replenish_rate 5"), []string{"subdirective 'replenish_rate' is given twice"}},
+		{"inline burst plus burst_capacity", block("burst_capacity 5"), []string{"subdirective 'burst_capacity' is given twice"}},
+		{"inline requested plus requested_tokens", "rate_limit 1 2 1 {\n\trequested_tokens 1\n}", []string{"subdirective 'requested_tokens' is given twice"}},
+		{"duplicated redis", block("redis h:1\n\tredis h:2"), []string{"subdirective 'redis' is given twice"}},
+		{"duplicated redis subdirective", redis("db 1\n\t\tdb 2"), []string{"redis subdirective 'db' is given twice"}},
+		{"duplicated tls subdirective", rtls("ca a\n\t\t\tca b"), []string{"redis tls subdirective 'ca' is given twice"}},
+
+		// argument counts
+		{"one inline arg", "rate_limit 10", []string{"rate_limit", "got 1 argument(s): '10'"}},
+		{"four inline args", "rate_limit 1 2 3 4", []string{"rate_limit", "got 4 argument(s): '1 2 3 4'"}},
+		{"zone without value", block("zone"), []string{"zone: wrong argument count", "after 'zone'"}},
+		{"zone with two values", block("zone a b"), []string{"zone: wrong argument count", "after 'a'"}},
+		{"key with two values", block("key a b"), []string{"key: wrong argument count"}},
+		{"status_code without value", block("status_code"), []string{"status_code: wrong argument count"}},
+		{"redis address without value", redis("address"), []string{"redis address: wrong argument count"}},
+		{"redis cluster with a value", redis("cluster yes"), []string{"redis cluster: wrong argument count", "after 'yes'"}},
+		{"redis password with two values", redis("password a b"), []string{"redis password: wrong argument count"}},
+		{"redis tls with a value", redis("tls on"), []string{"redis tls: wrong argument count", "after 'on'"}},
+		{"tls ca without value", rtls("ca"), []string{"redis tls ca: wrong argument count"}},
+		{"tls insecure_skip_verify with a value", rtls("insecure_skip_verify true"), []string{"redis tls insecure_skip_verify: wrong argument count", "after 'true'"}},
+
+		// rates
+		{"rate not a number", "rate_limit abc 10", []string{"replenish_rate 'abc'", "positive number of tokens per second"}},
+		{"rate negative", block0("replenish_rate -1"), []string{"replenish_rate '-1'", "positive number"}},
+		{"rate zero", "rate_limit 0 10", []string{"replenish_rate '0'", "positive number"}},
+		{"rate NaN", "rate_limit NaN 10", []string{"replenish_rate 'NaN'", "positive number"}},
+		{"rate infinite", "rate_limit +Inf 10", []string{"replenish_rate '+Inf'", "positive number"}},
+		{"rate per zero duration", "rate_limit 10/0s 10", []string{"replenish_rate '10/0s'", "duration after '/' must be positive"}},
+		{"rate per bad duration", block0("replenish_rate 10/xyz"), []string{"replenish_rate '10/xyz'", "duration after '/' must be positive"}},
+		{"rate per negative duration", "rate_limit 10/-1s 10", []string{"replenish_rate '10/-1s'", "duration after '/' must be positive"}},
+		{"rate with bad count", "rate_limit x/1s 10", []string{"replenish_rate 'x/1s'", "positive number"}},
+
+		// whole numbers
+		{"inline burst not whole", "rate_limit 10 2.5", []string{"burst_capacity '2.5' is not a whole number"}},
+		{"burst not a number", block0("burst_capacity lots"), []string{"burst_capacity 'lots' is not a whole number"}},
+		{"inline requested not whole", "rate_limit 10 20 1.5", []string{"requested_tokens '1.5' is not a whole number"}},
+		{"requested not a number", block("requested_tokens one"), []string{"requested_tokens 'one' is not a whole number"}},
+
+		// booleans, statuses, on_error
+		{"deny_empty_key not a bool", block("deny_empty_key yes"), []string{"deny_empty_key 'yes'", "want true or false"}},
+		{"include_headers not a bool", block("include_headers 1"), []string{"include_headers '1'", "want true or false"}},
+		{"status_code too small", block("status_code 42"), []string{"status_code '42'", "100 to 599"}},
+		{"status_code too large", block("status_code 600"), []string{"status_code '600'", "100 to 599"}},
+		{"status_code not a number", block("status_code abc"), []string{"status_code 'abc'", "100 to 599"}},
+		{"empty_key_status too large", block("empty_key_status 600"), []string{"empty_key_status '600'", "100 to 599"}},
+		{"on_error unknown", block("on_error ignore"), []string{"on_error 'ignore'", "want 'allow' or 'deny'"}},
+
+		// redis addresses
+		{"redis address without port", block("redis localhost"), []string{"redis address 'localhost'", "want host:port"}},
+		{"redis address with http scheme", block("redis http://x:1"), []string{"redis address 'http://x:1'", "redis:// or rediss://"}},
+		{"redis address port out of range", block("redis host:99999"), []string{"redis address 'host:99999'", "port '99999'"}},
+		{"redis address without host", redis("address :6379"), []string{"redis address ':6379'", "missing host"}},
+		{"redis address bad URL", redis("address redis://h:1/notadb"), []string{"redis address 'redis://h:1/notadb'"}},
+
+		// other redis values
+		{"redis timeout not a duration", redis("timeout abc"), []string{"redis timeout 'abc'", "positive duration"}},
+		{"redis timeout zero", redis("timeout 0s"), []string{"redis timeout '0s'", "positive duration"}},
+		{"redis dial_timeout negative", redis("dial_timeout -1s"), []string{"redis dial_timeout '-1s'", "positive duration"}},
+		{"redis db negative", redis("db -1"), []string{"redis db '-1'", "database index"}},
+		{"redis db not a number", redis("db one"), []string{"redis db 'one'", "database index"}},
+		{"redis pool_size zero", redis("pool_size 0"), []string{"redis pool_size '0'", "1 or more"}},
+		{"tls cert without key", rtls("cert /c.pem"), []string{"redis tls", "'cert' and 'key' go together", "cert '/c.pem'"}},
+		{"tls key without cert", rtls("key /k.pem"), []string{"redis tls", "'cert' and 'key' go together", "key '/k.pem'"}},
+
+		// no rate at all
+		{"no rate and no burst", "rate_limit {\n\tkey {http.request.header.X-API-Key}\n}", []string{"replenish_rate is required", "burst_capacity 0"}},
+		{"bare directive", "rate_limit", []string{"replenish_rate is required"}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			_, err := parseTestCaddyfile(tc.input)
+			if err == nil {
+				t.Fatalf("no error for\n%s", tc.input)
+			}
+			for _, w := range tc.want {
+				if !strings.Contains(err.Error(), w) {
+					t.Errorf("error %q does not contain %q", err, w)
+				}
+			}
+			if !strings.Contains(err.Error(), "Testfile:") {
+				t.Errorf("error %q does not give the Caddyfile position", err)
+			}
+		})
+	}
+}
+
+// block0 is a rate_limit block without inline arguments.
+func block0(body string) string { return "rate_limit {\n\t" + body + "\n}" }
+
+// provisionTestHandler provisions h as Caddy would and validates it,
+// cleaning up a successful provisioning.
+func provisionTestHandler(t *testing.T, h *Handler) error {
+	t.Helper()
+	ctx, cancel := caddy.NewContext(caddy.Context{Context: context.Background()})
+	defer cancel()
+	if err := h.Provision(ctx); err != nil {
+		return err
+	}
+	defer func() {
+		if err := h.Cleanup(); err != nil {
+			t.Errorf("cleanup: %v", err)
+		}
+	}()
+	return h.Validate()
+}
+
+func TestProvisionValidateRejectsWithReason(t *testing.T) {
+	for _, tc := range []struct {
+		name  string
+		input string
+		want  []string
+	}{
+		{"missing replenish_rate with a burst", "rate_limit {\n\tburst_capacity 5\n}",
+			[]string{"replenish_rate", "positive number of tokens per second"}},
+		{"burst_capacity below replenish_rate", "rate_limit 10 5",
+			[]string{"burst_capacity '5' is smaller than replenish_rate '10'", "could never hold one second's refill", "at least 10"}},
+		{"burst_capacity below fractional rate", "rate_limit 1.5 1",
+			[]string{"burst_capacity '1'", "replenish_rate '1.5'", "at least 2"}},
+		{"negative burst_capacity", "rate_limit 10 -1",
+			[]string{"burst_capacity '-1' must not be negative"}},
+		{"requested_tokens above burst_capacity", "rate_limit 1 2 3",
+			[]string{"requested_tokens '3' is more than burst_capacity '2'", "no request could ever be admitted"}},
+		{"requested_tokens negative", "rate_limit 1 2 -1",
+			[]string{"requested_tokens '-1' must be at least 1"}},
+		{"zone with a bar", "rate_limit 1 1 {\n\tzone a|b\n}",
+			[]string{"zone 'a|b'", "letters, digits"}},
+		{"zone with a space", "rate_limit 1 1 {\n\tzone \"a b\"\n}",
+			[]string{"zone 'a b'"}},
+		{"key template unclosed", "rate_limit 1 1 {\n\tkey \"{http.request.host\"\n}",
+			[]string{"key '{http.request.host'", "unclosed placeholder"}},
+		{"db with cluster", "rate_limit 1 1 {\n\tredis {\n\t\tcluster\n\t\tdb 1\n\t}\n}",
+			[]string{"'db 1'", "Redis Cluster"}},
+		{"db with several addresses", "rate_limit 1 1 {\n\tredis h1:6379 h2:6379 {\n\t\tdb 2\n\t}\n}",
+			[]string{"'db 2'", "Redis Cluster"}},
+		{"master_name with cluster", "rate_limit 1 1 {\n\tredis {\n\t\tcluster\n\t\tmaster_name mymaster\n\t}\n}",
+			[]string{"'master_name mymaster'", "'cluster'", "exclude each other"}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			h, err := parseTestCaddyfile(tc.input)
+			if err != nil {
+				t.Fatalf("parse: %v", err)
+			}
+			err = provisionTestHandler(t, h)
+			if err == nil {
+				t.Fatalf("no error for\n%s", tc.input)
+			}
+			for _, w := range tc.want {
+				if !strings.Contains(err.Error(), w) {
+					t.Errorf("error %q does not contain %q", err, w)
+				}
+			}
+		})
+	}
+}
+
+func TestProvisionValidateAcceptsBurstZeroWithoutRedis(t *testing.T) {
+	// Redis at an address nothing listens on: a hard block never asks it.
+	h, err := parseTestCaddyfile("rate_limit {\n\tburst_capacity 0\n\tredis 127.0.0.1:1\n}")
+	if err != nil {
+		t.Fatalf("parse: %v", err)
+	}
+	if err := provisionTestHandler(t, h); err != nil {
+		t.Fatalf("burst_capacity 0 without a rate: %v", err)
+	}
+	if h.backend != nil {
+		t.Error("burst_capacity 0 set up a Redis client; it never needs one")
+	}
+}
+
+func TestProvisionValidateAcceptsAndDefaults(t *testing.T) {
+	for _, tc := range []struct {
+		name  string
+		input string
+		check func(t *testing.T, h *Handler)
+	}{
+		{"burst defaults to the rate rounded up", "rate_limit {\n\treplenish_rate 2.5\n}", func(t *testing.T, h *Handler) {
+			if h.burst != 3 || h.RequestedTokens != 1 {
+				t.Errorf("burst %d, requested %d; want 3, 1", h.burst, h.RequestedTokens)
+			}
+		}},
+		{"defaults", "rate_limit 10 20", func(t *testing.T, h *Handler) {
+			if h.Key != "{http.vars.client_ip}" || h.StatusCode != 429 || h.EmptyKeyStatus != 403 ||
+				h.OnError != "allow" || !h.denyEmpty || !h.failOpen || !strings.HasPrefix(h.Zone, "auto-") {
+				t.Errorf("defaults not applied: %+v", h)
+			}
+		}},
+		{"burst equal to rate", "rate_limit 100/1m 2", nil},
+		{"full redis block", `rate_limit {
+			zone api
+			key {http.request.header.X-API-Key}
+			replenish_rate 10
+			burst_capacity 20
+			requested_tokens 1
+			redis {
+				address 127.0.0.1:6379
+				username app
+				password secret
+				db 1
+				key_prefix rl:
+				timeout 250ms
+				dial_timeout 1s
+				pool_size 5
+			}
+		}`, func(t *testing.T, h *Handler) {
+			if h.backend == nil || h.bucketPrefix != "rl:api|" {
+				t.Errorf("backend %v, bucket prefix %q", h.backend, h.bucketPrefix)
+			}
+		}},
+		{"sentinel", "rate_limit 1 1 {\n\tredis h1:26379 h2:26379 {\n\t\tmaster_name mymaster\n\t\tdb 1\n\t}\n}", nil},
+		{"zone with every allowed character", "rate_limit 1 1 {\n\tzone Az09_.:-\n}", nil},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			h, err := parseTestCaddyfile(tc.input)
+			if err != nil {
+				t.Fatalf("parse: %v", err)
+			}
+			if err := provisionTestHandler(t, h); err != nil {
+				t.Fatalf("rejected: %v", err)
+			}
+			if tc.check != nil {
+				tc.check(t, h)
+			}
+		})
+	}
+}
+
+// adaptCaddyfile adapts a whole Caddyfile to indented JSON, failing on
+// warnings (such as an unformatted Caddyfile).
+func adaptCaddyfile(t *testing.T, filename string, body []byte) ([]byte, error) {
+	t.Helper()
+	out, warnings, err := caddyconfig.GetAdapter("caddyfile").Adapt(body, map[string]any{"filename": filename})
+	if err != nil {
+		return nil, err
+	}
+	for _, w := range warnings {
+		t.Errorf("adapter warning: %s", w.String())
+	}
+	return normalizeJSON(t, out), nil
+}
+
+func normalizeJSON(t *testing.T, raw []byte) []byte {
+	t.Helper()
+	var v any
+	if err := json.Unmarshal(raw, &v); err != nil {
+		t.Fatalf("invalid JSON: %v\n%s", err, raw)
+	}
+	out, err := json.MarshalIndent(v, "", "\t")
+	if err != nil {
+		t.Fatal(err)
+	}
+	return append(out, '\n')
+}
+
+// provisionAdaptedHandlers loads every rate_limit handler in the adapted
+// JSON strictly, as Caddy would, then provisions and validates it.
+func provisionAdaptedHandlers(t *testing.T, adapted []byte) int {
+	t.Helper()
+	var cfg any
+	if err := json.Unmarshal(adapted, &cfg); err != nil {
+		t.Fatal(err)
+	}
+	var found []map[string]any
+	var walk func(v any)
+	walk = func(v any) {
+		switch v := v.(type) {
+		case map[string]any:
+			if v["handler"] == "rate_limit" {
+				found = append(found, v)
+			}
+			for _, e := range v {
+				walk(e)
+			}
+		case []any:
+			for _, e := range v {
+				walk(e)
+			}
+		}
+	}
+	walk(cfg)
+	for _, m := range found {
+		delete(m, "handler")
+		raw, _ := json.Marshal(m)
+		h := new(Handler)
+		if err := caddy.StrictUnmarshalJSON(raw, h); err != nil {
+			t.Errorf("loading %s: %v", raw, err)
+			continue
+		}
+		if r := h.Redis; r != nil && r.TLS != nil && r.TLS.CA+r.TLS.Cert+r.TLS.Key != "" {
+			t.Logf("not provisioning %s: it reads TLS files", raw)
+			continue
+		}
+		if err := provisionTestHandler(t, h); err != nil {
+			t.Errorf("provisioning %s: %v", raw, err)
+		}
+	}
+	return len(found)
+}
+
+func TestAdaptCaddyfileMatchesTestdata(t *testing.T) {
+	files, err := filepath.Glob(filepath.Join("testdata", "adapt", "*.caddyfile"))
+	if err != nil || len(files) == 0 {
+		t.Fatalf("no testdata/adapt/*.caddyfile: %v", err)
+	}
+	for _, file := range files {
+		name := strings.TrimSuffix(filepath.Base(file), ".caddyfile")
+		t.Run(name, func(t *testing.T) {
+			body, err := os.ReadFile(file)
+			if err != nil {
+				t.Fatal(err)
+			}
+			got, err := adaptCaddyfile(t, file, body)
+			if err != nil {
+				t.Fatalf("adapting: %v", err)
+			}
+			jsonFile := strings.TrimSuffix(file, ".caddyfile") + ".json"
+			if *updateAdapt {
+				if err := os.WriteFile(jsonFile, got, 0o644); err != nil {
+					t.Fatal(err)
+				}
+			}
+			want, err := os.ReadFile(jsonFile)
+			if err != nil {
+				t.Fatalf("%v (run go test -run TestAdaptCaddyfileMatchesTestdata -update)", err)
+			}
+			if want = normalizeJSON(t, want); !bytes.Equal(got, want) {
+				t.Errorf("adapted JSON differs from %s:\n%s", jsonFile, got)
+			}
+			if provisionAdaptedHandlers(t, got) == 0 {
+				t.Error("no rate_limit handler in the adapted config")
+			}
+		})
+	}
+}
+
+func TestAdaptCaddyfileOrdersRateLimitBeforeBasicAuth(t *testing.T) {
+	body := []byte(":8080 {\n\tbasic_auth {\n\t\tBob $2a$14$Zkx19XLiW6VYouLHR5NmfOFU0z2GTNmpkT/5qqR7hx4IjWJPDhjvG\n\t}\n\trate_limit 10 20\n\trespond ok\n}\n")
+	out, err := adaptCaddyfile(t, "Caddyfile", body)
+	if err != nil {
+		t.Fatal(err)
+	}
+	rl := bytes.Index(out, []byte(`"handler": "rate_limit"`))
+	auth := bytes.Index(out, []byte(`"handler": "authentication"`))
+	if rl < 0 || auth < 0 || rl > auth {
+		t.Errorf("rate_limit (at %d) is not before authentication (at %d):\n%s", rl, auth, out)
+	}
+}
+
+func TestAdaptCaddyfileErrorsMatchTestdata(t *testing.T) {
+	files, err := filepath.Glob(filepath.Join("testdata", "errors", "*.caddyfile"))
+	if err != nil || len(files) == 0 {
+		t.Fatalf("no testdata/errors/*.caddyfile: %v", err)
+	}
+	for _, file := range files {
+		name := strings.TrimSuffix(filepath.Base(file), ".caddyfile")
+		t.Run(name, func(t *testing.T) {
+			body, err := os.ReadFile(file)
+			if err != nil {
+				t.Fatal(err)
+			}
+			want, err := os.ReadFile(strings.TrimSuffix(file, ".caddyfile") + ".error")
+			if err != nil {
+				t.Fatal(err)
+			}
+			wantText := strings.TrimSpace(string(want))
+			if wantText == "" || strings.Contains(wantText, "\n") {
+				t.Fatalf("%s.error must hold one non-empty line", name)
+			}
+			_, _, err = caddyconfig.GetAdapter("caddyfile").Adapt(body, map[string]any{"filename": file})
+			if err == nil {
+				t.Fatalf("no error; want one containing %q", wantText)
+			}
+			if !strings.Contains(err.Error(), wantText) {
+				t.Errorf("error %q does not contain %q", err, wantText)
+			}
+			if !strings.Contains(err.Error(), file+":") {
+				t.Errorf("error %q does not name the file %s", err, file)
+			}
+		})
+	}
+}
+
+func TestAdaptCaddyfileExample(t *testing.T) {
+	body, err := os.ReadFile("Caddyfile.example")
+	if err != nil {
+		t.Fatal(err)
+	}
+	out, err := adaptCaddyfile(t, "Caddyfile.example", body)
+	if err != nil {
+		t.Fatalf("adapting Caddyfile.example: %v", err)
+	}
+	if n := provisionAdaptedHandlers(t, out); n != 1 {
+		t.Errorf("Caddyfile.example has %d rate_limit handlers; want 1", n)
+	}
+}

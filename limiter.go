@@ -1,0 +1,508 @@
+package ratelimit
+
+import (
+	"context"
+	"crypto/tls"
+	"crypto/x509"
+	_ "embed"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"net"
+	"os"
+	"strconv"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/caddyserver/caddy/v2"
+	"github.com/redis/go-redis/v9"
+)
+
+//go:embed script.lua
+var scriptSource string
+
+// tokenBucket is the check-and-take script; EVALSHA first, the source
+// again only when the server has lost its script cache.
+var tokenBucket = redis.NewScript(scriptSource)
+
+// Defaults of the redis block.
+const (
+	defaultRedisAddress = "127.0.0.1:6379"
+	defaultKeyPrefix    = "rate_limit:"
+	defaultTimeout      = 100 * time.Millisecond
+)
+
+// Batching: requests that arrive while a Redis call is in flight wait in
+// the queue and go out together in one pipeline (one write, one read).
+const (
+	pipelinesInFlight = 2
+	maxBatch          = 128
+	queueLength       = 4096
+)
+
+// RedisConfig says how to reach Redis: one server, a Cluster or a
+// Sentinel-monitored master. Every string takes `{env.*}` placeholders.
+type RedisConfig struct {
+	// Addresses of Redis: `host:port`, or a `redis://` or `rediss://`
+	// (TLS) URL that may carry the user name, password and database.
+	// Several addresses mean Redis Cluster seeds, or Sentinel addresses
+	// when `master_name` is set. Default: `127.0.0.1:6379`.
+	Addresses []string `json:"addresses,omitempty"`
+
+	// Cluster selects Redis Cluster even with a single seed address.
+	Cluster bool `json:"cluster,omitempty"`
+
+	// MasterName is the name of the master that the Sentinels at
+	// `addresses` monitor. Setting it selects Sentinel mode.
+	MasterName string `json:"master_name,omitempty"`
+
+	// SentinelUsername and SentinelPassword authenticate to the
+	// Sentinels themselves (not to the master).
+	SentinelUsername string `json:"sentinel_username,omitempty"`
+	SentinelPassword string `json:"sentinel_password,omitempty"`
+
+	// Username and Password authenticate to Redis (ACL user or
+	// `requirepass`).
+	Username string `json:"username,omitempty"`
+	Password string `json:"password,omitempty"`
+
+	// DB is the database index. Redis Cluster has only database 0.
+	DB int `json:"db,omitempty"`
+
+	// KeyPrefix starts every Redis key this handler writes.
+	// Default: `rate_limit:`.
+	KeyPrefix string `json:"key_prefix,omitempty"`
+
+	// Timeout bounds the whole Redis step of one request: waiting for a
+	// connection, dialing, sending, retries and the reply. Past it, the
+	// request is handled as `on_error` says. Default: 100ms.
+	Timeout caddy.Duration `json:"timeout,omitempty"`
+
+	// DialTimeout bounds one attempt to connect. Default: the timeout.
+	DialTimeout caddy.Duration `json:"dial_timeout,omitempty"`
+
+	// PoolSize is the most connections kept per Redis node.
+	// Default: go-redis's, 10 per CPU.
+	PoolSize int `json:"pool_size,omitempty"`
+
+	// TLS, when set, connects over TLS even to a plain `host:port`.
+	TLS *RedisTLS `json:"tls,omitempty"`
+}
+
+// RedisTLS configures TLS to Redis.
+type RedisTLS struct {
+	// CA is a PEM file of the authorities that may sign the server's
+	// certificate. Default: the system's roots.
+	CA string `json:"ca,omitempty"`
+
+	// Cert and Key are PEM files of the client certificate and its key,
+	// for servers that authenticate clients (`tls-auth-clients yes`).
+	Cert string `json:"cert,omitempty"`
+	Key  string `json:"key,omitempty"`
+
+	// ServerName is the name to verify in the server's certificate.
+	// Default: the host of the address.
+	ServerName string `json:"server_name,omitempty"`
+
+	// InsecureSkipVerify turns off verification of the server's
+	// certificate. For tests only.
+	InsecureSkipVerify bool `json:"insecure_skip_verify,omitempty"`
+}
+
+// withPlaceholders returns the configuration with `{env.*}` and other
+// global placeholders replaced, and defaults filled in.
+func (c *RedisConfig) withPlaceholders() RedisConfig {
+	repl := caddy.NewReplacer()
+	r := RedisConfig{}
+	if c != nil {
+		r = *c
+	}
+	r.Addresses = nil
+	if c != nil {
+		for _, a := range c.Addresses {
+			resolved := strings.Fields(repl.ReplaceAll(a, ""))
+			if len(resolved) == 0 {
+				resolved = []string{a} // validate names the unresolved value
+			}
+			r.Addresses = append(r.Addresses, resolved...)
+		}
+	}
+	if len(r.Addresses) == 0 {
+		r.Addresses = []string{defaultRedisAddress}
+	}
+	r.MasterName = repl.ReplaceAll(r.MasterName, "")
+	r.SentinelUsername = repl.ReplaceAll(r.SentinelUsername, "")
+	r.SentinelPassword = repl.ReplaceAll(r.SentinelPassword, "")
+	r.Username = repl.ReplaceAll(r.Username, "")
+	r.Password = repl.ReplaceAll(r.Password, "")
+	if r.KeyPrefix == "" {
+		r.KeyPrefix = defaultKeyPrefix
+	}
+	r.KeyPrefix = repl.ReplaceAll(r.KeyPrefix, "")
+	if r.Timeout <= 0 {
+		r.Timeout = caddy.Duration(defaultTimeout)
+	}
+	if r.DialTimeout <= 0 {
+		r.DialTimeout = r.Timeout
+	}
+	if r.TLS != nil {
+		t := *r.TLS
+		t.CA = repl.ReplaceAll(t.CA, "")
+		t.Cert = repl.ReplaceAll(t.Cert, "")
+		t.Key = repl.ReplaceAll(t.Key, "")
+		t.ServerName = repl.ReplaceAll(t.ServerName, "")
+		r.TLS = &t
+	}
+	return r
+}
+
+// validate refuses contradictory or malformed settings.
+func (c RedisConfig) validate() error {
+	if c.Cluster && c.MasterName != "" {
+		return fmt.Errorf("redis: 'master_name %s' (Sentinel) and 'cluster' exclude each other", c.MasterName)
+	}
+	if c.MasterName == "" && (c.SentinelUsername != "" || c.SentinelPassword != "") {
+		return errors.New("redis: 'sentinel_username' and 'sentinel_password' need 'master_name'")
+	}
+	if c.DB < 0 {
+		return fmt.Errorf("redis: 'db %d' must not be negative", c.DB)
+	}
+	if c.PoolSize < 0 {
+		return fmt.Errorf("redis: 'pool_size %d' must not be negative", c.PoolSize)
+	}
+	db := c.DB
+	for _, a := range c.Addresses {
+		o, err := parseAddress(a)
+		if err != nil {
+			return fmt.Errorf("redis: address '%s': %w", a, err)
+		}
+		if db == 0 {
+			db = o.DB
+		}
+	}
+	if db != 0 && c.Cluster {
+		return fmt.Errorf("redis: 'db %d' is not possible with 'cluster': Redis Cluster has only database 0", db)
+	}
+	if db != 0 && len(c.Addresses) > 1 && c.MasterName == "" {
+		return fmt.Errorf("redis: 'db %d' is not possible with %d addresses and no 'master_name', which means Redis Cluster: it has only database 0", db, len(c.Addresses))
+	}
+	if c.TLS != nil && (c.TLS.Cert == "") != (c.TLS.Key == "") {
+		return fmt.Errorf("redis: tls: 'cert' and 'key' go together; got cert '%s' and key '%s'", c.TLS.Cert, c.TLS.Key)
+	}
+	return nil
+}
+
+// parseAddress accepts `host:port` or a redis:// or rediss:// URL.
+func parseAddress(a string) (*redis.Options, error) {
+	if strings.Contains(a, "://") {
+		if !strings.HasPrefix(a, "redis://") && !strings.HasPrefix(a, "rediss://") {
+			return nil, errors.New("URL scheme must be redis:// or rediss://")
+		}
+		return redis.ParseURL(a)
+	}
+	host, port, err := net.SplitHostPort(a)
+	if err != nil {
+		return nil, fmt.Errorf("want host:port: %w", err)
+	}
+	if host == "" {
+		return nil, errors.New("missing host")
+	}
+	if n, err := strconv.Atoi(port); err != nil || n < 1 || n > 65535 {
+		return nil, fmt.Errorf("port '%s' is not a number from 1 to 65535", port)
+	}
+	return &redis.Options{Addr: a}, nil
+}
+
+// options turns the configuration into go-redis options.
+func (c RedisConfig) options() (*redis.UniversalOptions, error) {
+	timeout := time.Duration(c.Timeout)
+	opts := &redis.UniversalOptions{
+		MasterName:            c.MasterName,
+		IsClusterMode:         c.Cluster,
+		SentinelUsername:      c.SentinelUsername,
+		SentinelPassword:      c.SentinelPassword,
+		Username:              c.Username,
+		Password:              c.Password,
+		DB:                    c.DB,
+		DialTimeout:           time.Duration(c.DialTimeout),
+		ReadTimeout:           timeout,
+		WriteTimeout:          timeout,
+		PoolTimeout:           timeout,
+		ContextTimeoutEnabled: true,
+		PoolSize:              c.PoolSize,
+		// One try: the timeout covers the whole step, and a retry
+		// inside it would only hide a failing server from the breaker.
+		MaxRetries:      -1,
+		DialerRetries:   1,
+		DisableIdentity: true,
+	}
+	for _, a := range c.Addresses {
+		o, err := parseAddress(a)
+		if err != nil {
+			return nil, fmt.Errorf("address '%s': %w", a, err)
+		}
+		opts.Addrs = append(opts.Addrs, o.Addr)
+		if opts.Username == "" {
+			opts.Username = o.Username
+		}
+		if opts.Password == "" {
+			opts.Password = o.Password
+		}
+		if opts.DB == 0 {
+			opts.DB = o.DB
+		}
+		if o.TLSConfig != nil && opts.TLSConfig == nil {
+			opts.TLSConfig = &tls.Config{MinVersion: tls.VersionTLS12}
+		}
+	}
+	if c.TLS != nil || opts.TLSConfig != nil {
+		tc, err := c.TLS.config()
+		if err != nil {
+			return nil, fmt.Errorf("tls: %w", err)
+		}
+		opts.TLSConfig = tc
+	}
+	return opts, nil
+}
+
+// config builds the TLS configuration; a nil receiver means defaults.
+func (t *RedisTLS) config() (*tls.Config, error) {
+	tc := &tls.Config{MinVersion: tls.VersionTLS12}
+	if t == nil {
+		return tc, nil
+	}
+	tc.ServerName = t.ServerName
+	tc.InsecureSkipVerify = t.InsecureSkipVerify
+	if t.CA != "" {
+		pem, err := os.ReadFile(t.CA)
+		if err != nil {
+			return nil, fmt.Errorf("reading 'ca': %w", err)
+		}
+		pool := x509.NewCertPool()
+		if !pool.AppendCertsFromPEM(pem) {
+			return nil, fmt.Errorf("'ca %s' holds no PEM certificate", t.CA)
+		}
+		tc.RootCAs = pool
+	}
+	if t.Cert != "" {
+		cert, err := tls.LoadX509KeyPair(t.Cert, t.Key)
+		if err != nil {
+			return nil, fmt.Errorf("loading 'cert' and 'key': %w", err)
+		}
+		tc.Certificates = []tls.Certificate{cert}
+	}
+	return tc, nil
+}
+
+// Result is the outcome of one check-and-take.
+type Result struct {
+	// Allowed says whether the tokens were taken.
+	Allowed bool
+	// Remaining is the whole tokens left in the bucket, rounded down.
+	Remaining int64
+	// RetryAfter is how long until the bucket holds the requested
+	// tokens; zero when allowed.
+	RetryAfter time.Duration
+}
+
+// call is one request's trip through the batcher.
+type call struct {
+	key    string
+	args   []any
+	result Result
+	err    error
+	done   chan struct{}
+}
+
+// backend is one Redis client with its batcher, shared by every handler
+// with the same Redis settings (see the usage pool).
+type backend struct {
+	client  redis.UniversalClient
+	cluster *redis.ClusterClient
+	timeout time.Duration
+	queue   chan *call
+	stop    chan struct{}
+	workers sync.WaitGroup
+
+	// lastReload throttles cluster slot reloads after network errors.
+	lastReload atomic.Int64
+}
+
+// backends holds the clients in use, so that handlers with the same
+// Redis settings share one, also across config reloads.
+var backends = caddy.NewUsagePool()
+
+// acquireBackend returns the shared backend for the configuration and
+// the pool key to release it with.
+func acquireBackend(c RedisConfig) (*backend, string, error) {
+	raw, err := json.Marshal(c)
+	if err != nil {
+		return nil, "", err
+	}
+	key := string(raw)
+	v, _, err := backends.LoadOrNew(key, func() (caddy.Destructor, error) {
+		return newBackend(c)
+	})
+	if err != nil {
+		return nil, "", err
+	}
+	return v.(*backend), key, nil
+}
+
+func newBackend(c RedisConfig) (*backend, error) {
+	opts, err := c.options()
+	if err != nil {
+		return nil, err
+	}
+	b := &backend{
+		client:  redis.NewUniversalClient(opts),
+		timeout: time.Duration(c.Timeout),
+		queue:   make(chan *call, queueLength),
+		stop:    make(chan struct{}),
+	}
+	b.cluster, _ = b.client.(*redis.ClusterClient)
+	for range pipelinesInFlight {
+		b.workers.Add(1)
+		go b.work()
+	}
+	return b, nil
+}
+
+// Destruct stops the batcher and closes the client.
+func (b *backend) Destruct() error {
+	close(b.stop)
+	b.workers.Wait()
+	return b.client.Close()
+}
+
+// take asks Redis to take the requested tokens from the bucket at key.
+// args are the script's arguments (rate, burst, requested). The context
+// bounds the wait; a request that gives up leaves its call behind.
+func (b *backend) take(ctx context.Context, key string, args []any) (Result, error) {
+	c := &call{key: key, args: args, done: make(chan struct{})}
+	select {
+	case b.queue <- c:
+	case <-ctx.Done():
+		return Result{}, ctx.Err()
+	}
+	select {
+	case <-c.done:
+		return c.result, c.err
+	case <-ctx.Done():
+		return Result{}, ctx.Err()
+	}
+}
+
+// work sends batches: it waits for one call, takes whatever else is
+// already queued (never waiting for more), and sends them together.
+func (b *backend) work() {
+	defer b.workers.Done()
+	batch := make([]*call, 0, maxBatch)
+	for {
+		select {
+		case c := <-b.queue:
+			batch = append(batch[:0], c)
+		case <-b.stop:
+			return
+		}
+	more:
+		for len(batch) < maxBatch {
+			select {
+			case c := <-b.queue:
+				batch = append(batch, c)
+			default:
+				break more
+			}
+		}
+		b.send(batch)
+		clear(batch)
+	}
+}
+
+// send runs one batch and delivers every call's own result or error.
+func (b *backend) send(batch []*call) {
+	ctx, cancel := context.WithTimeout(context.Background(), b.timeout)
+	defer cancel()
+
+	cmds := b.evalSHA(ctx, batch)
+	// After a restart, failover or SCRIPT FLUSH the server has lost the
+	// script: send the source to those that failed, which caches it again.
+	var lost []int
+	for i, cmd := range cmds {
+		if redis.HasErrorPrefix(cmd.Err(), "NOSCRIPT") {
+			lost = append(lost, i)
+		}
+	}
+	if len(lost) > 0 {
+		b.evalSource(ctx, batch, cmds, lost)
+	}
+
+	for i, c := range batch {
+		c.result, c.err = parseResult(cmds[i])
+		if c.err != nil {
+			b.onError(c.err)
+		}
+		close(c.done)
+	}
+}
+
+func (b *backend) evalSHA(ctx context.Context, batch []*call) []*redis.Cmd {
+	sha := tokenBucket.Hash()
+	if len(batch) == 1 {
+		c := batch[0]
+		return []*redis.Cmd{b.client.EvalSha(ctx, sha, []string{c.key}, c.args...)}
+	}
+	cmds := make([]*redis.Cmd, len(batch))
+	pipe := b.client.Pipeline()
+	for i, c := range batch {
+		cmds[i] = pipe.EvalSha(ctx, sha, []string{c.key}, c.args...)
+	}
+	_, _ = pipe.Exec(ctx) // each command carries its own error
+	return cmds
+}
+
+func (b *backend) evalSource(ctx context.Context, batch []*call, cmds []*redis.Cmd, lost []int) {
+	pipe := b.client.Pipeline()
+	for _, i := range lost {
+		c := batch[i]
+		cmds[i] = pipe.Eval(ctx, scriptSource, []string{c.key}, c.args...)
+	}
+	_, _ = pipe.Exec(ctx)
+}
+
+// onError makes a cluster client find a failed-over master sooner:
+// go-redis reloads its slot map only on MOVED or once a minute.
+func (b *backend) onError(err error) {
+	if b.cluster == nil || !isNetworkError(err) {
+		return
+	}
+	now := time.Now().UnixNano()
+	last := b.lastReload.Load()
+	if now-last < int64(250*time.Millisecond) || !b.lastReload.CompareAndSwap(last, now) {
+		return
+	}
+	b.cluster.ReloadState(context.Background())
+}
+
+func isNetworkError(err error) bool {
+	var ne net.Error
+	return errors.As(err, &ne) || errors.Is(err, context.DeadlineExceeded) ||
+		redis.HasErrorPrefix(err, "CLUSTERDOWN") || strings.Contains(err.Error(), "connection refused")
+}
+
+func parseResult(cmd *redis.Cmd) (Result, error) {
+	v, err := cmd.Int64Slice()
+	if err != nil {
+		return Result{}, err
+	}
+	if len(v) != 3 {
+		return Result{}, fmt.Errorf("unexpected script reply %v", v)
+	}
+	return Result{
+		Allowed:    v[0] == 1,
+		Remaining:  v[1],
+		RetryAfter: time.Duration(v[2]) * time.Microsecond,
+	}, nil
+}

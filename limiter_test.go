@@ -1,0 +1,256 @@
+package ratelimit
+
+import (
+	"context"
+	"errors"
+	"strconv"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/caddy-redis/ratelimit/internal/redistest"
+	"github.com/caddyserver/caddy/v2"
+)
+
+// newTestBackend is a backend of its own (not from the shared pool) to
+// the Redis at addr.
+func newTestBackend(tb testing.TB, addr string, timeout time.Duration) *backend {
+	tb.Helper()
+	cfg := (&RedisConfig{Addresses: []string{addr}, Timeout: caddy.Duration(timeout)}).withPlaceholders()
+	b, err := newBackend(cfg)
+	if err != nil {
+		tb.Fatal(err)
+	}
+	tb.Cleanup(func() { _ = b.Destruct() })
+	return b
+}
+
+func limitArgs(rate float64, burst, requested int64) []any {
+	return []any{
+		strconv.FormatFloat(rate, 'f', -1, 64),
+		strconv.FormatInt(burst, 10),
+		strconv.FormatInt(requested, 10),
+	}
+}
+
+func mustTake(t *testing.T, b *backend, key string, args []any) Result {
+	t.Helper()
+	res, err := b.take(context.Background(), key, args)
+	if err != nil {
+		t.Fatalf("take %s: %v", key, err)
+	}
+	return res
+}
+
+func TestScriptBurstThenDeny(t *testing.T) {
+	srv := redistest.Start(t)
+	b := newTestBackend(t, srv.Addr, time.Second)
+	args := limitArgs(1, 5, 1) // slow refill: nothing comes back during the test
+
+	for i := int64(1); i <= 5; i++ {
+		res := mustTake(t, b, "burst", args)
+		if !res.Allowed || res.Remaining != 5-i || res.RetryAfter != 0 {
+			t.Fatalf("request %d: got %+v, want allowed with %d remaining", i, res, 5-i)
+		}
+	}
+	res := mustTake(t, b, "burst", args)
+	if res.Allowed || res.Remaining != 0 {
+		t.Fatalf("request 6: got %+v, want denied with 0 remaining", res)
+	}
+	// One token at 1/s: at most a second away, and most of it still to go.
+	if res.RetryAfter <= 500*time.Millisecond || res.RetryAfter > time.Second {
+		t.Fatalf("retry after %v, want within (0.5s, 1s]", res.RetryAfter)
+	}
+}
+
+func TestScriptRefillsByElapsedTime(t *testing.T) {
+	srv := redistest.Start(t)
+	b := newTestBackend(t, srv.Addr, time.Second)
+	args := limitArgs(20, 20, 1)
+
+	start := time.Now()
+	for range 20 {
+		mustTake(t, b, "refill", args)
+	}
+	time.Sleep(300 * time.Millisecond)
+	admitted := 0
+	for mustTake(t, b, "refill", args).Allowed {
+		admitted++
+	}
+	elapsed := time.Since(start)
+	// The bucket was emptied, then refilled at 20/s for at least 300 ms
+	// and at most the whole elapsed time: between 6 and 20*elapsed.
+	if upper := int(20 * elapsed.Seconds()); admitted < 6 || admitted > upper {
+		t.Fatalf("admitted %d after %v, want between 6 and %d", admitted, elapsed, upper)
+	}
+}
+
+func TestScriptRequestedTokens(t *testing.T) {
+	srv := redistest.Start(t)
+	b := newTestBackend(t, srv.Addr, time.Second)
+	args := limitArgs(1, 10, 3)
+
+	for _, want := range []int64{7, 4, 1} {
+		res := mustTake(t, b, "cost", args)
+		if !res.Allowed || res.Remaining != want {
+			t.Fatalf("got %+v, want allowed with %d remaining", res, want)
+		}
+	}
+	res := mustTake(t, b, "cost", args)
+	// 1 token (and a sliver) left, 3 wanted: just under 2 s at 1/s.
+	if res.Allowed || res.Remaining != 1 || res.RetryAfter <= 1500*time.Millisecond || res.RetryAfter > 2*time.Second {
+		t.Fatalf("got %+v, want denied, 1 remaining, retry in (1.5s, 2s]", res)
+	}
+}
+
+func TestScriptFractionalRate(t *testing.T) {
+	srv := redistest.Start(t)
+	b := newTestBackend(t, srv.Addr, time.Second)
+	args := limitArgs(0.5, 1, 1) // one token every two seconds
+
+	if res := mustTake(t, b, "half", args); !res.Allowed {
+		t.Fatalf("first request denied: %+v", res)
+	}
+	res := mustTake(t, b, "half", args)
+	if res.Allowed || res.RetryAfter <= 1500*time.Millisecond || res.RetryAfter > 2*time.Second {
+		t.Fatalf("got %+v, want denied with retry in (1.5s, 2s]", res)
+	}
+}
+
+func TestScriptSetsTTLOfTwiceTheFillTime(t *testing.T) {
+	srv := redistest.Start(t)
+	rdb := srv.Client(t)
+	b := newTestBackend(t, srv.Addr, time.Second)
+	ctx := context.Background()
+
+	for _, c := range []struct {
+		name     string
+		rate     float64
+		burst    int64
+		min, max time.Duration
+	}{
+		{"slow", 10, 20, 3900 * time.Millisecond, 4 * time.Second},     // fills in 2 s
+		{"fast", 1000, 1000, 1900 * time.Millisecond, 2 * time.Second}, // fills in 1 s
+		{"floor", 100, 10, 900 * time.Millisecond, time.Second},        // 0.1 s, but never below a second
+		{"fraction", 0.5, 1, 3900 * time.Millisecond, 4 * time.Second},
+	} {
+		mustTake(t, b, c.name, limitArgs(c.rate, c.burst, 1))
+		ttl, err := rdb.PTTL(ctx, c.name).Result()
+		if err != nil {
+			t.Fatal(err)
+		}
+		if ttl < c.min || ttl > c.max {
+			t.Errorf("%s: TTL %v, want within [%v, %v]", c.name, ttl, c.min, c.max)
+		}
+	}
+}
+
+func TestScriptKeepsBoundUnderConcurrency(t *testing.T) {
+	srv := redistest.Start(t)
+	b := newTestBackend(t, srv.Addr, 2*time.Second)
+	const rate, burst = 100.0, 50
+	args := limitArgs(rate, burst, 1)
+
+	var admitted, sent atomic.Int64
+	var wg sync.WaitGroup
+	start := time.Now()
+	deadline := start.Add(time.Second)
+	for range 64 {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for time.Now().Before(deadline) {
+				res, err := b.take(context.Background(), "shared", args)
+				if err != nil {
+					t.Error(err)
+					return
+				}
+				sent.Add(1)
+				if res.Allowed {
+					admitted.Add(1)
+				}
+			}
+		}()
+	}
+	wg.Wait()
+	elapsed := time.Since(start)
+	bound := burst + rate*elapsed.Seconds()
+	t.Logf("%d of %d admitted in %v; bound %.1f", admitted.Load(), sent.Load(), elapsed, bound)
+	if float64(admitted.Load()) > bound {
+		t.Fatalf("admitted %d, more than burst + rate*T = %.1f", admitted.Load(), bound)
+	}
+	// At least the burst plus most of a second's refill got through.
+	if admitted.Load() < burst+rate/2 {
+		t.Fatalf("admitted only %d; the limiter starves clients", admitted.Load())
+	}
+}
+
+func TestScriptReloadedAfterScriptFlush(t *testing.T) {
+	srv := redistest.Start(t)
+	rdb := srv.Client(t)
+	b := newTestBackend(t, srv.Addr, time.Second)
+	args := limitArgs(1, 3, 1)
+
+	mustTake(t, b, "flush", args)
+	if err := rdb.ScriptFlush(context.Background()).Err(); err != nil {
+		t.Fatal(err)
+	}
+	res := mustTake(t, b, "flush", args) // NOSCRIPT, then the source again
+	if !res.Allowed || res.Remaining != 1 {
+		t.Fatalf("after SCRIPT FLUSH got %+v, want allowed with 1 remaining (state kept)", res)
+	}
+	exists, err := rdb.ScriptExists(context.Background(), tokenBucket.Hash()).Result()
+	if err != nil || !exists[0] {
+		t.Fatalf("script not cached again after the reload: %v %v", exists, err)
+	}
+}
+
+func TestScriptBatchKeepsResultsApart(t *testing.T) {
+	srv := redistest.Start(t)
+	b := newTestBackend(t, srv.Addr, time.Second)
+	// One batch, built by hand: 3 buckets, one of them asked for more than
+	// its burst, and a malformed call whose error must stay its own.
+	batch := []*call{
+		{key: "a", args: limitArgs(1, 2, 1), done: make(chan struct{})},
+		{key: "b", args: limitArgs(1, 5, 5), done: make(chan struct{})},
+		{key: "a", args: limitArgs(1, 2, 1), done: make(chan struct{})},
+		{key: "bad", args: []any{"not-a-number", "x", "y"}, done: make(chan struct{})},
+		{key: "a", args: limitArgs(1, 2, 1), done: make(chan struct{})},
+	}
+	b.send(batch)
+	want := []struct {
+		allowed   bool
+		remaining int64
+		err       bool
+	}{{true, 1, false}, {true, 0, false}, {true, 0, false}, {false, 0, true}, {false, 0, false}}
+	for i, c := range batch {
+		select {
+		case <-c.done:
+		default:
+			t.Fatalf("call %d not delivered", i)
+		}
+		if (c.err != nil) != want[i].err {
+			t.Fatalf("call %d: err %v, want error %v", i, c.err, want[i].err)
+		}
+		if c.err == nil && (c.result.Allowed != want[i].allowed || c.result.Remaining != want[i].remaining) {
+			t.Fatalf("call %d: got %+v, want %+v", i, c.result, want[i])
+		}
+	}
+}
+
+func TestBackendTimeoutBoundsWait(t *testing.T) {
+	addr := redistest.StartBlackhole(t)
+	b := newTestBackend(t, addr, 50*time.Millisecond)
+
+	ctx, cancel := context.WithTimeout(context.Background(), 50*time.Millisecond)
+	defer cancel()
+	start := time.Now()
+	_, err := b.take(ctx, "k", limitArgs(1, 1, 1))
+	if !errors.Is(err, context.DeadlineExceeded) {
+		t.Fatalf("err %v, want the deadline", err)
+	}
+	if waited := time.Since(start); waited > 500*time.Millisecond {
+		t.Fatalf("waited %v for a 50ms timeout", waited)
+	}
+}

@@ -1,0 +1,359 @@
+// Package ratelimit is a Caddy HTTP handler that limits requests with a
+// token bucket kept in Redis, shared by every Caddy instance that uses
+// the same Redis.
+package ratelimit
+
+import (
+	"context"
+	"crypto/sha256"
+	"encoding/hex"
+	"errors"
+	"fmt"
+	"math"
+	"net/http"
+	"regexp"
+	"strconv"
+	"time"
+
+	"github.com/caddyserver/caddy/v2"
+	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
+	"go.uber.org/zap"
+)
+
+func init() {
+	caddy.RegisterModule(Handler{})
+}
+
+// Handler limits requests with a token bucket kept in Redis, with the
+// semantics of Spring Cloud Gateway's RedisRateLimiter. A bucket holds at
+// most `burst_capacity` tokens and refills continuously at
+// `replenish_rate` tokens per second; each request takes
+// `requested_tokens` or is denied with `status_code` (429). Every Caddy
+// instance that uses the same Redis and `zone` shares the budget. One
+// atomic Lua script checks and takes, using the Redis server's clock.
+//
+// Each client has its own bucket, chosen by `key` (default: the client
+// IP). Denied requests get a `Retry-After` header, and with
+// `include_headers` every response whose bucket was consulted carries:
+//
+// Header | Meaning
+// -------|--------
+// `X-RateLimit-Remaining` | whole tokens left after this request; `-1` when Redis failed
+// `X-RateLimit-Replenish-Rate` | tokens added per second
+// `X-RateLimit-Burst-Capacity` | most tokens the bucket holds
+// `X-RateLimit-Requested-Tokens` | tokens each request takes
+//
+// Denials are returned as errors, so a site's `handle_errors` routes can
+// shape the response.
+type Handler struct {
+	// Zone names the space of buckets: letters, digits, `-`, `_`, `.` and
+	// `:`. Handlers with the same zone and key share a bucket, also across
+	// Caddy instances. Default: a name derived from the key template, the
+	// rate and the burst, so handlers that should count separately but
+	// share those need zones of their own.
+	Zone string `json:"zone,omitempty"`
+
+	// Key is the template whose value picks the client's bucket, with any
+	// placeholders, e.g. `{http.request.header.X-API-Key}` or
+	// `{http.vars.client_ip}:{http.request.header.X-Tenant}`. When any
+	// placeholder in it is empty, the key is empty (see `deny_empty_key`).
+	// Default: `{http.vars.client_ip}`, which honours the server's
+	// `trusted_proxies`.
+	Key string `json:"key,omitempty"`
+
+	// ReplenishRate is how many tokens a bucket gains per second,
+	// continuously; fractions work (`0.5` is one token every two seconds).
+	// Required unless `burst_capacity` is 0.
+	ReplenishRate float64 `json:"replenish_rate,omitempty"`
+
+	// BurstCapacity is the most tokens a bucket holds, and so the largest
+	// burst an idle client may send. 0 denies every request. It may not be
+	// below `replenish_rate`. Default: `replenish_rate` rounded up, a
+	// smooth rate with no burst.
+	BurstCapacity *int64 `json:"burst_capacity,omitempty"`
+
+	// RequestedTokens is how many tokens each request takes. Default: 1.
+	RequestedTokens int64 `json:"requested_tokens,omitempty"`
+
+	// DenyEmptyKey denies requests whose key resolves to the empty string
+	// with `empty_key_status`; when false they pass unlimited.
+	// Default: true.
+	DenyEmptyKey *bool `json:"deny_empty_key,omitempty"`
+
+	// EmptyKeyStatus is the status of a request denied for an empty key.
+	// Default: 403.
+	EmptyKeyStatus int `json:"empty_key_status,omitempty"`
+
+	// StatusCode is the status of a rate-limited request. Default: 429.
+	StatusCode int `json:"status_code,omitempty"`
+
+	// IncludeHeaders adds the `X-RateLimit-*` headers to every response
+	// whose bucket was consulted. `Retry-After` is sent on denials
+	// regardless. Default: true.
+	IncludeHeaders *bool `json:"include_headers,omitempty"`
+
+	// OnError says what happens when Redis fails (unreachable, an error
+	// reply, or no answer within the timeout): `allow` lets the request
+	// through, `deny` answers 503. Default: `allow`.
+	OnError string `json:"on_error,omitempty"`
+
+	// Redis says where the buckets live. Default: `127.0.0.1:6379`.
+	Redis *RedisConfig `json:"redis,omitempty"`
+
+	logger       *zap.Logger
+	backend      *backend
+	poolKey      string
+	template     keyTemplate
+	bucketPrefix string // key_prefix, zone and '|': no value reaches another zone
+	scriptArgs   []any  // rate, burst, requested, formatted once
+	timeout      time.Duration
+	burst        int64
+	denyEmpty    bool
+	failOpen     bool
+	headers      rateLimitHeaders
+	errDenied    caddyhttp.HandlerError
+	errEmptyKey  caddyhttp.HandlerError
+	errBlocked   caddyhttp.HandlerError
+	warnings     *throttledLog
+	breaker      *breaker
+}
+
+// CaddyModule returns the Caddy module information.
+func (Handler) CaddyModule() caddy.ModuleInfo {
+	return caddy.ModuleInfo{
+		ID:  "http.handlers.rate_limit",
+		New: func() caddy.Module { return new(Handler) },
+	}
+}
+
+var zonePattern = regexp.MustCompile(`^[A-Za-z0-9_.:-]+$`)
+
+// Provision sets up the handler: defaults, the compiled key template and
+// the shared Redis client.
+func (h *Handler) Provision(ctx caddy.Context) error {
+	h.logger = ctx.Logger()
+	if h.Key == "" {
+		h.Key = "{http.vars.client_ip}"
+	}
+	if h.BurstCapacity == nil && h.ReplenishRate > 0 {
+		burst := int64(math.Ceil(h.ReplenishRate))
+		h.BurstCapacity = &burst
+	}
+	if h.BurstCapacity != nil {
+		h.burst = *h.BurstCapacity
+	}
+	if h.RequestedTokens == 0 {
+		h.RequestedTokens = 1
+	}
+	if h.StatusCode == 0 {
+		h.StatusCode = http.StatusTooManyRequests
+	}
+	if h.EmptyKeyStatus == 0 {
+		h.EmptyKeyStatus = http.StatusForbidden
+	}
+	if h.OnError == "" {
+		h.OnError = "allow"
+	}
+	if h.Zone == "" {
+		h.Zone = derivedZone(h.Key, h.ReplenishRate, h.burst)
+	}
+	h.denyEmpty = h.DenyEmptyKey == nil || *h.DenyEmptyKey
+	h.failOpen = h.OnError == "allow"
+
+	var err error
+	if h.template, err = parseKeyTemplate(h.Key); err != nil {
+		return fmt.Errorf("key '%s': %w", h.Key, err)
+	}
+	redisConfig := h.Redis.withPlaceholders()
+	if err := redisConfig.validate(); err != nil {
+		return err
+	}
+	h.timeout = time.Duration(redisConfig.Timeout)
+	h.bucketPrefix = redisConfig.KeyPrefix + h.Zone + "|"
+	h.scriptArgs = []any{
+		strconv.FormatFloat(h.ReplenishRate, 'f', -1, 64),
+		strconv.FormatInt(h.burst, 10),
+		strconv.FormatInt(h.RequestedTokens, 10),
+	}
+	h.headers = newRateLimitHeaders(h.ReplenishRate, h.burst, h.RequestedTokens,
+		h.IncludeHeaders == nil || *h.IncludeHeaders)
+
+	denied := fmt.Errorf("zone %s: rate limit exceeded", h.Zone)
+	h.errDenied = prebuiltError(h.StatusCode, denied)
+	h.errBlocked = prebuiltError(h.StatusCode, fmt.Errorf("zone %s: requests blocked (burst_capacity 0)", h.Zone))
+	h.errEmptyKey = prebuiltError(h.EmptyKeyStatus, fmt.Errorf("zone %s: the rate limit key '%s' is empty", h.Zone, h.Key))
+	h.warnings = &throttledLog{logger: h.logger, every: 10 * time.Second}
+	h.breaker = &breaker{logger: h.logger.With(zap.String("zone", h.Zone))}
+
+	if h.burst == 0 {
+		return nil // a hard block never asks Redis
+	}
+	h.backend, h.poolKey, err = acquireBackend(redisConfig)
+	if err != nil {
+		return fmt.Errorf("setting up the Redis client: %w", err)
+	}
+	return nil
+}
+
+// Validate refuses what no default can fix. Its messages name the
+// subdirective and the value.
+func (h *Handler) Validate() error {
+	if h.BurstCapacity == nil {
+		return errors.New("replenish_rate is required (or burst_capacity 0 to block every request)")
+	}
+	if !zonePattern.MatchString(h.Zone) {
+		return fmt.Errorf("zone '%s': use only letters, digits, '-', '_', '.' and ':'", h.Zone)
+	}
+	if h.burst < 0 {
+		return fmt.Errorf("burst_capacity '%d' must not be negative", h.burst)
+	}
+	for _, s := range []struct {
+		name  string
+		value int
+	}{{"status_code", h.StatusCode}, {"empty_key_status", h.EmptyKeyStatus}} {
+		if s.value < 100 || s.value > 599 {
+			return fmt.Errorf("%s '%d' is not an HTTP status (100 to 599)", s.name, s.value)
+		}
+	}
+	if h.OnError != "allow" && h.OnError != "deny" {
+		return fmt.Errorf("on_error '%s': want 'allow' or 'deny'", h.OnError)
+	}
+	if h.burst == 0 {
+		return nil // blocks everything; rate and cost do not matter
+	}
+	if !(h.ReplenishRate > 0) || math.IsInf(h.ReplenishRate, 0) {
+		return fmt.Errorf("replenish_rate '%v' must be a positive number of tokens per second", h.ReplenishRate)
+	}
+	if float64(h.burst) < h.ReplenishRate {
+		return fmt.Errorf("burst_capacity '%d' is smaller than replenish_rate '%v': the bucket could never hold one second's refill, "+
+			"so clients would be held below the configured rate; raise burst_capacity to at least %v",
+			h.burst, h.ReplenishRate, math.Ceil(h.ReplenishRate))
+	}
+	if h.RequestedTokens < 1 {
+		return fmt.Errorf("requested_tokens '%d' must be at least 1", h.RequestedTokens)
+	}
+	if h.RequestedTokens > h.burst {
+		return fmt.Errorf("requested_tokens '%d' is more than burst_capacity '%d': no request could ever be admitted",
+			h.RequestedTokens, h.burst)
+	}
+	return nil
+}
+
+// Cleanup releases the shared Redis client.
+func (h *Handler) Cleanup() error {
+	if h.backend == nil {
+		return nil
+	}
+	_, err := backends.Delete(h.poolKey)
+	return err
+}
+
+// ServeHTTP takes tokens from the request's bucket or denies it.
+func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyhttp.Handler) error {
+	repl := r.Context().Value(caddy.ReplacerCtxKey).(*caddy.Replacer)
+	key := h.template.redisKey(repl, h.bucketPrefix)
+	if key == "" {
+		if !h.denyEmpty {
+			return next.ServeHTTP(w, r)
+		}
+		return caddyhttp.Error(h.EmptyKeyStatus, h.errEmptyKey)
+	}
+	if h.burst == 0 {
+		h.headers.set(w.Header(), 0)
+		return caddyhttp.Error(h.StatusCode, h.errBlocked)
+	}
+
+	res, err := h.take(r.Context(), key)
+	if err != nil {
+		if r.Context().Err() != nil {
+			// The client went away; that says nothing about Redis.
+			return caddyhttp.Error(499, r.Context().Err())
+		}
+		h.headers.set(w.Header(), -1)
+		if h.failOpen {
+			return next.ServeHTTP(w, r)
+		}
+		return caddyhttp.Error(http.StatusServiceUnavailable, err)
+	}
+
+	h.headers.set(w.Header(), res.Remaining)
+	if !res.Allowed {
+		w.Header()["Retry-After"] = []string{strconv.FormatInt(ceilSeconds(res.RetryAfter), 10)}
+		return caddyhttp.Error(h.StatusCode, h.errDenied)
+	}
+	return next.ServeHTTP(w, r)
+}
+
+// take runs the script for one request within the timeout, minding the
+// circuit breaker, and logs Redis failures (throttled).
+func (h *Handler) take(ctx context.Context, key string) (Result, error) {
+	if !h.breaker.allow() {
+		return Result{}, errBreakerOpen
+	}
+	tctx, cancel := context.WithTimeout(ctx, h.timeout)
+	res, err := h.backend.take(tctx, key, h.scriptArgs)
+	cancel()
+	switch {
+	case err == nil:
+		h.breaker.success()
+	case ctx.Err() == nil:
+		h.breaker.failure()
+		h.warnings.warn("Redis failed; following on_error", zap.String("zone", h.Zone),
+			zap.String("on_error", h.OnError), zap.Error(err))
+	}
+	return res, err
+}
+
+var errBreakerOpen = errors.New("circuit breaker open: Redis failed repeatedly")
+
+// ceilSeconds rounds a duration up to whole seconds.
+func ceilSeconds(d time.Duration) int64 {
+	return int64((d + time.Second - 1) / time.Second)
+}
+
+// prebuiltError is a denial made once: caddyhttp.Error fills in only the
+// ID, without the stack walk it would do for the trace.
+func prebuiltError(status int, err error) caddyhttp.HandlerError {
+	return caddyhttp.HandlerError{Err: err, StatusCode: status, Trace: "rate_limit"}
+}
+
+// derivedZone names the buckets of a handler without a zone, the same on
+// every instance with the same configuration.
+func derivedZone(key string, rate float64, burst int64) string {
+	sum := sha256.Sum256(fmt.Appendf(nil, "%s\x00%v\x00%d", key, rate, burst))
+	return "auto-" + hex.EncodeToString(sum[:6])
+}
+
+// rateLimitHeaders are the Spring Cloud Gateway headers, formatted once.
+type rateLimitHeaders struct {
+	enabled                bool
+	rate, burst, requested []string
+}
+
+func newRateLimitHeaders(rate float64, burst, requested int64, enabled bool) rateLimitHeaders {
+	one := func(s string) []string { return []string{s}[:1:1] } // appends copy, never share
+	return rateLimitHeaders{
+		enabled:   enabled,
+		rate:      one(strconv.FormatFloat(rate, 'f', -1, 64)),
+		burst:     one(strconv.FormatInt(burst, 10)),
+		requested: one(strconv.FormatInt(requested, 10)),
+	}
+}
+
+func (rh rateLimitHeaders) set(hdr http.Header, remaining int64) {
+	if !rh.enabled {
+		return
+	}
+	hdr["X-Ratelimit-Remaining"] = []string{strconv.FormatInt(remaining, 10)}
+	hdr["X-Ratelimit-Replenish-Rate"] = rh.rate
+	hdr["X-Ratelimit-Burst-Capacity"] = rh.burst
+	hdr["X-Ratelimit-Requested-Tokens"] = rh.requested
+}
+
+// Interface guards
+var (
+	_ caddy.Provisioner           = (*Handler)(nil)
+	_ caddy.Validator             = (*Handler)(nil)
+	_ caddy.CleanerUpper          = (*Handler)(nil)
+	_ caddyhttp.MiddlewareHandler = (*Handler)(nil)
+)

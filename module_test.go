@@ -1,0 +1,341 @@
+package ratelimit
+
+import (
+	"context"
+	"fmt"
+	"io"
+	"net/http"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/caddy-redis/ratelimit/internal/redistest"
+	"github.com/caddyserver/caddy/v2/caddytest"
+)
+
+// caddyGlobals is the start of every Caddyfile served by caddytest.
+const caddyGlobals = `{
+	skip_install_trust
+	admin localhost:2999
+	http_port 9080
+	https_port 9443
+	grace_period 1ns
+}
+`
+
+// serveCaddyfile loads the site block (with %s for the Redis address)
+// into the in-process Caddy that caddytest runs.
+func serveCaddyfile(t *testing.T, site, redisAddr string) *caddytest.Tester {
+	t.Helper()
+	tester := caddytest.NewTester(t)
+	tester.InitServer(caddyGlobals+fmt.Sprintf(site, redisAddr), "caddyfile")
+	if t.Failed() {
+		t.FailNow()
+	}
+	return tester
+}
+
+// get sends a GET with an optional X-Key header and returns the
+// response with its body read.
+func get(t *testing.T, tester *caddytest.Tester, path, key string) (*http.Response, string) {
+	t.Helper()
+	req, err := http.NewRequest(http.MethodGet, "http://localhost:9080"+path, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if key != "" {
+		req.Header.Set("X-Key", key)
+	}
+	resp, err := tester.Client.Do(req)
+	if err != nil {
+		t.Fatalf("GET %s: %v", path, err)
+	}
+	defer resp.Body.Close()
+	body, _ := io.ReadAll(resp.Body)
+	return resp, string(body)
+}
+
+func assertHeaders(t *testing.T, resp *http.Response, want map[string]string) {
+	t.Helper()
+	for k, v := range want {
+		if got := resp.Header.Get(k); got != v {
+			t.Errorf("%s: got %q, want %q (status %d)", k, got, v, resp.StatusCode)
+		}
+	}
+}
+
+const keyedSite = `
+http://localhost:9080 {
+	rate_limit {
+		zone test
+		key {http.request.header.X-Key}
+		replenish_rate 0.2
+		burst_capacity 3
+		redis %s
+	}
+	respond "ok"
+}`
+
+func TestBurstThen429WithHeaders(t *testing.T) {
+	srv := redistest.Start(t)
+	tester := serveCaddyfile(t, keyedSite, srv.Addr)
+
+	for i, remaining := range []string{"2", "1", "0"} {
+		resp, body := get(t, tester, "/", "alice")
+		if resp.StatusCode != 200 || body != "ok" {
+			t.Fatalf("request %d: %d %q, want 200 ok", i+1, resp.StatusCode, body)
+		}
+		assertHeaders(t, resp, map[string]string{
+			"X-RateLimit-Remaining":        remaining,
+			"X-RateLimit-Replenish-Rate":   "0.2",
+			"X-RateLimit-Burst-Capacity":   "3",
+			"X-RateLimit-Requested-Tokens": "1",
+			"Retry-After":                  "",
+		})
+	}
+	resp, _ := get(t, tester, "/", "alice")
+	if resp.StatusCode != http.StatusTooManyRequests {
+		t.Fatalf("4th request: %d, want 429", resp.StatusCode)
+	}
+	// One token at 0.2/s is 5 s away, less what elapsed since the burst.
+	assertHeaders(t, resp, map[string]string{"X-RateLimit-Remaining": "0", "Retry-After": "5"})
+
+	// Another key has its own bucket.
+	if resp, _ := get(t, tester, "/", "bob"); resp.StatusCode != 200 {
+		t.Fatalf("bob: %d, want 200", resp.StatusCode)
+	}
+}
+
+func TestHandleErrorsShapes429(t *testing.T) {
+	srv := redistest.Start(t)
+	tester := serveCaddyfile(t, `
+http://localhost:9080 {
+	rate_limit 1 1 {
+		key {http.request.header.X-Key}
+		redis %s
+	}
+	respond "ok"
+	handle_errors 429 {
+		respond "slow down: {err.status_code}" 429
+	}
+}`, srv.Addr)
+
+	get(t, tester, "/", "carol")
+	resp, body := get(t, tester, "/", "carol")
+	if resp.StatusCode != 429 || body != "slow down: 429" {
+		t.Fatalf("got %d %q, want 429 from handle_errors", resp.StatusCode, body)
+	}
+	assertHeaders(t, resp, map[string]string{"Retry-After": "1", "X-RateLimit-Remaining": "0"})
+}
+
+func TestEmptyKeyDenied403(t *testing.T) {
+	srv := redistest.Start(t)
+	tester := serveCaddyfile(t, keyedSite, srv.Addr)
+
+	resp, _ := get(t, tester, "/", "")
+	if resp.StatusCode != http.StatusForbidden {
+		t.Fatalf("no X-Key: %d, want 403", resp.StatusCode)
+	}
+	assertHeaders(t, resp, map[string]string{"X-RateLimit-Remaining": "", "Retry-After": ""})
+}
+
+func TestEmptyKeyPassesWhenAllowed(t *testing.T) {
+	srv := redistest.Start(t)
+	tester := serveCaddyfile(t, `
+http://localhost:9080 {
+	rate_limit 1 1 {
+		key {http.request.header.X-Key}:{client_ip}
+		deny_empty_key false
+		redis %s
+	}
+	respond "ok"
+}`, srv.Addr)
+
+	for range 3 { // more than the burst: unlimited
+		if resp, _ := get(t, tester, "/", ""); resp.StatusCode != 200 || resp.Header.Get("X-RateLimit-Remaining") != "" {
+			t.Fatalf("no X-Key: %d, remaining %q; want 200 without bucket headers", resp.StatusCode, resp.Header.Get("X-RateLimit-Remaining"))
+		}
+	}
+}
+
+func TestBurstZeroBlocksWithoutRedis(t *testing.T) {
+	srv := redistest.Start(t)
+	tester := serveCaddyfile(t, `
+http://localhost:9080 {
+	rate_limit {
+		burst_capacity 0
+		redis %s
+	}
+	respond "ok"
+}`, srv.Addr)
+
+	resp, _ := get(t, tester, "/", "")
+	if resp.StatusCode != 429 {
+		t.Fatalf("got %d, want 429", resp.StatusCode)
+	}
+	assertHeaders(t, resp, map[string]string{"X-RateLimit-Remaining": "0", "X-RateLimit-Burst-Capacity": "0", "Retry-After": ""})
+	info, err := srv.Client(t).Info(context.Background(), "commandstats").Result()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if strings.Contains(info, "cmdstat_eval") {
+		t.Fatalf("a hard block called Redis:\n%s", info)
+	}
+}
+
+func TestZonesShareAndSeparateBuckets(t *testing.T) {
+	srv := redistest.Start(t)
+	// Two sites, as two Caddy instances would be: /a and /b share zone
+	// "shared"; /c has the same parameters but a zone of its own.
+	tester := serveCaddyfile(t, strings.ReplaceAll(`
+http://localhost:9080 {
+	handle /a {
+		rate_limit 0.1 2 {
+			zone shared
+			key {http.request.header.X-Key}
+			redis ADDR
+		}
+		respond "a"
+	}
+	handle /b {
+		rate_limit 0.1 2 {
+			zone shared
+			key {http.request.header.X-Key}
+			redis ADDR
+		}
+		respond "b"
+	}
+	handle /c {
+		rate_limit 0.1 2 {
+			zone other
+			key {http.request.header.X-Key}
+			redis ADDR
+		}
+		respond "c"
+	}
+}`, "ADDR", "%[1]s"), srv.Addr)
+
+	for _, path := range []string{"/a", "/b"} {
+		if resp, _ := get(t, tester, path, "dave"); resp.StatusCode != 200 {
+			t.Fatalf("%s: %d, want 200", path, resp.StatusCode)
+		}
+	}
+	if resp, _ := get(t, tester, "/a", "dave"); resp.StatusCode != 429 {
+		t.Fatalf("/a after the shared burst: %d, want 429", resp.StatusCode)
+	}
+	if resp, _ := get(t, tester, "/c", "dave"); resp.StatusCode != 200 {
+		t.Fatalf("/c in its own zone: %d, want 200", resp.StatusCode)
+	}
+}
+
+func TestRedisStoppedFailsOpen(t *testing.T) {
+	srv := redistest.Start(t)
+	tester := serveCaddyfile(t, keyedSite, srv.Addr)
+
+	if resp, _ := get(t, tester, "/", "erin"); resp.StatusCode != 200 || resp.Header.Get("X-RateLimit-Remaining") != "2" {
+		t.Fatalf("before: %d remaining %q", resp.StatusCode, resp.Header.Get("X-RateLimit-Remaining"))
+	}
+	srv.Stop(t)
+	for range 10 { // past the breaker threshold: still served
+		resp, body := get(t, tester, "/", "erin")
+		if resp.StatusCode != 200 || body != "ok" {
+			t.Fatalf("Redis down: %d %q, want 200 ok", resp.StatusCode, body)
+		}
+		assertHeaders(t, resp, map[string]string{"X-RateLimit-Remaining": "-1"})
+	}
+	srv.Restart(t)
+	// The breaker probes again within its cooldown; limiting resumes
+	// (the restarted Redis kept nothing, so the bucket starts full).
+	waitFor(t, 3*time.Second, func() bool {
+		resp, _ := get(t, tester, "/", "erin")
+		return resp.Header.Get("X-RateLimit-Remaining") == "2"
+	})
+}
+
+func TestRedisStoppedDeniesWithOnErrorDeny(t *testing.T) {
+	srv := redistest.Start(t)
+	tester := serveCaddyfile(t, `
+http://localhost:9080 {
+	rate_limit 1 5 {
+		key {http.request.header.X-Key}
+		on_error deny
+		redis %s
+	}
+	respond "ok"
+}`, srv.Addr)
+
+	if resp, _ := get(t, tester, "/", "frank"); resp.StatusCode != 200 {
+		t.Fatalf("before: %d", resp.StatusCode)
+	}
+	srv.Stop(t)
+	resp, _ := get(t, tester, "/", "frank")
+	if resp.StatusCode != http.StatusServiceUnavailable {
+		t.Fatalf("Redis down with on_error deny: %d, want 503", resp.StatusCode)
+	}
+	assertHeaders(t, resp, map[string]string{"X-RateLimit-Remaining": "-1"})
+}
+
+func TestScriptFlushMidwayKeepsLimiting(t *testing.T) {
+	srv := redistest.Start(t)
+	tester := serveCaddyfile(t, keyedSite, srv.Addr)
+
+	get(t, tester, "/", "gina")
+	if err := srv.Client(t).ScriptFlush(context.Background()).Err(); err != nil {
+		t.Fatal(err)
+	}
+	for _, want := range []string{"1", "0"} {
+		resp, _ := get(t, tester, "/", "gina")
+		if resp.StatusCode != 200 || resp.Header.Get("X-RateLimit-Remaining") != want {
+			t.Fatalf("after SCRIPT FLUSH: %d remaining %q, want 200 with %s", resp.StatusCode, resp.Header.Get("X-RateLimit-Remaining"), want)
+		}
+	}
+	if resp, _ := get(t, tester, "/", "gina"); resp.StatusCode != 429 {
+		t.Fatalf("after the burst: %d, want 429", resp.StatusCode)
+	}
+}
+
+func TestCaddyStartsWhileRedisDown(t *testing.T) {
+	srv := redistest.Start(t)
+	srv.Stop(t) // a port where nothing listens
+	tester := serveCaddyfile(t, keyedSite, srv.Addr)
+
+	resp, _ := get(t, tester, "/", "hank")
+	if resp.StatusCode != 200 || resp.Header.Get("X-RateLimit-Remaining") != "-1" {
+		t.Fatalf("got %d remaining %q, want 200 with -1", resp.StatusCode, resp.Header.Get("X-RateLimit-Remaining"))
+	}
+}
+
+func TestJSONConfigThroughAdminLoad(t *testing.T) {
+	srv := redistest.Start(t)
+	tester := caddytest.NewTester(t)
+	tester.InitServer(fmt.Sprintf(`{
+	"admin": {"listen": "localhost:2999"},
+	"apps": {"http": {"http_port": 9080, "grace_period": 1, "servers": {"srv0": {
+		"listen": [":9080"],
+		"routes": [{"handle": [
+			{"handler": "rate_limit", "zone": "json", "key": "{http.request.header.X-Key}",
+			 "replenish_rate": 1, "burst_capacity": 2, "redis": {"addresses": ["%s"]}},
+			{"handler": "static_response", "body": "ok"}
+		]}]
+	}}}}
+}`, srv.Addr), "json")
+	if t.Failed() {
+		t.FailNow()
+	}
+	for _, want := range []int{200, 200, 429} {
+		if resp, _ := get(t, tester, "/", "ivy"); resp.StatusCode != want {
+			t.Fatalf("got %d, want %d", resp.StatusCode, want)
+		}
+	}
+}
+
+func waitFor(t *testing.T, timeout time.Duration, cond func() bool) {
+	t.Helper()
+	deadline := time.Now().Add(timeout)
+	for !cond() {
+		if time.Now().After(deadline) {
+			t.Fatalf("condition not met within %v", timeout)
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+}

@@ -1,0 +1,143 @@
+package ratelimit
+
+import (
+	"crypto/sha256"
+	"encoding/base64"
+	"fmt"
+	"strings"
+
+	"github.com/caddyserver/caddy/v2"
+)
+
+// maxVerbatimKey is the longest client key kept readable in Redis; a
+// longer one is hashed, so Redis key length stays bounded.
+const maxVerbatimKey = 64
+
+// keyTemplate is the `key` template compiled once at provision time:
+// literal text and placeholders, resolved per request without parsing.
+type keyTemplate struct {
+	parts []templatePart
+	// escaped marks bytes that a placeholder's value may not contain as
+	// they are: '%' (the escape), the template's literal bytes, braces
+	// and control bytes. Escaping them keeps the mapping from values to
+	// keys one-to-one, so no request can reach another client's bucket.
+	escaped [256]bool
+}
+
+type templatePart struct {
+	literal     string
+	placeholder string // without braces; empty for a literal
+}
+
+// parseKeyTemplate compiles a template such as
+// `{client_ip}:{http.request.header.X-Tenant}`. `\{` and `\}` are literal
+// braces.
+func parseKeyTemplate(s string) (keyTemplate, error) {
+	var t keyTemplate
+	var lit strings.Builder
+	flush := func() {
+		if lit.Len() > 0 {
+			t.parts = append(t.parts, templatePart{literal: lit.String()})
+			lit.Reset()
+		}
+	}
+	for i := 0; i < len(s); i++ {
+		switch ch := s[i]; {
+		case ch == '\\' && i+1 < len(s) && (s[i+1] == '{' || s[i+1] == '}'):
+			lit.WriteByte(s[i+1])
+			i++
+		case ch == '{':
+			end := strings.IndexByte(s[i:], '}')
+			if end < 0 {
+				return t, fmt.Errorf("unclosed placeholder at '%s'", s[i:])
+			}
+			name := s[i+1 : i+end]
+			if name == "" || strings.ContainsAny(name, "{ ") {
+				return t, fmt.Errorf("malformed placeholder '%s'", s[i:i+end+1])
+			}
+			flush()
+			// Two placeholders side by side get a '%' between them: values
+			// never hold a bare '%', so the boundary stays unambiguous.
+			if n := len(t.parts); n > 0 && t.parts[n-1].placeholder != "" {
+				t.parts = append(t.parts, templatePart{literal: "%"})
+			}
+			t.parts = append(t.parts, templatePart{placeholder: name})
+			i += end
+		case ch == '}':
+			return t, fmt.Errorf("unopened '}' in '%s'", s)
+		default:
+			lit.WriteByte(ch)
+		}
+	}
+	flush()
+	if len(t.parts) == 0 {
+		return t, fmt.Errorf("the key template is empty")
+	}
+	for b := range 256 {
+		t.escaped[b] = b < 0x21 || b >= 0x7f || b == '%' || b == '{' || b == '}' || b == '#'
+	}
+	for _, p := range t.parts {
+		for i := 0; i < len(p.literal); i++ {
+			t.escaped[p.literal[i]] = true
+		}
+	}
+	return t, nil
+}
+
+// hasPlaceholders says whether the key differs between requests.
+func (t *keyTemplate) hasPlaceholders() bool {
+	for _, p := range t.parts {
+		if p.placeholder != "" {
+			return true
+		}
+	}
+	return false
+}
+
+// redisKey resolves the template for one request and returns the Redis
+// key of its bucket: prefix, then the client key. It returns "" when any
+// placeholder resolves to nothing, so that a composite key never merges
+// clients whose header is missing.
+func (t *keyTemplate) redisKey(repl *caddy.Replacer, prefix string) string {
+	var b strings.Builder
+	b.Grow(len(prefix) + maxVerbatimKey)
+	b.WriteString(prefix)
+	for _, p := range t.parts {
+		if p.placeholder == "" {
+			b.WriteString(p.literal)
+			continue
+		}
+		v, _ := repl.GetString(p.placeholder)
+		if v == "" {
+			return ""
+		}
+		t.writeEscaped(&b, v)
+	}
+	key := b.String()
+	if client := key[len(prefix):]; len(client) > maxVerbatimKey || client[0] == '#' {
+		return prefix + hashKey(client)
+	}
+	return key
+}
+
+// writeEscaped percent-encodes the bytes the template reserves.
+func (t *keyTemplate) writeEscaped(b *strings.Builder, v string) {
+	const hex = "0123456789ABCDEF"
+	for i := 0; i < len(v); i++ {
+		c := v[i]
+		if t.escaped[c] {
+			b.WriteByte('%')
+			b.WriteByte(hex[c>>4])
+			b.WriteByte(hex[c&15])
+			continue
+		}
+		b.WriteByte(c)
+	}
+}
+
+// hashKey stands in for a long client key: '#' and 128 bits of SHA-256,
+// which no verbatim key can equal since those never start with '#'.
+func hashKey(client string) string {
+	sum := sha256.Sum256([]byte(client))
+	return "#" + base64.RawURLEncoding.EncodeToString(sum[:16])
+}

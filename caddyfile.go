@@ -37,6 +37,10 @@ func parseCaddyfile(h httpcaddyfile.Helper) (caddyhttp.MiddlewareHandler, error)
 //		status_code      <http status>
 //		include_headers  true|false
 //		on_error         allow|deny
+//		headers          spring|ietf|both|none
+//		shadow
+//		log_key
+//		metrics          on|off
 //		redis [<address>...] {
 //			address      <host:port or redis:// / rediss:// URL>...
 //			cluster
@@ -96,10 +100,18 @@ func (h *Handler) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 			return d.Errf("subdirective '%s' is given twice", sub)
 		}
 		seen[sub] = true
-		if sub == "redis" {
+		switch sub {
+		case "redis":
 			if err := h.unmarshalRedis(d); err != nil {
 				return err
 			}
+			continue
+		case "shadow", "log_key":
+			if d.NextArg() {
+				return d.Errf("%s takes no value, got '%s'", sub, d.Val())
+			}
+			h.Shadow = h.Shadow || sub == "shadow"
+			h.LogKey = h.LogKey || sub == "log_key"
 			continue
 		}
 		if !subdirectives[sub] {
@@ -154,13 +166,24 @@ func (h *Handler) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 				return d.Errf("on_error '%s': want 'allow' or 'deny'", val)
 			}
 			h.OnError = val
+		case "headers":
+			switch val {
+			case headersSpring, headersIETF, headersBoth, headersNone:
+			default:
+				return d.Errf("headers '%s': want spring, ietf, both or none", val)
+			}
+			h.Headers = val
+		case "metrics":
+			if val != "on" && val != "off" {
+				return d.Errf("metrics '%s': want 'on' or 'off'", val)
+			}
+			h.DisableMetrics = val == "off"
 		default:
 			return d.Errf("unrecognized rate_limit subdirective '%s'", sub)
 		}
 	}
 	if !seen["replenish_rate"] && !seen["burst_capacity"] {
-		// Without either, the default burst (the rate rounded up) is 0,
-		// which would silently block every request.
+		// Validate refuses this too; here the error can name the line.
 		return d.Err("rate_limit: replenish_rate is required (or burst_capacity 0 to block every request)")
 	}
 	return nil
@@ -171,6 +194,7 @@ var subdirectives = map[string]bool{
 	"zone": true, "key": true, "replenish_rate": true, "burst_capacity": true,
 	"requested_tokens": true, "deny_empty_key": true, "include_headers": true,
 	"empty_key_status": true, "status_code": true, "on_error": true,
+	"headers": true, "metrics": true,
 }
 
 // argErr is d.ArgErr naming the subdirective, which d.ArgErr leaves out

@@ -18,6 +18,7 @@ import (
 
 	"github.com/caddyserver/caddy/v2"
 	"github.com/redis/go-redis/v9"
+	"go.uber.org/zap"
 )
 
 //go:embed script.lua
@@ -26,6 +27,21 @@ var scriptSource string
 // tokenBucket is the check-and-take script; EVALSHA first, the source
 // again only when the server has lost its script cache.
 var tokenBucket = redis.NewScript(scriptSource)
+
+func init() {
+	redis.SetLogger(redisLogger{})
+}
+
+// redisLogger sends go-redis's own messages (failed dials, pool
+// trouble) to Caddy's log at debug level: during an outage they would
+// otherwise flood stderr, and the handler already warns, throttled.
+type redisLogger struct{}
+
+func (redisLogger) Printf(_ context.Context, format string, v ...any) {
+	if ce := caddy.Log().Named("rate_limit.redis").Check(zap.DebugLevel, "go-redis"); ce != nil {
+		ce.Write(zap.String("message", fmt.Sprintf(format, v...)))
+	}
+}
 
 // Defaults of the redis block.
 const (
@@ -302,8 +318,9 @@ type Result struct {
 	Allowed bool
 	// Remaining is the whole tokens left in the bucket, rounded down.
 	Remaining int64
-	// RetryAfter is how long until the bucket holds the requested
-	// tokens; zero when allowed.
+	// RetryAfter is how long until the bucket holds the requested tokens
+	// again: when a denied request may retry, or, after an allowed one,
+	// when the next fits (zero when it fits now).
 	RetryAfter time.Duration
 }
 

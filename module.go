@@ -33,8 +33,8 @@ func init() {
 // atomic Lua script checks and takes, using the Redis server's clock.
 //
 // Each client has its own bucket, chosen by `key` (default: the client
-// IP). Denied requests get a `Retry-After` header, and with
-// `include_headers` every response whose bucket was consulted carries:
+// IP). Denied requests get a `Retry-After` header, and every response
+// whose bucket was consulted carries the headers that `headers` selects:
 //
 // Header | Meaning
 // -------|--------
@@ -42,9 +42,25 @@ func init() {
 // `X-RateLimit-Replenish-Rate` | tokens added per second
 // `X-RateLimit-Burst-Capacity` | most tokens the bucket holds
 // `X-RateLimit-Requested-Tokens` | tokens each request takes
+// `RateLimit-Policy` | IETF draft-10: `"<zone>";q=<burst>;w=<seconds to fill>`
+// `RateLimit` | IETF draft-10: `"<zone>";r=<remaining>;t=<seconds until a request fits>`
 //
 // Denials are returned as errors, so a site's `handle_errors` routes can
-// shape the response.
+// shape the response. After the limiter ran, these placeholders are set:
+//
+// Placeholder | Description
+// ------------|-------------
+// `{http.rate_limit.zone}` | the zone
+// `{http.rate_limit.result}` | `allowed`, `denied`, `empty_key`, `error_allowed`, `error_denied` or `shadow_denied`
+// `{http.rate_limit.remaining}` | whole tokens left; `-1` when Redis failed
+// `{http.rate_limit.limit}` | the burst capacity
+// `{http.rate_limit.retry_after}` | on denial, seconds until a retry can succeed, as in `Retry-After`
+// `{http.rate_limit.key}` | the client key, only with `log_key`
+//
+// It counts its decisions in the `caddy_rate_limit_requests_total`
+// metric (labels `zone` and `result`), times Redis in
+// `caddy_rate_limit_redis_duration_seconds` and reports its circuit
+// breaker in `caddy_rate_limit_breaker_open`.
 type Handler struct {
 	// Zone names the space of buckets: letters, digits, `-`, `_`, `.` and
 	// `:`. Handlers with the same zone and key share a bucket, also across
@@ -87,15 +103,35 @@ type Handler struct {
 	// StatusCode is the status of a rate-limited request. Default: 429.
 	StatusCode int `json:"status_code,omitempty"`
 
-	// IncludeHeaders adds the `X-RateLimit-*` headers to every response
-	// whose bucket was consulted. `Retry-After` is sent on denials
-	// regardless. Default: true.
+	// IncludeHeaders, when false, sends no rate-limit headers (as
+	// `headers none`). `Retry-After` is sent on denials regardless.
+	// Default: true.
 	IncludeHeaders *bool `json:"include_headers,omitempty"`
+
+	// Headers chooses the rate-limit response headers: `spring` (the
+	// `X-RateLimit-*` set of Spring Cloud Gateway), `ietf` (`RateLimit` and
+	// `RateLimit-Policy` of draft-ietf-httpapi-ratelimit-headers-10),
+	// `both` or `none`. Default: `spring`.
+	Headers string `json:"headers,omitempty"`
 
 	// OnError says what happens when Redis fails (unreachable, an error
 	// reply, or no answer within the timeout): `allow` lets the request
 	// through, `deny` answers 503. Default: `allow`.
 	OnError string `json:"on_error,omitempty"`
+
+	// Shadow runs the limiter without ever denying: tokens are taken and
+	// decisions counted as usual, but a request that would be denied
+	// passes, counted as `shadow_denied` and logged at info level (at most
+	// once per key every few seconds). No rate-limit headers are sent, so
+	// clients see no change. For trying a limit out before enforcing it.
+	Shadow bool `json:"shadow,omitempty"`
+
+	// LogKey adds the client key to debug and shadow log lines and sets
+	// `{http.rate_limit.key}`. Off by default: keys can be personal data.
+	LogKey bool `json:"log_key,omitempty"`
+
+	// DisableMetrics turns the Prometheus metrics of this handler off.
+	DisableMetrics bool `json:"disable_metrics,omitempty"`
 
 	// Redis says where the buckets live. Default: `127.0.0.1:6379`.
 	Redis *RedisConfig `json:"redis,omitempty"`
@@ -116,6 +152,11 @@ type Handler struct {
 	errBlocked   caddyhttp.HandlerError
 	warnings     *throttledLog
 	breaker      *breaker
+	denied       *denyCache
+	shadowLogged *denyCache // keys whose shadow denial was logged lately
+	metrics      *zoneMetrics
+	zoneValue    any // the zone and the limit as placeholder values, boxed once
+	limitValue   any
 }
 
 // CaddyModule returns the Caddy module information.
@@ -175,8 +216,17 @@ func (h *Handler) Provision(ctx caddy.Context) error {
 		strconv.FormatInt(h.burst, 10),
 		strconv.FormatInt(h.RequestedTokens, 10),
 	}
-	h.headers = newRateLimitHeaders(h.ReplenishRate, h.burst, h.RequestedTokens,
-		h.IncludeHeaders == nil || *h.IncludeHeaders)
+	if h.Headers == "" {
+		h.Headers = headersSpring
+	}
+	style := h.Headers
+	if h.IncludeHeaders != nil && !*h.IncludeHeaders || h.Shadow {
+		style = headersNone
+	}
+	h.headers = newRateLimitHeaders(style, h.Zone, h.ReplenishRate, h.burst, h.RequestedTokens)
+	h.zoneValue, h.limitValue = h.Zone, h.burst
+	h.denied = newDenyCache()
+	h.shadowLogged = newDenyCache()
 
 	denied := fmt.Errorf("zone %s: rate limit exceeded", h.Zone)
 	h.errDenied = prebuiltError(h.StatusCode, denied)
@@ -184,6 +234,18 @@ func (h *Handler) Provision(ctx caddy.Context) error {
 	h.errEmptyKey = prebuiltError(h.EmptyKeyStatus, fmt.Errorf("zone %s: the rate limit key '%s' is empty", h.Zone, h.Key))
 	h.warnings = &throttledLog{logger: h.logger, every: 10 * time.Second}
 	h.breaker = &breaker{logger: h.logger.With(zap.String("zone", h.Zone))}
+	if !h.DisableMetrics {
+		if h.metrics, err = newZoneMetrics(ctx.GetMetricsRegistry(), h.Zone); err != nil {
+			return fmt.Errorf("registering metrics: %w", err)
+		}
+		h.breaker.onChange = func(open bool) {
+			if open {
+				h.metrics.breakerOpen.Set(1)
+			} else {
+				h.metrics.breakerOpen.Set(0)
+			}
+		}
+	}
 
 	if h.burst == 0 {
 		return nil // a hard block never asks Redis
@@ -214,6 +276,11 @@ func (h *Handler) Validate() error {
 		if s.value < 100 || s.value > 599 {
 			return fmt.Errorf("%s '%d' is not an HTTP status (100 to 599)", s.name, s.value)
 		}
+	}
+	switch h.Headers {
+	case headersSpring, headersIETF, headersBoth, headersNone:
+	default:
+		return fmt.Errorf("headers '%s': want spring, ietf, both or none", h.Headers)
 	}
 	if h.OnError != "allow" && h.OnError != "deny" {
 		return fmt.Errorf("on_error '%s': want 'allow' or 'deny'", h.OnError)
@@ -253,49 +320,71 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyht
 	repl := r.Context().Value(caddy.ReplacerCtxKey).(*caddy.Replacer)
 	key := h.template.redisKey(repl, h.bucketPrefix)
 	if key == "" {
+		h.record(repl, resultEmptyKey, "", 0, 0)
 		if !h.denyEmpty {
 			return next.ServeHTTP(w, r)
 		}
 		return caddyhttp.Error(h.EmptyKeyStatus, h.errEmptyKey)
 	}
 	if h.burst == 0 {
-		h.headers.set(w.Header(), 0)
+		h.headers.set(w.Header(), 0, -1)
+		h.record(repl, resultDenied, key, 0, 0)
 		return caddyhttp.Error(h.StatusCode, h.errBlocked)
 	}
 
-	res, err := h.take(r.Context(), key)
+	res, err := h.check(r.Context(), key)
 	if err != nil {
 		if r.Context().Err() != nil {
 			// The client went away; that says nothing about Redis.
 			return caddyhttp.Error(499, r.Context().Err())
 		}
-		h.headers.set(w.Header(), -1)
+		h.headers.set(w.Header(), -1, 0)
 		if h.failOpen {
+			h.record(repl, resultErrorAllowed, key, -1, 0)
 			return next.ServeHTTP(w, r)
 		}
+		h.record(repl, resultErrorDenied, key, -1, 0)
 		return caddyhttp.Error(http.StatusServiceUnavailable, err)
 	}
 
-	h.headers.set(w.Header(), res.Remaining)
-	if !res.Allowed {
+	h.headers.set(w.Header(), res.Remaining, res.RetryAfter)
+	switch {
+	case res.Allowed:
+		h.record(repl, resultAllowed, key, res.Remaining, 0)
+	case h.Shadow:
+		h.record(repl, resultShadowDenied, key, res.Remaining, res.RetryAfter)
+		h.logShadowDenial(key, res)
+	default:
+		h.record(repl, resultDenied, key, res.Remaining, res.RetryAfter)
 		w.Header()["Retry-After"] = []string{strconv.FormatInt(ceilSeconds(res.RetryAfter), 10)}
 		return caddyhttp.Error(h.StatusCode, h.errDenied)
 	}
 	return next.ServeHTTP(w, r)
 }
 
-// take runs the script for one request within the timeout, minding the
-// circuit breaker, and logs Redis failures (throttled).
-func (h *Handler) take(ctx context.Context, key string) (Result, error) {
+// check answers from the deny cache when the bucket is known to be empty,
+// else asks Redis within the timeout, minding the circuit breaker. It
+// logs Redis failures, throttled.
+func (h *Handler) check(ctx context.Context, key string) (Result, error) {
+	sent := time.Now()
+	if d, ok := h.denied.get(key, sent); ok {
+		return Result{Remaining: d.remaining, RetryAfter: d.until.Sub(sent)}, nil
+	}
 	if !h.breaker.allow() {
 		return Result{}, errBreakerOpen
 	}
 	tctx, cancel := context.WithTimeout(ctx, h.timeout)
 	res, err := h.backend.take(tctx, key, h.scriptArgs)
 	cancel()
+	if h.metrics != nil {
+		h.metrics.redisDuration.Observe(time.Since(sent).Seconds())
+	}
 	switch {
 	case err == nil:
 		h.breaker.success()
+		if !res.Allowed {
+			h.denied.put(key, sent, res)
+		}
 	case ctx.Err() == nil:
 		h.breaker.failure()
 		h.warnings.warn("Redis failed; following on_error", zap.String("zone", h.Zone),
@@ -306,10 +395,62 @@ func (h *Handler) take(ctx context.Context, key string) (Result, error) {
 
 var errBreakerOpen = errors.New("circuit breaker open: Redis failed repeatedly")
 
-// ceilSeconds rounds a duration up to whole seconds.
-func ceilSeconds(d time.Duration) int64 {
-	return int64((d + time.Second - 1) / time.Second)
+// record makes a decision visible: placeholders, the metric and a debug
+// line. retry is set on denials.
+func (h *Handler) record(repl *caddy.Replacer, res result, key string, remaining int64, retry time.Duration) {
+	repl.Set("http.rate_limit.zone", h.zoneValue)
+	repl.Set("http.rate_limit.result", resultValues[res])
+	repl.Set("http.rate_limit.limit", h.limitValue)
+	if res != resultEmptyKey {
+		repl.Set("http.rate_limit.remaining", remaining)
+	}
+	if res == resultDenied || res == resultShadowDenied {
+		repl.Set("http.rate_limit.retry_after", ceilSeconds(retry))
+	}
+	if h.LogKey && key != "" {
+		repl.Set("http.rate_limit.key", h.clientKey(key))
+	}
+	if h.metrics != nil {
+		h.metrics.requests[res].Inc()
+	}
+	if ce := h.logger.Check(zap.DebugLevel, "rate limit decision"); ce != nil {
+		fields := []zap.Field{zap.String("zone", h.Zone), zap.Stringer("result", res), zap.Int64("remaining", remaining)}
+		if h.LogKey {
+			fields = append(fields, zap.String("key", h.clientKey(key)))
+		}
+		ce.Write(fields...)
+	}
 }
+
+// resultValues are the results as placeholder values, boxed once.
+var resultValues = func() (v [numResults]any) {
+	for r := range numResults {
+		v[r] = r.String()
+	}
+	return v
+}()
+
+// shadowLogEvery is how often one key's shadow denials are logged.
+const shadowLogEvery = 5 * time.Second
+
+// logShadowDenial logs at info level that shadow mode let a request pass
+// that enforcement would deny, at most once per key per shadowLogEvery.
+func (h *Handler) logShadowDenial(key string, res Result) {
+	now := time.Now()
+	if _, logged := h.shadowLogged.get(key, now); logged {
+		return
+	}
+	h.shadowLogged.put(key, now, Result{RetryAfter: shadowLogEvery})
+	fields := []zap.Field{zap.String("zone", h.Zone), zap.Int64("remaining", res.Remaining),
+		zap.Int64("retry_after", ceilSeconds(res.RetryAfter))}
+	if h.LogKey {
+		fields = append(fields, zap.String("key", h.clientKey(key)))
+	}
+	h.logger.Info("shadow mode: request would be rate limited", fields...)
+}
+
+// clientKey is the resolved key without the Redis prefix.
+func (h *Handler) clientKey(redisKey string) string { return redisKey[len(h.bucketPrefix):] }
 
 // prebuiltError is a denial made once: caddyhttp.Error fills in only the
 // ID, without the stack walk it would do for the trace.
@@ -322,32 +463,6 @@ func prebuiltError(status int, err error) caddyhttp.HandlerError {
 func derivedZone(key string, rate float64, burst int64) string {
 	sum := sha256.Sum256(fmt.Appendf(nil, "%s\x00%v\x00%d", key, rate, burst))
 	return "auto-" + hex.EncodeToString(sum[:6])
-}
-
-// rateLimitHeaders are the Spring Cloud Gateway headers, formatted once.
-type rateLimitHeaders struct {
-	enabled                bool
-	rate, burst, requested []string
-}
-
-func newRateLimitHeaders(rate float64, burst, requested int64, enabled bool) rateLimitHeaders {
-	one := func(s string) []string { return []string{s}[:1:1] } // appends copy, never share
-	return rateLimitHeaders{
-		enabled:   enabled,
-		rate:      one(strconv.FormatFloat(rate, 'f', -1, 64)),
-		burst:     one(strconv.FormatInt(burst, 10)),
-		requested: one(strconv.FormatInt(requested, 10)),
-	}
-}
-
-func (rh rateLimitHeaders) set(hdr http.Header, remaining int64) {
-	if !rh.enabled {
-		return
-	}
-	hdr["X-Ratelimit-Remaining"] = []string{strconv.FormatInt(remaining, 10)}
-	hdr["X-Ratelimit-Replenish-Rate"] = rh.rate
-	hdr["X-Ratelimit-Burst-Capacity"] = rh.burst
-	hdr["X-Ratelimit-Requested-Tokens"] = rh.requested
 }
 
 // Interface guards

@@ -10,7 +10,8 @@
 -- writing when tokens are taken; a denial changes nothing.
 --
 -- Returns {allowed (1|0), remaining whole tokens (rounded down),
--- microseconds until the bucket holds the requested tokens (0 when allowed)}.
+-- microseconds until the bucket holds the requested tokens again, rounded
+-- up (0 when it holds them now)}.
 
 local rate = tonumber(ARGV[1])
 local burst = tonumber(ARGV[2])
@@ -43,4 +44,8 @@ tokens = tokens - requested
 local fill_ms = math.ceil(burst * 1000 / rate)
 local ttl = math.max(1000, 2 * fill_ms)
 redis.call('SET', KEYS[1], string.format('%.17g %d', tokens, now), 'PX', ttl)
-return {1, math.floor(tokens), 0}
+local wait = 0
+if tokens < requested then
+  wait = math.ceil((requested - tokens) * 1000000 / rate)
+end
+return {1, math.floor(tokens), wait}

@@ -1,0 +1,103 @@
+package ratelimit
+
+import (
+	"strings"
+	"testing"
+
+	"github.com/caddyserver/caddy/v2"
+)
+
+func resolve(t *testing.T, template, prefix string, values map[string]string) string {
+	t.Helper()
+	kt, err := parseKeyTemplate(template)
+	if err != nil {
+		t.Fatalf("parse %q: %v", template, err)
+	}
+	repl := caddy.NewReplacer()
+	for k, v := range values {
+		repl.Set(k, v)
+	}
+	return kt.redisKey(repl, prefix)
+}
+
+func TestKeyTemplateResolvesPlaceholdersAndLiterals(t *testing.T) {
+	got := resolve(t, "{ip}:{tenant}", "rl:api|", map[string]string{"ip": "203.0.113.7", "tenant": "acme"})
+	if got != "rl:api|203.0.113.7:acme" {
+		t.Fatalf("got %q", got)
+	}
+	if got := resolve(t, `\{lit\}{ip}`, "p|", map[string]string{"ip": "1.2.3.4"}); got != "p|{lit}1.2.3.4" {
+		t.Fatalf("escaped braces: got %q", got)
+	}
+}
+
+func TestKeyEmptyWhenAnyPlaceholderIsEmpty(t *testing.T) {
+	for name, values := range map[string]map[string]string{
+		"missing": {"ip": "1.2.3.4"},
+		"empty":   {"ip": "1.2.3.4", "tenant": ""},
+	} {
+		if got := resolve(t, "{ip}:{tenant}", "p|", values); got != "" {
+			t.Errorf("%s tenant: got %q, want empty key", name, got)
+		}
+	}
+}
+
+func TestKeyValueCannotActAsHashTag(t *testing.T) {
+	got := resolve(t, "{h}", "rate_limit:z|", map[string]string{"h": "{victim}"})
+	if strings.ContainsAny(got, "{}") {
+		t.Fatalf("braces from a header reached the key: %q", got)
+	}
+}
+
+func TestKeyValueCannotReachAnotherBucket(t *testing.T) {
+	// Pairs of requests whose values would give the same key if they were
+	// pasted in as they are.
+	for _, c := range []struct {
+		template string
+		a, b     map[string]string
+	}{
+		{"{x}:{y}", map[string]string{"x": "a:b", "y": "c"}, map[string]string{"x": "a", "y": "b:c"}},
+		{"{x}{y}", map[string]string{"x": "ab", "y": "c"}, map[string]string{"x": "a", "y": "bc"}},
+		{"{x}", map[string]string{"x": "a%3Ab"}, map[string]string{"x": "a:b"}},
+		{"{x}-{y}", map[string]string{"x": "a-b", "y": "c"}, map[string]string{"x": "a", "y": "b-c"}},
+	} {
+		ka := resolve(t, c.template, "p|", c.a)
+		kb := resolve(t, c.template, "p|", c.b)
+		if ka == kb {
+			t.Errorf("%s: %v and %v share the key %q", c.template, c.a, c.b, ka)
+		}
+	}
+}
+
+func TestKeyValueCannotLeaveItsZone(t *testing.T) {
+	// A value that spells another zone's prefix stays inside its own.
+	got := resolve(t, "{h}", "rate_limit:a|", map[string]string{"h": "x\nrate_limit:b|y"})
+	if !strings.HasPrefix(got, "rate_limit:a|") || strings.ContainsAny(got, "\n ") {
+		t.Fatalf("got %q", got)
+	}
+}
+
+func TestKeyLengthBoundedByHashing(t *testing.T) {
+	long := strings.Repeat("x", 10000)
+	got := resolve(t, "{h}", "rate_limit:z|", map[string]string{"h": long})
+	if len(got) > len("rate_limit:z|")+maxVerbatimKey {
+		t.Fatalf("key of %d bytes for a 10000-byte value", len(got))
+	}
+	other := resolve(t, "{h}", "rate_limit:z|", map[string]string{"h": long + "y"})
+	if got == other {
+		t.Fatal("two long values share a key")
+	}
+	// A short value that looks like a hash is escaped, so it cannot
+	// collide with the hash of a long one.
+	lookalike := resolve(t, "{h}", "rate_limit:z|", map[string]string{"h": got[len("rate_limit:z|"):]})
+	if lookalike == got {
+		t.Fatalf("a value equal to a hashed key reached its bucket: %q", lookalike)
+	}
+}
+
+func TestKeyTemplateRejectsMalformed(t *testing.T) {
+	for _, s := range []string{"", "{", "{ip", "ip}", "{}", "{a {b}"} {
+		if _, err := parseKeyTemplate(s); err == nil {
+			t.Errorf("%q accepted", s)
+		}
+	}
+}

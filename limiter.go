@@ -326,6 +326,7 @@ type Result struct {
 
 // call is one request's trip through the batcher.
 type call struct {
+	ctx    context.Context // the request's: a call whose request gave up is not sent
 	key    string
 	args   []any
 	result Result
@@ -398,7 +399,7 @@ func (b *backend) Destruct() error {
 // args are the script's arguments (rate, burst, requested). The context
 // bounds the wait; a request that gives up leaves its call behind.
 func (b *backend) take(ctx context.Context, key string, args []any) (Result, error) {
-	c := &call{key: key, args: args, done: make(chan struct{})}
+	c := &call{ctx: ctx, key: key, args: args, done: make(chan struct{})}
 	select {
 	case b.queue <- c:
 	case <-ctx.Done():
@@ -433,7 +434,19 @@ func (b *backend) work() {
 				break more
 			}
 		}
-		b.send(batch)
+		// A request that gave up while queued must not take tokens.
+		live := batch[:0]
+		for _, c := range batch {
+			if err := c.ctx.Err(); err != nil {
+				c.err = err
+				close(c.done)
+				continue
+			}
+			live = append(live, c)
+		}
+		if len(live) > 0 {
+			b.send(live)
+		}
 		clear(batch)
 	}
 }

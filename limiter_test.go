@@ -3,6 +3,7 @@ package ratelimit
 import (
 	"context"
 	"strconv"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -10,6 +11,7 @@ import (
 
 	"github.com/caddy-redis/ratelimit/internal/redistest"
 	"github.com/caddyserver/caddy/v2"
+	"github.com/redis/go-redis/v9"
 )
 
 // newTestBackend is a backend of its own (not from the shared pool) to
@@ -215,11 +217,14 @@ func TestScriptBatchKeepsResultsApart(t *testing.T) {
 	// One batch, built by hand: 3 buckets, one of them asked for more than
 	// its burst, and a malformed call whose error must stay its own.
 	batch := []*call{
-		{key: "a", args: limitArgs(1, 2, 1), done: make(chan struct{})},
-		{key: "b", args: limitArgs(1, 5, 5), done: make(chan struct{})},
-		{key: "a", args: limitArgs(1, 2, 1), done: make(chan struct{})},
-		{key: "bad", args: []any{"not-a-number", "x", "y"}, done: make(chan struct{})},
-		{key: "a", args: limitArgs(1, 2, 1), done: make(chan struct{})},
+		{key: "a", args: limitArgs(1, 2, 1)},
+		{key: "b", args: limitArgs(1, 5, 5)},
+		{key: "a", args: limitArgs(1, 2, 1)},
+		{key: "bad", args: []any{"not-a-number", "x", "y"}},
+		{key: "a", args: limitArgs(1, 2, 1)},
+	}
+	for _, c := range batch {
+		c.ctx, c.done = context.Background(), make(chan struct{})
 	}
 	b.send(batch)
 	want := []struct {
@@ -256,4 +261,98 @@ func TestBackendTimeoutBoundsWait(t *testing.T) {
 	if waited := time.Since(start); waited > 500*time.Millisecond {
 		t.Fatalf("waited %v for a 50ms timeout", waited)
 	}
+}
+
+func TestBatchingCoalescesConcurrentCalls(t *testing.T) {
+	srv := redistest.Start(t)
+	rdb := srv.Client(t)
+	b := newTestBackend(t, srv.Addr, 2*time.Second)
+	args := limitArgs(1000, 1000, 1)
+	readsBefore := infoStat(t, rdb, "total_reads_processed")
+
+	const clients, each = 64, 200
+	var wg sync.WaitGroup
+	for i := range clients {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			key := "client-" + strconv.Itoa(i)
+			for range each {
+				if res, err := b.take(context.Background(), key, args); err != nil || !res.Allowed {
+					t.Errorf("%s: %+v %v", key, res, err)
+					return
+				}
+			}
+		}()
+	}
+	wg.Wait()
+	// Reads of the test's own client (INFO) are a handful; the rest are
+	// the backend's pipelines.
+	perCall := float64(infoStat(t, rdb, "total_reads_processed")-readsBefore) / (clients * each)
+	t.Logf("Redis reads per call at %d concurrent clients: %.3f", clients, perCall)
+	if perCall > 0.5 {
+		t.Fatalf("%.3f reads per call: concurrent calls were not pipelined", perCall)
+	}
+}
+
+func TestBatchedCallGivingUpLeavesNeighboursAlone(t *testing.T) {
+	srv := redistest.Start(t)
+	rdb := srv.Client(t)
+	b := newTestBackend(t, srv.Addr, time.Second)
+	args := limitArgs(1, 5, 1)
+
+	// Stall Redis, and keep every pipeline in flight with a call of its
+	// own, so that the calls below wait in the queue.
+	go rdb.Do(context.Background(), "DEBUG", "SLEEP", "0.3")
+	time.Sleep(50 * time.Millisecond)
+	for i := range pipelinesInFlight {
+		go b.take(context.Background(), "blocker"+strconv.Itoa(i), args)
+		time.Sleep(10 * time.Millisecond)
+	}
+
+	impatient, cancel := context.WithTimeout(context.Background(), 20*time.Millisecond)
+	defer cancel()
+	var wg sync.WaitGroup
+	errs := make([]error, 10)
+	for i := range errs {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			ctx := context.Background()
+			if i == 0 {
+				ctx = impatient
+			}
+			_, errs[i] = b.take(ctx, "n"+strconv.Itoa(i), args)
+		}()
+	}
+	wg.Wait()
+	if errs[0] == nil {
+		t.Fatal("the impatient call succeeded through a 300 ms stall")
+	}
+	for i, err := range errs[1:] {
+		if err != nil {
+			t.Errorf("neighbour %d failed with its impatient batch mate: %v", i+1, err)
+		}
+	}
+	// The impatient call gave up before it was sent: its bucket is untouched.
+	if n, err := rdb.Exists(context.Background(), "n0").Result(); err != nil || n != 0 {
+		t.Fatalf("the abandoned call took tokens (exists=%d, %v)", n, err)
+	}
+}
+
+// infoStat reads one integer field of INFO.
+func infoStat(t *testing.T, rdb *redis.Client, field string) int64 {
+	t.Helper()
+	info, err := rdb.Info(context.Background()).Result()
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, line := range strings.Split(info, "\r\n") {
+		if v, ok := strings.CutPrefix(line, field+":"); ok {
+			n, _ := strconv.ParseInt(v, 10, 64)
+			return n
+		}
+	}
+	t.Fatalf("INFO has no %s", field)
+	return 0
 }

@@ -55,7 +55,7 @@ func init() {
 // `{http.rate_limit.remaining}` | whole tokens left; `-1` when Redis failed
 // `{http.rate_limit.limit}` | the burst capacity
 // `{http.rate_limit.retry_after}` | on denial, seconds until a retry can succeed, as in `Retry-After`
-// `{http.rate_limit.key}` | the client key, only with `log_key`
+// `{http.rate_limit.key}` | the client key, only with `log_key` (else empty)
 //
 // It counts its decisions in the `caddy_rate_limit_requests_total`
 // metric (labels `zone` and `result`), times Redis in
@@ -409,13 +409,15 @@ func (h *Handler) record(repl *caddy.Replacer, res result, key string, remaining
 	}
 	if h.LogKey && key != "" {
 		repl.Set("http.rate_limit.key", h.clientKey(key))
+	} else {
+		repl.Set("http.rate_limit.key", "") // empty, not left as literal text
 	}
 	if h.metrics != nil {
 		h.metrics.requests[res].Inc()
 	}
 	if ce := h.logger.Check(zap.DebugLevel, "rate limit decision"); ce != nil {
 		fields := []zap.Field{zap.String("zone", h.Zone), zap.Stringer("result", res), zap.Int64("remaining", remaining)}
-		if h.LogKey {
+		if h.LogKey && key != "" { // an empty key has no prefix to cut
 			fields = append(fields, zap.String("key", h.clientKey(key)))
 		}
 		ce.Write(fields...)

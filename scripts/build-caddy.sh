@@ -1,0 +1,87 @@
+#!/usr/bin/env bash
+# Builds Caddy $CADDY_VERSION (default v2.11.9) with this plugin from the
+# working tree, using xcaddy.
+#
+#   scripts/build-caddy.sh [OUTPUT]     OUTPUT defaults to bin/caddy
+#
+# Set XCADDY_QUIET=1 to send xcaddy's chatter to a log that is printed only
+# if the build fails.
+#
+# The module path is not published, and the Go proxy answers 403 for it, so
+# the plain `--with <module>=<dir>` form (which makes `go get` look the
+# module up) fails. Pinning the zero pseudo-version in `--with
+# <module>@v0.0.0-00010101000000-000000000000=<dir>` makes go resolve it
+# purely through the replace directive, with no network lookup.
+set -euo pipefail
+SCRIPT_NAME=build-caddy
+# shellcheck source=scripts/common.sh
+source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
+
+out="${1:-$REPO_ROOT/bin/caddy}"
+[[ "$out" = /* ]] || out="$PWD/$out"
+
+command -v go >/dev/null 2>&1 || die "Go is not on PATH; install Go 1.26+ (https://go.dev/dl/)"
+command -v xcaddy >/dev/null 2>&1 || die "xcaddy not found; run scripts/install-deps.sh --xcaddy-only (or make deps)"
+
+module="$(module_path)"
+[[ -n "$module" ]] || die "cannot read the module path from $REPO_ROOT/go.mod"
+
+mkdir -p "$(dirname "$out")"
+# xcaddy's build environment, go's work files and the new binary all go into
+# a directory of our own (via TMPDIR and --output), removed on exit. The
+# binary is then moved into place, so a failed or interrupted build never
+# leaves a half-written bin/caddy behind.
+work="$(mktemp -d "${TMPDIR:-/tmp}/build-caddy.XXXXXX")"
+staged="$out.tmp.$$"
+xpid=""
+cleanup() {
+	local rc=$? i
+	trap '' INT TERM HUP
+	if [[ -n "$xpid" ]]; then
+		# xcaddy runs in its own process group (see below): stop it and the go
+		# build it started. xcaddy does not abort a running build on SIGINT,
+		# so TERM, then KILL whatever is left after 5s.
+		kill -TERM -- "-$xpid" 2>/dev/null || true
+		for ((i = 0; i < 50; i++)); do kill -0 -- "-$xpid" 2>/dev/null || break; sleep 0.1; done
+		kill -KILL -- "-$xpid" 2>/dev/null || true
+		wait "$xpid" 2>/dev/null || true
+	fi
+	rm -rf "$work"
+	rm -f "$staged"
+	exit "$rc"
+}
+trap cleanup EXIT
+trap 'exit 130' INT
+trap 'exit 143' TERM
+trap 'exit 129' HUP
+
+log "building Caddy $CADDY_VERSION with $module from $REPO_ROOT -> $out"
+start=$SECONDS
+cmd=(xcaddy build "$CADDY_VERSION"
+	--with "$module@v0.0.0-00010101000000-000000000000=$REPO_ROOT"
+	--output "$work/caddy")
+xlog="$work/xcaddy.log"
+# xcaddy runs in the background in a process group of its own (set -m), so
+# a signal to this script is handled at once (a foreground child would delay
+# the trap until it ends) and cleanup can stop the whole build by group id.
+set -m
+if [[ "${XCADDY_QUIET:-0}" == 1 ]]; then
+	(cd "$REPO_ROOT" && TMPDIR="$work" exec "${cmd[@]}") >"$xlog" 2>&1 &
+else
+	(cd "$REPO_ROOT" && TMPDIR="$work" exec "${cmd[@]}") &
+fi
+xpid=$!
+set +m
+rc=0
+wait "$xpid" || rc=$?
+xpid=""
+if ((rc != 0)); then
+	if [[ "${XCADDY_QUIET:-0}" == 1 ]]; then
+		tail -n 60 "$xlog" >&2
+		die "xcaddy build failed (exit $rc); the last 60 lines of its output are above"
+	fi
+	die "xcaddy build failed (exit $rc)"
+fi
+cp "$work/caddy" "$staged"
+mv -f "$staged" "$out"
+log "built $out in $((SECONDS - start))s"

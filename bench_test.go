@@ -1,0 +1,237 @@
+package ratelimit
+
+// Benchmarks of the handler against a real redis-server (redistest).
+//
+//	go test -run xxx -bench . -benchmem -count 3 .
+//
+// Every ServeHTTP benchmark prepares its request once, outside the timed
+// loop, and times only ServeHTTP (plus a fresh response header map per
+// iteration, as net/http and Caddy's server give every request). BenchmarkServeHTTPBypass
+// times the same loop with the next handler alone, so the limiter's own
+// cost is the difference. BenchmarkPrepareRequest shows what the skipped
+// preparation would cost, for scale.
+
+import (
+	"fmt"
+	"net/http"
+	"strconv"
+	"sync/atomic"
+	"testing"
+
+	"github.com/caddy-redis/ratelimit/internal/redistest"
+	"github.com/caddyserver/caddy/v2"
+	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
+)
+
+// benchWriter is a ResponseWriter that keeps nothing but the header map.
+type benchWriter struct{ h http.Header }
+
+// freshHeader is a new response header map as a handler sees it in
+// Caddy: net/http makes an empty one per request and Caddy's server
+// sets Server before any handler runs. So the map's first allocation is
+// not charged to the limiter, only what its own headers add.
+func freshHeader() http.Header {
+	return http.Header{"Server": caddyServerHeader}
+}
+
+var caddyServerHeader = []string{"Caddy"}
+
+func (w *benchWriter) Header() http.Header         { return w.h }
+func (w *benchWriter) Write(p []byte) (int, error) { return len(p), nil }
+func (w *benchWriter) WriteHeader(int)             {}
+
+// benchRequest is a GET from remoteIP with an X-Key header (if key is not
+// empty), prepared as Caddy's server prepares it (newRequest's steps, with
+// a writer that keeps nothing).
+func benchRequest(remoteIP, key string) (*http.Request, *benchWriter) {
+	r, err := http.NewRequest(http.MethodGet, "http://example.com/", nil)
+	if err != nil {
+		panic(err)
+	}
+	r.RemoteAddr = remoteIP + ":1234"
+	if key != "" {
+		r.Header.Set("X-Key", key)
+	}
+	w := &benchWriter{h: freshHeader()}
+	// A server (even a zero one) makes {http.vars.client_ip} resolve.
+	return caddyhttp.PrepareRequest(r, caddy.NewReplacer(), w, &caddyhttp.Server{}), w
+}
+
+// benchHandler provisions a handler keyed by the X-Key header against srv.
+func benchHandler(b *testing.B, srv *redistest.Server, zone string, rate float64, burst int64) *Handler {
+	b.Helper()
+	h := provision(b, &Handler{
+		Zone:          zone,
+		Key:           "{http.request.header.X-Key}",
+		ReplenishRate: rate,
+		BurstCapacity: ptr(burst),
+		Redis: &RedisConfig{
+			Addresses: []string{srv.Addr},
+			// A loaded test machine must not turn a slow reply into a
+			// fail-open "allowed" that never reached Redis.
+			Timeout: caddy.Duration(2_000_000_000),
+		},
+	})
+	// Without a loaded config, caddy.Context.Logger is a development
+	// logger at debug level, which would log every decision; a running
+	// Caddy's default logger is at info level.
+	h.logger = caddy.Log()
+	return h
+}
+
+// allowedHandler never runs dry: a billion tokens, a billion a second.
+func allowedHandler(b *testing.B, srv *redistest.Server) *Handler {
+	return benchHandler(b, srv, "bench-allowed", 1e9, 1_000_000_000)
+}
+
+// serveOne runs one request and fails the benchmark on an unexpected
+// outcome (an error where allowed, no error where denied).
+func serveOne(b *testing.B, h *Handler, r *http.Request, w *benchWriter, wantStatus int) {
+	w.h = freshHeader()
+	err := h.ServeHTTP(w, r, okHandler)
+	if got := statusOfErr(err); got != wantStatus {
+		b.Fatalf("status %d (err %v), want %d", got, err, wantStatus)
+	}
+}
+
+func statusOfErr(err error) int {
+	if err == nil {
+		return http.StatusOK
+	}
+	if he, ok := err.(caddyhttp.HandlerError); ok {
+		return he.StatusCode
+	}
+	return 500
+}
+
+// BenchmarkServeHTTPBypass is the baseline: the same loop as the ServeHTTP
+// benchmarks, calling the next handler directly.
+func BenchmarkServeHTTPBypass(b *testing.B) {
+	r, w := benchRequest("192.0.2.1", "client-1")
+	b.ReportAllocs()
+	b.ResetTimer()
+	for b.Loop() {
+		w.h = freshHeader()
+		if err := okHandler.ServeHTTP(w, r); err != nil {
+			b.Fatal(err)
+		}
+	}
+}
+
+// BenchmarkServeHTTPAllowed is one client at a time (no batching): one
+// Redis round trip per request.
+func BenchmarkServeHTTPAllowed(b *testing.B) {
+	srv := redistest.Start(b)
+	h := allowedHandler(b, srv)
+	r, w := benchRequest("192.0.2.1", "client-1")
+	serveOne(b, h, r, w, http.StatusOK) // loads the script
+	b.ReportAllocs()
+	b.ResetTimer()
+	for b.Loop() {
+		serveOne(b, h, r, w, http.StatusOK)
+	}
+}
+
+// BenchmarkServeHTTPAllowedParallel is many clients at once, each with its
+// own key, so the batcher pipelines. Sub-benchmarks set how many
+// goroutines per GOMAXPROCS.
+func BenchmarkServeHTTPAllowedParallel(b *testing.B) {
+	for _, par := range []int{1, 32} {
+		b.Run("par="+strconv.Itoa(par), func(b *testing.B) {
+			srv := redistest.Start(b)
+			h := allowedHandler(b, srv)
+			var next atomic.Int64
+			b.SetParallelism(par)
+			b.ReportAllocs()
+			b.ResetTimer()
+			b.RunParallel(func(pb *testing.PB) {
+				n := next.Add(1)
+				r, w := benchRequest(fmt.Sprintf("192.0.2.%d", n%250+1), "client-"+strconv.FormatInt(n, 10))
+				for pb.Next() {
+					w.h = freshHeader()
+					if err := h.ServeHTTP(w, r, okHandler); err != nil {
+						b.Errorf("goroutine %d: %v", n, err)
+						return
+					}
+				}
+			})
+		})
+	}
+}
+
+// BenchmarkServeHTTPDenied is one client whose bucket is empty: burst 1,
+// a token every 1000 s, and the first request takes the only token. After
+// the first denial the handler's deny cache answers, without Redis.
+func BenchmarkServeHTTPDenied(b *testing.B) {
+	srv := redistest.Start(b)
+	h := benchHandler(b, srv, "bench-denied", 0.001, 1)
+	r, w := benchRequest("192.0.2.1", "client-1")
+	serveOne(b, h, r, w, http.StatusOK)
+	serveOne(b, h, r, w, http.StatusTooManyRequests)
+	b.ReportAllocs()
+	b.ResetTimer()
+	for b.Loop() {
+		serveOne(b, h, r, w, http.StatusTooManyRequests)
+	}
+}
+
+// BenchmarkServeHTTPDeniedRedis is BenchmarkServeHTTPDenied with the deny
+// cache emptied before every request, so each denial is Redis's answer.
+func BenchmarkServeHTTPDeniedRedis(b *testing.B) {
+	srv := redistest.Start(b)
+	h := benchHandler(b, srv, "bench-denied", 0.001, 1)
+	r, w := benchRequest("192.0.2.1", "client-1")
+	serveOne(b, h, r, w, http.StatusOK)
+	serveOne(b, h, r, w, http.StatusTooManyRequests)
+	b.ReportAllocs()
+	b.ResetTimer()
+	for b.Loop() {
+		h.denied.mu.Lock()
+		clear(h.denied.entries)
+		h.denied.mu.Unlock()
+		serveOne(b, h, r, w, http.StatusTooManyRequests)
+	}
+}
+
+// BenchmarkPrepareRequest is what Caddy's server (here: newRequest's
+// steps) costs per request before any handler runs, for scale; the
+// ServeHTTP benchmarks leave it out.
+func BenchmarkPrepareRequest(b *testing.B) {
+	b.ReportAllocs()
+	for b.Loop() {
+		r, _ := benchRequest("192.0.2.1", "client-1")
+		_ = r
+	}
+}
+
+// BenchmarkKeyResolve is the key template resolution alone.
+func BenchmarkKeyResolve(b *testing.B) {
+	cases := []struct {
+		name, template, key string
+	}{
+		{"header", "{http.request.header.X-Key}", "client-1"},
+		{"client_ip", "{http.vars.client_ip}", ""},
+		{"ip+header", "{http.vars.client_ip}:{http.request.header.X-Key}", "tenant-42"},
+		{"escaped", "{http.request.header.X-Key}", "a key with spaces%and{braces}"},
+		{"hashed", "{http.request.header.X-Key}", "eyJhbGciOiJIUzI1NiJ9.eyJzdWIiOiIxMjM0NTY3ODkwIiwibmFtZSI6IkpvaG4ifQ.sig"},
+	}
+	for _, c := range cases {
+		b.Run(c.name, func(b *testing.B) {
+			tmpl, err := parseKeyTemplate(c.template)
+			if err != nil {
+				b.Fatal(err)
+			}
+			r, _ := benchRequest("192.0.2.1", c.key)
+			repl := r.Context().Value(caddy.ReplacerCtxKey).(*caddy.Replacer)
+			const prefix = "rate_limit:bench|"
+			if tmpl.redisKey(repl, prefix) == "" {
+				b.Fatal("empty key")
+			}
+			b.ReportAllocs()
+			b.ResetTimer()
+			for b.Loop() {
+				_ = tmpl.redisKey(repl, prefix)
+			}
+		})
+	}
+}

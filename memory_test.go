@@ -1,0 +1,181 @@
+package ratelimit
+
+import (
+	"context"
+	"fmt"
+	"os"
+	"strconv"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/caddy-redis/ratelimit/internal/redistest"
+	"github.com/redis/go-redis/v9"
+)
+
+// maxBytesPerBucket bounds what one bucket may cost Redis (used_memory
+// growth per key, with its TTL and share of the hash tables).
+const maxBytesPerBucket = 200
+
+// TestRedisMemoryPerBucket creates many distinct buckets through the real
+// script and measures Redis's used_memory growth per bucket. 100,000 keys
+// by default; RATELIMIT_MEMORY_KEYS=1000000 for a larger run.
+//
+// Keys have the handler's form, `rate_limit:<zone>|<client key>`, with
+// IPv4-like client keys. Each bucket is taken from twice: the first take
+// stores a whole number of tokens; the second, some microseconds later,
+// stores a refilled fraction printed with %.17g, the longest value a
+// bucket holds in steady state. Both figures are logged; the bound is
+// checked on the second.
+func TestRedisMemoryPerBucket(t *testing.T) {
+	n := 100_000
+	if s := os.Getenv("RATELIMIT_MEMORY_KEYS"); s != "" {
+		v, err := strconv.Atoi(s)
+		if err != nil || v < 1000 {
+			t.Fatalf("RATELIMIT_MEMORY_KEYS=%q: want a whole number of at least 1000", s)
+		}
+		n = v
+	}
+	srv := redistest.Start(t)
+	ctx := context.Background()
+	rdb := redis.NewClient(&redis.Options{Addr: srv.Addr, ReadTimeout: 30 * time.Second, PoolSize: 4})
+	t.Cleanup(func() { rdb.Close() })
+
+	script := redis.NewScript(scriptSource)
+	if err := script.Load(ctx, rdb).Err(); err != nil {
+		t.Fatal(err)
+	}
+	// Rate 0.01/s with burst 100: the TTL (2 × time to fill) outlasts the
+	// test, so no bucket expires while it is measured, and the refill
+	// between the two takes leaves a fraction (98.0x tokens), not a
+	// bucket capped back to full.
+	args := []any{"0.01", "100", "1"}
+	const zone = "api"
+	prefix := "rate_limit:" + zone + "|"
+
+	before := settledUsedMemory(t, rdb)
+
+	start := time.Now()
+	takeAll(t, rdb, script.Hash(), prefix, n, args, 0)
+	firstTake := time.Since(start)
+	if got := rdb.DBSize(ctx).Val(); got != int64(n) {
+		t.Fatalf("DBSIZE %d after creating %d buckets", got, n)
+	}
+	afterFirst := settledUsedMemory(t, rdb)
+	sample := prefix + ipv4Key(n/2)
+	firstVal := rdb.Get(ctx, sample).Val()
+
+	takeAll(t, rdb, script.Hash(), prefix, n, args, 99)
+	afterSecond := settledUsedMemory(t, rdb)
+	secondVal := rdb.Get(ctx, sample).Val()
+	if got := rdb.DBSize(ctx).Val(); got != int64(n) {
+		t.Fatalf("DBSIZE %d after the second take, want %d", got, n)
+	}
+	usage, _ := rdb.MemoryUsage(ctx, sample).Result()
+
+	perFirst := float64(afterFirst-before) / float64(n)
+	perSecond := float64(afterSecond-before) / float64(n)
+	t.Logf("%d buckets created in %v (%.0f scripts/s, pipelined)", n, firstTake.Round(time.Millisecond),
+		float64(n)/firstTake.Seconds())
+	t.Logf("used_memory: %d before, %d after the first take, %d after the second", before, afterFirst, afterSecond)
+	t.Logf("bytes per bucket: %.1f with whole tokens (e.g. %q = %q), %.1f with refilled fractions (%q)",
+		perFirst, sample, firstVal, perSecond, secondVal)
+	t.Logf("MEMORY USAGE %s: %d bytes (the key's own allocations; the rest is hash-table slots and the TTL entry)",
+		sample, usage)
+	if perSecond > maxBytesPerBucket || perFirst > maxBytesPerBucket {
+		t.Errorf("a bucket costs %.1f bytes of Redis memory (%.1f with whole tokens), over the bound of %d",
+			perSecond, perFirst, maxBytesPerBucket)
+	}
+}
+
+// takeAll runs the script once for each of n buckets, pipelined 1000 to a
+// batch on two connections, and checks every reply. rotate shifts which
+// key a worker starts from, so the second pass does not retrace the first
+// in the same order.
+func takeAll(t *testing.T, rdb *redis.Client, sha, prefix string, n int, args []any, rotate int) {
+	t.Helper()
+	const batch, workers = 1000, 2
+	ctx := context.Background()
+	var wg sync.WaitGroup
+	errs := make(chan error, workers)
+	for w := range workers {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for lo := w * batch; lo < n; lo += workers * batch {
+				hi := min(lo+batch, n)
+				pipe := rdb.Pipeline()
+				cmds := make([]*redis.Cmd, 0, hi-lo)
+				for i := lo; i < hi; i++ {
+					key := prefix + ipv4Key((i+rotate)%n)
+					cmds = append(cmds, pipe.EvalSha(ctx, sha, []string{key}, args...))
+				}
+				if _, err := pipe.Exec(ctx); err != nil {
+					errs <- err
+					return
+				}
+				for _, c := range cmds {
+					v, err := c.Int64Slice()
+					if err != nil || len(v) != 3 || v[0] != 1 {
+						errs <- fmt.Errorf("script reply %v, %v: want an allowed take", v, err)
+						return
+					}
+				}
+			}
+		}()
+	}
+	wg.Wait()
+	close(errs)
+	for err := range errs {
+		t.Fatal(err)
+	}
+}
+
+// ipv4Key is the i-th IPv4-like client key, 10.x.y.z (distinct below 2^24).
+func ipv4Key(i int) string {
+	b := make([]byte, 0, 15)
+	b = append(b, "10."...)
+	b = strconv.AppendInt(b, int64(i>>16&255), 10)
+	b = append(b, '.')
+	b = strconv.AppendInt(b, int64(i>>8&255), 10)
+	b = append(b, '.')
+	b = strconv.AppendInt(b, int64(i&255), 10)
+	return string(b)
+}
+
+// settledUsedMemory reads used_memory once it stops moving (incremental
+// rehashing finishes in the background), waiting at most 5 s.
+func settledUsedMemory(t *testing.T, rdb *redis.Client) int64 {
+	t.Helper()
+	ctx := context.Background()
+	read := func() int64 {
+		info, err := rdb.Info(ctx, "memory").Result()
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, line := range strings.Split(info, "\n") {
+			if v, ok := strings.CutPrefix(strings.TrimSpace(line), "used_memory:"); ok {
+				n, err := strconv.ParseInt(v, 10, 64)
+				if err != nil {
+					t.Fatalf("used_memory %q: %v", v, err)
+				}
+				return n
+			}
+		}
+		t.Fatal("INFO memory has no used_memory")
+		return 0
+	}
+	last, stable := read(), 0
+	for deadline := time.Now().Add(5 * time.Second); stable < 3 && time.Now().Before(deadline); {
+		time.Sleep(100 * time.Millisecond)
+		v := read()
+		if v == last {
+			stable++
+		} else {
+			stable = 0
+		}
+		last = v
+	}
+	return last
+}

@@ -49,7 +49,7 @@ func newRateLimitHeaders(style, zone string, rate float64, burst, requested int6
 // request fits, negative when none ever will (burst_capacity 0).
 func (rh *rateLimitHeaders) set(hdr http.Header, remaining int64, next time.Duration) {
 	if rh.spring {
-		hdr["X-Ratelimit-Remaining"] = []string{strconv.FormatInt(remaining, 10)}
+		hdr["X-Ratelimit-Remaining"] = countValue(remaining)
 		hdr["X-Ratelimit-Replenish-Rate"] = rh.rate
 		hdr["X-Ratelimit-Burst-Capacity"] = rh.burst
 		hdr["X-Ratelimit-Requested-Tokens"] = rh.requested
@@ -65,6 +65,22 @@ func (rh *rateLimitHeaders) set(hdr http.Header, remaining int64, next time.Dura
 		hdr["Ratelimit"] = []string{string(b)}
 		hdr["Ratelimit-Policy"] = rh.policy
 	}
+}
+
+// smallCounts are the header values of -1 to 1022, made once: most
+// remaining counts and retry times are small, and cost no allocation.
+var smallCounts = func() (v [1024][]string) {
+	for i := range v {
+		v[i] = []string{strconv.Itoa(i - 1)}[:1:1]
+	}
+	return v
+}()
+
+func countValue(n int64) []string {
+	if n >= -1 && n < int64(len(smallCounts))-1 {
+		return smallCounts[n+1]
+	}
+	return []string{strconv.FormatInt(n, 10)}
 }
 
 // ceilSeconds rounds a duration up to whole seconds.

@@ -2,9 +2,11 @@ package ratelimit
 
 import (
 	"context"
+	"crypto/sha1"
 	"crypto/tls"
 	"crypto/x509"
 	_ "embed"
+	"encoding/hex"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -24,9 +26,19 @@ import (
 //go:embed script.lua
 var scriptSource string
 
-// tokenBucket is the check-and-take script; EVALSHA first, the source
-// again only when the server has lost its script cache.
-var tokenBucket = redis.NewScript(scriptSource)
+// scriptSHA names the check-and-take script for EVALSHA; the source is
+// sent again only when the server has lost its script cache.
+var scriptSHA = func() string {
+	sum := sha1.Sum([]byte(scriptSource))
+	return hex.EncodeToString(sum[:])
+}()
+
+// The command words as interface values, boxed once rather than per call.
+var (
+	evalSHA           any = "evalsha"
+	scriptSHAValue    any = scriptSHA
+	scriptSourceValue any = scriptSource
+)
 
 func init() {
 	redis.SetLogger(redisLogger{})
@@ -324,15 +336,22 @@ type Result struct {
 	RetryAfter time.Duration
 }
 
-// call is one request's trip through the batcher.
+// call is one request's trip through the batcher, pooled: the caller
+// always gets its answer (by the deadline at the latest) and then puts
+// the call back.
 type call struct {
-	ctx    context.Context // the request's: a call whose request gave up is not sent
-	key    string
-	args   []any
-	result Result
-	err    error
-	done   chan struct{}
+	cmd      [7]any // EVALSHA, sha, 1, key, rate, burst, requested
+	deadline time.Time
+	request  context.Context // only asked whether the client left, so the call need not be sent
+	result   Result
+	err      error
+	done     chan struct{} // one answer per use
 }
+
+var calls = sync.Pool{New: func() any { return &call{done: make(chan struct{}, 1)} }}
+
+// errQueueFull fails a request at once when Redis is far behind.
+var errQueueFull = errors.New("too many requests waiting for Redis")
 
 // backend is one Redis client with its batcher, shared by every handler
 // with the same Redis settings (see the usage pool).
@@ -396,21 +415,25 @@ func (b *backend) Destruct() error {
 }
 
 // take asks Redis to take the requested tokens from the bucket at key.
-// args are the script's arguments (rate, burst, requested). The context
-// bounds the wait; a request that gives up leaves its call behind.
+// args are the script's arguments (rate, burst, requested). The answer
+// comes within the timeout. A call whose client has left (ctx canceled)
+// by the time its batch goes out is not sent, so it takes no tokens.
 func (b *backend) take(ctx context.Context, key string, args []any) (Result, error) {
-	c := &call{ctx: ctx, key: key, args: args, done: make(chan struct{})}
+	c := calls.Get().(*call)
+	c.cmd = [7]any{evalSHA, scriptSHAValue, "1", key, args[0], args[1], args[2]}
+	c.deadline = time.Now().Add(b.timeout)
+	c.request = ctx
 	select {
 	case b.queue <- c:
-	case <-ctx.Done():
-		return Result{}, ctx.Err()
+	default:
+		calls.Put(c)
+		return Result{}, errQueueFull
 	}
-	select {
-	case <-c.done:
-		return c.result, c.err
-	case <-ctx.Done():
-		return Result{}, ctx.Err()
-	}
+	<-c.done
+	res, err := c.result, c.err
+	*c = call{done: c.done}
+	calls.Put(c)
+	return res, err
 }
 
 // work sends batches: it waits for one call, takes whatever else is
@@ -434,15 +457,21 @@ func (b *backend) work() {
 				break more
 			}
 		}
-		// A request that gave up while queued must not take tokens.
+		// Calls whose time ran out in the queue, or whose client left,
+		// are answered without being sent: they must not take tokens.
+		now := time.Now()
 		live := batch[:0]
 		for _, c := range batch {
-			if err := c.ctx.Err(); err != nil {
-				c.err = err
-				close(c.done)
+			switch {
+			case !now.Before(c.deadline):
+				c.err = context.DeadlineExceeded
+			case c.request.Err() != nil:
+				c.err = c.request.Err()
+			default:
+				live = append(live, c)
 				continue
 			}
-			live = append(live, c)
+			c.done <- struct{}{}
 		}
 		if len(live) > 0 {
 			b.send(live)
@@ -452,54 +481,86 @@ func (b *backend) work() {
 }
 
 // send runs one batch and delivers every call's own result or error.
+// The batch ends at the earliest deadline among its calls, so no caller
+// waits past its own.
 func (b *backend) send(batch []*call) {
-	ctx, cancel := context.WithTimeout(context.Background(), b.timeout)
-	defer cancel()
+	deadline := batch[0].deadline
+	for _, c := range batch[1:] {
+		if c.deadline.Before(deadline) {
+			deadline = c.deadline
+		}
+	}
+	ctx := deadlineContext{context.Background(), deadline}
 
-	cmds := b.evalSHA(ctx, batch)
+	cmds := b.run(ctx, batch, nil)
 	// After a restart, failover or SCRIPT FLUSH the server has lost the
 	// script: send the source to those that failed, which caches it again.
 	var lost []int
 	for i, cmd := range cmds {
-		if redis.HasErrorPrefix(cmd.Err(), "NOSCRIPT") {
+		if err := cmd.Err(); err != nil && redis.HasErrorPrefix(err, "NOSCRIPT") {
 			lost = append(lost, i)
 		}
 	}
 	if len(lost) > 0 {
-		b.evalSource(ctx, batch, cmds, lost)
+		b.run(ctx, batch, lost)
 	}
 
-	for i, c := range batch {
-		c.result, c.err = parseResult(cmds[i])
+	for _, c := range batch {
 		if c.err != nil {
 			b.onError(c.err)
 		}
-		close(c.done)
+		c.done <- struct{}{}
 	}
 }
 
-func (b *backend) evalSHA(ctx context.Context, batch []*call) []*redis.Cmd {
-	sha := tokenBucket.Hash()
-	if len(batch) == 1 {
-		c := batch[0]
-		return []*redis.Cmd{b.client.EvalSha(ctx, sha, []string{c.key}, c.args...)}
+// deadlineContext is a batch's deadline without a timer or a Done
+// channel: go-redis only reads the deadline, to bound dialing and set
+// socket deadlines, and the worker waits for the batch in any case. Made
+// per batch, it costs one allocation where context.WithDeadline costs five.
+type deadlineContext struct {
+	context.Context
+	deadline time.Time
+}
+
+func (c deadlineContext) Deadline() (time.Time, bool) { return c.deadline, true }
+
+// run sends the calls of the batch (those at the indexes in only, when
+// given, with the script's source instead of its SHA) in one pipeline,
+// or alone when there is one, and stores each call's own result.
+func (b *backend) run(ctx context.Context, batch []*call, only []int) []*redis.Cmd {
+	n := len(batch)
+	if only != nil {
+		n = len(only)
 	}
-	cmds := make([]*redis.Cmd, len(batch))
-	pipe := b.client.Pipeline()
-	for i, c := range batch {
-		cmds[i] = pipe.EvalSha(ctx, sha, []string{c.key}, c.args...)
+	at := func(i int) *call {
+		if only != nil {
+			return batch[only[i]]
+		}
+		return batch[i]
 	}
-	_, _ = pipe.Exec(ctx) // each command carries its own error
+	args := func(c *call) []any {
+		if only == nil {
+			return c.cmd[:]
+		}
+		eval := c.cmd
+		eval[0], eval[1] = "eval", scriptSourceValue
+		return eval[:]
+	}
+	cmds := make([]*redis.Cmd, n)
+	if n == 1 {
+		cmds[0] = b.client.Do(ctx, args(at(0))...)
+	} else {
+		pipe := b.client.Pipeline()
+		for i := range n {
+			cmds[i] = pipe.Do(ctx, args(at(i))...)
+		}
+		_, _ = pipe.Exec(ctx) // each command carries its own error
+	}
+	for i, cmd := range cmds {
+		c := at(i)
+		c.result, c.err = parseResult(cmd)
+	}
 	return cmds
-}
-
-func (b *backend) evalSource(ctx context.Context, batch []*call, cmds []*redis.Cmd, lost []int) {
-	pipe := b.client.Pipeline()
-	for _, i := range lost {
-		c := batch[i]
-		cmds[i] = pipe.Eval(ctx, scriptSource, []string{c.key}, c.args...)
-	}
-	_, _ = pipe.Exec(ctx)
 }
 
 // onError makes a cluster client find a failed-over master sooner:
@@ -523,16 +584,19 @@ func isNetworkError(err error) bool {
 }
 
 func parseResult(cmd *redis.Cmd) (Result, error) {
-	v, err := cmd.Int64Slice()
-	if err != nil {
+	if err := cmd.Err(); err != nil {
 		return Result{}, err
 	}
-	if len(v) != 3 {
-		return Result{}, fmt.Errorf("unexpected script reply %v", v)
+	v, ok := cmd.Val().([]any)
+	if !ok || len(v) != 3 {
+		return Result{}, fmt.Errorf("unexpected script reply %v", cmd.Val())
 	}
+	allowed, _ := v[0].(int64)
+	remaining, _ := v[1].(int64)
+	retry, _ := v[2].(int64)
 	return Result{
-		Allowed:    v[0] == 1,
-		Remaining:  v[1],
-		RetryAfter: time.Duration(v[2]) * time.Microsecond,
+		Allowed:    allowed == 1,
+		Remaining:  remaining,
+		RetryAfter: time.Duration(retry) * time.Microsecond,
 	}, nil
 }

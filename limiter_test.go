@@ -205,7 +205,7 @@ func TestScriptReloadedAfterScriptFlush(t *testing.T) {
 	if !res.Allowed || res.Remaining != 1 {
 		t.Fatalf("after SCRIPT FLUSH got %+v, want allowed with 1 remaining (state kept)", res)
 	}
-	exists, err := rdb.ScriptExists(context.Background(), tokenBucket.Hash()).Result()
+	exists, err := rdb.ScriptExists(context.Background(), scriptSHA).Result()
 	if err != nil || !exists[0] {
 		t.Fatalf("script not cached again after the reload: %v %v", exists, err)
 	}
@@ -216,15 +216,19 @@ func TestScriptBatchKeepsResultsApart(t *testing.T) {
 	b := newTestBackend(t, srv.Addr, time.Second)
 	// One batch, built by hand: 3 buckets, one of them asked for more than
 	// its burst, and a malformed call whose error must stay its own.
-	batch := []*call{
-		{key: "a", args: limitArgs(1, 2, 1)},
-		{key: "b", args: limitArgs(1, 5, 5)},
-		{key: "a", args: limitArgs(1, 2, 1)},
-		{key: "bad", args: []any{"not-a-number", "x", "y"}},
-		{key: "a", args: limitArgs(1, 2, 1)},
+	newCall := func(key string, args []any) *call {
+		return &call{
+			cmd:      [7]any{"evalsha", scriptSHA, "1", key, args[0], args[1], args[2]},
+			deadline: time.Now().Add(time.Second),
+			done:     make(chan struct{}, 1),
+		}
 	}
-	for _, c := range batch {
-		c.ctx, c.done = context.Background(), make(chan struct{})
+	batch := []*call{
+		newCall("a", limitArgs(1, 2, 1)),
+		newCall("b", limitArgs(1, 5, 5)),
+		newCall("a", limitArgs(1, 2, 1)),
+		newCall("bad", []any{"not-a-number", "x", "y"}),
+		newCall("a", limitArgs(1, 2, 1)),
 	}
 	b.send(batch)
 	want := []struct {

@@ -142,7 +142,6 @@ type Handler struct {
 	template     keyTemplate
 	bucketPrefix string // key_prefix, zone and '|': no value reaches another zone
 	scriptArgs   []any  // rate, burst, requested, formatted once
-	timeout      time.Duration
 	burst        int64
 	denyEmpty    bool
 	failOpen     bool
@@ -209,7 +208,6 @@ func (h *Handler) Provision(ctx caddy.Context) error {
 	if err := redisConfig.validate(); err != nil {
 		return err
 	}
-	h.timeout = time.Duration(redisConfig.Timeout)
 	h.bucketPrefix = redisConfig.KeyPrefix + h.Zone + "|"
 	h.scriptArgs = []any{
 		strconv.FormatFloat(h.ReplenishRate, 'f', -1, 64),
@@ -356,7 +354,7 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyht
 		h.logShadowDenial(key, res)
 	default:
 		h.record(repl, resultDenied, key, res.Remaining, res.RetryAfter)
-		w.Header()["Retry-After"] = []string{strconv.FormatInt(ceilSeconds(res.RetryAfter), 10)}
+		w.Header()["Retry-After"] = countValue(ceilSeconds(res.RetryAfter))
 		return caddyhttp.Error(h.StatusCode, h.errDenied)
 	}
 	return next.ServeHTTP(w, r)
@@ -373,9 +371,7 @@ func (h *Handler) check(ctx context.Context, key string) (Result, error) {
 	if !h.breaker.allow() {
 		return Result{}, errBreakerOpen
 	}
-	tctx, cancel := context.WithTimeout(ctx, h.timeout)
-	res, err := h.backend.take(tctx, key, h.scriptArgs)
-	cancel()
+	res, err := h.backend.take(ctx, key, h.scriptArgs)
 	if h.metrics != nil {
 		h.metrics.redisDuration.Observe(time.Since(sent).Seconds())
 	}

@@ -263,6 +263,8 @@ func (c RedisConfig) options() (*redis.UniversalOptions, error) {
 		// One try: the timeout covers the whole step, and a retry
 		// inside it would only hide a failing server from the breaker.
 		MaxRetries:      -1,
+		MinRetryBackoff: -1,
+		MaxRetryBackoff: -1,
 		DialerRetries:   1,
 		DisableIdentity: true,
 	}
@@ -363,9 +365,24 @@ type backend struct {
 	stop    chan struct{}
 	workers sync.WaitGroup
 
+	// closing guards closed: once set, no call enters the queue, so every
+	// queued call is answered before the workers stop.
+	closing sync.RWMutex
+	closed  bool
+	// lastCall is when the latest call was queued, in Unix nanoseconds.
+	lastCall atomic.Int64
+
 	// lastReload throttles cluster slot reloads after network errors.
 	lastReload atomic.Int64
 }
+
+// lingerIdle is how long a released backend must go without calls before
+// it closes. Caddy cleans up an old config while its servers still finish
+// requests; those keep being limited rather than failing.
+const lingerIdle = time.Second
+
+// errBackendClosed answers calls that arrive after the backend closed.
+var errBackendClosed = errors.New("the Redis client of an unloaded config is closed")
 
 // backends holds the clients in use, so that handlers with the same
 // Redis settings share one, also across config reloads.
@@ -404,14 +421,38 @@ func newBackend(c RedisConfig) (*backend, error) {
 		b.workers.Add(1)
 		go b.work()
 	}
+	go b.loadScript(time.Duration(c.DialTimeout) + b.timeout)
 	return b, nil
 }
 
-// Destruct stops the batcher and closes the client.
+// loadScript loads the script ahead of the first request (on every
+// master of a cluster), so that request needs no second round trip. It
+// is only a head start: a failure here is retried by requests.
+func (b *backend) loadScript(within time.Duration) {
+	ctx, cancel := context.WithTimeout(context.Background(), within)
+	defer cancel()
+	_ = b.client.ScriptLoad(ctx, scriptSource).Err()
+}
+
+// Destruct closes the backend once its last requests are done: when no
+// call has come for lingerIdle. It returns at once.
 func (b *backend) Destruct() error {
-	close(b.stop)
-	b.workers.Wait()
-	return b.client.Close()
+	go func() {
+		tick := time.NewTicker(lingerIdle / 4)
+		defer tick.Stop()
+		for range tick.C {
+			if time.Since(time.Unix(0, b.lastCall.Load())) >= lingerIdle && len(b.queue) == 0 {
+				break
+			}
+		}
+		b.closing.Lock()
+		b.closed = true
+		b.closing.Unlock()
+		close(b.stop)
+		b.workers.Wait()
+		_ = b.client.Close()
+	}()
+	return nil
 }
 
 // take asks Redis to take the requested tokens from the bucket at key.
@@ -421,13 +462,25 @@ func (b *backend) Destruct() error {
 func (b *backend) take(ctx context.Context, key string, args []any) (Result, error) {
 	c := calls.Get().(*call)
 	c.cmd = [7]any{evalSHA, scriptSHAValue, "1", key, args[0], args[1], args[2]}
-	c.deadline = time.Now().Add(b.timeout)
+	now := time.Now()
+	c.deadline = now.Add(b.timeout)
 	c.request = ctx
-	select {
-	case b.queue <- c:
-	default:
+	b.lastCall.Store(now.UnixNano())
+	b.closing.RLock()
+	var err error
+	if b.closed {
+		err = errBackendClosed
+	} else {
+		select {
+		case b.queue <- c:
+		default:
+			err = errQueueFull
+		}
+	}
+	b.closing.RUnlock()
+	if err != nil {
 		calls.Put(c)
-		return Result{}, errQueueFull
+		return Result{}, err
 	}
 	<-c.done
 	res, err := c.result, c.err
@@ -446,7 +499,16 @@ func (b *backend) work() {
 		case c := <-b.queue:
 			batch = append(batch[:0], c)
 		case <-b.stop:
-			return
+			// Nothing enters the queue any more; answer what is left.
+			for {
+				select {
+				case c := <-b.queue:
+					c.err = errBackendClosed
+					c.done <- struct{}{}
+				default:
+					return
+				}
+			}
 		}
 	more:
 		for len(batch) < maxBatch {

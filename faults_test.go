@@ -1,0 +1,471 @@
+package ratelimit
+
+import (
+	"context"
+	"fmt"
+	"io"
+	"net/http"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/caddy-redis/ratelimit/internal/caddyproc"
+	"github.com/caddy-redis/ratelimit/internal/redistest"
+	"github.com/redis/go-redis/v9"
+	"go.uber.org/zap"
+	"go.uber.org/zap/zaptest/observer"
+)
+
+// Helpers shared by the fault, topology, instance and reload tests.
+
+// caddyfileHandler parses a rate_limit directive and provisions it as
+// Caddy would; cleaned up after the test.
+func caddyfileHandler(tb testing.TB, directive string) *Handler {
+	tb.Helper()
+	h, err := parseTestCaddyfile(directive)
+	if err != nil {
+		tb.Fatalf("parsing %q: %v", directive, err)
+	}
+	return provision(tb, h)
+}
+
+// observeLogs sends everything h logs (warnings and breaker changes
+// included) to an observer. Call it before the first request.
+func observeLogs(h *Handler) *observer.ObservedLogs {
+	core, logs := observer.New(zap.DebugLevel)
+	l := zap.New(core)
+	h.logger = l
+	h.warnings.logger = l
+	h.breaker.logger = l.With(zap.String("zone", h.Zone))
+	return logs
+}
+
+// countLogs counts entries whose message contains msg.
+func countLogs(logs *observer.ObservedLogs, msg string) int {
+	return logs.FilterMessageSnippet(msg).Len()
+}
+
+// hit sends one request with the X-Key header through h, whose next
+// handler answers 200. It returns the status the client would get, the
+// X-RateLimit-Remaining header and how long the handler took.
+func hit(h *Handler, key string) (status int, remaining string, took time.Duration) {
+	return hitCtx(context.Background(), h, key)
+}
+
+// hitCtx is hit with a client context: canceling ctx is the client
+// going away.
+func hitCtx(ctx context.Context, h *Handler, key string) (status int, remaining string, took time.Duration) {
+	r, w := newRequest("192.0.2.1", http.Header{"X-Key": {key}})
+	base := r.Context()
+	r = r.WithContext(mergeCancel(base, ctx))
+	start := time.Now()
+	err := h.ServeHTTP(w, r, okHandler)
+	took = time.Since(start)
+	return statusOf(err, w), w.Header().Get("X-RateLimit-Remaining"), took
+}
+
+// mergeCancel is base (with Caddy's request values) canceled when ctx is.
+func mergeCancel(base, ctx context.Context) context.Context {
+	if ctx.Done() == nil {
+		return base
+	}
+	merged, cancel := context.WithCancelCause(base)
+	context.AfterFunc(ctx, func() { cancel(context.Cause(ctx)) })
+	return merged
+}
+
+// expectBurstThenDeny asserts that key, with a full bucket, is admitted
+// burst times (remaining counting down) and then denied.
+func expectBurstThenDeny(t *testing.T, h *Handler, key string, burst int) {
+	t.Helper()
+	for i := 1; i <= burst; i++ {
+		status, remaining, _ := hit(h, key)
+		if want := fmt.Sprint(burst - i); status != 200 || remaining != want {
+			t.Fatalf("%s request %d: %d remaining %q, want 200 with %s", key, i, status, remaining, want)
+		}
+	}
+	if status, remaining, _ := hit(h, key); status != 429 || remaining != "0" {
+		t.Fatalf("%s after the burst: %d remaining %q, want 429 with 0", key, status, remaining)
+	}
+}
+
+// eventually polls cond every 20ms until it holds, failing the test
+// after timeout; it returns how long that took.
+func eventually(t *testing.T, timeout time.Duration, what string, cond func() bool) time.Duration {
+	t.Helper()
+	start := time.Now()
+	for !cond() {
+		if time.Since(start) > timeout {
+			t.Fatalf("%s: not within %v", what, timeout)
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	return time.Since(start)
+}
+
+// caddyClient talks to caddyproc instances; its own transport, so idle
+// connections of one test do not meet the next.
+func caddyClient(t testing.TB) *http.Client {
+	tr := &http.Transport{MaxIdleConns: 256, MaxIdleConnsPerHost: 128, IdleConnTimeout: 30 * time.Second}
+	t.Cleanup(tr.CloseIdleConnections)
+	return &http.Client{Transport: tr, Timeout: 10 * time.Second}
+}
+
+// caddyGet sends GET base+path with the X-Key header; it returns the
+// status, the X-RateLimit-Remaining header and the body.
+func caddyGet(client *http.Client, url, key string) (status int, remaining, body string, err error) {
+	req, err := http.NewRequest(http.MethodGet, url, nil)
+	if err != nil {
+		return 0, "", "", err
+	}
+	req.Header.Set("X-Key", key)
+	resp, err := client.Do(req)
+	if err != nil {
+		return 0, "", "", err
+	}
+	defer resp.Body.Close()
+	b, err := io.ReadAll(resp.Body)
+	return resp.StatusCode, resp.Header.Get("X-RateLimit-Remaining"), string(b), err
+}
+
+// mustGet is caddyGet failing the test on a transport error.
+func mustGet(t *testing.T, client *http.Client, url, key string) (int, string) {
+	t.Helper()
+	status, remaining, _, err := caddyGet(client, url, key)
+	if err != nil {
+		t.Fatalf("GET %s (key %s): %v", url, key, err)
+	}
+	return status, remaining
+}
+
+// expectCaddyBurstThenDeny is expectBurstThenDeny through a Caddy.
+func expectCaddyBurstThenDeny(t *testing.T, client *http.Client, url, key string, burst int) {
+	t.Helper()
+	for i := 1; i <= burst; i++ {
+		status, remaining := mustGet(t, client, url, key)
+		if want := fmt.Sprint(burst - i); status != 200 || remaining != want {
+			t.Fatalf("%s request %d: %d remaining %q, want 200 with %s", key, i, status, remaining, want)
+		}
+	}
+	if status, remaining := mustGet(t, client, url, key); status != 429 || remaining != "0" {
+		t.Fatalf("%s after the burst: %d remaining %q, want 429 with 0", key, status, remaining)
+	}
+}
+
+// stallBound is how long a request may take while Redis does not answer
+// within the 100ms timeout: generous, for -race on two cores.
+const stallBound = 400 * time.Millisecond
+
+// openBreaker sends requests to a Redis that does not answer until the
+// breaker opens, then checks that requests skip Redis. Every request is
+// admitted (on_error allow) with remaining -1.
+func openBreaker(t *testing.T, h *Handler) {
+	t.Helper()
+	opened := false
+	for i := 1; i <= 10 && !opened; i++ {
+		status, remaining, took := hit(h, "stalled")
+		if status != 200 || remaining != "-1" {
+			t.Fatalf("request %d to a stalled Redis: %d remaining %q, want 200 with -1", i, status, remaining)
+		}
+		if took > stallBound {
+			t.Errorf("request %d to a stalled Redis took %v, more than %v (timeout 100ms)", i, took, stallBound)
+		}
+		if opened = h.breaker.isOpen(); opened {
+			t.Logf("breaker opened after %d failed requests", i)
+		}
+	}
+	if !opened {
+		t.Fatalf("breaker still closed after 10 failed requests (failures %d)", h.breaker.failures.Load())
+	}
+	// The next probe is breakerCooldown (500ms) away: these skip Redis.
+	for i := 1; i <= 20; i++ {
+		status, remaining, took := hit(h, "stalled")
+		if status != 200 || remaining != "-1" {
+			t.Fatalf("request %d with the breaker open: %d remaining %q, want 200 with -1", i, status, remaining)
+		}
+		if took > 50*time.Millisecond {
+			t.Errorf("request %d with the breaker open took %v; it should not wait for Redis", i, took)
+		}
+	}
+}
+
+const stallDirective = `rate_limit 0.01 2 {
+	zone %s
+	key {http.request.header.X-Key}
+	redis %s
+}`
+
+func TestRedisStallOpensAndClosesBreaker(t *testing.T) {
+	srv := redistest.Start(t)
+	h := caddyfileHandler(t, fmt.Sprintf(stallDirective, "stall", srv.Addr))
+	logs := observeLogs(h)
+	if status, remaining, _ := hit(h, "warm"); status != 200 || remaining != "1" {
+		t.Fatalf("before the stall: %d remaining %q", status, remaining)
+	}
+
+	// DEBUG SLEEP blocks the server (not just a connection) for 2 s.
+	sleeper := redis.NewClient(&redis.Options{Addr: srv.Addr, ReadTimeout: 10 * time.Second, MaxRetries: -1})
+	defer sleeper.Close()
+	slept := make(chan error, 1)
+	go func() { slept <- sleeper.Do(context.Background(), "DEBUG", "SLEEP", "2").Err() }()
+	probe := redis.NewClient(&redis.Options{Addr: srv.Addr, ReadTimeout: 30 * time.Millisecond, MaxRetries: -1, PoolSize: 1})
+	defer probe.Close()
+	eventually(t, time.Second, "Redis stalls", func() bool {
+		return probe.Ping(context.Background()).Err() != nil
+	})
+
+	openBreaker(t, h)
+
+	// Until the stall ends, every cooldown's probe fails and the breaker
+	// stays open; requests keep following on_error without waiting long.
+	for stalled := true; stalled; {
+		select {
+		case err := <-slept:
+			if err != nil {
+				t.Fatalf("DEBUG SLEEP: %v", err)
+			}
+			stalled = false
+		case <-time.After(20 * time.Millisecond):
+			status, remaining, took := hit(h, "stalled")
+			if status != 200 || remaining != "-1" || took > stallBound {
+				t.Fatalf("during the stall: %d remaining %q in %v, want 200 with -1 within %v", status, remaining, took, stallBound)
+			}
+		}
+	}
+	took := eventually(t, 2*time.Second, "limiting resumes after the stall", func() bool {
+		status, remaining, _ := hit(h, "after")
+		return status == 200 && remaining != "-1"
+	})
+	t.Logf("limiting resumed %v after the stall ended", took.Round(time.Millisecond))
+	if h.breaker.isOpen() {
+		t.Fatal("breaker still open after Redis answered")
+	}
+	if n := countLogs(logs, "circuit breaker opened"); n != 1 {
+		t.Errorf("logged 'circuit breaker opened' %d times, want once", n)
+	}
+	if n := countLogs(logs, "circuit breaker closed"); n != 1 {
+		t.Errorf("logged 'circuit breaker closed' %d times, want once", n)
+	}
+}
+
+func TestRedisBlackholeOpensBreaker(t *testing.T) {
+	addr := redistest.StartBlackhole(t)
+	h := caddyfileHandler(t, fmt.Sprintf(stallDirective, "blackhole", addr))
+	logs := observeLogs(h)
+
+	openBreaker(t, h)
+	// After the cooldown one request probes, fails within the timeout,
+	// and the breaker stays open.
+	time.Sleep(breakerCooldown + 50*time.Millisecond)
+	if status, remaining, took := hit(h, "stalled"); status != 200 || remaining != "-1" || took > stallBound {
+		t.Fatalf("probe: %d remaining %q in %v, want 200 with -1 within %v", status, remaining, took, stallBound)
+	}
+	if !h.breaker.isOpen() {
+		t.Fatal("breaker closed after a failed probe")
+	}
+
+	if n := countLogs(logs, "circuit breaker opened"); n != 1 {
+		t.Errorf("logged 'circuit breaker opened' %d times, want once", n)
+	}
+	if n := countLogs(logs, "circuit breaker closed"); n != 0 {
+		t.Errorf("logged 'circuit breaker closed' %d times, want never", n)
+	}
+	warned := logs.FilterMessageSnippet("following on_error").All()
+	if len(warned) != 1 {
+		t.Fatalf("logged 'Redis failed; following on_error' %d times, want once (throttled)", len(warned))
+	}
+	if err := fmt.Sprint(warned[0].ContextMap()["error"]); !strings.Contains(err, "timeout") && !strings.Contains(err, "deadline") {
+		t.Errorf("the warning does not say Redis timed out: %q", err)
+	}
+}
+
+func TestCanceledRequestsDoNotTripBreaker(t *testing.T) {
+	addr := redistest.StartBlackhole(t)
+	h := caddyfileHandler(t, fmt.Sprintf(stallDirective, "canceled", addr))
+	logs := observeLogs(h)
+
+	var wg sync.WaitGroup
+	for i := range 20 {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			ctx, cancel := context.WithCancel(context.Background())
+			time.AfterFunc(20*time.Millisecond, cancel) // mid-flight: the timeout is 100ms
+			status, remaining, took := hitCtx(ctx, h, fmt.Sprint("gone-", i))
+			if status != 499 {
+				t.Errorf("canceled request %d: %d remaining %q, want 499 (client gone)", i, status, remaining)
+			}
+			if took > stallBound {
+				t.Errorf("canceled request %d took %v", i, took)
+			}
+		}()
+	}
+	wg.Wait()
+	// Let abandoned calls finish in the batcher: they must not count either.
+	time.Sleep(200 * time.Millisecond)
+	if h.breaker.isOpen() || h.breaker.failures.Load() != 0 {
+		t.Fatalf("breaker open %v with %d failures after canceled requests; a client going away is no Redis failure",
+			h.breaker.isOpen(), h.breaker.failures.Load())
+	}
+	if n := logs.FilterLevelExact(zap.WarnLevel).Len(); n != 0 {
+		t.Fatalf("%d warnings for canceled requests: %v", n, logs.All())
+	}
+}
+
+const restartSite = `
+http://127.0.0.1:{{http_port}} {
+	rate_limit 0.01 3 {
+		zone restarts
+		key {http.request.header.X-Key}
+		redis %s
+	}
+	respond "ok"
+}`
+
+func TestRedisRestartAndFlushesKeepLimiting(t *testing.T) {
+	srv := redistest.Start(t)
+	inst := caddyproc.Start(t, caddyproc.Caddyfile(fmt.Sprintf(restartSite, srv.Addr)))
+	pid := inst.PID()
+	client := caddyClient(t)
+	rdb := srv.Client(t)
+	ctx := context.Background()
+
+	expectCaddyBurstThenDeny(t, client, inst.URL, "before", 3)
+	if status, remaining := mustGet(t, client, inst.URL, "partial"); status != 200 || remaining != "2" {
+		t.Fatalf("partial: %d remaining %q, want 200 with 2", status, remaining)
+	}
+
+	// Restart on the same port: the buckets and the script cache are gone.
+	srv.Stop(t)
+	for i := range 10 {
+		if status, remaining := mustGet(t, client, inst.URL, "down"); status != 200 || remaining != "-1" {
+			t.Fatalf("request %d while Redis is down: %d remaining %q, want 200 with -1", i, status, remaining)
+		}
+	}
+	srv.Restart(t)
+	probes := 0
+	took := eventually(t, 3*time.Second, "limiting resumes after the restart", func() bool {
+		probes++
+		status, remaining := mustGet(t, client, inst.URL, fmt.Sprint("probe", probes))
+		if status >= 500 {
+			t.Fatalf("status %d after the restart", status)
+		}
+		return remaining != "-1"
+	})
+	t.Logf("limiting resumed %v after the restart", took.Round(time.Millisecond))
+	expectCaddyBurstThenDeny(t, client, inst.URL, "down", 3)
+	// An empty Redis: the bucket that had two tokens left is full again.
+	expectCaddyBurstThenDeny(t, client, inst.URL, "partial", 3)
+
+	// SCRIPT FLUSH: the script is sent again, invisibly, and the bucket is kept.
+	if status, remaining := mustGet(t, client, inst.URL, "flush"); status != 200 || remaining != "2" {
+		t.Fatalf("flush: %d remaining %q", status, remaining)
+	}
+	if err := rdb.ScriptFlush(ctx).Err(); err != nil {
+		t.Fatal(err)
+	}
+	for _, want := range []string{"1", "0"} {
+		if status, remaining := mustGet(t, client, inst.URL, "flush"); status != 200 || remaining != want {
+			t.Fatalf("after SCRIPT FLUSH: %d remaining %q, want 200 with %s", status, remaining, want)
+		}
+	}
+	if status, remaining := mustGet(t, client, inst.URL, "flush"); status != 429 {
+		t.Fatalf("after SCRIPT FLUSH and the burst: %d remaining %q, want 429", status, remaining)
+	}
+
+	// FLUSHALL empties the buckets: full again, then limited.
+	if status, remaining := mustGet(t, client, inst.URL, "flushall"); status != 200 || remaining != "2" {
+		t.Fatalf("flushall: %d remaining %q, want 200 with 2", status, remaining)
+	}
+	if err := rdb.FlushAll(ctx).Err(); err != nil {
+		t.Fatal(err)
+	}
+	expectCaddyBurstThenDeny(t, client, inst.URL, "flushall", 3)
+	// A bucket denied before the flush stays denied from the deny cache
+	// for the Retry-After its client was given (documented in denycache.go).
+	status, remaining := mustGet(t, client, inst.URL, "flush")
+	t.Logf("a key denied before FLUSHALL, right after it: %d remaining %s", status, remaining)
+
+	if inst.PID() != pid {
+		t.Fatalf("Caddy was restarted (pid %d, then %d)", pid, inst.PID())
+	}
+}
+
+const refusedSite = `
+http://127.0.0.1:{{http_port}} {
+	handle /allow {
+		rate_limit 1 5 {
+			zone refused-allow
+			key {http.request.header.X-Key}
+			on_error allow
+			redis %[1]s
+		}
+		respond "ok"
+	}
+	handle /deny {
+		rate_limit 1 5 {
+			zone refused-deny
+			key {http.request.header.X-Key}
+			on_error deny
+			redis %[1]s
+		}
+		respond "ok"
+	}
+}`
+
+// expectRefused asserts that Redis refusing the write is handled as a
+// Redis failure, and that the logged warning names the reason.
+func expectRefused(t *testing.T, redisAddr, reason string) {
+	t.Helper()
+	inst := caddyproc.Start(t, caddyproc.Caddyfile(fmt.Sprintf(refusedSite, redisAddr)))
+	client := caddyClient(t)
+	for range 3 {
+		if status, remaining := mustGet(t, client, inst.URL+"/allow", "w"); status != 200 || remaining != "-1" {
+			t.Fatalf("/allow: %d remaining %q, want 200 with -1", status, remaining)
+		}
+		if status, remaining := mustGet(t, client, inst.URL+"/deny", "w"); status != 503 || remaining != "-1" {
+			t.Fatalf("/deny: %d remaining %q, want 503 with -1", status, remaining)
+		}
+	}
+	var warnings int
+	for _, line := range strings.Split(inst.LogTail(1000), "\n") {
+		if strings.Contains(line, "Redis failed") {
+			warnings++
+			if !strings.Contains(line, reason) {
+				t.Errorf("the warning does not mention %s:\n%s", reason, line)
+			}
+		}
+	}
+	if warnings != 2 { // one per handler: throttled
+		t.Errorf("%d 'Redis failed' warnings, want 2 (one per handler)\n%s", warnings, inst.LogTail(40))
+	}
+}
+
+func TestReadOnlyReplicaIsRedisFailure(t *testing.T) {
+	primary := redistest.Start(t)
+	replica := redistest.Start(t, "--replicaof", "127.0.0.1", fmt.Sprint(primary.Port))
+	expectRefused(t, replica.Addr, "READONLY")
+}
+
+func TestOutOfMemoryIsRedisFailure(t *testing.T) {
+	srv := redistest.Start(t, "--maxmemory", "1mb", "--maxmemory-policy", "noeviction")
+	rdb := srv.Client(t)
+	ctx := context.Background()
+	// Writes are refused while used memory exceeds maxmemory. A 4 MB value
+	// keeps it far above 1 MB; it goes in with the limit lifted, since its
+	// own query buffer would otherwise trip it, and the limit comes back.
+	for _, step := range [][]any{
+		{"CONFIG", "SET", "maxmemory", "0"},
+		{"SET", "ballast", strings.Repeat("x", 4<<20)},
+		{"CONFIG", "SET", "maxmemory", "1mb"},
+	} {
+		if err := rdb.Do(ctx, step...).Err(); err != nil {
+			t.Fatalf("%v: %v", step[:2], err)
+		}
+	}
+	if err := rdb.Set(ctx, "more", "x", 0).Err(); err == nil || !strings.HasPrefix(err.Error(), "OOM") {
+		t.Fatalf("Redis still takes writes (%v); the test needs it full", err)
+	}
+	expectRefused(t, srv.Addr, "OOM")
+}

@@ -1,0 +1,5 @@
+//go:build !race
+
+package caddyproc
+
+const raceEnabled = false

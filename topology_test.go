@@ -1,0 +1,374 @@
+package ratelimit
+
+import (
+	"context"
+	"crypto/sha1"
+	"encoding/hex"
+	"fmt"
+	"strconv"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/caddy-redis/ratelimit/internal/redistest"
+)
+
+// topologyTimeout is the redis timeout of the failover tests; requests
+// must be answered within it plus failoverSlack while a master is gone.
+const (
+	topologyTimeout = 200 * time.Millisecond
+	failoverSlack   = 250 * time.Millisecond
+)
+
+// failoverTraffic sends requests on keys (round robin) from the start
+// until stop, asserting that none yields a server error or takes longer
+// than the timeout allows; it counts the requests that followed on_error.
+type failoverTraffic struct {
+	stop      chan struct{}
+	done      chan struct{}
+	sent      atomic.Int64
+	failOpen  atomic.Int64
+	slowest   atomic.Int64
+	errorSeen atomic.Int64
+}
+
+func startFailoverTraffic(t *testing.T, h *Handler, keys []string) *failoverTraffic {
+	ft := &failoverTraffic{stop: make(chan struct{}), done: make(chan struct{})}
+	go func() {
+		defer close(ft.done)
+		for i := 0; ; i++ {
+			select {
+			case <-ft.stop:
+				return
+			default:
+			}
+			key := keys[i%len(keys)]
+			status, remaining, took := hit(h, key)
+			ft.sent.Add(1)
+			if took > time.Duration(ft.slowest.Load()) {
+				ft.slowest.Store(int64(took))
+			}
+			switch {
+			case status == 200 && remaining == "-1":
+				ft.failOpen.Add(1)
+			case (status == 200 || status == 429) && remaining != "" && remaining != "-1":
+			default:
+				if ft.errorSeen.Add(1) <= 5 {
+					t.Errorf("during failover, key %s: %d remaining %q; want 200 or 429, -1 only with 200", key, status, remaining)
+				}
+			}
+			if took > topologyTimeout+failoverSlack {
+				if ft.errorSeen.Add(1) <= 5 {
+					t.Errorf("during failover, key %s took %v, more than the timeout %v + %v", key, took, topologyTimeout, failoverSlack)
+				}
+			}
+			time.Sleep(2 * time.Millisecond)
+		}
+	}()
+	t.Cleanup(ft.end)
+	return ft
+}
+
+func (ft *failoverTraffic) end() {
+	select {
+	case <-ft.stop:
+	default:
+		close(ft.stop)
+	}
+	<-ft.done
+}
+
+func (ft *failoverTraffic) report(t *testing.T) {
+	ft.end()
+	t.Logf("during failover: %d requests, %d followed on_error, slowest %v",
+		ft.sent.Load(), ft.failOpen.Load(), time.Duration(ft.slowest.Load()).Round(time.Millisecond))
+	if ft.failOpen.Load() == 0 {
+		t.Error("no request followed on_error while the master was down: was the failover seen at all?")
+	}
+}
+
+// scriptHash is the SHA1 that EVALSHA names the script by.
+func scriptHash() string {
+	sum := sha1.Sum([]byte(scriptSource))
+	return hex.EncodeToString(sum[:])
+}
+
+// bucketValues lists the client keys whose buckets the server holds.
+func bucketValues(t *testing.T, srv *redistest.Server, zone string) []string {
+	t.Helper()
+	prefix := defaultKeyPrefix + zone + "|"
+	keys, err := srv.Client(t).Keys(context.Background(), prefix+"*").Result()
+	if err != nil {
+		t.Fatalf("KEYS on %s: %v", srv.Addr, err)
+	}
+	for i, k := range keys {
+		keys[i] = strings.TrimPrefix(k, prefix)
+	}
+	return keys
+}
+
+func TestClusterSpreadsBucketsAndRidesOutFailover(t *testing.T) {
+	c := redistest.StartCluster(t, 3, 1)
+	directive := fmt.Sprintf(`rate_limit 0.01 2 {
+	zone cluster
+	key {http.request.header.X-Key}
+	redis {
+		address %s
+		timeout %v
+	}
+}`, strings.Join(c.Addrs, " "), topologyTimeout)
+	h := caddyfileHandler(t, directive)
+
+	// Every key admits exactly its burst, then is denied; Redis errors
+	// never reach a client. Denied buckets are then answered from the deny
+	// cache, without Redis, so the failover below uses "p" keys, which
+	// took one token of two and still ask Redis.
+	const keys, partial, workers = 3000, 300, 8
+	start := time.Now()
+	var wg sync.WaitGroup
+	var wrong atomic.Int64
+	for w := range workers {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for k := w; k < keys; k += workers {
+				key := "k" + strconv.Itoa(k)
+				for i, want := range []struct {
+					status    int
+					remaining string
+				}{{200, "1"}, {200, "0"}, {429, "0"}} {
+					status, remaining, _ := hit(h, key)
+					if (status != want.status || remaining != want.remaining) && wrong.Add(1) <= 5 {
+						t.Errorf("key %s request %d: %d remaining %q, want %d with %s",
+							key, i+1, status, remaining, want.status, want.remaining)
+					}
+				}
+			}
+		}()
+	}
+	for k := range partial {
+		if status, remaining, _ := hit(h, "p"+strconv.Itoa(k)); status != 200 || remaining != "1" {
+			t.Errorf("key p%d: %d remaining %q, want 200 with 1", k, status, remaining)
+		}
+	}
+	wg.Wait()
+	t.Logf("%d keys x 3 requests and %d x 1 in %v", keys, partial, time.Since(start).Round(time.Millisecond))
+	if t.Failed() {
+		t.FailNow()
+	}
+	total := int64(0)
+	for _, m := range c.Masters {
+		n, err := m.Client(t).DBSize(context.Background()).Result()
+		if err != nil {
+			t.Fatal(err)
+		}
+		if n == 0 {
+			t.Errorf("master %s holds no bucket", m.Addr)
+		}
+		total += n
+	}
+	if total != keys+partial {
+		t.Errorf("the masters hold %d buckets, want %d", total, keys+partial)
+	}
+
+	// Kill the master of slots 0-5460; its replica takes over.
+	var dead, deadPartial, alivePartial []string
+	for _, v := range bucketValues(t, c.Masters[0], "cluster") {
+		if strings.HasPrefix(v, "p") {
+			deadPartial = append(deadPartial, v)
+		} else {
+			dead = append(dead, v)
+		}
+	}
+	for _, v := range bucketValues(t, c.Masters[1], "cluster") {
+		if strings.HasPrefix(v, "p") {
+			alivePartial = append(alivePartial, v)
+		}
+	}
+	if len(dead) < 20 || len(deadPartial) < 25 || len(alivePartial) == 0 {
+		t.Fatalf("buckets on the master to kill: %d, %d partial; partial ones on another: %d",
+			len(dead), len(deadPartial), len(alivePartial))
+	}
+	// Replication is asynchronous: wait until the replica has the buckets.
+	if n, err := c.Masters[0].Client(t).Wait(context.Background(), 1, 5*time.Second).Result(); err != nil || n != 1 {
+		t.Fatalf("WAIT for the replica of %s: %d %v", c.Masters[0].Addr, n, err)
+	}
+	logs := observeLogs(h)
+	c.Masters[0].Kill(t)
+	killed := time.Now()
+	traffic := startFailoverTraffic(t, h, []string{deadPartial[0], alivePartial[0], deadPartial[1], deadPartial[2]})
+	c.WaitHealthy(t, 30*time.Second)
+	healthy := time.Since(killed)
+	resumed := eventually(t, 5*time.Second, "limiting resumes on the promoted replica", func() bool {
+		for _, key := range deadPartial[5:25] {
+			if _, remaining, _ := hit(h, key); remaining == "" || remaining == "-1" {
+				return false
+			}
+		}
+		return true
+	})
+	traffic.report(t)
+	t.Logf("cluster healthy %v after the kill; limiting resumed %v later; the breaker opened %d and closed %d times",
+		healthy.Round(time.Millisecond), resumed.Round(time.Millisecond),
+		countLogs(logs, "circuit breaker opened"), countLogs(logs, "circuit breaker closed"))
+
+	// The promoted replica kept the buckets it had replicated: keys of
+	// the dead master's slots are still denied, by Redis (a second handler
+	// has a deny cache of its own; it shares the Redis client).
+	h2 := caddyfileHandler(t, directive)
+	for _, key := range dead[:20] {
+		if status, remaining, _ := hit(h2, key); status != 429 || remaining != "0" {
+			t.Errorf("key %s of the failed-over slots: %d remaining %q, want 429 with 0", key, status, remaining)
+		}
+	}
+	// And new keys are limited wherever they land, the new master included.
+	for i := range 30 {
+		expectBurstThenDeny(t, h, fmt.Sprint("fresh", i), 2)
+	}
+	if n := len(bucketValues(t, c.Replicas[0], "cluster")); n < len(dead)+len(deadPartial) {
+		t.Errorf("the promoted replica holds %d buckets, fewer than the %d its master had", n, len(dead)+len(deadPartial))
+	}
+	found := false
+	for _, v := range bucketValues(t, c.Replicas[0], "cluster") {
+		found = found || strings.HasPrefix(v, "fresh")
+	}
+	if !found {
+		t.Error("no new bucket landed on the promoted replica")
+	}
+}
+
+func TestSentinelFollowsFailover(t *testing.T) {
+	st := redistest.StartSentinel(t)
+	directive := fmt.Sprintf(`rate_limit 0.01 2 {
+	zone sentinel
+	key {http.request.header.X-Key}
+	redis {
+		address %s
+		master_name %s
+		timeout %v
+	}
+}`, strings.Join(st.SentinelAddrs, " "), st.MasterName, topologyTimeout)
+	h := caddyfileHandler(t, directive)
+	ctx := context.Background()
+	expectBurstThenDeny(t, h, "before", 2)
+	// "partial" took one token of two: it still asks Redis ("before" is
+	// answered from the deny cache now).
+	if status, remaining, _ := hit(h, "partial"); status != 200 || remaining != "1" {
+		t.Fatalf("partial: %d remaining %q, want 200 with 1", status, remaining)
+	}
+	// Replication is asynchronous: wait until the replica has the buckets.
+	if n, err := st.Master.Client(t).Wait(ctx, 1, 5*time.Second).Result(); err != nil || n != 1 {
+		info, _ := st.Replica.Client(t).Info(ctx, "replication").Result()
+		t.Fatalf("WAIT for the replica: %d %v\n%s\n%s", n, err, info, st.Replica.LogTail(20))
+	}
+	oldMaster := st.CurrentMaster(t)
+	if oldMaster != st.Master.Addr {
+		t.Fatalf("sentinels name %s as master, not %s", oldMaster, st.Master.Addr)
+	}
+	cached, err := st.Replica.Client(t).ScriptExists(ctx, scriptHash()).Result()
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Logf("script cached on the replica before the failover: %v", cached[0])
+
+	st.Master.Kill(t)
+	killed := time.Now()
+	traffic := startFailoverTraffic(t, h, []string{"partial", "other"})
+	newMaster := st.WaitFailover(t, oldMaster, 30*time.Second)
+	failedOver := time.Since(killed)
+	probes := 0
+	resumed := eventually(t, 5*time.Second, "limiting follows the new master", func() bool {
+		probes++
+		_, remaining, _ := hit(h, fmt.Sprint("probe", probes))
+		return remaining != "" && remaining != "-1"
+	})
+	traffic.report(t)
+	t.Logf("sentinels switched to %s %v after the kill; limiting resumed %v later",
+		newMaster, failedOver.Round(time.Millisecond), resumed.Round(time.Millisecond))
+
+	// No NOSCRIPT reaches anyone: the new master got the script on the
+	// first call, and limiting works there, with the buckets the replica
+	// had (a second handler: its deny cache is empty).
+	for i := range 10 {
+		expectBurstThenDeny(t, h, fmt.Sprint("after", i), 2)
+	}
+	h2 := caddyfileHandler(t, directive)
+	if status, remaining, _ := hit(h2, "before"); status != 429 || remaining != "0" {
+		t.Errorf("before, on the new master: %d remaining %q, want 429 with 0 (replicated)", status, remaining)
+	}
+	if newMaster != st.Replica.Addr {
+		t.Fatalf("new master %s is not the replica %s", newMaster, st.Replica.Addr)
+	}
+	exists, err := st.Replica.Client(t).ScriptExists(ctx, scriptHash()).Result()
+	if err != nil || !exists[0] {
+		t.Fatalf("script not cached on the new master: %v %v", exists, err)
+	}
+	if n := len(bucketValues(t, st.Replica, "sentinel")); n < 10 {
+		t.Fatalf("the new master holds %d buckets; the limiter did not follow it", n)
+	}
+}
+
+// tlsDirective is a rate_limit with the Redis address and the lines of
+// its tls block. The timeout is long: a first request pays the TCP and
+// TLS handshakes and the script upload, which can take more than the
+// default 100ms on a loaded machine under -race.
+func tlsDirective(zone, addr string, tlsLines ...string) string {
+	return fmt.Sprintf(`rate_limit 0.01 2 {
+	zone %s
+	key {http.request.header.X-Key}
+	redis %s {
+		timeout 1s
+		tls {
+			%s
+		}
+	}
+}`, zone, addr, strings.Join(tlsLines, "\n\t\t\t"))
+}
+
+// expectTLSFailure asserts that requests follow on_error (allow) and that
+// the warning says the TLS handshake failed because of certificates.
+func expectTLSFailure(t *testing.T, h *Handler) {
+	t.Helper()
+	logs := observeLogs(h)
+	for range 3 {
+		if status, remaining, _ := hit(h, "k"); status != 200 || remaining != "-1" {
+			t.Fatalf("%d remaining %q, want 200 with -1 (on_error allow)", status, remaining)
+		}
+	}
+	warned := logs.FilterMessageSnippet("following on_error").All()
+	if len(warned) == 0 {
+		t.Fatal("no warning logged")
+	}
+	if err := fmt.Sprint(warned[0].ContextMap()["error"]); !strings.Contains(err, "certificate") {
+		t.Fatalf("the warning does not say why: %q", err)
+	}
+}
+
+func TestTLSRedis(t *testing.T) {
+	ts := redistest.StartTLS(t, false)
+	mtls := redistest.StartTLS(t, true)
+
+	t.Run("ca", func(t *testing.T) {
+		h := caddyfileHandler(t, tlsDirective("tls-ca", ts.Addr, "ca "+ts.CAFile))
+		expectBurstThenDeny(t, h, "k", 2)
+	})
+	t.Run("rediss URL", func(t *testing.T) {
+		h := caddyfileHandler(t, tlsDirective("tls-url", "rediss://"+ts.Addr, "ca "+ts.CAFile))
+		expectBurstThenDeny(t, h, "k", 2)
+	})
+	t.Run("client certificate", func(t *testing.T) {
+		h := caddyfileHandler(t, tlsDirective("tls-mutual", mtls.Addr,
+			"ca "+mtls.CAFile, "cert "+mtls.ClientCertFile, "key "+mtls.ClientKeyFile))
+		expectBurstThenDeny(t, h, "k", 2)
+	})
+	t.Run("wrong CA", func(t *testing.T) {
+		h := caddyfileHandler(t, tlsDirective("tls-wrong-ca", ts.Addr, "ca "+ts.OtherCAFile))
+		expectTLSFailure(t, h)
+	})
+	t.Run("no client certificate", func(t *testing.T) {
+		h := caddyfileHandler(t, tlsDirective("tls-no-cert", mtls.Addr, "ca "+mtls.CAFile))
+		expectTLSFailure(t, h)
+	})
+}

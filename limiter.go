@@ -457,12 +457,11 @@ func (b *backend) Destruct() error {
 
 // take asks Redis to take the requested tokens from the bucket at key.
 // args are the script's arguments (rate, burst, requested). The answer
-// comes within the timeout. A call whose client has left (ctx canceled)
+// comes within the timeout from now. A call whose client has left (ctx canceled)
 // by the time its batch goes out is not sent, so it takes no tokens.
-func (b *backend) take(ctx context.Context, key string, args []any) (Result, error) {
+func (b *backend) take(ctx context.Context, now time.Time, key string, args []any) (Result, error) {
 	c := calls.Get().(*call)
 	c.cmd = [7]any{evalSHA, scriptSHAValue, "1", key, args[0], args[1], args[2]}
-	now := time.Now()
 	c.deadline = now.Add(b.timeout)
 	c.request = ctx
 	b.lastCall.Store(now.UnixNano())

@@ -37,7 +37,7 @@ func limitArgs(rate float64, burst, requested int64) []any {
 
 func mustTake(t *testing.T, b *backend, key string, args []any) Result {
 	t.Helper()
-	res, err := b.take(context.Background(), key, args)
+	res, err := b.take(context.Background(), time.Now(), key, args)
 	if err != nil {
 		t.Fatalf("take %s: %v", key, err)
 	}
@@ -166,7 +166,7 @@ func TestScriptKeepsBoundUnderConcurrency(t *testing.T) {
 		go func() {
 			defer wg.Done()
 			for time.Now().Before(deadline) {
-				res, err := b.take(context.Background(), "shared", args)
+				res, err := b.take(context.Background(), time.Now(), "shared", args)
 				if err != nil {
 					t.Error(err)
 					return
@@ -258,7 +258,7 @@ func TestBackendTimeoutBoundsWait(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 50*time.Millisecond)
 	defer cancel()
 	start := time.Now()
-	_, err := b.take(ctx, "k", limitArgs(1, 1, 1))
+	_, err := b.take(ctx, time.Now(), "k", limitArgs(1, 1, 1))
 	if !isNetworkError(err) { // the caller's deadline or the pipeline's read timeout, whichever fired first
 		t.Fatalf("err %v, want a timeout", err)
 	}
@@ -282,7 +282,7 @@ func TestBatchingCoalescesConcurrentCalls(t *testing.T) {
 			defer wg.Done()
 			key := "client-" + strconv.Itoa(i)
 			for range each {
-				if res, err := b.take(context.Background(), key, args); err != nil || !res.Allowed {
+				if res, err := b.take(context.Background(), time.Now(), key, args); err != nil || !res.Allowed {
 					t.Errorf("%s: %+v %v", key, res, err)
 					return
 				}
@@ -310,7 +310,7 @@ func TestBatchedCallGivingUpLeavesNeighboursAlone(t *testing.T) {
 	go rdb.Do(context.Background(), "DEBUG", "SLEEP", "0.3")
 	time.Sleep(50 * time.Millisecond)
 	for i := range pipelinesInFlight {
-		go b.take(context.Background(), "blocker"+strconv.Itoa(i), args)
+		go b.take(context.Background(), time.Now(), "blocker"+strconv.Itoa(i), args)
 		time.Sleep(10 * time.Millisecond)
 	}
 
@@ -326,7 +326,7 @@ func TestBatchedCallGivingUpLeavesNeighboursAlone(t *testing.T) {
 			if i == 0 {
 				ctx = impatient
 			}
-			_, errs[i] = b.take(ctx, "n"+strconv.Itoa(i), args)
+			_, errs[i] = b.take(ctx, time.Now(), "n"+strconv.Itoa(i), args)
 		}()
 	}
 	wg.Wait()

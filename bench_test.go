@@ -23,8 +23,12 @@ import (
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 )
 
-// benchWriter is a ResponseWriter that keeps nothing but the header map.
-type benchWriter struct{ h http.Header }
+// benchWriter is a ResponseWriter that keeps nothing but the header map
+// and the status.
+type benchWriter struct {
+	h      http.Header
+	status int
+}
 
 // freshHeader is a new response header map as a handler sees it in
 // Caddy: net/http makes an empty one per request and Caddy's server
@@ -38,7 +42,7 @@ var caddyServerHeader = []string{"Caddy"}
 
 func (w *benchWriter) Header() http.Header         { return w.h }
 func (w *benchWriter) Write(p []byte) (int, error) { return len(p), nil }
-func (w *benchWriter) WriteHeader(int)             {}
+func (w *benchWriter) WriteHeader(status int)      { w.status = status }
 
 // benchRequest is a GET from remoteIP with an X-Key header (if key is not
 // empty), prepared as Caddy's server prepares it (newRequest's steps, with
@@ -87,16 +91,18 @@ func allowedHandler(b *testing.B, srv *redistest.Server) *Handler {
 // serveOne runs one request and fails the benchmark on an unexpected
 // outcome (an error where allowed, no error where denied).
 func serveOne(b *testing.B, h *Handler, r *http.Request, w *benchWriter, wantStatus int) {
-	w.h = freshHeader()
+	w.h, w.status = freshHeader(), http.StatusOK
 	err := h.ServeHTTP(w, r, okHandler)
-	if got := statusOfErr(err); got != wantStatus {
+	if got := statusOfErr(err, w.status); got != wantStatus {
 		b.Fatalf("status %d (err %v), want %d", got, err, wantStatus)
 	}
 }
 
-func statusOfErr(err error) int {
+// statusOfErr is the status of the response: the error's, or, without
+// one, what was written (a denial on a server without handle_errors).
+func statusOfErr(err error, written int) int {
 	if err == nil {
-		return http.StatusOK
+		return written
 	}
 	if he, ok := err.(caddyhttp.HandlerError); ok {
 		return he.StatusCode

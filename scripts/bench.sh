@@ -51,38 +51,14 @@ if ((ncpu < 2)); then
 fi
 
 # --- build -------------------------------------------------------------------
-# Stale when any non-test Go file of the plugin, script.lua, go.mod or
-# go.sum is newer than the binary (bench/ holds only the load generator).
-stale() {
-	[[ -x "$CADDY_BIN" ]] || return 0
-	[[ -n "$(cd "$REPO_ROOT" && find . \( -path ./bin -o -path ./.git -o -path ./bench \) -prune -o \
-		\( \( -name '*.go' ! -name '*_test.go' \) -o -name script.lua -o -name go.mod -o -name go.sum \) \
-		-newer "$CADDY_BIN" -print -quit)" ]]
-}
-if stale; then
-	command -v xcaddy >/dev/null 2>&1 || bash "$REPO_ROOT/scripts/install-deps.sh" --xcaddy-only
-	XCADDY_QUIET="${XCADDY_QUIET:-1}" bash "$REPO_ROOT/scripts/build-caddy.sh" "$CADDY_BIN"
-else
-	log "bin/caddy is up to date"
-fi
+ensure_caddy "$CADDY_BIN"
 
 work="$(mktemp -d "${TMPDIR:-/tmp}/bench.XXXXXX")"
 redis_pid=""
 caddy_pid=""
-stop_pid() { # pid: SIGTERM, then SIGKILL after 5 s
-	local pid="$1" i
-	[[ -n "$pid" ]] || return 0
-	kill -TERM "$pid" 2>/dev/null || return 0
-	for ((i = 0; i < 50; i++)); do
-		kill -0 "$pid" 2>/dev/null || break
-		sleep 0.1
-	done
-	kill -KILL "$pid" 2>/dev/null || true
-	wait "$pid" 2>/dev/null || true
-}
 cleanup() {
-	stop_pid "$caddy_pid"
-	stop_pid "$redis_pid"
+	stop_child "$caddy_pid" 5
+	stop_child "$redis_pid" 5
 	rm -rf "$work"
 }
 trap cleanup EXIT
@@ -108,7 +84,7 @@ for attempt in 1 2 3 4 5; do
 		kill -0 "$redis_pid" 2>/dev/null || break
 		sleep 0.05
 	done
-	stop_pid "$redis_pid"
+	stop_child "$redis_pid" 5
 	redis_pid=""
 	log "redis-server did not start on port $port (attempt $attempt)"
 done
@@ -127,7 +103,7 @@ CASES=(
 )
 
 start_caddy() { # caddyfile-name [admin-address] -> sets caddy_pid, caddy_port
-	local conf="$REPO_ROOT/bench/$1.caddyfile" i
+	local conf="$REPO_ROOT/bench/$1.caddyfile"
 	caddy_port="$("$LOADGEN" freeport)"
 	mkdir -p "$work/home"
 	BENCH_PORT="$caddy_port" BENCH_REDIS="$REDIS_ADDR" BENCH_ADMIN="${2:-off}" GOMAXPROCS=1 \
@@ -135,13 +111,7 @@ start_caddy() { # caddyfile-name [admin-address] -> sets caddy_pid, caddy_port
 		taskset -c "$CADDY_CPU" "$CADDY_BIN" run --config "$conf" --adapter caddyfile \
 		>>"$work/caddy.log" 2>&1 &
 	caddy_pid=$!
-	for ((i = 0; i < 200; i++)); do
-		if (exec 3<>"/dev/tcp/127.0.0.1/$caddy_port") 2>/dev/null; then
-			return 0
-		fi
-		kill -0 "$caddy_pid" 2>/dev/null || break
-		sleep 0.05
-	done
+	wait_listening "$caddy_port" "$caddy_pid" && return 0
 	tail -n 30 "$work/caddy.log" >&2
 	die "Caddy ($1) did not start listening on port $caddy_port"
 }
@@ -160,7 +130,7 @@ for ((round = 1; round <= ROUNDS; round++)); do
 			tail -n 30 "$work/caddy.log" >&2
 			die "load generator failed on $name"
 		fi
-		stop_pid "$caddy_pid"
+		stop_child "$caddy_pid" 5
 		caddy_pid=""
 		log "round $round $name: $out"
 		echo "case=$name round=$round $out" >>"$results"
@@ -233,7 +203,7 @@ if [[ -n "${BENCH_PROFILE:-}" ]]; then
 	wait "$cpu_pid" "$allocs_pid" || log "warning: fetching a profile failed"
 	wait "$lg_pid" || true
 	log "profile run: $(cat "$work/profile-run")"
-	stop_pid "$caddy_pid"
+	stop_child "$caddy_pid" 5
 	caddy_pid=""
 	echo "--- Caddy CPU profile, allowed@64 (go tool pprof -top $prof/caddy-cpu.pprof) ---"
 	go tool pprof -top -nodecount 30 "$prof/caddy-cpu.pprof" 2>/dev/null | sed -n '4,40p'

@@ -37,3 +37,48 @@ export PATH
 module_path() {
 	awk '$1 == "module" { print $2; exit }' "$REPO_ROOT/go.mod"
 }
+
+# ensure_caddy BIN: builds BIN with xcaddy (scripts/build-caddy.sh,
+# installing xcaddy when missing) if it is missing or stale: when any
+# non-test Go file of the plugin, script.lua, go.mod or go.sum is newer
+# than it (bench/ holds only the load tools).
+ensure_caddy() {
+	local bin="$1"
+	if [[ ! -x "$bin" || -n "$(cd "$REPO_ROOT" && find . \( -path ./bin -o -path ./.git -o -path ./bench \) -prune -o \
+		\( \( -name '*.go' ! -name '*_test.go' \) -o -name script.lua -o -name go.mod -o -name go.sum \) \
+		-newer "$bin" -print -quit)" ]]; then
+		command -v xcaddy >/dev/null 2>&1 || bash "$REPO_ROOT/scripts/install-deps.sh" --xcaddy-only
+		XCADDY_QUIET="${XCADDY_QUIET:-1}" bash "$REPO_ROOT/scripts/build-caddy.sh" "$bin"
+	else
+		log "bin/caddy is up to date"
+	fi
+}
+
+# stop_child PID [SECONDS]: SIGTERM, then SIGKILL after SECONDS (10), then
+# reaps it. An empty PID is a no-op.
+stop_child() {
+	local pid="$1" i
+	[[ -n "$pid" ]] || return 0
+	if kill -TERM "$pid" 2>/dev/null; then
+		for ((i = 0; i < ${2:-10} * 10; i++)); do
+			kill -0 "$pid" 2>/dev/null || break
+			sleep 0.1
+		done
+		kill -KILL "$pid" 2>/dev/null || true
+	fi
+	wait "$pid" 2>/dev/null || true
+}
+
+# wait_listening PORT PID: waits up to 10 s until 127.0.0.1:PORT accepts a
+# connection; fails early if PID exits, and at the deadline.
+wait_listening() {
+	local port="$1" pid="$2" i
+	for ((i = 0; i < 200; i++)); do
+		if (exec 3<>"/dev/tcp/127.0.0.1/$port") 2>/dev/null; then
+			return 0
+		fi
+		kill -0 "$pid" 2>/dev/null || return 1
+		sleep 0.05
+	done
+	return 1
+}

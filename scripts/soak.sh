@@ -44,46 +44,21 @@ for bin in go redis-server; do
 done
 
 # --- build -------------------------------------------------------------------
-# Stale when any non-test Go file of the plugin, script.lua, go.mod or
-# go.sum is newer than the binary (bench/ holds only the load tools).
-stale() {
-	[[ -x "$CADDY_BIN" ]] || return 0
-	[[ -n "$(cd "$REPO_ROOT" && find . \( -path ./bin -o -path ./.git -o -path ./bench \) -prune -o \
-		\( \( -name '*.go' ! -name '*_test.go' \) -o -name script.lua -o -name go.mod -o -name go.sum \) \
-		-newer "$CADDY_BIN" -print -quit)" ]]
-}
-if stale; then
-	command -v xcaddy >/dev/null 2>&1 || bash "$REPO_ROOT/scripts/install-deps.sh" --xcaddy-only
-	XCADDY_QUIET="${XCADDY_QUIET:-1}" bash "$REPO_ROOT/scripts/build-caddy.sh" "$CADDY_BIN"
-else
-	log "bin/caddy is up to date"
-fi
+ensure_caddy "$CADDY_BIN"
 
 work="$(mktemp -d "${TMPDIR:-/tmp}/soak.XXXXXX")"
 keep_work=0
 caddy_pids=()
 driver_pid=""
 redis_port=""
-stop_pid() { # pid: SIGTERM, then SIGKILL after 10 s
-	local pid="$1" i
-	[[ -n "$pid" ]] || return 0
-	if kill -TERM "$pid" 2>/dev/null; then
-		for ((i = 0; i < 100; i++)); do
-			kill -0 "$pid" 2>/dev/null || break
-			sleep 0.1
-		done
-		kill -KILL "$pid" 2>/dev/null || true
-	fi
-	wait "$pid" 2>/dev/null || true
-}
 cleanup() {
 	local rc=$? pid
 	trap '' INT TERM HUP
 	trap - EXIT
 	# The driver stops its redis-server on SIGTERM.
-	stop_pid "$driver_pid"
+	stop_child "$driver_pid"
 	for pid in "${caddy_pids[@]}"; do
-		stop_pid "$pid"
+		stop_child "$pid"
 	done
 	# Should the driver have died without stopping it: redis-server wrote
 	# its PID here, and the driver started it, on our port.
@@ -143,13 +118,7 @@ for i in 0 1; do
 done
 for i in 0 1; do
 	port="${ports[$((i + 1))]}"
-	for ((j = 0; j < 200; j++)); do
-		if (exec 3<>"/dev/tcp/127.0.0.1/$port") 2>/dev/null; then
-			continue 2
-		fi
-		kill -0 "${caddy_pids[$i]}" 2>/dev/null || break
-		sleep 0.05
-	done
+	wait_listening "$port" "${caddy_pids[$i]}" && continue
 	tail -n 30 "$work/caddy-${names[$i]}.log" >&2 || true
 	die "Caddy ${names[$i]} did not start listening on port $port"
 done

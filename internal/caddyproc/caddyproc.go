@@ -34,6 +34,8 @@ import (
 	"syscall"
 	"testing"
 	"time"
+
+	"github.com/caddy-redis/ratelimit/internal/testproc"
 )
 
 const (
@@ -155,10 +157,8 @@ type Instance struct {
 	// LogFile receives Caddy's stdout and stderr.
 	LogFile string
 
-	tb     testing.TB
-	mu     sync.Mutex
-	cmd    *exec.Cmd
-	exited chan struct{}
+	tb   testing.TB
+	proc testproc.Process
 }
 
 // Start runs Caddy with the Caddyfile (see the package doc for the port
@@ -177,7 +177,7 @@ func Start(tb testing.TB, caddyfile string) *Instance {
 		if !inst.Stop() {
 			tb.Errorf("caddyproc: Caddy (pid %d) did not exit within %v of SIGTERM; killed", inst.PID(), stopTimeout)
 		}
-		if log := readFrom(inst.LogFile, 0); strings.Contains(log, "WARNING: DATA RACE") {
+		if log := testproc.ReadFrom(inst.LogFile, 0); strings.Contains(log, "WARNING: DATA RACE") {
 			tb.Errorf("caddyproc: the race detector reported a data race in Caddy (pid %d); see %s:\n%s",
 				inst.PID(), inst.LogFile, raceReports(log))
 		}
@@ -188,7 +188,7 @@ func Start(tb testing.TB, caddyfile string) *Instance {
 	start := time.Now()
 	var err error
 	for attempt := 0; attempt < bindAttempts; attempt++ {
-		ports, perr := freePorts(2)
+		ports, perr := testproc.FreePorts(2)
 		if perr != nil {
 			tb.Fatalf("caddyproc: %v", perr)
 		}
@@ -221,7 +221,7 @@ func (inst *Instance) boot(bin, caddyfile string) error {
 	if err := os.WriteFile(config, []byte(inst.Template(caddyfile)), 0o644); err != nil {
 		return err
 	}
-	logStart := fileSize(inst.LogFile)
+	logStart := testproc.FileSize(inst.LogFile)
 	logf, err := os.OpenFile(inst.LogFile, os.O_CREATE|os.O_WRONLY|os.O_APPEND, 0o644)
 	if err != nil {
 		return err
@@ -239,18 +239,10 @@ func (inst *Instance) boot(bin, caddyfile string) error {
 		"XDG_CONFIG_HOME="+filepath.Join(inst.Dir, "config"),
 		"XDG_DATA_HOME="+filepath.Join(inst.Dir, "data"),
 	)
-	cmd.SysProcAttr = sysProcAttr()
-	if err := cmd.Start(); err != nil {
+	exited, err := inst.proc.Start(cmd)
+	if err != nil {
 		return fmt.Errorf("exec %s: %w", bin, err)
 	}
-	exited := make(chan struct{})
-	go func() {
-		_ = cmd.Wait()
-		close(exited)
-	}()
-	inst.mu.Lock()
-	inst.cmd, inst.exited = cmd, exited
-	inst.mu.Unlock()
 
 	deadline := time.Now().Add(readyTimeout)
 	client := &http.Client{Timeout: time.Second}
@@ -259,7 +251,7 @@ func (inst *Instance) boot(bin, caddyfile string) error {
 	for {
 		select {
 		case <-exited:
-			if strings.Contains(readFrom(inst.LogFile, logStart), "address already in use") {
+			if strings.Contains(testproc.ReadFrom(inst.LogFile, logStart), "address already in use") {
 				return fmt.Errorf("caddy exited: %w", errBind)
 			}
 			return fmt.Errorf("caddy exited before it was ready (%s)", cmd.ProcessState)
@@ -325,39 +317,11 @@ func (inst *Instance) Load(caddyfile string) error {
 }
 
 // PID is the process ID of the running Caddy, or 0.
-func (inst *Instance) PID() int {
-	inst.mu.Lock()
-	defer inst.mu.Unlock()
-	if inst.cmd == nil || inst.cmd.Process == nil {
-		return 0
-	}
-	return inst.cmd.Process.Pid
-}
+func (inst *Instance) PID() int { return inst.proc.PID() }
 
 // Stop sends SIGTERM (graceful shutdown) and waits; past stopTimeout it
 // kills the process and reports false. Stopping twice is harmless.
-func (inst *Instance) Stop() bool {
-	inst.mu.Lock()
-	cmd, exited := inst.cmd, inst.exited
-	inst.mu.Unlock()
-	if cmd == nil {
-		return true
-	}
-	select {
-	case <-exited:
-		return true
-	default:
-	}
-	_ = cmd.Process.Signal(syscall.SIGTERM)
-	select {
-	case <-exited:
-		return true
-	case <-time.After(stopTimeout):
-		_ = cmd.Process.Kill()
-		<-exited
-		return false
-	}
-}
+func (inst *Instance) Stop() bool { return inst.proc.Stop(stopTimeout) }
 
 // raceReports extracts the race detector's reports from a log.
 func raceReports(log string) string {
@@ -371,51 +335,4 @@ func raceReports(log string) string {
 }
 
 // LogTail returns the last n lines of Caddy's log.
-func (inst *Instance) LogTail(n int) string {
-	data, err := os.ReadFile(inst.LogFile)
-	if err != nil {
-		return fmt.Sprintf("(cannot read the log: %v)", err)
-	}
-	lines := strings.Split(strings.TrimRight(string(data), "\n"), "\n")
-	if len(lines) > n {
-		lines = lines[len(lines)-n:]
-	}
-	return strings.Join(lines, "\n")
-}
-
-// freePorts finds n distinct free loopback ports (listening on all at
-// once so they differ) and releases them for Caddy.
-func freePorts(n int) ([]int, error) {
-	var ls []net.Listener
-	defer func() {
-		for _, l := range ls {
-			l.Close()
-		}
-	}()
-	ports := make([]int, 0, n)
-	for range n {
-		l, err := net.Listen("tcp", "127.0.0.1:0")
-		if err != nil {
-			return nil, fmt.Errorf("finding a free port: %w", err)
-		}
-		ls = append(ls, l)
-		ports = append(ports, l.Addr().(*net.TCPAddr).Port)
-	}
-	return ports, nil
-}
-
-func fileSize(path string) int64 {
-	fi, err := os.Stat(path)
-	if err != nil {
-		return 0
-	}
-	return fi.Size()
-}
-
-func readFrom(path string, off int64) string {
-	data, err := os.ReadFile(path)
-	if err != nil || int64(len(data)) < off {
-		return string(data)
-	}
-	return string(data[off:])
-}
+func (inst *Instance) LogTail(n int) string { return testproc.LogTail(inst.LogFile, n) }

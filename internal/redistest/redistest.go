@@ -20,10 +20,10 @@ import (
 	"strconv"
 	"strings"
 	"sync"
-	"syscall"
 	"testing"
 	"time"
 
+	"github.com/caddy-redis/ratelimit/internal/testproc"
 	"github.com/redis/go-redis/v9"
 )
 
@@ -52,10 +52,9 @@ type Server struct {
 	argsFn    func(ports []int) []string
 	tlsConfig *tls.Config // used by readiness checks and clients
 
-	mu     sync.Mutex
-	cmd    *exec.Cmd
-	exited chan struct{} // closed once cmd.Wait returns
-	admin  *redis.Client // lazily created, for the harness's own polling
+	proc  testproc.Process
+	mu    sync.Mutex
+	admin *redis.Client // lazily created, for the harness's own polling
 }
 
 // spec describes how to launch a server; startServers turns it into a Server.
@@ -151,7 +150,7 @@ func (s *Server) bootFresh(nports int, preset []int) error {
 	for attempt := 0; attempt < bindAttempts; attempt++ {
 		ports := preset
 		if attempt > 0 || len(ports) != nports {
-			if ports, err = freePorts(nports); err != nil {
+			if ports, err = testproc.FreePorts(nports); err != nil {
 				return err
 			}
 		}
@@ -169,7 +168,7 @@ var errBind = errors.New("address already in use")
 
 // boot starts the process on s.ports and waits for PING.
 func (s *Server) boot() error {
-	logStart := fileSize(s.LogFile)
+	logStart := testproc.FileSize(s.LogFile)
 	// Stdout/stderr go to the log too, so config errors printed before
 	// redis opens its logfile still show up in LogTail.
 	f, err := os.OpenFile(s.LogFile, os.O_CREATE|os.O_WRONLY|os.O_APPEND, 0o644)
@@ -181,18 +180,10 @@ func (s *Server) boot() error {
 	cmd.Dir = s.Dir
 	cmd.Stdout = f
 	cmd.Stderr = f
-	cmd.SysProcAttr = sysProcAttr()
-	if err := cmd.Start(); err != nil {
+	exited, err := s.proc.Start(cmd)
+	if err != nil {
 		return fmt.Errorf("exec redis-server: %w", err)
 	}
-	exited := make(chan struct{})
-	go func() {
-		_ = cmd.Wait()
-		close(exited)
-	}()
-	s.mu.Lock()
-	s.cmd, s.exited = cmd, exited
-	s.mu.Unlock()
 
 	// If the port was lost to another listener, a PING there would hang
 	// until its deadline; abort it as soon as redis exits instead.
@@ -210,7 +201,7 @@ func (s *Server) boot() error {
 	for {
 		select {
 		case <-exited:
-			out := readFrom(s.LogFile, logStart)
+			out := testproc.ReadFrom(s.LogFile, logStart)
 			if strings.Contains(out, "Address already in use") {
 				return fmt.Errorf("redis-server exited: %w", errBind)
 			}
@@ -259,27 +250,6 @@ func ping(ctx context.Context, addr string, tlsConfig *tls.Config) error {
 	return nil
 }
 
-// freePorts reserves n distinct ports by listening on :0 (all at once so
-// they differ), then releases them for redis to bind.
-func freePorts(n int) ([]int, error) {
-	ports := make([]int, 0, n)
-	var ls []net.Listener
-	defer func() {
-		for _, l := range ls {
-			l.Close()
-		}
-	}()
-	for i := 0; i < n; i++ {
-		l, err := net.Listen("tcp", "127.0.0.1:0")
-		if err != nil {
-			return nil, fmt.Errorf("finding a free port: %w", err)
-		}
-		ls = append(ls, l)
-		ports = append(ports, l.Addr().(*net.TCPAddr).Port)
-	}
-	return ports, nil
-}
-
 // Options returns go-redis options for this server (TLS included), for
 // callers that want to tune timeouts before creating their own client.
 func (s *Server) Options() *redis.Options {
@@ -321,37 +291,16 @@ func (s *Server) adminOptions() *redis.Options {
 }
 
 // PID returns the PID of the most recently started process.
-func (s *Server) PID() int {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	if s.cmd == nil || s.cmd.Process == nil {
-		return 0
-	}
-	return s.cmd.Process.Pid
-}
+func (s *Server) PID() int { return s.proc.PID() }
 
 // Running reports whether the process is alive (not stopped or killed).
-func (s *Server) Running() bool {
-	s.mu.Lock()
-	exited := s.exited
-	s.mu.Unlock()
-	if exited == nil {
-		return false
-	}
-	select {
-	case <-exited:
-		return false
-	default:
-		return true
-	}
-}
+func (s *Server) Running() bool { return s.proc.Running() }
 
 // Stop shuts the server down gracefully (SIGTERM; with saving disabled this
 // is SHUTDOWN NOSAVE) and waits for it to exit. No-op if not running.
 func (s *Server) Stop(tb testing.TB) {
 	tb.Helper()
-	if !s.signalAndWait(syscall.SIGTERM, stopTimeout) {
-		s.kill()
+	if !s.proc.Stop(stopTimeout) {
 		tb.Fatalf("redistest: %s did not exit within %v of SIGTERM; killed\n--- log tail ---\n%s",
 			s.Addr, stopTimeout, s.LogTail(20))
 	}
@@ -360,7 +309,7 @@ func (s *Server) Stop(tb testing.TB) {
 // Kill sends SIGKILL and waits for the process to exit. No-op if not running.
 func (s *Server) Kill(tb testing.TB) {
 	tb.Helper()
-	if !s.signalAndWait(syscall.SIGKILL, stopTimeout) {
+	if !s.proc.Kill(stopTimeout) {
 		tb.Fatalf("redistest: %s (pid %d) did not exit after SIGKILL", s.Addr, s.PID())
 	}
 }
@@ -385,29 +334,7 @@ func (s *Server) Restart(tb testing.TB) {
 	}
 }
 
-// signalAndWait reports whether the process is gone within timeout.
-func (s *Server) signalAndWait(sig syscall.Signal, timeout time.Duration) bool {
-	s.mu.Lock()
-	cmd, exited := s.cmd, s.exited
-	s.mu.Unlock()
-	if cmd == nil {
-		return true
-	}
-	select {
-	case <-exited:
-		return true
-	default:
-	}
-	_ = cmd.Process.Signal(sig)
-	select {
-	case <-exited:
-		return true
-	case <-time.After(timeout):
-		return false
-	}
-}
-
-func (s *Server) kill() { s.signalAndWait(syscall.SIGKILL, stopTimeout) }
+func (s *Server) kill() { s.proc.Kill(stopTimeout) }
 
 func (s *Server) cleanup() {
 	s.kill()
@@ -421,33 +348,7 @@ func (s *Server) cleanup() {
 }
 
 // LogTail returns the last n lines of the server's log.
-func (s *Server) LogTail(n int) string {
-	data, err := os.ReadFile(s.LogFile)
-	if err != nil {
-		return fmt.Sprintf("(cannot read log: %v)", err)
-	}
-	lines := strings.Split(strings.TrimRight(string(data), "\n"), "\n")
-	if len(lines) > n {
-		lines = lines[len(lines)-n:]
-	}
-	return strings.Join(lines, "\n")
-}
-
-func fileSize(path string) int64 {
-	fi, err := os.Stat(path)
-	if err != nil {
-		return 0
-	}
-	return fi.Size()
-}
-
-func readFrom(path string, off int64) string {
-	data, err := os.ReadFile(path)
-	if err != nil || int64(len(data)) < off {
-		return string(data)
-	}
-	return string(data[off:])
-}
+func (s *Server) LogTail(n int) string { return testproc.LogTail(s.LogFile, n) }
 
 // infoField extracts "field:value" from INFO or CLUSTER INFO output.
 func infoField(info, field string) string {

@@ -12,6 +12,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/caddy-redis/ratelimit/internal/testproc"
 	"github.com/redis/go-redis/v9"
 )
 
@@ -43,7 +44,7 @@ func StartSentinel(tb testing.TB) *Sentinel {
 
 	// Pre-seed each sentinel with the others' IDs and ports; otherwise they
 	// only discover each other via hello messages sent every 2 s.
-	ports, err := freePorts(sentinelCount)
+	ports, err := testproc.FreePorts(sentinelCount)
 	if err != nil {
 		tb.Fatalf("redistest: %v", err)
 	}

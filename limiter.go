@@ -553,17 +553,17 @@ func (b *backend) send(batch []*call) {
 	}
 	ctx := deadlineContext{context.Background(), deadline}
 
-	cmds := b.run(ctx, batch, nil)
+	cmds := b.run(ctx, batch, false)
 	// After a restart, failover or SCRIPT FLUSH the server has lost the
-	// script: send the source to those that failed, which caches it again.
-	var lost []int
+	// script: send the source for those that failed, which caches it again.
+	var lost []*call
 	for i, cmd := range cmds {
 		if err := cmd.Err(); err != nil && redis.HasErrorPrefix(err, "NOSCRIPT") {
-			lost = append(lost, i)
+			lost = append(lost, batch[i])
 		}
 	}
 	if len(lost) > 0 {
-		b.run(ctx, batch, lost)
+		b.run(ctx, lost, true)
 	}
 
 	for _, c := range batch {
@@ -585,41 +585,30 @@ type deadlineContext struct {
 
 func (c deadlineContext) Deadline() (time.Time, bool) { return c.deadline, true }
 
-// run sends the calls of the batch (those at the indexes in only, when
-// given, with the script's source instead of its SHA) in one pipeline,
-// or alone when there is one, and stores each call's own result.
-func (b *backend) run(ctx context.Context, batch []*call, only []int) []*redis.Cmd {
-	n := len(batch)
-	if only != nil {
-		n = len(only)
-	}
-	at := func(i int) *call {
-		if only != nil {
-			return batch[only[i]]
-		}
-		return batch[i]
-	}
+// run sends the calls in one pipeline (or alone when there is one), by
+// SHA or, with source, with the script's source, and stores each call's
+// own result or error.
+func (b *backend) run(ctx context.Context, batch []*call, source bool) []*redis.Cmd {
 	args := func(c *call) []any {
-		if only == nil {
+		if !source {
 			return c.cmd[:]
 		}
 		eval := c.cmd
 		eval[0], eval[1] = "eval", scriptSourceValue
 		return eval[:]
 	}
-	cmds := make([]*redis.Cmd, n)
-	if n == 1 {
-		cmds[0] = b.client.Do(ctx, args(at(0))...)
+	cmds := make([]*redis.Cmd, len(batch))
+	if len(batch) == 1 {
+		cmds[0] = b.client.Do(ctx, args(batch[0])...)
 	} else {
 		pipe := b.client.Pipeline()
-		for i := range n {
-			cmds[i] = pipe.Do(ctx, args(at(i))...)
+		for i, c := range batch {
+			cmds[i] = pipe.Do(ctx, args(c)...)
 		}
 		_, _ = pipe.Exec(ctx) // each command carries its own error
 	}
-	for i, cmd := range cmds {
-		c := at(i)
-		c.result, c.err = parseResult(cmd)
+	for i, c := range batch {
+		c.result, c.err = parseResult(cmds[i])
 	}
 	return cmds
 }

@@ -294,14 +294,15 @@ func TestScriptFlushMidwayKeepsLimiting(t *testing.T) {
 	}
 }
 
-func TestCaddyStartsWhileRedisDown(t *testing.T) {
+func TestCaddyStartsAndReloadsWhileRedisDown(t *testing.T) {
 	srv := redistest.Start(t)
 	srv.Stop(t) // a port where nothing listens
-	tester := serveCaddyfile(t, keyedSite, srv.Addr)
-
-	resp, _ := get(t, tester, "/", "hank")
-	if resp.StatusCode != 200 || resp.Header.Get("X-RateLimit-Remaining") != "-1" {
-		t.Fatalf("got %d remaining %q, want 200 with -1", resp.StatusCode, resp.Header.Get("X-RateLimit-Remaining"))
+	for _, body := range []string{"ok", "reloaded"} {
+		tester := serveCaddyfile(t, strings.Replace(keyedSite, `respond "ok"`, `respond "`+body+`"`, 1), srv.Addr)
+		resp, got := get(t, tester, "/", "hank")
+		if resp.StatusCode != 200 || got != body || resp.Header.Get("X-RateLimit-Remaining") != "-1" {
+			t.Fatalf("got %d %q remaining %q, want 200 %q with -1", resp.StatusCode, got, resp.Header.Get("X-RateLimit-Remaining"), body)
+		}
 	}
 }
 

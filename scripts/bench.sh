@@ -7,6 +7,7 @@
 #
 #   bare@64       Caddy `respond "ok"`, 64 connections        (baseline)
 #   allowed@64    rate_limit, always allowed, one bucket per connection
+#   nometrics@64  as allowed@64 with `metrics off` (what the metrics cost)
 #   denied@64     rate_limit, one empty bucket: every request gets 429
 #                 (after the first denial the handler's deny cache answers;
 #                 scripts/req near 0 shows it)
@@ -97,6 +98,7 @@ log "redis-server $(redis-server --version | awk '{print $3}') pid $redis_pid on
 CASES=(
 	"bare@64 bare 64 200 -"
 	"allowed@64 allowed 64 200 -"
+	"nometrics@64 allowed-nometrics 64 200 -"
 	"denied@64 denied 64 429 -same-key"
 	"allowed@256 allowed 256 200 -"
 	"bare@256 bare 256 200 -"

@@ -364,6 +364,7 @@ type backend struct {
 	queue   chan *call
 	stop    chan struct{}
 	workers sync.WaitGroup
+	timers  [pipelinesInFlight]*batchTimer // one per worker
 
 	// closing guards closed: once set, no call enters the queue, so every
 	// queued call is answered before the workers stop.
@@ -417,9 +418,10 @@ func newBackend(c RedisConfig) (*backend, error) {
 		stop:    make(chan struct{}),
 	}
 	b.cluster, _ = b.client.(*redis.ClusterClient)
-	for range pipelinesInFlight {
+	for i := range pipelinesInFlight {
+		b.timers[i] = newBatchTimer()
 		b.workers.Add(1)
-		go b.work()
+		go b.work(i)
 	}
 	go b.loadScript(time.Duration(c.DialTimeout) + b.timeout)
 	return b, nil
@@ -478,6 +480,7 @@ func (b *backend) take(ctx context.Context, now time.Time, key string, args []an
 	}
 	b.closing.RUnlock()
 	if err != nil {
+		*c = call{done: c.done}
 		calls.Put(c)
 		return Result{}, err
 	}
@@ -490,7 +493,7 @@ func (b *backend) take(ctx context.Context, now time.Time, key string, args []an
 
 // work sends batches: it waits for one call, takes whatever else is
 // already queued (never waiting for more), and sends them together.
-func (b *backend) work() {
+func (b *backend) work(worker int) {
 	defer b.workers.Done()
 	batch := make([]*call, 0, maxBatch)
 	for {
@@ -518,13 +521,15 @@ func (b *backend) work() {
 				break more
 			}
 		}
-		// Calls whose time ran out in the queue, or whose client left,
-		// are answered without being sent: they must not take tokens.
-		now := time.Now()
+		// Calls whose time (nearly) ran out in the queue, or whose client
+		// left, are answered without being sent: they must not take
+		// tokens, nor cut short the batch, which ends at its earliest
+		// deadline.
+		last := time.Now().Add(b.timeout / 10)
 		live := batch[:0]
 		for _, c := range batch {
 			switch {
-			case !now.Before(c.deadline):
+			case c.deadline.Before(last):
 				c.err = context.DeadlineExceeded
 			case c.request.Err() != nil:
 				c.err = c.request.Err()
@@ -535,7 +540,7 @@ func (b *backend) work() {
 			c.done <- struct{}{}
 		}
 		if len(live) > 0 {
-			b.send(live)
+			b.send(worker, live)
 		}
 		clear(batch)
 	}
@@ -544,14 +549,15 @@ func (b *backend) work() {
 // send runs one batch and delivers every call's own result or error.
 // The batch ends at the earliest deadline among its calls, so no caller
 // waits past its own.
-func (b *backend) send(batch []*call) {
+func (b *backend) send(worker int, batch []*call) {
 	deadline := batch[0].deadline
 	for _, c := range batch[1:] {
 		if c.deadline.Before(deadline) {
 			deadline = c.deadline
 		}
 	}
-	ctx := deadlineContext{context.Background(), deadline}
+	ctx := b.timers[worker].start(deadline)
+	defer b.timers[worker].stop()
 
 	cmds := b.run(ctx, batch, false)
 	// After a restart, failover or SCRIPT FLUSH the server has lost the
@@ -574,16 +580,72 @@ func (b *backend) send(batch []*call) {
 	}
 }
 
-// deadlineContext is a batch's deadline without a timer or a Done
-// channel: go-redis only reads the deadline, to bound dialing and set
-// socket deadlines, and the worker waits for the batch in any case. Made
-// per batch, it costs one allocation where context.WithDeadline costs five.
-type deadlineContext struct {
-	context.Context
-	deadline time.Time
+// batchTimer gives the batches of one worker a context that ends at the
+// batch's deadline, as context.WithDeadline would, but reuses one timer
+// and, until a batch times out, one Done channel: a batch of one request
+// then costs one allocation instead of five. go-redis needs both the
+// deadline (for socket deadlines) and Done (to stop waiting for a new
+// connection).
+type batchTimer struct {
+	timer    *time.Timer
+	mu       sync.Mutex
+	done     chan struct{} // closed when a batch times out, then replaced
+	deadline time.Time     // of the batch in flight; zero between batches
 }
 
-func (c deadlineContext) Deadline() (time.Time, bool) { return c.deadline, true }
+func newBatchTimer() *batchTimer {
+	t := &batchTimer{done: make(chan struct{})}
+	t.timer = time.AfterFunc(time.Hour, t.fire)
+	t.timer.Stop()
+	return t
+}
+
+// fire closes Done if the batch in flight is past its deadline; a late
+// firing meant for an earlier batch finds a later deadline and does nothing.
+func (t *batchTimer) fire() {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	if !t.deadline.IsZero() && !time.Now().Before(t.deadline) {
+		close(t.done)
+		t.done = make(chan struct{})
+		t.deadline = time.Time{}
+	}
+}
+
+func (t *batchTimer) start(deadline time.Time) context.Context {
+	t.mu.Lock()
+	t.deadline = deadline
+	done := t.done
+	t.mu.Unlock()
+	t.timer.Reset(time.Until(deadline))
+	return batchContext{deadline: deadline, done: done}
+}
+
+func (t *batchTimer) stop() {
+	t.timer.Stop()
+	t.mu.Lock()
+	t.deadline = time.Time{}
+	t.mu.Unlock()
+}
+
+// batchContext is the context of one batch; see batchTimer.
+type batchContext struct {
+	deadline time.Time
+	done     <-chan struct{}
+}
+
+func (c batchContext) Deadline() (time.Time, bool) { return c.deadline, true }
+func (c batchContext) Done() <-chan struct{}       { return c.done }
+func (c batchContext) Value(any) any               { return nil }
+
+func (c batchContext) Err() error {
+	select {
+	case <-c.done:
+		return context.DeadlineExceeded
+	default:
+		return nil
+	}
+}
 
 // run sends the calls in one pipeline (or alone when there is one), by
 // SHA or, with source, with the script's source, and stores each call's

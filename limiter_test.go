@@ -230,7 +230,7 @@ func TestScriptBatchKeepsResultsApart(t *testing.T) {
 		newCall("bad", []any{"not-a-number", "x", "y"}),
 		newCall("a", limitArgs(1, 2, 1)),
 	}
-	b.send(batch)
+	b.send(0, batch) // as worker 0, which is idle: nothing else is queued
 	want := []struct {
 		allowed   bool
 		remaining int64
@@ -359,4 +359,32 @@ func infoStat(t *testing.T, rdb *redis.Client, field string) int64 {
 	}
 	t.Fatalf("INFO has no %s", field)
 	return 0
+}
+
+func TestBackendTimeoutCoversSlowDial(t *testing.T) {
+	// A TLS handshake with a server that accepts and never answers: the
+	// dial alone may take dial_timeout (1 s), but the request's Redis
+	// step must end with its timeout (50 ms).
+	addr := redistest.StartBlackhole(t)
+	cfg := (&RedisConfig{
+		Addresses:   []string{addr},
+		Timeout:     caddy.Duration(50 * time.Millisecond),
+		DialTimeout: caddy.Duration(time.Second),
+		TLS:         &RedisTLS{InsecureSkipVerify: true},
+	}).withPlaceholders()
+	b, err := newBackend(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = b.Destruct() })
+
+	for range 3 {
+		start := time.Now()
+		if _, err := b.take(context.Background(), start, "k", limitArgs(1, 1, 1)); err == nil {
+			t.Fatal("a silent server answered")
+		}
+		if waited := time.Since(start); waited > 300*time.Millisecond {
+			t.Fatalf("waited %v for a 50ms timeout while dialing", waited)
+		}
+	}
 }

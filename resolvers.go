@@ -9,6 +9,10 @@ import (
 	"github.com/caddyserver/caddy/v2"
 )
 
+// keySeparator parts a placeholder's value from what follows when that
+// could otherwise be read as part of the value; values always escape it.
+const keySeparator = "|"
+
 // maxVerbatimKey is the longest client key kept readable in Redis; a
 // longer one is hashed, so Redis key length stays bounded.
 const maxVerbatimKey = 64
@@ -18,8 +22,8 @@ const maxVerbatimKey = 64
 type keyTemplate struct {
 	parts []templatePart
 	// escaped marks bytes that a placeholder's value may not contain as
-	// they are: '%' (the escape), the template's literal bytes, braces
-	// and control bytes. Escaping them keeps the mapping from values to
+	// they are: '%' (the escape), '|' (keySeparator), the template's
+	// literal bytes, braces and control bytes. Escaping them keeps the mapping from values to
 	// keys one-to-one, so no request can reach another client's bucket.
 	escaped [256]bool
 }
@@ -56,11 +60,6 @@ func parseKeyTemplate(s string) (keyTemplate, error) {
 				return t, fmt.Errorf("malformed placeholder '%s'", s[i:i+end+1])
 			}
 			flush()
-			// Two placeholders side by side get a '%' between them: values
-			// never hold a bare '%', so the boundary stays unambiguous.
-			if n := len(t.parts); n > 0 && t.parts[n-1].placeholder != "" {
-				t.parts = append(t.parts, templatePart{literal: "%"})
-			}
 			t.parts = append(t.parts, templatePart{placeholder: name})
 			i += end
 		case ch == '}':
@@ -73,8 +72,22 @@ func parseKeyTemplate(s string) (keyTemplate, error) {
 	if len(t.parts) == 0 {
 		return t, fmt.Errorf("the key template is empty")
 	}
+	// A value ends where the next literal begins, at a byte no value holds
+	// as it is. A placeholder followed by another, or by a literal that
+	// begins with '%' (which escaped values hold too), gets a '|' first.
+	parts := t.parts[:0:0]
+	for i, p := range t.parts {
+		parts = append(parts, p)
+		if p.placeholder == "" || i+1 == len(t.parts) {
+			continue
+		}
+		if next := t.parts[i+1]; next.placeholder != "" || next.literal[0] == '%' {
+			parts = append(parts, templatePart{literal: keySeparator})
+		}
+	}
+	t.parts = parts
 	for b := range 256 {
-		t.escaped[b] = b < 0x21 || b >= 0x7f || b == '%' || b == '{' || b == '}' || b == '#'
+		t.escaped[b] = b < 0x21 || b >= 0x7f || b == '%' || b == '{' || b == '}' || b == '#' || b == int(keySeparator[0])
 	}
 	for _, p := range t.parts {
 		for i := 0; i < len(p.literal); i++ {

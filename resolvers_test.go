@@ -59,6 +59,9 @@ func TestKeyValueCannotReachAnotherBucket(t *testing.T) {
 		{"{x}{y}", map[string]string{"x": "ab", "y": "c"}, map[string]string{"x": "a", "y": "bc"}},
 		{"{x}", map[string]string{"x": "a%3Ab"}, map[string]string{"x": "a:b"}},
 		{"{x}-{y}", map[string]string{"x": "a-b", "y": "c"}, map[string]string{"x": "a", "y": "b-c"}},
+		{"{x}{y}", map[string]string{"x": "x", "y": "0A\x01"}, map[string]string{"x": "x\n", "y": "01"}},
+		{"{x}%0A{y}", map[string]string{"x": "a", "y": "b"}, map[string]string{"x": "a\n", "y": "b"}},
+		{"{x}{y}", map[string]string{"x": "a|", "y": "b"}, map[string]string{"x": "a", "y": "|b"}},
 	} {
 		ka := resolve(t, c.template, "p|", c.a)
 		kb := resolve(t, c.template, "p|", c.b)

@@ -5,6 +5,7 @@ import (
 	"time"
 
 	"go.uber.org/zap"
+	"go.uber.org/zap/zapcore"
 )
 
 // Circuit breaker settings: after breakerThreshold Redis failures in a
@@ -67,24 +68,29 @@ func (b *breaker) changed(open bool) {
 	}
 }
 
-// throttledLog writes a warning at most once per interval and counts
-// what it held back, so an outage logs a few lines, not one per request.
+// throttledLog writes at most `lines` lines (at least one) per interval
+// and counts what it held back, so an outage or a flood logs a few lines,
+// not one per request.
 type throttledLog struct {
 	logger     *zap.Logger
 	every      time.Duration
-	next       atomic.Int64
+	lines      int64
+	window     atomic.Int64 // start of the current interval, Unix nanoseconds
+	written    atomic.Int64 // lines written in it
 	suppressed atomic.Int64
 }
 
-func (t *throttledLog) warn(msg string, fields ...zap.Field) {
+func (t *throttledLog) log(level zapcore.Level, msg string, fields ...zap.Field) {
 	now := time.Now().UnixNano()
-	next := t.next.Load()
-	if now < next || !t.next.CompareAndSwap(next, now+int64(t.every)) {
+	if w := t.window.Load(); now-w >= int64(t.every) && t.window.CompareAndSwap(w, now) {
+		t.written.Store(0)
+	}
+	if t.written.Add(1) > max(t.lines, 1) {
 		t.suppressed.Add(1)
 		return
 	}
 	if n := t.suppressed.Swap(0); n > 0 {
 		fields = append(fields, zap.Int64("suppressed", n))
 	}
-	t.logger.Warn(msg, fields...)
+	t.logger.Log(level, msg, fields...)
 }

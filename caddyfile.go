@@ -385,8 +385,8 @@ func parseBool(s string) (bool, error) {
 
 func parseStatus(s string) (int, error) {
 	n, err := strconv.Atoi(s)
-	if err != nil || n < 100 || n > 599 {
-		return 0, errString("want an HTTP status from 100 to 599")
+	if err != nil || n < 200 || n > 599 {
+		return 0, errString("want an HTTP status from 200 to 599 (a 1xx status cannot end a request)")
 	}
 	return n, nil
 }

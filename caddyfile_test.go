@@ -253,10 +253,10 @@ func TestUnmarshalCaddyfileErrorsNameSubdirectiveAndValue(t *testing.T) {
 		// booleans, statuses, on_error
 		{"deny_empty_key not a bool", block("deny_empty_key yes"), []string{"deny_empty_key 'yes'", "want true or false"}},
 		{"include_headers not a bool", block("include_headers 1"), []string{"include_headers '1'", "want true or false"}},
-		{"status_code too small", block("status_code 42"), []string{"status_code '42'", "100 to 599"}},
-		{"status_code too large", block("status_code 600"), []string{"status_code '600'", "100 to 599"}},
-		{"status_code not a number", block("status_code abc"), []string{"status_code 'abc'", "100 to 599"}},
-		{"empty_key_status too large", block("empty_key_status 600"), []string{"empty_key_status '600'", "100 to 599"}},
+		{"status_code too small", block("status_code 42"), []string{"status_code '42'", "200 to 599"}},
+		{"status_code too large", block("status_code 600"), []string{"status_code '600'", "200 to 599"}},
+		{"status_code not a number", block("status_code abc"), []string{"status_code 'abc'", "200 to 599"}},
+		{"empty_key_status too large", block("empty_key_status 600"), []string{"empty_key_status '600'", "200 to 599"}},
 		{"on_error unknown", block("on_error ignore"), []string{"on_error 'ignore'", "want 'allow' or 'deny'"}},
 
 		// redis addresses

@@ -22,9 +22,11 @@ const denyCacheSize = 16384
 // before sent+RetryAfter. RetryAfter is rounded up to the microsecond,
 // hence the microsecond taken off. The cache lives in one handler, so it
 // is keyed by bucket and cost, and a config reload starts a fresh one.
-// (Only losing the bucket in Redis, by FLUSHALL or a restart without
-// persistence, would admit sooner; the cache then denies no longer than
-// the Retry-After that client was already given.)
+// Two conditions: every handler sharing the zone refills at the same
+// rate and burst (the README asks for it; a faster writer would store
+// more tokens), and the bucket survives in Redis (FLUSHALL or a restart
+// without persistence would admit sooner). Where either fails, the cache
+// denies no longer than the Retry-After that client was already given.
 type denyCache struct {
 	mu      sync.Mutex
 	entries map[string]deniedUntil

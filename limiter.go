@@ -111,7 +111,8 @@ type RedisConfig struct {
 	// DialTimeout bounds one attempt to connect. Default: the timeout.
 	DialTimeout caddy.Duration `json:"dial_timeout,omitempty"`
 
-	// PoolSize is the most connections kept per Redis node.
+	// PoolSize is the most connections for single commands per Redis
+	// node; batches of requests use go-redis's separate pipeline pool.
 	// Default: go-redis's, 10 per CPU.
 	PoolSize int `json:"pool_size,omitempty"`
 
@@ -165,10 +166,9 @@ func (c *RedisConfig) withPlaceholders() RedisConfig {
 	r.SentinelPassword = repl.ReplaceAll(r.SentinelPassword, "")
 	r.Username = repl.ReplaceAll(r.Username, "")
 	r.Password = repl.ReplaceAll(r.Password, "")
-	if r.KeyPrefix == "" {
+	if r.KeyPrefix = repl.ReplaceAll(r.KeyPrefix, ""); r.KeyPrefix == "" {
 		r.KeyPrefix = defaultKeyPrefix
 	}
-	r.KeyPrefix = repl.ReplaceAll(r.KeyPrefix, "")
 	if r.Timeout <= 0 {
 		r.Timeout = caddy.Duration(defaultTimeout)
 	}
@@ -284,15 +284,21 @@ func (c RedisConfig) options() (*redis.UniversalOptions, error) {
 			opts.DB = o.DB
 		}
 		if o.TLSConfig != nil && opts.TLSConfig == nil {
-			opts.TLSConfig = &tls.Config{MinVersion: tls.VersionTLS12}
+			opts.TLSConfig = o.TLSConfig // rediss://, with its skip_verify if given
 		}
 	}
-	if c.TLS != nil || opts.TLSConfig != nil {
+	if c.TLS != nil {
 		tc, err := c.TLS.config()
 		if err != nil {
 			return nil, fmt.Errorf("tls: %w", err)
 		}
+		if opts.TLSConfig != nil && c.TLS.ServerName == "" {
+			tc.ServerName = opts.TLSConfig.ServerName
+		}
 		opts.TLSConfig = tc
+	}
+	if opts.TLSConfig != nil && opts.TLSConfig.MinVersion < tls.VersionTLS12 {
+		opts.TLSConfig.MinVersion = tls.VersionTLS12
 	}
 	return opts, nil
 }

@@ -45,8 +45,9 @@ func init() {
 // `RateLimit-Policy` | IETF draft-10: `"<zone>";q=<burst>;w=<seconds to fill>`
 // `RateLimit` | IETF draft-10: `"<zone>";r=<remaining>;t=<seconds until a request fits>`
 //
-// Denials are returned as errors, so a site's `handle_errors` routes can
-// shape the response. After the limiter ran, these placeholders are set:
+// On a site with `handle_errors` routes, denials are returned as errors
+// that those routes can shape; elsewhere the status is written directly,
+// which is cheaper. After the limiter ran, these placeholders are set:
 //
 // Placeholder | Description
 // ------------|-------------
@@ -55,7 +56,7 @@ func init() {
 // `{http.rate_limit.remaining}` | whole tokens left; `-1` when Redis failed
 // `{http.rate_limit.limit}` | the burst capacity
 // `{http.rate_limit.retry_after}` | on denial, seconds until a retry can succeed, as in `Retry-After`
-// `{http.rate_limit.key}` | the client key, only with `log_key` (else empty)
+// `{http.rate_limit.key}` | the client key as stored (escaped, or hashed when long), only with `log_key` (else empty)
 //
 // It counts its decisions in the `caddy_rate_limit_requests_total`
 // metric (labels `zone` and `result`), times Redis in
@@ -153,6 +154,7 @@ type Handler struct {
 	breaker      *breaker
 	denied       *denyCache
 	shadowLogged *denyCache // keys whose shadow denial was logged lately
+	shadowLog    *throttledLog
 	metrics      *zoneMetrics
 	zoneValue    any // the zone and the limit as placeholder values, boxed once
 	limitValue   any
@@ -231,6 +233,7 @@ func (h *Handler) Provision(ctx caddy.Context) error {
 	h.errBlocked = prebuiltError(h.StatusCode, fmt.Errorf("zone %s: requests blocked (burst_capacity 0)", h.Zone))
 	h.errEmptyKey = prebuiltError(h.EmptyKeyStatus, fmt.Errorf("zone %s: the rate limit key '%s' is empty", h.Zone, h.Key))
 	h.warnings = &throttledLog{logger: h.logger, every: 10 * time.Second}
+	h.shadowLog = &throttledLog{logger: h.logger, every: time.Second, lines: 10}
 	h.breaker = &breaker{logger: h.logger.With(zap.String("zone", h.Zone))}
 	if !h.DisableMetrics {
 		if h.metrics, err = newZoneMetrics(ctx.GetMetricsRegistry(), h.Zone); err != nil {
@@ -271,8 +274,8 @@ func (h *Handler) Validate() error {
 		name  string
 		value int
 	}{{"status_code", h.StatusCode}, {"empty_key_status", h.EmptyKeyStatus}} {
-		if s.value < 100 || s.value > 599 {
-			return fmt.Errorf("%s '%d' is not an HTTP status (100 to 599)", s.name, s.value)
+		if s.value < 200 || s.value > 599 {
+			return fmt.Errorf("%s '%d': want an HTTP status from 200 to 599 (a 1xx status cannot end a request)", s.name, s.value)
 		}
 	}
 	switch h.Headers {
@@ -306,6 +309,9 @@ func (h *Handler) Validate() error {
 
 // Cleanup releases the shared Redis client.
 func (h *Handler) Cleanup() error {
+	if h.metrics != nil && h.breaker.isOpen() {
+		h.metrics.breakerOpen.Set(0) // this handler no longer skips Redis
+	}
 	if h.backend == nil {
 		return nil
 	}
@@ -383,7 +389,7 @@ func (h *Handler) check(ctx context.Context, key string) (Result, error) {
 		}
 	case ctx.Err() == nil:
 		h.breaker.failure()
-		h.warnings.warn("Redis failed; following on_error", zap.String("zone", h.Zone),
+		h.warnings.log(zap.WarnLevel, "Redis failed; following on_error", zap.String("zone", h.Zone),
 			zap.String("on_error", h.OnError), zap.Error(err))
 	}
 	return res, err
@@ -400,7 +406,7 @@ func (h *Handler) record(repl *caddy.Replacer, res result, key string, remaining
 	if res != resultEmptyKey {
 		repl.Set("http.rate_limit.remaining", remaining)
 	}
-	if res == resultDenied || res == resultShadowDenied {
+	if (res == resultDenied || res == resultShadowDenied) && retry > 0 {
 		repl.Set("http.rate_limit.retry_after", ceilSeconds(retry))
 	}
 	if h.LogKey && key != "" {
@@ -432,7 +438,8 @@ var resultValues = func() (v [numResults]any) {
 const shadowLogEvery = 5 * time.Second
 
 // logShadowDenial logs at info level that shadow mode let a request pass
-// that enforcement would deny, at most once per key per shadowLogEvery.
+// that enforcement would deny, at most once per key per shadowLogEvery
+// and ten times a second per handler.
 func (h *Handler) logShadowDenial(key string, res Result) {
 	now := time.Now()
 	if _, logged := h.shadowLogged.get(key, now); logged {
@@ -444,7 +451,8 @@ func (h *Handler) logShadowDenial(key string, res Result) {
 	if h.LogKey {
 		fields = append(fields, zap.String("key", h.clientKey(key)))
 	}
-	h.logger.Info("shadow mode: request would be rate limited", fields...)
+	// Many keys at once still log ten lines a second at most.
+	h.shadowLog.log(zap.InfoLevel, "shadow mode: request would be rate limited", fields...)
 }
 
 // clientKey is the resolved key without the Redis prefix.

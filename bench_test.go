@@ -16,7 +16,9 @@ import (
 	"net/http"
 	"strconv"
 	"sync/atomic"
+	"syscall"
 	"testing"
+	"time"
 
 	"github.com/caddy-redis/ratelimit/internal/redistest"
 	"github.com/caddyserver/caddy/v2"
@@ -142,13 +144,21 @@ func BenchmarkServeHTTPAllowed(b *testing.B) {
 // own key, so the batcher pipelines. Sub-benchmarks set how many
 // goroutines per GOMAXPROCS.
 func BenchmarkServeHTTPAllowedParallel(b *testing.B) {
-	for _, par := range []int{1, 32} {
-		b.Run("par="+strconv.Itoa(par), func(b *testing.B) {
+	for _, c := range []struct {
+		name    string
+		par     int
+		metrics bool
+	}{{"par=1", 1, true}, {"par=32", 32, true}, {"par=32,metrics=off", 32, false}} {
+		b.Run(c.name, func(b *testing.B) {
 			srv := redistest.Start(b)
 			h := allowedHandler(b, srv)
+			if !c.metrics {
+				h.metrics = nil // as `metrics off` provisions it
+			}
 			var next atomic.Int64
-			b.SetParallelism(par)
+			b.SetParallelism(c.par)
 			b.ReportAllocs()
+			cpu := processCPU()
 			b.ResetTimer()
 			b.RunParallel(func(pb *testing.PB) {
 				n := next.Add(1)
@@ -161,8 +171,21 @@ func BenchmarkServeHTTPAllowedParallel(b *testing.B) {
 					}
 				}
 			})
+			b.StopTimer()
+			// The CPU this process spent per request: the handler, go-redis
+			// and the runtime, without the Redis server's share.
+			b.ReportMetric(float64(processCPU()-cpu)/float64(b.N), "cpu-ns/op")
 		})
 	}
+}
+
+// processCPU is the user and system CPU time of this process so far.
+func processCPU() time.Duration {
+	var ru syscall.Rusage
+	if err := syscall.Getrusage(syscall.RUSAGE_SELF, &ru); err != nil {
+		return 0
+	}
+	return time.Duration(ru.Utime.Nano() + ru.Stime.Nano())
 }
 
 // BenchmarkServeHTTPDenied is one client whose bucket is empty: burst 1,

@@ -188,15 +188,22 @@ func processCPU() time.Duration {
 	return time.Duration(ru.Utime.Nano() + ru.Stime.Nano())
 }
 
-// BenchmarkServeHTTPDenied is one client whose bucket is empty: burst 1,
-// a token every 1000 s, and the first request takes the only token. After
-// the first denial the handler's deny cache answers, without Redis.
-func BenchmarkServeHTTPDenied(b *testing.B) {
+// emptiedBucket is a handler and a request whose bucket is empty: burst 1,
+// a token every 1000 s, the only token taken and one denial seen.
+func emptiedBucket(b *testing.B) (*Handler, *http.Request, *benchWriter) {
 	srv := redistest.Start(b)
 	h := benchHandler(b, srv, "bench-denied", 0.001, 1)
 	r, w := benchRequest("192.0.2.1", "client-1")
 	serveOne(b, h, r, w, http.StatusOK)
 	serveOne(b, h, r, w, http.StatusTooManyRequests)
+	return h, r, w
+}
+
+// BenchmarkServeHTTPDenied is one client whose bucket is empty: burst 1,
+// a token every 1000 s, and the first request takes the only token. After
+// the first denial the handler's deny cache answers, without Redis.
+func BenchmarkServeHTTPDenied(b *testing.B) {
+	h, r, w := emptiedBucket(b)
 	b.ReportAllocs()
 	b.ResetTimer()
 	for b.Loop() {
@@ -207,11 +214,7 @@ func BenchmarkServeHTTPDenied(b *testing.B) {
 // BenchmarkServeHTTPDeniedRedis is BenchmarkServeHTTPDenied with the deny
 // cache emptied before every request, so each denial is Redis's answer.
 func BenchmarkServeHTTPDeniedRedis(b *testing.B) {
-	srv := redistest.Start(b)
-	h := benchHandler(b, srv, "bench-denied", 0.001, 1)
-	r, w := benchRequest("192.0.2.1", "client-1")
-	serveOne(b, h, r, w, http.StatusOK)
-	serveOne(b, h, r, w, http.StatusTooManyRequests)
+	h, r, w := emptiedBucket(b)
 	b.ReportAllocs()
 	b.ResetTimer()
 	for b.Loop() {

@@ -63,15 +63,24 @@ func (c *denyCache) put(key string, sent time.Time, res Result) {
 	c.entries[key] = deniedUntil{until: until, remaining: res.Remaining}
 }
 
-// makeRoom drops expired entries among a sample, or else one entry.
+// makeRoom drops the expired entries among a sample of 32, or, when none
+// has expired, the first of them.
 func (c *denyCache) makeRoom(now time.Time) {
-	seen := 0
+	var first string
+	seen, dropped := 0, 0
 	for k, d := range c.entries { // map order is random: a fair sample
-		if !now.Before(d.until) || seen == 0 {
+		if seen == 0 {
+			first = k
+		}
+		if !now.Before(d.until) {
 			delete(c.entries, k)
+			dropped++
 		}
 		if seen++; seen == 32 {
-			return
+			break
 		}
+	}
+	if dropped == 0 {
+		delete(c.entries, first)
 	}
 }

@@ -144,6 +144,17 @@ func TestDenyCacheBounded(t *testing.T) {
 	if _, ok := c.get("k"+strconv.Itoa(3*denyCacheSize-1), now); !ok {
 		t.Fatal("the newest entry was dropped")
 	}
+
+	// A full cache of expired entries makes room by dropping expired ones,
+	// many at a time, not one per insertion.
+	expired := newDenyCache()
+	for i := range denyCacheSize {
+		expired.put("e"+strconv.Itoa(i), now.Add(-time.Hour), Result{RetryAfter: time.Second})
+	}
+	expired.put("new", now, Result{RetryAfter: time.Hour})
+	if n := len(expired.entries); n > denyCacheSize-16 {
+		t.Fatalf("%d entries after one insertion into a full cache of expired ones", n)
+	}
 }
 
 // scriptCalls counts EVALSHA and EVAL calls Redis has served.

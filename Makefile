@@ -18,9 +18,9 @@ export PATH := $(if $(GO_INSTALL_DIR),$(GO_INSTALL_DIR):)$(PATH)$(if $(GO),:$(pa
 CADDY_VERSION ?= v2.11.9
 export CADDY_VERSION
 
-# Only what ends up in the binary: test files and testdata do not trigger a
-# (multi-minute, when cold) rebuild.
-BUILD_INPUTS := $(shell find . -path ./bin -prune -o -path ./.git -prune -o \
+# Only what ends up in the binary: test files, testdata and the load tools
+# in bench/ do not trigger a (multi-minute, when cold) rebuild.
+BUILD_INPUTS := $(shell find . -path ./bin -prune -o -path ./.git -prune -o -path ./bench -prune -o \
 	-name '*.go' ! -name '*_test.go' -print) script.lua go.mod go.sum
 
 .PHONY: help build run deps test vet unit check-build bench soak clean
@@ -43,6 +43,7 @@ deps: ## Install redis-server, redis-cli, gcc and xcaddy if missing (scripts/ins
 
 test: deps ## go vet, go test -race, then check the xcaddy build and Caddyfile.example
 	go vet ./...
+	cd bench/floor && go vet ./...
 	go test -race -count=1 -timeout 15m ./...
 	@bash scripts/check-build.sh
 

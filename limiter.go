@@ -348,7 +348,8 @@ type Result struct {
 // always gets its answer (by the deadline at the latest) and then puts
 // the call back.
 type call struct {
-	cmd      [7]any // EVALSHA, sha, 1, key, rate, burst, requested
+	cmd      [7]any // EVALSHA, sha, 1, &key, rate, burst, requested
+	key      string // boxed as &key, which costs no allocation
 	deadline time.Time
 	request  context.Context // only asked whether the client left, so the call need not be sent
 	result   Result
@@ -469,7 +470,8 @@ func (b *backend) Destruct() error {
 // by the time its batch goes out is not sent, so it takes no tokens.
 func (b *backend) take(ctx context.Context, now time.Time, key string, args []any) (Result, error) {
 	c := calls.Get().(*call)
-	c.cmd = [7]any{evalSHA, scriptSHAValue, "1", key, args[0], args[1], args[2]}
+	c.key = key
+	c.cmd = [7]any{evalSHA, scriptSHAValue, "1", &c.key, args[0], args[1], args[2]}
 	c.deadline = now.Add(b.timeout)
 	c.request = ctx
 	b.lastCall.Store(now.UnixNano())

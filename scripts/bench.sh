@@ -1,17 +1,23 @@
 #!/usr/bin/env bash
 # Load benchmark of Caddy with the rate_limit handler (`make bench`).
 #
-# Builds bin/caddy with xcaddy when it is missing or older than the
-# plugin's sources, starts its own redis-server on a free loopback port,
-# and runs every case against a fresh Caddy built from bench/*.caddyfile:
+# Builds bin/caddy-bench (Caddy with the plugin and bench/floor) with
+# xcaddy when it is missing or older than their sources, starts its own
+# redis-server on a free loopback port, and runs every case against a
+# fresh Caddy started from bench/*.caddyfile:
 #
 #   bare@64       Caddy `respond "ok"`, 64 connections        (baseline)
+#   floor@64      bench/floor: one token per request from Redis with the
+#                 plugin's script, batched, over a bare RESP connection, and
+#                 nothing else (the ceiling for any limiter that asks Redis
+#                 once per allowed request)
 #   allowed@64    rate_limit, always allowed, one bucket per connection
 #   nometrics@64  as allowed@64 with `metrics off` (what the metrics cost)
 #   denied@64     rate_limit, one empty bucket: every request gets 429
 #                 (after the first denial the handler's deny cache answers;
 #                 scripts/req near 0 shows it)
 #   allowed@256   as allowed@64 with 256 connections
+#   floor@256     as floor@64 with 256 connections
 #   bare@256      as bare@64 with 256 connections              (its baseline)
 #
 # Caddy runs alone on CPU 0 with GOMAXPROCS=1; Redis and the load
@@ -24,7 +30,7 @@
 # pipeline) and script calls (cmdstat_evalsha + cmdstat_eval).
 #
 # Environment: BENCH_ROUNDS (3), BENCH_DURATION (5s), BENCH_WARMUP (1s),
-# BENCH_CADDY_CPU (0), BENCH_LOAD_CPU (1), CADDY_BIN (bin/caddy).
+# BENCH_CADDY_CPU (0), BENCH_LOAD_CPU (1), CADDY_BIN (bin/caddy-bench).
 # BENCH_PROFILE=<dir> adds one more allowed@64 run with Caddy's admin
 # endpoint on, saves a 5 s CPU profile and allocation profile of Caddy
 # into <dir> and prints the top of each.
@@ -39,7 +45,7 @@ DURATION="${BENCH_DURATION:-5s}"
 WARMUP="${BENCH_WARMUP:-1s}"
 CADDY_CPU="${BENCH_CADDY_CPU:-0}"
 LOAD_CPU="${BENCH_LOAD_CPU:-1}"
-CADDY_BIN="${CADDY_BIN:-$REPO_ROOT/bin/caddy}"
+CADDY_BIN="${CADDY_BIN:-$REPO_ROOT/bin/caddy-bench}"
 
 bench_start=$SECONDS
 for bin in go redis-server redis-cli taskset; do
@@ -52,7 +58,7 @@ if ((ncpu < 2)); then
 fi
 
 # --- build -------------------------------------------------------------------
-ensure_caddy "$CADDY_BIN"
+ensure_caddy "$CADDY_BIN" "$(module_path)/bench/floor=$REPO_ROOT/bench/floor"
 
 work="$(mktemp -d "${TMPDIR:-/tmp}/bench.XXXXXX")"
 redis_pid=""
@@ -97,10 +103,12 @@ log "redis-server $(redis-server --version | awk '{print $3}') pid $redis_pid on
 # name caddyfile connections expected-status loadgen-flags
 CASES=(
 	"bare@64 bare 64 200 -"
+	"floor@64 floor 64 200 -"
 	"allowed@64 allowed 64 200 -"
 	"nometrics@64 allowed-nometrics 64 200 -"
 	"denied@64 denied 64 429 -same-key"
 	"allowed@256 allowed 256 200 -"
+	"floor@256 floor 256 200 -"
 	"bare@256 bare 256 200 -"
 )
 
@@ -108,7 +116,7 @@ start_caddy() { # caddyfile-name [admin-address] -> sets caddy_pid, caddy_port
 	local conf="$REPO_ROOT/bench/$1.caddyfile"
 	caddy_port="$("$LOADGEN" freeport)"
 	mkdir -p "$work/home"
-	BENCH_PORT="$caddy_port" BENCH_REDIS="$REDIS_ADDR" BENCH_ADMIN="${2:-off}" GOMAXPROCS=1 \
+	BENCH_PORT="$caddy_port" BENCH_REDIS="$REDIS_ADDR" BENCH_ADMIN="${2:-off}" BENCH_SCRIPT="$REPO_ROOT/script.lua" GOMAXPROCS=1 \
 		HOME="$work/home" XDG_DATA_HOME="$work/home/data" XDG_CONFIG_HOME="$work/home/config" \
 		taskset -c "$CADDY_CPU" "$CADDY_BIN" run --config "$conf" --adapter caddyfile \
 		>>"$work/caddy.log" 2>&1 &
@@ -140,11 +148,19 @@ for ((round = 1; round <= ROUNDS; round++)); do
 done
 
 # --- table ---------------------------------------------------------------------
-# Medians of each column over the rounds; ratios of median req/s.
+# Medians of each column over the rounds. A ratio is the median of the
+# rounds' own ratios (both cases from the same round), which follows the
+# machine's drift from round to round better than a ratio of medians.
 awk -v ccpu="$CADDY_CPU" -v lcpu="$LOAD_CPU" -v cases="$(printf '%s\n' "${CASES[@]}" | awk '{print $1}' | paste -sd' ')" '
 function median(arr, n,    i, j, t) {
 	for (i = 2; i <= n; i++) { t = arr[i]; for (j = i - 1; j >= 1 && arr[j] > t; j--) arr[j + 1] = arr[j]; arr[j + 1] = t }
 	return n % 2 ? arr[(n + 1) / 2] : (arr[n / 2] + arr[n / 2 + 1]) / 2
+}
+function ratio(c, base,    i, n, r) {
+	if (!count[base]) return "-"
+	n = count[c] < count[base] ? count[c] : count[base]
+	for (i = 1; i <= n; i++) r[i] = v[base, i, 1] ? v[c, i, 1] / v[base, i, 1] : 0
+	return sprintf("%.3f", median(r, n))
 }
 {
 	delete kv
@@ -171,14 +187,15 @@ END {
 			m[c, f] = median(a, n)
 		}
 	}
-	printf "%-12s %5s %8s %8s %8s %9s %10s %9s %9s %11s %9s %6s %6s %6s %6s %6s %6s\n", "case", "conns", "req/s", "p50", "p99",
-		"vs bare64", "vs bare256", "caddy-us", "reads/req", "scripts/req", "redis-us", "caddy%", "load%", "redis%", "other0", "other1", "errors"
+	printf "%-12s %5s %8s %8s %8s %9s %10s %8s %9s %9s %11s %9s %6s %6s %6s %6s %6s %6s\n", "case", "conns", "req/s", "p50", "p99",
+		"vs bare64", "vs bare256", "vs floor", "caddy-us", "reads/req", "scripts/req", "redis-us", "caddy%", "load%", "redis%", "other0", "other1", "errors"
 	for (k = 1; k <= nc; k++) {
 		c = order[k]; split(c, cc, "@")
-		r64 = m["bare@64", 1] ? sprintf("%.3f", m[c, 1] / m["bare@64", 1]) : "-"
-		r256 = (cc[2] == 256 && m["bare@256", 1]) ? sprintf("%.3f", m[c, 1] / m["bare@256", 1]) : "-"
-		printf "%-12s %5s %8.0f %6.2fms %6.2fms %9s %10s %9.1f %9.3f %11.3f %9.1f %6.0f %6.0f %6.0f %6.0f %6.0f %6d\n", c, cc[2], m[c, 1], m[c, 2], m[c, 3],
-			r64, r256, m[c, 11], m[c, 4], m[c, 5], m[c, 12], m[c, 6], m[c, 7], m[c, 8], m[c, 9], m[c, 10], bad[c]
+		r64 = ratio(c, "bare@64")
+		r256 = cc[2] == 256 ? ratio(c, "bare@256") : "-"
+		rfl = ratio(c, "floor@" cc[2])
+		printf "%-12s %5s %8.0f %6.2fms %6.2fms %9s %10s %8s %9.1f %9.3f %11.3f %9.1f %6.0f %6.0f %6.0f %6.0f %6.0f %6d\n", c, cc[2], m[c, 1], m[c, 2], m[c, 3],
+			r64, r256, rfl, m[c, 11], m[c, 4], m[c, 5], m[c, 12], m[c, 6], m[c, 7], m[c, 8], m[c, 9], m[c, 10], bad[c]
 	}
 }' "$results"
 echo "(medians of $ROUNDS rounds, $WARMUP warm-up + $DURATION measured per case. caddy-us/redis-us: CPU time of Caddy /"

@@ -2,7 +2,10 @@
 # Builds Caddy $CADDY_VERSION (default v2.11.9) with this plugin from the
 # working tree, using xcaddy.
 #
-#   scripts/build-caddy.sh [OUTPUT]     OUTPUT defaults to bin/caddy
+#   scripts/build-caddy.sh [OUTPUT [MODULE=DIR]...]
+#
+# OUTPUT defaults to bin/caddy. Each MODULE=DIR adds one more local module
+# (`make bench` adds its measuring stick, bench/floor).
 #
 # Set XCADDY_QUIET=1 to send xcaddy's chatter to a log that is printed only
 # if the build fails.
@@ -18,6 +21,7 @@ SCRIPT_NAME=build-caddy
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 
 out="${1:-$REPO_ROOT/bin/caddy}"
+shift $(($# > 0 ? 1 : 0))
 [[ "$out" = /* ]] || out="$PWD/$out"
 
 command -v go >/dev/null 2>&1 || die "Go is not on PATH; install Go 1.26+ (https://go.dev/dl/)"
@@ -55,11 +59,14 @@ trap 'exit 130' INT
 trap 'exit 143' TERM
 trap 'exit 129' HUP
 
-log "building Caddy $CADDY_VERSION with $module from $REPO_ROOT -> $out"
+log "building Caddy $CADDY_VERSION with $module from $REPO_ROOT${*:+ and $*} -> $out"
 start=$SECONDS
 cmd=(xcaddy build "$CADDY_VERSION"
 	--with "$module@v0.0.0-00010101000000-000000000000=$REPO_ROOT"
 	--output "$work/caddy")
+for extra in "$@"; do
+	cmd+=(--with "${extra%%=*}@v0.0.0-00010101000000-000000000000=${extra#*=}")
+done
 xlog="$work/xcaddy.log"
 # xcaddy runs in the background in a process group of its own (set -m), so
 # a signal to this script is handled at once (a foreground child would delay

@@ -38,19 +38,29 @@ module_path() {
 	awk '$1 == "module" { print $2; exit }' "$REPO_ROOT/go.mod"
 }
 
-# ensure_caddy BIN: builds BIN with xcaddy (scripts/build-caddy.sh,
-# installing xcaddy when missing) if it is missing or stale: when any
-# non-test Go file of the plugin, script.lua, go.mod or go.sum is newer
-# than it (bench/ holds only the load tools).
+# ensure_caddy BIN [MODULE=DIR]...: builds BIN with xcaddy
+# (scripts/build-caddy.sh, installing xcaddy when missing), with the plugin
+# and any extra local modules, if it is missing or stale: when any non-test
+# Go file, script.lua, go.mod or go.sum of the plugin (bench/ holds only
+# the load tools) or of an extra module's DIR is newer than it.
 ensure_caddy() {
-	local bin="$1"
-	if [[ ! -x "$bin" || -n "$(cd "$REPO_ROOT" && find . \( -path ./bin -o -path ./.git -o -path ./bench \) -prune -o \
-		\( \( -name '*.go' ! -name '*_test.go' \) -o -name script.lua -o -name go.mod -o -name go.sum \) \
-		-newer "$bin" -print -quit)" ]]; then
-		command -v xcaddy >/dev/null 2>&1 || bash "$REPO_ROOT/scripts/install-deps.sh" --xcaddy-only
-		XCADDY_QUIET="${XCADDY_QUIET:-1}" bash "$REPO_ROOT/scripts/build-caddy.sh" "$bin"
+	local bin="$1" spec stale=""
+	shift
+	if [[ ! -x "$bin" ]]; then
+		stale=1
 	else
-		log "bin/caddy is up to date"
+		stale="$(cd "$REPO_ROOT" && find . \( -path ./bin -o -path ./.git -o -path ./bench \) -prune -o \
+			\( \( -name '*.go' ! -name '*_test.go' \) -o -name script.lua -o -name go.mod -o -name go.sum \) \
+			-newer "$bin" -print -quit)"
+		for spec in "$@"; do
+			[[ -n "$stale" ]] || stale="$(find "${spec#*=}" \( -name '*.go' -o -name go.mod -o -name go.sum \) -newer "$bin" -print -quit)"
+		done
+	fi
+	if [[ -n "$stale" ]]; then
+		command -v xcaddy >/dev/null 2>&1 || bash "$REPO_ROOT/scripts/install-deps.sh" --xcaddy-only
+		XCADDY_QUIET="${XCADDY_QUIET:-1}" bash "$REPO_ROOT/scripts/build-caddy.sh" "$bin" "$@"
+	else
+		log "${bin#"$REPO_ROOT"/} is up to date"
 	fi
 }
 

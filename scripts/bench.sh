@@ -29,7 +29,7 @@
 # total_reads_processed (read events: below 1 means requests shared a
 # pipeline) and script calls (cmdstat_evalsha + cmdstat_eval).
 #
-# Environment: BENCH_ROUNDS (3), BENCH_DURATION (5s), BENCH_WARMUP (1s),
+# Environment: BENCH_ROUNDS (5), BENCH_DURATION (3s), BENCH_WARMUP (1s),
 # BENCH_CADDY_CPU (0), BENCH_LOAD_CPU (1), CADDY_BIN (bin/caddy-bench).
 # BENCH_PROFILE=<dir> adds one more allowed@64 run with Caddy's admin
 # endpoint on, saves a 5 s CPU profile and allocation profile of Caddy
@@ -40,8 +40,8 @@ SCRIPT_NAME=bench
 # shellcheck source=scripts/common.sh
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 
-ROUNDS="${BENCH_ROUNDS:-3}"
-DURATION="${BENCH_DURATION:-5s}"
+ROUNDS="${BENCH_ROUNDS:-5}"
+DURATION="${BENCH_DURATION:-3s}"
 WARMUP="${BENCH_WARMUP:-1s}"
 CADDY_CPU="${BENCH_CADDY_CPU:-0}"
 LOAD_CPU="${BENCH_LOAD_CPU:-1}"

@@ -89,10 +89,16 @@ func (f *Floor) Provision(caddy.Context) error {
 			if err := w.Flush(); err != nil {
 				return fmt.Errorf("loading the script: %w", err)
 			}
-			for range 2 { // $40, the SHA
-				if _, err := r.ReadSlice('\n'); err != nil {
-					return fmt.Errorf("loading the script: %w", err)
-				}
+			// The reply is $40 and the SHA on the next line, or an error.
+			line, err := r.ReadSlice('\n')
+			if err == nil && line[0] != '$' {
+				err = fmt.Errorf("redis replied %q", line)
+			}
+			if err == nil {
+				_, err = r.ReadSlice('\n')
+			}
+			if err != nil {
+				return fmt.Errorf("loading the script: %w", err)
 			}
 		}
 		go f.work(w, r)

@@ -3,9 +3,6 @@ package ratelimit
 import (
 	"sync/atomic"
 	"time"
-
-	"go.uber.org/zap"
-	"go.uber.org/zap/zapcore"
 )
 
 // Circuit breaker settings: after breakerThreshold Redis failures in a
@@ -17,14 +14,14 @@ const (
 )
 
 // breaker keeps a failing Redis from costing every request its timeout.
-// The closed path is one atomic load.
+// The closed path is one atomic load. It only counts: whoever reports a
+// success or a failure learns whether that closed or opened it, and
+// logs it.
 type breaker struct {
-	logger   *zap.Logger
 	failures atomic.Int64
 	// openUntil is when the next probe may go, in Unix nanoseconds;
 	// zero while closed.
 	openUntil atomic.Int64
-	onChange  func(open bool)
 }
 
 // allow says whether this request may call Redis. While open, the first
@@ -38,59 +35,22 @@ func (b *breaker) allow() bool {
 	return now >= until && b.openUntil.CompareAndSwap(until, now+int64(breakerCooldown))
 }
 
-func (b *breaker) success() {
+// success records an answer from Redis; closed says it closed the breaker.
+func (b *breaker) success() (closed bool) {
 	if b.failures.Load() != 0 {
 		b.failures.Store(0)
 	}
-	if b.openUntil.Load() != 0 && b.openUntil.Swap(0) != 0 {
-		b.logger.Info("circuit breaker closed: Redis answers again")
-		b.changed(false)
-	}
+	return b.openUntil.Load() != 0 && b.openUntil.Swap(0) != 0
 }
 
-func (b *breaker) failure() {
+// failure records a Redis failure; opened says it opened the breaker,
+// after failures in a row.
+func (b *breaker) failure() (opened bool, failures int64) {
 	n := b.failures.Add(1)
 	if n < breakerThreshold || b.openUntil.Load() != 0 {
-		return
+		return false, n
 	}
-	if b.openUntil.CompareAndSwap(0, time.Now().Add(breakerCooldown).UnixNano()) {
-		b.logger.Warn("circuit breaker opened: Redis failed repeatedly; requests skip Redis and follow on_error until it answers",
-			zap.Int64("consecutive_failures", n))
-		b.changed(true)
-	}
+	return b.openUntil.CompareAndSwap(0, time.Now().Add(breakerCooldown).UnixNano()), n
 }
 
 func (b *breaker) isOpen() bool { return b.openUntil.Load() != 0 }
-
-func (b *breaker) changed(open bool) {
-	if b.onChange != nil {
-		b.onChange(open)
-	}
-}
-
-// throttledLog writes at most `lines` lines (at least one) per interval
-// and counts what it held back, so an outage or a flood logs a few lines,
-// not one per request.
-type throttledLog struct {
-	logger     *zap.Logger
-	every      time.Duration
-	lines      int64
-	window     atomic.Int64 // start of the current interval, Unix nanoseconds
-	written    atomic.Int64 // lines written in it
-	suppressed atomic.Int64
-}
-
-func (t *throttledLog) log(level zapcore.Level, msg string, fields ...zap.Field) {
-	now := time.Now().UnixNano()
-	if w := t.window.Load(); now-w >= int64(t.every) && t.window.CompareAndSwap(w, now) {
-		t.written.Store(0)
-	}
-	if t.written.Add(1) > max(t.lines, 1) {
-		t.suppressed.Add(1)
-		return
-	}
-	if n := t.suppressed.Swap(0); n > 0 {
-		fields = append(fields, zap.Int64("suppressed", n))
-	}
-	t.logger.Log(level, msg, fields...)
-}

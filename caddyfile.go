@@ -63,35 +63,27 @@ func parseCaddyfile(h httpcaddyfile.Helper) (caddyhttp.MiddlewareHandler, error)
 //			}
 //		}
 //	}
+//
+// The inline arguments set the subdirectives of the same names. Each
+// subdirective may be given once.
 func (h *Handler) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 	d.Next() // consume directive name
 
 	seen := map[string]bool{}
+	inline := []struct {
+		name string
+		set  func(string) error
+	}{{"replenish_rate", h.setReplenishRate}, {"burst_capacity", h.setBurstCapacity}, {"requested_tokens", h.setRequestedTokens}}
 	args := d.RemainingArgs()
-	switch len(args) {
-	case 0:
-	case 2, 3:
-		rate, err := parseRate(args[0])
-		if err != nil {
-			return d.Errf("replenish_rate '%s': %v", args[0], err)
-		}
-		h.ReplenishRate = rate
-		seen["replenish_rate"] = true
-		burst, err := strconv.ParseInt(args[1], 10, 64)
-		if err != nil {
-			return d.Errf("burst_capacity '%s' is not a whole number", args[1])
-		}
-		h.BurstCapacity = &burst
-		seen["burst_capacity"] = true
-		if len(args) == 3 {
-			if h.RequestedTokens, err = strconv.ParseInt(args[2], 10, 64); err != nil {
-				return d.Errf("requested_tokens '%s' is not a whole number", args[2])
-			}
-			seen["requested_tokens"] = true
-		}
-	default:
+	if len(args) == 1 || len(args) > len(inline) {
 		return d.Errf("rate_limit: want <replenish_rate> <burst_capacity> [<requested_tokens>], got %d argument(s): '%s'",
 			len(args), strings.Join(args, " "))
+	}
+	for i, arg := range args {
+		seen[inline[i].name] = true
+		if err := inline[i].set(arg); err != nil {
+			return d.WrapErr(err)
+		}
 	}
 
 	for nesting := d.Nesting(); d.NextBlock(nesting); {
@@ -100,114 +92,95 @@ func (h *Handler) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 			return d.Errf("subdirective '%s' is given twice", sub)
 		}
 		seen[sub] = true
-		switch sub {
-		case "redis":
-			if err := h.unmarshalRedis(d); err != nil {
-				return err
-			}
-			continue
-		case "shadow", "log_key":
-			if d.NextArg() {
-				return d.Errf("%s takes no value, got '%s'", sub, d.Val())
-			}
-			h.Shadow = h.Shadow || sub == "shadow"
-			h.LogKey = h.LogKey || sub == "log_key"
-			continue
-		}
-		if !subdirectives[sub] {
-			return d.Errf("unrecognized rate_limit subdirective '%s'", sub)
-		}
-		var val string
-		if !d.AllArgs(&val) {
-			return argErr(d, sub)
-		}
+		value := func(set func(string) error) error { return oneValue(d, "", set) }
 		var err error
 		switch sub {
 		case "zone":
-			h.Zone = val
+			err = value(func(v string) error { h.Zone = v; return checkZone(v) })
 		case "key":
-			h.Key = val
+			err = value(func(v string) error {
+				h.Key = v
+				_, err := parseKeyTemplate(v)
+				return err
+			})
 		case "replenish_rate":
-			if h.ReplenishRate, err = parseRate(val); err != nil {
-				return d.Errf("replenish_rate '%s': %v", val, err)
-			}
+			err = value(h.setReplenishRate)
 		case "burst_capacity":
-			burst, err := strconv.ParseInt(val, 10, 64)
-			if err != nil {
-				return d.Errf("burst_capacity '%s' is not a whole number", val)
-			}
-			h.BurstCapacity = &burst
+			err = value(h.setBurstCapacity)
 		case "requested_tokens":
-			if h.RequestedTokens, err = strconv.ParseInt(val, 10, 64); err != nil {
-				return d.Errf("requested_tokens '%s' is not a whole number", val)
-			}
+			err = value(h.setRequestedTokens)
 		case "deny_empty_key":
-			b, err := parseBool(val)
-			if err != nil {
-				return d.Errf("deny_empty_key '%s': %v", val, err)
-			}
-			h.DenyEmptyKey = &b
+			err = value(func(v string) error { return setBool(&h.DenyEmptyKey, sub, v) })
 		case "include_headers":
-			b, err := parseBool(val)
-			if err != nil {
-				return d.Errf("include_headers '%s': %v", val, err)
-			}
-			h.IncludeHeaders = &b
+			err = value(func(v string) error { return setBool(&h.IncludeHeaders, sub, v) })
 		case "empty_key_status":
-			if h.EmptyKeyStatus, err = parseStatus(val); err != nil {
-				return d.Errf("empty_key_status '%s': %v", val, err)
-			}
+			err = value(func(v string) error { return setStatus(&h.EmptyKeyStatus, sub, v) })
 		case "status_code":
-			if h.StatusCode, err = parseStatus(val); err != nil {
-				return d.Errf("status_code '%s': %v", val, err)
-			}
+			err = value(func(v string) error { return setStatus(&h.StatusCode, sub, v) })
 		case "on_error":
-			if val != "allow" && val != "deny" {
-				return d.Errf("on_error '%s': want 'allow' or 'deny'", val)
-			}
-			h.OnError = val
+			err = value(func(v string) error { h.OnError = v; return checkOnError(v) })
 		case "headers":
-			switch val {
-			case headersSpring, headersIETF, headersBoth, headersNone:
-			default:
-				return d.Errf("headers '%s': want spring, ietf, both or none", val)
-			}
-			h.Headers = val
+			err = value(func(v string) error { h.Headers = v; return checkHeaders(v) })
 		case "metrics":
-			if val != "on" && val != "off" {
-				return d.Errf("metrics '%s': want 'on' or 'off'", val)
-			}
-			h.DisableMetrics = val == "off"
+			err = value(func(v string) error {
+				if v != "on" && v != "off" {
+					return fmt.Errorf("metrics '%s': want 'on' or 'off'", v)
+				}
+				h.DisableMetrics = v == "off"
+				return nil
+			})
+		case "shadow":
+			err = noValue(d, "", &h.Shadow)
+		case "log_key":
+			err = noValue(d, "", &h.LogKey)
+		case "redis":
+			h.Redis = new(RedisConfig)
+			err = h.Redis.unmarshalCaddyfile(d)
 		default:
 			return d.Errf("unrecognized rate_limit subdirective '%s'", sub)
 		}
+		if err != nil {
+			return err
+		}
 	}
-	if !seen["replenish_rate"] && !seen["burst_capacity"] {
-		// Validate refuses this too; here the error can name the line.
-		return d.Err("rate_limit: replenish_rate is required (or burst_capacity 0 to block every request)")
+	// Validate judges this too; here the message can name the line.
+	if err := checkLimit(h.ReplenishRate, h.BurstCapacity, h.RequestedTokens); err != nil {
+		return d.WrapErr(err)
 	}
 	return nil
 }
 
-// subdirectives are the single-valued subdirectives of rate_limit.
-var subdirectives = map[string]bool{
-	"zone": true, "key": true, "replenish_rate": true, "burst_capacity": true,
-	"requested_tokens": true, "deny_empty_key": true, "include_headers": true,
-	"empty_key_status": true, "status_code": true, "on_error": true,
-	"headers": true, "metrics": true,
+func (h *Handler) setReplenishRate(v string) error {
+	rate, err := parseRate(v)
+	if err != nil {
+		return fmt.Errorf("replenish_rate '%s': %w", v, err)
+	}
+	h.ReplenishRate = rate
+	return nil
 }
 
-// argErr is d.ArgErr naming the subdirective, which d.ArgErr leaves out
-// when there are too many arguments.
-func argErr(d *caddyfile.Dispenser, sub string) error {
-	return fmt.Errorf("%s: %w", sub, d.ArgErr())
+func (h *Handler) setBurstCapacity(v string) error {
+	burst, err := strconv.ParseInt(v, 10, 64)
+	if err != nil {
+		return fmt.Errorf("burst_capacity '%s' is not a whole number", v)
+	}
+	h.BurstCapacity = &burst
+	return nil
 }
 
-// unmarshalRedis parses the redis block; the dispenser is on "redis".
-func (h *Handler) unmarshalRedis(d *caddyfile.Dispenser) error {
-	h.Redis = new(RedisConfig)
-	rc := h.Redis
-	if err := addAddresses(d, rc, d.RemainingArgs()); err != nil {
+func (h *Handler) setRequestedTokens(v string) error {
+	n, err := strconv.ParseInt(v, 10, 64)
+	if err != nil {
+		return fmt.Errorf("requested_tokens '%s' is not a whole number", v)
+	}
+	h.RequestedTokens = n
+	return nil
+}
+
+// unmarshalCaddyfile parses the redis block; the dispenser is on "redis".
+// Addresses given inline and with `address` add up.
+func (rc *RedisConfig) unmarshalCaddyfile(d *caddyfile.Dispenser) error {
+	if err := rc.addAddresses(d, d.RemainingArgs()); err != nil {
 		return err
 	}
 	seen := map[string]bool{}
@@ -217,56 +190,63 @@ func (h *Handler) unmarshalRedis(d *caddyfile.Dispenser) error {
 			return d.Errf("redis subdirective '%s' is given twice", sub)
 		}
 		seen[sub] = true
+		value := func(set func(string) error) error { return oneValue(d, "redis", set) }
+		var err error
 		switch sub {
 		case "address":
 			addrs := d.RemainingArgs()
 			if len(addrs) == 0 {
 				return argErr(d, "redis address")
 			}
-			if err := addAddresses(d, rc, addrs); err != nil {
-				return err
-			}
+			err = rc.addAddresses(d, addrs)
 		case "cluster":
-			if d.NextArg() {
-				return argErr(d, "redis cluster")
-			}
-			rc.Cluster = true
+			err = noValue(d, "redis", &rc.Cluster)
+		case "master_name":
+			err = value(into(&rc.MasterName))
+		case "sentinel_username":
+			err = value(into(&rc.SentinelUsername))
+		case "sentinel_password":
+			err = value(into(&rc.SentinelPassword))
+		case "username":
+			err = value(into(&rc.Username))
+		case "password":
+			err = value(into(&rc.Password))
+		case "key_prefix":
+			err = value(into(&rc.KeyPrefix))
+		case "db":
+			err = value(func(v string) error {
+				return setCount(&rc.DB, "redis db", v, 0, "want a database index, 0 or more")
+			})
+		case "pool_size":
+			err = value(func(v string) error {
+				return setCount(&rc.PoolSize, "redis pool_size", v, 1, "want a whole number of connections, 1 or more")
+			})
+		case "timeout":
+			err = value(func(v string) error { return setDuration(&rc.Timeout, "redis timeout", v) })
+		case "dial_timeout":
+			err = value(func(v string) error { return setDuration(&rc.DialTimeout, "redis dial_timeout", v) })
 		case "tls":
 			if d.NextArg() {
 				return argErr(d, "redis tls")
 			}
-			if err := unmarshalRedisTLS(d, rc); err != nil {
-				return err
-			}
+			rc.TLS = new(RedisTLS)
+			err = rc.TLS.unmarshalCaddyfile(d)
 		default:
-			if !redisSubdirectives[sub] {
-				return d.Errf("unrecognized redis subdirective '%s'", sub)
-			}
-			var val string
-			if !d.AllArgs(&val) {
-				return argErr(d, "redis "+sub)
-			}
-			if err := setRedisValue(rc, sub, val); err != nil {
-				return d.Errf("redis %s '%s': %v", sub, val, err)
-			}
+			return d.Errf("unrecognized redis subdirective '%s'", sub)
+		}
+		if err != nil {
+			return err
 		}
 	}
 	return nil
 }
 
-// redisSubdirectives are the single-valued subdirectives of redis.
-var redisSubdirectives = map[string]bool{
-	"master_name": true, "sentinel_username": true, "sentinel_password": true,
-	"username": true, "password": true, "key_prefix": true, "db": true,
-	"pool_size": true, "timeout": true, "dial_timeout": true,
-}
-
 // addAddresses checks Redis addresses where they are written, then adds
-// them.
-func addAddresses(d *caddyfile.Dispenser, rc *RedisConfig, addrs []string) error {
+// them. One with a placeholder is checked once resolved, at provisioning.
+func (rc *RedisConfig) addAddresses(d *caddyfile.Dispenser, addrs []string) error {
 	for _, a := range addrs {
 		if strings.Contains(a, "{") {
-			continue // a placeholder; checked once resolved
+			continue
 		}
 		if _, err := parseAddress(a); err != nil {
 			return d.Errf("redis address '%s': %v", a, err)
@@ -276,43 +256,8 @@ func addAddresses(d *caddyfile.Dispenser, rc *RedisConfig, addrs []string) error
 	return nil
 }
 
-// setRedisValue sets one single-valued subdirective of the redis block.
-func setRedisValue(rc *RedisConfig, sub, val string) error {
-	var err error
-	switch sub {
-	case "master_name":
-		rc.MasterName = val
-	case "sentinel_username":
-		rc.SentinelUsername = val
-	case "sentinel_password":
-		rc.SentinelPassword = val
-	case "username":
-		rc.Username = val
-	case "password":
-		rc.Password = val
-	case "key_prefix":
-		rc.KeyPrefix = val
-	case "db":
-		if rc.DB, err = strconv.Atoi(val); err != nil || rc.DB < 0 {
-			return errString("want a database index, 0 or more")
-		}
-	case "pool_size":
-		if rc.PoolSize, err = strconv.Atoi(val); err != nil || rc.PoolSize < 1 {
-			return errString("want a whole number of connections, 1 or more")
-		}
-	case "timeout":
-		return parsePositiveDuration(val, &rc.Timeout)
-	case "dial_timeout":
-		return parsePositiveDuration(val, &rc.DialTimeout)
-	default:
-		return errString("unrecognized redis subdirective")
-	}
-	return nil
-}
-
-func unmarshalRedisTLS(d *caddyfile.Dispenser, rc *RedisConfig) error {
-	rc.TLS = new(RedisTLS)
-	t := rc.TLS
+// unmarshalCaddyfile parses the tls block inside redis.
+func (t *RedisTLS) unmarshalCaddyfile(d *caddyfile.Dispenser) error {
 	seen := map[string]bool{}
 	for nesting := d.Nesting(); d.NextBlock(nesting); {
 		sub := d.Val()
@@ -320,38 +265,102 @@ func unmarshalRedisTLS(d *caddyfile.Dispenser, rc *RedisConfig) error {
 			return d.Errf("redis tls subdirective '%s' is given twice", sub)
 		}
 		seen[sub] = true
-		if sub == "insecure_skip_verify" {
-			if d.NextArg() {
-				return argErr(d, "redis tls insecure_skip_verify")
-			}
-			t.InsecureSkipVerify = true
-			continue
-		}
-		switch sub {
-		case "ca", "cert", "key", "server_name":
-		default:
-			return d.Errf("unrecognized redis tls subdirective '%s'", sub)
-		}
-		var val string
-		if !d.AllArgs(&val) {
-			return argErr(d, "redis tls "+sub)
-		}
+		value := func(set func(string) error) error { return oneValue(d, "redis tls", set) }
+		var err error
 		switch sub {
 		case "ca":
-			t.CA = val
+			err = value(into(&t.CA))
 		case "cert":
-			t.Cert = val
+			err = value(into(&t.Cert))
 		case "key":
-			t.Key = val
+			err = value(into(&t.Key))
 		case "server_name":
-			t.ServerName = val
+			err = value(into(&t.ServerName))
+		case "insecure_skip_verify":
+			err = noValue(d, "redis tls", &t.InsecureSkipVerify)
 		default:
 			return d.Errf("unrecognized redis tls subdirective '%s'", sub)
 		}
+		if err != nil {
+			return err
+		}
 	}
-	if (t.Cert == "") != (t.Key == "") {
-		return d.Errf("redis tls: 'cert' and 'key' go together; got cert '%s' and key '%s'", t.Cert, t.Key)
+	if err := t.validate(); err != nil {
+		return d.WrapErr(fmt.Errorf("redis %w", err))
 	}
+	return nil
+}
+
+// oneValue reads the single value of the subdirective the dispenser is
+// on and hands it to set, whose error gets the line appended. block
+// names the enclosing blocks for messages ("redis tls").
+func oneValue(d *caddyfile.Dispenser, block string, set func(string) error) error {
+	sub := d.Val()
+	var v string
+	if !d.AllArgs(&v) {
+		return argErr(d, strings.TrimSpace(block+" "+sub))
+	}
+	if err := set(v); err != nil {
+		return d.WrapErr(err)
+	}
+	return nil
+}
+
+// into stores a value as written.
+func into(dst *string) func(string) error {
+	return func(v string) error { *dst = v; return nil }
+}
+
+// noValue sets a flag subdirective, which takes no value.
+func noValue(d *caddyfile.Dispenser, block string, flag *bool) error {
+	sub := d.Val()
+	if d.NextArg() {
+		return argErr(d, strings.TrimSpace(block+" "+sub))
+	}
+	*flag = true
+	return nil
+}
+
+// argErr is d.ArgErr naming the subdirective, which d.ArgErr leaves out
+// when there are too many arguments.
+func argErr(d *caddyfile.Dispenser, sub string) error {
+	return fmt.Errorf("%s: %w", sub, d.ArgErr())
+}
+
+func setBool(dst **bool, sub, v string) error {
+	switch v {
+	case "true", "false":
+		b := v == "true"
+		*dst = &b
+		return nil
+	}
+	return fmt.Errorf("%s '%s': want true or false", sub, v)
+}
+
+func setStatus(dst *int, sub, v string) error {
+	n, err := strconv.Atoi(v)
+	if err != nil {
+		return fmt.Errorf("%s '%s': %s", sub, v, wantStatus)
+	}
+	*dst = n
+	return checkStatus(sub, n)
+}
+
+func setCount(dst *int, sub, v string, least int, want string) error {
+	n, err := strconv.Atoi(v)
+	if err != nil || n < least {
+		return fmt.Errorf("%s '%s': %s", sub, v, want)
+	}
+	*dst = n
+	return nil
+}
+
+func setDuration(dst *caddy.Duration, sub, v string) error {
+	dur, err := caddy.ParseDuration(v)
+	if err != nil || dur <= 0 {
+		return fmt.Errorf("%s '%s': want a positive duration like 100ms or 2s", sub, v)
+	}
+	*dst = caddy.Duration(dur)
 	return nil
 }
 
@@ -361,50 +370,17 @@ func parseRate(s string) (float64, error) {
 	count, per, found := strings.Cut(s, "/")
 	n, err := strconv.ParseFloat(count, 64)
 	if err != nil || !(n > 0) || n > 1e15 {
-		return 0, errString("want a positive number of tokens per second, or <count>/<duration> like 100/1m")
+		return 0, fmt.Errorf("%s, or <count>/<duration> like 100/1m", wantRate)
 	}
 	if !found {
 		return n, nil
 	}
 	d, err := caddy.ParseDuration(per)
 	if err != nil || d <= 0 {
-		return 0, errString("the duration after '/' must be positive, like 1s, 1m or 1h")
+		return 0, fmt.Errorf("the duration after '/' must be positive, like 1s, 1m or 1h")
 	}
 	return n / d.Seconds(), nil
 }
-
-func parseBool(s string) (bool, error) {
-	switch s {
-	case "true":
-		return true, nil
-	case "false":
-		return false, nil
-	}
-	return false, errString("want true or false")
-}
-
-func parseStatus(s string) (int, error) {
-	n, err := strconv.Atoi(s)
-	if err != nil || n < 200 || n > 599 {
-		return 0, errString("want an HTTP status from 200 to 599 (a 1xx status cannot end a request)")
-	}
-	return n, nil
-}
-
-func parsePositiveDuration(s string, dst *caddy.Duration) error {
-	d, err := caddy.ParseDuration(s)
-	if err != nil || d <= 0 {
-		return errString("want a positive duration like 100ms or 2s")
-	}
-	*dst = caddy.Duration(d)
-	return nil
-}
-
-// errString is an error with a fixed message, for parse helpers whose
-// callers add the subdirective and the value.
-type errString string
-
-func (e errString) Error() string { return string(e) }
 
 // Interface guards
 var _ caddyfile.Unmarshaler = (*Handler)(nil)

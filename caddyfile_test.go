@@ -276,6 +276,16 @@ func TestUnmarshalCaddyfileErrorsNameSubdirectiveAndValue(t *testing.T) {
 		{"tls cert without key", rtls("cert /c.pem"), []string{"redis tls", "'cert' and 'key' go together", "cert '/c.pem'"}},
 		{"tls key without cert", rtls("key /k.pem"), []string{"redis tls", "'cert' and 'key' go together", "key '/k.pem'"}},
 
+		// judged together at the end of the directive, as Validate judges JSON
+		{"missing replenish_rate with a burst", block0("burst_capacity 5"), []string{"replenish_rate is required"}},
+		{"burst_capacity below replenish_rate", "rate_limit 10 5", []string{"burst_capacity '5' is smaller than replenish_rate '10'", "at least 10"}},
+		{"negative burst_capacity", "rate_limit 10 -1", []string{"burst_capacity '-1' must not be negative"}},
+		{"requested_tokens above burst_capacity", "rate_limit 1 2 3", []string{"requested_tokens '3' is more than burst_capacity '2'"}},
+		{"requested_tokens negative", "rate_limit 1 2 -1", []string{"requested_tokens '-1' must be at least 1"}},
+		{"zone with a bar", block("zone a|b"), []string{"zone 'a|b'", "letters, digits"}},
+		{"zone with a space", block("zone \"a b\""), []string{"zone 'a b'"}},
+		{"key template unclosed", block("key \"{http.request.host\""), []string{"key '{http.request.host'", "unclosed placeholder"}},
+
 		// no rate at all
 		{"no rate and no burst", "rate_limit {\n\tkey {http.request.header.X-API-Key}\n}", []string{"replenish_rate is required", "burst_capacity 0"}},
 		{"bare directive", "rate_limit", []string{"replenish_rate is required"}},
@@ -317,45 +327,55 @@ func provisionTestHandler(t *testing.T, h *Handler) error {
 	return h.Validate()
 }
 
-func TestProvisionValidateRejectsWithReason(t *testing.T) {
+func TestProvisionValidateRejectsJSONWithReason(t *testing.T) {
 	for _, tc := range []struct {
-		name  string
-		input string
-		want  []string
+		name string
+		json string
+		want []string
 	}{
-		{"missing replenish_rate with a burst", "rate_limit {\n\tburst_capacity 5\n}",
-			[]string{"replenish_rate", "positive number of tokens per second"}},
-		{"burst_capacity below replenish_rate", "rate_limit 10 5",
+		{"missing replenish_rate with a burst", `{"burst_capacity": 5}`,
+			[]string{"replenish_rate is required"}},
+		{"negative replenish_rate", `{"replenish_rate": -1}`,
+			[]string{"replenish_rate '-1'", "positive number of tokens per second"}},
+		{"burst_capacity below replenish_rate", `{"replenish_rate": 10, "burst_capacity": 5}`,
 			[]string{"burst_capacity '5' is smaller than replenish_rate '10'", "could never hold one second's refill", "at least 10"}},
-		{"burst_capacity below fractional rate", "rate_limit 1.5 1",
+		{"burst_capacity below fractional rate", `{"replenish_rate": 1.5, "burst_capacity": 1}`,
 			[]string{"burst_capacity '1'", "replenish_rate '1.5'", "at least 2"}},
-		{"negative burst_capacity", "rate_limit 10 -1",
+		{"negative burst_capacity", `{"replenish_rate": 10, "burst_capacity": -1}`,
 			[]string{"burst_capacity '-1' must not be negative"}},
-		{"requested_tokens above burst_capacity", "rate_limit 1 2 3",
+		{"requested_tokens above burst_capacity", `{"replenish_rate": 1, "burst_capacity": 2, "requested_tokens": 3}`,
 			[]string{"requested_tokens '3' is more than burst_capacity '2'", "no request could ever be admitted"}},
-		{"requested_tokens negative", "rate_limit 1 2 -1",
+		{"requested_tokens negative", `{"replenish_rate": 1, "burst_capacity": 2, "requested_tokens": -1}`,
 			[]string{"requested_tokens '-1' must be at least 1"}},
-		{"zone with a bar", "rate_limit 1 1 {\n\tzone a|b\n}",
+		{"zone with a bar", `{"replenish_rate": 1, "zone": "a|b"}`,
 			[]string{"zone 'a|b'", "letters, digits"}},
-		{"zone with a space", "rate_limit 1 1 {\n\tzone \"a b\"\n}",
-			[]string{"zone 'a b'"}},
-		{"key template unclosed", "rate_limit 1 1 {\n\tkey \"{http.request.host\"\n}",
+		{"key template unclosed", `{"replenish_rate": 1, "key": "{http.request.host"}`,
 			[]string{"key '{http.request.host'", "unclosed placeholder"}},
-		{"db with cluster", "rate_limit 1 1 {\n\tredis {\n\t\tcluster\n\t\tdb 1\n\t}\n}",
+		{"status_code out of range", `{"replenish_rate": 1, "status_code": 99}`,
+			[]string{"status_code '99'", "200 to 599"}},
+		{"empty_key_status out of range", `{"replenish_rate": 1, "empty_key_status": 600}`,
+			[]string{"empty_key_status '600'", "200 to 599"}},
+		{"unknown on_error", `{"replenish_rate": 1, "on_error": "ignore"}`,
+			[]string{"on_error 'ignore'", "want 'allow' or 'deny'"}},
+		{"unknown headers", `{"replenish_rate": 1, "headers": "all"}`,
+			[]string{"headers 'all'", "spring, ietf, both or none"}},
+		{"tls cert without key", `{"replenish_rate": 1, "redis": {"tls": {"cert": "/c.pem"}}}`,
+			[]string{"'cert' and 'key' go together", "cert '/c.pem'"}},
+		{"db with cluster", `{"replenish_rate": 1, "redis": {"cluster": true, "db": 1}}`,
 			[]string{"'db 1'", "Redis Cluster"}},
-		{"db with several addresses", "rate_limit 1 1 {\n\tredis h1:6379 h2:6379 {\n\t\tdb 2\n\t}\n}",
+		{"db with several addresses", `{"replenish_rate": 1, "redis": {"addresses": ["h1:6379", "h2:6379"], "db": 2}}`,
 			[]string{"'db 2'", "Redis Cluster"}},
-		{"master_name with cluster", "rate_limit 1 1 {\n\tredis {\n\t\tcluster\n\t\tmaster_name mymaster\n\t}\n}",
+		{"master_name with cluster", `{"replenish_rate": 1, "redis": {"cluster": true, "master_name": "mymaster"}}`,
 			[]string{"'master_name mymaster'", "'cluster'", "exclude each other"}},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			h, err := parseTestCaddyfile(tc.input)
-			if err != nil {
-				t.Fatalf("parse: %v", err)
+			h := new(Handler)
+			if err := json.Unmarshal([]byte(tc.json), h); err != nil {
+				t.Fatalf("json: %v", err)
 			}
-			err = provisionTestHandler(t, h)
+			err := provisionTestHandler(t, h)
 			if err == nil {
-				t.Fatalf("no error for\n%s", tc.input)
+				t.Fatalf("no error for %s", tc.json)
 			}
 			for _, w := range tc.want {
 				if !strings.Contains(err.Error(), w) {
@@ -375,7 +395,7 @@ func TestProvisionValidateAcceptsBurstZeroWithoutRedis(t *testing.T) {
 	if err := provisionTestHandler(t, h); err != nil {
 		t.Fatalf("burst_capacity 0 without a rate: %v", err)
 	}
-	if h.backend != nil {
+	if h.limiter != nil {
 		t.Error("burst_capacity 0 set up a Redis client; it never needs one")
 	}
 }
@@ -415,8 +435,8 @@ func TestProvisionValidateAcceptsAndDefaults(t *testing.T) {
 				pool_size 5
 			}
 		}`, func(t *testing.T, h *Handler) {
-			if h.backend == nil || h.bucketPrefix != "rl:api|" {
-				t.Errorf("backend %v, bucket prefix %q", h.backend, h.bucketPrefix)
+			if h.limiter == nil || h.bucketPrefix != "rl:api|" {
+				t.Errorf("limiter %v, bucket prefix %q", h.limiter, h.bucketPrefix)
 			}
 		}},
 		{"sentinel", "rate_limit 1 1 {\n\tredis h1:26379 h2:26379 {\n\t\tmaster_name mymaster\n\t\tdb 1\n\t}\n}", nil},

@@ -10,23 +10,13 @@ import (
 // and then arbitrary ones make room; forgetting only costs a Redis call.
 const denyCacheSize = 16384
 
-// denyCache remembers, per instance, buckets that denied a request and
-// until when they must keep denying, so a flood from one key is answered
-// without Redis.
-//
-// Why it never denies a request Redis would admit: Redis answered that
-// the bucket holds fewer than `requested_tokens` until RetryAfter past its
-// own clock at the moment the script ran, which is after `sent` (taken
-// before the call left). Tokens come back only with time; other instances
-// can only take them. So no request of the same cost can be admitted
-// before sent+RetryAfter. RetryAfter is rounded up to the microsecond,
-// hence the microsecond taken off. The cache lives in one handler, so it
-// is keyed by bucket and cost, and a config reload starts a fresh one.
-// Two conditions: every handler sharing the zone refills at the same
-// rate and burst (the README asks for it; a faster writer would store
-// more tokens), and the bucket survives in Redis (FLUSHALL or a restart
-// without persistence would admit sooner). Where either fails, the cache
-// denies no longer than the Retry-After that client was already given.
+// denyCache remembers, per handler, buckets that denied a request and
+// until when, so a flood from one key is answered without Redis. It is
+// exact: tokens only come back with time, and the cache counts the wait
+// Redis gave from before the call left, so no request of the same cost
+// could be admitted sooner. This holds while every handler sharing the zone has
+// the same rate and burst and the bucket survives in Redis; see
+// TestDenyCacheNeverDeniesWhatRedisWouldAdmit.
 type denyCache struct {
 	mu      sync.Mutex
 	entries map[string]deniedUntil
@@ -52,7 +42,8 @@ func (c *denyCache) get(key string, now time.Time) (deniedUntil, bool) {
 	return d, true
 }
 
-// put records Redis's denial of a call sent at sent.
+// put records Redis's denial of a call sent at sent. The script rounds
+// the wait up to the microsecond, hence one taken off.
 func (c *denyCache) put(key string, sent time.Time, res Result) {
 	until := sent.Add(res.RetryAfter - time.Microsecond)
 	c.mu.Lock()

@@ -36,8 +36,6 @@ func observeLogs(h *Handler) *observer.ObservedLogs {
 	core, logs := observer.New(zap.DebugLevel)
 	l := zap.New(core)
 	h.logger = l
-	h.warnings.logger = l
-	h.breaker.logger = l.With(zap.String("zone", h.Zone))
 	return logs
 }
 

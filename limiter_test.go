@@ -14,12 +14,12 @@ import (
 	"github.com/redis/go-redis/v9"
 )
 
-// newTestBackend is a backend of its own (not from the shared pool) to
+// newTestLimiter is a limiter of its own (not from the shared pool) to
 // the Redis at addr.
-func newTestBackend(tb testing.TB, addr string, timeout time.Duration) *backend {
+func newTestLimiter(tb testing.TB, addr string, timeout time.Duration) *limiter {
 	tb.Helper()
 	cfg := (&RedisConfig{Addresses: []string{addr}, Timeout: caddy.Duration(timeout)}).withPlaceholders()
-	b, err := newBackend(cfg)
+	b, err := newLimiter(cfg)
 	if err != nil {
 		tb.Fatal(err)
 	}
@@ -35,7 +35,7 @@ func limitArgs(rate float64, burst, requested int64) []any {
 	}
 }
 
-func mustTake(t *testing.T, b *backend, key string, args []any) Result {
+func mustTake(t *testing.T, b *limiter, key string, args []any) Result {
 	t.Helper()
 	res, err := b.take(context.Background(), time.Now(), key, args)
 	if err != nil {
@@ -46,7 +46,7 @@ func mustTake(t *testing.T, b *backend, key string, args []any) Result {
 
 func TestScriptBurstThenDeny(t *testing.T) {
 	srv := redistest.Start(t)
-	b := newTestBackend(t, srv.Addr, time.Second)
+	b := newTestLimiter(t, srv.Addr, time.Second)
 	args := limitArgs(1, 5, 1) // slow refill: nothing comes back during the test
 
 	for i := int64(1); i <= 5; i++ {
@@ -71,7 +71,7 @@ func TestScriptBurstThenDeny(t *testing.T) {
 
 func TestScriptRefillsByElapsedTime(t *testing.T) {
 	srv := redistest.Start(t)
-	b := newTestBackend(t, srv.Addr, time.Second)
+	b := newTestLimiter(t, srv.Addr, time.Second)
 	args := limitArgs(20, 20, 1)
 
 	start := time.Now()
@@ -93,7 +93,7 @@ func TestScriptRefillsByElapsedTime(t *testing.T) {
 
 func TestScriptRequestedTokens(t *testing.T) {
 	srv := redistest.Start(t)
-	b := newTestBackend(t, srv.Addr, time.Second)
+	b := newTestLimiter(t, srv.Addr, time.Second)
 	args := limitArgs(1, 10, 3)
 
 	for _, want := range []int64{7, 4, 1} {
@@ -111,7 +111,7 @@ func TestScriptRequestedTokens(t *testing.T) {
 
 func TestScriptFractionalRate(t *testing.T) {
 	srv := redistest.Start(t)
-	b := newTestBackend(t, srv.Addr, time.Second)
+	b := newTestLimiter(t, srv.Addr, time.Second)
 	args := limitArgs(0.5, 1, 1) // one token every two seconds
 
 	if res := mustTake(t, b, "half", args); !res.Allowed {
@@ -126,7 +126,7 @@ func TestScriptFractionalRate(t *testing.T) {
 func TestScriptSetsTTLOfTwiceTheFillTime(t *testing.T) {
 	srv := redistest.Start(t)
 	rdb := srv.Client(t)
-	b := newTestBackend(t, srv.Addr, time.Second)
+	b := newTestLimiter(t, srv.Addr, time.Second)
 	ctx := context.Background()
 
 	for _, c := range []struct {
@@ -153,7 +153,7 @@ func TestScriptSetsTTLOfTwiceTheFillTime(t *testing.T) {
 
 func TestScriptKeepsBoundUnderConcurrency(t *testing.T) {
 	srv := redistest.Start(t)
-	b := newTestBackend(t, srv.Addr, 2*time.Second)
+	b := newTestLimiter(t, srv.Addr, 2*time.Second)
 	const rate, burst = 100.0, 50
 	args := limitArgs(rate, burst, 1)
 
@@ -194,7 +194,7 @@ func TestScriptKeepsBoundUnderConcurrency(t *testing.T) {
 func TestScriptReloadedAfterScriptFlush(t *testing.T) {
 	srv := redistest.Start(t)
 	rdb := srv.Client(t)
-	b := newTestBackend(t, srv.Addr, time.Second)
+	b := newTestLimiter(t, srv.Addr, time.Second)
 	args := limitArgs(1, 3, 1)
 
 	mustTake(t, b, "flush", args)
@@ -213,7 +213,7 @@ func TestScriptReloadedAfterScriptFlush(t *testing.T) {
 
 func TestScriptBatchKeepsResultsApart(t *testing.T) {
 	srv := redistest.Start(t)
-	b := newTestBackend(t, srv.Addr, time.Second)
+	b := newTestLimiter(t, srv.Addr, time.Second)
 	// One batch, built by hand: 3 buckets, one of them asked for more than
 	// its burst, and a malformed call whose error must stay its own.
 	newCall := func(key string, args []any) *call {
@@ -230,7 +230,7 @@ func TestScriptBatchKeepsResultsApart(t *testing.T) {
 		newCall("bad", []any{"not-a-number", "x", "y"}),
 		newCall("a", limitArgs(1, 2, 1)),
 	}
-	b.send(0, batch) // as worker 0, which is idle: nothing else is queued
+	b.sendBatch(0, batch) // as worker 0, which is idle: nothing else is queued
 	want := []struct {
 		allowed   bool
 		remaining int64
@@ -253,7 +253,7 @@ func TestScriptBatchKeepsResultsApart(t *testing.T) {
 
 func TestBackendTimeoutBoundsWait(t *testing.T) {
 	addr := redistest.StartBlackhole(t)
-	b := newTestBackend(t, addr, 50*time.Millisecond)
+	b := newTestLimiter(t, addr, 50*time.Millisecond)
 
 	ctx, cancel := context.WithTimeout(context.Background(), 50*time.Millisecond)
 	defer cancel()
@@ -270,7 +270,7 @@ func TestBackendTimeoutBoundsWait(t *testing.T) {
 func TestBatchingCoalescesConcurrentCalls(t *testing.T) {
 	srv := redistest.Start(t)
 	rdb := srv.Client(t)
-	b := newTestBackend(t, srv.Addr, 2*time.Second)
+	b := newTestLimiter(t, srv.Addr, 2*time.Second)
 	args := limitArgs(1000, 1000, 1)
 	readsBefore := infoStat(t, rdb, "total_reads_processed")
 
@@ -291,7 +291,7 @@ func TestBatchingCoalescesConcurrentCalls(t *testing.T) {
 	}
 	wg.Wait()
 	// Reads of the test's own client (INFO) are a handful; the rest are
-	// the backend's pipelines.
+	// the limiter's pipelines.
 	perCall := float64(infoStat(t, rdb, "total_reads_processed")-readsBefore) / (clients * each)
 	t.Logf("Redis reads per call at %d concurrent clients: %.3f", clients, perCall)
 	if perCall > 0.5 {
@@ -302,7 +302,7 @@ func TestBatchingCoalescesConcurrentCalls(t *testing.T) {
 func TestBatchedCallGivingUpLeavesNeighboursAlone(t *testing.T) {
 	srv := redistest.Start(t)
 	rdb := srv.Client(t)
-	b := newTestBackend(t, srv.Addr, time.Second)
+	b := newTestLimiter(t, srv.Addr, time.Second)
 	args := limitArgs(1, 5, 1)
 
 	// Stall Redis, and keep every pipeline in flight with a call of its
@@ -372,7 +372,7 @@ func TestBackendTimeoutCoversSlowDial(t *testing.T) {
 		DialTimeout: caddy.Duration(time.Second),
 		TLS:         &RedisTLS{InsecureSkipVerify: true},
 	}).withPlaceholders()
-	b, err := newBackend(cfg)
+	b, err := newLimiter(cfg)
 	if err != nil {
 		t.Fatal(err)
 	}

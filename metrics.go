@@ -7,24 +7,6 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 )
 
-// result is what the limiter decided for a request; it labels the
-// metrics and fills {http.rate_limit.result}.
-type result uint8
-
-const (
-	resultAllowed      result = iota // tokens taken
-	resultDenied                     // bucket empty (or burst_capacity 0)
-	resultEmptyKey                   // the key resolved to nothing
-	resultErrorAllowed               // Redis failed, on_error allow
-	resultErrorDenied                // Redis failed, on_error deny
-	resultShadowDenied               // would be denied; shadow mode let it pass
-	numResults
-)
-
-var resultNames = [numResults]string{"allowed", "denied", "empty_key", "error_allowed", "error_denied", "shadow_denied"}
-
-func (r result) String() string { return resultNames[r] }
-
 // The collectors are made once per process and registered on each
 // config's registry, so counts survive reloads. Labels are bounded: the
 // zone and the result, never the client key.
@@ -38,7 +20,7 @@ var collectors = struct {
 // zoneMetrics are one zone's series, looked up once at provision time so
 // that a request only increments.
 type zoneMetrics struct {
-	requests      [numResults]prometheus.Counter
+	requests      [numDecisions]prometheus.Counter
 	redisDuration prometheus.Observer
 	breakerOpen   prometheus.Gauge
 }
@@ -69,8 +51,8 @@ func newZoneMetrics(registry prometheus.Registerer, zone string) (*zoneMetrics, 
 		redisDuration: collectors.redisDuration.WithLabelValues(zone),
 		breakerOpen:   collectors.breakerOpen.WithLabelValues(zone),
 	}
-	for r := range numResults {
-		m.requests[r] = collectors.requests.WithLabelValues(zone, r.String())
+	for d := range numDecisions {
+		m.requests[d] = collectors.requests.WithLabelValues(zone, d.String())
 	}
 	m.breakerOpen.Set(0)
 	return m, nil

@@ -138,8 +138,8 @@ type Handler struct {
 	Redis *RedisConfig `json:"redis,omitempty"`
 
 	logger       *zap.Logger
-	backend      *backend
-	poolKey      string
+	limiter      *limiter // nil for burst_capacity 0, which never asks Redis
+	limiterKey   string
 	template     keyTemplate
 	bucketPrefix string // key_prefix, zone and '|': no value reaches another zone
 	scriptArgs   []any  // rate, burst, requested, formatted once
@@ -150,11 +150,11 @@ type Handler struct {
 	errDenied    caddyhttp.HandlerError
 	errEmptyKey  caddyhttp.HandlerError
 	errBlocked   caddyhttp.HandlerError
-	warnings     *throttledLog
 	breaker      *breaker
 	denied       *denyCache
-	shadowLogged *denyCache // keys whose shadow denial was logged lately
-	shadowLog    *throttledLog
+	redisWarns   *logThrottle // Redis failures: a line per 10 s
+	shadowKeys   *keyThrottle // shadow denials: a line per key per 5 s ...
+	shadowLines  *logThrottle // ... and at most ten a second
 	metrics      *zoneMetrics
 	zoneValue    any // the zone and the limit as placeholder values, boxed once
 	limitValue   any
@@ -167,8 +167,6 @@ func (Handler) CaddyModule() caddy.ModuleInfo {
 		New: func() caddy.Module { return new(Handler) },
 	}
 }
-
-var zonePattern = regexp.MustCompile(`^[A-Za-z0-9_.:-]+$`)
 
 // Provision sets up the handler: defaults, the compiled key template and
 // the shared Redis client.
@@ -194,17 +192,20 @@ func (h *Handler) Provision(ctx caddy.Context) error {
 		h.EmptyKeyStatus = http.StatusForbidden
 	}
 	if h.OnError == "" {
-		h.OnError = "allow"
+		h.OnError = onErrorAllow
+	}
+	if h.Headers == "" {
+		h.Headers = headersSpring
 	}
 	if h.Zone == "" {
 		h.Zone = derivedZone(h.Key, h.ReplenishRate, h.burst)
 	}
 	h.denyEmpty = h.DenyEmptyKey == nil || *h.DenyEmptyKey
-	h.failOpen = h.OnError == "allow"
+	h.failOpen = h.OnError == onErrorAllow
 
 	var err error
 	if h.template, err = parseKeyTemplate(h.Key); err != nil {
-		return fmt.Errorf("key '%s': %w", h.Key, err)
+		return err
 	}
 	redisConfig := h.Redis.withPlaceholders()
 	if err := redisConfig.validate(); err != nil {
@@ -216,9 +217,6 @@ func (h *Handler) Provision(ctx caddy.Context) error {
 		strconv.FormatInt(h.burst, 10),
 		strconv.FormatInt(h.RequestedTokens, 10),
 	}
-	if h.Headers == "" {
-		h.Headers = headersSpring
-	}
 	style := h.Headers
 	if h.IncludeHeaders != nil && !*h.IncludeHeaders || h.Shadow {
 		style = headersNone
@@ -226,83 +224,43 @@ func (h *Handler) Provision(ctx caddy.Context) error {
 	h.headers = newRateLimitHeaders(style, h.Zone, h.ReplenishRate, h.burst, h.RequestedTokens)
 	h.zoneValue, h.limitValue = h.Zone, h.burst
 	h.denied = newDenyCache()
-	h.shadowLogged = newDenyCache()
+	h.breaker = new(breaker)
+	h.redisWarns = &logThrottle{every: 10 * time.Second}
+	h.shadowKeys = newKeyThrottle(shadowLogEvery)
+	h.shadowLines = &logThrottle{every: time.Second, lines: 10}
 
-	denied := fmt.Errorf("zone %s: rate limit exceeded", h.Zone)
-	h.errDenied = prebuiltError(h.StatusCode, denied)
+	h.errDenied = prebuiltError(h.StatusCode, fmt.Errorf("zone %s: rate limit exceeded", h.Zone))
 	h.errBlocked = prebuiltError(h.StatusCode, fmt.Errorf("zone %s: requests blocked (burst_capacity 0)", h.Zone))
 	h.errEmptyKey = prebuiltError(h.EmptyKeyStatus, fmt.Errorf("zone %s: the rate limit key '%s' is empty", h.Zone, h.Key))
-	h.warnings = &throttledLog{logger: h.logger, every: 10 * time.Second}
-	h.shadowLog = &throttledLog{logger: h.logger, every: time.Second, lines: 10}
-	h.breaker = &breaker{logger: h.logger.With(zap.String("zone", h.Zone))}
 	if !h.DisableMetrics {
 		if h.metrics, err = newZoneMetrics(ctx.GetMetricsRegistry(), h.Zone); err != nil {
 			return fmt.Errorf("registering metrics: %w", err)
-		}
-		h.breaker.onChange = func(open bool) {
-			if open {
-				h.metrics.breakerOpen.Set(1)
-			} else {
-				h.metrics.breakerOpen.Set(0)
-			}
 		}
 	}
 
 	if h.burst == 0 {
 		return nil // a hard block never asks Redis
 	}
-	h.backend, h.poolKey, err = acquireBackend(redisConfig)
-	if err != nil {
+	if h.limiter, h.limiterKey, err = acquireLimiter(redisConfig); err != nil {
 		return fmt.Errorf("setting up the Redis client: %w", err)
 	}
 	return nil
 }
 
-// Validate refuses what no default can fix. Its messages name the
-// subdirective and the value.
+// Validate refuses what no default can fix. Its checks are the parser's,
+// whose messages name the subdirective and the value.
 func (h *Handler) Validate() error {
-	if h.BurstCapacity == nil {
-		return errors.New("replenish_rate is required (or burst_capacity 0 to block every request)")
-	}
-	if !zonePattern.MatchString(h.Zone) {
-		return fmt.Errorf("zone '%s': use only letters, digits, '-', '_', '.' and ':'", h.Zone)
-	}
-	if h.burst < 0 {
-		return fmt.Errorf("burst_capacity '%d' must not be negative", h.burst)
-	}
-	for _, s := range []struct {
-		name  string
-		value int
-	}{{"status_code", h.StatusCode}, {"empty_key_status", h.EmptyKeyStatus}} {
-		if s.value < 200 || s.value > 599 {
-			return fmt.Errorf("%s '%d': want an HTTP status from 200 to 599 (a 1xx status cannot end a request)", s.name, s.value)
+	for _, err := range []error{
+		checkZone(h.Zone),
+		checkStatus("status_code", h.StatusCode),
+		checkStatus("empty_key_status", h.EmptyKeyStatus),
+		checkHeaders(h.Headers),
+		checkOnError(h.OnError),
+		checkLimit(h.ReplenishRate, h.BurstCapacity, h.RequestedTokens),
+	} {
+		if err != nil {
+			return err
 		}
-	}
-	switch h.Headers {
-	case headersSpring, headersIETF, headersBoth, headersNone:
-	default:
-		return fmt.Errorf("headers '%s': want spring, ietf, both or none", h.Headers)
-	}
-	if h.OnError != "allow" && h.OnError != "deny" {
-		return fmt.Errorf("on_error '%s': want 'allow' or 'deny'", h.OnError)
-	}
-	if h.burst == 0 {
-		return nil // blocks everything; rate and cost do not matter
-	}
-	if !(h.ReplenishRate > 0) || math.IsInf(h.ReplenishRate, 0) {
-		return fmt.Errorf("replenish_rate '%v' must be a positive number of tokens per second", h.ReplenishRate)
-	}
-	if float64(h.burst) < h.ReplenishRate {
-		return fmt.Errorf("burst_capacity '%d' is smaller than replenish_rate '%v': the bucket could never hold one second's refill, "+
-			"so clients would be held below the configured rate; raise burst_capacity to at least %v",
-			h.burst, h.ReplenishRate, math.Ceil(h.ReplenishRate))
-	}
-	if h.RequestedTokens < 1 {
-		return fmt.Errorf("requested_tokens '%d' must be at least 1", h.RequestedTokens)
-	}
-	if h.RequestedTokens > h.burst {
-		return fmt.Errorf("requested_tokens '%d' is more than burst_capacity '%d': no request could ever be admitted",
-			h.RequestedTokens, h.burst)
 	}
 	return nil
 }
@@ -312,11 +270,10 @@ func (h *Handler) Cleanup() error {
 	if h.metrics != nil && h.breaker.isOpen() {
 		h.metrics.breakerOpen.Set(0) // this handler no longer skips Redis
 	}
-	if h.backend == nil {
+	if h.limiter == nil {
 		return nil
 	}
-	_, err := backends.Delete(h.poolKey)
-	return err
+	return releaseLimiter(h.limiterKey)
 }
 
 // ServeHTTP takes tokens from the request's bucket or denies it.
@@ -324,7 +281,7 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyht
 	repl := r.Context().Value(caddy.ReplacerCtxKey).(*caddy.Replacer)
 	key := h.template.redisKey(repl, h.bucketPrefix)
 	if key == "" {
-		h.record(repl, resultEmptyKey, "", 0, 0)
+		h.record(repl, decisionEmptyKey, "", 0, 0)
 		if !h.denyEmpty {
 			return next.ServeHTTP(w, r)
 		}
@@ -332,7 +289,7 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyht
 	}
 	if h.burst == 0 {
 		h.headers.set(w.Header(), 0, -1)
-		h.record(repl, resultDenied, key, 0, 0)
+		h.record(repl, decisionDenied, key, 0, 0)
 		return reject(w, r, h.errBlocked)
 	}
 
@@ -344,22 +301,22 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyht
 		}
 		h.headers.set(w.Header(), -1, 0)
 		if h.failOpen {
-			h.record(repl, resultErrorAllowed, key, -1, 0)
+			h.record(repl, decisionErrorAllowed, key, -1, 0)
 			return next.ServeHTTP(w, r)
 		}
-		h.record(repl, resultErrorDenied, key, -1, 0)
+		h.record(repl, decisionErrorDenied, key, -1, 0)
 		return caddyhttp.Error(http.StatusServiceUnavailable, err)
 	}
 
 	h.headers.set(w.Header(), res.Remaining, res.RetryAfter)
 	switch {
 	case res.Allowed:
-		h.record(repl, resultAllowed, key, res.Remaining, 0)
+		h.record(repl, decisionAllowed, key, res.Remaining, 0)
 	case h.Shadow:
-		h.record(repl, resultShadowDenied, key, res.Remaining, res.RetryAfter)
+		h.record(repl, decisionShadowDenied, key, res.Remaining, res.RetryAfter)
 		h.logShadowDenial(key, res)
 	default:
-		h.record(repl, resultDenied, key, res.Remaining, res.RetryAfter)
+		h.record(repl, decisionDenied, key, res.Remaining, res.RetryAfter)
 		w.Header()["Retry-After"] = countValue(ceilSeconds(res.RetryAfter))
 		return reject(w, r, h.errDenied)
 	}
@@ -367,9 +324,8 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyht
 }
 
 // check answers from the deny cache when the bucket is known to be empty,
-// else asks Redis within the timeout, minding the circuit breaker. It
-// logs Redis failures, throttled.
-func (h *Handler) check(ctx context.Context, key string) (Result, error) {
+// else asks Redis within the timeout, minding the circuit breaker.
+func (h *Handler) check(clientCtx context.Context, key string) (Result, error) {
 	sent := time.Now()
 	if d, ok := h.denied.get(key, sent); ok {
 		return Result{Remaining: d.remaining, RetryAfter: d.until.Sub(sent)}, nil
@@ -377,86 +333,40 @@ func (h *Handler) check(ctx context.Context, key string) (Result, error) {
 	if !h.breaker.allow() {
 		return Result{}, errBreakerOpen
 	}
-	res, err := h.backend.take(ctx, sent, key, h.scriptArgs)
+	res, err := h.limiter.take(clientCtx, sent, key, h.scriptArgs)
 	if h.metrics != nil {
 		h.metrics.redisDuration.Observe(time.Since(sent).Seconds())
 	}
 	switch {
 	case err == nil:
-		h.breaker.success()
+		if h.breaker.success() {
+			h.logger.Info("circuit breaker closed: Redis answers again", zap.String("zone", h.Zone))
+			h.setBreakerGauge(0)
+		}
 		if !res.Allowed {
 			h.denied.put(key, sent, res)
 		}
-	case ctx.Err() == nil:
-		h.breaker.failure()
-		h.warnings.log(zap.WarnLevel, "Redis failed; following on_error", zap.String("zone", h.Zone),
-			zap.String("on_error", h.OnError), zap.Error(err))
+	case clientCtx.Err() == nil:
+		if opened, failures := h.breaker.failure(); opened {
+			h.logger.Warn("circuit breaker opened: Redis failed repeatedly; requests skip Redis and follow on_error until it answers",
+				zap.String("zone", h.Zone), zap.Int64("consecutive_failures", failures))
+			h.setBreakerGauge(1)
+		}
+		if ok, suppressed := h.redisWarns.allow(); ok {
+			h.logger.Warn("Redis failed; following on_error", zap.String("zone", h.Zone),
+				zap.String("on_error", h.OnError), zap.Error(err), suppressedField(suppressed))
+		}
 	}
 	return res, err
 }
 
 var errBreakerOpen = errors.New("circuit breaker open: Redis failed repeatedly")
 
-// record makes a decision visible: placeholders, the metric and a debug
-// line. retry is set on denials.
-func (h *Handler) record(repl *caddy.Replacer, res result, key string, remaining int64, retry time.Duration) {
-	repl.Set("http.rate_limit.zone", h.zoneValue)
-	repl.Set("http.rate_limit.result", resultValues[res])
-	repl.Set("http.rate_limit.limit", h.limitValue)
-	if res != resultEmptyKey {
-		repl.Set("http.rate_limit.remaining", remaining)
-	}
-	if (res == resultDenied || res == resultShadowDenied) && retry > 0 {
-		repl.Set("http.rate_limit.retry_after", ceilSeconds(retry))
-	}
-	if h.LogKey && key != "" {
-		repl.Set("http.rate_limit.key", h.clientKey(key))
-	} else {
-		repl.Set("http.rate_limit.key", "") // empty, not left as literal text
-	}
+func (h *Handler) setBreakerGauge(v float64) {
 	if h.metrics != nil {
-		h.metrics.requests[res].Inc()
-	}
-	if ce := h.logger.Check(zap.DebugLevel, "rate limit decision"); ce != nil {
-		fields := []zap.Field{zap.String("zone", h.Zone), zap.Stringer("result", res), zap.Int64("remaining", remaining)}
-		if h.LogKey && key != "" { // an empty key has no prefix to cut
-			fields = append(fields, zap.String("key", h.clientKey(key)))
-		}
-		ce.Write(fields...)
+		h.metrics.breakerOpen.Set(v)
 	}
 }
-
-// resultValues are the results as placeholder values, boxed once.
-var resultValues = func() (v [numResults]any) {
-	for r := range numResults {
-		v[r] = r.String()
-	}
-	return v
-}()
-
-// shadowLogEvery is how often one key's shadow denials are logged.
-const shadowLogEvery = 5 * time.Second
-
-// logShadowDenial logs at info level that shadow mode let a request pass
-// that enforcement would deny, at most once per key per shadowLogEvery
-// and ten times a second per handler.
-func (h *Handler) logShadowDenial(key string, res Result) {
-	now := time.Now()
-	if _, logged := h.shadowLogged.get(key, now); logged {
-		return
-	}
-	h.shadowLogged.put(key, now, Result{RetryAfter: shadowLogEvery})
-	fields := []zap.Field{zap.String("zone", h.Zone), zap.Int64("remaining", res.Remaining),
-		zap.Int64("retry_after", ceilSeconds(res.RetryAfter))}
-	if h.LogKey {
-		fields = append(fields, zap.String("key", h.clientKey(key)))
-	}
-	// Many keys at once still log ten lines a second at most.
-	h.shadowLog.log(zap.InfoLevel, "shadow mode: request would be rate limited", fields...)
-}
-
-// clientKey is the resolved key without the Redis prefix.
-func (h *Handler) clientKey(redisKey string) string { return redisKey[len(h.bucketPrefix):] }
 
 // reject ends a request with a denial. When the server has error routes
 // (`handle_errors`) the denial goes to them as an error. Otherwise the
@@ -483,6 +393,86 @@ func prebuiltError(status int, err error) caddyhttp.HandlerError {
 func derivedZone(key string, rate float64, burst int64) string {
 	sum := sha256.Sum256(fmt.Appendf(nil, "%s\x00%v\x00%d", key, rate, burst))
 	return "auto-" + hex.EncodeToString(sum[:6])
+}
+
+// The checks below judge one value each (or the limit's three together).
+// The Caddyfile parser calls them where the value is written, so the
+// message gets the line; Validate calls them for JSON configs.
+
+// Values of on_error.
+const (
+	onErrorAllow = "allow"
+	onErrorDeny  = "deny"
+)
+
+const (
+	wantStatus = "want an HTTP status from 200 to 599 (a 1xx status cannot end a request)"
+	wantRate   = "want a positive number of tokens per second"
+)
+
+var zonePattern = regexp.MustCompile(`^[A-Za-z0-9_.:-]+$`)
+
+func checkZone(zone string) error {
+	if !zonePattern.MatchString(zone) {
+		return fmt.Errorf("zone '%s': use only letters, digits, '-', '_', '.' and ':'", zone)
+	}
+	return nil
+}
+
+func checkStatus(subdirective string, code int) error {
+	if code < 200 || code > 599 {
+		return fmt.Errorf("%s '%d': %s", subdirective, code, wantStatus)
+	}
+	return nil
+}
+
+func checkOnError(v string) error {
+	if v != onErrorAllow && v != onErrorDeny {
+		return fmt.Errorf("on_error '%s': want 'allow' or 'deny'", v)
+	}
+	return nil
+}
+
+func checkHeaders(v string) error {
+	switch v {
+	case headersSpring, headersIETF, headersBoth, headersNone:
+		return nil
+	}
+	return fmt.Errorf("headers '%s': want spring, ietf, both or none", v)
+}
+
+// checkLimit judges rate, burst and requested tokens together. An absent
+// burst or requested count stands for its default.
+func checkLimit(rate float64, burst *int64, requested int64) error {
+	switch {
+	case burst != nil && *burst < 0:
+		return fmt.Errorf("burst_capacity '%d' must not be negative", *burst)
+	case burst != nil && *burst == 0:
+		return nil // blocks everything; rate and cost do not matter
+	case rate == 0:
+		return errors.New("replenish_rate is required (or burst_capacity 0 to block every request)")
+	case !(rate > 0) || math.IsInf(rate, 0):
+		return fmt.Errorf("replenish_rate '%v': %s", rate, wantRate)
+	}
+	b := int64(math.Ceil(rate))
+	if burst != nil {
+		b = *burst
+	}
+	if float64(b) < rate {
+		return fmt.Errorf("burst_capacity '%d' is smaller than replenish_rate '%v': the bucket could never hold one second's refill, "+
+			"so clients would be held below the configured rate; raise burst_capacity to at least %v",
+			b, rate, math.Ceil(rate))
+	}
+	if requested == 0 {
+		requested = 1
+	}
+	if requested < 1 {
+		return fmt.Errorf("requested_tokens '%d' must be at least 1", requested)
+	}
+	if requested > b {
+		return fmt.Errorf("requested_tokens '%d' is more than burst_capacity '%d': no request could ever be admitted", requested, b)
+	}
+	return nil
 }
 
 // Interface guards

@@ -35,8 +35,16 @@ type templatePart struct {
 
 // parseKeyTemplate compiles a template such as
 // `{client_ip}:{http.request.header.X-Tenant}`. `\{` and `\}` are literal
-// braces.
+// braces. Its errors name the `key` subdirective and the template.
 func parseKeyTemplate(s string) (keyTemplate, error) {
+	t, err := compileKeyTemplate(s)
+	if err != nil {
+		return t, fmt.Errorf("key '%s': %w", s, err)
+	}
+	return t, nil
+}
+
+func compileKeyTemplate(s string) (keyTemplate, error) {
 	var t keyTemplate
 	var lit strings.Builder
 	flush := func() {
@@ -95,16 +103,6 @@ func parseKeyTemplate(s string) (keyTemplate, error) {
 		}
 	}
 	return t, nil
-}
-
-// hasPlaceholders says whether the key differs between requests.
-func (t *keyTemplate) hasPlaceholders() bool {
-	for _, p := range t.parts {
-		if p.placeholder != "" {
-			return true
-		}
-	}
-	return false
 }
 
 // redisKey resolves the template for one request and returns the Redis

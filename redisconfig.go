@@ -1,0 +1,296 @@
+package ratelimit
+
+import (
+	"crypto/tls"
+	"crypto/x509"
+	"errors"
+	"fmt"
+	"net"
+	"os"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/caddyserver/caddy/v2"
+	"github.com/redis/go-redis/v9"
+)
+
+// Defaults of the redis block.
+const (
+	defaultRedisAddress = "127.0.0.1:6379"
+	defaultKeyPrefix    = "rate_limit:"
+	defaultTimeout      = 100 * time.Millisecond
+)
+
+// RedisConfig says how to reach Redis: one server, a Cluster or a
+// Sentinel-monitored master. Every string takes `{env.*}` placeholders.
+type RedisConfig struct {
+	// Addresses of Redis: `host:port`, or a `redis://` or `rediss://`
+	// (TLS) URL that may carry the user name, password and database.
+	// Several addresses mean Redis Cluster seeds, or Sentinel addresses
+	// when `master_name` is set. Default: `127.0.0.1:6379`.
+	Addresses []string `json:"addresses,omitempty"`
+
+	// Cluster selects Redis Cluster even with a single seed address.
+	Cluster bool `json:"cluster,omitempty"`
+
+	// MasterName is the name of the master that the Sentinels at
+	// `addresses` monitor. Setting it selects Sentinel mode.
+	MasterName string `json:"master_name,omitempty"`
+
+	// SentinelUsername and SentinelPassword authenticate to the
+	// Sentinels themselves (not to the master).
+	SentinelUsername string `json:"sentinel_username,omitempty"`
+	SentinelPassword string `json:"sentinel_password,omitempty"`
+
+	// Username and Password authenticate to Redis (ACL user or
+	// `requirepass`).
+	Username string `json:"username,omitempty"`
+	Password string `json:"password,omitempty"`
+
+	// DB is the database index. Redis Cluster has only database 0.
+	DB int `json:"db,omitempty"`
+
+	// KeyPrefix starts every Redis key this handler writes.
+	// Default: `rate_limit:`.
+	KeyPrefix string `json:"key_prefix,omitempty"`
+
+	// Timeout bounds the whole Redis step of one request: waiting for a
+	// connection, dialing, sending, retries and the reply. Past it, the
+	// request is handled as `on_error` says. Default: 100ms.
+	Timeout caddy.Duration `json:"timeout,omitempty"`
+
+	// DialTimeout bounds one attempt to connect. Default: the timeout.
+	DialTimeout caddy.Duration `json:"dial_timeout,omitempty"`
+
+	// PoolSize is the most connections for single commands per Redis
+	// node; batches of requests use go-redis's separate pipeline pool.
+	// Default: go-redis's, 10 per CPU.
+	PoolSize int `json:"pool_size,omitempty"`
+
+	// TLS, when set, connects over TLS even to a plain `host:port`.
+	TLS *RedisTLS `json:"tls,omitempty"`
+}
+
+// RedisTLS configures TLS to Redis.
+type RedisTLS struct {
+	// CA is a PEM file of the authorities that may sign the server's
+	// certificate. Default: the system's roots.
+	CA string `json:"ca,omitempty"`
+
+	// Cert and Key are PEM files of the client certificate and its key,
+	// for servers that authenticate clients (`tls-auth-clients yes`).
+	Cert string `json:"cert,omitempty"`
+	Key  string `json:"key,omitempty"`
+
+	// ServerName is the name to verify in the server's certificate.
+	// Default: the host of the address.
+	ServerName string `json:"server_name,omitempty"`
+
+	// InsecureSkipVerify turns off verification of the server's
+	// certificate. For tests only.
+	InsecureSkipVerify bool `json:"insecure_skip_verify,omitempty"`
+}
+
+// withPlaceholders returns the configuration with `{env.*}` and other
+// global placeholders replaced, and defaults filled in.
+func (c *RedisConfig) withPlaceholders() RedisConfig {
+	repl := caddy.NewReplacer()
+	r := RedisConfig{}
+	if c != nil {
+		r = *c
+	}
+	r.Addresses = nil
+	if c != nil {
+		for _, a := range c.Addresses {
+			resolved := strings.Fields(repl.ReplaceAll(a, ""))
+			if len(resolved) == 0 {
+				resolved = []string{a} // validate names the unresolved value
+			}
+			r.Addresses = append(r.Addresses, resolved...)
+		}
+	}
+	if len(r.Addresses) == 0 {
+		r.Addresses = []string{defaultRedisAddress}
+	}
+	r.MasterName = repl.ReplaceAll(r.MasterName, "")
+	r.SentinelUsername = repl.ReplaceAll(r.SentinelUsername, "")
+	r.SentinelPassword = repl.ReplaceAll(r.SentinelPassword, "")
+	r.Username = repl.ReplaceAll(r.Username, "")
+	r.Password = repl.ReplaceAll(r.Password, "")
+	if r.KeyPrefix = repl.ReplaceAll(r.KeyPrefix, ""); r.KeyPrefix == "" {
+		r.KeyPrefix = defaultKeyPrefix
+	}
+	if r.Timeout <= 0 {
+		r.Timeout = caddy.Duration(defaultTimeout)
+	}
+	if r.DialTimeout <= 0 {
+		r.DialTimeout = r.Timeout
+	}
+	if r.TLS != nil {
+		t := *r.TLS
+		t.CA = repl.ReplaceAll(t.CA, "")
+		t.Cert = repl.ReplaceAll(t.Cert, "")
+		t.Key = repl.ReplaceAll(t.Key, "")
+		t.ServerName = repl.ReplaceAll(t.ServerName, "")
+		r.TLS = &t
+	}
+	return r
+}
+
+// validate refuses contradictory or malformed settings.
+func (c RedisConfig) validate() error {
+	if c.Cluster && c.MasterName != "" {
+		return fmt.Errorf("redis: 'master_name %s' (Sentinel) and 'cluster' exclude each other", c.MasterName)
+	}
+	if c.MasterName == "" && (c.SentinelUsername != "" || c.SentinelPassword != "") {
+		return errors.New("redis: 'sentinel_username' and 'sentinel_password' need 'master_name'")
+	}
+	if c.DB < 0 {
+		return fmt.Errorf("redis: 'db %d' must not be negative", c.DB)
+	}
+	if c.PoolSize < 0 {
+		return fmt.Errorf("redis: 'pool_size %d' must not be negative", c.PoolSize)
+	}
+	db := c.DB
+	for _, a := range c.Addresses {
+		o, err := parseAddress(a)
+		if err != nil {
+			return fmt.Errorf("redis: address '%s': %w", a, err)
+		}
+		if db == 0 {
+			db = o.DB
+		}
+	}
+	if db != 0 && c.Cluster {
+		return fmt.Errorf("redis: 'db %d' is not possible with 'cluster': Redis Cluster has only database 0", db)
+	}
+	if db != 0 && len(c.Addresses) > 1 && c.MasterName == "" {
+		return fmt.Errorf("redis: 'db %d' is not possible with %d addresses and no 'master_name', which means Redis Cluster: it has only database 0", db, len(c.Addresses))
+	}
+	if c.TLS != nil {
+		if err := c.TLS.validate(); err != nil {
+			return fmt.Errorf("redis: %w", err)
+		}
+	}
+	return nil
+}
+
+// validate refuses a client certificate without its key, or a key
+// without its certificate.
+func (t *RedisTLS) validate() error {
+	if (t.Cert == "") != (t.Key == "") {
+		return fmt.Errorf("tls: 'cert' and 'key' go together; got cert '%s' and key '%s'", t.Cert, t.Key)
+	}
+	return nil
+}
+
+// parseAddress accepts `host:port` or a redis:// or rediss:// URL.
+func parseAddress(a string) (*redis.Options, error) {
+	if strings.Contains(a, "://") {
+		if !strings.HasPrefix(a, "redis://") && !strings.HasPrefix(a, "rediss://") {
+			return nil, errors.New("URL scheme must be redis:// or rediss://")
+		}
+		return redis.ParseURL(a)
+	}
+	host, port, err := net.SplitHostPort(a)
+	if err != nil {
+		return nil, fmt.Errorf("want host:port: %w", err)
+	}
+	if host == "" {
+		return nil, errors.New("missing host")
+	}
+	if n, err := strconv.Atoi(port); err != nil || n < 1 || n > 65535 {
+		return nil, fmt.Errorf("port '%s' is not a number from 1 to 65535", port)
+	}
+	return &redis.Options{Addr: a}, nil
+}
+
+// options turns the configuration into go-redis options.
+func (c RedisConfig) options() (*redis.UniversalOptions, error) {
+	timeout := time.Duration(c.Timeout)
+	opts := &redis.UniversalOptions{
+		MasterName:            c.MasterName,
+		IsClusterMode:         c.Cluster,
+		SentinelUsername:      c.SentinelUsername,
+		SentinelPassword:      c.SentinelPassword,
+		Username:              c.Username,
+		Password:              c.Password,
+		DB:                    c.DB,
+		DialTimeout:           time.Duration(c.DialTimeout),
+		ReadTimeout:           timeout,
+		WriteTimeout:          timeout,
+		PoolTimeout:           timeout,
+		ContextTimeoutEnabled: true,
+		PoolSize:              c.PoolSize,
+		// One try: the timeout covers the whole step, and a retry
+		// inside it would only hide a failing server from the breaker.
+		MaxRetries:      -1,
+		MinRetryBackoff: -1,
+		MaxRetryBackoff: -1,
+		DialerRetries:   1,
+		DisableIdentity: true,
+	}
+	for _, a := range c.Addresses {
+		o, err := parseAddress(a)
+		if err != nil {
+			return nil, fmt.Errorf("address '%s': %w", a, err)
+		}
+		opts.Addrs = append(opts.Addrs, o.Addr)
+		if opts.Username == "" {
+			opts.Username = o.Username
+		}
+		if opts.Password == "" {
+			opts.Password = o.Password
+		}
+		if opts.DB == 0 {
+			opts.DB = o.DB
+		}
+		if o.TLSConfig != nil && opts.TLSConfig == nil {
+			opts.TLSConfig = o.TLSConfig // rediss://, with its skip_verify if given
+		}
+	}
+	if c.TLS != nil {
+		tc, err := c.TLS.config()
+		if err != nil {
+			return nil, fmt.Errorf("tls: %w", err)
+		}
+		if opts.TLSConfig != nil && c.TLS.ServerName == "" {
+			tc.ServerName = opts.TLSConfig.ServerName
+		}
+		opts.TLSConfig = tc
+	}
+	if opts.TLSConfig != nil && opts.TLSConfig.MinVersion < tls.VersionTLS12 {
+		opts.TLSConfig.MinVersion = tls.VersionTLS12
+	}
+	return opts, nil
+}
+
+// config builds the TLS configuration; a nil receiver means defaults.
+func (t *RedisTLS) config() (*tls.Config, error) {
+	tc := &tls.Config{MinVersion: tls.VersionTLS12}
+	if t == nil {
+		return tc, nil
+	}
+	tc.ServerName = t.ServerName
+	tc.InsecureSkipVerify = t.InsecureSkipVerify
+	if t.CA != "" {
+		pem, err := os.ReadFile(t.CA)
+		if err != nil {
+			return nil, fmt.Errorf("reading 'ca': %w", err)
+		}
+		pool := x509.NewCertPool()
+		if !pool.AppendCertsFromPEM(pem) {
+			return nil, fmt.Errorf("'ca %s' holds no PEM certificate", t.CA)
+		}
+		tc.RootCAs = pool
+	}
+	if t.Cert != "" {
+		cert, err := tls.LoadX509KeyPair(t.Cert, t.Key)
+		if err != nil {
+			return nil, fmt.Errorf("loading 'cert' and 'key': %w", err)
+		}
+		tc.Certificates = []tls.Certificate{cert}
+	}
+	return tc, nil
+}

@@ -5,41 +5,49 @@ SHELL := /bin/bash
 .DEFAULT_GOAL := help
 .DELETE_ON_ERROR:
 
-# Go from the official tarball lives in /usr/local/go/bin, and `go install`
-# puts xcaddy in GOBIN or $(go env GOPATH)/bin; put both on PATH for every
-# recipe. ($(shell) sees make's starting PATH, hence the absolute fallback.)
-GO := $(shell command -v go 2>/dev/null || { test -x /usr/local/go/bin/go && echo /usr/local/go/bin/go; })
-GO_INSTALL_DIR := $(if $(GO),$(shell $(GO) env GOBIN))
-ifeq ($(GO_INSTALL_DIR),)
-GO_INSTALL_DIR := $(if $(GO),$(firstword $(subst :, ,$(shell $(GO) env GOPATH)))/bin)
+# The one place that sets up PATH, for every recipe and the scripts they
+# run: Go from the official tarball may only be in /usr/local/go/bin, and
+# `go install` puts xcaddy into GOBIN, else the first GOPATH entry's bin/.
+GO := $(or $(shell command -v go),$(wildcard /usr/local/go/bin/go))
+ifneq ($(GO),)
+GO_INSTALL_DIR := $(or $(shell $(GO) env GOBIN),$(firstword $(subst :, ,$(shell $(GO) env GOPATH)))/bin)
+export PATH := $(GO_INSTALL_DIR):$(PATH):$(patsubst %/,%,$(dir $(GO)))
 endif
-export PATH := $(if $(GO_INSTALL_DIR),$(GO_INSTALL_DIR):)$(PATH)$(if $(GO),:$(patsubst %/,%,$(dir $(GO))))
 
 CADDY_VERSION ?= v2.11.9
 export CADDY_VERSION
+
+SOAK_DURATION ?= 3m
 
 # Only what ends up in the binary: test files, testdata and the load tools
 # in bench/ do not trigger a (multi-minute, when cold) rebuild.
 BUILD_INPUTS := $(shell find . -path ./bin -prune -o -path ./.git -prune -o -path ./bench -prune -o \
 	-name '*.go' ! -name '*_test.go' -print) script.lua go.mod go.sum
+FLOOR_INPUTS := $(wildcard bench/floor/*.go) bench/floor/go.mod bench/floor/go.sum
 
-.PHONY: help build run deps test vet unit check-build bench soak clean
+.PHONY: help build run deps check test bench soak clean
 
 help: ## List the targets
 	@echo "Targets:"
-	@awk -F':.*## ' '/^[a-z][a-z-]*:.*## / { printf "  %-12s %s\n", $$1, $$2 }' $(MAKEFILE_LIST)
+	@awk -F':.*## ' '/^[a-z][a-z-]*:.*## / { printf "  %-7s %s\n", $$1, $$2 }' $(MAKEFILE_LIST)
 
 build: bin/caddy ## Build bin/caddy (Caddy v2.11.9 + this plugin; CADDY_VERSION=... to change) with xcaddy
 
 bin/caddy: $(BUILD_INPUTS)
-	@bash scripts/install-deps.sh --xcaddy-only
 	@bash scripts/build-caddy.sh $@
+
+# The benchmark's Caddy also holds its measuring stick, bench/floor.
+bin/caddy-bench: $(BUILD_INPUTS) $(FLOOR_INPUTS)
+	@XCADDY_QUIET=1 bash scripts/build-caddy.sh $@ bench/floor
 
 run: bin/caddy ## Build, then serve Caddyfile.example on :8080 (starts a throwaway Redis if none answers)
 	@bash scripts/run.sh
 
-deps: ## Install redis-server, redis-cli, gcc and xcaddy if missing (scripts/install-deps.sh --bench adds wrk)
+deps: ## Install redis-server, redis-cli, gcc and xcaddy if missing
 	@bash scripts/install-deps.sh
+
+check: ## The fast tests: go test -short (no Redis or Caddy processes)
+	go test -short -count=1 ./...
 
 test: deps ## go vet, go test -race, then check the xcaddy build and Caddyfile.example
 	go vet ./...
@@ -47,13 +55,11 @@ test: deps ## go vet, go test -race, then check the xcaddy build and Caddyfile.e
 	go test -race -count=1 -timeout 15m ./...
 	@bash scripts/check-build.sh
 
-bench: ## Run scripts/bench.sh
-	@if [[ -f scripts/bench.sh ]]; then bash scripts/bench.sh; \
-	else echo "bench: not yet (scripts/bench.sh does not exist)"; fi
+bench: bin/caddy-bench ## Load benchmark, side by side (BENCH_ROUNDS=5 BENCH_DURATION=3s BENCH_WARMUP=1s BENCH_PROFILE=dir)
+	@bash scripts/bench.sh
 
-soak: ## Run scripts/soak.sh
-	@if [[ -f scripts/soak.sh ]]; then bash scripts/soak.sh; \
-	else echo "soak: not yet (scripts/soak.sh does not exist)"; fi
+soak: ## Load against two Caddy instances while Redis is stopped, restarted and flushed (SOAK_DURATION=3m)
+	SOAK_DURATION=$(SOAK_DURATION) go test -run '^TestSoak$$' -v -count=1 -timeout 1h ./bench/soak
 
 clean: ## Remove bin/
 	rm -rf bin/

@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# Builds Caddy $CADDY_VERSION (default v2.11.9) with this plugin from the
-# working tree, using xcaddy.
+# Builds Caddy $CADDY_VERSION (set in the Makefile) with this plugin from the
+# working tree, using xcaddy (installed first if missing).
 #
-#   scripts/build-caddy.sh [OUTPUT [MODULE=DIR]...]
+#   scripts/build-caddy.sh OUTPUT [DIR]...
 #
-# OUTPUT defaults to bin/caddy. Each MODULE=DIR adds one more local module
+# Each DIR adds one more local module, its path read from DIR/go.mod
 # (`make bench` adds its measuring stick, bench/floor).
 #
 # Set XCADDY_QUIET=1 to send xcaddy's chatter to a log that is printed only
@@ -20,15 +20,23 @@ SCRIPT_NAME=build-caddy
 # shellcheck source=scripts/common.sh
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 
-out="${1:-$REPO_ROOT/bin/caddy}"
-shift $(($# > 0 ? 1 : 0))
+: "${CADDY_VERSION:?not set; the Makefile sets it}"
+(($# >= 1)) || die "usage: scripts/build-caddy.sh OUTPUT [DIR]..."
+out="$1"
+shift
 [[ "$out" = /* ]] || out="$PWD/$out"
 
 command -v go >/dev/null 2>&1 || die "Go is not on PATH; install Go 1.26+ (https://go.dev/dl/)"
-command -v xcaddy >/dev/null 2>&1 || die "xcaddy not found; run scripts/install-deps.sh --xcaddy-only (or make deps)"
+command -v xcaddy >/dev/null 2>&1 || bash "$REPO_ROOT/scripts/install-deps.sh" --xcaddy-only
 
-module="$(module_path)"
-[[ -n "$module" ]] || die "cannot read the module path from $REPO_ROOT/go.mod"
+# --with arguments: this module, then each DIR's, by absolute directory.
+withs=()
+for dir in "$REPO_ROOT" "$@"; do
+	dir="$(cd "$dir" && pwd)" || die "no such directory: $dir"
+	module="$(awk '$1 == "module" { print $2; exit }' "$dir/go.mod")"
+	[[ -n "$module" ]] || die "cannot read the module path from $dir/go.mod"
+	withs+=(--with "$module@v0.0.0-00010101000000-000000000000=$dir")
+done
 
 mkdir -p "$(dirname "$out")"
 # xcaddy's build environment, go's work files and the new binary all go into
@@ -39,17 +47,11 @@ work="$(mktemp -d "${TMPDIR:-/tmp}/build-caddy.XXXXXX")"
 staged="$out.tmp.$$"
 xpid=""
 cleanup() {
-	local rc=$? i
+	local rc=$?
 	trap '' INT TERM HUP
-	if [[ -n "$xpid" ]]; then
-		# xcaddy runs in its own process group (see below): stop it and the go
-		# build it started. xcaddy does not abort a running build on SIGINT,
-		# so TERM, then KILL whatever is left after 5s.
-		kill -TERM -- "-$xpid" 2>/dev/null || true
-		for ((i = 0; i < 50; i++)); do kill -0 -- "-$xpid" 2>/dev/null || break; sleep 0.1; done
-		kill -KILL -- "-$xpid" 2>/dev/null || true
-		wait "$xpid" 2>/dev/null || true
-	fi
+	# xcaddy runs in its own process group (see below): stop it and the go
+	# build it started (xcaddy does not abort a running build on SIGINT).
+	[[ -z "$xpid" ]] || stop_child "-$xpid" xcaddy
 	rm -rf "$work"
 	rm -f "$staged"
 	exit "$rc"
@@ -59,14 +61,9 @@ trap 'exit 130' INT
 trap 'exit 143' TERM
 trap 'exit 129' HUP
 
-log "building Caddy $CADDY_VERSION with $module from $REPO_ROOT${*:+ and $*} -> $out"
+log "building Caddy $CADDY_VERSION with $REPO_ROOT${*:+ and $*} -> $out"
 start=$SECONDS
-cmd=(xcaddy build "$CADDY_VERSION"
-	--with "$module@v0.0.0-00010101000000-000000000000=$REPO_ROOT"
-	--output "$work/caddy")
-for extra in "$@"; do
-	cmd+=(--with "${extra%%=*}@v0.0.0-00010101000000-000000000000=${extra#*=}")
-done
+cmd=(xcaddy build "$CADDY_VERSION" "${withs[@]}" --output "$work/caddy")
 xlog="$work/xcaddy.log"
 # xcaddy runs in the background in a process group of its own (set -m), so
 # a signal to this script is handled at once (a foreground child would delay

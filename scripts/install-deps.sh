@@ -1,32 +1,27 @@
 #!/usr/bin/env bash
-# Installs what building, testing and running the plugin needs. Idempotent:
-# anything already present is left alone, so a second run does nothing.
+# Installs what building, testing and running the plugin needs (`make deps`,
+# `make test`). Idempotent: anything already present is left alone.
 #
-#   scripts/install-deps.sh               redis-server, redis-cli, gcc (for
-#                                         go test -race) and xcaddy
-#   scripts/install-deps.sh --bench       ... plus wrk
-#   scripts/install-deps.sh --xcaddy-only only xcaddy (what `make build` needs)
+#   scripts/install-deps.sh                redis-server, redis-cli, gcc (for
+#                                          go test -race) and xcaddy
+#   scripts/install-deps.sh --xcaddy-only  only xcaddy (what building needs)
 #
 # System packages come from apt (Debian/Ubuntu), through sudo when not root.
-# xcaddy is `go install`ed into GOBIN (default $(go env GOPATH)/bin).
-# This never starts or stops any Redis server.
+# xcaddy is `go install`ed into Go's install directory, which the Makefile
+# puts on PATH. This never starts or stops any Redis server.
 set -euo pipefail
 SCRIPT_NAME=install-deps
 # shellcheck source=scripts/common.sh
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 
-usage() { sed -n '2,12s/^# \{0,1\}//p' "${BASH_SOURCE[0]}"; }
+XCADDY_VERSION=v0.4.5
 
 want_system=1
-want_bench=0
-for arg in "$@"; do
-	case "$arg" in
-	--bench) want_bench=1 ;;
-	--xcaddy-only) want_system=0 ;;
-	-h | --help) usage; exit 0 ;;
-	*) usage >&2; die "unknown argument: $arg" ;;
-	esac
-done
+case "${1:-}" in
+"") ;;
+--xcaddy-only) want_system=0 ;;
+*) die "unknown argument: $1 (usage: scripts/install-deps.sh [--xcaddy-only])" ;;
+esac
 
 command -v go >/dev/null 2>&1 ||
 	die "Go is not installed (or not on PATH). Install Go 1.26 or newer from https://go.dev/dl/ into /usr/local/go, then re-run."
@@ -42,14 +37,11 @@ if ((want_system)); then
 		pkgs+=(gcc libc6-dev)
 	fi
 fi
-if ((want_bench)) && ! command -v wrk >/dev/null 2>&1; then
-	pkgs+=(wrk)
-fi
 
 if ((${#pkgs[@]})); then
 	manual="install them yourself, e.g.: sudo apt-get update && sudo apt-get install -y ${pkgs[*]}"
 	command -v apt-get >/dev/null 2>&1 ||
-		die "missing: ${pkgs[*]}, and apt-get is not available. Install the equivalent packages with your system's package manager (redis-server + redis-cli, gcc, wrk)."
+		die "missing: ${pkgs[*]}, and apt-get is not available. Install the equivalent packages with your system's package manager (redis-server + redis-cli, gcc)."
 	sudo=()
 	if [[ $(id -u) -ne 0 ]]; then
 		command -v sudo >/dev/null 2>&1 ||
@@ -70,17 +62,14 @@ if ((want_system)); then
 	done
 	log "ok: redis-server ($(command -v redis-server)), redis-cli, gcc"
 fi
-if ((want_bench)); then
-	command -v wrk >/dev/null 2>&1 || die "wrk still not found after installing"
-	log "ok: wrk ($(command -v wrk))"
-fi
 
 # --- xcaddy ------------------------------------------------------------------
 if ! command -v xcaddy >/dev/null 2>&1; then
-	log "installing xcaddy $XCADDY_VERSION into ${GO_INSTALL_DIR:-GOBIN}"
+	log "installing xcaddy $XCADDY_VERSION with go install"
 	go install "github.com/caddyserver/xcaddy/cmd/xcaddy@$XCADDY_VERSION" ||
 		die "go install of xcaddy failed (needs access to the Go module proxy)"
 	hash -r
-	command -v xcaddy >/dev/null 2>&1 || die "xcaddy was installed but is not on PATH; add ${GO_INSTALL_DIR:-\$(go env GOPATH)/bin} to PATH"
+	command -v xcaddy >/dev/null 2>&1 ||
+		die "xcaddy was installed but is not on PATH; run this through make, or put GOBIN (default \$(go env GOPATH)/bin) on PATH"
 fi
 log "ok: xcaddy ($(command -v xcaddy))"

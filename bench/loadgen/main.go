@@ -5,16 +5,21 @@
 // soon as the previous response is read. Latency goes into a log-linear
 // histogram (256 sub-buckets per power of two, under 0.4 % error).
 //
-//	loadgen run -addr 127.0.0.1:8080 -c 64 -warmup 1s -d 5s [-same-key] [-expect 200] [-redis 127.0.0.1:6390] [-pid N]
+//	loadgen run -addr 127.0.0.1:8080 -c 64 -warmup 1s -d 5s [-same-key] [-expect 200] [-redis 127.0.0.1:6390] [-pid N] [-cpus 0,1]
+//	loadgen table [-warmup 1s -d 3s -cpus 0,1] RESULTS
 //	loadgen freeport
 //
 // run prints one line of key=value pairs: requests, seconds, rps, p50_us,
 // p99_us, errors (transport), unexpected (status other than -expect),
 // load_cpu (its own CPU use, % of one CPU), with -pid server_cpu (the
-// server's), with -cpus cpuN_busy (CPU N's busy time, any process, %) and, with -redis, the deltas of Redis INFO over the measured
-// window: reads (total_reads_processed), scripts (cmdstat_evalsha +
-// cmdstat_eval calls), commands (total_commands_processed) and redis_cpu
+// server's), with -cpus cpuN_busy (CPU N's busy time, any process, %)
+// and, with -redis, the deltas of Redis INFO over the measured window:
+// reads (total_reads_processed), scripts (cmdstat_evalsha + cmdstat_eval
+// calls), commands (total_commands_processed) and redis_cpu
 // (used_cpu_user + used_cpu_sys, %).
+//
+// table reads run's lines, each prefixed with "case=<name>@<conns>
+// round=<n>", and prints the benchmark's table (see table.go).
 //
 // freeport prints a free loopback TCP port.
 package main
@@ -39,8 +44,7 @@ import (
 
 func main() {
 	if len(os.Args) < 2 {
-		fmt.Fprintln(os.Stderr, "usage: loadgen run|freeport [flags]")
-		os.Exit(2)
+		usage()
 	}
 	switch os.Args[1] {
 	case "freeport":
@@ -52,10 +56,16 @@ func main() {
 		l.Close()
 	case "run":
 		run(os.Args[2:])
+	case "table":
+		table(os.Args[2:])
 	default:
-		fmt.Fprintln(os.Stderr, "usage: loadgen run|freeport [flags]")
-		os.Exit(2)
+		usage()
 	}
+}
+
+func usage() {
+	fmt.Fprintln(os.Stderr, "usage: loadgen run|table|freeport [flags]")
+	os.Exit(2)
 }
 
 func fatal(err error) {
@@ -73,7 +83,6 @@ const (
 func run(argv []string) {
 	fs := flag.NewFlagSet("run", flag.ExitOnError)
 	addr := fs.String("addr", "127.0.0.1:8080", "host:port of the server")
-	path := fs.String("path", "/", "request path")
 	conns := fs.Int("c", 64, "connections")
 	dur := fs.Duration("d", 5*time.Second, "measured duration")
 	warmup := fs.Duration("warmup", time.Second, "warm-up before measuring")
@@ -102,7 +111,7 @@ func run(argv []string) {
 		}
 		w := &worker{
 			addr:   *addr,
-			req:    []byte("GET " + *path + " HTTP/1.1\r\nHost: bench.local\r\nUser-Agent: loadgen\r\nX-Conn: " + key + "\r\n\r\n"),
+			req:    []byte("GET / HTTP/1.1\r\nHost: bench.local\r\nUser-Agent: loadgen\r\nX-Conn: " + key + "\r\n\r\n"),
 			expect: *expect,
 			phase:  &phase,
 		}

@@ -3,6 +3,8 @@ package main
 import (
 	"math"
 	"math/rand/v2"
+	"slices"
+	"strings"
 	"testing"
 )
 
@@ -43,3 +45,155 @@ func TestHistogramQuantiles(t *testing.T) {
 		t.Error("merging a histogram with a copy of itself moved the median")
 	}
 }
+
+func TestMedian(t *testing.T) {
+	for _, tc := range []struct {
+		in   []float64
+		want float64
+	}{
+		{nil, 0},
+		{[]float64{3}, 3},
+		{[]float64{3, 1, 2}, 2},
+		{[]float64{4, 1, 3, 2}, 2.5},
+		{[]float64{5, -1, 5, 0, 7}, 5},
+	} {
+		in := append([]float64(nil), tc.in...)
+		if got := median(in); got != tc.want {
+			t.Errorf("median(%v) = %v, want %v", tc.in, got, tc.want)
+		}
+		if !slices.Equal(in, tc.in) {
+			t.Errorf("median(%v) reordered its argument to %v", tc.in, in)
+		}
+	}
+}
+
+// tableOf runs the table on result lines and returns its rows by case.
+func tableOf(t *testing.T, results string) map[string][]string {
+	t.Helper()
+	cases, err := readResults(strings.NewReader(results), "0", "1")
+	if err != nil {
+		t.Fatal(err)
+	}
+	var b strings.Builder
+	writeTable(&b, cases, "0", "1", "1s", "3s")
+	rows := map[string][]string{}
+	for _, line := range strings.Split(b.String(), "\n") {
+		if f := strings.Fields(line); len(f) == 18 && strings.Contains(f[0], "@") {
+			rows[f[0]] = f
+		}
+	}
+	return rows
+}
+
+// Columns of a row (p50 and p99 carry "ms").
+const (
+	colRPS      = 2
+	colP50      = 3
+	colBare64   = 5
+	colBare256  = 6
+	colFloor    = 7
+	colCaddyUS  = 8
+	colReadsReq = 9
+	colErrors   = 17
+)
+
+func TestTableRatiosAreMediansOfRoundRatios(t *testing.T) {
+	// Rounds' own ratios 0.9, 0.5, 0.9: median 0.9; the ratio of the
+	// medians (100/200) would be 0.5.
+	rows := tableOf(t, `case=bare@64 round=1 requests=300 rps=100 p50_us=1000
+case=allowed@64 round=1 requests=270 rps=90 p50_us=2000
+case=bare@64 round=2 requests=600 rps=200 p50_us=3000
+case=allowed@64 round=2 requests=300 rps=100 p50_us=4000
+case=bare@64 round=3 requests=900 rps=300 p50_us=5000
+case=allowed@64 round=3 requests=810 rps=270 p50_us=6000
+`)
+	a := rows["allowed@64"]
+	if a == nil {
+		t.Fatalf("no allowed@64 row in %v", rows)
+	}
+	if a[colBare64] != "0.900" {
+		t.Errorf("allowed@64 vs bare64 = %s, want 0.900 (median of the rounds' ratios)", a[colBare64])
+	}
+	if a[colRPS] != "100" || a[colP50] != "4.00ms" {
+		t.Errorf("allowed@64 req/s %s, p50 %s; want the medians 100 and 4.00ms", a[colRPS], a[colP50])
+	}
+	if b := rows["bare@64"]; b[colBare64] != "1.000" || b[colRPS] != "200" {
+		t.Errorf("bare@64 row %v", b)
+	}
+}
+
+func TestTableMissingBaselines(t *testing.T) {
+	// Any <name>@<conns> is set beside bare@64, bare@256 (at 256 only)
+	// and floor@<conns>, when those cases ran; "-" otherwise.
+	rows := tableOf(t, `case=bare@64 round=1 requests=100 rps=100
+case=multi@64 round=1 requests=50 rps=50
+case=lease@256 round=1 requests=40 rps=40
+case=floor@256 round=1 requests=80 rps=80
+case=memory@128 round=1 requests=20 rps=20
+`)
+	for name, want := range map[string][3]string{
+		"bare@64":    {"1.000", "-", "-"},
+		"multi@64":   {"0.500", "-", "-"},
+		"lease@256":  {"0.400", "-", "0.500"},
+		"floor@256":  {"0.800", "-", "1.000"},
+		"memory@128": {"0.200", "-", "-"},
+	} {
+		row := rows[name]
+		if row == nil {
+			t.Errorf("no %s row", name)
+			continue
+		}
+		if got := [3]string{row[colBare64], row[colBare256], row[colFloor]}; got != want {
+			t.Errorf("%s: vs bare64, bare256, floor = %v, want %v", name, got, want)
+		}
+	}
+	// Without bare@64 the first ratio column is "-" too.
+	rows = tableOf(t, "case=allowed@256 round=1 requests=10 rps=10\ncase=bare@256 round=1 requests=20 rps=20\n")
+	if got := rows["allowed@256"]; got[colBare64] != "-" || got[colBare256] != "0.500" || got[colFloor] != "-" {
+		t.Errorf("allowed@256 row %v", got)
+	}
+}
+
+func TestTableZeroRequests(t *testing.T) {
+	// A round without requests counts 0 per request (not NaN), errors add up.
+	rows := tableOf(t, `case=denied@64 round=1 requests=0 rps=0 server_cpu=50 reads=10 errors=3 unexpected=1
+case=denied@64 round=2 requests=0 rps=0 server_cpu=50 reads=10 errors=2
+`)
+	d := rows["denied@64"]
+	if d[colCaddyUS] != "0.0" || d[colReadsReq] != "0.000" || d[colErrors] != "6" {
+		t.Errorf("denied@64 row %v", d)
+	}
+}
+
+// TestTableOutput compares the whole output with what the awk program
+// that scripts/bench.sh used before printed for the same lines.
+func TestTableOutput(t *testing.T) {
+	cases, err := readResults(strings.NewReader(tableFixture), "0", "1")
+	if err != nil {
+		t.Fatal(err)
+	}
+	var b strings.Builder
+	writeTable(&b, cases, "0", "1", "1s", "3s")
+	if b.String() != tableGolden {
+		t.Errorf("got\n%s\nwant\n%s", b.String(), tableGolden)
+	}
+}
+
+const tableFixture = `case=bare@64 round=1 requests=60000 seconds=3.000 rps=20000 p50_us=3000.0 p99_us=9000.0 errors=0 unexpected=0 load_cpu=60.0 server_cpu=99.0 cpu0_busy=100.0 cpu1_busy=90.0 reads=0 scripts=0 commands=3 redis_cpu=1.0
+case=floor@64 round=1 requests=45000 seconds=3.000 rps=15000 p50_us=3600.0 p99_us=10000.0 errors=0 unexpected=0 load_cpu=45.0 server_cpu=98.0 cpu0_busy=99.0 cpu1_busy=95.0 reads=3000 scripts=45000 commands=45003 redis_cpu=40.0
+case=allowed@256 round=1 requests=39000 seconds=3.000 rps=13000 p50_us=18000.0 p99_us=37000.0 errors=1 unexpected=2 load_cpu=40.0 server_cpu=99.5 cpu0_busy=100.0 cpu1_busy=92.0 reads=900 scripts=39000 commands=39003 redis_cpu=45.0
+case=bare@64 round=2 requests=30000 seconds=3.000 rps=10000 p50_us=5000.0 p99_us=12000.0 errors=0 unexpected=0 load_cpu=30.0 server_cpu=97.0 cpu0_busy=100.0 cpu1_busy=50.0 reads=0 scripts=0 commands=3 redis_cpu=1.0
+case=floor@64 round=2 requests=24000 seconds=3.000 rps=8000 p50_us=6000.0 p99_us=14000.0 errors=0 unexpected=0 load_cpu=25.0 server_cpu=96.0 cpu0_busy=98.0 cpu1_busy=60.0 reads=1600 scripts=24000 commands=24003 redis_cpu=20.0
+case=allowed@256 round=2 requests=0 seconds=3.000 rps=0 p50_us=0.0 p99_us=0.0 errors=7 unexpected=0 load_cpu=5.0 server_cpu=10.0 cpu0_busy=12.0 cpu1_busy=9.0 reads=0 scripts=0 commands=0 redis_cpu=0.0
+`
+
+const tableGolden = `case         conns    req/s      p50      p99 vs bare64 vs bare256 vs floor  caddy-us reads/req scripts/req  redis-us caddy%  load% redis% other0 other1 errors
+bare@64         64    15000   4.00ms  10.50ms     1.000          -    1.292      73.2     0.000       0.000       0.8     98     45      1      2     24      0
+floor@64        64    11500   4.80ms  12.00ms     0.775          -    1.000      92.7     0.067       1.000      25.8     97     35     30      2     12      0
+allowed@256    256     6500   9.00ms  18.50ms     0.325          -        -      38.3     0.012       0.500      17.3     55     22     22      1      6     10
+(medians of 2 rounds, 1s warm-up + 3s measured per case. caddy-us/redis-us: CPU time of Caddy /
+ Redis per request in microseconds (caddy-us minus bare's is the limiter's cost). caddy%/load%/redis%: CPU use over the
+ measured window, % of one CPU, of Caddy (CPU 0), the load generator and Redis (both CPU 1); other0/other1:
+ what other processes took of CPU 0 / CPU 1 meanwhile (well above 0: the figures are not clean);
+ errors: transport errors + unexpected statuses, summed over rounds)
+`

@@ -1,4 +1,6 @@
-package main
+package soak
+
+// Unit tests of the analysis in summary_test.go, on made-up records.
 
 import (
 	"net/http"

@@ -1,0 +1,194 @@
+package main
+
+import (
+	"bufio"
+	"flag"
+	"fmt"
+	"io"
+	"os"
+	"slices"
+	"strconv"
+	"strings"
+)
+
+// table prints the table of `make bench` from the lines scripts/bench.sh
+// collects: "case=<name>@<conns> round=<n>" followed by what run printed,
+// one line per case and round. Cases appear in the order of their first
+// line. Each column is the median over the rounds, except the ratios: a
+// ratio is the median of the rounds' own ratios (both cases from the same
+// round), which follows the machine's drift from round to round better
+// than a ratio of medians. Every case is set beside bare@64, and beside
+// bare@<conns> and floor@<conns> of its own connection count.
+func table(argv []string) {
+	fs := flag.NewFlagSet("table", flag.ExitOnError)
+	warmup := fs.String("warmup", "1s", "warm-up per case, as given to run (for the footnote)")
+	dur := fs.String("d", "3s", "measured duration per case, as given to run (for the footnote)")
+	cpus := fs.String("cpus", "0,1", "Caddy's CPU, then the load generator's (and Redis's), as given to run")
+	_ = fs.Parse(argv)
+	caddyCPU, loadCPU, ok := strings.Cut(*cpus, ",")
+	if fs.NArg() != 1 || !ok {
+		fmt.Fprintln(os.Stderr, "usage: loadgen table [-warmup 1s] [-d 3s] [-cpus CADDY,LOAD] RESULTS")
+		os.Exit(2)
+	}
+	f, err := os.Open(fs.Arg(0))
+	if err != nil {
+		fatal(err)
+	}
+	defer f.Close()
+	cases, err := readResults(f, caddyCPU, loadCPU)
+	if err != nil {
+		fatal(err)
+	}
+	writeTable(os.Stdout, cases, caddyCPU, loadCPU, *warmup, *dur)
+}
+
+// benchCase is one case's figures, one entry per round in file order.
+type benchCase struct {
+	name   string // "<name>@<conns>"
+	conns  string
+	rounds []roundFigures
+	bad    int64 // transport errors + unexpected statuses, all rounds
+}
+
+// roundFigures are one case's figures in one round.
+type roundFigures struct {
+	rps, p50ms, p99ms            float64
+	readsPerReq, scriptsPerReq   float64
+	caddyCPU, loadCPU, redisCPU  float64 // % of one CPU
+	otherCaddyCPU, otherLoadCPU  float64 // what other processes took of those CPUs, %
+	caddyUSPerReq, redisUSPerReq float64 // CPU time per request, µs
+}
+
+// readResults parses the result lines; caddyCPU and loadCPU name the
+// cpuN_busy fields of Caddy's CPU and the load generator's.
+func readResults(r io.Reader, caddyCPU, loadCPU string) ([]*benchCase, error) {
+	var cases []*benchCase
+	byName := map[string]*benchCase{}
+	sc := bufio.NewScanner(r)
+	for sc.Scan() {
+		kv := map[string]string{}
+		for _, field := range strings.Fields(sc.Text()) {
+			k, v, _ := strings.Cut(field, "=")
+			kv[k] = v
+		}
+		name, ok := kv["case"]
+		if !ok {
+			continue
+		}
+		num := func(k string) float64 {
+			f, _ := strconv.ParseFloat(kv[k], 64) // absent: 0
+			return f
+		}
+		perReq := func(k string) float64 {
+			if num("requests") == 0 {
+				return 0
+			}
+			return num(k) / num("requests")
+		}
+		perRPS := func(k string) float64 { // % of a CPU per req/s, in µs per request
+			if num("rps") == 0 {
+				return 0
+			}
+			return num(k) * 1e4 / num("rps")
+		}
+		c := byName[name]
+		if c == nil {
+			_, conns, _ := strings.Cut(name, "@")
+			c = &benchCase{name: name, conns: conns}
+			byName[name] = c
+			cases = append(cases, c)
+		}
+		c.rounds = append(c.rounds, roundFigures{
+			rps:           num("rps"),
+			p50ms:         num("p50_us") / 1000,
+			p99ms:         num("p99_us") / 1000,
+			readsPerReq:   perReq("reads"),
+			scriptsPerReq: perReq("scripts"),
+			caddyCPU:      num("server_cpu"),
+			loadCPU:       num("load_cpu"),
+			redisCPU:      num("redis_cpu"),
+			otherCaddyCPU: num("cpu"+caddyCPU+"_busy") - num("server_cpu"),
+			otherLoadCPU:  num("cpu"+loadCPU+"_busy") - num("load_cpu") - num("redis_cpu"),
+			caddyUSPerReq: perRPS("server_cpu"),
+			redisUSPerReq: perRPS("redis_cpu"),
+		})
+		c.bad += int64(num("errors") + num("unexpected"))
+	}
+	return cases, sc.Err()
+}
+
+func writeTable(w io.Writer, cases []*benchCase, caddyCPU, loadCPU, warmup, dur string) {
+	byName := map[string]*benchCase{}
+	rounds := 0
+	for _, c := range cases {
+		byName[c.name] = c
+		rounds = max(rounds, len(c.rounds))
+	}
+	fmt.Fprintf(w, "%-12s %5s %8s %8s %8s %9s %10s %8s %9s %9s %11s %9s %6s %6s %6s %6s %6s %6s\n",
+		"case", "conns", "req/s", "p50", "p99", "vs bare64", "vs bare256", "vs floor", "caddy-us", "reads/req",
+		"scripts/req", "redis-us", "caddy%", "load%", "redis%", "other0", "other1", "errors")
+	for _, c := range cases {
+		med := func(field func(roundFigures) float64) float64 {
+			vs := make([]float64, len(c.rounds))
+			for i, r := range c.rounds {
+				vs[i] = field(r)
+			}
+			return median(vs)
+		}
+		vsBare256 := "-"
+		if c.conns == "256" {
+			vsBare256 = ratio(c, byName["bare@256"])
+		}
+		fmt.Fprintf(w, "%-12s %5s %8.0f %6.2fms %6.2fms %9s %10s %8s %9.1f %9.3f %11.3f %9.1f %6.0f %6.0f %6.0f %6.0f %6.0f %6d\n",
+			c.name, c.conns,
+			med(func(r roundFigures) float64 { return r.rps }),
+			med(func(r roundFigures) float64 { return r.p50ms }),
+			med(func(r roundFigures) float64 { return r.p99ms }),
+			ratio(c, byName["bare@64"]), vsBare256, ratio(c, byName["floor@"+c.conns]),
+			med(func(r roundFigures) float64 { return r.caddyUSPerReq }),
+			med(func(r roundFigures) float64 { return r.readsPerReq }),
+			med(func(r roundFigures) float64 { return r.scriptsPerReq }),
+			med(func(r roundFigures) float64 { return r.redisUSPerReq }),
+			med(func(r roundFigures) float64 { return r.caddyCPU }),
+			med(func(r roundFigures) float64 { return r.loadCPU }),
+			med(func(r roundFigures) float64 { return r.redisCPU }),
+			med(func(r roundFigures) float64 { return r.otherCaddyCPU }),
+			med(func(r roundFigures) float64 { return r.otherLoadCPU }),
+			c.bad)
+	}
+	fmt.Fprintf(w, `(medians of %d rounds, %s warm-up + %s measured per case. caddy-us/redis-us: CPU time of Caddy /
+ Redis per request in microseconds (caddy-us minus bare's is the limiter's cost). caddy%%/load%%/redis%%: CPU use over the
+ measured window, %% of one CPU, of Caddy (CPU %s), the load generator and Redis (both CPU %s); other0/other1:
+ what other processes took of CPU %s / CPU %s meanwhile (well above 0: the figures are not clean);
+ errors: transport errors + unexpected statuses, summed over rounds)
+`, rounds, warmup, dur, caddyCPU, loadCPU, caddyCPU, loadCPU)
+}
+
+// ratio is the median over the rounds of c's req/s over base's in the
+// same round, formatted; "-" without base.
+func ratio(c, base *benchCase) string {
+	if base == nil {
+		return "-"
+	}
+	n := min(len(c.rounds), len(base.rounds))
+	rs := make([]float64, n)
+	for i := range n {
+		if base.rounds[i].rps != 0 {
+			rs[i] = c.rounds[i].rps / base.rounds[i].rps
+		}
+	}
+	return fmt.Sprintf("%.3f", median(rs))
+}
+
+// median of vs (the mean of the middle two for an even count; 0 for none).
+func median(vs []float64) float64 {
+	if len(vs) == 0 {
+		return 0
+	}
+	s := slices.Sorted(slices.Values(vs))
+	n := len(s)
+	if n%2 == 1 {
+		return s[n/2]
+	}
+	return (s[n/2-1] + s[n/2]) / 2
+}

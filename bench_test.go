@@ -22,7 +22,7 @@ import (
 
 	"github.com/caddy-redis/ratelimit/internal/redistest"
 	"github.com/caddyserver/caddy/v2"
-	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
+	"go.uber.org/zap"
 )
 
 // benchWriter is a ResponseWriter that keeps nothing but the header map
@@ -47,20 +47,11 @@ func (w *benchWriter) Write(p []byte) (int, error) { return len(p), nil }
 func (w *benchWriter) WriteHeader(status int)      { w.status = status }
 
 // benchRequest is a GET from remoteIP with an X-Key header (if key is not
-// empty), prepared as Caddy's server prepares it (newRequest's steps, with
-// a writer that keeps nothing).
+// empty), prepared as Caddy's server prepares it, with a writer that
+// keeps nothing.
 func benchRequest(remoteIP, key string) (*http.Request, *benchWriter) {
-	r, err := http.NewRequest(http.MethodGet, "http://example.com/", nil)
-	if err != nil {
-		panic(err)
-	}
-	r.RemoteAddr = remoteIP + ":1234"
-	if key != "" {
-		r.Header.Set("X-Key", key)
-	}
 	w := &benchWriter{h: freshHeader()}
-	// A server (even a zero one) makes {http.vars.client_ip} resolve.
-	return caddyhttp.PrepareRequest(r, caddy.NewReplacer(), w, &caddyhttp.Server{}), w
+	return prepareRequest(remoteIP, key, w), w
 }
 
 // benchHandler provisions a handler keyed by the X-Key header against srv.
@@ -80,8 +71,8 @@ func benchHandler(b *testing.B, srv *redistest.Server, zone string, rate float64
 	})
 	// Without a loaded config, caddy.Context.Logger is a development
 	// logger at debug level, which would log every decision; a running
-	// Caddy's default logger is at info level.
-	h.logger = caddy.Log()
+	// Caddy's default logger is at info level, and so is this one.
+	observeLogs(h, zap.InfoLevel)
 	return h
 }
 
@@ -95,21 +86,9 @@ func allowedHandler(b *testing.B, srv *redistest.Server) *Handler {
 func serveOne(b *testing.B, h *Handler, r *http.Request, w *benchWriter, wantStatus int) {
 	w.h, w.status = freshHeader(), http.StatusOK
 	err := h.ServeHTTP(w, r, okHandler)
-	if got := statusOfErr(err, w.status); got != wantStatus {
+	if got := statusOf(err, w.status); got != wantStatus {
 		b.Fatalf("status %d (err %v), want %d", got, err, wantStatus)
 	}
-}
-
-// statusOfErr is the status of the response: the error's, or, without
-// one, what was written (a denial on a server without handle_errors).
-func statusOfErr(err error, written int) int {
-	if err == nil {
-		return written
-	}
-	if he, ok := err.(caddyhttp.HandlerError); ok {
-		return he.StatusCode
-	}
-	return 500
 }
 
 // BenchmarkServeHTTPBypass is the baseline: the same loop as the ServeHTTP
@@ -225,7 +204,7 @@ func BenchmarkServeHTTPDeniedRedis(b *testing.B) {
 	}
 }
 
-// BenchmarkPrepareRequest is what Caddy's server (here: newRequest's
+// BenchmarkPrepareRequest is what Caddy's server (here: prepareRequest's
 // steps) costs per request before any handler runs, for scale; the
 // ServeHTTP benchmarks leave it out.
 func BenchmarkPrepareRequest(b *testing.B) {

@@ -2,9 +2,7 @@ package ratelimit
 
 import (
 	"context"
-	"net/http"
 	"strconv"
-	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -15,20 +13,26 @@ import (
 	"github.com/redis/go-redis/v9"
 )
 
-// peekTokens is the script's arithmetic without the take: the tokens a
-// bucket holds now, as Redis would compute them for the next request,
-// and Redis's time in microseconds.
-var peekTokens = redis.NewScript(`
-local rate, burst = tonumber(ARGV[1]), tonumber(ARGV[2])
-local time = redis.call('TIME')
-local now = tonumber(time[1]) * 1000000 + tonumber(time[2])
-local tokens = burst
-local state = redis.call('GET', KEYS[1])
-if state then
-  local stored, at = string.match(state, '^(%S+) (%d+)$')
-  tokens = math.min(burst, tonumber(stored) + math.max(0, now - tonumber(at)) * rate / 1000000)
-end
-return {tostring(tokens), now}`)
+// peekTokens is how many tokens the bucket at key holds now, as the
+// script would compute them for the next request (scriptRefill of its
+// stored state at Redis's time), and Redis's time.
+func peekTokens(rdb *redis.Client, key string, rate float64, burst int64) (float64, time.Time, error) {
+	ctx := context.Background()
+	var clock *redis.TimeCmd
+	var state *redis.StringCmd
+	if _, err := rdb.TxPipelined(ctx, func(p redis.Pipeliner) error {
+		clock, state = p.Time(ctx), p.Get(ctx, key)
+		return nil
+	}); err != nil && err != redis.Nil {
+		return 0, time.Time{}, err
+	}
+	b, err := parseBucket(state)
+	if err != nil {
+		return 0, time.Time{}, err
+	}
+	now := clock.Val()
+	return scriptRefill(b, now.UnixMicro(), rate, burst), now, nil
+}
 
 func TestDenyCacheNeverDeniesWhatRedisWouldAdmit(t *testing.T) {
 	srv := redistest.Start(t)
@@ -57,10 +61,7 @@ func TestDenyCacheNeverDeniesWhatRedisWouldAdmit(t *testing.T) {
 				key := h.bucketPrefix + "flood"
 				started := time.Now()
 				_, cached := h.denied.get(key, started)
-				r, w := newRequest("192.0.2.1", http.Header{"X-Key": {"flood"}})
-				err := h.ServeHTTP(w, r, okHandler)
-				status := statusOf(err, w)
-				if status == 200 {
+				if status, _ := serve(context.Background(), h, "flood"); status == 200 {
 					admitted.Add(1)
 					continue
 				}
@@ -71,13 +72,11 @@ func TestDenyCacheNeverDeniesWhatRedisWouldAdmit(t *testing.T) {
 					continue // expired between the two looks: Redis may have answered
 				}
 				cacheDenials.Add(1)
-				peek, err := peekTokens.Run(context.Background(), rdb, []string{key}, rate, burst).Slice()
+				tokens, now, err := peekTokens(rdb, key, rate, burst)
 				if err != nil {
 					t.Error(err)
 					return
 				}
-				tokens, _ := strconv.ParseFloat(peek[0].(string), 64)
-				now := time.UnixMicro(peek[1].(int64))
 				if tokens >= cost && tokens < burst {
 					filled := now.Add(-time.Duration((tokens - cost) / rate * float64(time.Second)))
 					if filled.Before(started) {
@@ -111,17 +110,13 @@ func TestDenyCacheAnswersFloodWithoutRedis(t *testing.T) {
 		Zone: "flood", Key: "{http.request.header.X-Key}", ReplenishRate: 0.1, BurstCapacity: ptr(int64(1)),
 		Redis: &RedisConfig{Addresses: []string{srv.Addr}},
 	})
-	serve := func() (int, string) {
-		r, w := newRequest("192.0.2.1", http.Header{"X-Key": {"one"}})
-		err := h.ServeHTTP(w, r, okHandler)
-		return statusOf(err, w), w.Header().Get("Retry-After")
-	}
-	if status, _ := serve(); status != 200 {
+	if status, _ := serve(context.Background(), h, "one"); status != 200 {
 		t.Fatalf("first request: %d", status)
 	}
 	before := scriptCalls(t, rdb)
 	for i := range 1000 {
-		status, retry := serve()
+		status, header := serve(context.Background(), h, "one")
+		retry := header.Get("Retry-After")
 		if status != 429 || retry == "" || retry == "0" {
 			t.Fatalf("request %d: %d, Retry-After %q; want 429 with a Retry-After", i, status, retry)
 		}
@@ -129,6 +124,24 @@ func TestDenyCacheAnswersFloodWithoutRedis(t *testing.T) {
 	// One Redis call learned the retry time (10 s); the rest were local.
 	if calls := scriptCalls(t, rdb) - before; calls != 1 {
 		t.Fatalf("1000 denials cost %d script calls, want 1", calls)
+	}
+}
+
+func TestDenyCacheRemembersUntilTheRetry(t *testing.T) {
+	c := newDenyCache()
+	sent := time.Unix(1_700_000_000, 0)
+	c.put("k", sent, Result{Remaining: 2, RetryAfter: 1500 * time.Millisecond})
+	// The script rounds its wait up to the microsecond: the bucket may
+	// hold the tokens up to a microsecond sooner.
+	until := sent.Add(1500*time.Millisecond - time.Microsecond)
+	if d, ok := c.get("k", until.Add(-time.Nanosecond)); !ok || d.remaining != 2 {
+		t.Fatalf("just before the retry: %+v %v, want the denial with 2 remaining", d, ok)
+	}
+	if d, ok := c.get("k", until); ok {
+		t.Fatalf("at the retry: still denied (%+v)", d)
+	}
+	if _, ok := c.get("other", sent); ok {
+		t.Fatal("a key never denied is denied")
 	}
 }
 
@@ -155,24 +168,4 @@ func TestDenyCacheBounded(t *testing.T) {
 	if n := len(expired.entries); n > denyCacheSize-16 {
 		t.Fatalf("%d entries after one insertion into a full cache of expired ones", n)
 	}
-}
-
-// scriptCalls counts EVALSHA and EVAL calls Redis has served.
-func scriptCalls(t *testing.T, rdb *redis.Client) int64 {
-	t.Helper()
-	info, err := rdb.Info(context.Background(), "commandstats").Result()
-	if err != nil {
-		t.Fatal(err)
-	}
-	var total int64
-	for _, line := range strings.Split(info, "\n") {
-		if !strings.HasPrefix(line, "cmdstat_evalsha:") && !strings.HasPrefix(line, "cmdstat_eval:") {
-			continue
-		}
-		_, rest, _ := strings.Cut(line, "calls=")
-		n, _, _ := strings.Cut(rest, ",")
-		v, _ := strconv.ParseInt(n, 10, 64)
-		total += v
-	}
-	return total
 }

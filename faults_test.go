@@ -3,8 +3,6 @@ package ratelimit
 import (
 	"context"
 	"fmt"
-	"io"
-	"net/http"
 	"strings"
 	"sync"
 	"testing"
@@ -14,142 +12,7 @@ import (
 	"github.com/caddy-redis/ratelimit/internal/redistest"
 	"github.com/redis/go-redis/v9"
 	"go.uber.org/zap"
-	"go.uber.org/zap/zaptest/observer"
 )
-
-// Helpers shared by the fault, topology, instance and reload tests.
-
-// caddyfileHandler parses a rate_limit directive and provisions it as
-// Caddy would; cleaned up after the test.
-func caddyfileHandler(tb testing.TB, directive string) *Handler {
-	tb.Helper()
-	h, err := parseTestCaddyfile(directive)
-	if err != nil {
-		tb.Fatalf("parsing %q: %v", directive, err)
-	}
-	return provision(tb, h)
-}
-
-// observeLogs sends everything h logs (warnings and breaker changes
-// included) to an observer. Call it before the first request.
-func observeLogs(h *Handler) *observer.ObservedLogs {
-	core, logs := observer.New(zap.DebugLevel)
-	l := zap.New(core)
-	h.logger = l
-	return logs
-}
-
-// countLogs counts entries whose message contains msg.
-func countLogs(logs *observer.ObservedLogs, msg string) int {
-	return logs.FilterMessageSnippet(msg).Len()
-}
-
-// hit sends one request with the X-Key header through h, whose next
-// handler answers 200. It returns the status the client would get, the
-// X-RateLimit-Remaining header and how long the handler took.
-func hit(h *Handler, key string) (status int, remaining string, took time.Duration) {
-	return hitCtx(context.Background(), h, key)
-}
-
-// hitCtx is hit with a client context: canceling ctx is the client
-// going away.
-func hitCtx(ctx context.Context, h *Handler, key string) (status int, remaining string, took time.Duration) {
-	r, w := newRequest("192.0.2.1", http.Header{"X-Key": {key}})
-	base := r.Context()
-	r = r.WithContext(mergeCancel(base, ctx))
-	start := time.Now()
-	err := h.ServeHTTP(w, r, okHandler)
-	took = time.Since(start)
-	return statusOf(err, w), w.Header().Get("X-RateLimit-Remaining"), took
-}
-
-// mergeCancel is base (with Caddy's request values) canceled when ctx is.
-func mergeCancel(base, ctx context.Context) context.Context {
-	if ctx.Done() == nil {
-		return base
-	}
-	merged, cancel := context.WithCancelCause(base)
-	context.AfterFunc(ctx, func() { cancel(context.Cause(ctx)) })
-	return merged
-}
-
-// expectBurstThenDeny asserts that key, with a full bucket, is admitted
-// burst times (remaining counting down) and then denied.
-func expectBurstThenDeny(t *testing.T, h *Handler, key string, burst int) {
-	t.Helper()
-	for i := 1; i <= burst; i++ {
-		status, remaining, _ := hit(h, key)
-		if want := fmt.Sprint(burst - i); status != 200 || remaining != want {
-			t.Fatalf("%s request %d: %d remaining %q, want 200 with %s", key, i, status, remaining, want)
-		}
-	}
-	if status, remaining, _ := hit(h, key); status != 429 || remaining != "0" {
-		t.Fatalf("%s after the burst: %d remaining %q, want 429 with 0", key, status, remaining)
-	}
-}
-
-// eventually polls cond every 20ms until it holds, failing the test
-// after timeout; it returns how long that took.
-func eventually(t *testing.T, timeout time.Duration, what string, cond func() bool) time.Duration {
-	t.Helper()
-	start := time.Now()
-	for !cond() {
-		if time.Since(start) > timeout {
-			t.Fatalf("%s: not within %v", what, timeout)
-		}
-		time.Sleep(20 * time.Millisecond)
-	}
-	return time.Since(start)
-}
-
-// caddyClient talks to caddyproc instances; its own transport, so idle
-// connections of one test do not meet the next.
-func caddyClient(t testing.TB) *http.Client {
-	tr := &http.Transport{MaxIdleConns: 256, MaxIdleConnsPerHost: 128, IdleConnTimeout: 30 * time.Second}
-	t.Cleanup(tr.CloseIdleConnections)
-	return &http.Client{Transport: tr, Timeout: 10 * time.Second}
-}
-
-// caddyGet sends GET base+path with the X-Key header; it returns the
-// status, the X-RateLimit-Remaining header and the body.
-func caddyGet(client *http.Client, url, key string) (status int, remaining, body string, err error) {
-	req, err := http.NewRequest(http.MethodGet, url, nil)
-	if err != nil {
-		return 0, "", "", err
-	}
-	req.Header.Set("X-Key", key)
-	resp, err := client.Do(req)
-	if err != nil {
-		return 0, "", "", err
-	}
-	defer resp.Body.Close()
-	b, err := io.ReadAll(resp.Body)
-	return resp.StatusCode, resp.Header.Get("X-RateLimit-Remaining"), string(b), err
-}
-
-// mustGet is caddyGet failing the test on a transport error.
-func mustGet(t *testing.T, client *http.Client, url, key string) (int, string) {
-	t.Helper()
-	status, remaining, _, err := caddyGet(client, url, key)
-	if err != nil {
-		t.Fatalf("GET %s (key %s): %v", url, key, err)
-	}
-	return status, remaining
-}
-
-// expectCaddyBurstThenDeny is expectBurstThenDeny through a Caddy.
-func expectCaddyBurstThenDeny(t *testing.T, client *http.Client, url, key string, burst int) {
-	t.Helper()
-	for i := 1; i <= burst; i++ {
-		status, remaining := mustGet(t, client, url, key)
-		if want := fmt.Sprint(burst - i); status != 200 || remaining != want {
-			t.Fatalf("%s request %d: %d remaining %q, want 200 with %s", key, i, status, remaining, want)
-		}
-	}
-	if status, remaining := mustGet(t, client, url, key); status != 429 || remaining != "0" {
-		t.Fatalf("%s after the burst: %d remaining %q, want 429 with 0", key, status, remaining)
-	}
-}
 
 // stallBound is how long a request may take while Redis does not answer
 // within the 100ms timeout: generous, for -race on two cores.
@@ -197,7 +60,7 @@ const stallDirective = `rate_limit 0.01 2 {
 func TestRedisStallOpensAndClosesBreaker(t *testing.T) {
 	srv := redistest.Start(t)
 	h := caddyfileHandler(t, fmt.Sprintf(stallDirective, "stall", srv.Addr))
-	logs := observeLogs(h)
+	logs := observeLogs(h, zap.DebugLevel)
 	if status, remaining, _ := hit(h, "warm"); status != 200 || remaining != "1" {
 		t.Fatalf("before the stall: %d remaining %q", status, remaining)
 	}
@@ -250,7 +113,7 @@ func TestRedisStallOpensAndClosesBreaker(t *testing.T) {
 func TestRedisBlackholeOpensBreaker(t *testing.T) {
 	addr := redistest.StartBlackhole(t)
 	h := caddyfileHandler(t, fmt.Sprintf(stallDirective, "blackhole", addr))
-	logs := observeLogs(h)
+	logs := observeLogs(h, zap.DebugLevel)
 
 	openBreaker(t, h)
 	// After the cooldown one request probes, fails within the timeout,
@@ -281,7 +144,7 @@ func TestRedisBlackholeOpensBreaker(t *testing.T) {
 func TestCanceledRequestsDoNotTripBreaker(t *testing.T) {
 	addr := redistest.StartBlackhole(t)
 	h := caddyfileHandler(t, fmt.Sprintf(stallDirective, "canceled", addr))
-	logs := observeLogs(h)
+	logs := observeLogs(h, zap.DebugLevel)
 
 	var wg sync.WaitGroup
 	for i := range 20 {

@@ -1,31 +1,122 @@
 package ratelimit
 
+// The helpers shared by the package's tests, in one place. A helper that
+// serves the tests of one file only (metrics scrapes, failover traffic,
+// the benchmarks' writer) stays beside them.
+//
+// Two tiers: `go test -short` runs what needs no process (the parser,
+// key templates, headers, the deny cache, the bucket's arithmetic, and
+// handlers provisioned against deadRedis); everything else starts
+// redis-server (internal/redistest) or a Caddy (caddytest through
+// loadConfig, or internal/caddyproc), and those entry points skip the
+// test under -short (testproc.SkipShort). No test calls testing.Short()
+// itself.
+
 import (
 	"context"
+	"fmt"
+	"io"
+	"math"
+	"net"
 	"net/http"
 	"net/http/httptest"
+	"net/url"
+	"strconv"
+	"strings"
 	"testing"
+	"time"
 
+	"github.com/caddy-redis/ratelimit/internal/testproc"
 	"github.com/caddyserver/caddy/v2"
+	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
+	"github.com/caddyserver/caddy/v2/caddytest"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
+	"github.com/redis/go-redis/v9"
+	"go.uber.org/zap"
+	"go.uber.org/zap/zapcore"
+	"go.uber.org/zap/zaptest/observer"
 )
 
-// provision provisions h as Caddy would, and cleans it up after the test.
-func provision(tb testing.TB, h *Handler) *Handler {
+// ---- Handlers
+
+// parseTestCaddyfile unmarshals one rate_limit directive into a Handler.
+func parseTestCaddyfile(input string) (*Handler, error) {
+	h := new(Handler)
+	err := h.UnmarshalCaddyfile(caddyfile.NewTestDispenser(input))
+	return h, err
+}
+
+// tryProvision provisions and validates h as Caddy would and returns the
+// error. A provisioned handler is cleaned up after the test; an error of
+// its Cleanup fails the test.
+func tryProvision(tb testing.TB, h *Handler) error {
 	tb.Helper()
 	ctx, cancel := caddy.NewContext(caddy.Context{Context: context.Background()})
 	tb.Cleanup(cancel)
 	if err := h.Provision(ctx); err != nil {
-		tb.Fatalf("provision: %v", err)
+		return err
 	}
-	tb.Cleanup(func() { _ = h.Cleanup() })
-	if err := h.Validate(); err != nil {
-		tb.Fatalf("validate: %v", err)
+	tb.Cleanup(func() {
+		if err := h.Cleanup(); err != nil {
+			tb.Errorf("cleanup: %v", err)
+		}
+	})
+	return h.Validate()
+}
+
+// provision is tryProvision failing the test on an error.
+func provision(tb testing.TB, h *Handler) *Handler {
+	tb.Helper()
+	if err := tryProvision(tb, h); err != nil {
+		tb.Fatalf("provisioning: %v", err)
 	}
 	return h
 }
 
+// caddyfileHandler parses a rate_limit directive and provisions it.
+func caddyfileHandler(tb testing.TB, directive string) *Handler {
+	tb.Helper()
+	h, err := parseTestCaddyfile(directive)
+	if err != nil {
+		tb.Fatalf("parsing %q: %v", directive, err)
+	}
+	return provision(tb, h)
+}
+
+// deadRedis is an address nothing listens on: a handler provisioned
+// against it loads its script in the background (limiter.loadScript) and
+// is refused at once, so it talks to no Redis, and certainly not to one
+// on the default 127.0.0.1:6379 that tests must never write to.
+const deadRedis = "127.0.0.1:1"
+
+// offline points h's Redis at deadRedis, for the -short tier: a missing
+// address list (the default, 127.0.0.1:6379) becomes deadRedis, and each
+// address that parses has its host and port replaced, keeping how many
+// there are and a URL's scheme, user, password and database. Addresses
+// that do not parse are kept, so provisioning refuses them as before.
+func offline(h *Handler) *Handler {
+	r := RedisConfig{}
+	if h.Redis != nil {
+		r = *h.Redis
+	}
+	r.Addresses = nil
+	for _, a := range h.Redis.withPlaceholders().Addresses {
+		if _, err := parseAddress(a); err != nil {
+			r.Addresses = append(r.Addresses, a)
+		} else if u, err := url.Parse(a); err == nil && strings.Contains(a, "://") {
+			u.Host = deadRedis
+			r.Addresses = append(r.Addresses, u.String())
+		} else {
+			r.Addresses = append(r.Addresses, deadRedis)
+		}
+	}
+	h.Redis = &r
+	return h
+}
+
 func ptr[T any](v T) *T { return &v }
+
+// ---- Requests through a Handler
 
 // okHandler is the next handler: it answers 200.
 var okHandler = caddyhttp.HandlerFunc(func(w http.ResponseWriter, r *http.Request) error {
@@ -33,26 +124,389 @@ var okHandler = caddyhttp.HandlerFunc(func(w http.ResponseWriter, r *http.Reques
 	return nil
 })
 
-// newRequest is a request as Caddy's server prepares it, from remoteIP.
-func newRequest(remoteIP string, header http.Header) (*http.Request, *httptest.ResponseRecorder) {
-	r := httptest.NewRequest(http.MethodGet, "http://example.com/", nil)
-	r.RemoteAddr = remoteIP + ":1234"
-	for k, v := range header {
-		r.Header[k] = v
+// prepareRequest is a GET from remoteIP with the X-Key header (none when
+// key is empty), writing to w, prepared as Caddy's server prepares it (a
+// zero Server, so that {http.vars.client_ip} resolves).
+func prepareRequest(remoteIP, key string, w http.ResponseWriter) *http.Request {
+	r, err := http.NewRequest(http.MethodGet, "http://example.com/", nil)
+	if err != nil {
+		panic(err)
 	}
+	r.RemoteAddr = net.JoinHostPort(remoteIP, "1234")
+	if key != "" {
+		r.Header.Set("X-Key", key)
+	}
+	return caddyhttp.PrepareRequest(r, caddy.NewReplacer(), w, &caddyhttp.Server{})
+}
+
+// newRequest is prepareRequest writing to a recorder.
+func newRequest(remoteIP, key string) (*http.Request, *httptest.ResponseRecorder) {
 	w := httptest.NewRecorder()
-	r = caddyhttp.PrepareRequest(r, caddy.NewReplacer(), w, nil)
-	return r, w
+	return prepareRequest(remoteIP, key, w), w
 }
 
 // statusOf is the status the handler chain yields: the error's status
 // for a denial, else what was written.
-func statusOf(err error, w *httptest.ResponseRecorder) int {
-	if err != nil {
-		if he, ok := err.(caddyhttp.HandlerError); ok {
-			return he.StatusCode
-		}
-		return 500
+func statusOf(err error, written int) int {
+	if err == nil {
+		return written
 	}
-	return w.Code
+	if he, ok := err.(caddyhttp.HandlerError); ok {
+		return he.StatusCode
+	}
+	return 500
+}
+
+// serve sends one request with the X-Key header through h, whose next
+// handler answers 200, for a client whose context is ctx: canceling ctx
+// is the client going away. It returns the status the client would get
+// and the response headers.
+func serve(ctx context.Context, h *Handler, key string) (int, http.Header) {
+	r, w := newRequest("192.0.2.1", key)
+	r = r.WithContext(mergeCancel(r.Context(), ctx))
+	err := h.ServeHTTP(w, r, okHandler)
+	return statusOf(err, w.Code), w.Header()
+}
+
+// hit is serve for a client that stays: the status, the
+// X-RateLimit-Remaining header and how long the handler took.
+func hit(h *Handler, key string) (status int, remaining string, took time.Duration) {
+	return hitCtx(context.Background(), h, key)
+}
+
+// hitCtx is hit for a client whose context is ctx.
+func hitCtx(ctx context.Context, h *Handler, key string) (status int, remaining string, took time.Duration) {
+	start := time.Now()
+	status, header := serve(ctx, h, key)
+	return status, header.Get("X-RateLimit-Remaining"), time.Since(start)
+}
+
+// mergeCancel is base (with Caddy's request values) canceled when ctx is.
+func mergeCancel(base, ctx context.Context) context.Context {
+	if ctx.Done() == nil {
+		return base
+	}
+	merged, cancel := context.WithCancelCause(base)
+	context.AfterFunc(ctx, func() { cancel(context.Cause(ctx)) })
+	return merged
+}
+
+// expectBurst asserts that send, on key with a full bucket, is admitted
+// burst times (remaining counting down) and then denied. send returns a
+// status and the X-RateLimit-Remaining header.
+func expectBurst(t *testing.T, key string, burst int, send func() (int, string)) {
+	t.Helper()
+	for i := 1; i <= burst; i++ {
+		status, remaining := send()
+		if want := fmt.Sprint(burst - i); status != 200 || remaining != want {
+			t.Fatalf("%s request %d: %d remaining %q, want 200 with %s", key, i, status, remaining, want)
+		}
+	}
+	if status, remaining := send(); status != 429 || remaining != "0" {
+		t.Fatalf("%s after the burst: %d remaining %q, want 429 with 0", key, status, remaining)
+	}
+}
+
+// expectBurstThenDeny is expectBurst through h.
+func expectBurstThenDeny(t *testing.T, h *Handler, key string, burst int) {
+	t.Helper()
+	expectBurst(t, key, burst, func() (int, string) {
+		status, remaining, _ := hit(h, key)
+		return status, remaining
+	})
+}
+
+// ---- Logs
+
+// observeLogs makes h log to an observer from level up, and returns what
+// it logs (decisions, warnings, breaker changes). It is the one way tests
+// reach the handler's logger (h.logger); call it after provisioning,
+// before the first request.
+func observeLogs(h *Handler, level zapcore.Level) *observer.ObservedLogs {
+	core, logs := observer.New(level)
+	h.logger = zap.New(core)
+	return logs
+}
+
+// countLogs counts entries whose message contains msg.
+func countLogs(logs *observer.ObservedLogs, msg string) int {
+	return logs.FilterMessageSnippet(msg).Len()
+}
+
+// ---- Waiting
+
+// eventually polls cond every 20ms until it holds, failing the test
+// after timeout; it returns how long that took.
+func eventually(t *testing.T, timeout time.Duration, what string, cond func() bool) time.Duration {
+	t.Helper()
+	start := time.Now()
+	for !cond() {
+		if time.Since(start) > timeout {
+			t.Fatalf("%s: not within %v", what, timeout)
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	return time.Since(start)
+}
+
+// ---- Redis (the tests that use these start a redis-server first)
+
+// newTestLimiter is a limiter of its own (not from the shared pool) to
+// the Redis at addr.
+func newTestLimiter(tb testing.TB, addr string, timeout time.Duration) *limiter {
+	tb.Helper()
+	cfg := (&RedisConfig{Addresses: []string{addr}, Timeout: caddy.Duration(timeout)}).withPlaceholders()
+	b, err := newLimiter(cfg)
+	if err != nil {
+		tb.Fatal(err)
+	}
+	tb.Cleanup(func() { _ = b.Destruct() })
+	return b
+}
+
+// limitArgs are the script's arguments, formatted as Provision formats
+// them.
+func limitArgs(rate float64, burst, requested int64) []any {
+	return []any{
+		strconv.FormatFloat(rate, 'f', -1, 64),
+		strconv.FormatInt(burst, 10),
+		strconv.FormatInt(requested, 10),
+	}
+}
+
+func mustTake(t *testing.T, b *limiter, key string, args []any) Result {
+	t.Helper()
+	res, err := b.take(context.Background(), time.Now(), key, args)
+	if err != nil {
+		t.Fatalf("take %s: %v", key, err)
+	}
+	return res
+}
+
+// infoStat reads one integer field of INFO.
+func infoStat(t *testing.T, rdb *redis.Client, field string) int64 {
+	t.Helper()
+	info, err := rdb.Info(context.Background()).Result()
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, line := range strings.Split(info, "\n") {
+		if v, ok := strings.CutPrefix(strings.TrimSpace(line), field+":"); ok {
+			n, err := strconv.ParseInt(v, 10, 64)
+			if err != nil {
+				t.Fatalf("INFO %s %q: %v", field, v, err)
+			}
+			return n
+		}
+	}
+	t.Fatalf("INFO has no %s", field)
+	return 0
+}
+
+// scriptCalls counts the script commands (EVAL, EVALSHA and their _RO
+// forms) Redis has served.
+func scriptCalls(t *testing.T, rdb *redis.Client) int64 {
+	t.Helper()
+	info, err := rdb.Info(context.Background(), "commandstats").Result()
+	if err != nil {
+		t.Fatal(err)
+	}
+	var total int64
+	for _, line := range strings.Split(info, "\n") {
+		if !strings.HasPrefix(line, "cmdstat_eval") {
+			continue
+		}
+		_, rest, _ := strings.Cut(line, "calls=")
+		n, _, _ := strings.Cut(rest, ",")
+		v, _ := strconv.ParseInt(n, 10, 64)
+		total += v
+	}
+	return total
+}
+
+// ---- Caddy in this process (caddytest)
+
+// caddyGlobals is the start of every Caddyfile served by caddytest.
+const caddyGlobals = `{
+	skip_install_trust
+	admin localhost:2999
+	http_port 9080
+	https_port 9443
+	grace_period 1ns
+}
+`
+
+// loadConfig (re)loads a whole config, with the "caddyfile" or "json"
+// adapter, into the in-process Caddy that caddytest runs, starting it
+// when tester is nil: the one way tests get it, which skips the test
+// under -short.
+func loadConfig(t *testing.T, tester *caddytest.Tester, config, adapter string) *caddytest.Tester {
+	t.Helper()
+	if tester == nil {
+		testproc.SkipShort(t, "Caddy (caddytest)")
+		tester = caddytest.NewTester(t)
+	}
+	tester.InitServer(config, adapter)
+	if t.Failed() {
+		t.FailNow()
+	}
+	return tester
+}
+
+// loadCaddyfile is loadConfig with a whole Caddyfile.
+func loadCaddyfile(t *testing.T, tester *caddytest.Tester, config string) *caddytest.Tester {
+	t.Helper()
+	return loadConfig(t, tester, config, "caddyfile")
+}
+
+// serveCaddyfile starts caddytest's Caddy with caddyGlobals and the site
+// block, whose %s is the Redis address.
+func serveCaddyfile(t *testing.T, site, redisAddr string) *caddytest.Tester {
+	t.Helper()
+	return loadCaddyfile(t, nil, caddyGlobals+fmt.Sprintf(site, redisAddr))
+}
+
+// getKey sends GET url with the X-Key header (none when key is empty)
+// and reads the body.
+func getKey(client *http.Client, url, key string) (*http.Response, string, error) {
+	req, err := http.NewRequest(http.MethodGet, url, nil)
+	if err != nil {
+		return nil, "", err
+	}
+	if key != "" {
+		req.Header.Set("X-Key", key)
+	}
+	resp, err := client.Do(req)
+	if err != nil {
+		return nil, "", err
+	}
+	defer resp.Body.Close()
+	body, err := io.ReadAll(resp.Body)
+	return resp, string(body), err
+}
+
+// get sends a GET for path to caddytest's Caddy with an optional X-Key
+// header and returns the response with its body read.
+func get(t *testing.T, tester *caddytest.Tester, path, key string) (*http.Response, string) {
+	t.Helper()
+	resp, body, err := getKey(tester.Client, "http://localhost:9080"+path, key)
+	if err != nil {
+		t.Fatalf("GET %s: %v", path, err)
+	}
+	return resp, body
+}
+
+func assertHeaders(t *testing.T, resp *http.Response, want map[string]string) {
+	t.Helper()
+	for k, v := range want {
+		if got := resp.Header.Get(k); got != v {
+			t.Errorf("%s: got %q, want %q (status %d)", k, got, v, resp.StatusCode)
+		}
+	}
+}
+
+// ---- Caddy processes (internal/caddyproc)
+
+// caddyClient talks to caddyproc instances; its own transport, so idle
+// connections of one test do not meet the next.
+func caddyClient(t testing.TB) *http.Client {
+	tr := &http.Transport{MaxIdleConns: 256, MaxIdleConnsPerHost: 128, IdleConnTimeout: 30 * time.Second}
+	t.Cleanup(tr.CloseIdleConnections)
+	return &http.Client{Transport: tr, Timeout: 10 * time.Second}
+}
+
+// caddyGet sends GET url with the X-Key header; it returns the status,
+// the X-RateLimit-Remaining header and the body.
+func caddyGet(client *http.Client, url, key string) (status int, remaining, body string, err error) {
+	resp, body, err := getKey(client, url, key)
+	if resp == nil {
+		return 0, "", "", err
+	}
+	return resp.StatusCode, resp.Header.Get("X-RateLimit-Remaining"), body, err
+}
+
+// mustGet is caddyGet failing the test on a transport error.
+func mustGet(t *testing.T, client *http.Client, url, key string) (int, string) {
+	t.Helper()
+	status, remaining, _, err := caddyGet(client, url, key)
+	if err != nil {
+		t.Fatalf("GET %s (key %s): %v", url, key, err)
+	}
+	return status, remaining
+}
+
+// expectCaddyBurstThenDeny is expectBurst through a Caddy.
+func expectCaddyBurstThenDeny(t *testing.T, client *http.Client, url, key string, burst int) {
+	t.Helper()
+	expectBurst(t, key, burst, func() (int, string) { return mustGet(t, client, url, key) })
+}
+
+// ---- The token bucket's reference
+
+// scriptBucket is a bucket's state as script.lua stores it, "<tokens>
+// <microseconds>": the tokens it held at that Redis time. The zero
+// value is an absent bucket (new, or expired), which is full.
+type scriptBucket struct {
+	tokens  float64
+	at      int64 // Redis time, microseconds
+	present bool
+}
+
+// scriptRefill is the tokens b holds at now (microseconds): what it
+// held, plus rate per second for the time since, at most burst. It is
+// script.lua's arithmetic, operation for operation, in float64 as Lua's
+// numbers are.
+func scriptRefill(b scriptBucket, now int64, rate float64, burst int64) float64 {
+	if !b.present {
+		return float64(burst)
+	}
+	elapsed := max(0, now-b.at)
+	return math.Min(float64(burst), b.tokens+float64(elapsed)*rate/1e6)
+}
+
+// scriptTake is script.lua in Go, the reference for the token bucket's
+// arithmetic: at now it refills b, then takes requested tokens if b
+// holds them. It returns the bucket afterwards (a denial leaves it as it
+// was), whether the tokens were taken, the whole tokens left (rounded
+// down) and the microseconds until the bucket holds requested tokens
+// again (rounded up; 0 when it holds them now). The TTL the script sets
+// is left out: a bucket expires only once it has refilled, so expiry
+// never changes an answer.
+func scriptTake(b scriptBucket, now int64, rate float64, burst, requested int64) (after scriptBucket, allowed bool, remaining, wait int64) {
+	tokens := scriptRefill(b, now, rate, burst)
+	if tokens < float64(requested) {
+		return b, false, int64(math.Floor(tokens)), scriptWait(tokens, rate, requested)
+	}
+	tokens -= float64(requested)
+	if tokens < float64(requested) {
+		wait = scriptWait(tokens, rate, requested)
+	}
+	return scriptBucket{tokens: tokens, at: now, present: true}, true, int64(math.Floor(tokens)), wait
+}
+
+// parseBucket reads a bucket's state from the reply to GET its key: the
+// script's format, or none (redis.Nil) for an absent bucket.
+func parseBucket(state *redis.StringCmd) (scriptBucket, error) {
+	v, err := state.Result()
+	if err == redis.Nil {
+		return scriptBucket{}, nil
+	}
+	if err != nil {
+		return scriptBucket{}, err
+	}
+	tokens, at, ok := strings.Cut(v, " ")
+	b := scriptBucket{present: true}
+	if b.tokens, err = strconv.ParseFloat(tokens, 64); err == nil {
+		b.at, err = strconv.ParseInt(at, 10, 64)
+	}
+	if !ok || err != nil {
+		return scriptBucket{}, fmt.Errorf("bucket state %q: want \"<tokens> <microseconds>\"", v)
+	}
+	return b, nil
+}
+
+// scriptWait is how long until tokens refill to requested, in
+// microseconds rounded up.
+func scriptWait(tokens, rate float64, requested int64) int64 {
+	return int64(math.Ceil((float64(requested) - tokens) * 1e6 / rate))
 }

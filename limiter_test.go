@@ -3,7 +3,6 @@ package ratelimit
 import (
 	"context"
 	"strconv"
-	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -11,38 +10,7 @@ import (
 
 	"github.com/caddy-redis/ratelimit/internal/redistest"
 	"github.com/caddyserver/caddy/v2"
-	"github.com/redis/go-redis/v9"
 )
-
-// newTestLimiter is a limiter of its own (not from the shared pool) to
-// the Redis at addr.
-func newTestLimiter(tb testing.TB, addr string, timeout time.Duration) *limiter {
-	tb.Helper()
-	cfg := (&RedisConfig{Addresses: []string{addr}, Timeout: caddy.Duration(timeout)}).withPlaceholders()
-	b, err := newLimiter(cfg)
-	if err != nil {
-		tb.Fatal(err)
-	}
-	tb.Cleanup(func() { _ = b.Destruct() })
-	return b
-}
-
-func limitArgs(rate float64, burst, requested int64) []any {
-	return []any{
-		strconv.FormatFloat(rate, 'f', -1, 64),
-		strconv.FormatInt(burst, 10),
-		strconv.FormatInt(requested, 10),
-	}
-}
-
-func mustTake(t *testing.T, b *limiter, key string, args []any) Result {
-	t.Helper()
-	res, err := b.take(context.Background(), time.Now(), key, args)
-	if err != nil {
-		t.Fatalf("take %s: %v", key, err)
-	}
-	return res
-}
 
 func TestScriptBurstThenDeny(t *testing.T) {
 	srv := redistest.Start(t)
@@ -342,23 +310,6 @@ func TestBatchedCallGivingUpLeavesNeighboursAlone(t *testing.T) {
 	if n, err := rdb.Exists(context.Background(), "n0").Result(); err != nil || n != 0 {
 		t.Fatalf("the abandoned call took tokens (exists=%d, %v)", n, err)
 	}
-}
-
-// infoStat reads one integer field of INFO.
-func infoStat(t *testing.T, rdb *redis.Client, field string) int64 {
-	t.Helper()
-	info, err := rdb.Info(context.Background()).Result()
-	if err != nil {
-		t.Fatal(err)
-	}
-	for _, line := range strings.Split(info, "\r\n") {
-		if v, ok := strings.CutPrefix(line, field+":"); ok {
-			n, _ := strconv.ParseInt(v, 10, 64)
-			return n
-		}
-	}
-	t.Fatalf("INFO has no %s", field)
-	return 0
 }
 
 func TestBackendTimeoutCoversSlowDial(t *testing.T) {

@@ -5,7 +5,6 @@ import (
 	"fmt"
 	"os"
 	"strconv"
-	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -148,24 +147,7 @@ func ipv4Key(i int) string {
 // rehashing finishes in the background), waiting at most 5 s.
 func settledUsedMemory(t *testing.T, rdb *redis.Client) int64 {
 	t.Helper()
-	ctx := context.Background()
-	read := func() int64 {
-		info, err := rdb.Info(ctx, "memory").Result()
-		if err != nil {
-			t.Fatal(err)
-		}
-		for _, line := range strings.Split(info, "\n") {
-			if v, ok := strings.CutPrefix(strings.TrimSpace(line), "used_memory:"); ok {
-				n, err := strconv.ParseInt(v, 10, 64)
-				if err != nil {
-					t.Fatalf("used_memory %q: %v", v, err)
-				}
-				return n
-			}
-		}
-		t.Fatal("INFO memory has no used_memory")
-		return 0
-	}
+	read := func() int64 { return infoStat(t, rdb, "used_memory") }
 	last, stable := read(), 0
 	for deadline := time.Now().Add(5 * time.Second); stable < 3 && time.Now().Before(deadline); {
 		time.Sleep(100 * time.Millisecond)

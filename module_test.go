@@ -3,64 +3,64 @@ package ratelimit
 import (
 	"context"
 	"fmt"
-	"io"
 	"net/http"
 	"strings"
 	"testing"
 	"time"
 
 	"github.com/caddy-redis/ratelimit/internal/redistest"
-	"github.com/caddyserver/caddy/v2/caddytest"
+	"go.uber.org/zap"
 )
 
-// caddyGlobals is the start of every Caddyfile served by caddytest.
-const caddyGlobals = `{
-	skip_install_trust
-	admin localhost:2999
-	http_port 9080
-	https_port 9443
-	grace_period 1ns
-}
-`
-
-// serveCaddyfile loads the site block (with %s for the Redis address)
-// into the in-process Caddy that caddytest runs.
-func serveCaddyfile(t *testing.T, site, redisAddr string) *caddytest.Tester {
-	t.Helper()
-	tester := caddytest.NewTester(t)
-	tester.InitServer(caddyGlobals+fmt.Sprintf(site, redisAddr), "caddyfile")
-	if t.Failed() {
-		t.FailNow()
-	}
-	return tester
-}
-
-// get sends a GET with an optional X-Key header and returns the
-// response with its body read.
-func get(t *testing.T, tester *caddytest.Tester, path, key string) (*http.Response, string) {
-	t.Helper()
-	req, err := http.NewRequest(http.MethodGet, "http://localhost:9080"+path, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if key != "" {
-		req.Header.Set("X-Key", key)
-	}
-	resp, err := tester.Client.Do(req)
-	if err != nil {
-		t.Fatalf("GET %s: %v", path, err)
-	}
-	defer resp.Body.Close()
-	body, _ := io.ReadAll(resp.Body)
-	return resp, string(body)
-}
-
-func assertHeaders(t *testing.T, resp *http.Response, want map[string]string) {
-	t.Helper()
-	for k, v := range want {
-		if got := resp.Header.Get(k); got != v {
-			t.Errorf("%s: got %q, want %q (status %d)", k, got, v, resp.StatusCode)
-		}
+// TestServeHTTPWithoutRedis covers what a handler answers, and logs,
+// without a reply from Redis: an empty key, a hard block, and a Redis that
+// refuses connections (deadRedis), by on_error.
+func TestServeHTTPWithoutRedis(t *testing.T) {
+	keyed := "rate_limit 1 2 {\n\tkey {http.request.header.X-Key}\n\ton_error %s\n}"
+	for _, tc := range []struct {
+		name, directive, key string
+		status               int
+		headers              map[string]string
+		result, warning      string
+	}{
+		{"empty key", fmt.Sprintf(keyed, "allow"), "", 403,
+			map[string]string{"X-RateLimit-Remaining": "", "Retry-After": ""}, "empty_key", ""},
+		{"burst_capacity 0", "rate_limit {\n\tburst_capacity 0\n}", "k", 429,
+			map[string]string{"X-RateLimit-Remaining": "0", "X-RateLimit-Burst-Capacity": "0", "Retry-After": ""}, "denied", ""},
+		{"Redis refuses, on_error allow", fmt.Sprintf(keyed, "allow"), "k", 200,
+			map[string]string{"X-RateLimit-Remaining": "-1", "X-RateLimit-Burst-Capacity": "2", "Retry-After": ""},
+			"error_allowed", "Redis failed; following on_error"},
+		{"Redis refuses, on_error deny", fmt.Sprintf(keyed, "deny"), "k", 503,
+			map[string]string{"X-RateLimit-Remaining": "-1", "Retry-After": ""}, "error_denied", "Redis failed; following on_error"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			h, err := parseTestCaddyfile(tc.directive)
+			if err != nil {
+				t.Fatal(err)
+			}
+			provision(t, offline(h))
+			logs := observeLogs(h, zap.DebugLevel)
+			status, header := serve(context.Background(), h, tc.key)
+			if status != tc.status {
+				t.Errorf("%d, want %d", status, tc.status)
+			}
+			for name, v := range tc.headers {
+				if got := header.Get(name); got != v {
+					t.Errorf("%s %q, want %q", name, got, v)
+				}
+			}
+			decisions := logs.FilterMessage("rate limit decision").All()
+			if len(decisions) != 1 || decisions[0].ContextMap()["result"] != tc.result {
+				t.Errorf("decision lines %v, want one with result %s", decisions, tc.result)
+			}
+			warnings := logs.FilterLevelExact(zap.WarnLevel).All()
+			switch {
+			case tc.warning == "" && len(warnings) != 0:
+				t.Errorf("warnings %v, want none", warnings)
+			case tc.warning != "" && (len(warnings) != 1 || warnings[0].Message != tc.warning || warnings[0].ContextMap()["error"] == nil):
+				t.Errorf("warnings %v, want one %q with the error", warnings, tc.warning)
+			}
+		})
 	}
 }
 
@@ -174,12 +174,8 @@ http://localhost:9080 {
 		t.Fatalf("got %d, want 429", resp.StatusCode)
 	}
 	assertHeaders(t, resp, map[string]string{"X-RateLimit-Remaining": "0", "X-RateLimit-Burst-Capacity": "0", "Retry-After": ""})
-	info, err := srv.Client(t).Info(context.Background(), "commandstats").Result()
-	if err != nil {
-		t.Fatal(err)
-	}
-	if strings.Contains(info, "cmdstat_eval") {
-		t.Fatalf("a hard block called Redis:\n%s", info)
+	if calls := scriptCalls(t, srv.Client(t)); calls != 0 {
+		t.Fatalf("a hard block called Redis: %d script calls", calls)
 	}
 }
 
@@ -246,7 +242,7 @@ func TestRedisStoppedFailsOpen(t *testing.T) {
 	srv.Restart(t)
 	// The breaker probes again within its cooldown; limiting resumes
 	// (the restarted Redis kept nothing, so the bucket starts full).
-	waitFor(t, 3*time.Second, func() bool {
+	eventually(t, 3*time.Second, "limiting resumes after the restart", func() bool {
 		resp, _ := get(t, tester, "/", "erin")
 		return resp.Header.Get("X-RateLimit-Remaining") == "2"
 	})
@@ -308,8 +304,7 @@ func TestCaddyStartsAndReloadsWhileRedisDown(t *testing.T) {
 
 func TestJSONConfigThroughAdminLoad(t *testing.T) {
 	srv := redistest.Start(t)
-	tester := caddytest.NewTester(t)
-	tester.InitServer(fmt.Sprintf(`{
+	tester := loadConfig(t, nil, fmt.Sprintf(`{
 	"admin": {"listen": "localhost:2999"},
 	"apps": {"http": {"http_port": 9080, "grace_period": 1, "servers": {"srv0": {
 		"listen": [":9080"],
@@ -320,23 +315,9 @@ func TestJSONConfigThroughAdminLoad(t *testing.T) {
 		]}]
 	}}}}
 }`, srv.Addr), "json")
-	if t.Failed() {
-		t.FailNow()
-	}
 	for _, want := range []int{200, 200, 429} {
 		if resp, _ := get(t, tester, "/", "ivy"); resp.StatusCode != want {
 			t.Fatalf("got %d, want %d", resp.StatusCode, want)
 		}
-	}
-}
-
-func waitFor(t *testing.T, timeout time.Duration, cond func() bool) {
-	t.Helper()
-	deadline := time.Now().Add(timeout)
-	for !cond() {
-		if time.Now().After(deadline) {
-			t.Fatalf("condition not met within %v", timeout)
-		}
-		time.Sleep(50 * time.Millisecond)
 	}
 }

@@ -15,7 +15,6 @@ import (
 	"time"
 
 	"github.com/caddy-redis/ratelimit/internal/redistest"
-	"github.com/caddyserver/caddy/v2/caddytest"
 )
 
 // Tests of what the limiter makes observable: Prometheus metrics on the
@@ -25,13 +24,7 @@ import (
 // globalsWithLog is caddyGlobals plus a global log block: Caddy's own
 // (default) log goes to logPath as JSON lines, from level up.
 func globalsWithLog(logPath, level string) string {
-	return fmt.Sprintf(`{
-	skip_install_trust
-	admin localhost:2999
-	http_port 9080
-	https_port 9443
-	grace_period 1ns
-	log {
+	return strings.TrimSuffix(caddyGlobals, "}\n") + fmt.Sprintf(`	log {
 		output file %s {
 			roll_disabled
 		}
@@ -40,19 +33,6 @@ func globalsWithLog(logPath, level string) string {
 	}
 }
 `, logPath, level)
-}
-
-// loadCaddyfile (re)loads a whole Caddyfile into the in-process Caddy.
-func loadCaddyfile(t *testing.T, tester *caddytest.Tester, config string) *caddytest.Tester {
-	t.Helper()
-	if tester == nil {
-		tester = caddytest.NewTester(t)
-	}
-	tester.InitServer(config, "caddyfile")
-	if t.Failed() {
-		t.FailNow()
-	}
-	return tester
 }
 
 // metricsScrape is one scrape of the admin /metrics endpoint: the text
@@ -395,7 +375,7 @@ http://localhost:9080 {
 	var entries []entry
 	// The access log is written once the request is done, which may be
 	// just after the client has read the response.
-	waitFor(t, 3*time.Second, func() bool {
+	eventually(t, 3*time.Second, "the access log has the four requests", func() bool {
 		entries = entries[:0]
 		for _, l := range logLines(t, accessLog) {
 			req, _ := l["request"].(map[string]any)

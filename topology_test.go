@@ -2,8 +2,6 @@ package ratelimit
 
 import (
 	"context"
-	"crypto/sha1"
-	"encoding/hex"
 	"fmt"
 	"strconv"
 	"strings"
@@ -13,6 +11,7 @@ import (
 	"time"
 
 	"github.com/caddy-redis/ratelimit/internal/redistest"
+	"go.uber.org/zap"
 )
 
 // topologyTimeout is the redis timeout of the failover tests; requests
@@ -87,12 +86,6 @@ func (ft *failoverTraffic) report(t *testing.T) {
 	if ft.failOpen.Load() == 0 {
 		t.Error("no request followed on_error while the master was down: was the failover seen at all?")
 	}
-}
-
-// scriptHash is the SHA1 that EVALSHA names the script by.
-func scriptHash() string {
-	sum := sha1.Sum([]byte(scriptSource))
-	return hex.EncodeToString(sum[:])
 }
 
 // bucketValues lists the client keys whose buckets the server holds.
@@ -195,7 +188,7 @@ func TestClusterSpreadsBucketsAndRidesOutFailover(t *testing.T) {
 	if n, err := c.Masters[0].Client(t).Wait(context.Background(), 1, 5*time.Second).Result(); err != nil || n != 1 {
 		t.Fatalf("WAIT for the replica of %s: %d %v", c.Masters[0].Addr, n, err)
 	}
-	logs := observeLogs(h)
+	logs := observeLogs(h, zap.DebugLevel)
 	c.Masters[0].Kill(t)
 	killed := time.Now()
 	traffic := startFailoverTraffic(t, h, []string{deadPartial[0], alivePartial[0], deadPartial[1], deadPartial[2]})
@@ -267,7 +260,7 @@ func TestSentinelFollowsFailover(t *testing.T) {
 	if oldMaster != st.Master.Addr {
 		t.Fatalf("sentinels name %s as master, not %s", oldMaster, st.Master.Addr)
 	}
-	cached, err := st.Replica.Client(t).ScriptExists(ctx, scriptHash()).Result()
+	cached, err := st.Replica.Client(t).ScriptExists(ctx, scriptSHA).Result()
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -301,7 +294,7 @@ func TestSentinelFollowsFailover(t *testing.T) {
 	if newMaster != st.Replica.Addr {
 		t.Fatalf("new master %s is not the replica %s", newMaster, st.Replica.Addr)
 	}
-	exists, err := st.Replica.Client(t).ScriptExists(ctx, scriptHash()).Result()
+	exists, err := st.Replica.Client(t).ScriptExists(ctx, scriptSHA).Result()
 	if err != nil || !exists[0] {
 		t.Fatalf("script not cached on the new master: %v %v", exists, err)
 	}
@@ -331,7 +324,7 @@ func tlsDirective(zone, addr string, tlsLines ...string) string {
 // the warning says the TLS handshake failed because of certificates.
 func expectTLSFailure(t *testing.T, h *Handler) {
 	t.Helper()
-	logs := observeLogs(h)
+	logs := observeLogs(h, zap.DebugLevel)
 	for range 3 {
 		if status, remaining, _ := hit(h, "k"); status != 200 || remaining != "-1" {
 			t.Fatalf("%d remaining %q, want 200 with -1 (on_error allow)", status, remaining)

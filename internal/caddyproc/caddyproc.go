@@ -13,6 +13,8 @@
 // TestMain a test binary cannot remove it on exit, so the next build
 // removes the directories of test binaries no longer running. A data
 // race that a -race Caddy reports fails the test that ran it.
+//
+// Under `go test -short`, Binary and Start skip the test instead.
 package caddyproc
 
 import (
@@ -76,8 +78,12 @@ var build struct {
 // Binary returns the path of the Caddy binary, building it on first use
 // (later calls wait for that build). It is built with -race when the
 // test binary is, so that the build cache already holds every package.
+//
+// Under -short it skips the test (testproc.SkipShort), and so does Start,
+// which calls it.
 func Binary(tb testing.TB) string {
 	tb.Helper()
+	testproc.SkipShort(tb, "a Caddy process")
 	build.once.Do(func() {
 		start := time.Now()
 		build.path, build.err = buildCaddy()
@@ -170,7 +176,7 @@ func Start(tb testing.TB, caddyfile string) *Instance {
 	if !strings.Contains(caddyfile, "{{admin_port}}") {
 		tb.Fatalf("caddyproc: the Caddyfile must set `admin 127.0.0.1:{{admin_port}}`")
 	}
-	bin := Binary(tb)
+	bin := Binary(tb) // under -short it skips the test here
 	dir := tb.TempDir()
 	inst := &Instance{Dir: dir, LogFile: filepath.Join(dir, "caddy.log"), tb: tb}
 	tb.Cleanup(func() {

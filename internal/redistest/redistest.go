@@ -4,6 +4,9 @@
 // Every process is started by the test binary, bound to 127.0.0.1, keeps
 // its data and log in a t.TempDir(), and is killed by PID in t.Cleanup.
 // Nothing here ever talks to a Redis the package did not start.
+//
+// Under `go test -short` every Start* function skips the test instead
+// (testproc.SkipShort): the fast tier runs without any server.
 package redistest
 
 import (
@@ -102,12 +105,12 @@ func baseArgs(dir string) []string {
 
 // startServers launches all specs concurrently and waits until each answers
 // PING. Cleanup (kill by PID) is registered before anything is started.
+// Every server of the package starts here, so under -short every test
+// that needs one is skipped here.
 func startServers(tb testing.TB, specs []spec) []*Server {
 	tb.Helper()
-	if _, err := exec.LookPath("redis-server"); err != nil {
-		tb.Fatalf("redistest: redis-server not found on PATH (%v); `make test` installs it "+
-			"(apt-get install redis-server redis-tools)", err)
-	}
+	testproc.SkipShort(tb, "redis-server")
+	requireRedisServer(tb)
 	servers := make([]*Server, len(specs))
 	for i, sp := range specs {
 		dir := sp.dir
@@ -141,6 +144,16 @@ func startServers(tb testing.TB, specs []spec) []*Server {
 		}
 	}
 	return servers
+}
+
+// requireRedisServer fails the test, saying how to install it, when
+// redis-server is not on PATH.
+func requireRedisServer(tb testing.TB) {
+	tb.Helper()
+	if _, err := exec.LookPath("redis-server"); err != nil {
+		tb.Fatalf("redistest: redis-server not found on PATH (%v); `make test` installs it "+
+			"(apt-get install redis-server redis-tools)", err)
+	}
 }
 
 // bootFresh picks free ports (or uses pre-chosen ones on the first try) and
@@ -383,6 +396,9 @@ func pollUntil(timeout time.Duration, check func(ctx context.Context) string) st
 // Cleanup. It returns the listener's address.
 func StartBlackhole(tb testing.TB) string {
 	tb.Helper()
+	// No process, but it stands for a hung Redis: the tests that use it
+	// wait out timeouts, and belong with the Redis tier.
+	testproc.SkipShort(tb, "a stand-in for a hung Redis")
 	l, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
 		tb.Fatalf("redistest: blackhole listen: %v", err)

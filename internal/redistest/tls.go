@@ -16,6 +16,8 @@ import (
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/caddy-redis/ratelimit/internal/testproc"
 )
 
 // TLSServer is a redis-server that only listens for TLS (plain port 0).
@@ -38,6 +40,7 @@ type TLSServer struct {
 // present a certificate signed by CAFile (--tls-auth-clients yes).
 func StartTLS(tb testing.TB, requireClientCert bool) *TLSServer {
 	tb.Helper()
+	testproc.SkipShort(tb, "redis-server") // before making certificates for it
 	dir := tb.TempDir()
 	ts := &TLSServer{
 		CAFile:         filepath.Join(dir, "ca.crt"),

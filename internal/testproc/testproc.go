@@ -5,6 +5,9 @@
 //
 // On Linux the kernel SIGKILLs the child if the test binary dies without
 // running its Cleanup (e.g. a go test -timeout panic), so none is leaked.
+//
+// SkipShort is where `go test -short` skips every test that needs such a
+// process.
 package testproc
 
 import (

@@ -173,6 +173,9 @@ func (h *Handler) setRequestedTokens(v string) error {
 	if err != nil {
 		return fmt.Errorf("requested_tokens '%s' is not a whole number", v)
 	}
+	if n == 0 { // in JSON, 0 means the default; written out, it is a mistake
+		return fmt.Errorf("requested_tokens '0' must be at least 1")
+	}
 	h.RequestedTokens = n
 	return nil
 }

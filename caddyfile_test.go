@@ -435,7 +435,7 @@ func TestProvisionValidateAcceptsAndDefaults(t *testing.T) {
 				pool_size 5
 			}
 		}`, func(t *testing.T, h *Handler) {
-			if h.limiter == nil || h.bucketPrefix != "rl:api|" {
+			if h.limiter == nil || !strings.HasPrefix(h.bucketPrefix, "rl:api|") || h.bucketPrefix != bucketPrefix("rl:", "api", h.Key) {
 				t.Errorf("limiter %v, bucket prefix %q", h.limiter, h.bucketPrefix)
 			}
 		}},

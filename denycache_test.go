@@ -136,7 +136,7 @@ func TestDenyCacheBounded(t *testing.T) {
 	c := newDenyCache()
 	now := time.Now()
 	for i := range 3 * denyCacheSize {
-		c.put("k"+strconv.Itoa(i), now, Result{RetryAfter: time.Hour})
+		c.put("k"+strconv.Itoa(i), now, time.Hour)
 	}
 	if n := len(c.entries); n > denyCacheSize {
 		t.Fatalf("%d entries, bound %d", n, denyCacheSize)
@@ -149,9 +149,9 @@ func TestDenyCacheBounded(t *testing.T) {
 	// many at a time, not one per insertion.
 	expired := newDenyCache()
 	for i := range denyCacheSize {
-		expired.put("e"+strconv.Itoa(i), now.Add(-time.Hour), Result{RetryAfter: time.Second})
+		expired.put("e"+strconv.Itoa(i), now.Add(-time.Hour), time.Second)
 	}
-	expired.put("new", now, Result{RetryAfter: time.Hour})
+	expired.put("new", now, time.Hour)
 	if n := len(expired.entries); n > denyCacheSize-16 {
 		t.Fatalf("%d entries after one insertion into a full cache of expired ones", n)
 	}

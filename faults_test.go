@@ -169,12 +169,12 @@ func openBreaker(t *testing.T, h *Handler) {
 		if took > stallBound {
 			t.Errorf("request %d to a stalled Redis took %v, more than %v (timeout 100ms)", i, took, stallBound)
 		}
-		if opened = h.breaker.isOpen(); opened {
+		if opened = standaloneBreaker(h).isOpen(); opened {
 			t.Logf("breaker opened after %d failed requests", i)
 		}
 	}
 	if !opened {
-		t.Fatalf("breaker still closed after 10 failed requests (failures %d)", h.breaker.failures.Load())
+		t.Fatalf("breaker still closed after 10 failed requests (failures %d)", standaloneBreaker(h).failures.Load())
 	}
 	// The next probe is breakerCooldown (500ms) away: these skip Redis.
 	for i := 1; i <= 20; i++ {
@@ -236,7 +236,7 @@ func TestRedisStallOpensAndClosesBreaker(t *testing.T) {
 		return status == 200 && remaining != "-1"
 	})
 	t.Logf("limiting resumed %v after the stall ended", took.Round(time.Millisecond))
-	if h.breaker.isOpen() {
+	if standaloneBreaker(h).isOpen() {
 		t.Fatal("breaker still open after Redis answered")
 	}
 	if n := countLogs(logs, "circuit breaker opened"); n != 1 {
@@ -259,7 +259,7 @@ func TestRedisBlackholeOpensBreaker(t *testing.T) {
 	if status, remaining, took := hit(h, "stalled"); status != 200 || remaining != "-1" || took > stallBound {
 		t.Fatalf("probe: %d remaining %q in %v, want 200 with -1 within %v", status, remaining, took, stallBound)
 	}
-	if !h.breaker.isOpen() {
+	if !standaloneBreaker(h).isOpen() {
 		t.Fatal("breaker closed after a failed probe")
 	}
 
@@ -302,9 +302,9 @@ func TestCanceledRequestsDoNotTripBreaker(t *testing.T) {
 	wg.Wait()
 	// Let abandoned calls finish in the batcher: they must not count either.
 	time.Sleep(200 * time.Millisecond)
-	if h.breaker.isOpen() || h.breaker.failures.Load() != 0 {
+	if standaloneBreaker(h).isOpen() || standaloneBreaker(h).failures.Load() != 0 {
 		t.Fatalf("breaker open %v with %d failures after canceled requests; a client going away is no Redis failure",
-			h.breaker.isOpen(), h.breaker.failures.Load())
+			standaloneBreaker(h).isOpen(), standaloneBreaker(h).failures.Load())
 	}
 	if n := logs.FilterLevelExact(zap.WarnLevel).Len(); n != 0 {
 		t.Fatalf("%d warnings for canceled requests: %v", n, logs.All())
@@ -467,3 +467,6 @@ func TestOutOfMemoryIsRedisFailure(t *testing.T) {
 	}
 	expectRefused(t, srv.Addr, "OOM")
 }
+
+// standaloneBreaker is the breaker of the one Redis node h uses.
+func standaloneBreaker(h *Handler) *breaker { return h.limiter.breakers.get(h.limiter.node) }

@@ -17,6 +17,16 @@ const keySeparator = "|"
 // longer one is hashed, so Redis key length stays bounded.
 const maxVerbatimKey = 64
 
+// bucketPrefix starts the Redis keys of one zone and key template:
+// `<key_prefix><zone>|<template tag>|`. The tag, 48 bits of the template's
+// SHA-256, keeps apart handlers that share a zone but build keys
+// differently: a header a client sets on one route must not reach the
+// buckets another route keys by address.
+func bucketPrefix(keyPrefix, zone, template string) string {
+	sum := sha256.Sum256([]byte(template))
+	return keyPrefix + zone + keySeparator + base64.RawURLEncoding.EncodeToString(sum[:6]) + keySeparator
+}
+
 // keyTemplate is the `key` template compiled once at provision time:
 // literal text and placeholders, resolved per request without parsing.
 type keyTemplate struct {

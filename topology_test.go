@@ -96,9 +96,9 @@ func scriptHash() string {
 }
 
 // bucketValues lists the client keys whose buckets the server holds.
-func bucketValues(t *testing.T, srv *redistest.Server, zone string) []string {
+func bucketValues(t *testing.T, srv *redistest.Server, h *Handler) []string {
 	t.Helper()
-	prefix := defaultKeyPrefix + zone + "|"
+	prefix := h.bucketPrefix
 	keys, err := srv.Client(t).Keys(context.Background(), prefix+"*").Result()
 	if err != nil {
 		t.Fatalf("KEYS on %s: %v", srv.Addr, err)
@@ -175,14 +175,14 @@ func TestClusterSpreadsBucketsAndRidesOutFailover(t *testing.T) {
 
 	// Kill the master of slots 0-5460; its replica takes over.
 	var dead, deadPartial, alivePartial []string
-	for _, v := range bucketValues(t, c.Masters[0], "cluster") {
+	for _, v := range bucketValues(t, c.Masters[0], h) {
 		if strings.HasPrefix(v, "p") {
 			deadPartial = append(deadPartial, v)
 		} else {
 			dead = append(dead, v)
 		}
 	}
-	for _, v := range bucketValues(t, c.Masters[1], "cluster") {
+	for _, v := range bucketValues(t, c.Masters[1], h) {
 		if strings.HasPrefix(v, "p") {
 			alivePartial = append(alivePartial, v)
 		}
@@ -227,11 +227,11 @@ func TestClusterSpreadsBucketsAndRidesOutFailover(t *testing.T) {
 	for i := range 30 {
 		expectBurstThenDeny(t, h, fmt.Sprint("fresh", i), 2)
 	}
-	if n := len(bucketValues(t, c.Replicas[0], "cluster")); n < len(dead)+len(deadPartial) {
+	if n := len(bucketValues(t, c.Replicas[0], h)); n < len(dead)+len(deadPartial) {
 		t.Errorf("the promoted replica holds %d buckets, fewer than the %d its master had", n, len(dead)+len(deadPartial))
 	}
 	found := false
-	for _, v := range bucketValues(t, c.Replicas[0], "cluster") {
+	for _, v := range bucketValues(t, c.Replicas[0], h) {
 		found = found || strings.HasPrefix(v, "fresh")
 	}
 	if !found {
@@ -305,7 +305,7 @@ func TestSentinelFollowsFailover(t *testing.T) {
 	if err != nil || !exists[0] {
 		t.Fatalf("script not cached on the new master: %v %v", exists, err)
 	}
-	if n := len(bucketValues(t, st.Replica, "sentinel")); n < 10 {
+	if n := len(bucketValues(t, st.Replica, h)); n < 10 {
 		t.Fatalf("the new master holds %d buckets; the limiter did not follow it", n)
 	}
 }

@@ -205,6 +205,10 @@ func (l *limiter) pipeline(ctx context.Context, batch []*call, source bool) []*r
 	return cmds
 }
 
+// maxRetryMicros bounds the wait a reply may give: no bucket takes longer
+// than a year to fill (checkLimit).
+const maxRetryMicros = maxFillSeconds * 1_000_000
+
 // parseReply reads the script's reply: {allowed, remaining, microseconds
 // until the requested tokens fit}.
 func parseReply(cmd *redis.Cmd) (Result, error) {
@@ -215,9 +219,13 @@ func parseReply(cmd *redis.Cmd) (Result, error) {
 	if !ok || len(v) != 3 {
 		return Result{}, fmt.Errorf("unexpected script reply %v", cmd.Val())
 	}
-	allowed, _ := v[0].(int64)
-	remaining, _ := v[1].(int64)
-	retry, _ := v[2].(int64)
+	allowed, ok1 := v[0].(int64)
+	remaining, ok2 := v[1].(int64)
+	retry, ok3 := v[2].(int64)
+	// Anything else is no answer at all: never read it as a denial.
+	if !ok1 || !ok2 || !ok3 || allowed>>1 != 0 || remaining < 0 || retry < 0 || retry > maxRetryMicros {
+		return Result{}, fmt.Errorf("unexpected script reply %v", v)
+	}
 	return Result{
 		Allowed:    allowed == 1,
 		Remaining:  remaining,

@@ -113,9 +113,9 @@ func TestUnmarshalCaddyfileParsesEveryForm(t *testing.T) {
 		},
 		{
 			name:  "redis address repeated and URLs",
-			input: "rate_limit 1 1 {\n\tredis {\n\t\taddress redis://u:p@h1:6379/2\n\t\taddress rediss://h2:6380 [::1]:6379\n\t}\n}",
+			input: "rate_limit 1 1 {\n\tredis {\n\t\taddress redis://u:p@h1:6379\n\t\taddress rediss://h2:6380 [::1]:6379\n\t}\n}",
 			want: Handler{ReplenishRate: 1, BurstCapacity: cfInt64(1), Redis: &RedisConfig{
-				Addresses: []string{"redis://u:p@h1:6379/2", "rediss://h2:6380", "[::1]:6379"},
+				Addresses: []string{"redis://u:p@h1:6379", "rediss://h2:6380", "[::1]:6379"},
 			}},
 		},
 		{
@@ -130,7 +130,6 @@ func TestUnmarshalCaddyfileParsesEveryForm(t *testing.T) {
 			input: `rate_limit 1 1 {
 				redis {
 					address 10.0.0.1:26379 10.0.0.2:26379
-					cluster
 					master_name mymaster
 					sentinel_username sentinel-user
 					sentinel_password sentinel-secret
@@ -152,7 +151,6 @@ func TestUnmarshalCaddyfileParsesEveryForm(t *testing.T) {
 			}`,
 			want: Handler{ReplenishRate: 1, BurstCapacity: cfInt64(1), Redis: &RedisConfig{
 				Addresses:        []string{"10.0.0.1:26379", "10.0.0.2:26379"},
-				Cluster:          true,
 				MasterName:       "mymaster",
 				SentinelUsername: "sentinel-user",
 				SentinelPassword: "sentinel-secret",

@@ -172,34 +172,7 @@ func (Handler) CaddyModule() caddy.ModuleInfo {
 // the shared Redis client.
 func (h *Handler) Provision(ctx caddy.Context) error {
 	h.logger = ctx.Logger()
-	if h.Key == "" {
-		h.Key = "{http.vars.client_ip}"
-	}
-	if h.BurstCapacity == nil && h.ReplenishRate > 0 {
-		burst := int64(math.Ceil(h.ReplenishRate))
-		h.BurstCapacity = &burst
-	}
-	if h.BurstCapacity != nil {
-		h.burst = *h.BurstCapacity
-	}
-	if h.RequestedTokens == 0 {
-		h.RequestedTokens = 1
-	}
-	if h.StatusCode == 0 {
-		h.StatusCode = http.StatusTooManyRequests
-	}
-	if h.EmptyKeyStatus == 0 {
-		h.EmptyKeyStatus = http.StatusForbidden
-	}
-	if h.OnError == "" {
-		h.OnError = onErrorAllow
-	}
-	if h.Headers == "" {
-		h.Headers = headersSpring
-	}
-	if h.Zone == "" {
-		h.Zone = derivedZone(h.Key, h.ReplenishRate, h.burst)
-	}
+	h.applyDefaults()
 	h.denyEmpty = h.DenyEmptyKey == nil || *h.DenyEmptyKey
 	h.failOpen = h.OnError == onErrorAllow
 
@@ -249,6 +222,38 @@ func (h *Handler) Provision(ctx caddy.Context) error {
 		watchBreakers(h.Zone, h.limiter)
 	}
 	return nil
+}
+
+// applyDefaults fills in what the config left out.
+func (h *Handler) applyDefaults() {
+	if h.Key == "" {
+		h.Key = "{http.vars.client_ip}"
+	}
+	if h.BurstCapacity == nil && h.ReplenishRate > 0 {
+		burst := int64(math.Ceil(h.ReplenishRate))
+		h.BurstCapacity = &burst
+	}
+	if h.BurstCapacity != nil {
+		h.burst = *h.BurstCapacity
+	}
+	if h.RequestedTokens == 0 {
+		h.RequestedTokens = 1
+	}
+	if h.StatusCode == 0 {
+		h.StatusCode = http.StatusTooManyRequests
+	}
+	if h.EmptyKeyStatus == 0 {
+		h.EmptyKeyStatus = http.StatusForbidden
+	}
+	if h.OnError == "" {
+		h.OnError = onErrorAllow
+	}
+	if h.Headers == "" {
+		h.Headers = headersSpring
+	}
+	if h.Zone == "" {
+		h.Zone = derivedZone(h.Key, h.ReplenishRate, h.burst)
+	}
 }
 
 // Validate refuses what no default can fix. Its checks are the parser's,
@@ -483,7 +488,7 @@ func checkLimit(rate float64, burst *int64, requested int64) error {
 		return fmt.Errorf("burst_capacity '%d' is above 2^53, where the script's numbers stop being exact; lower it", b)
 	}
 	if fill := float64(b) / rate; fill > maxFillSeconds {
-		return fmt.Errorf("replenish_rate '%v' is so small that an empty bucket of %d tokens would take %.0f days to fill "+
+		return fmt.Errorf("replenish_rate '%v' is so small that an empty bucket of %d tokens would take %.3g days to fill "+
 			"(more than a year, past what Retry-After can say); raise it to at least %v", rate, b, fill/86400, float64(b)/maxFillSeconds)
 	}
 	if requested == 0 {

@@ -158,11 +158,11 @@ func (c RedisConfig) validate() error {
 	}
 	db := c.DB
 	for _, a := range c.Addresses {
-		o, err := parseAddress(a)
+		o, err := checkAddress(a)
 		if err != nil {
-			return fmt.Errorf("redis: address '%s': %w", a, err)
+			return err
 		}
-		if db == 0 {
+		if o != nil && db == 0 {
 			db = o.DB
 		}
 	}
@@ -187,6 +187,20 @@ func (t *RedisTLS) validate() error {
 		return fmt.Errorf("tls: 'cert' and 'key' go together; got cert '%s' and key '%s'", t.Cert, t.Key)
 	}
 	return nil
+}
+
+// checkAddress refuses a malformed address; it passes one with a
+// placeholder, which is checked once provisioning has resolved it (and
+// which options() refuses if it never resolved).
+func checkAddress(a string) (*redis.Options, error) {
+	if strings.Contains(a, "{") {
+		return nil, nil
+	}
+	o, err := parseAddress(a)
+	if err != nil {
+		return nil, fmt.Errorf("redis address '%s': %w", a, err)
+	}
+	return o, nil
 }
 
 // parseAddress accepts `host:port` or a redis:// or rediss:// URL.

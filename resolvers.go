@@ -44,8 +44,9 @@ type templatePart struct {
 }
 
 // parseKeyTemplate compiles a template such as
-// `{client_ip}:{http.request.header.X-Tenant}`. `\{` and `\}` are literal
-// braces. Its errors name the `key` subdirective and the template.
+// `{client_ip}:{http.request.header.X-Tenant}`. No brace reaches a key:
+// values escape them and literal ones are refused. Its errors name the
+// `key` subdirective and the template.
 func parseKeyTemplate(s string) (keyTemplate, error) {
 	t, err := compileKeyTemplate(s)
 	if err != nil {
@@ -66,8 +67,7 @@ func compileKeyTemplate(s string) (keyTemplate, error) {
 	for i := 0; i < len(s); i++ {
 		switch ch := s[i]; {
 		case ch == '\\' && i+1 < len(s) && (s[i+1] == '{' || s[i+1] == '}'):
-			lit.WriteByte(s[i+1])
-			i++
+			return t, fmt.Errorf("a literal brace ('%s') would reach Redis, where Cluster reads braces as a hash tag; leave it out", s[i:i+2])
 		case ch == '{':
 			end := strings.IndexByte(s[i:], '}')
 			if end < 0 {

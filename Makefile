@@ -25,7 +25,7 @@ BUILD_INPUTS := $(shell find . -path ./bin -prune -o -path ./.git -prune -o -pat
 	-name '*.go' ! -name '*_test.go' -print) script.lua go.mod go.sum
 FLOOR_INPUTS := $(wildcard bench/floor/*.go) bench/floor/go.mod bench/floor/go.sum
 
-.PHONY: help build run deps check test bench soak clean
+.PHONY: help build run deps check test fuzz bench soak clean
 
 help: ## List the targets
 	@echo "Targets:"
@@ -49,11 +49,22 @@ deps: ## Install redis-server, redis-cli, gcc and xcaddy if missing
 check: ## The fast tests: go test -short (no Redis or Caddy processes)
 	go test -short -count=1 ./...
 
-test: deps ## go vet, go test -race, then check the xcaddy build and Caddyfile.example
+# The fuzz tests (fuzz_test.go), each for FUZZTIME; their seed corpora
+# in testdata/fuzz also run with every go test.
+FUZZ_TARGETS := FuzzUnmarshalCaddyfile FuzzKeyTemplate FuzzParseReply
+FUZZTIME ?= 5s
+
+test: deps ## go vet, go test -race, a few seconds of each fuzzer, then check the xcaddy build and Caddyfile.example
 	go vet ./...
 	cd bench/floor && go vet ./...
 	go test -race -count=1 -timeout 15m ./...
+	$(MAKE) --no-print-directory fuzz
 	@bash scripts/check-build.sh
+
+fuzz: ## Run each fuzz test for FUZZTIME (5s)
+	@for target in $(FUZZ_TARGETS); do \
+		go test -run '^$$' -fuzz "^$$target\$$" -fuzztime $(FUZZTIME) . || exit 1; \
+	done
 
 bench: bin/caddy-bench ## Load benchmark, side by side (BENCH_ROUNDS=5 BENCH_DURATION=3s BENCH_WARMUP=1s BENCH_PROFILE=dir)
 	@bash scripts/bench.sh

@@ -34,6 +34,7 @@ type call struct {
 	key       string // boxed as &key, which costs no allocation
 	deadline  time.Time
 	clientCtx context.Context // only asked whether the client left, so the call need not be sent
+	breaker   *breaker        // of the node that serves key
 	result    Result
 	err       error
 	done      chan struct{} // one answer per use
@@ -41,8 +42,20 @@ type call struct {
 
 var calls = sync.Pool{New: func() any { return &call{done: make(chan struct{}, 1)} }}
 
-// errQueueFull fails a request at once when Redis is far behind.
-var errQueueFull = errors.New("too many requests waiting for Redis")
+// overloadError fails calls that this instance could not send in time.
+// They follow on_error like a Redis failure, but no breaker counts them:
+// Redis may well be fine.
+type overloadError string
+
+func (e overloadError) Error() string { return string(e) }
+
+var (
+	errQueueFull      = overloadError("too many requests waiting for Redis")
+	errExpiredInQueue = overloadError("the timeout ran out before the call could be sent to Redis")
+)
+
+// errBreakerOpen fails calls to a node whose breaker is open.
+var errBreakerOpen = errors.New("circuit breaker open: this Redis node failed repeatedly")
 
 // work is one worker: it waits for a call, takes whatever else is
 // already queued (never waiting for more), and sends them together.
@@ -74,85 +87,115 @@ func (l *limiter) work(worker int) {
 				break more
 			}
 		}
-		// Calls whose time (nearly) ran out in the queue, or whose client
-		// left, are answered without being sent: they must not take
-		// tokens, nor cut short the batch, which ends at its earliest
-		// deadline.
-		last := time.Now().Add(l.timeout / 10)
-		live := batch[:0]
-		for _, c := range batch {
-			switch {
-			case c.deadline.Before(last):
-				c.err = context.DeadlineExceeded
-			case c.clientCtx.Err() != nil:
-				c.err = c.clientCtx.Err()
-			default:
-				live = append(live, c)
-				continue
-			}
-			c.done <- struct{}{}
-		}
-		if len(live) > 0 {
-			l.sendBatch(worker, live)
-		}
+		l.sendBatch(worker, batch)
 		clear(batch)
 	}
 }
 
-// sendBatch sends one batch, sends the script's source for the calls
-// that found it missing, and delivers every call's own result or error.
-// The batch ends at the earliest deadline among its calls, so no caller
-// waits past its own.
+// sendBatch sends one batch and delivers every call's own result or
+// error. Calls that must not go are answered first: those whose time
+// (nearly) ran out in the queue or whose client left (they must not take
+// tokens), and those whose node's breaker is open. The rest go in one
+// pipeline that ends at their earliest deadline, so no caller waits past
+// its own; each answer or failure then counts for its node's breaker.
 func (l *limiter) sendBatch(worker int, batch []*call) {
-	deadline := batch[0].deadline
-	for _, c := range batch[1:] {
-		if c.deadline.Before(deadline) {
-			deadline = c.deadline
+	last := time.Now().Add(l.timeout / 10)
+	var deadline time.Time
+	live := batch[:0]
+	for _, c := range batch {
+		switch {
+		case c.clientCtx.Err() != nil:
+			c.err = c.clientCtx.Err()
+		case c.deadline.Before(last):
+			c.err = errExpiredInQueue
+		default:
+			if deadline.IsZero() || c.deadline.Before(deadline) {
+				deadline = c.deadline
+			}
+			live = append(live, c)
+			continue
 		}
+		c.done <- struct{}{}
+	}
+	if len(live) == 0 {
+		return
 	}
 	ctx := l.timers[worker].start(deadline)
 	defer l.timers[worker].stop()
 
-	cmds := l.pipeline(ctx, batch, false)
+	resolved := true
+	send := live[:0]
+	for _, c := range live {
+		c.breaker = l.nodeBreaker(ctx, c.key, &resolved)
+		if !c.breaker.allow() {
+			c.err = errBreakerOpen
+			c.done <- struct{}{}
+			continue
+		}
+		send = append(send, c)
+	}
+	if len(send) == 0 {
+		return
+	}
+
+	cmds := l.pipeline(ctx, send, false)
 	// After a restart, failover or SCRIPT FLUSH the server has lost the
 	// script: send the source for those that failed, which caches it again.
 	var lost []*call
 	for i, cmd := range cmds {
 		if err := cmd.Err(); err != nil && redis.HasErrorPrefix(err, "NOSCRIPT") {
-			lost = append(lost, batch[i])
+			lost = append(lost, send[i])
 		}
 	}
 	if len(lost) > 0 {
 		l.pipeline(ctx, lost, true)
 	}
 
-	for _, c := range batch {
-		if c.err != nil {
+	for _, c := range send {
+		if c.err == nil {
+			if c.breaker.success() {
+				l.breakerChanged(c.breaker, false, 0)
+			}
+		} else if c.clientCtx.Err() == nil { // a client that left says nothing about Redis
+			if opened, failures := c.breaker.failure(); opened {
+				l.breakerChanged(c.breaker, true, failures)
+			}
 			l.reloadSlotsAfter(c.err)
 		}
 		c.done <- struct{}{}
 	}
 }
 
+// onceCmd is a script call that go-redis must not send again: its
+// Cluster client otherwise re-sends after errors where the script may
+// have run already (EOF, a reset connection, a read timeout), and each
+// run takes tokens. MOVED and ASK are still followed (the script did not
+// run there), and a call whose connection never opened may be dialed
+// again.
+type onceCmd struct{ *redis.Cmd }
+
+func (onceCmd) NoRetry() bool { return true }
+
 // pipeline sends the calls in one pipeline (or alone when there is one),
 // by SHA or, with source, with the script's source, and stores each
 // call's own result or error.
 func (l *limiter) pipeline(ctx context.Context, batch []*call, source bool) []*redis.Cmd {
-	args := func(c *call) []any {
-		if !source {
-			return c.cmd[:]
-		}
-		eval := c.cmd
-		eval[0], eval[1] = "eval", scriptSourceValue
-		return eval[:]
-	}
 	cmds := make([]*redis.Cmd, len(batch))
+	for i, c := range batch {
+		if source {
+			eval := c.cmd
+			eval[0], eval[1] = "eval", scriptSourceValue
+			cmds[i] = redis.NewCmd(ctx, eval[:]...)
+		} else {
+			cmds[i] = redis.NewCmd(ctx, c.cmd[:]...)
+		}
+	}
 	if len(batch) == 1 {
-		cmds[0] = l.client.Do(ctx, args(batch[0])...)
+		_ = l.client.Process(ctx, onceCmd{cmds[0]})
 	} else {
 		pipe := l.client.Pipeline()
-		for i, c := range batch {
-			cmds[i] = pipe.Do(ctx, args(c)...)
+		for _, cmd := range cmds {
+			_ = pipe.Process(ctx, onceCmd{cmd})
 		}
 		_, _ = pipe.Exec(ctx) // each command carries its own error
 	}
@@ -161,6 +204,10 @@ func (l *limiter) pipeline(ctx context.Context, batch []*call, source bool) []*r
 	}
 	return cmds
 }
+
+// maxRetryMicros bounds the wait a reply may give: no bucket takes longer
+// than a year to fill (checkLimit).
+const maxRetryMicros = maxFillSeconds * 1_000_000
 
 // parseReply reads the script's reply: {allowed, remaining, microseconds
 // until the requested tokens fit}.
@@ -172,9 +219,13 @@ func parseReply(cmd *redis.Cmd) (Result, error) {
 	if !ok || len(v) != 3 {
 		return Result{}, fmt.Errorf("unexpected script reply %v", cmd.Val())
 	}
-	allowed, _ := v[0].(int64)
-	remaining, _ := v[1].(int64)
-	retry, _ := v[2].(int64)
+	allowed, ok1 := v[0].(int64)
+	remaining, ok2 := v[1].(int64)
+	retry, ok3 := v[2].(int64)
+	// Anything else is no answer at all: never read it as a denial.
+	if !ok1 || !ok2 || !ok3 || allowed>>1 != 0 || remaining < 0 || retry < 0 || retry > maxRetryMicros {
+		return Result{}, fmt.Errorf("unexpected script reply %v", v)
+	}
 	return Result{
 		Allowed:    allowed == 1,
 		Remaining:  remaining,

@@ -173,6 +173,9 @@ func (h *Handler) setRequestedTokens(v string) error {
 	if err != nil {
 		return fmt.Errorf("requested_tokens '%s' is not a whole number", v)
 	}
+	if n == 0 { // in JSON, 0 means the default; written out, it is a mistake
+		return fmt.Errorf("requested_tokens '0' must be at least 1")
+	}
 	h.RequestedTokens = n
 	return nil
 }
@@ -238,18 +241,19 @@ func (rc *RedisConfig) unmarshalCaddyfile(d *caddyfile.Dispenser) error {
 			return err
 		}
 	}
+	if err := rc.validate(); err != nil {
+		return d.WrapErr(err)
+	}
 	return nil
 }
 
-// addAddresses checks Redis addresses where they are written, then adds
-// them. One with a placeholder is checked once resolved, at provisioning.
+// addAddresses adds Redis addresses and checks them where they are
+// written. One with a placeholder is checked once resolved, at
+// provisioning.
 func (rc *RedisConfig) addAddresses(d *caddyfile.Dispenser, addrs []string) error {
 	for _, a := range addrs {
-		if strings.Contains(a, "{") {
-			continue
-		}
-		if _, err := parseAddress(a); err != nil {
-			return d.Errf("redis address '%s': %v", a, err)
+		if _, err := checkAddress(a); err != nil {
+			return d.WrapErr(err)
 		}
 	}
 	rc.Addresses = append(rc.Addresses, addrs...)

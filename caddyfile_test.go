@@ -101,9 +101,9 @@ func TestUnmarshalCaddyfileParsesEveryForm(t *testing.T) {
 		},
 		{
 			name:  "redis address repeated and URLs",
-			input: "rate_limit 1 1 {\n\tredis {\n\t\taddress redis://u:p@h1:6379/2\n\t\taddress rediss://h2:6380 [::1]:6379\n\t}\n}",
+			input: "rate_limit 1 1 {\n\tredis {\n\t\taddress redis://u:p@h1:6379\n\t\taddress rediss://h2:6380 [::1]:6379\n\t}\n}",
 			want: Handler{ReplenishRate: 1, BurstCapacity: ptr(int64(1)), Redis: &RedisConfig{
-				Addresses: []string{"redis://u:p@h1:6379/2", "rediss://h2:6380", "[::1]:6379"},
+				Addresses: []string{"redis://u:p@h1:6379", "rediss://h2:6380", "[::1]:6379"},
 			}},
 		},
 		{
@@ -118,7 +118,6 @@ func TestUnmarshalCaddyfileParsesEveryForm(t *testing.T) {
 			input: `rate_limit 1 1 {
 				redis {
 					address 10.0.0.1:26379 10.0.0.2:26379
-					cluster
 					master_name mymaster
 					sentinel_username sentinel-user
 					sentinel_password sentinel-secret
@@ -140,7 +139,6 @@ func TestUnmarshalCaddyfileParsesEveryForm(t *testing.T) {
 			}`,
 			want: Handler{ReplenishRate: 1, BurstCapacity: ptr(int64(1)), Redis: &RedisConfig{
 				Addresses:        []string{"10.0.0.1:26379", "10.0.0.2:26379"},
-				Cluster:          true,
 				MasterName:       "mymaster",
 				SentinelUsername: "sentinel-user",
 				SentinelPassword: "sentinel-secret",
@@ -407,7 +405,7 @@ func TestProvisionValidateAcceptsAndDefaults(t *testing.T) {
 				pool_size 5
 			}
 		}`, func(t *testing.T, h *Handler) {
-			if h.limiter == nil || h.bucketPrefix != "rl:api|" {
+			if h.limiter == nil || !strings.HasPrefix(h.bucketPrefix, "rl:api|") || h.bucketPrefix != bucketPrefix("rl:", "api", h.Key) {
 				t.Errorf("limiter %v, bucket prefix %q", h.limiter, h.bucketPrefix)
 			}
 		}},
@@ -617,5 +615,58 @@ func TestAdaptCaddyfileExample(t *testing.T) {
 	}
 	if n := provisionAdaptedHandlers(t, out); n != 1 {
 		t.Errorf("Caddyfile.example has %d rate_limit handlers; want 1", n)
+	}
+}
+
+func TestLimitsThatCannotWorkRefusedAtLoad(t *testing.T) {
+	for _, c := range []struct {
+		name, caddyfile, json string
+		want                  []string
+	}{
+		{"rate filling in more than a year", "rate_limit 1e-10 1000", `{"redis": {"addresses": ["127.0.0.1:1"]}, "replenish_rate": 1e-10, "burst_capacity": 1000}`,
+			[]string{"replenish_rate '1e-10'", "more than a year", "at least"}},
+		{"rate of 1e-300", "rate_limit 1e-300 1", `{"redis": {"addresses": ["127.0.0.1:1"]}, "replenish_rate": 1e-300, "burst_capacity": 1}`,
+			[]string{"replenish_rate '1e-300'", "more than a year"}},
+		{"burst above 2^53", "rate_limit 1e15 9007199254740993", `{"redis": {"addresses": ["127.0.0.1:1"]}, "replenish_rate": 1e15, "burst_capacity": 9007199254740993}`,
+			[]string{"burst_capacity '9007199254740993'", "2^53"}},
+		{"requested above burst above 2^53", "rate_limit 1 2 9007199254740993", `{"redis": {"addresses": ["127.0.0.1:1"]}, "replenish_rate": 1, "burst_capacity": 2, "requested_tokens": 9007199254740993}`,
+			[]string{"requested_tokens '9007199254740993' is more than burst_capacity '2'"}},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			_, err := parseTestCaddyfile(c.caddyfile)
+			if err == nil {
+				t.Fatalf("Caddyfile %q accepted", c.caddyfile)
+			}
+			h := new(Handler)
+			if jerr := json.Unmarshal([]byte(c.json), h); jerr != nil {
+				t.Fatal(jerr)
+			}
+			jsonErr := tryProvision(t, h)
+			if jsonErr == nil {
+				t.Fatalf("JSON %s accepted", c.json)
+			}
+			for _, w := range c.want {
+				if !strings.Contains(err.Error(), w) || !strings.Contains(jsonErr.Error(), w) {
+					t.Errorf("errors %q (Caddyfile) and %q (JSON) must both contain %q", err, jsonErr, w)
+				}
+			}
+		})
+	}
+	// requested_tokens 0 written out is a mistake; absent, or 0 in JSON,
+	// is the default.
+	if _, err := parseTestCaddyfile("rate_limit 1 2 0"); err == nil || !strings.Contains(err.Error(), "requested_tokens '0' must be at least 1") {
+		t.Errorf("inline requested_tokens 0: %v", err)
+	}
+	if _, err := parseTestCaddyfile("rate_limit 1 2 {\n\trequested_tokens 0\n}"); err == nil || !strings.Contains(err.Error(), "Testfile:2") {
+		t.Errorf("requested_tokens 0: %v, want refused at line 2", err)
+	}
+	if err := tryProvision(t, &Handler{ReplenishRate: 1, BurstCapacity: ptr(int64(2)), Redis: &RedisConfig{Addresses: []string{"127.0.0.1:1"}}}); err != nil {
+		t.Errorf("JSON without requested_tokens: %v", err)
+	}
+	// The bounds themselves are accepted.
+	for _, ok := range []string{"rate_limit 1000/8760h 1000", "rate_limit 1e9 9007199254740992"} {
+		if _, err := parseTestCaddyfile(ok); err != nil {
+			t.Errorf("%q: %v", ok, err)
+		}
 	}
 }

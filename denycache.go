@@ -19,39 +19,35 @@ const denyCacheSize = 16384
 // TestDenyCacheNeverDeniesWhatRedisWouldAdmit.
 type denyCache struct {
 	mu      sync.Mutex
-	entries map[string]deniedUntil
-}
-
-type deniedUntil struct {
-	until     time.Time
-	remaining int64
+	entries map[string]time.Time // until when each bucket denies
 }
 
 func newDenyCache() *denyCache {
-	return &denyCache{entries: make(map[string]deniedUntil)}
+	return &denyCache{entries: make(map[string]time.Time)}
 }
 
-// get returns the denial in force for key at now, if any.
-func (c *denyCache) get(key string, now time.Time) (deniedUntil, bool) {
+// get returns until when key's bucket denies, if that is after now.
+func (c *denyCache) get(key string, now time.Time) (time.Time, bool) {
 	c.mu.Lock()
-	d, ok := c.entries[key]
+	until, ok := c.entries[key]
 	c.mu.Unlock()
-	if !ok || !now.Before(d.until) {
-		return deniedUntil{}, false
+	if !ok || !now.Before(until) {
+		return time.Time{}, false
 	}
-	return d, true
+	return until, true
 }
 
-// put records Redis's denial of a call sent at sent. The script rounds
-// the wait up to the microsecond, hence one taken off.
-func (c *denyCache) put(key string, sent time.Time, res Result) {
-	until := sent.Add(res.RetryAfter - time.Microsecond)
+// put records Redis's denial of a call sent at sent, fitting again
+// retryAfter later. The script rounds the wait up to the microsecond,
+// hence one taken off.
+func (c *denyCache) put(key string, sent time.Time, retryAfter time.Duration) {
+	until := sent.Add(retryAfter - time.Microsecond)
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	if len(c.entries) >= denyCacheSize {
 		c.makeRoom(sent)
 	}
-	c.entries[key] = deniedUntil{until: until, remaining: res.Remaining}
+	c.entries[key] = until
 }
 
 // makeRoom drops the expired entries among a sample of 32, or, when none
@@ -59,11 +55,11 @@ func (c *denyCache) put(key string, sent time.Time, res Result) {
 func (c *denyCache) makeRoom(now time.Time) {
 	var first string
 	seen, dropped := 0, 0
-	for k, d := range c.entries { // map order is random: a fair sample
+	for k, until := range c.entries { // map order is random: a fair sample
 		if seen == 0 {
 			first = k
 		}
-		if !now.Before(d.until) {
+		if !now.Before(until) {
 			delete(c.entries, k)
 			dropped++
 		}

@@ -2,7 +2,10 @@ package ratelimit
 
 import (
 	"context"
+	"fmt"
+	"net/http"
 	"strconv"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -130,15 +133,15 @@ func TestDenyCacheAnswersFloodWithoutRedis(t *testing.T) {
 func TestDenyCacheRemembersUntilTheRetry(t *testing.T) {
 	c := newDenyCache()
 	sent := time.Unix(1_700_000_000, 0)
-	c.put("k", sent, Result{Remaining: 2, RetryAfter: 1500 * time.Millisecond})
+	c.put("k", sent, 1500*time.Millisecond)
 	// The script rounds its wait up to the microsecond: the bucket may
 	// hold the tokens up to a microsecond sooner.
 	until := sent.Add(1500*time.Millisecond - time.Microsecond)
-	if d, ok := c.get("k", until.Add(-time.Nanosecond)); !ok || d.remaining != 2 {
-		t.Fatalf("just before the retry: %+v %v, want the denial with 2 remaining", d, ok)
+	if got, ok := c.get("k", until.Add(-time.Nanosecond)); !ok || !got.Equal(until) {
+		t.Fatalf("just before the retry: %v %v, want the denial until %v", got, ok, until)
 	}
-	if d, ok := c.get("k", until); ok {
-		t.Fatalf("at the retry: still denied (%+v)", d)
+	if got, ok := c.get("k", until); ok {
+		t.Fatalf("at the retry: still denied (until %v)", got)
 	}
 	if _, ok := c.get("other", sent); ok {
 		t.Fatal("a key never denied is denied")
@@ -149,7 +152,7 @@ func TestDenyCacheBounded(t *testing.T) {
 	c := newDenyCache()
 	now := time.Now()
 	for i := range 3 * denyCacheSize {
-		c.put("k"+strconv.Itoa(i), now, Result{RetryAfter: time.Hour})
+		c.put("k"+strconv.Itoa(i), now, time.Hour)
 	}
 	if n := len(c.entries); n > denyCacheSize {
 		t.Fatalf("%d entries, bound %d", n, denyCacheSize)
@@ -162,10 +165,38 @@ func TestDenyCacheBounded(t *testing.T) {
 	// many at a time, not one per insertion.
 	expired := newDenyCache()
 	for i := range denyCacheSize {
-		expired.put("e"+strconv.Itoa(i), now.Add(-time.Hour), Result{RetryAfter: time.Second})
+		expired.put("e"+strconv.Itoa(i), now.Add(-time.Hour), time.Second)
 	}
-	expired.put("new", now, Result{RetryAfter: time.Hour})
+	expired.put("new", now, time.Hour)
 	if n := len(expired.entries); n > denyCacheSize-16 {
 		t.Fatalf("%d entries after one insertion into a full cache of expired ones", n)
+	}
+}
+
+func TestDenyCacheReportsTheBucketAsItIsNow(t *testing.T) {
+	srv := redistest.Start(t)
+	rdb := srv.Client(t)
+	// Each request costs the whole burst: after one, the bucket refills
+	// for 2 s, and a denial is cached for that long.
+	h := caddyfileHandler(t, fmt.Sprintf("rate_limit 2 4 4 {\n\tzone present\n\tkey {http.request.header.X-Key}\n\theaders both\n\tredis %s {\n\t\ttimeout 1s\n\t}\n}", srv.Addr))
+	send := func() http.Header {
+		_, header := serve(context.Background(), h, "k")
+		return header
+	}
+	send()                                                      // takes all 4
+	if got := send().Get("X-RateLimit-Remaining"); got != "0" { // denied by Redis, and cached
+		t.Fatalf("first denial: remaining %q, want 0", got)
+	}
+	calls := scriptCalls(t, rdb)
+	time.Sleep(1100 * time.Millisecond) // 2.2 tokens back, 0.9 s to go
+	hdr := send()
+	if n := scriptCalls(t, rdb) - calls; n != 0 {
+		t.Fatalf("the cached denial asked Redis %d times", n)
+	}
+	if got := hdr.Get("X-RateLimit-Remaining"); got != "2" {
+		t.Errorf("cached denial 1.1 s later: X-RateLimit-Remaining %q, want 2 (as Redis would say)", got)
+	}
+	if got := hdr.Get("RateLimit"); !strings.Contains(got, ";r=2;t=1") {
+		t.Errorf("cached denial 1.1 s later: RateLimit %q, want r=2;t=1", got)
 	}
 }

@@ -3,6 +3,9 @@ package ratelimit
 import (
 	"context"
 	"fmt"
+	"net/http"
+	"path/filepath"
+	"strconv"
 	"strings"
 	"sync"
 	"testing"
@@ -32,12 +35,12 @@ func openBreaker(t *testing.T, h *Handler) {
 		if took > stallBound {
 			t.Errorf("request %d to a stalled Redis took %v, more than %v (timeout 100ms)", i, took, stallBound)
 		}
-		if opened = h.breaker.isOpen(); opened {
+		if opened = standaloneBreaker(h).isOpen(); opened {
 			t.Logf("breaker opened after %d failed requests", i)
 		}
 	}
 	if !opened {
-		t.Fatalf("breaker still closed after 10 failed requests (failures %d)", h.breaker.failures.Load())
+		t.Fatalf("breaker still closed after 10 failed requests (failures %d)", standaloneBreaker(h).failures.Load())
 	}
 	// The next probe is breakerCooldown (500ms) away: these skip Redis.
 	for i := 1; i <= 20; i++ {
@@ -99,7 +102,7 @@ func TestRedisStallOpensAndClosesBreaker(t *testing.T) {
 		return status == 200 && remaining != "-1"
 	})
 	t.Logf("limiting resumed %v after the stall ended", took.Round(time.Millisecond))
-	if h.breaker.isOpen() {
+	if standaloneBreaker(h).isOpen() {
 		t.Fatal("breaker still open after Redis answered")
 	}
 	if n := countLogs(logs, "circuit breaker opened"); n != 1 {
@@ -122,7 +125,7 @@ func TestRedisBlackholeOpensBreaker(t *testing.T) {
 	if status, remaining, took := hit(h, "stalled"); status != 200 || remaining != "-1" || took > stallBound {
 		t.Fatalf("probe: %d remaining %q in %v, want 200 with -1 within %v", status, remaining, took, stallBound)
 	}
-	if !h.breaker.isOpen() {
+	if !standaloneBreaker(h).isOpen() {
 		t.Fatal("breaker closed after a failed probe")
 	}
 
@@ -143,7 +146,10 @@ func TestRedisBlackholeOpensBreaker(t *testing.T) {
 
 func TestCanceledRequestsDoNotTripBreaker(t *testing.T) {
 	addr := redistest.StartBlackhole(t)
-	h := caddyfileHandler(t, fmt.Sprintf(stallDirective, "canceled", addr))
+	// A timeout far longer than the clients wait, so that they are gone
+	// before it ends even on a loaded machine.
+	const timeout = 300 * time.Millisecond
+	h := caddyfileHandler(t, fmt.Sprintf("rate_limit 0.01 2 {\n\tzone canceled\n\tkey {http.request.header.X-Key}\n\tredis %s {\n\t\ttimeout %v\n\t}\n}", addr, timeout))
 	logs := observeLogs(h, zap.DebugLevel)
 
 	var wg sync.WaitGroup
@@ -152,22 +158,22 @@ func TestCanceledRequestsDoNotTripBreaker(t *testing.T) {
 		go func() {
 			defer wg.Done()
 			ctx, cancel := context.WithCancel(context.Background())
-			time.AfterFunc(20*time.Millisecond, cancel) // mid-flight: the timeout is 100ms
+			time.AfterFunc(10*time.Millisecond, cancel) // mid-flight
 			status, remaining, took := hitCtx(ctx, h, fmt.Sprint("gone-", i))
 			if status != 499 {
 				t.Errorf("canceled request %d: %d remaining %q, want 499 (client gone)", i, status, remaining)
 			}
-			if took > stallBound {
+			if took > timeout+stallBound {
 				t.Errorf("canceled request %d took %v", i, took)
 			}
 		}()
 	}
 	wg.Wait()
 	// Let abandoned calls finish in the batcher: they must not count either.
-	time.Sleep(200 * time.Millisecond)
-	if h.breaker.isOpen() || h.breaker.failures.Load() != 0 {
+	time.Sleep(timeout + 100*time.Millisecond)
+	if standaloneBreaker(h).isOpen() || standaloneBreaker(h).failures.Load() != 0 {
 		t.Fatalf("breaker open %v with %d failures after canceled requests; a client going away is no Redis failure",
-			h.breaker.isOpen(), h.breaker.failures.Load())
+			standaloneBreaker(h).isOpen(), standaloneBreaker(h).failures.Load())
 	}
 	if n := logs.FilterLevelExact(zap.WarnLevel).Len(); n != 0 {
 		t.Fatalf("%d warnings for canceled requests: %v", n, logs.All())
@@ -329,4 +335,77 @@ func TestOutOfMemoryIsRedisFailure(t *testing.T) {
 		t.Fatalf("Redis still takes writes (%v); the test needs it full", err)
 	}
 	expectRefused(t, srv.Addr, "OOM")
+}
+
+// standaloneBreaker is the breaker of the one Redis node h uses.
+func standaloneBreaker(h *Handler) *breaker { return h.limiter.breakers.get(h.limiter.node) }
+
+func TestOutageWithOnErrorDenyLogsAHandfulOfLines(t *testing.T) {
+	srv := redistest.Start(t)
+	logPath := filepath.Join(t.TempDir(), "caddy.log")
+	tester := loadCaddyfile(t, nil, globalsWithLog(logPath, "INFO")+fmt.Sprintf(`
+http://localhost:9080 {
+	rate_limit 10 10 {
+		zone outage-log
+		key {http.request.header.X-Key}
+		on_error deny
+		redis %s
+	}
+	respond "ok"
+}`, srv.Addr))
+	startup := len(logLines(t, logPath))
+	srv.Stop(t)
+	for i := range 1000 {
+		if resp, _ := get(t, tester, "/", "k"+strconv.Itoa(i%10)); resp.StatusCode != http.StatusServiceUnavailable {
+			t.Fatalf("request %d during the outage: %d, want 503", i, resp.StatusCode)
+		}
+	}
+	var loud []string
+	for _, line := range logLines(t, logPath)[startup:] {
+		if lvl, _ := line["level"].(string); lvl == "warn" || lvl == "error" {
+			loud = append(loud, fmt.Sprint(line["logger"], ": ", line["msg"]))
+		}
+	}
+	if len(loud) > 5 {
+		t.Fatalf("%d lines at warn or above for 1000 requests during an outage, want a handful:\n%s", len(loud), strings.Join(loud, "\n"))
+	}
+	t.Logf("%d lines at warn or above: %v", len(loud), loud)
+}
+
+// TestOverloadFollowsOnErrorWithoutOpeningBreaker: calls this instance
+// could not send (a full queue, a deadline that passed in the queue)
+// follow on_error and are logged as overload, but count against no Redis
+// node's breaker.
+func TestOverloadFollowsOnErrorWithoutOpeningBreaker(t *testing.T) {
+	h := caddyfileHandler(t, "rate_limit 1 1 {\n\tkey {http.request.header.X-Key}\n\tredis 127.0.0.1:1\n}")
+	logs := observeLogs(h, zap.DebugLevel)
+	// A limiter with no worker and no room in its queue: every call is
+	// refused at once, as when Redis is far behind.
+	full := &limiter{timeout: 100 * time.Millisecond, node: "overloaded-node", queue: make(chan *call), stop: make(chan struct{})}
+	full.timers[0] = newBatchTimer()
+	shared := h.limiter
+	h.limiter = full
+	t.Cleanup(func() { h.limiter = shared }) // before the handler's own cleanup
+
+	for range 2 * breakerThreshold {
+		if status, remaining, _ := hit(h, "a"); status != 200 || remaining != "-1" {
+			t.Fatalf("overloaded: %d remaining %q, want on_error allow (200, -1)", status, remaining)
+		}
+	}
+	if n := countLogs(logs, "overloaded"); n != 1 {
+		t.Errorf("%d overload lines, want 1 (throttled): %v", n, logs.All())
+	}
+	if n := countLogs(logs, "Redis failed"); n != 0 {
+		t.Errorf("overload logged as a Redis failure %d times", n)
+	}
+
+	// A call whose deadline passed while it waited is answered unsent.
+	c := &call{deadline: time.Now().Add(-time.Millisecond), clientCtx: context.Background(), done: make(chan struct{}, 1)}
+	full.sendBatch(0, []*call{c})
+	if c.err != errExpiredInQueue {
+		t.Errorf("expired call: err %v, want %v", c.err, errExpiredInQueue)
+	}
+	if b := full.breakers.get(full.node); b.failures.Load() != 0 || b.isOpen() {
+		t.Errorf("overload counted against the node: %d failures, open %v", b.failures.Load(), b.isOpen())
+	}
 }

@@ -13,6 +13,7 @@ package ratelimit
 // itself.
 
 import (
+	"bytes"
 	"context"
 	"fmt"
 	"io"
@@ -28,6 +29,7 @@ import (
 
 	"github.com/caddy-redis/ratelimit/internal/testproc"
 	"github.com/caddyserver/caddy/v2"
+	"github.com/caddyserver/caddy/v2/caddyconfig"
 	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
 	"github.com/caddyserver/caddy/v2/caddytest"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
@@ -256,7 +258,7 @@ func eventually(t *testing.T, timeout time.Duration, what string, cond func() bo
 func newTestLimiter(tb testing.TB, addr string, timeout time.Duration) *limiter {
 	tb.Helper()
 	cfg := (&RedisConfig{Addresses: []string{addr}, Timeout: caddy.Duration(timeout)}).withPlaceholders()
-	b, err := newLimiter(cfg)
+	b, err := newLimiter(cfg, tlsFiles{})
 	if err != nil {
 		tb.Fatal(err)
 	}
@@ -509,4 +511,25 @@ func parseBucket(state *redis.StringCmd) (scriptBucket, error) {
 // microseconds rounded up.
 func scriptWait(tokens, rate float64, requested int64) int64 {
 	return int64(math.Ceil((float64(requested) - tokens) * 1e6 / rate))
+}
+
+// forceReload loads a Caddyfile into the running Caddy even when it is
+// unchanged, as `caddy reload --force` does.
+func forceReload(t *testing.T, caddyfile string) {
+	t.Helper()
+	cfg, _, err := caddyconfig.GetAdapter("caddyfile").Adapt([]byte(caddyfile), nil)
+	if err != nil {
+		t.Fatalf("adapting: %v", err)
+	}
+	req, _ := http.NewRequest(http.MethodPost, "http://localhost:2999/load", bytes.NewReader(cfg))
+	req.Header.Set("Content-Type", "application/json")
+	req.Header.Set("Cache-Control", "must-revalidate")
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		t.Fatalf("reload: %v", err)
+	}
+	resp.Body.Close()
+	if resp.StatusCode != http.StatusOK {
+		t.Fatalf("reload: status %d", resp.StatusCode)
+	}
 }

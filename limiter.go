@@ -62,11 +62,18 @@ type Result struct {
 type limiter struct {
 	client  redis.UniversalClient
 	cluster *redis.ClusterClient // the same client, when it is a Cluster's
+	node    string               // the one node's name, when not a Cluster
 	timeout time.Duration
 	queue   chan *call
 	stop    chan struct{}
 	workers sync.WaitGroup
 	timers  [pipelinesInFlight]*batchTimer // one per worker
+
+	breakers nodeBreakers
+	// watchers are the handlers using the limiter, told when a node's
+	// breaker opens or closes.
+	watchersMu sync.Mutex
+	watchers   map[breakerWatcher]struct{}
 
 	// closing guards closed: once set, no call enters the queue, so every
 	// queued call is answered before the workers stop.
@@ -79,19 +86,30 @@ type limiter struct {
 	lastReload atomic.Int64
 }
 
-// limiters holds the limiters in use, keyed by their Redis settings.
+// breakerWatcher learns when a node's breaker opens or closes.
+type breakerWatcher interface {
+	breakerChanged(node string, open bool, failures int64)
+}
+
+// limiters holds the limiters in use, keyed by their Redis settings and
+// the contents of their TLS files.
 var limiters = caddy.NewUsagePool()
 
 // acquireLimiter returns the shared limiter for the configuration and
-// the key that releaseLimiter takes.
+// the key that releaseLimiter takes. The TLS files are read on every
+// call, so a config load after rotating them gets a new client.
 func acquireLimiter(c RedisConfig) (*limiter, string, error) {
+	files, err := c.TLS.readFiles()
+	if err != nil {
+		return nil, "", err
+	}
 	raw, err := json.Marshal(c)
 	if err != nil {
 		return nil, "", err
 	}
-	key := string(raw)
+	key := string(raw) + files.digest()
 	v, _, err := limiters.LoadOrNew(key, func() (caddy.Destructor, error) {
-		return newLimiter(c)
+		return newLimiter(c, files)
 	})
 	if err != nil {
 		return nil, "", err
@@ -106,18 +124,23 @@ func releaseLimiter(key string) error {
 	return err
 }
 
-func newLimiter(c RedisConfig) (*limiter, error) {
-	opts, err := c.options()
+func newLimiter(c RedisConfig, files tlsFiles) (*limiter, error) {
+	opts, err := c.options(files)
 	if err != nil {
 		return nil, err
 	}
 	l := &limiter{
-		client:  redis.NewUniversalClient(opts),
-		timeout: time.Duration(c.Timeout),
-		queue:   make(chan *call, queueLength),
-		stop:    make(chan struct{}),
+		client:   redis.NewUniversalClient(opts),
+		timeout:  time.Duration(c.Timeout),
+		queue:    make(chan *call, queueLength),
+		stop:     make(chan struct{}),
+		watchers: make(map[breakerWatcher]struct{}),
 	}
 	l.cluster, _ = l.client.(*redis.ClusterClient)
+	l.node = opts.Addrs[0]
+	if opts.MasterName != "" {
+		l.node = "master " + opts.MasterName
+	}
 	for i := range pipelinesInFlight {
 		l.timers[i] = newBatchTimer()
 		l.workers.Add(1)
@@ -125,6 +148,54 @@ func newLimiter(c RedisConfig) (*limiter, error) {
 	}
 	go l.loadScript(time.Duration(c.DialTimeout) + l.timeout)
 	return l, nil
+}
+
+// watch tells w of breaker changes from now on; unwatch stops it.
+func (l *limiter) watch(w breakerWatcher) {
+	l.watchersMu.Lock()
+	l.watchers[w] = struct{}{}
+	l.watchersMu.Unlock()
+}
+
+func (l *limiter) unwatch(w breakerWatcher) {
+	l.watchersMu.Lock()
+	delete(l.watchers, w)
+	l.watchersMu.Unlock()
+}
+
+// breakerChanged counts a node's breaker opening or closing and tells the
+// watchers. It runs in a batch worker, never on a request's path.
+func (l *limiter) breakerChanged(b *breaker, open bool, failures int64) {
+	if open {
+		l.breakers.open.Add(1)
+	} else {
+		l.breakers.open.Add(-1)
+	}
+	l.watchersMu.Lock()
+	defer l.watchersMu.Unlock()
+	for w := range l.watchers {
+		w.breakerChanged(b.node, open, failures)
+	}
+}
+
+// openBreakers is how many of the limiter's node breakers are open.
+func (l *limiter) openBreakers() int64 { return l.breakers.open.Load() }
+
+// nodeBreaker returns the breaker of the master that serves key. A
+// Cluster client that cannot load its slot map at all has one breaker
+// for that; resolved says whether the map was there, so that a batch
+// tries to load it once, not once per call.
+func (l *limiter) nodeBreaker(ctx context.Context, key string, resolved *bool) *breaker {
+	if l.cluster == nil {
+		return l.breakers.get(l.node)
+	}
+	if *resolved {
+		if master, err := l.cluster.MasterForKey(ctx, key); err == nil {
+			return l.breakers.get(master.Options().Addr)
+		}
+		*resolved = false
+	}
+	return l.breakers.get(unknownSlots)
 }
 
 // loadScript loads the script ahead of the first request (on every

@@ -2,6 +2,7 @@ package ratelimit
 
 import (
 	"context"
+	"fmt"
 	"strconv"
 	"sync"
 	"sync/atomic"
@@ -91,30 +92,37 @@ func TestScriptFractionalRate(t *testing.T) {
 	}
 }
 
-func TestScriptSetsTTLOfTwiceTheFillTime(t *testing.T) {
+func TestScriptExpiresKeyWhenBucketWouldBeFull(t *testing.T) {
 	srv := redistest.Start(t)
 	rdb := srv.Client(t)
 	b := newTestLimiter(t, srv.Addr, time.Second)
 	ctx := context.Background()
 
+	// The key lives as long as its missing tokens take to refill, rounded
+	// up to the millisecond, and at least a second; PTTL is read a moment
+	// after the script set it, hence the window below the exact value.
 	for _, c := range []struct {
-		name     string
-		rate     float64
-		burst    int64
-		min, max time.Duration
+		name                    string
+		rate                    float64
+		burst, requested, takes int64
+		want                    time.Duration
 	}{
-		{"slow", 10, 20, 3900 * time.Millisecond, 4 * time.Second},     // fills in 2 s
-		{"fast", 1000, 1000, 1900 * time.Millisecond, 2 * time.Second}, // fills in 1 s
-		{"floor", 100, 10, 900 * time.Millisecond, time.Second},        // 0.1 s, but never below a second
-		{"fraction", 0.5, 1, 3900 * time.Millisecond, 4 * time.Second},
+		{"one of a day's thousand", 1000.0 / 86400, 1000, 1, 1, 86400 * time.Millisecond}, // 1 token at 1000/1d: 86.4 s
+		{"drained slow", 10, 20, 1, 20, 2 * time.Second},
+		{"drained by a costly request", 10, 20, 20, 1, 2 * time.Second},
+		{"half drained", 10, 20, 1, 10, time.Second},
+		{"floor", 100, 100, 1, 1, time.Second}, // 10 ms to refill, but never below a second
+		{"fraction", 0.5, 1, 1, 1, 2 * time.Second},
 	} {
-		mustTake(t, b, c.name, limitArgs(c.rate, c.burst, 1))
+		for range c.takes {
+			mustTake(t, b, c.name, limitArgs(c.rate, c.burst, c.requested))
+		}
 		ttl, err := rdb.PTTL(ctx, c.name).Result()
 		if err != nil {
 			t.Fatal(err)
 		}
-		if ttl < c.min || ttl > c.max {
-			t.Errorf("%s: TTL %v, want within [%v, %v]", c.name, ttl, c.min, c.max)
+		if ttl > c.want || ttl < c.want-100*time.Millisecond {
+			t.Errorf("%s: TTL %v, want %v (within the 100 ms since it was set)", c.name, ttl, c.want)
 		}
 	}
 }
@@ -186,9 +194,10 @@ func TestScriptBatchKeepsResultsApart(t *testing.T) {
 	// its burst, and a malformed call whose error must stay its own.
 	newCall := func(key string, args []any) *call {
 		return &call{
-			cmd:      [7]any{"evalsha", scriptSHA, "1", key, args[0], args[1], args[2]},
-			deadline: time.Now().Add(time.Second),
-			done:     make(chan struct{}, 1),
+			cmd:       [7]any{"evalsha", scriptSHA, "1", key, args[0], args[1], args[2]},
+			deadline:  time.Now().Add(time.Second),
+			clientCtx: context.Background(),
+			done:      make(chan struct{}, 1),
 		}
 	}
 	batch := []*call{
@@ -323,7 +332,7 @@ func TestBackendTimeoutCoversSlowDial(t *testing.T) {
 		DialTimeout: caddy.Duration(time.Second),
 		TLS:         &RedisTLS{InsecureSkipVerify: true},
 	}).withPlaceholders()
-	b, err := newLimiter(cfg)
+	b, err := newLimiter(cfg, tlsFiles{})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -337,5 +346,35 @@ func TestBackendTimeoutCoversSlowDial(t *testing.T) {
 		if waited := time.Since(start); waited > 300*time.Millisecond {
 			t.Fatalf("waited %v for a 50ms timeout while dialing", waited)
 		}
+	}
+}
+
+func TestBucketStoredInTheFutureRefillsFromNow(t *testing.T) {
+	srv := redistest.Start(t)
+	rdb := srv.Client(t)
+	ctx := context.Background()
+	h := caddyfileHandler(t, fmt.Sprintf("rate_limit 2 2 {\n\tzone clock\n\tkey {http.request.header.X-Key}\n\tredis %s {\n\t\ttimeout 1s\n\t}\n}", srv.Addr))
+
+	// An empty bucket stamped a minute ahead of Redis's clock, as after a
+	// failover to a server whose clock is behind.
+	now, err := rdb.Time(ctx).Result()
+	if err != nil {
+		t.Fatal(err)
+	}
+	ahead := now.Add(time.Minute).UnixMicro()
+	if err := rdb.Set(ctx, h.bucketPrefix+"skewed", "0 "+strconv.FormatInt(ahead, 10), time.Hour).Err(); err != nil {
+		t.Fatal(err)
+	}
+	status, header := serve(ctx, h, "skewed")
+	if status != 429 {
+		t.Fatalf("empty bucket: %d, want 429", status)
+	}
+	retry, err := strconv.Atoi(header.Get("Retry-After"))
+	if err != nil || retry != 1 { // one token at 2 a second: half a second, rounded up
+		t.Fatalf("Retry-After %q, want 1", header.Get("Retry-After"))
+	}
+	time.Sleep(time.Duration(retry) * time.Second)
+	if status, remaining, _ := hit(h, "skewed"); status != 200 {
+		t.Fatalf("after the Retry-After it gave: %d remaining %q, want 200 (the bucket refills from now, not from a minute ahead)", status, remaining)
 	}
 }

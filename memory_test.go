@@ -45,13 +45,13 @@ func TestRedisMemoryPerBucket(t *testing.T) {
 	if err := script.Load(ctx, rdb).Err(); err != nil {
 		t.Fatal(err)
 	}
-	// Rate 0.01/s with burst 100: the TTL (2 × time to fill) outlasts the
-	// test, so no bucket expires while it is measured, and the refill
-	// between the two takes leaves a fraction (98.0x tokens), not a
-	// bucket capped back to full.
+	// Rate 0.01/s with burst 100: the TTL (the 100 s one missing token
+	// takes to refill) outlasts the test, so no bucket expires while it
+	// is measured, and the refill between the two takes leaves a fraction
+	// (98.0x tokens), not a bucket capped back to full. Keys as a handler
+	// in zone "api" keyed by client address makes them.
 	args := []any{"0.01", "100", "1"}
-	const zone = "api"
-	prefix := "rate_limit:" + zone + "|"
+	prefix := bucketPrefix(defaultKeyPrefix, "api", "{http.vars.client_ip}")
 
 	before := settledUsedMemory(t, rdb)
 

@@ -14,7 +14,7 @@ var collectors = struct {
 	once          sync.Once
 	requests      *prometheus.CounterVec
 	redisDuration *prometheus.HistogramVec
-	breakerOpen   *prometheus.GaugeVec
+	breakerOpen   *breakerCollector
 }{}
 
 // zoneMetrics are one zone's series, looked up once at provision time so
@@ -22,7 +22,6 @@ var collectors = struct {
 type zoneMetrics struct {
 	requests      [numDecisions]prometheus.Counter
 	redisDuration prometheus.Observer
-	breakerOpen   prometheus.Gauge
 }
 
 func newZoneMetrics(registry prometheus.Registerer, zone string) (*zoneMetrics, error) {
@@ -37,23 +36,72 @@ func newZoneMetrics(registry prometheus.Registerer, zone string) (*zoneMetrics, 
 			Help:    "Time of the Redis step of one request, by zone.",
 			Buckets: []float64{.0001, .00025, .0005, .001, .0025, .005, .01, .025, .05, .1, .25, .5, 1},
 		}, []string{"zone"})
-		collectors.breakerOpen = prometheus.NewGaugeVec(prometheus.GaugeOpts{
-			Namespace: ns, Subsystem: sub, Name: "breaker_open",
-			Help: "1 while the zone's circuit breaker skips Redis, else 0.",
-		}, []string{"zone"})
+		collectors.breakerOpen = &breakerCollector{
+			desc: prometheus.NewDesc(prometheus.BuildFQName(ns, sub, "breaker_open"),
+				"Circuit breakers open now among the Redis nodes (Cluster masters) that the zone's requests can meet.",
+				[]string{"zone"}, nil),
+			zones: make(map[string]map[*limiter]int),
+		}
 	})
 	for _, c := range []prometheus.Collector{collectors.requests, collectors.redisDuration, collectors.breakerOpen} {
 		if err := registry.Register(c); err != nil && !errors.As(err, &prometheus.AlreadyRegisteredError{}) {
 			return nil, err
 		}
 	}
-	m := &zoneMetrics{
-		redisDuration: collectors.redisDuration.WithLabelValues(zone),
-		breakerOpen:   collectors.breakerOpen.WithLabelValues(zone),
-	}
+	m := &zoneMetrics{redisDuration: collectors.redisDuration.WithLabelValues(zone)}
 	for d := range numDecisions {
 		m.requests[d] = collectors.requests.WithLabelValues(zone, d.String())
 	}
-	m.breakerOpen.Set(0)
 	return m, nil
+}
+
+// breakerCollector reports caddy_rate_limit_breaker_open when scraped:
+// per zone, the node breakers open in the limiters its handlers use. It
+// is read at scrape time because the breakers belong to the shared
+// limiters, which outlive configs.
+type breakerCollector struct {
+	desc  *prometheus.Desc
+	mu    sync.Mutex
+	zones map[string]map[*limiter]int // zone -> limiter -> handlers using it
+}
+
+// watchBreakers counts a zone's handler that uses l; unwatchBreakers
+// takes it back at cleanup.
+func watchBreakers(zone string, l *limiter) {
+	c := collectors.breakerOpen
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.zones[zone] == nil {
+		c.zones[zone] = make(map[*limiter]int)
+	}
+	c.zones[zone][l]++
+}
+
+func unwatchBreakers(zone string, l *limiter) {
+	c := collectors.breakerOpen
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.zones[zone] == nil {
+		return
+	}
+	if c.zones[zone][l]--; c.zones[zone][l] <= 0 {
+		delete(c.zones[zone], l)
+	}
+	if len(c.zones[zone]) == 0 {
+		delete(c.zones, zone)
+	}
+}
+
+func (c *breakerCollector) Describe(ch chan<- *prometheus.Desc) { ch <- c.desc }
+
+func (c *breakerCollector) Collect(ch chan<- prometheus.Metric) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	for zone, limiters := range c.zones {
+		var open int64
+		for l := range limiters {
+			open += l.openBreakers()
+		}
+		ch <- prometheus.MustNewConstMetric(c.desc, prometheus.GaugeValue, float64(open), zone)
+	}
 }

@@ -141,7 +141,7 @@ type Handler struct {
 	limiter      *limiter // nil for burst_capacity 0, which never asks Redis
 	limiterKey   string
 	template     keyTemplate
-	bucketPrefix string // key_prefix, zone and '|': no value reaches another zone
+	bucketPrefix string // key_prefix, zone, key template: no value reaches another zone
 	scriptArgs   []any  // rate, burst, requested, formatted once
 	burst        int64
 	denyEmpty    bool
@@ -150,9 +150,9 @@ type Handler struct {
 	errDenied    caddyhttp.HandlerError
 	errEmptyKey  caddyhttp.HandlerError
 	errBlocked   caddyhttp.HandlerError
-	breaker      *breaker
 	denied       *denyCache
 	redisWarns   *logThrottle // Redis failures: a line per 10 s
+	overloaded   *logThrottle // calls this instance could not send in time: the same
 	shadowKeys   *keyThrottle // shadow denials: a line per key per 5 s ...
 	shadowLines  *logThrottle // ... and at most ten a second
 	metrics      *zoneMetrics
@@ -172,6 +172,60 @@ func (Handler) CaddyModule() caddy.ModuleInfo {
 // the shared Redis client.
 func (h *Handler) Provision(ctx caddy.Context) error {
 	h.logger = ctx.Logger()
+	h.applyDefaults()
+	h.denyEmpty = h.DenyEmptyKey == nil || *h.DenyEmptyKey
+	h.failOpen = h.OnError == onErrorAllow
+
+	var err error
+	if h.template, err = parseKeyTemplate(h.Key); err != nil {
+		return err
+	}
+	redisConfig := h.Redis.withPlaceholders()
+	if err := redisConfig.validate(); err != nil {
+		return err
+	}
+	h.bucketPrefix = bucketPrefix(redisConfig.KeyPrefix, h.Zone, h.Key)
+	h.scriptArgs = []any{
+		strconv.FormatFloat(h.ReplenishRate, 'f', -1, 64),
+		strconv.FormatInt(h.burst, 10),
+		strconv.FormatInt(h.RequestedTokens, 10),
+	}
+	style := h.Headers
+	if h.IncludeHeaders != nil && !*h.IncludeHeaders || h.Shadow {
+		style = headersNone
+	}
+	h.headers = newRateLimitHeaders(style, h.Zone, h.ReplenishRate, h.burst, h.RequestedTokens)
+	h.zoneValue, h.limitValue = h.Zone, h.burst
+	h.denied = newDenyCache()
+	h.redisWarns = &logThrottle{every: 10 * time.Second}
+	h.overloaded = &logThrottle{every: 10 * time.Second}
+	h.shadowKeys = newKeyThrottle(shadowLogEvery)
+	h.shadowLines = &logThrottle{every: time.Second, lines: 10}
+
+	h.errDenied = prebuiltError(h.StatusCode, fmt.Errorf("zone %s: rate limit exceeded", h.Zone))
+	h.errBlocked = prebuiltError(h.StatusCode, fmt.Errorf("zone %s: requests blocked (burst_capacity 0)", h.Zone))
+	h.errEmptyKey = prebuiltError(h.EmptyKeyStatus, fmt.Errorf("zone %s: the rate limit key '%s' is empty", h.Zone, h.Key))
+	if !h.DisableMetrics {
+		if h.metrics, err = newZoneMetrics(ctx.GetMetricsRegistry(), h.Zone); err != nil {
+			return fmt.Errorf("registering metrics: %w", err)
+		}
+	}
+
+	if h.burst == 0 {
+		return nil // a hard block never asks Redis
+	}
+	if h.limiter, h.limiterKey, err = acquireLimiter(redisConfig); err != nil {
+		return fmt.Errorf("setting up the Redis client: %w", err)
+	}
+	h.limiter.watch(h)
+	if h.metrics != nil {
+		watchBreakers(h.Zone, h.limiter)
+	}
+	return nil
+}
+
+// applyDefaults fills in what the config left out.
+func (h *Handler) applyDefaults() {
 	if h.Key == "" {
 		h.Key = "{http.vars.client_ip}"
 	}
@@ -200,51 +254,6 @@ func (h *Handler) Provision(ctx caddy.Context) error {
 	if h.Zone == "" {
 		h.Zone = derivedZone(h.Key, h.ReplenishRate, h.burst)
 	}
-	h.denyEmpty = h.DenyEmptyKey == nil || *h.DenyEmptyKey
-	h.failOpen = h.OnError == onErrorAllow
-
-	var err error
-	if h.template, err = parseKeyTemplate(h.Key); err != nil {
-		return err
-	}
-	redisConfig := h.Redis.withPlaceholders()
-	if err := redisConfig.validate(); err != nil {
-		return err
-	}
-	h.bucketPrefix = redisConfig.KeyPrefix + h.Zone + "|"
-	h.scriptArgs = []any{
-		strconv.FormatFloat(h.ReplenishRate, 'f', -1, 64),
-		strconv.FormatInt(h.burst, 10),
-		strconv.FormatInt(h.RequestedTokens, 10),
-	}
-	style := h.Headers
-	if h.IncludeHeaders != nil && !*h.IncludeHeaders || h.Shadow {
-		style = headersNone
-	}
-	h.headers = newRateLimitHeaders(style, h.Zone, h.ReplenishRate, h.burst, h.RequestedTokens)
-	h.zoneValue, h.limitValue = h.Zone, h.burst
-	h.denied = newDenyCache()
-	h.breaker = new(breaker)
-	h.redisWarns = &logThrottle{every: 10 * time.Second}
-	h.shadowKeys = newKeyThrottle(shadowLogEvery)
-	h.shadowLines = &logThrottle{every: time.Second, lines: 10}
-
-	h.errDenied = prebuiltError(h.StatusCode, fmt.Errorf("zone %s: rate limit exceeded", h.Zone))
-	h.errBlocked = prebuiltError(h.StatusCode, fmt.Errorf("zone %s: requests blocked (burst_capacity 0)", h.Zone))
-	h.errEmptyKey = prebuiltError(h.EmptyKeyStatus, fmt.Errorf("zone %s: the rate limit key '%s' is empty", h.Zone, h.Key))
-	if !h.DisableMetrics {
-		if h.metrics, err = newZoneMetrics(ctx.GetMetricsRegistry(), h.Zone); err != nil {
-			return fmt.Errorf("registering metrics: %w", err)
-		}
-	}
-
-	if h.burst == 0 {
-		return nil // a hard block never asks Redis
-	}
-	if h.limiter, h.limiterKey, err = acquireLimiter(redisConfig); err != nil {
-		return fmt.Errorf("setting up the Redis client: %w", err)
-	}
-	return nil
 }
 
 // Validate refuses what no default can fix. Its checks are the parser's,
@@ -267,11 +276,12 @@ func (h *Handler) Validate() error {
 
 // Cleanup releases the shared Redis client.
 func (h *Handler) Cleanup() error {
-	if h.metrics != nil && h.breaker.isOpen() {
-		h.metrics.breakerOpen.Set(0) // this handler no longer skips Redis
-	}
 	if h.limiter == nil {
 		return nil
+	}
+	h.limiter.unwatch(h)
+	if h.metrics != nil {
+		unwatchBreakers(h.Zone, h.limiter)
 	}
 	return releaseLimiter(h.limiterKey)
 }
@@ -305,7 +315,7 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyht
 			return next.ServeHTTP(w, r)
 		}
 		h.record(repl, decisionErrorDenied, key, -1, 0)
-		return caddyhttp.Error(http.StatusServiceUnavailable, err)
+		return reject(w, r, prebuiltError(http.StatusServiceUnavailable, err))
 	}
 
 	h.headers.set(w.Header(), res.Remaining, res.RetryAfter)
@@ -324,33 +334,33 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyht
 }
 
 // check answers from the deny cache when the bucket is known to be empty,
-// else asks Redis within the timeout, minding the circuit breaker.
+// else asks Redis within the timeout. Redis failures are logged,
+// throttled; an open breaker was logged when it opened.
 func (h *Handler) check(clientCtx context.Context, key string) (Result, error) {
 	sent := time.Now()
-	if d, ok := h.denied.get(key, sent); ok {
-		return Result{Remaining: d.remaining, RetryAfter: d.until.Sub(sent)}, nil
-	}
-	if !h.breaker.allow() {
-		return Result{}, errBreakerOpen
+	if until, ok := h.denied.get(key, sent); ok {
+		return h.cachedDenial(until.Sub(sent)), nil
 	}
 	res, err := h.limiter.take(clientCtx, sent, key, h.scriptArgs)
-	if h.metrics != nil {
+	if h.metrics != nil && err != errBreakerOpen {
 		h.metrics.redisDuration.Observe(time.Since(sent).Seconds())
 	}
-	switch {
-	case err == nil:
-		if h.breaker.success() {
-			h.logger.Info("circuit breaker closed: Redis answers again", zap.String("zone", h.Zone))
-			h.setBreakerGauge(0)
-		}
+	switch err.(type) {
+	case nil:
 		if !res.Allowed {
-			h.denied.put(key, sent, res)
+			h.denied.put(key, sent, res.RetryAfter)
 		}
-	case clientCtx.Err() == nil:
-		if opened, failures := h.breaker.failure(); opened {
-			h.logger.Warn("circuit breaker opened: Redis failed repeatedly; requests skip Redis and follow on_error until it answers",
-				zap.String("zone", h.Zone), zap.Int64("consecutive_failures", failures))
-			h.setBreakerGauge(1)
+	case overloadError:
+		if clientCtx.Err() != nil {
+			break // the client left; whatever happened is not worth a line
+		}
+		if ok, suppressed := h.overloaded.allow(); ok {
+			h.logger.Warn("overloaded: this instance could not send requests to Redis in time; following on_error",
+				zap.String("zone", h.Zone), zap.String("on_error", h.OnError), zap.Error(err), suppressedField(suppressed))
+		}
+	default:
+		if err == errBreakerOpen || clientCtx.Err() != nil {
+			break // logged when the breaker opened; a client that left says nothing about Redis
 		}
 		if ok, suppressed := h.redisWarns.allow(); ok {
 			h.logger.Warn("Redis failed; following on_error", zap.String("zone", h.Zone),
@@ -360,11 +370,22 @@ func (h *Handler) check(clientCtx context.Context, key string) (Result, error) {
 	return res, err
 }
 
-var errBreakerOpen = errors.New("circuit breaker open: Redis failed repeatedly")
+// cachedDenial is what Redis would answer now for a bucket the deny cache
+// holds, retryAfter before it fits the requested tokens: it has refilled
+// since, so it holds requested − retryAfter × rate tokens.
+func (h *Handler) cachedDenial(retryAfter time.Duration) Result {
+	tokens := float64(h.RequestedTokens) - retryAfter.Seconds()*h.ReplenishRate
+	return Result{Remaining: max(0, int64(math.Floor(tokens))), RetryAfter: retryAfter}
+}
 
-func (h *Handler) setBreakerGauge(v float64) {
-	if h.metrics != nil {
-		h.metrics.breakerOpen.Set(v)
+// breakerChanged logs a node's breaker opening or closing, for the
+// limiter, which tells every handler that uses it.
+func (h *Handler) breakerChanged(node string, open bool, failures int64) {
+	if open {
+		h.logger.Warn("circuit breaker opened: a Redis node failed repeatedly; requests for its keys skip Redis and follow on_error until it answers",
+			zap.String("zone", h.Zone), zap.String("node", node), zap.Int64("consecutive_failures", failures))
+	} else {
+		h.logger.Info("circuit breaker closed: the Redis node answers again", zap.String("zone", h.Zone), zap.String("node", node))
 	}
 }
 
@@ -463,6 +484,13 @@ func checkLimit(rate float64, burst *int64, requested int64) error {
 			"so clients would be held below the configured rate; raise burst_capacity to at least %v",
 			b, rate, math.Ceil(rate))
 	}
+	if b > maxExactTokens {
+		return fmt.Errorf("burst_capacity '%d' is above 2^53, where the script's numbers stop being exact; lower it", b)
+	}
+	if fill := float64(b) / rate; fill > maxFillSeconds {
+		return fmt.Errorf("replenish_rate '%v' is so small that an empty bucket of %d tokens would take %.3g days to fill "+
+			"(more than a year, past what Retry-After can say); raise it to at least %v", rate, b, fill/86400, float64(b)/maxFillSeconds)
+	}
 	if requested == 0 {
 		requested = 1
 	}
@@ -474,6 +502,13 @@ func checkLimit(rate float64, burst *int64, requested int64) error {
 	}
 	return nil
 }
+
+// Bounds of a limit: token counts stay exact in the script's doubles,
+// and an empty bucket fills within a year.
+const (
+	maxExactTokens = 1 << 53
+	maxFillSeconds = 365 * 86400
+)
 
 // Interface guards
 var (

@@ -321,3 +321,39 @@ func TestJSONConfigThroughAdminLoad(t *testing.T) {
 		}
 	}
 }
+
+func TestSameZoneDifferentKeyTemplatesKeepBucketsApart(t *testing.T) {
+	srv := redistest.Start(t)
+	// Route A keys on a header the client sets, route B on the address:
+	// a client that sends its victim's address in the header must not
+	// drain the victim's bucket on B.
+	tester := loadCaddyfile(t, nil, caddyGlobals+fmt.Sprintf(`
+http://localhost:9080 {
+	handle /a {
+		rate_limit 0.01 2 {
+			zone shared
+			key {http.request.header.X-Key}
+			redis %[1]s
+		}
+		respond "a"
+	}
+	handle /b {
+		rate_limit 0.01 2 {
+			zone shared
+			redis %[1]s
+		}
+		respond "b"
+	}
+}`, srv.Addr))
+	for i, want := range []int{200, 200, 429} {
+		if resp, _ := get(t, tester, "/a", "127.0.0.1"); resp.StatusCode != want {
+			t.Fatalf("/a with the victim's address in the header, request %d: %d, want %d", i+1, resp.StatusCode, want)
+		}
+	}
+	for i, want := range []string{"1", "0"} {
+		if resp, _ := get(t, tester, "/b", ""); resp.StatusCode != 200 || resp.Header.Get("X-RateLimit-Remaining") != want {
+			t.Fatalf("/b from 127.0.0.1, request %d: %d remaining %q, want 200 with %s (its own bucket, full)",
+				i+1, resp.StatusCode, resp.Header.Get("X-RateLimit-Remaining"), want)
+		}
+	}
+}

@@ -1,8 +1,10 @@
 package ratelimit
 
 import (
+	"crypto/sha256"
 	"crypto/tls"
 	"crypto/x509"
+	"encoding/hex"
 	"errors"
 	"fmt"
 	"net"
@@ -92,8 +94,10 @@ type RedisTLS struct {
 	InsecureSkipVerify bool `json:"insecure_skip_verify,omitempty"`
 }
 
-// withPlaceholders returns the configuration with `{env.*}` and other
-// global placeholders replaced, and defaults filled in.
+// withPlaceholders returns the configuration with `{env.*}` and Caddy's
+// other global placeholders replaced, and defaults filled in. Text in
+// braces that is no known placeholder stays as written: a password may
+// well hold `{`.
 func (c *RedisConfig) withPlaceholders() RedisConfig {
 	repl := caddy.NewReplacer()
 	r := RedisConfig{}
@@ -103,7 +107,7 @@ func (c *RedisConfig) withPlaceholders() RedisConfig {
 	r.Addresses = nil
 	if c != nil {
 		for _, a := range c.Addresses {
-			resolved := strings.Fields(repl.ReplaceAll(a, ""))
+			resolved := strings.Fields(repl.ReplaceKnown(a, ""))
 			if len(resolved) == 0 {
 				resolved = []string{a} // validate names the unresolved value
 			}
@@ -113,12 +117,12 @@ func (c *RedisConfig) withPlaceholders() RedisConfig {
 	if len(r.Addresses) == 0 {
 		r.Addresses = []string{defaultRedisAddress}
 	}
-	r.MasterName = repl.ReplaceAll(r.MasterName, "")
-	r.SentinelUsername = repl.ReplaceAll(r.SentinelUsername, "")
-	r.SentinelPassword = repl.ReplaceAll(r.SentinelPassword, "")
-	r.Username = repl.ReplaceAll(r.Username, "")
-	r.Password = repl.ReplaceAll(r.Password, "")
-	if r.KeyPrefix = repl.ReplaceAll(r.KeyPrefix, ""); r.KeyPrefix == "" {
+	r.MasterName = repl.ReplaceKnown(r.MasterName, "")
+	r.SentinelUsername = repl.ReplaceKnown(r.SentinelUsername, "")
+	r.SentinelPassword = repl.ReplaceKnown(r.SentinelPassword, "")
+	r.Username = repl.ReplaceKnown(r.Username, "")
+	r.Password = repl.ReplaceKnown(r.Password, "")
+	if r.KeyPrefix = repl.ReplaceKnown(r.KeyPrefix, ""); r.KeyPrefix == "" {
 		r.KeyPrefix = defaultKeyPrefix
 	}
 	if r.Timeout <= 0 {
@@ -129,10 +133,10 @@ func (c *RedisConfig) withPlaceholders() RedisConfig {
 	}
 	if r.TLS != nil {
 		t := *r.TLS
-		t.CA = repl.ReplaceAll(t.CA, "")
-		t.Cert = repl.ReplaceAll(t.Cert, "")
-		t.Key = repl.ReplaceAll(t.Key, "")
-		t.ServerName = repl.ReplaceAll(t.ServerName, "")
+		t.CA = repl.ReplaceKnown(t.CA, "")
+		t.Cert = repl.ReplaceKnown(t.Cert, "")
+		t.Key = repl.ReplaceKnown(t.Key, "")
+		t.ServerName = repl.ReplaceKnown(t.ServerName, "")
 		r.TLS = &t
 	}
 	return r
@@ -154,11 +158,11 @@ func (c RedisConfig) validate() error {
 	}
 	db := c.DB
 	for _, a := range c.Addresses {
-		o, err := parseAddress(a)
+		o, err := checkAddress(a)
 		if err != nil {
-			return fmt.Errorf("redis: address '%s': %w", a, err)
+			return err
 		}
-		if db == 0 {
+		if o != nil && db == 0 {
 			db = o.DB
 		}
 	}
@@ -185,6 +189,20 @@ func (t *RedisTLS) validate() error {
 	return nil
 }
 
+// checkAddress refuses a malformed address; it passes one with a
+// placeholder, which is checked once provisioning has resolved it (and
+// which options() refuses if it never resolved).
+func checkAddress(a string) (*redis.Options, error) {
+	if strings.Contains(a, "{") {
+		return nil, nil
+	}
+	o, err := parseAddress(a)
+	if err != nil {
+		return nil, fmt.Errorf("redis address '%s': %w", a, err)
+	}
+	return o, nil
+}
+
 // parseAddress accepts `host:port` or a redis:// or rediss:// URL.
 func parseAddress(a string) (*redis.Options, error) {
 	if strings.Contains(a, "://") {
@@ -206,8 +224,9 @@ func parseAddress(a string) (*redis.Options, error) {
 	return &redis.Options{Addr: a}, nil
 }
 
-// options turns the configuration into go-redis options.
-func (c RedisConfig) options() (*redis.UniversalOptions, error) {
+// options turns the configuration into go-redis options, with the TLS
+// files' contents as read for this config load.
+func (c RedisConfig) options(files tlsFiles) (*redis.UniversalOptions, error) {
 	timeout := time.Duration(c.Timeout)
 	opts := &redis.UniversalOptions{
 		MasterName:            c.MasterName,
@@ -223,8 +242,9 @@ func (c RedisConfig) options() (*redis.UniversalOptions, error) {
 		PoolTimeout:           timeout,
 		ContextTimeoutEnabled: true,
 		PoolSize:              c.PoolSize,
-		// One try: the timeout covers the whole step, and a retry
-		// inside it would only hide a failing server from the breaker.
+		// One try: the timeout covers the whole step, a retry inside it
+		// would only hide a failing server from the breaker, and a script
+		// sent twice takes tokens twice (see onceCmd for Cluster).
 		MaxRetries:      -1,
 		MinRetryBackoff: -1,
 		MaxRetryBackoff: -1,
@@ -251,42 +271,77 @@ func (c RedisConfig) options() (*redis.UniversalOptions, error) {
 		}
 	}
 	if c.TLS != nil {
-		tc, err := c.TLS.config()
+		tc, err := c.TLS.config(files)
 		if err != nil {
 			return nil, fmt.Errorf("tls: %w", err)
 		}
-		if opts.TLSConfig != nil && c.TLS.ServerName == "" {
-			tc.ServerName = opts.TLSConfig.ServerName
-		}
 		opts.TLSConfig = tc
 	}
-	if opts.TLSConfig != nil && opts.TLSConfig.MinVersion < tls.VersionTLS12 {
-		opts.TLSConfig.MinVersion = tls.VersionTLS12
+	if opts.TLSConfig != nil {
+		// Without server_name, each connection checks the certificate
+		// against the host it dials (Go's TLS does that for an empty
+		// name): every Cluster node and Sentinel by its own name, not by
+		// the first seed's, which a rediss:// URL would have put here.
+		opts.TLSConfig.ServerName = ""
+		if c.TLS != nil {
+			opts.TLSConfig.ServerName = c.TLS.ServerName
+		}
+		opts.TLSConfig.MinVersion = max(opts.TLSConfig.MinVersion, tls.VersionTLS12)
 	}
 	return opts, nil
 }
 
-// config builds the TLS configuration; a nil receiver means defaults.
-func (t *RedisTLS) config() (*tls.Config, error) {
-	tc := &tls.Config{MinVersion: tls.VersionTLS12}
+// tlsFiles are the contents of the TLS files, read at every config load:
+// a shared client is kept across a reload only while they are unchanged,
+// so rotated certificates take effect with the reload.
+type tlsFiles struct {
+	ca, cert, key []byte
+}
+
+// readFiles reads the files the TLS settings name; a nil receiver has none.
+func (t *RedisTLS) readFiles() (tlsFiles, error) {
+	var f tlsFiles
 	if t == nil {
-		return tc, nil
+		return f, nil
 	}
-	tc.ServerName = t.ServerName
-	tc.InsecureSkipVerify = t.InsecureSkipVerify
-	if t.CA != "" {
-		pem, err := os.ReadFile(t.CA)
-		if err != nil {
-			return nil, fmt.Errorf("reading 'ca': %w", err)
+	for _, file := range []struct {
+		name, path string
+		dst        *[]byte
+	}{{"ca", t.CA, &f.ca}, {"cert", t.Cert, &f.cert}, {"key", t.Key, &f.key}} {
+		if file.path == "" {
+			continue
 		}
+		b, err := os.ReadFile(file.path)
+		if err != nil {
+			return f, fmt.Errorf("tls: reading '%s': %w", file.name, err)
+		}
+		*file.dst = b
+	}
+	return f, nil
+}
+
+// digest names the files' contents in the shared client's pool key.
+func (f tlsFiles) digest() string {
+	h := sha256.New()
+	for _, b := range [][]byte{f.ca, f.cert, f.key} {
+		fmt.Fprintf(h, "%d:", len(b))
+		h.Write(b)
+	}
+	return hex.EncodeToString(h.Sum(nil))
+}
+
+// config builds the TLS configuration from the files' contents.
+func (t *RedisTLS) config(f tlsFiles) (*tls.Config, error) {
+	tc := &tls.Config{MinVersion: tls.VersionTLS12, InsecureSkipVerify: t.InsecureSkipVerify}
+	if f.ca != nil {
 		pool := x509.NewCertPool()
-		if !pool.AppendCertsFromPEM(pem) {
+		if !pool.AppendCertsFromPEM(f.ca) {
 			return nil, fmt.Errorf("'ca %s' holds no PEM certificate", t.CA)
 		}
 		tc.RootCAs = pool
 	}
-	if t.Cert != "" {
-		cert, err := tls.LoadX509KeyPair(t.Cert, t.Key)
+	if f.cert != nil {
+		cert, err := tls.X509KeyPair(f.cert, f.key)
 		if err != nil {
 			return nil, fmt.Errorf("loading 'cert' and 'key': %w", err)
 		}

@@ -17,6 +17,16 @@ const keySeparator = "|"
 // longer one is hashed, so Redis key length stays bounded.
 const maxVerbatimKey = 64
 
+// bucketPrefix starts the Redis keys of one zone and key template:
+// `<key_prefix><zone>|<template tag>|`. The tag, 48 bits of the template's
+// SHA-256, keeps apart handlers that share a zone but build keys
+// differently: a header a client sets on one route must not reach the
+// buckets another route keys by address.
+func bucketPrefix(keyPrefix, zone, template string) string {
+	sum := sha256.Sum256([]byte(template))
+	return keyPrefix + zone + keySeparator + base64.RawURLEncoding.EncodeToString(sum[:6]) + keySeparator
+}
+
 // keyTemplate is the `key` template compiled once at provision time:
 // literal text and placeholders, resolved per request without parsing.
 type keyTemplate struct {
@@ -34,8 +44,9 @@ type templatePart struct {
 }
 
 // parseKeyTemplate compiles a template such as
-// `{client_ip}:{http.request.header.X-Tenant}`. `\{` and `\}` are literal
-// braces. Its errors name the `key` subdirective and the template.
+// `{client_ip}:{http.request.header.X-Tenant}`. No brace reaches a key:
+// values escape them and literal ones are refused. Its errors name the
+// `key` subdirective and the template.
 func parseKeyTemplate(s string) (keyTemplate, error) {
 	t, err := compileKeyTemplate(s)
 	if err != nil {
@@ -56,8 +67,7 @@ func compileKeyTemplate(s string) (keyTemplate, error) {
 	for i := 0; i < len(s); i++ {
 		switch ch := s[i]; {
 		case ch == '\\' && i+1 < len(s) && (s[i+1] == '{' || s[i+1] == '}'):
-			lit.WriteByte(s[i+1])
-			i++
+			return t, fmt.Errorf("a literal brace ('%s') would reach Redis, where Cluster reads braces as a hash tag; leave it out", s[i:i+2])
 		case ch == '{':
 			end := strings.IndexByte(s[i:], '}')
 			if end < 0 {

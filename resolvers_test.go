@@ -25,8 +25,8 @@ func TestKeyTemplateResolvesPlaceholdersAndLiterals(t *testing.T) {
 	if got != "rl:api|203.0.113.7:acme" {
 		t.Fatalf("got %q", got)
 	}
-	if got := resolve(t, `\{lit\}{ip}`, "p|", map[string]string{"ip": "1.2.3.4"}); got != "p|{lit}1.2.3.4" {
-		t.Fatalf("escaped braces: got %q", got)
+	if got := resolve(t, "lit-{ip}", "p|", map[string]string{"ip": "1.2.3.4"}); got != "p|lit-1.2.3.4" {
+		t.Fatalf("literal and placeholder: got %q", got)
 	}
 }
 
@@ -98,7 +98,8 @@ func TestKeyLengthBoundedByHashing(t *testing.T) {
 }
 
 func TestKeyTemplateRejectsMalformed(t *testing.T) {
-	for _, s := range []string{"", "{", "{ip", "ip}", "{}", "{a {b}"} {
+	// A literal brace, even escaped, would make a Cluster hash tag.
+	for _, s := range []string{"", "{", "{ip", "ip}", "{}", "{a {b}", `\{lit\}{ip}`, `{ip}\}`} {
 		if _, err := parseKeyTemplate(s); err == nil {
 			t.Errorf("%q accepted", s)
 		}

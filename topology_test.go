@@ -3,6 +3,8 @@ package ratelimit
 import (
 	"context"
 	"fmt"
+	"os"
+	"path/filepath"
 	"strconv"
 	"strings"
 	"sync"
@@ -89,9 +91,9 @@ func (ft *failoverTraffic) report(t *testing.T) {
 }
 
 // bucketValues lists the client keys whose buckets the server holds.
-func bucketValues(t *testing.T, srv *redistest.Server, zone string) []string {
+func bucketValues(t *testing.T, srv *redistest.Server, h *Handler) []string {
 	t.Helper()
-	prefix := defaultKeyPrefix + zone + "|"
+	prefix := h.bucketPrefix
 	keys, err := srv.Client(t).Keys(context.Background(), prefix+"*").Result()
 	if err != nil {
 		t.Fatalf("KEYS on %s: %v", srv.Addr, err)
@@ -168,14 +170,14 @@ func TestClusterSpreadsBucketsAndRidesOutFailover(t *testing.T) {
 
 	// Kill the master of slots 0-5460; its replica takes over.
 	var dead, deadPartial, alivePartial []string
-	for _, v := range bucketValues(t, c.Masters[0], "cluster") {
+	for _, v := range bucketValues(t, c.Masters[0], h) {
 		if strings.HasPrefix(v, "p") {
 			deadPartial = append(deadPartial, v)
 		} else {
 			dead = append(dead, v)
 		}
 	}
-	for _, v := range bucketValues(t, c.Masters[1], "cluster") {
+	for _, v := range bucketValues(t, c.Masters[1], h) {
 		if strings.HasPrefix(v, "p") {
 			alivePartial = append(alivePartial, v)
 		}
@@ -220,11 +222,11 @@ func TestClusterSpreadsBucketsAndRidesOutFailover(t *testing.T) {
 	for i := range 30 {
 		expectBurstThenDeny(t, h, fmt.Sprint("fresh", i), 2)
 	}
-	if n := len(bucketValues(t, c.Replicas[0], "cluster")); n < len(dead)+len(deadPartial) {
+	if n := len(bucketValues(t, c.Replicas[0], h)); n < len(dead)+len(deadPartial) {
 		t.Errorf("the promoted replica holds %d buckets, fewer than the %d its master had", n, len(dead)+len(deadPartial))
 	}
 	found := false
-	for _, v := range bucketValues(t, c.Replicas[0], "cluster") {
+	for _, v := range bucketValues(t, c.Replicas[0], h) {
 		found = found || strings.HasPrefix(v, "fresh")
 	}
 	if !found {
@@ -298,7 +300,7 @@ func TestSentinelFollowsFailover(t *testing.T) {
 	if err != nil || !exists[0] {
 		t.Fatalf("script not cached on the new master: %v %v", exists, err)
 	}
-	if n := len(bucketValues(t, st.Replica, "sentinel")); n < 10 {
+	if n := len(bucketValues(t, st.Replica, h)); n < 10 {
 		t.Fatalf("the new master holds %d buckets; the limiter did not follow it", n)
 	}
 }
@@ -364,4 +366,166 @@ func TestTLSRedis(t *testing.T) {
 		h := caddyfileHandler(t, tlsDirective("tls-no-cert", mtls.Addr, "ca "+mtls.CAFile))
 		expectTLSFailure(t, h)
 	})
+}
+
+func TestRotatedRedisCertificatesTakeEffectOnReload(t *testing.T) {
+	mtls := redistest.StartTLS(t, true) // demands client certificates
+	// caddytest rewrites paths ending in .crt and .key in a config; links
+	// named otherwise lead to the same files.
+	dir := t.TempDir()
+	var files []string
+	for i, target := range []string{mtls.CAFile, mtls.ClientCertFile, mtls.ClientKeyFile} {
+		link := filepath.Join(dir, fmt.Sprintf("file%d.pem", i))
+		if err := os.Symlink(target, link); err != nil {
+			t.Fatal(err)
+		}
+		files = append(files, link)
+	}
+	config := caddyGlobals + fmt.Sprintf(`
+http://localhost:9080 {
+	rate_limit 0.01 3 {
+		zone rotation
+		key {http.request.header.X-Key}
+		redis %s {
+			timeout 1s
+			tls {
+				ca   %s
+				cert %s
+				key  %s
+			}
+		}
+	}
+	respond "ok"
+}`, mtls.Addr, files[0], files[1], files[2])
+	tester := loadCaddyfile(t, nil, config)
+	if resp, _ := get(t, tester, "/", "before"); resp.StatusCode != 200 || resp.Header.Get("X-RateLimit-Remaining") != "2" {
+		t.Fatalf("before the rotation: %d remaining %q, want 200 with 2", resp.StatusCode, resp.Header.Get("X-RateLimit-Remaining"))
+	}
+
+	// A new CA and new pairs in the same files; Redis restarts on them,
+	// and the client that read the old files can no longer connect.
+	mtls.Rotate(t)
+	if resp, _ := get(t, tester, "/", "rotated"); resp.Header.Get("X-RateLimit-Remaining") != "-1" {
+		t.Fatalf("after the rotation, before the reload: remaining %q, want -1 (the old certificates fail)",
+			resp.Header.Get("X-RateLimit-Remaining"))
+	}
+
+	forceReload(t, config)
+	for i, want := range []string{"2", "1", "0"} {
+		resp, _ := get(t, tester, "/", "reloaded")
+		if resp.StatusCode != 200 || resp.Header.Get("X-RateLimit-Remaining") != want {
+			t.Fatalf("after the reload, request %d: %d remaining %q, want 200 with %s (limited through the new certificates)",
+				i+1, resp.StatusCode, resp.Header.Get("X-RateLimit-Remaining"), want)
+		}
+	}
+}
+
+// TestDeadClusterMasterLeavesOtherMastersLimited kills one of three
+// masters (no replicas, so its slots stay down) and sends a steady mix of
+// keys over all masters for more than five seconds: keys on the healthy
+// masters stay limited exactly (never past burst + rate*T, never an
+// error answer), keys on the dead one follow on_error within the timeout.
+func TestDeadClusterMasterLeavesOtherMastersLimited(t *testing.T) {
+	c := redistest.StartCluster(t, 3, 0)
+	ctx := context.Background()
+	// By default a master refuses every key once any slot is uncovered;
+	// operators who want the other masters to keep answering set this.
+	for _, m := range c.Masters {
+		if err := m.Client(t).ConfigSet(ctx, "cluster-require-full-coverage", "no").Err(); err != nil {
+			t.Fatal(err)
+		}
+	}
+	const rate, burst = 2.0, 3
+	h := caddyfileHandler(t, fmt.Sprintf(`rate_limit %v %d {
+	zone deadmaster
+	key {http.request.header.X-Key}
+	redis {
+		address %s
+		timeout %v
+	}
+}`, rate, burst, strings.Join(c.Addrs, " "), topologyTimeout))
+	logs := observeLogs(h, zap.DebugLevel)
+
+	// Ten keys per master, by where their buckets live.
+	cc := c.Client(t)
+	dead := c.Masters[0].Addr
+	var healthyKeys, deadKeys []string
+	for i := 0; len(healthyKeys) < 20 || len(deadKeys) < 10; i++ {
+		key := "k" + strconv.Itoa(i)
+		master, err := cc.MasterForKey(ctx, h.bucketPrefix+key)
+		if err != nil {
+			t.Fatal(err)
+		}
+		switch {
+		case master.Options().Addr == dead && len(deadKeys) < 10:
+			deadKeys = append(deadKeys, key)
+		case master.Options().Addr != dead && len(healthyKeys) < 20:
+			healthyKeys = append(healthyKeys, key)
+		}
+	}
+	c.Masters[0].Kill(t)
+
+	// 30 keys at about 300 requests a second in all, for six seconds:
+	// far more failures on the dead master than the breaker's threshold.
+	type tally struct {
+		admitted    int
+		first, last time.Time
+	}
+	var mu sync.Mutex
+	tallies := map[string]*tally{}
+	var wg sync.WaitGroup
+	keys := append(append([]string(nil), healthyKeys...), deadKeys...)
+	deadline := time.Now().Add(6 * time.Second)
+	for w, key := range keys {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			onDeadMaster := w >= len(healthyKeys)
+			for time.Now().Before(deadline) {
+				sent := time.Now()
+				status, remaining, took := hit(h, key)
+				switch {
+				case onDeadMaster && (status != 200 || remaining != "-1"):
+					t.Errorf("key %s on the dead master: %d remaining %q, want on_error allow (200, -1)", key, status, remaining)
+				case onDeadMaster && took > topologyTimeout+failoverSlack:
+					t.Errorf("key %s on the dead master took %v, more than the timeout %v", key, took, topologyTimeout)
+				case !onDeadMaster && (status != 200 && status != 429 || remaining == "-1" || remaining == ""):
+					t.Errorf("key %s on a healthy master: %d remaining %q; its master answers, so it must be limited", key, status, remaining)
+				case !onDeadMaster && status == 200:
+					mu.Lock()
+					tl := tallies[key]
+					if tl == nil {
+						tl = &tally{first: sent}
+						tallies[key] = tl
+					}
+					tl.admitted++
+					tl.last = time.Now()
+					mu.Unlock()
+				}
+				if t.Failed() {
+					return
+				}
+				time.Sleep(100 * time.Millisecond)
+			}
+		}()
+	}
+	wg.Wait()
+	for _, key := range healthyKeys {
+		tl := tallies[key]
+		if tl == nil {
+			t.Errorf("key %s on a healthy master: nothing admitted in six seconds", key)
+			continue
+		}
+		// Admitted between the first request's start and the last answer.
+		bound := burst + int(rate*tl.last.Sub(tl.first).Seconds())
+		if tl.admitted > bound {
+			t.Errorf("key %s on a healthy master: %d admitted over %v, bound %d", key, tl.admitted, tl.last.Sub(tl.first), bound)
+		}
+	}
+	if countLogs(logs, "circuit breaker opened") == 0 {
+		t.Error("the dead master's breaker never opened")
+	}
+	if open := h.limiter.openBreakers(); open != 1 {
+		t.Errorf("%d node breakers open, want 1 (the dead master's)", open)
+	}
 }

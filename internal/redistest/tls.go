@@ -80,6 +80,30 @@ func StartTLS(tb testing.TB, requireClientCert bool) *TLSServer {
 	return ts
 }
 
+// Rotate replaces every certificate and key, the CA's included, in the
+// same files and restarts the server on them, as an operator rotating
+// certificates does. Clients that trust only the old CA fail from then on.
+func (s *TLSServer) Rotate(tb testing.TB) {
+	tb.Helper()
+	s.Stop(tb)
+	if err := s.writeCerts(); err != nil {
+		tb.Fatalf("redistest: generating new TLS certificates: %v", err)
+	}
+	cfg, err := s.clientConfig()
+	if err != nil {
+		tb.Fatalf("redistest: %v", err)
+	}
+	s.mu.Lock()
+	s.tlsConfig = cfg
+	admin := s.admin
+	s.admin = nil
+	s.mu.Unlock()
+	if admin != nil {
+		admin.Close()
+	}
+	s.Restart(tb)
+}
+
 // TLSConfig returns a fresh client config that trusts CAFile and presents
 // the client certificate; tests may modify it freely.
 func (s *TLSServer) TLSConfig() *tls.Config { return s.tlsConfig.Clone() }

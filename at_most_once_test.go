@@ -1,0 +1,250 @@
+package ratelimit
+
+import (
+	"context"
+	"fmt"
+	"net"
+	"slices"
+	"strconv"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/caddy-redis/ratelimit/internal/redistest"
+)
+
+// cuttingProxy forwards TCP connections to a Redis server. While it
+// cuts, it passes on what a client sends, lets Redis run it, and then
+// closes the connection instead of passing the reply back: the client
+// cannot know whether its commands ran, as after a reset connection.
+type cuttingProxy struct {
+	addr    string
+	target  string
+	cutting atomic.Bool
+	ln      net.Listener
+	wg      sync.WaitGroup
+}
+
+func startCuttingProxy(t *testing.T, target string) *cuttingProxy {
+	t.Helper()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	p := &cuttingProxy{addr: ln.Addr().String(), target: target, ln: ln}
+	p.wg.Add(1)
+	go func() {
+		defer p.wg.Done()
+		for {
+			client, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			p.wg.Add(1)
+			go func() {
+				defer p.wg.Done()
+				p.serve(client)
+			}()
+		}
+	}()
+	t.Cleanup(func() {
+		ln.Close()
+		p.wg.Wait()
+	})
+	return p
+}
+
+func (p *cuttingProxy) serve(client net.Conn) {
+	defer client.Close()
+	server, err := net.Dial("tcp", p.target)
+	if err != nil {
+		return
+	}
+	defer server.Close()
+	go func() { // replies: passed back unless cutting
+		buf := make([]byte, 64<<10)
+		for {
+			n, err := server.Read(buf)
+			if n > 0 && !p.cutting.Load() {
+				if _, werr := client.Write(buf[:n]); werr != nil {
+					return
+				}
+			}
+			if err != nil {
+				client.Close()
+				return
+			}
+		}
+	}()
+	buf := make([]byte, 64<<10)
+	for {
+		n, err := client.Read(buf)
+		if n > 0 {
+			if _, werr := server.Write(buf[:n]); werr != nil {
+				return
+			}
+			if p.cutting.Load() {
+				p.drainThenCut(client, server, buf)
+				return
+			}
+		}
+		if err != nil {
+			return
+		}
+	}
+}
+
+// drainThenCut forwards whatever else the client sends until it falls
+// silent (the rest of a pipeline), gives Redis a moment to run it all,
+// and returns, which closes both connections.
+func (p *cuttingProxy) drainThenCut(client, server net.Conn, buf []byte) {
+	for {
+		_ = client.SetReadDeadline(time.Now().Add(30 * time.Millisecond))
+		n, err := client.Read(buf)
+		if n > 0 {
+			_, _ = server.Write(buf[:n])
+		}
+		if err != nil { // silent for 30 ms, or gone
+			break
+		}
+	}
+	time.Sleep(50 * time.Millisecond)
+}
+
+// expectAtMostOneTake reads the buckets of keys straight from the
+// servers: each holds burst-1 tokens (its one request ran) or does not
+// exist (it never reached Redis). It returns how many ran.
+func expectAtMostOneTake(t *testing.T, servers []*redistest.Server, h *Handler, keys []string, burst int64) int {
+	t.Helper()
+	ran := 0
+	for _, key := range keys {
+		var state string
+		for _, s := range servers {
+			v, err := s.Client(t).Get(context.Background(), h.bucketPrefix+key).Result()
+			if err == nil {
+				state = v
+				break
+			}
+		}
+		if state == "" {
+			continue
+		}
+		tokens, err := strconv.ParseFloat(strings.Fields(state)[0], 64)
+		if err != nil {
+			t.Fatalf("bucket %s holds %q", key, state)
+		}
+		// A request that ran once took one token; refill at 0.001/s in
+		// the test's seconds adds less than 0.1.
+		if tokens < float64(burst-1) || tokens > float64(burst-1)+0.1 {
+			t.Errorf("bucket %s holds %v tokens after one request: %d takes, want exactly one", key, tokens, int64(float64(burst)-tokens+0.5))
+		}
+		ran++
+	}
+	return ran
+}
+
+// cutRequests sends a request through the handler (a call alone), then
+// a batch of calls in one pipeline, each on its own key, through proxies
+// that cut every connection after forwarding. Each must fail, to follow
+// on_error.
+func cutRequests(t *testing.T, h *Handler, proxies []*cuttingProxy) []string {
+	t.Helper()
+	for _, p := range proxies {
+		p.cutting.Store(true)
+	}
+	defer func() {
+		for _, p := range proxies {
+			p.cutting.Store(false)
+		}
+	}()
+	keys := []string{"alone"}
+	if status, remaining, _ := hit(h, "alone"); status != 200 || remaining != "-1" {
+		t.Errorf("request alone through a cut connection: %d remaining %q, want on_error allow", status, remaining)
+	}
+	// One pipeline, built as a worker builds it (worker 0 is idle now).
+	batch := make([]*call, 40)
+	for i := range batch {
+		key := "batched-" + strconv.Itoa(i)
+		keys = append(keys, key)
+		c := &call{key: h.bucketPrefix + key, deadline: time.Now().Add(time.Second), clientCtx: context.Background(), done: make(chan struct{}, 1)}
+		c.cmd = [7]any{evalSHA, scriptSHAValue, "1", &c.key, h.scriptArgs[0], h.scriptArgs[1], h.scriptArgs[2]}
+		batch[i] = c
+	}
+	h.limiter.sendBatch(0, batch)
+	for _, c := range batch {
+		if c.err == nil {
+			t.Errorf("batched call %s through a cut connection: %+v, want an error", c.key, c.result)
+		}
+	}
+	return keys
+}
+
+const atMostOnceDirective = `rate_limit 0.001 5 {
+	zone once
+	key {http.request.header.X-Key}
+	redis {
+		address %s
+		timeout 1s
+	}
+}`
+
+func TestScriptCallRunsAtMostOnceStandalone(t *testing.T) {
+	srv := redistest.Start(t)
+	proxy := startCuttingProxy(t, srv.Addr)
+	h := caddyfileHandler(t, fmt.Sprintf(atMostOnceDirective, proxy.addr))
+	expectBurstThenDeny(t, h, "warm-up", 5) // the script is loaded, connections open
+
+	keys := cutRequests(t, h, []*cuttingProxy{proxy})
+	ran := expectAtMostOneTake(t, []*redistest.Server{srv}, h, keys, 5)
+	t.Logf("%d of %d requests reached Redis before their connection was cut", ran, len(keys))
+	if ran == 0 {
+		t.Fatal("no request reached Redis: the proxy cut too early to test anything")
+	}
+}
+
+func TestScriptCallRunsAtMostOnceCluster(t *testing.T) {
+	c := redistest.StartCluster(t, 3, 0)
+	ctx := context.Background()
+	// Each master announces its proxy's port, so the cluster client
+	// reaches every master through a proxy of the test's.
+	var proxies []*cuttingProxy
+	var seeds []string
+	for _, m := range c.Masters {
+		p := startCuttingProxy(t, m.Addr)
+		proxies = append(proxies, p)
+		seeds = append(seeds, p.addr)
+		_, port, _ := net.SplitHostPort(p.addr)
+		if err := m.Client(t).ConfigSet(ctx, "cluster-announce-port", port).Err(); err != nil {
+			t.Fatal(err)
+		}
+	}
+	eventually(t, 10*time.Second, "every master announces its proxy's port", func() bool {
+		for _, m := range c.Masters {
+			slots, err := m.Client(t).ClusterSlots(ctx).Result()
+			if err != nil {
+				return false
+			}
+			for _, s := range slots {
+				for _, n := range s.Nodes {
+					if !slices.Contains(seeds, n.Addr) {
+						return false
+					}
+				}
+			}
+		}
+		return true
+	})
+	h := caddyfileHandler(t, fmt.Sprintf(atMostOnceDirective, strings.Join(seeds, " ")))
+	for i := range 30 { // keys on every master: the script is loaded on each
+		expectBurstThenDeny(t, h, "warm-up-"+strconv.Itoa(i), 5)
+	}
+
+	keys := cutRequests(t, h, proxies)
+	ran := expectAtMostOneTake(t, c.Masters, h, keys, 5)
+	t.Logf("%d of %d requests reached Redis before their connection was cut", ran, len(keys))
+	if ran == 0 {
+		t.Fatal("no request reached Redis: the proxy cut too early to test anything")
+	}
+}

@@ -1,0 +1,157 @@
+package ratelimit
+
+import (
+	"strings"
+	"testing"
+
+	"github.com/caddyserver/caddy/v2"
+	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
+	"github.com/redis/go-redis/v9"
+)
+
+// Fuzz tests; their seed corpora are in testdata/fuzz. `make test` runs
+// each for a few seconds:
+//
+//	go test -run '^$' -fuzz '^FuzzUnmarshalCaddyfile$' -fuzztime 5s .
+
+// FuzzUnmarshalCaddyfile: any token stream gives an error or a handler
+// that validates, never a panic.
+func FuzzUnmarshalCaddyfile(f *testing.F) {
+	f.Add("rate_limit 10 20 2")
+	f.Add("rate_limit {\n\tzone api\n\tkey {http.request.header.X-API-Key}\n\treplenish_rate 100/1m\n\tburst_capacity 100\n}")
+	f.Add("rate_limit 1 1 {\n\tredis h1:6379 h2:6379 {\n\t\tmaster_name m\n\t\ttls {\n\t\t\tcert c\n\t\t\tkey k\n\t\t}\n\t}\n}")
+	f.Fuzz(func(t *testing.T, input string) {
+		tokens, err := caddyfile.Tokenize([]byte(input), "Fuzzfile")
+		if err != nil || len(tokens) == 0 {
+			return
+		}
+		h := new(Handler)
+		if err := h.UnmarshalCaddyfile(caddyfile.NewDispenser(tokens)); err != nil {
+			return
+		}
+		h.applyDefaults()
+		if err := h.Validate(); err != nil {
+			t.Fatalf("parsed, then refused by Validate: %v\n%q", err, input)
+		}
+		if _, err := parseKeyTemplate(h.Key); err != nil {
+			t.Fatalf("parsed, then the key template failed: %v\n%q", err, input)
+		}
+		if h.Redis != nil {
+			if err := h.Redis.validate(); err != nil {
+				t.Fatalf("parsed, then the redis block was refused: %v\n%q", err, input)
+			}
+		}
+	})
+}
+
+// FuzzKeyTemplate: for any template and any placeholder values, keys of
+// different values differ, keys stay bounded in length, and no brace
+// from a value reaches Redis.
+func FuzzKeyTemplate(f *testing.F) {
+	f.Add("{a}", "x", "y")
+	f.Add("{a}:{b}", "1:2", "1")
+	f.Add("{a}{b}", "|", "%7C")
+	f.Add("#{a}", "{tag}", strings.Repeat("z", 100))
+	f.Add("t-{a}%{b}", "%", "")
+	f.Fuzz(func(t *testing.T, template, v1, v2 string) {
+		tmpl, err := parseKeyTemplate(template)
+		if err != nil {
+			return
+		}
+		const prefix = "rate_limit:zone|tag|"
+		resolve := func(values map[string]string) string {
+			repl := caddy.NewReplacer()
+			for name, v := range values {
+				repl.Set(name, v)
+			}
+			return tmpl.redisKey(repl, prefix)
+		}
+		// Each placeholder takes v1, then one of them takes v2 instead.
+		names := map[string]bool{}
+		for _, p := range tmpl.parts {
+			if p.placeholder != "" {
+				names[p.placeholder] = true
+			}
+		}
+		first := map[string]string{}
+		for n := range names {
+			first[n] = v1
+		}
+		k1 := resolve(first)
+		for n := range names {
+			second := map[string]string{}
+			for m := range names {
+				second[m] = v1
+			}
+			second[n] = v2
+			k2 := resolve(second)
+			if v1 != v2 && v1 != "" && v2 != "" && k1 == k2 {
+				t.Fatalf("template %q: %q=%q and %q=%q give the same key %q", template, n, v1, n, v2, k1)
+			}
+			checkKey(t, template, prefix, k2)
+		}
+		checkKey(t, template, prefix, k1)
+	})
+}
+
+func checkKey(t *testing.T, template, prefix, key string) {
+	t.Helper()
+	if key == "" {
+		return // a placeholder was empty
+	}
+	client := strings.TrimPrefix(key, prefix)
+	if len(client) > maxVerbatimKey+len(template)+1 && len(client) > 23 {
+		t.Fatalf("template %q: key of %d bytes: %q", template, len(client), client)
+	}
+	if len(client) > maxVerbatimKey && client[0] != '#' {
+		t.Fatalf("template %q: a key over %d bytes is not hashed: %q", template, maxVerbatimKey, client)
+	}
+	if strings.ContainsAny(client, "{}") {
+		t.Fatalf("template %q: a brace reached the key %q", template, client)
+	}
+	// Values are escaped to printable ASCII; the template's own text is
+	// the operator's.
+	unprintable := func(r rune) bool { return r < 0x21 || r >= 0x7f }
+	if !strings.ContainsFunc(template, unprintable) && strings.ContainsFunc(client, unprintable) {
+		t.Fatalf("template %q: a control or non-ASCII byte of a value reached the key %q", template, client)
+	}
+}
+
+// FuzzParseReply: any reply, of any shape, is an answer or an error,
+// never a panic, and a malformed one is never read as a decision.
+func FuzzParseReply(f *testing.F) {
+	f.Add(uint8(3), int64(1), int64(4), int64(0), "")
+	f.Add(uint8(3), int64(0), int64(0), int64(500000), "")
+	f.Add(uint8(2), int64(1), int64(1), int64(1), "x")
+	f.Add(uint8(7), int64(-1), int64(-5), int64(-1), "OK")
+	f.Fuzz(func(t *testing.T, shape uint8, a, b, c int64, s string) {
+		cmd := redis.NewCmd(nil)
+		wellFormed := false
+		switch shape % 8 {
+		case 0:
+			cmd.SetVal(s)
+		case 1:
+			cmd.SetVal(a)
+		case 2:
+			cmd.SetVal([]any{a, b})
+		case 3:
+			cmd.SetVal([]any{a, b, c})
+			wellFormed = (a == 0 || a == 1) && b >= 0 && c >= 0 && c <= maxRetryMicros
+		case 4:
+			cmd.SetVal([]any{s, b, c})
+		case 5:
+			cmd.SetVal([]any{a, b, c, s})
+		case 6:
+			cmd.SetVal([]any{a, []any{b}, c})
+		case 7:
+			cmd.SetVal(nil)
+		}
+		res, err := parseReply(cmd)
+		if wellFormed != (err == nil) {
+			t.Fatalf("reply %#v: %+v, error %v; well-formed %v", cmd.Val(), res, err, wellFormed)
+		}
+		if err == nil && (res.Allowed != (a == 1) || res.Remaining != b || res.RetryAfter.Microseconds() != c) {
+			t.Fatalf("reply %#v read as %+v", cmd.Val(), res)
+		}
+	})
+}

@@ -122,7 +122,7 @@ func expectAtMostOneTake(t *testing.T, servers []*redistest.Server, h *Handler, 
 	for _, key := range keys {
 		var state string
 		for _, s := range servers {
-			v, err := s.Client(t).Get(context.Background(), h.bucketPrefix+key).Result()
+			v, err := s.Client(t).Get(context.Background(), h.limits[0].keyPrefix+key).Result()
 			if err == nil {
 				state = v
 				break
@@ -168,14 +168,12 @@ func cutRequests(t *testing.T, h *Handler, proxies []*cuttingProxy) []string {
 	for i := range batch {
 		key := "batched-" + strconv.Itoa(i)
 		keys = append(keys, key)
-		c := &call{key: h.bucketPrefix + key, deadline: time.Now().Add(time.Second), clientCtx: context.Background(), done: make(chan struct{}, 1)}
-		c.cmd = [7]any{evalSHA, scriptSHAValue, "1", &c.key, h.scriptArgs[0], h.scriptArgs[1], h.scriptArgs[2]}
-		batch[i] = c
+		batch[i] = newTestCall(h.limits[0].keyPrefix+key, h.limits[0].args, time.Now().Add(time.Second))
 	}
 	h.limiter.sendBatch(0, batch)
 	for _, c := range batch {
 		if c.err == nil {
-			t.Errorf("batched call %s through a cut connection: %+v, want an error", c.key, c.result)
+			t.Errorf("batched call %s through a cut connection: reply %v, want an error", c.keys[0], c.reply)
 		}
 	}
 	return keys

@@ -19,28 +19,32 @@ const (
 	queueLength       = 4096
 )
 
-// The command words as interface values, boxed once rather than per call.
-var (
-	evalSHA           any = "evalsha"
-	scriptSHAValue    any = scriptSHA
-	scriptSourceValue any = scriptSource
-)
-
-// call is one request's trip through the batcher, pooled: the caller
+// call is one script call's trip through the batcher, pooled: the caller
 // always gets its answer (by the deadline at the latest) and then puts
-// the call back.
+// the call back. Its slices keep their room from use to use.
 type call struct {
-	cmd       [7]any // EVALSHA, sha, 1, &key, rate, burst, requested
-	key       string // boxed as &key, which costs no allocation
+	// args are the command: EVALSHA, the script's SHA, the number of
+	// keys, &keys[i] for each key, then each bucket's arguments.
+	args      []any
+	keys      []string // boxed as &keys[i], which costs no allocation
+	source    any      // the script's source, for a server that lost it
 	deadline  time.Time
 	clientCtx context.Context // only asked whether the client left, so the call need not be sent
-	breaker   *breaker        // of the node that serves key
-	result    Result
+	breaker   *breaker        // of the node that serves the keys
+	reply     []int64
 	err       error
 	done      chan struct{} // one answer per use
 }
 
 var calls = sync.Pool{New: func() any { return &call{done: make(chan struct{}, 1)} }}
+
+// release clears a call, keeping its room, and puts it back.
+func (c *call) release() {
+	clear(c.args)
+	c.args, c.keys, c.reply = c.args[:0], c.keys[:0], c.reply[:0]
+	c.source, c.clientCtx, c.breaker, c.err = nil, nil, nil, nil
+	calls.Put(c)
+}
 
 // overloadError fails calls that this instance could not send in time.
 // They follow on_error like a Redis failure, but no breaker counts them:
@@ -126,7 +130,7 @@ func (l *limiter) sendBatch(worker int, batch []*call) {
 	resolved := true
 	send := live[:0]
 	for _, c := range live {
-		c.breaker = l.nodeBreaker(ctx, c.key, &resolved)
+		c.breaker = l.nodeBreaker(ctx, c.keys[0], &resolved)
 		if !c.breaker.allow() {
 			c.err = errBreakerOpen
 			c.done <- struct{}{}
@@ -178,16 +182,15 @@ func (onceCmd) NoRetry() bool { return true }
 
 // pipeline sends the calls in one pipeline (or alone when there is one),
 // by SHA or, with source, with the script's source, and stores each
-// call's own result or error.
+// call's own reply or error.
 func (l *limiter) pipeline(ctx context.Context, batch []*call, source bool) []*redis.Cmd {
 	cmds := make([]*redis.Cmd, len(batch))
 	for i, c := range batch {
 		if source {
-			eval := c.cmd
-			eval[0], eval[1] = "eval", scriptSourceValue
-			cmds[i] = redis.NewCmd(ctx, eval[:]...)
+			eval := append([]any{"eval", c.source}, c.args[2:]...)
+			cmds[i] = redis.NewCmd(ctx, eval...)
 		} else {
-			cmds[i] = redis.NewCmd(ctx, c.cmd[:]...)
+			cmds[i] = redis.NewCmd(ctx, c.args...)
 		}
 	}
 	if len(batch) == 1 {
@@ -200,37 +203,28 @@ func (l *limiter) pipeline(ctx context.Context, batch []*call, source bool) []*r
 		_, _ = pipe.Exec(ctx) // each command carries its own error
 	}
 	for i, c := range batch {
-		c.result, c.err = parseReply(cmds[i])
+		c.reply, c.err = readReply(cmds[i], c.reply)
 	}
 	return cmds
 }
 
-// maxRetryMicros bounds the wait a reply may give: no bucket takes longer
-// than a year to fill (checkLimit).
-const maxRetryMicros = maxFillSeconds * 1_000_000
-
-// parseReply reads the script's reply: {allowed, remaining, microseconds
-// until the requested tokens fit}.
-func parseReply(cmd *redis.Cmd) (Result, error) {
+// readReply reads a script's reply, an array of integers, into dst.
+func readReply(cmd *redis.Cmd, dst []int64) ([]int64, error) {
 	if err := cmd.Err(); err != nil {
-		return Result{}, err
+		return dst, err
 	}
 	v, ok := cmd.Val().([]any)
-	if !ok || len(v) != 3 {
-		return Result{}, fmt.Errorf("unexpected script reply %v", cmd.Val())
+	if !ok {
+		return dst, fmt.Errorf("unexpected script reply %v", cmd.Val())
 	}
-	allowed, ok1 := v[0].(int64)
-	remaining, ok2 := v[1].(int64)
-	retry, ok3 := v[2].(int64)
-	// Anything else is no answer at all: never read it as a denial.
-	if !ok1 || !ok2 || !ok3 || allowed>>1 != 0 || remaining < 0 || retry < 0 || retry > maxRetryMicros {
-		return Result{}, fmt.Errorf("unexpected script reply %v", v)
+	for _, x := range v {
+		n, ok := x.(int64)
+		if !ok {
+			return dst, fmt.Errorf("unexpected script reply %v", v)
+		}
+		dst = append(dst, n)
 	}
-	return Result{
-		Allowed:    allowed == 1,
-		Remaining:  remaining,
-		RetryAfter: time.Duration(retry) * time.Microsecond,
-	}, nil
+	return dst, nil
 }
 
 // batchTimer gives the batches of one worker a context that ends at the

@@ -60,8 +60,8 @@ func benchHandler(b *testing.B, srv *redistest.Server, zone string, rate float64
 	h := provision(b, &Handler{
 		Zone:          zone,
 		Key:           "{http.request.header.X-Key}",
-		ReplenishRate: rate,
-		BurstCapacity: ptr(burst),
+		ReplenishRate: floatParam(rate),
+		BurstCapacity: Param(strconv.FormatInt(burst, 10)),
 		Redis: &RedisConfig{
 			Addresses: []string{srv.Addr},
 			// A loaded test machine must not turn a slow reply into a
@@ -235,13 +235,13 @@ func BenchmarkKeyResolve(b *testing.B) {
 			r, _ := benchRequest("192.0.2.1", c.key)
 			repl := r.Context().Value(caddy.ReplacerCtxKey).(*caddy.Replacer)
 			const prefix = "rate_limit:bench|"
-			if tmpl.redisKey(repl, prefix) == "" {
+			if tmpl.redisKey(repl, prefix, "") == "" {
 				b.Fatal("empty key")
 			}
 			b.ReportAllocs()
 			b.ResetTimer()
 			for b.Loop() {
-				_ = tmpl.redisKey(repl, prefix)
+				_ = tmpl.redisKey(repl, prefix, "")
 			}
 		})
 	}

@@ -1,6 +1,7 @@
 package ratelimit
 
 import (
+	"encoding/json"
 	"fmt"
 	"strconv"
 	"strings"
@@ -70,25 +71,13 @@ func (h *Handler) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 	d.Next() // consume directive name
 
 	seen := map[string]bool{}
-	inline := []struct {
-		name string
-		set  func(string) error
-	}{{"replenish_rate", h.setReplenishRate}, {"burst_capacity", h.setBurstCapacity}, {"requested_tokens", h.setRequestedTokens}}
-	args := d.RemainingArgs()
-	if len(args) == 1 || len(args) > len(inline) {
-		return d.Errf("rate_limit: want <replenish_rate> <burst_capacity> [<requested_tokens>], got %d argument(s): '%s'",
-			len(args), strings.Join(args, " "))
+	fields := h.limitFields()
+	if err := fields.inline(d, seen, "rate_limit", d.RemainingArgs()); err != nil {
+		return err
 	}
-	for i, arg := range args {
-		seen[inline[i].name] = true
-		if err := inline[i].set(arg); err != nil {
-			return d.WrapErr(err)
-		}
-	}
-
 	for nesting := d.Nesting(); d.NextBlock(nesting); {
 		sub := d.Val()
-		if seen[sub] {
+		if seen[sub] && sub != "limit" {
 			return d.Errf("subdirective '%s' is given twice", sub)
 		}
 		seen[sub] = true
@@ -97,18 +86,8 @@ func (h *Handler) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 		switch sub {
 		case "zone":
 			err = value(func(v string) error { h.Zone = v; return checkZone(v) })
-		case "key":
-			err = value(func(v string) error {
-				h.Key = v
-				_, err := parseKeyTemplate(v)
-				return err
-			})
-		case "replenish_rate":
-			err = value(h.setReplenishRate)
-		case "burst_capacity":
-			err = value(h.setBurstCapacity)
-		case "requested_tokens":
-			err = value(h.setRequestedTokens)
+		case "limit":
+			err = h.unmarshalLimit(d)
 		case "deny_empty_key":
 			err = value(func(v string) error { return setBool(&h.DenyEmptyKey, sub, v) })
 		case "include_headers":
@@ -137,46 +116,173 @@ func (h *Handler) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 			h.Redis = new(RedisConfig)
 			err = h.Redis.unmarshalCaddyfile(d)
 		default:
-			return d.Errf("unrecognized rate_limit subdirective '%s'", sub)
+			var known bool
+			if known, err = fields.set(d, "", sub); !known {
+				return d.Errf("unrecognized rate_limit subdirective '%s'", sub)
+			}
 		}
 		if err != nil {
 			return err
 		}
 	}
 	// Validate judges this too; here the message can name the line.
-	if err := checkLimit(h.ReplenishRate, h.BurstCapacity, h.RequestedTokens); err != nil {
+	if err := h.checkLimits(); err != nil {
 		return d.WrapErr(err)
 	}
 	return nil
 }
 
-func (h *Handler) setReplenishRate(v string) error {
-	rate, err := parseRate(v)
-	if err != nil {
-		return fmt.Errorf("replenish_rate '%s': %w", v, err)
+// unmarshalLimit parses one limit of a policy; the dispenser is on
+// "limit":
+//
+//	limit <name> [<replenish_rate> <burst_capacity> [<requested_tokens>]] {
+//		key              <template>
+//		replenish_rate   <rate>
+//		burst_capacity   <integer>
+//		requested_tokens <integer>
+//		ipv4_prefix      <bits>
+//		ipv6_prefix      <bits>
+//	}
+func (h *Handler) unmarshalLimit(d *caddyfile.Dispenser) error {
+	args := d.RemainingArgs()
+	if len(args) == 0 {
+		return argErr(d, "limit")
 	}
-	h.ReplenishRate = rate
+	l := Limit{Name: args[0]}
+	if err := checkLimitName(l.Name); err != nil {
+		return d.WrapErr(err)
+	}
+	for _, other := range h.Limits {
+		if other.Name == l.Name {
+			return d.Errf("limit '%s' is given twice: limit names must be unique in a handler", l.Name)
+		}
+	}
+	block := "limit " + l.Name
+	seen := map[string]bool{}
+	fields := l.limitFields()
+	if err := fields.inline(d, seen, block, args[1:]); err != nil {
+		return err
+	}
+	for nesting := d.Nesting(); d.NextBlock(nesting); {
+		sub := d.Val()
+		if seen[sub] {
+			return d.Errf("%s: subdirective '%s' is given twice", block, sub)
+		}
+		seen[sub] = true
+		known, err := fields.set(d, block, sub)
+		if !known {
+			return d.Errf("unrecognized %s subdirective '%s' (a limit takes key, replenish_rate, burst_capacity, requested_tokens, ipv4_prefix and ipv6_prefix)", block, sub)
+		}
+		if err != nil {
+			return err
+		}
+	}
+	h.Limits = append(h.Limits, l)
 	return nil
 }
 
-func (h *Handler) setBurstCapacity(v string) error {
-	burst, err := strconv.ParseInt(v, 10, 64)
-	if err != nil {
-		return fmt.Errorf("burst_capacity '%s' is not a whole number", v)
+// limitFields are the subdirectives that a handler and each of its
+// limits have alike, as pointers into one of them.
+type limitFields struct {
+	key               *string
+	rate, burst, cost *Param
+	ipv4, ipv6        **int
+}
+
+func (h *Handler) limitFields() limitFields {
+	return limitFields{&h.Key, &h.ReplenishRate, &h.BurstCapacity, &h.RequestedTokens, &h.IPv4Prefix, &h.IPv6Prefix}
+}
+
+func (l *Limit) limitFields() limitFields {
+	return limitFields{&l.Key, &l.ReplenishRate, &l.BurstCapacity, &l.RequestedTokens, &l.IPv4Prefix, &l.IPv6Prefix}
+}
+
+// inline sets `<replenish_rate> <burst_capacity> [<requested_tokens>]`,
+// given on the line of the directive or limit, as the subdirectives of
+// the same names.
+func (f limitFields) inline(d *caddyfile.Dispenser, seen map[string]bool, block string, args []string) error {
+	if len(args) == 1 || len(args) > 3 {
+		return d.Errf("%s: want <replenish_rate> <burst_capacity> [<requested_tokens>], got %d argument(s): '%s'",
+			block, len(args), strings.Join(args, " "))
 	}
-	h.BurstCapacity = &burst
+	for i, arg := range args {
+		name := [...]string{"replenish_rate", "burst_capacity", "requested_tokens"}[i]
+		seen[name] = true
+		if err := f.setValue(name, arg); err != nil {
+			return d.WrapErr(err)
+		}
+	}
 	return nil
 }
 
-func (h *Handler) setRequestedTokens(v string) error {
-	n, err := strconv.ParseInt(v, 10, 64)
-	if err != nil {
-		return fmt.Errorf("requested_tokens '%s' is not a whole number", v)
+// set parses the subdirective sub, if it is one of the fields; block
+// names the enclosing block for messages.
+func (f limitFields) set(d *caddyfile.Dispenser, block, sub string) (known bool, err error) {
+	switch sub {
+	case "key", "replenish_rate", "burst_capacity", "requested_tokens", "ipv4_prefix", "ipv6_prefix":
+		return true, oneValue(d, block, func(v string) error { return f.setValue(sub, v) })
 	}
-	if n == 0 { // in JSON, 0 means the default; written out, it is a mistake
-		return fmt.Errorf("requested_tokens '0' must be at least 1")
+	return false, nil
+}
+
+// setValue sets one field from its text. Numbers are checked here, and
+// judged together at the end of the directive; values with placeholders
+// are kept as written, for each request to resolve.
+func (f limitFields) setValue(sub, v string) error {
+	p := Param(v)
+	switch sub {
+	case "key":
+		*f.key = v
+		_, err := parseKeyTemplate(v)
+		return err
+	case "ipv4_prefix":
+		return setPrefix(f.ipv4, sub, v, 32)
+	case "ipv6_prefix":
+		return setPrefix(f.ipv6, sub, v, 128)
+	case "replenish_rate":
+		if !p.perRequest() && v != unlimited {
+			rate, err := parseRate(v)
+			if err != nil {
+				return badValue(sub, v, ": "+err.Error())
+			}
+			p = floatParam(rate)
+		}
+		*f.rate = p
+	case "burst_capacity":
+		if !p.perRequest() && v != unlimited {
+			if _, err := strconv.ParseInt(v, 10, 64); err != nil {
+				return badValue(sub, v, "is not a whole number")
+			}
+		}
+		*f.burst = p
+	case "requested_tokens":
+		if !p.perRequest() {
+			n, err := strconv.ParseInt(v, 10, 64)
+			if err != nil {
+				return badValue(sub, v, "is not a whole number")
+			}
+			if n == 0 { // in JSON, 0 means the default; written out, it is a mistake
+				return badValue(sub, v, "must be at least 1")
+			}
+		}
+		*f.cost = p
 	}
-	h.RequestedTokens = n
+	return nil
+}
+
+// floatParam is a fixed rate as JSON writes a number, so that `100/1m`
+// adapts to the same JSON as it always has.
+func floatParam(f float64) Param {
+	b, _ := json.Marshal(f)
+	return Param(b)
+}
+
+func setPrefix(dst **int, sub, v string, most int) error {
+	n, err := strconv.Atoi(v)
+	if err != nil || n < 0 || n > most {
+		return fmt.Errorf("%s '%s': want a prefix length from 0 to %d", sub, v, most)
+	}
+	*dst = &n
 	return nil
 }
 
@@ -366,24 +472,6 @@ func setDuration(dst *caddy.Duration, sub, v string) error {
 	}
 	*dst = caddy.Duration(dur)
 	return nil
-}
-
-// parseRate reads tokens per second: a number (`10`, `0.5`) or a count
-// per duration (`100/1m`, `5000/1h`).
-func parseRate(s string) (float64, error) {
-	count, per, found := strings.Cut(s, "/")
-	n, err := strconv.ParseFloat(count, 64)
-	if err != nil || !(n > 0) || n > 1e15 {
-		return 0, fmt.Errorf("%s, or <count>/<duration> like 100/1m", wantRate)
-	}
-	if !found {
-		return n, nil
-	}
-	d, err := caddy.ParseDuration(per)
-	if err != nil || d <= 0 {
-		return 0, fmt.Errorf("the duration after '/' must be positive, like 1s, 1m or 1h")
-	}
-	return n / d.Seconds(), nil
 }
 
 // Interface guards

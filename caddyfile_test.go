@@ -27,17 +27,17 @@ func TestUnmarshalCaddyfileParsesEveryForm(t *testing.T) {
 		{
 			name:  "inline rate and burst",
 			input: `rate_limit 10 20`,
-			want:  Handler{ReplenishRate: 10, BurstCapacity: ptr(int64(20))},
+			want:  Handler{ReplenishRate: "10", BurstCapacity: "20"},
 		},
 		{
 			name:  "inline rate, burst and requested tokens",
 			input: `rate_limit 10 20 2`,
-			want:  Handler{ReplenishRate: 10, BurstCapacity: ptr(int64(20)), RequestedTokens: 2},
+			want:  Handler{ReplenishRate: "10", BurstCapacity: "20", RequestedTokens: "2"},
 		},
 		{
 			name:  "inline args with a block",
 			input: "rate_limit 10 20 {\n\tzone api\n}",
-			want:  Handler{Zone: "api", ReplenishRate: 10, BurstCapacity: ptr(int64(20))},
+			want:  Handler{Zone: "api", ReplenishRate: "10", BurstCapacity: "20"},
 		},
 		{
 			name: "every subdirective",
@@ -56,9 +56,9 @@ func TestUnmarshalCaddyfileParsesEveryForm(t *testing.T) {
 			want: Handler{
 				Zone:            "api",
 				Key:             "{http.request.header.X-API-Key}",
-				ReplenishRate:   10,
-				BurstCapacity:   ptr(int64(20)),
-				RequestedTokens: 2,
+				ReplenishRate:   "10",
+				BurstCapacity:   "20",
+				RequestedTokens: "2",
 				DenyEmptyKey:    ptr(false),
 				EmptyKeyStatus:  401,
 				StatusCode:      503,
@@ -69,47 +69,47 @@ func TestUnmarshalCaddyfileParsesEveryForm(t *testing.T) {
 		{
 			name:  "true booleans and on_error allow",
 			input: "rate_limit 1 1 {\n\tdeny_empty_key true\n\tinclude_headers true\n\ton_error allow\n}",
-			want: Handler{ReplenishRate: 1, BurstCapacity: ptr(int64(1)),
+			want: Handler{ReplenishRate: "1", BurstCapacity: "1",
 				DenyEmptyKey: ptr(true), IncludeHeaders: ptr(true), OnError: "allow"},
 		},
 		{
 			name:  "fractional rate",
 			input: "rate_limit 0.5 1",
-			want:  Handler{ReplenishRate: 0.5, BurstCapacity: ptr(int64(1))},
+			want:  Handler{ReplenishRate: "0.5", BurstCapacity: "1"},
 		},
 		{
 			name:  "rate per minute",
 			input: "rate_limit {\n\treplenish_rate 100/1m\n\tburst_capacity 100\n}",
-			want:  Handler{ReplenishRate: 1.6666666666666667, BurstCapacity: ptr(int64(100))},
+			want:  Handler{ReplenishRate: "1.6666666666666667", BurstCapacity: "100"},
 		},
 		{
 			name:  "rate per hour inline",
 			input: "rate_limit 5000/1h 100",
-			want:  Handler{ReplenishRate: 5000.0 / 3600, BurstCapacity: ptr(int64(100))},
+			want:  Handler{ReplenishRate: floatParam(5000.0 / 3600), BurstCapacity: "100"},
 		},
 		{
 			name:  "burst_capacity 0 alone blocks",
 			input: "rate_limit {\n\tburst_capacity 0\n}",
-			want:  Handler{BurstCapacity: ptr(int64(0))},
+			want:  Handler{BurstCapacity: "0"},
 		},
 		{
 			name:  "redis addresses inline and in the block add up",
 			input: "rate_limit 1 1 {\n\tredis 127.0.0.1:6379 127.0.0.1:6380 {\n\t\taddress 127.0.0.1:6381\n\t}\n}",
-			want: Handler{ReplenishRate: 1, BurstCapacity: ptr(int64(1)), Redis: &RedisConfig{
+			want: Handler{ReplenishRate: "1", BurstCapacity: "1", Redis: &RedisConfig{
 				Addresses: []string{"127.0.0.1:6379", "127.0.0.1:6380", "127.0.0.1:6381"},
 			}},
 		},
 		{
 			name:  "redis address repeated and URLs",
 			input: "rate_limit 1 1 {\n\tredis {\n\t\taddress redis://u:p@h1:6379\n\t\taddress rediss://h2:6380 [::1]:6379\n\t}\n}",
-			want: Handler{ReplenishRate: 1, BurstCapacity: ptr(int64(1)), Redis: &RedisConfig{
+			want: Handler{ReplenishRate: "1", BurstCapacity: "1", Redis: &RedisConfig{
 				Addresses: []string{"redis://u:p@h1:6379", "rediss://h2:6380", "[::1]:6379"},
 			}},
 		},
 		{
 			name:  "redis address placeholder is left for provisioning",
 			input: "rate_limit 1 1 {\n\tredis {env.REDIS_ADDRESS}\n}",
-			want: Handler{ReplenishRate: 1, BurstCapacity: ptr(int64(1)), Redis: &RedisConfig{
+			want: Handler{ReplenishRate: "1", BurstCapacity: "1", Redis: &RedisConfig{
 				Addresses: []string{"{env.REDIS_ADDRESS}"},
 			}},
 		},
@@ -137,7 +137,7 @@ func TestUnmarshalCaddyfileParsesEveryForm(t *testing.T) {
 					}
 				}
 			}`,
-			want: Handler{ReplenishRate: 1, BurstCapacity: ptr(int64(1)), Redis: &RedisConfig{
+			want: Handler{ReplenishRate: "1", BurstCapacity: "1", Redis: &RedisConfig{
 				Addresses:        []string{"10.0.0.1:26379", "10.0.0.2:26379"},
 				MasterName:       "mymaster",
 				SentinelUsername: "sentinel-user",
@@ -161,7 +161,7 @@ func TestUnmarshalCaddyfileParsesEveryForm(t *testing.T) {
 		{
 			name:  "empty redis and tls blocks",
 			input: "rate_limit 1 1 {\n\tredis {\n\t\ttls\n\t}\n}",
-			want: Handler{ReplenishRate: 1, BurstCapacity: ptr(int64(1)), Redis: &RedisConfig{
+			want: Handler{ReplenishRate: "1", BurstCapacity: "1", Redis: &RedisConfig{
 				TLS: &RedisTLS{},
 			}},
 		},
@@ -377,8 +377,8 @@ func TestProvisionValidateAcceptsAndDefaults(t *testing.T) {
 		check func(t *testing.T, h *Handler)
 	}{
 		{"burst defaults to the rate rounded up", "rate_limit {\n\treplenish_rate 2.5\n}", func(t *testing.T, h *Handler) {
-			if h.burst != 3 || h.RequestedTokens != 1 {
-				t.Errorf("burst %d, requested %d; want 3, 1", h.burst, h.RequestedTokens)
+			if v := h.limits[0].values; v.burst != 3 || v.requested != 1 {
+				t.Errorf("burst %d, requested %d; want 3, 1", v.burst, v.requested)
 			}
 		}},
 		{"defaults", "rate_limit 10 20", func(t *testing.T, h *Handler) {
@@ -405,8 +405,8 @@ func TestProvisionValidateAcceptsAndDefaults(t *testing.T) {
 				pool_size 5
 			}
 		}`, func(t *testing.T, h *Handler) {
-			if h.limiter == nil || !strings.HasPrefix(h.bucketPrefix, "rl:api|") || h.bucketPrefix != bucketPrefix("rl:", "api", h.Key) {
-				t.Errorf("limiter %v, bucket prefix %q", h.limiter, h.bucketPrefix)
+			if h.limiter == nil || !strings.HasPrefix(h.limits[0].keyPrefix, "rl:api|") || h.limits[0].keyPrefix != bucketPrefix("rl:", "api", h.Key) {
+				t.Errorf("limiter %v, bucket prefix %q", h.limiter, h.limits[0].keyPrefix)
 			}
 		}},
 		{"sentinel", "rate_limit 1 1 {\n\tredis h1:26379 h2:26379 {\n\t\tmaster_name mymaster\n\t\tdb 1\n\t}\n}", nil},
@@ -660,7 +660,7 @@ func TestLimitsThatCannotWorkRefusedAtLoad(t *testing.T) {
 	if _, err := parseTestCaddyfile("rate_limit 1 2 {\n\trequested_tokens 0\n}"); err == nil || !strings.Contains(err.Error(), "Testfile:2") {
 		t.Errorf("requested_tokens 0: %v, want refused at line 2", err)
 	}
-	if err := tryProvision(t, &Handler{ReplenishRate: 1, BurstCapacity: ptr(int64(2)), Redis: &RedisConfig{Addresses: []string{"127.0.0.1:1"}}}); err != nil {
+	if err := tryProvision(t, &Handler{ReplenishRate: "1", BurstCapacity: "2", Redis: &RedisConfig{Addresses: []string{"127.0.0.1:1"}}}); err != nil {
 		t.Errorf("JSON without requested_tokens: %v", err)
 	}
 	// The bounds themselves are accepted.

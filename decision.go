@@ -13,7 +13,9 @@ type decision uint8
 
 const (
 	decisionAllowed      decision = iota // tokens taken
-	decisionDenied                       // bucket empty (or burst_capacity 0)
+	decisionDenied                       // a bucket short (or burst_capacity 0)
+	decisionExempt                       // the rate resolved to `unlimited`
+	decisionInvalid                      // a value from the request out of range
 	decisionEmptyKey                     // the key resolved to nothing
 	decisionErrorAllowed                 // Redis failed, on_error allow
 	decisionErrorDenied                  // Redis failed, on_error deny
@@ -21,7 +23,7 @@ const (
 	numDecisions
 )
 
-var decisionNames = [numDecisions]string{"allowed", "denied", "empty_key", "error_allowed", "error_denied", "shadow_denied"}
+var decisionNames = [numDecisions]string{"allowed", "denied", "exempt", "invalid", "empty_key", "error_allowed", "error_denied", "shadow_denied"}
 
 func (d decision) String() string { return decisionNames[d] }
 
@@ -33,30 +35,56 @@ var decisionValues = func() (v [numDecisions]any) {
 	return v
 }()
 
+// emptyValue is the empty string as a placeholder value, boxed once.
+var emptyValue any = ""
+
 // record makes a decision visible: placeholders, the metric and a debug
-// line. retry is set on denials.
-func (h *Handler) record(repl *caddy.Replacer, d decision, key string, remaining int64, retry time.Duration) {
+// line. buckets[described] is the bucket the placeholders describe; none
+// when no bucket was consulted (described < 0).
+func (h *Handler) record(repl *caddy.Replacer, d decision, buckets []bucket, described int) {
+	var b *bucket
+	if described >= 0 && described < len(buckets) {
+		b = &buckets[described]
+	}
+	refused := b != nil && (d == decisionDenied || d == decisionShadowDenied)
 	repl.Set("http.rate_limit.zone", h.zoneValue)
 	repl.Set("http.rate_limit.result", decisionValues[d])
-	repl.Set("http.rate_limit.limit", h.limitValue)
-	if d != decisionEmptyKey {
-		repl.Set("http.rate_limit.remaining", remaining)
+	limitName, label := emptyValue, 0
+	if refused {
+		limitName, label = b.limit.nameValue, b.limit.index+1
 	}
-	if (d == decisionDenied || d == decisionShadowDenied) && retry > 0 {
-		repl.Set("http.rate_limit.retry_after", ceilSeconds(retry))
+	repl.Set("http.rate_limit.limit_name", limitName)
+	if b != nil {
+		if b.limit.fixed {
+			repl.Set("http.rate_limit.limit", b.limit.burstValue)
+		} else {
+			repl.Set("http.rate_limit.limit", b.values.burst)
+		}
+		repl.Set("http.rate_limit.remaining", b.remaining)
 	}
-	if h.LogKey && key != "" {
-		repl.Set("http.rate_limit.key", h.clientKey(key))
+	if refused {
+		if retry := retryAfter(buckets); retry > 0 {
+			repl.Set("http.rate_limit.retry_after", ceilSeconds(retry))
+		}
+	}
+	if h.LogKey && b != nil {
+		repl.Set("http.rate_limit.key", b.clientKey())
 	} else {
-		repl.Set("http.rate_limit.key", "") // empty, not left as literal text
+		repl.Set("http.rate_limit.key", emptyValue) // empty, not left as literal text
 	}
 	if h.metrics != nil {
-		h.metrics.requests[d].Inc()
+		h.metrics.requests[d][label].Inc()
 	}
 	if ce := h.logger.Check(zap.DebugLevel, "rate limit decision"); ce != nil {
-		fields := []zap.Field{zap.String("zone", h.Zone), zap.Stringer("result", d), zap.Int64("remaining", remaining)}
-		if h.LogKey && key != "" { // an empty key has no prefix to cut
-			fields = append(fields, zap.String("key", h.clientKey(key)))
+		fields := []zap.Field{zap.String("zone", h.Zone), zap.Stringer("result", d)}
+		if b != nil {
+			fields = append(fields, zap.Int64("remaining", b.remaining))
+			if b.limit.name != "" {
+				fields = append(fields, zap.String("limit", b.limit.name))
+			}
+			if h.LogKey {
+				fields = append(fields, zap.String("key", b.clientKey()))
+			}
 		}
 		ce.Write(fields...)
 	}
@@ -68,22 +96,29 @@ const shadowLogEvery = 5 * time.Second
 // logShadowDenial logs at info level that shadow mode let a request pass
 // that enforcement would deny, at most once per key per shadowLogEvery
 // and ten times a second per handler.
-func (h *Handler) logShadowDenial(key string, res Result) {
-	if !h.shadowKeys.allow(key, time.Now()) {
+func (h *Handler) logShadowDenial(buckets []bucket, described int) {
+	b := &buckets[described]
+	if !h.shadowKeys.allow(b.key, time.Now()) {
 		return
 	}
 	ok, suppressed := h.shadowLines.allow()
 	if !ok {
 		return
 	}
-	fields := []zap.Field{zap.String("zone", h.Zone), zap.Int64("remaining", res.Remaining),
-		zap.Int64("retry_after", ceilSeconds(res.RetryAfter))}
+	fields := []zap.Field{zap.String("zone", h.Zone), zap.Int64("remaining", b.remaining),
+		zap.Int64("retry_after", ceilSeconds(retryAfter(buckets)))}
+	if b.limit.name != "" {
+		fields = append(fields, zap.String("limit", b.limit.name))
+	}
 	if h.LogKey {
-		fields = append(fields, zap.String("key", h.clientKey(key)))
+		fields = append(fields, zap.String("key", b.clientKey()))
 	}
 	fields = append(fields, suppressedField(suppressed))
 	h.logger.Info("shadow mode: request would be rate limited", fields...)
 }
 
-// clientKey is the resolved key without the Redis prefix.
-func (h *Handler) clientKey(redisKey string) string { return redisKey[len(h.bucketPrefix):] }
+// clientKey is the bucket's Redis key without what the limit puts around
+// the client key: as logs and {http.rate_limit.key} show it.
+func (b *bucket) clientKey() string {
+	return b.key[len(b.limit.keyPrefix) : len(b.key)-len(b.limit.keySuffix)]
+}

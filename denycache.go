@@ -1,6 +1,7 @@
 package ratelimit
 
 import (
+	"math"
 	"sync"
 	"time"
 )
@@ -10,44 +11,74 @@ import (
 // and then arbitrary ones make room; forgetting only costs a Redis call.
 const denyCacheSize = 16384
 
-// denyCache remembers, per handler, buckets that denied a request and
-// until when, so a flood from one key is answered without Redis. It is
-// exact: tokens only come back with time, and the cache counts the wait
-// Redis gave from before the call left, so no request of the same cost
-// could be admitted sooner. This holds while every handler sharing the zone has
-// the same rate and burst and the bucket survives in Redis; see
-// TestDenyCacheNeverDeniesWhatRedisWouldAdmit.
+// denyCache remembers, per handler, buckets that were too short for a
+// request and until when, so a flood from one key is answered without
+// Redis. It is exact: tokens only come back with time, and the cache
+// counts the wait Redis gave from before the call left, so no request
+// with the same rate, burst and cost could be admitted sooner. This holds
+// while every handler sharing the zone refills at the same rate and the
+// bucket survives in Redis; see TestDenyCacheNeverDeniesWhatRedisWouldAdmit.
 type denyCache struct {
 	mu      sync.Mutex
-	entries map[string]time.Time // until when each bucket denies
+	entries map[string]denial
+}
+
+// denial is until when a bucket cannot hold the tokens a request asks,
+// for requests with these values: another rate, burst or cost asks Redis.
+type denial struct {
+	until  time.Time
+	values limitValues
 }
 
 func newDenyCache() *denyCache {
-	return &denyCache{entries: make(map[string]time.Time)}
+	return &denyCache{entries: make(map[string]denial)}
 }
 
-// get returns until when key's bucket denies, if that is after now.
-func (c *denyCache) get(key string, now time.Time) (time.Time, bool) {
-	c.mu.Lock()
-	until, ok := c.entries[key]
-	c.mu.Unlock()
-	if !ok || !now.Before(until) {
-		return time.Time{}, false
-	}
-	return until, true
-}
-
-// put records Redis's denial of a call sent at sent, fitting again
-// retryAfter later. The script rounds the wait up to the microsecond,
-// hence one taken off.
-func (c *denyCache) put(key string, sent time.Time, retryAfter time.Duration) {
-	until := sent.Add(retryAfter - time.Microsecond)
+// answer denies a request at now when one of its buckets is known to be
+// short, and then fills in what Redis would say of each such bucket now:
+// it has refilled since, so it holds requested - wait*rate tokens. The
+// other buckets are marked unknown.
+func (c *denyCache) answer(buckets []bucket, now time.Time) bool {
 	c.mu.Lock()
 	defer c.mu.Unlock()
-	if len(c.entries) >= denyCacheSize {
-		c.makeRoom(sent)
+	short := false
+	for i := range buckets {
+		d, ok := c.entries[buckets[i].key]
+		short = short || ok && d.values == buckets[i].values && now.Before(d.until)
 	}
-	c.entries[key] = until
+	if !short {
+		return false
+	}
+	for i := range buckets {
+		b := &buckets[i]
+		d, ok := c.entries[b.key]
+		if !ok || d.values != b.values || !now.Before(d.until) {
+			b.unknown = true
+			continue
+		}
+		b.retryAfter = d.until.Sub(now)
+		tokens := float64(b.values.requested) - b.retryAfter.Seconds()*b.values.rate
+		b.remaining = max(0, int64(math.Floor(tokens)))
+	}
+	return true
+}
+
+// put records Redis's denial of a request sent at sent: each bucket that
+// was short stays so for its wait. The script rounds waits up to the
+// microsecond, hence one taken off.
+func (c *denyCache) put(buckets []bucket, sent time.Time) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	for i := range buckets {
+		b := &buckets[i]
+		if b.retryAfter <= 0 {
+			continue
+		}
+		if len(c.entries) >= denyCacheSize {
+			c.makeRoom(sent)
+		}
+		c.entries[b.key] = denial{until: sent.Add(b.retryAfter - time.Microsecond), values: b.values}
+	}
 }
 
 // makeRoom drops the expired entries among a sample of 32, or, when none
@@ -55,11 +86,11 @@ func (c *denyCache) put(key string, sent time.Time, retryAfter time.Duration) {
 func (c *denyCache) makeRoom(now time.Time) {
 	var first string
 	seen, dropped := 0, 0
-	for k, until := range c.entries { // map order is random: a fair sample
+	for k, d := range c.entries { // map order is random: a fair sample
 		if seen == 0 {
 			first = k
 		}
-		if !now.Before(until) {
+		if !now.Before(d.until) {
 			delete(c.entries, k)
 			dropped++
 		}

@@ -42,8 +42,8 @@ func TestDenyCacheNeverDeniesWhatRedisWouldAdmit(t *testing.T) {
 	rdb := srv.Client(t)
 	const rate, burst, cost = 20.0, 20, 2
 	h := provision(t, &Handler{
-		Zone: "dc", Key: "{http.request.header.X-Key}", ReplenishRate: rate,
-		BurstCapacity: ptr(int64(burst)), RequestedTokens: cost,
+		Zone: "dc", Key: "{http.request.header.X-Key}", ReplenishRate: "20",
+		BurstCapacity: "20", RequestedTokens: "2",
 		Redis: &RedisConfig{Addresses: []string{srv.Addr}, Timeout: caddy.Duration(time.Second)},
 	})
 
@@ -61,9 +61,9 @@ func TestDenyCacheNeverDeniesWhatRedisWouldAdmit(t *testing.T) {
 		go func() {
 			defer wg.Done()
 			for time.Now().Before(deadline) {
-				key := h.bucketPrefix + "flood"
+				key := h.limits[0].keyPrefix + "flood"
 				started := time.Now()
-				_, cached := h.denied.get(key, started)
+				_, cached := cachedUntil(h.denied, key, started)
 				if status, _ := serve(context.Background(), h, "flood"); status == 200 {
 					admitted.Add(1)
 					continue
@@ -71,7 +71,7 @@ func TestDenyCacheNeverDeniesWhatRedisWouldAdmit(t *testing.T) {
 				if !cached {
 					continue // Redis itself denied
 				}
-				if _, still := h.denied.get(key, time.Now()); !still {
+				if _, still := cachedUntil(h.denied, key, time.Now()); !still {
 					continue // expired between the two looks: Redis may have answered
 				}
 				cacheDenials.Add(1)
@@ -110,7 +110,7 @@ func TestDenyCacheAnswersFloodWithoutRedis(t *testing.T) {
 	srv := redistest.Start(t)
 	rdb := srv.Client(t)
 	h := provision(t, &Handler{
-		Zone: "flood", Key: "{http.request.header.X-Key}", ReplenishRate: 0.1, BurstCapacity: ptr(int64(1)),
+		Zone: "flood", Key: "{http.request.header.X-Key}", ReplenishRate: "0.1", BurstCapacity: "1",
 		Redis: &RedisConfig{Addresses: []string{srv.Addr}},
 	})
 	if status, _ := serve(context.Background(), h, "one"); status != 200 {
@@ -133,17 +133,17 @@ func TestDenyCacheAnswersFloodWithoutRedis(t *testing.T) {
 func TestDenyCacheRemembersUntilTheRetry(t *testing.T) {
 	c := newDenyCache()
 	sent := time.Unix(1_700_000_000, 0)
-	c.put("k", sent, 1500*time.Millisecond)
+	putDenial(c, "k", sent, 1500*time.Millisecond)
 	// The script rounds its wait up to the microsecond: the bucket may
 	// hold the tokens up to a microsecond sooner.
 	until := sent.Add(1500*time.Millisecond - time.Microsecond)
-	if got, ok := c.get("k", until.Add(-time.Nanosecond)); !ok || !got.Equal(until) {
+	if got, ok := cachedUntil(c, "k", until.Add(-time.Nanosecond)); !ok || !got.Equal(until) {
 		t.Fatalf("just before the retry: %v %v, want the denial until %v", got, ok, until)
 	}
-	if got, ok := c.get("k", until); ok {
+	if got, ok := cachedUntil(c, "k", until); ok {
 		t.Fatalf("at the retry: still denied (until %v)", got)
 	}
-	if _, ok := c.get("other", sent); ok {
+	if _, ok := cachedUntil(c, "other", sent); ok {
 		t.Fatal("a key never denied is denied")
 	}
 }
@@ -152,12 +152,12 @@ func TestDenyCacheBounded(t *testing.T) {
 	c := newDenyCache()
 	now := time.Now()
 	for i := range 3 * denyCacheSize {
-		c.put("k"+strconv.Itoa(i), now, time.Hour)
+		putDenial(c, "k"+strconv.Itoa(i), now, time.Hour)
 	}
 	if n := len(c.entries); n > denyCacheSize {
 		t.Fatalf("%d entries, bound %d", n, denyCacheSize)
 	}
-	if _, ok := c.get("k"+strconv.Itoa(3*denyCacheSize-1), now); !ok {
+	if _, ok := cachedUntil(c, "k"+strconv.Itoa(3*denyCacheSize-1), now); !ok {
 		t.Fatal("the newest entry was dropped")
 	}
 
@@ -165,9 +165,9 @@ func TestDenyCacheBounded(t *testing.T) {
 	// many at a time, not one per insertion.
 	expired := newDenyCache()
 	for i := range denyCacheSize {
-		expired.put("e"+strconv.Itoa(i), now.Add(-time.Hour), time.Second)
+		putDenial(expired, "e"+strconv.Itoa(i), now.Add(-time.Hour), time.Second)
 	}
-	expired.put("new", now, time.Hour)
+	putDenial(expired, "new", now, time.Hour)
 	if n := len(expired.entries); n > denyCacheSize-16 {
 		t.Fatalf("%d entries after one insertion into a full cache of expired ones", n)
 	}
@@ -199,4 +199,26 @@ func TestDenyCacheReportsTheBucketAsItIsNow(t *testing.T) {
 	if got := hdr.Get("RateLimit"); !strings.Contains(got, ";r=2;t=1") {
 		t.Errorf("cached denial 1.1 s later: RateLimit %q, want r=2;t=1", got)
 	}
+}
+
+// testValues are the values of the deny cache's unit tests.
+var testValues = limitValues{rate: 1, burst: 10, requested: 1}
+
+// putDenial records a denial of the one bucket at key (with testValues)
+// sent at sent, short for wait.
+func putDenial(c *denyCache, key string, sent time.Time, wait time.Duration) {
+	c.put([]bucket{{key: key, values: testValues, retryAfter: wait}}, sent)
+}
+
+// cachedUntil is until when c denies a request on the one bucket at key
+// (with testValues), if it does at now.
+func cachedUntil(c *denyCache, key string, now time.Time) (time.Time, bool) {
+	c.mu.Lock()
+	d, ok := c.entries[key]
+	c.mu.Unlock()
+	b := []bucket{{key: key, values: d.values}}
+	if !ok || !c.answer(b, now) {
+		return time.Time{}, false
+	}
+	return d.until, true
 }

@@ -1,6 +1,7 @@
 package ratelimit
 
 import (
+	"context"
 	"strings"
 	"testing"
 
@@ -64,7 +65,7 @@ func FuzzKeyTemplate(f *testing.F) {
 			for name, v := range values {
 				repl.Set(name, v)
 			}
-			return tmpl.redisKey(repl, prefix)
+			return tmpl.redisKey(repl, prefix, "")
 		}
 		// Each placeholder takes v1, then one of them takes v2 instead.
 		names := map[string]bool{}
@@ -122,10 +123,12 @@ func checkKey(t *testing.T, template, prefix, key string) {
 func FuzzParseReply(f *testing.F) {
 	f.Add(uint8(3), int64(1), int64(4), int64(0), "")
 	f.Add(uint8(3), int64(0), int64(0), int64(500000), "")
+	f.Add(uint8(11), int64(1), int64(3), int64(0), "")
 	f.Add(uint8(2), int64(1), int64(1), int64(1), "x")
 	f.Add(uint8(7), int64(-1), int64(-5), int64(-1), "OK")
 	f.Fuzz(func(t *testing.T, shape uint8, a, b, c int64, s string) {
-		cmd := redis.NewCmd(nil)
+		cmd := redis.NewCmd(context.Background())
+		buckets := make([]bucket, 1+int(shape/8)%2) // one bucket, or two
 		wellFormed := false
 		switch shape % 8 {
 		case 0:
@@ -135,7 +138,11 @@ func FuzzParseReply(f *testing.F) {
 		case 2:
 			cmd.SetVal([]any{a, b})
 		case 3:
-			cmd.SetVal([]any{a, b, c})
+			reply := []any{a, b, c}
+			if len(buckets) == 2 {
+				reply = append(reply, b, c)
+			}
+			cmd.SetVal(reply)
 			wellFormed = (a == 0 || a == 1) && b >= 0 && c >= 0 && c <= maxRetryMicros
 		case 4:
 			cmd.SetVal([]any{s, b, c})
@@ -146,12 +153,18 @@ func FuzzParseReply(f *testing.F) {
 		case 7:
 			cmd.SetVal(nil)
 		}
-		res, err := parseReply(cmd)
-		if wellFormed != (err == nil) {
-			t.Fatalf("reply %#v: %+v, error %v; well-formed %v", cmd.Val(), res, err, wellFormed)
+		reply, err := readReply(cmd, nil)
+		var allowed bool
+		if err == nil {
+			allowed, err = readTake(reply, buckets)
 		}
-		if err == nil && (res.Allowed != (a == 1) || res.Remaining != b || res.RetryAfter.Microseconds() != c) {
-			t.Fatalf("reply %#v read as %+v", cmd.Val(), res)
+		if wellFormed != (err == nil) {
+			t.Fatalf("reply %#v: %v, error %v; well-formed %v", cmd.Val(), reply, err, wellFormed)
+		}
+		for _, bk := range buckets {
+			if err == nil && (allowed != (a == 1) || bk.remaining != b || bk.retryAfter.Microseconds() != c) {
+				t.Fatalf("reply %#v read as %v %+v", cmd.Val(), allowed, buckets)
+			}
 		}
 	})
 }

@@ -5,6 +5,7 @@ import (
 	"math"
 	"net/http"
 	"strconv"
+	"strings"
 	"time"
 )
 
@@ -17,53 +18,115 @@ const (
 )
 
 // rateLimitHeaders writes the rate-limit response headers: Spring Cloud
-// Gateway's `X-RateLimit-*` set and the IETF draft-10 `RateLimit` and
-// `RateLimit-Policy` fields. What does not change between requests is
-// formatted once.
+// Gateway's `X-RateLimit-*` set, which describes one limit, and the IETF
+// draft-10 `RateLimit` and `RateLimit-Policy` fields, an item per limit.
+// What does not change between requests is formatted once.
 type rateLimitHeaders struct {
-	spring, ietf           bool
+	spring, ietf bool
+	limits       []limitHeaders // by limit index
+	// policy is RateLimit-Policy when every limit applies with its fixed
+	// values (nil when some limit has placeholders).
+	policy []string
+}
+
+// limitHeaders are one fixed limit's header values.
+type limitHeaders struct {
 	rate, burst, requested []string
-	policy                 []string // RateLimit-Policy: "<zone>";q=<burst>;w=<seconds to fill>
-	ietfName               string   // "<zone>";r=
+	quoted                 string // "<zone>" or "<zone>.<name>"
+	policy                 string // its RateLimit-Policy item
 }
 
-func newRateLimitHeaders(style, zone string, rate float64, burst, requested int64) rateLimitHeaders {
+func newRateLimitHeaders(style string, limits []*limit) rateLimitHeaders {
+	rh := rateLimitHeaders{
+		spring: style == headersSpring || style == headersBoth,
+		ietf:   style == headersIETF || style == headersBoth,
+		limits: make([]limitHeaders, len(limits)),
+	}
 	one := func(s string) []string { return []string{s}[:1:1] } // an append copies: never shared
-	fill := int64(0)
-	if rate > 0 {
-		fill = int64(math.Ceil(float64(burst) / rate))
+	items := make([]string, 0, len(limits))
+	for i, l := range limits {
+		lh := &rh.limits[i]
+		lh.quoted = strconv.Quote(l.ietfName)
+		if l.fixed && !l.exempt {
+			lh.rate = one(strconv.FormatFloat(l.values.rate, 'f', -1, 64))
+			lh.burst = one(strconv.FormatInt(l.values.burst, 10))
+			lh.requested = one(strconv.FormatInt(l.values.requested, 10))
+			lh.policy = policyItem(lh.quoted, l.values)
+			items = append(items, lh.policy)
+		}
 	}
-	return rateLimitHeaders{
-		spring:    style == headersSpring || style == headersBoth,
-		ietf:      style == headersIETF || style == headersBoth,
-		rate:      one(strconv.FormatFloat(rate, 'f', -1, 64)),
-		burst:     one(strconv.FormatInt(burst, 10)),
-		requested: one(strconv.FormatInt(requested, 10)),
-		policy:    one(fmt.Sprintf("%q;q=%d;w=%d", zone, burst, fill)),
-		ietfName:  strconv.Quote(zone) + ";r=",
+	if len(items) == len(limits) {
+		rh.policy = one(strings.Join(items, ", "))
 	}
+	return rh
 }
 
-// set writes the headers of a request whose bucket was consulted.
-// remaining is -1 when Redis failed; next is how long until another
-// request fits, negative when none ever will (burst_capacity 0).
-func (rh *rateLimitHeaders) set(hdr http.Header, remaining int64, next time.Duration) {
-	if rh.spring {
-		hdr["X-Ratelimit-Remaining"] = countValue(remaining)
-		hdr["X-Ratelimit-Replenish-Rate"] = rh.rate
-		hdr["X-Ratelimit-Burst-Capacity"] = rh.burst
-		hdr["X-Ratelimit-Requested-Tokens"] = rh.requested
+// policyItem is a limit's RateLimit-Policy item: its burst as the quota
+// and the seconds an empty bucket takes to fill as the window.
+func policyItem(quoted string, v limitValues) string {
+	fill := int64(0)
+	if v.rate > 0 {
+		fill = int64(math.Ceil(float64(v.burst) / v.rate))
 	}
-	// The IETF fields describe a bucket; without an answer from Redis, or
-	// with a bucket that never refills, there is nothing true to say.
-	if rh.ietf && remaining >= 0 && next >= 0 {
-		b := make([]byte, 0, len(rh.ietfName)+24)
-		b = append(b, rh.ietfName...)
-		b = strconv.AppendInt(b, remaining, 10)
-		b = append(b, ";t="...)
-		b = strconv.AppendInt(b, ceilSeconds(next), 10)
-		hdr["Ratelimit"] = []string{string(b)}
+	return fmt.Sprintf("%s;q=%d;w=%d", quoted, v.burst, fill)
+}
+
+// set writes the headers of a request whose buckets were consulted; the
+// Spring set describes buckets[described]. A bucket's remaining is -1
+// when Redis failed, its retryAfter negative when it never refills
+// (burst_capacity 0).
+func (rh *rateLimitHeaders) set(hdr http.Header, buckets []bucket, described int) {
+	if rh.spring {
+		b := &buckets[described]
+		hdr["X-Ratelimit-Remaining"] = countValue(b.remaining)
+		if lh := &rh.limits[b.limit.index]; b.limit.fixed {
+			hdr["X-Ratelimit-Replenish-Rate"] = lh.rate
+			hdr["X-Ratelimit-Burst-Capacity"] = lh.burst
+			hdr["X-Ratelimit-Requested-Tokens"] = lh.requested
+		} else {
+			hdr["X-Ratelimit-Replenish-Rate"] = []string{strconv.FormatFloat(b.values.rate, 'f', -1, 64)}
+			hdr["X-Ratelimit-Burst-Capacity"] = countValue(b.values.burst)
+			hdr["X-Ratelimit-Requested-Tokens"] = countValue(b.values.requested)
+		}
+	}
+	if !rh.ietf {
+		return
+	}
+	// The IETF fields describe buckets; without an answer from Redis, or
+	// for a bucket that never refills, there is nothing true to say.
+	var stateBuf, policyBuf [128]byte
+	state, policy := stateBuf[:0], policyBuf[:0]
+	items := 0
+	for i := range buckets {
+		b := &buckets[i]
+		if b.unknown || b.remaining < 0 || b.retryAfter < 0 {
+			continue
+		}
+		lh := &rh.limits[b.limit.index]
+		if items > 0 {
+			state = append(state, ", "...)
+			policy = append(policy, ", "...)
+		}
+		items++
+		state = append(state, lh.quoted...)
+		state = append(state, ";r="...)
+		state = strconv.AppendInt(state, b.remaining, 10)
+		state = append(state, ";t="...)
+		state = strconv.AppendInt(state, ceilSeconds(b.retryAfter), 10)
+		if rh.policy == nil {
+			policy = append(policy, policyItem(lh.quoted, b.values)...)
+		} else {
+			policy = append(policy, lh.policy...)
+		}
+	}
+	if items == 0 {
+		return
+	}
+	hdr["Ratelimit"] = []string{string(state)}
+	if rh.policy != nil && items == len(rh.limits) {
 		hdr["Ratelimit-Policy"] = rh.policy
+	} else {
+		hdr["Ratelimit-Policy"] = []string{string(policy)}
 	}
 }
 

@@ -46,9 +46,11 @@ func TestRateLimitHeadersByStyle(t *testing.T) {
 		{"none", headersNone, 10, 20, 1, 5, time.Second, http.Header{}},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			rh := newRateLimitHeaders(tc.style, "api", tc.rate, tc.burst, tc.requested)
+			l := &limit{ietfName: "api", fixed: true, values: limitValues{tc.rate, tc.burst, tc.requested}}
+			rh := newRateLimitHeaders(tc.style, []*limit{l})
+			buckets := []bucket{{limit: l, values: l.values, remaining: tc.remaining, retryAfter: tc.next}}
 			got := http.Header{}
-			rh.set(got, tc.remaining, tc.next)
+			rh.set(got, buckets, 0)
 			if !reflect.DeepEqual(got, tc.want) {
 				t.Fatalf("got %v, want %v", got, tc.want)
 			}
@@ -58,7 +60,7 @@ func TestRateLimitHeadersByStyle(t *testing.T) {
 				got.Add(name, "changed")
 			}
 			again := http.Header{}
-			rh.set(again, tc.remaining, tc.next)
+			rh.set(again, buckets, 0)
 			if !reflect.DeepEqual(again, tc.want) {
 				t.Fatalf("after a response's headers were added to: %v, want %v", again, tc.want)
 			}

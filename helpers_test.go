@@ -268,21 +268,40 @@ func newTestLimiter(tb testing.TB, addr string, timeout time.Duration) *limiter 
 
 // limitArgs are the script's arguments, formatted as Provision formats
 // them.
-func limitArgs(rate float64, burst, requested int64) []any {
-	return []any{
-		strconv.FormatFloat(rate, 'f', -1, 64),
-		strconv.FormatInt(burst, 10),
-		strconv.FormatInt(requested, 10),
-	}
+func limitArgs(rate float64, burst, requested int64) [3]any {
+	return limitValues{rate, burst, requested}.scriptArgs()
 }
 
-func mustTake(t *testing.T, b *limiter, key string, args []any) Result {
+// takeResult is what one bucket answered.
+type takeResult struct {
+	Allowed    bool
+	Remaining  int64
+	RetryAfter time.Duration
+}
+
+// takeOne asks l to take from the one bucket at key.
+func takeOne(ctx context.Context, l *limiter, now time.Time, key string, args [3]any) (takeResult, error) {
+	b := []bucket{{key: key, args: args}}
+	allowed, err := l.take(ctx, now, b)
+	return takeResult{allowed, b[0].remaining, b[0].retryAfter}, err
+}
+
+func mustTake(t *testing.T, l *limiter, key string, args [3]any) takeResult {
 	t.Helper()
-	res, err := b.take(context.Background(), time.Now(), key, args)
+	res, err := takeOne(context.Background(), l, time.Now(), key, args)
 	if err != nil {
 		t.Fatalf("take %s: %v", key, err)
 	}
 	return res
+}
+
+// newTestCall is a check-and-take call on one bucket, as the limiter
+// queues it, due by deadline.
+func newTestCall(key string, args [3]any, deadline time.Time) *call {
+	c := &call{keys: []string{key}, source: scriptSourceValue, deadline: deadline,
+		clientCtx: context.Background(), done: make(chan struct{}, 1)}
+	c.args = []any{evalSHA, scriptSHAValue, "1", &c.keys[0], args[0], args[1], args[2]}
+	return c
 }
 
 // infoStat reads one integer field of INFO.

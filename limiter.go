@@ -9,6 +9,7 @@ import (
 	"errors"
 	"fmt"
 	"net"
+	"strconv"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -19,15 +20,37 @@ import (
 	"go.uber.org/zap"
 )
 
-//go:embed script.lua
-var scriptSource string
+// The scripts, named by their SHA for EVALSHA; a source is sent again
+// only when the server has lost its script cache.
+var (
+	//go:embed script.lua
+	scriptSource string
+	scriptSHA    = sha1Hex(scriptSource)
+	//go:embed giveback.lua
+	giveBackSource string
+	giveBackSHA    = sha1Hex(giveBackSource)
+)
 
-// scriptSHA names the check-and-take script for EVALSHA; the source is
-// sent again only when the server has lost its script cache.
-var scriptSHA = func() string {
-	sum := sha1.Sum([]byte(scriptSource))
+func sha1Hex(s string) string {
+	sum := sha1.Sum([]byte(s))
 	return hex.EncodeToString(sum[:])
-}()
+}
+
+// The command's words as interface values, boxed once rather than per
+// call.
+var (
+	evalSHA             any = "evalsha"
+	scriptSHAValue      any = scriptSHA
+	scriptSourceValue   any = scriptSource
+	giveBackSHAValue    any = giveBackSHA
+	giveBackSourceValue any = giveBackSource
+	keyCounts               = func() (v [maxInlineBuckets + 1]any) {
+		for i := range v {
+			v[i] = strconv.Itoa(i)
+		}
+		return v
+	}()
+)
 
 func init() {
 	redis.SetLogger(redisLogger{})
@@ -42,18 +65,6 @@ func (redisLogger) Printf(_ context.Context, format string, v ...any) {
 	if ce := caddy.Log().Named("rate_limit.redis").Check(zap.DebugLevel, "go-redis"); ce != nil {
 		ce.Write(zap.String("message", fmt.Sprintf(format, v...)))
 	}
-}
-
-// Result is the outcome of one check-and-take.
-type Result struct {
-	// Allowed says whether the tokens were taken.
-	Allowed bool
-	// Remaining is the whole tokens left in the bucket, rounded down.
-	Remaining int64
-	// RetryAfter is how long until the bucket holds the requested tokens
-	// again: when a denied request may retry, or, after an allowed one,
-	// when the next fits (zero when it fits now).
-	RetryAfter time.Duration
 }
 
 // limiter is one Redis client with its batcher (batch.go), shared by
@@ -205,6 +216,7 @@ func (l *limiter) loadScript(within time.Duration) {
 	ctx, cancel := context.WithTimeout(context.Background(), within)
 	defer cancel()
 	_ = l.client.ScriptLoad(ctx, scriptSource).Err()
+	_ = l.client.ScriptLoad(ctx, giveBackSource).Err()
 }
 
 // lingerIdle is how long a released limiter must go without calls before
@@ -236,15 +248,49 @@ func (l *limiter) Destruct() error {
 	return nil
 }
 
-// take asks Redis to take the requested tokens from the bucket at key.
-// args are the script's arguments (rate, burst, requested). The answer
-// comes within the timeout from now. A call whose client has left
-// (clientCtx done) by the time its batch goes out is not sent, so it
-// takes no tokens.
-func (l *limiter) take(clientCtx context.Context, now time.Time, key string, args []any) (Result, error) {
+// take checks and takes every bucket's requested tokens, all or none,
+// and fills in each bucket's answer. The answer comes within the timeout
+// from now. A call whose client has left (clientCtx done) by the time its
+// batch goes out is not sent, so it takes no tokens.
+func (l *limiter) take(clientCtx context.Context, now time.Time, buckets []bucket) (allowed bool, err error) {
+	c, err := l.call(clientCtx, now, scriptSHAValue, scriptSourceValue, buckets)
+	if err == nil {
+		allowed, err = readTake(c.reply, buckets)
+	}
+	c.release()
+	return allowed, err
+}
+
+// giveBack returns each bucket's requested tokens, which the request took
+// before a later group of its buckets refused.
+func (l *limiter) giveBack(clientCtx context.Context, now time.Time, buckets []bucket) error {
+	c, err := l.call(clientCtx, now, giveBackSHAValue, giveBackSourceValue, buckets)
+	c.release()
+	return err
+}
+
+// call runs a script over the buckets (their keys and arguments) through
+// the batcher and returns the answered call, for the caller to read and
+// release.
+func (l *limiter) call(clientCtx context.Context, now time.Time, sha, source any, buckets []bucket) (*call, error) {
 	c := calls.Get().(*call)
-	c.key = key
-	c.cmd = [7]any{evalSHA, scriptSHAValue, "1", &c.key, args[0], args[1], args[2]}
+	for i := range buckets {
+		c.keys = append(c.keys, buckets[i].key)
+	}
+	var n any
+	if len(buckets) < len(keyCounts) {
+		n = keyCounts[len(buckets)]
+	} else {
+		n = strconv.Itoa(len(buckets))
+	}
+	c.args = append(c.args, evalSHA, sha, n)
+	for i := range c.keys {
+		c.args = append(c.args, &c.keys[i])
+	}
+	for i := range buckets {
+		c.args = append(c.args, buckets[i].args[:]...)
+	}
+	c.source = source
 	c.deadline = now.Add(l.timeout)
 	c.clientCtx = clientCtx
 	l.lastCall.Store(now.UnixNano())
@@ -260,14 +306,32 @@ func (l *limiter) take(clientCtx context.Context, now time.Time, key string, arg
 		}
 	}
 	l.closing.RUnlock()
-	if err == nil {
-		<-c.done
-		err = c.err
+	if err != nil {
+		return c, err
 	}
-	res := c.result
-	*c = call{done: c.done}
-	calls.Put(c)
-	return res, err
+	<-c.done
+	return c, c.err
+}
+
+// maxRetryMicros bounds the wait a reply may give: no bucket takes longer
+// than a year to fill (limitValues.check).
+const maxRetryMicros = maxFillSeconds * 1_000_000
+
+// readTake reads the check-and-take reply, {allowed, then per bucket:
+// remaining, microseconds until it holds its requested tokens}, into the
+// buckets. Anything else is no answer at all: never read as a denial.
+func readTake(reply []int64, buckets []bucket) (allowed bool, err error) {
+	if len(reply) != 1+2*len(buckets) || reply[0]>>1 != 0 {
+		return false, fmt.Errorf("unexpected script reply %v", reply)
+	}
+	for i := range buckets {
+		remaining, wait := reply[1+2*i], reply[2+2*i]
+		if remaining < 0 || wait < 0 || wait > maxRetryMicros {
+			return false, fmt.Errorf("unexpected script reply %v", reply)
+		}
+		buckets[i].remaining, buckets[i].retryAfter = remaining, time.Duration(wait)*time.Microsecond
+	}
+	return reply[0] == 1, nil
 }
 
 // reloadSlotsAfter makes a cluster client find a failed-over master

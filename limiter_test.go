@@ -142,7 +142,7 @@ func TestScriptKeepsBoundUnderConcurrency(t *testing.T) {
 		go func() {
 			defer wg.Done()
 			for time.Now().Before(deadline) {
-				res, err := b.take(context.Background(), time.Now(), "shared", args)
+				res, err := takeOne(context.Background(), b, time.Now(), "shared", args)
 				if err != nil {
 					t.Error(err)
 					return
@@ -192,20 +192,13 @@ func TestScriptBatchKeepsResultsApart(t *testing.T) {
 	b := newTestLimiter(t, srv.Addr, time.Second)
 	// One batch, built by hand: 3 buckets, one of them asked for more than
 	// its burst, and a malformed call whose error must stay its own.
-	newCall := func(key string, args []any) *call {
-		return &call{
-			cmd:       [7]any{"evalsha", scriptSHA, "1", key, args[0], args[1], args[2]},
-			deadline:  time.Now().Add(time.Second),
-			clientCtx: context.Background(),
-			done:      make(chan struct{}, 1),
-		}
-	}
+	deadline := time.Now().Add(time.Second)
 	batch := []*call{
-		newCall("a", limitArgs(1, 2, 1)),
-		newCall("b", limitArgs(1, 5, 5)),
-		newCall("a", limitArgs(1, 2, 1)),
-		newCall("bad", []any{"not-a-number", "x", "y"}),
-		newCall("a", limitArgs(1, 2, 1)),
+		newTestCall("a", limitArgs(1, 2, 1), deadline),
+		newTestCall("b", limitArgs(1, 5, 5), deadline),
+		newTestCall("a", limitArgs(1, 2, 1), deadline),
+		newTestCall("bad", [3]any{"not-a-number", "x", "y"}, deadline),
+		newTestCall("a", limitArgs(1, 2, 1), deadline),
 	}
 	b.sendBatch(0, batch) // as worker 0, which is idle: nothing else is queued
 	want := []struct {
@@ -222,8 +215,13 @@ func TestScriptBatchKeepsResultsApart(t *testing.T) {
 		if (c.err != nil) != want[i].err {
 			t.Fatalf("call %d: err %v, want error %v", i, c.err, want[i].err)
 		}
-		if c.err == nil && (c.result.Allowed != want[i].allowed || c.result.Remaining != want[i].remaining) {
-			t.Fatalf("call %d: got %+v, want %+v", i, c.result, want[i])
+		if c.err != nil {
+			continue
+		}
+		b := []bucket{{}}
+		allowed, err := readTake(c.reply, b)
+		if err != nil || allowed != want[i].allowed || b[0].remaining != want[i].remaining {
+			t.Fatalf("call %d: reply %v (%v), want %+v", i, c.reply, err, want[i])
 		}
 	}
 }
@@ -235,7 +233,7 @@ func TestBackendTimeoutBoundsWait(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 50*time.Millisecond)
 	defer cancel()
 	start := time.Now()
-	_, err := b.take(ctx, time.Now(), "k", limitArgs(1, 1, 1))
+	_, err := takeOne(ctx, b, time.Now(), "k", limitArgs(1, 1, 1))
 	if !isNetworkError(err) { // the caller's deadline or the pipeline's read timeout, whichever fired first
 		t.Fatalf("err %v, want a timeout", err)
 	}
@@ -259,7 +257,7 @@ func TestBatchingCoalescesConcurrentCalls(t *testing.T) {
 			defer wg.Done()
 			key := "client-" + strconv.Itoa(i)
 			for range each {
-				if res, err := b.take(context.Background(), time.Now(), key, args); err != nil || !res.Allowed {
+				if res, err := takeOne(context.Background(), b, time.Now(), key, args); err != nil || !res.Allowed {
 					t.Errorf("%s: %+v %v", key, res, err)
 					return
 				}
@@ -287,7 +285,7 @@ func TestBatchedCallGivingUpLeavesNeighboursAlone(t *testing.T) {
 	go rdb.Do(context.Background(), "DEBUG", "SLEEP", "0.3")
 	time.Sleep(50 * time.Millisecond)
 	for i := range pipelinesInFlight {
-		go b.take(context.Background(), time.Now(), "blocker"+strconv.Itoa(i), args)
+		go takeOne(context.Background(), b, time.Now(), "blocker"+strconv.Itoa(i), args)
 		time.Sleep(10 * time.Millisecond)
 	}
 
@@ -303,7 +301,7 @@ func TestBatchedCallGivingUpLeavesNeighboursAlone(t *testing.T) {
 			if i == 0 {
 				ctx = impatient
 			}
-			_, errs[i] = b.take(ctx, time.Now(), "n"+strconv.Itoa(i), args)
+			_, errs[i] = takeOne(ctx, b, time.Now(), "n"+strconv.Itoa(i), args)
 		}()
 	}
 	wg.Wait()
@@ -340,7 +338,7 @@ func TestBackendTimeoutCoversSlowDial(t *testing.T) {
 
 	for range 3 {
 		start := time.Now()
-		if _, err := b.take(context.Background(), start, "k", limitArgs(1, 1, 1)); err == nil {
+		if _, err := takeOne(context.Background(), b, start, "k", limitArgs(1, 1, 1)); err == nil {
 			t.Fatal("a silent server answered")
 		}
 		if waited := time.Since(start); waited > 300*time.Millisecond {
@@ -362,7 +360,7 @@ func TestBucketStoredInTheFutureRefillsFromNow(t *testing.T) {
 		t.Fatal(err)
 	}
 	ahead := now.Add(time.Minute).UnixMicro()
-	if err := rdb.Set(ctx, h.bucketPrefix+"skewed", "0 "+strconv.FormatInt(ahead, 10), time.Hour).Err(); err != nil {
+	if err := rdb.Set(ctx, h.limits[0].keyPrefix+"skewed", "0 "+strconv.FormatInt(ahead, 10), time.Hour).Err(); err != nil {
 		t.Fatal(err)
 	}
 	status, header := serve(ctx, h, "skewed")

@@ -20,17 +20,20 @@ var collectors = struct {
 // zoneMetrics are one zone's series, looked up once at provision time so
 // that a request only increments.
 type zoneMetrics struct {
-	requests      [numDecisions]prometheus.Counter
+	// requests by decision, then by the limit that refused: index 0 for
+	// none (an admitted request, or a handler without `limits`), i+1 for
+	// the handler's limit i.
+	requests      [numDecisions][]prometheus.Counter
 	redisDuration prometheus.Observer
 }
 
-func newZoneMetrics(registry prometheus.Registerer, zone string) (*zoneMetrics, error) {
+func newZoneMetrics(registry prometheus.Registerer, zone string, limits []*limit) (*zoneMetrics, error) {
 	collectors.once.Do(func() {
 		const ns, sub = "caddy", "rate_limit"
 		collectors.requests = prometheus.NewCounterVec(prometheus.CounterOpts{
 			Namespace: ns, Subsystem: sub, Name: "requests_total",
-			Help: "Requests the rate limiter decided, by zone and result.",
-		}, []string{"zone", "result"})
+			Help: "Requests the rate limiter decided, by zone, result and the limit that refused.",
+		}, []string{"zone", "result", "limit"})
 		collectors.redisDuration = prometheus.NewHistogramVec(prometheus.HistogramOpts{
 			Namespace: ns, Subsystem: sub, Name: "redis_duration_seconds",
 			Help:    "Time of the Redis step of one request, by zone.",
@@ -50,7 +53,17 @@ func newZoneMetrics(registry prometheus.Registerer, zone string) (*zoneMetrics, 
 	}
 	m := &zoneMetrics{redisDuration: collectors.redisDuration.WithLabelValues(zone)}
 	for d := range numDecisions {
-		m.requests[d] = collectors.requests.WithLabelValues(zone, d.String())
+		m.requests[d] = []prometheus.Counter{collectors.requests.WithLabelValues(zone, d.String(), "")}
+		if d != decisionDenied && d != decisionShadowDenied {
+			continue
+		}
+		for _, l := range limits {
+			if l.name == "" {
+				m.requests[d] = append(m.requests[d], m.requests[d][0])
+			} else {
+				m.requests[d] = append(m.requests[d], collectors.requests.WithLabelValues(zone, d.String(), l.name))
+			}
+		}
 	}
 	return m, nil
 }

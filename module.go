@@ -24,7 +24,7 @@ func init() {
 	caddy.RegisterModule(Handler{})
 }
 
-// Handler limits requests with a token bucket kept in Redis, with the
+// Handler limits requests with token buckets kept in Redis, with the
 // semantics of Spring Cloud Gateway's RedisRateLimiter. A bucket holds at
 // most `burst_capacity` tokens and refills continuously at
 // `replenish_rate` tokens per second; each request takes
@@ -33,8 +33,13 @@ func init() {
 // atomic Lua script checks and takes, using the Redis server's clock.
 //
 // Each client has its own bucket, chosen by `key` (default: the client
-// IP). Denied requests get a `Retry-After` header, and every response
-// whose bucket was consulted carries the headers that `headers` selects:
+// IP). With `limits`, a request must fit in several buckets at once (10
+// a second and 1,000 an hour, per client and per tenant): it is admitted
+// only if every one holds its tokens, and then all are taken. Rates,
+// bursts and costs may come from placeholders per request (plans, costly
+// endpoints). Denied requests get a `Retry-After` header, and every
+// response whose buckets were consulted carries the headers that
+// `headers` selects:
 //
 // Header | Meaning
 // -------|--------
@@ -42,8 +47,11 @@ func init() {
 // `X-RateLimit-Replenish-Rate` | tokens added per second
 // `X-RateLimit-Burst-Capacity` | most tokens the bucket holds
 // `X-RateLimit-Requested-Tokens` | tokens each request takes
-// `RateLimit-Policy` | IETF draft-10: `"<zone>";q=<burst>;w=<seconds to fill>`
-// `RateLimit` | IETF draft-10: `"<zone>";r=<remaining>;t=<seconds until a request fits>`
+// `RateLimit-Policy` | IETF draft-10: `"<zone>";q=<burst>;w=<seconds to fill>`, an item per limit (`"<zone>.<name>"`)
+// `RateLimit` | IETF draft-10: `"<zone>";r=<remaining>;t=<seconds until a request fits>`, an item per limit
+//
+// With several limits, the `X-RateLimit-*` set describes the limit that
+// refused, or, when admitted, the one with the fewest requests left.
 //
 // On a site with `handle_errors` routes, denials are returned as errors
 // that those routes can shape; elsewhere the status is written directly,
@@ -52,48 +60,73 @@ func init() {
 // Placeholder | Description
 // ------------|-------------
 // `{http.rate_limit.zone}` | the zone
-// `{http.rate_limit.result}` | `allowed`, `denied`, `empty_key`, `error_allowed`, `error_denied` or `shadow_denied`
+// `{http.rate_limit.result}` | `allowed`, `denied`, `exempt`, `invalid`, `empty_key`, `error_allowed`, `error_denied` or `shadow_denied`
+// `{http.rate_limit.limit_name}` | the limit that refused (with `limits`); empty when admitted
 // `{http.rate_limit.remaining}` | whole tokens left; `-1` when Redis failed
 // `{http.rate_limit.limit}` | the burst capacity
 // `{http.rate_limit.retry_after}` | on denial, seconds until a retry can succeed, as in `Retry-After`
 // `{http.rate_limit.key}` | the client key as stored (escaped, or hashed when long), only with `log_key` (else empty)
 //
 // It counts its decisions in the `caddy_rate_limit_requests_total`
-// metric (labels `zone` and `result`), times Redis in
+// metric (labels `zone`, `result` and `limit`), times Redis in
 // `caddy_rate_limit_redis_duration_seconds` and reports its circuit
 // breaker in `caddy_rate_limit_breaker_open`.
 type Handler struct {
 	// Zone names the space of buckets: letters, digits, `-`, `_`, `.` and
-	// `:`. Handlers with the same zone and key share a bucket, also across
-	// Caddy instances. Default: a name derived from the key template, the
-	// rate and the burst, so handlers that should count separately but
-	// share those need zones of their own.
+	// `:`. Handlers with the same zone and key template share buckets,
+	// also across Caddy instances. Default: a name derived from the key
+	// template(s), the rate(s) and the burst(s), so handlers that should
+	// count separately but share those need zones of their own.
 	Zone string `json:"zone,omitempty"`
 
 	// Key is the template whose value picks the client's bucket, with any
 	// placeholders, e.g. `{http.request.header.X-API-Key}` or
 	// `{http.vars.client_ip}:{http.request.header.X-Tenant}`. When any
 	// placeholder in it is empty, the key is empty (see `deny_empty_key`).
+	// Addresses in it are cut to `ipv4_prefix` and `ipv6_prefix`.
 	// Default: `{http.vars.client_ip}`, which honours the server's
 	// `trusted_proxies`.
 	Key string `json:"key,omitempty"`
 
 	// ReplenishRate is how many tokens a bucket gains per second,
-	// continuously; fractions work (`0.5` is one token every two seconds).
-	// Required unless `burst_capacity` is 0.
-	ReplenishRate float64 `json:"replenish_rate,omitempty"`
+	// continuously: a number (fractions work: `0.5` is one token every two
+	// seconds) or, in a string, a count per duration (`100/1m`), or
+	// placeholders resolved per request (`{plan_rate}`) to either of those
+	// or to `unlimited`, which exempts the request. Required unless
+	// `burst_capacity` is 0.
+	ReplenishRate Param `json:"replenish_rate,omitempty"`
 
 	// BurstCapacity is the most tokens a bucket holds, and so the largest
-	// burst an idle client may send. 0 denies every request. It may not be
-	// below `replenish_rate`. Default: `replenish_rate` rounded up, a
-	// smooth rate with no burst.
-	BurstCapacity *int64 `json:"burst_capacity,omitempty"`
+	// burst an idle client may send: a whole number, or placeholders
+	// resolved per request. 0 denies every request. It may not be below
+	// `replenish_rate`. Default: `replenish_rate` rounded up, a smooth rate
+	// with no burst.
+	BurstCapacity Param `json:"burst_capacity,omitempty"`
 
-	// RequestedTokens is how many tokens each request takes. Default: 1.
-	RequestedTokens int64 `json:"requested_tokens,omitempty"`
+	// RequestedTokens is how many tokens each request takes: a whole
+	// number, or placeholders resolved per request (a cost from a header).
+	// A value out of range refuses the request with 400. Default: 1.
+	RequestedTokens Param `json:"requested_tokens,omitempty"`
+
+	// IPv4Prefix and IPv6Prefix cut every client address in a key
+	// template (`{client_ip}`, `{http.vars.client_ip}`, `{remote_host}`,
+	// `{http.request.remote.host}`) to its network, so that a client
+	// cannot leave its limit by cycling addresses in it. IPv4-mapped IPv6
+	// addresses count as IPv4. Defaults: 32 (one address) and 64 (the
+	// customary size of one site's network).
+	IPv4Prefix *int `json:"ipv4_prefix,omitempty"`
+	IPv6Prefix *int `json:"ipv6_prefix,omitempty"`
+
+	// Limits makes the handler a policy of several limits, decided
+	// together: a request is admitted only if every limit holds the tokens
+	// it asks, and then all are taken; if one refuses, none is taken. Each
+	// limit has a name and may have its own key, rate, burst, cost and
+	// prefixes; what it leaves out is the handler's. Without limits, the
+	// handler is one limit of the fields above.
+	Limits []Limit `json:"limits,omitempty"`
 
 	// DenyEmptyKey denies requests whose key resolves to the empty string
-	// with `empty_key_status`; when false they pass unlimited.
+	// with `empty_key_status`; when false they pass that limit unlimited.
 	// Default: true.
 	DenyEmptyKey *bool `json:"deny_empty_key,omitempty"`
 
@@ -138,12 +171,11 @@ type Handler struct {
 	Redis *RedisConfig `json:"redis,omitempty"`
 
 	logger       *zap.Logger
-	limiter      *limiter // nil for burst_capacity 0, which never asks Redis
+	limiter      *limiter // nil when no limit ever asks Redis
 	limiterKey   string
-	template     keyTemplate
-	bucketPrefix string // key_prefix, zone, key template: no value reaches another zone
-	scriptArgs   []any  // rate, burst, requested, formatted once
-	burst        int64
+	limits       []*limit
+	groups       [][]*limit // on Cluster, limits by hash slot, when they span several
+	useDenyCache bool       // see takeGroups
 	denyEmpty    bool
 	failOpen     bool
 	headers      rateLimitHeaders
@@ -153,11 +185,11 @@ type Handler struct {
 	denied       *denyCache
 	redisWarns   *logThrottle // Redis failures: a line per 10 s
 	overloaded   *logThrottle // calls this instance could not send in time: the same
+	paramWarns   *logThrottle // values out of range in requests: the same
 	shadowKeys   *keyThrottle // shadow denials: a line per key per 5 s ...
 	shadowLines  *logThrottle // ... and at most ten a second
 	metrics      *zoneMetrics
-	zoneValue    any // the zone and the limit as placeholder values, boxed once
-	limitValue   any
+	zoneValue    any // the zone as a placeholder value, boxed once
 }
 
 // CaddyModule returns the Caddy module information.
@@ -168,54 +200,60 @@ func (Handler) CaddyModule() caddy.ModuleInfo {
 	}
 }
 
-// Provision sets up the handler: defaults, the compiled key template and
-// the shared Redis client.
+// Provision sets up the handler: defaults, the limits with their
+// compiled key templates, and the shared Redis client.
 func (h *Handler) Provision(ctx caddy.Context) error {
 	h.logger = ctx.Logger()
 	h.applyDefaults()
 	h.denyEmpty = h.DenyEmptyKey == nil || *h.DenyEmptyKey
 	h.failOpen = h.OnError == onErrorAllow
 
-	var err error
-	if h.template, err = parseKeyTemplate(h.Key); err != nil {
-		return err
-	}
 	redisConfig := h.Redis.withPlaceholders()
 	if err := redisConfig.validate(); err != nil {
 		return err
 	}
-	h.bucketPrefix = bucketPrefix(redisConfig.KeyPrefix, h.Zone, h.Key)
-	h.scriptArgs = []any{
-		strconv.FormatFloat(h.ReplenishRate, 'f', -1, 64),
-		strconv.FormatInt(h.burst, 10),
-		strconv.FormatInt(h.RequestedTokens, 10),
+	var err error
+	if h.limits, err = h.buildLimits(redisConfig.KeyPrefix); err != nil {
+		return err
 	}
 	style := h.Headers
 	if h.IncludeHeaders != nil && !*h.IncludeHeaders || h.Shadow {
 		style = headersNone
 	}
-	h.headers = newRateLimitHeaders(style, h.Zone, h.ReplenishRate, h.burst, h.RequestedTokens)
-	h.zoneValue, h.limitValue = h.Zone, h.burst
+	h.headers = newRateLimitHeaders(style, h.limits)
+	h.zoneValue = h.Zone
 	h.denied = newDenyCache()
+	h.useDenyCache = true
 	h.redisWarns = &logThrottle{every: 10 * time.Second}
 	h.overloaded = &logThrottle{every: 10 * time.Second}
+	h.paramWarns = &logThrottle{every: 10 * time.Second}
 	h.shadowKeys = newKeyThrottle(shadowLogEvery)
 	h.shadowLines = &logThrottle{every: time.Second, lines: 10}
 
 	h.errDenied = prebuiltError(h.StatusCode, fmt.Errorf("zone %s: rate limit exceeded", h.Zone))
 	h.errBlocked = prebuiltError(h.StatusCode, fmt.Errorf("zone %s: requests blocked (burst_capacity 0)", h.Zone))
-	h.errEmptyKey = prebuiltError(h.EmptyKeyStatus, fmt.Errorf("zone %s: the rate limit key '%s' is empty", h.Zone, h.Key))
+	h.errEmptyKey = prebuiltError(h.EmptyKeyStatus, fmt.Errorf("zone %s: the rate limit key is empty", h.Zone))
 	if !h.DisableMetrics {
-		if h.metrics, err = newZoneMetrics(ctx.GetMetricsRegistry(), h.Zone); err != nil {
+		if h.metrics, err = newZoneMetrics(ctx.GetMetricsRegistry(), h.Zone, h.limits); err != nil {
 			return fmt.Errorf("registering metrics: %w", err)
 		}
 	}
 
-	if h.burst == 0 {
-		return nil // a hard block never asks Redis
+	if !h.asksRedis() {
+		return nil // hard blocks only: nothing ever asks Redis
 	}
 	if h.limiter, h.limiterKey, err = acquireLimiter(redisConfig); err != nil {
 		return fmt.Errorf("setting up the Redis client: %w", err)
+	}
+	if h.limiter.cluster != nil {
+		h.groups = slotGroups(h.limits)
+		// Buckets of a later group can refuse after an earlier group took
+		// its tokens, which are then given back: a denial seen meanwhile
+		// says nothing about the time tokens come back, so none is cached.
+		h.useDenyCache = len(h.groups) < 2
+		if len(h.groups) < 2 {
+			h.groups = nil
+		}
 	}
 	h.limiter.watch(h)
 	if h.metrics != nil {
@@ -229,15 +267,8 @@ func (h *Handler) applyDefaults() {
 	if h.Key == "" {
 		h.Key = "{http.vars.client_ip}"
 	}
-	if h.BurstCapacity == nil && h.ReplenishRate > 0 {
-		burst := int64(math.Ceil(h.ReplenishRate))
-		h.BurstCapacity = &burst
-	}
-	if h.BurstCapacity != nil {
-		h.burst = *h.BurstCapacity
-	}
-	if h.RequestedTokens == 0 {
-		h.RequestedTokens = 1
+	if h.RequestedTokens == "0" { // in JSON, 0 means the default
+		h.RequestedTokens = ""
 	}
 	if h.StatusCode == 0 {
 		h.StatusCode = http.StatusTooManyRequests
@@ -252,7 +283,7 @@ func (h *Handler) applyDefaults() {
 		h.Headers = headersSpring
 	}
 	if h.Zone == "" {
-		h.Zone = derivedZone(h.Key, h.ReplenishRate, h.burst)
+		h.Zone = h.derivedZone()
 	}
 }
 
@@ -265,7 +296,7 @@ func (h *Handler) Validate() error {
 		checkStatus("empty_key_status", h.EmptyKeyStatus),
 		checkHeaders(h.Headers),
 		checkOnError(h.OnError),
-		checkLimit(h.ReplenishRate, h.BurstCapacity, h.RequestedTokens),
+		h.checkLimits(),
 	} {
 		if err != nil {
 			return err
@@ -286,69 +317,90 @@ func (h *Handler) Cleanup() error {
 	return releaseLimiter(h.limiterKey)
 }
 
-// ServeHTTP takes tokens from the request's bucket or denies it.
+// maxInlineBuckets is how many buckets a request holds without
+// allocating: enough for most policies.
+const maxInlineBuckets = 4
+
+// ServeHTTP takes tokens from the request's buckets or denies it.
 func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyhttp.Handler) error {
 	repl := r.Context().Value(caddy.ReplacerCtxKey).(*caddy.Replacer)
-	key := h.template.redisKey(repl, h.bucketPrefix)
-	if key == "" {
-		h.record(repl, decisionEmptyKey, "", 0, 0)
-		if !h.denyEmpty {
-			return next.ServeHTTP(w, r)
-		}
+	var inline [maxInlineBuckets]bucket
+	buckets, skipped, err := h.resolveBuckets(repl, inline[:0])
+	switch {
+	case err == errEmptyKey:
+		h.record(repl, decisionEmptyKey, nil, -1)
 		return reject(w, r, h.errEmptyKey)
+	case err != nil:
+		return h.refuseInvalid(w, r, repl, err)
+	case len(buckets) == 0:
+		h.record(repl, skipped, nil, -1)
+		return next.ServeHTTP(w, r)
 	}
-	if h.burst == 0 {
-		h.headers.set(w.Header(), 0, -1)
-		h.record(repl, decisionDenied, key, 0, 0)
+	if blocked := blockedBucket(buckets); blocked >= 0 {
+		buckets[blocked].remaining, buckets[blocked].retryAfter = 0, -1
+		h.headers.set(w.Header(), buckets, blocked)
+		h.record(repl, decisionDenied, buckets, blocked)
 		return reject(w, r, h.errBlocked)
 	}
 
-	res, err := h.check(r.Context(), key)
+	allowed, err := h.check(r.Context(), buckets)
 	if err != nil {
 		if r.Context().Err() != nil {
 			// The client went away; that says nothing about Redis.
 			return caddyhttp.Error(499, r.Context().Err())
 		}
-		h.headers.set(w.Header(), -1, 0)
+		buckets[0].remaining = -1
+		h.headers.set(w.Header(), buckets[:1], 0)
 		if h.failOpen {
-			h.record(repl, decisionErrorAllowed, key, -1, 0)
+			h.record(repl, decisionErrorAllowed, buckets, 0)
 			return next.ServeHTTP(w, r)
 		}
-		h.record(repl, decisionErrorDenied, key, -1, 0)
+		h.record(repl, decisionErrorDenied, buckets, 0)
 		return reject(w, r, prebuiltError(http.StatusServiceUnavailable, err))
 	}
 
-	h.headers.set(w.Header(), res.Remaining, res.RetryAfter)
+	described := describe(buckets, allowed)
+	h.headers.set(w.Header(), buckets, described)
 	switch {
-	case res.Allowed:
-		h.record(repl, decisionAllowed, key, res.Remaining, 0)
+	case allowed:
+		h.record(repl, decisionAllowed, buckets, described)
 	case h.Shadow:
-		h.record(repl, decisionShadowDenied, key, res.Remaining, res.RetryAfter)
-		h.logShadowDenial(key, res)
+		h.record(repl, decisionShadowDenied, buckets, described)
+		h.logShadowDenial(buckets, described)
 	default:
-		h.record(repl, decisionDenied, key, res.Remaining, res.RetryAfter)
-		w.Header()["Retry-After"] = countValue(ceilSeconds(res.RetryAfter))
+		h.record(repl, decisionDenied, buckets, described)
+		w.Header()["Retry-After"] = countValue(ceilSeconds(retryAfter(buckets)))
 		return reject(w, r, h.errDenied)
 	}
 	return next.ServeHTTP(w, r)
 }
 
-// check answers from the deny cache when the bucket is known to be empty,
+// errEmptyKey marks a request whose key for some limit resolved to
+// nothing, with deny_empty_key.
+var errEmptyKey = errors.New("empty key")
+
+// check answers from the deny cache when a bucket is known to be short,
 // else asks Redis within the timeout. Redis failures are logged,
 // throttled; an open breaker was logged when it opened.
-func (h *Handler) check(clientCtx context.Context, key string) (Result, error) {
+func (h *Handler) check(clientCtx context.Context, buckets []bucket) (bool, error) {
 	sent := time.Now()
-	if until, ok := h.denied.get(key, sent); ok {
-		return h.cachedDenial(until.Sub(sent)), nil
+	if h.useDenyCache && h.denied.answer(buckets, sent) {
+		return false, nil
 	}
-	res, err := h.limiter.take(clientCtx, sent, key, h.scriptArgs)
+	var allowed bool
+	var err error
+	if h.groups == nil {
+		allowed, err = h.limiter.take(clientCtx, sent, buckets)
+	} else {
+		allowed, err = h.takeGroups(clientCtx, sent, buckets)
+	}
 	if h.metrics != nil && err != errBreakerOpen {
 		h.metrics.redisDuration.Observe(time.Since(sent).Seconds())
 	}
 	switch err.(type) {
 	case nil:
-		if !res.Allowed {
-			h.denied.put(key, sent, res.RetryAfter)
+		if !allowed && h.useDenyCache {
+			h.denied.put(buckets, sent)
 		}
 	case overloadError:
 		if clientCtx.Err() != nil {
@@ -367,15 +419,25 @@ func (h *Handler) check(clientCtx context.Context, key string) (Result, error) {
 				zap.String("on_error", h.OnError), zap.Error(err), suppressedField(suppressed))
 		}
 	}
-	return res, err
+	return allowed, err
 }
 
-// cachedDenial is what Redis would answer now for a bucket the deny cache
-// holds, retryAfter before it fits the requested tokens: it has refilled
-// since, so it holds requested − retryAfter × rate tokens.
-func (h *Handler) cachedDenial(retryAfter time.Duration) Result {
-	tokens := float64(h.RequestedTokens) - retryAfter.Seconds()*h.ReplenishRate
-	return Result{Remaining: max(0, int64(math.Floor(tokens))), RetryAfter: retryAfter}
+// refuseInvalid answers a request whose limit values, resolved from its
+// placeholders, are out of range, without taking any token: 400 for a
+// cost (it usually comes from the client), 500 for a rate or burst (a
+// configuration mistake). The warning is throttled.
+func (h *Handler) refuseInvalid(w http.ResponseWriter, r *http.Request, repl *caddy.Replacer, err error) error {
+	status := http.StatusInternalServerError
+	var pe *paramError
+	if errors.As(err, &pe) && pe.param == "requested_tokens" {
+		status = http.StatusBadRequest
+	}
+	if ok, suppressed := h.paramWarns.allow(); ok {
+		h.logger.Warn("a limit's value from the request is out of range; refused without taking tokens",
+			zap.String("zone", h.Zone), zap.Int("status", status), zap.Error(err), suppressedField(suppressed))
+	}
+	h.record(repl, decisionInvalid, nil, -1)
+	return reject(w, r, prebuiltError(status, err))
 }
 
 // breakerChanged logs a node's breaker opening or closing, for the
@@ -410,13 +472,27 @@ func prebuiltError(status int, err error) caddyhttp.HandlerError {
 }
 
 // derivedZone names the buckets of a handler without a zone, the same on
-// every instance with the same configuration.
-func derivedZone(key string, rate float64, burst int64) string {
-	sum := sha256.Sum256(fmt.Appendf(nil, "%s\x00%v\x00%d", key, rate, burst))
+// every instance with the same configuration: from its key template, rate
+// and burst (as it always has for one fixed limit), and its limits'.
+func (h *Handler) derivedZone() string {
+	var text []byte
+	if rate, err := strconv.ParseFloat(string(h.ReplenishRate), 64); err == nil || h.ReplenishRate == "" {
+		burst := int64(math.Ceil(rate)) // the default
+		if b, err := strconv.ParseInt(string(h.BurstCapacity), 10, 64); err == nil {
+			burst = b
+		}
+		text = fmt.Appendf(nil, "%s\x00%v\x00%d", h.Key, rate, burst)
+	} else {
+		text = fmt.Appendf(nil, "%s\x00%s\x00%s", h.Key, h.ReplenishRate, h.BurstCapacity)
+	}
+	for _, l := range h.Limits {
+		text = fmt.Appendf(text, "\x00%s\x00%s\x00%s\x00%s", l.Name, l.Key, l.ReplenishRate, l.BurstCapacity)
+	}
+	sum := sha256.Sum256(text)
 	return "auto-" + hex.EncodeToString(sum[:6])
 }
 
-// The checks below judge one value each (or the limit's three together).
+// The checks below judge one value each (or a limit's values together).
 // The Caddyfile parser calls them where the value is written, so the
 // message gets the line; Validate calls them for JSON configs.
 
@@ -426,10 +502,7 @@ const (
 	onErrorDeny  = "deny"
 )
 
-const (
-	wantStatus = "want an HTTP status from 200 to 599 (a 1xx status cannot end a request)"
-	wantRate   = "want a positive number of tokens per second"
-)
+const wantStatus = "want an HTTP status from 200 to 599 (a 1xx status cannot end a request)"
 
 var zonePattern = regexp.MustCompile(`^[A-Za-z0-9_.:-]+$`)
 
@@ -461,54 +534,6 @@ func checkHeaders(v string) error {
 	}
 	return fmt.Errorf("headers '%s': want spring, ietf, both or none", v)
 }
-
-// checkLimit judges rate, burst and requested tokens together. An absent
-// burst or requested count stands for its default.
-func checkLimit(rate float64, burst *int64, requested int64) error {
-	switch {
-	case burst != nil && *burst < 0:
-		return fmt.Errorf("burst_capacity '%d' must not be negative", *burst)
-	case burst != nil && *burst == 0:
-		return nil // blocks everything; rate and cost do not matter
-	case rate == 0:
-		return errors.New("replenish_rate is required (or burst_capacity 0 to block every request)")
-	case !(rate > 0) || math.IsInf(rate, 0):
-		return fmt.Errorf("replenish_rate '%v': %s", rate, wantRate)
-	}
-	b := int64(math.Ceil(rate))
-	if burst != nil {
-		b = *burst
-	}
-	if float64(b) < rate {
-		return fmt.Errorf("burst_capacity '%d' is smaller than replenish_rate '%v': the bucket could never hold one second's refill, "+
-			"so clients would be held below the configured rate; raise burst_capacity to at least %v",
-			b, rate, math.Ceil(rate))
-	}
-	if b > maxExactTokens {
-		return fmt.Errorf("burst_capacity '%d' is above 2^53, where the script's numbers stop being exact; lower it", b)
-	}
-	if fill := float64(b) / rate; fill > maxFillSeconds {
-		return fmt.Errorf("replenish_rate '%v' is so small that an empty bucket of %d tokens would take %.3g days to fill "+
-			"(more than a year, past what Retry-After can say); raise it to at least %v", rate, b, fill/86400, float64(b)/maxFillSeconds)
-	}
-	if requested == 0 {
-		requested = 1
-	}
-	if requested < 1 {
-		return fmt.Errorf("requested_tokens '%d' must be at least 1", requested)
-	}
-	if requested > b {
-		return fmt.Errorf("requested_tokens '%d' is more than burst_capacity '%d': no request could ever be admitted", requested, b)
-	}
-	return nil
-}
-
-// Bounds of a limit: token counts stay exact in the script's doubles,
-// and an empty bucket fills within a year.
-const (
-	maxExactTokens = 1 << 53
-	maxFillSeconds = 365 * 86400
-)
 
 // Interface guards
 var (

@@ -74,7 +74,12 @@ func scrapeMetrics(t *testing.T) metricsScrape {
 
 // requestsSeries names the requests counter of a zone and result.
 func requestsSeries(zone, result string) string {
-	return fmt.Sprintf(`caddy_rate_limit_requests_total{result=%q,zone=%q}`, result, zone)
+	return limitSeries(zone, result, "")
+}
+
+// limitSeries is requestsSeries for the named limit that refused.
+func limitSeries(zone, result, limit string) string {
+	return fmt.Sprintf(`caddy_rate_limit_requests_total{limit=%q,result=%q,zone=%q}`, limit, result, zone)
 }
 
 // assertDeltas checks that each series grew from before to after by
@@ -638,9 +643,9 @@ http://localhost:9080 {
 		{"/plain", "nora", 200, decision{"lg", "allowed", 0}},
 		{"/plain", "nora", 429, decision{"lg", "denied", 0}},
 		{"/plain", "nora", 429, decision{"lg", "denied", 0}},
-		{"/plain", "", 403, decision{"lg", "empty_key", 0}},
+		{"/plain", "", 403, decision{"lg", "empty_key", -1}}, // no bucket: no remaining
 		{"/logkey", "oscar", 200, decision{"lgk", "allowed", 1}},
-		{"/logkey", "", 403, decision{"lgk", "empty_key", 0}},
+		{"/logkey", "", 403, decision{"lgk", "empty_key", -1}},
 	}
 	for i, r := range requests {
 		if resp, _ := get(t, tester, r.path, r.key); resp.StatusCode != r.status {

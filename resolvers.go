@@ -4,6 +4,8 @@ import (
 	"crypto/sha256"
 	"encoding/base64"
 	"fmt"
+	"net/netip"
+	"strconv"
 	"strings"
 
 	"github.com/caddyserver/caddy/v2"
@@ -33,14 +35,24 @@ type keyTemplate struct {
 	parts []templatePart
 	// escaped marks bytes that a placeholder's value may not contain as
 	// they are: '%' (the escape), '|' (keySeparator), the template's
-	// literal bytes, braces and control bytes. Escaping them keeps the mapping from values to
-	// keys one-to-one, so no request can reach another client's bucket.
+	// literal bytes, braces and control bytes. Escaping them keeps the
+	// mapping from values to keys one-to-one, so no request can reach
+	// another client's bucket.
 	escaped [256]bool
+	// ipv4Bits and ipv6Bits cut client addresses to their network.
+	ipv4Bits, ipv6Bits int
 }
 
 type templatePart struct {
 	literal     string
 	placeholder string // without braces; empty for a literal
+	address     bool   // the placeholder holds the client's address
+}
+
+// addressPlaceholders hold the client's address, which ipv4_prefix and
+// ipv6_prefix cut to its network.
+var addressPlaceholders = map[string]bool{
+	"client_ip": true, "http.vars.client_ip": true, "remote_host": true, "http.request.remote.host": true,
 }
 
 // parseKeyTemplate compiles a template such as
@@ -56,7 +68,7 @@ func parseKeyTemplate(s string) (keyTemplate, error) {
 }
 
 func compileKeyTemplate(s string) (keyTemplate, error) {
-	var t keyTemplate
+	t := keyTemplate{ipv4Bits: 32, ipv6Bits: 64}
 	var lit strings.Builder
 	flush := func() {
 		if lit.Len() > 0 {
@@ -78,7 +90,7 @@ func compileKeyTemplate(s string) (keyTemplate, error) {
 				return t, fmt.Errorf("malformed placeholder '%s'", s[i:i+end+1])
 			}
 			flush()
-			t.parts = append(t.parts, templatePart{placeholder: name})
+			t.parts = append(t.parts, templatePart{placeholder: name, address: addressPlaceholders[name]})
 			i += end
 		case ch == '}':
 			return t, fmt.Errorf("unopened '}' in '%s'", s)
@@ -116,12 +128,12 @@ func compileKeyTemplate(s string) (keyTemplate, error) {
 }
 
 // redisKey resolves the template for one request and returns the Redis
-// key of its bucket: prefix, then the client key. It returns "" when any
-// placeholder resolves to nothing, so that a composite key never merges
-// clients whose header is missing.
-func (t *keyTemplate) redisKey(repl *caddy.Replacer, prefix string) string {
+// key of its bucket: prefix, the client key, suffix. It returns "" when
+// any placeholder resolves to nothing, so that a composite key never
+// merges clients whose header is missing.
+func (t *keyTemplate) redisKey(repl *caddy.Replacer, prefix, suffix string) string {
 	var b strings.Builder
-	b.Grow(len(prefix) + maxVerbatimKey)
+	b.Grow(len(prefix) + maxVerbatimKey + len(suffix))
 	b.WriteString(prefix)
 	for _, p := range t.parts {
 		if p.placeholder == "" {
@@ -129,20 +141,56 @@ func (t *keyTemplate) redisKey(repl *caddy.Replacer, prefix string) string {
 			continue
 		}
 		v, _ := repl.GetString(p.placeholder)
-		if v == "" {
+		switch {
+		case v == "":
 			return ""
+		case p.address:
+			t.writeAddress(&b, v)
+		default:
+			writeEscaped(t, &b, v)
 		}
-		t.writeEscaped(&b, v)
 	}
-	key := b.String()
-	if client := key[len(prefix):]; len(client) > maxVerbatimKey || client[0] == '#' {
-		return prefix + hashKey(client)
+	if client := b.String()[len(prefix):]; len(client) > maxVerbatimKey || client[0] == '#' {
+		return prefix + hashKey(client) + suffix
 	}
-	return key
+	b.WriteString(suffix)
+	return b.String()
+}
+
+// writeAddress writes a client address cut to its network: `1.2.3.4`
+// as it is with the IPv4 default of 32 bits, `2001:db8:1::/64` with the
+// IPv6 default. IPv4-mapped IPv6 addresses count as IPv4. A value that is
+// no address is written as any value.
+func (t *keyTemplate) writeAddress(b *strings.Builder, v string) {
+	addr, err := netip.ParseAddr(v)
+	if err != nil {
+		writeEscaped(t, b, v)
+		return
+	}
+	bits, full := t.ipv6Bits, 128
+	if addr.Is4In6() || addr.Is4() {
+		bits, full = t.ipv4Bits, 32
+	}
+	if addr.Is4() && bits == full {
+		writeEscaped(t, b, v) // the common case, as written
+		return
+	}
+	addr = addr.Unmap().WithZone("")
+	var buf [64]byte
+	out := buf[:0]
+	if bits < full {
+		prefix, _ := addr.Prefix(bits)
+		out = prefix.Addr().AppendTo(out)
+		out = append(out, '/')
+		out = strconv.AppendInt(out, int64(bits), 10)
+	} else {
+		out = addr.AppendTo(out)
+	}
+	writeEscaped(t, b, out)
 }
 
 // writeEscaped percent-encodes the bytes the template reserves.
-func (t *keyTemplate) writeEscaped(b *strings.Builder, v string) {
+func writeEscaped[S ~string | ~[]byte](t *keyTemplate, b *strings.Builder, v S) {
 	const hex = "0123456789ABCDEF"
 	for i := 0; i < len(v); i++ {
 		c := v[i]

@@ -17,7 +17,7 @@ func resolve(t *testing.T, template, prefix string, values map[string]string) st
 	for k, v := range values {
 		repl.Set(k, v)
 	}
-	return kt.redisKey(repl, prefix)
+	return kt.redisKey(repl, prefix, "")
 }
 
 func TestKeyTemplateResolvesPlaceholdersAndLiterals(t *testing.T) {

@@ -1,62 +1,66 @@
--- Token bucket, checked and taken in one atomic step.
+-- Token buckets, checked and taken together in one atomic step: a
+-- request is admitted only if every bucket holds the tokens it asks, and
+-- then all are taken; otherwise none is.
 --
--- KEYS[1]  the bucket
--- ARGV[1]  replenish rate, tokens per second (may be fractional)
--- ARGV[2]  burst capacity, whole tokens (at least 1)
--- ARGV[3]  requested tokens, whole tokens (1..burst)
+-- KEYS[i]      bucket i (only the buckets given: no key is built here)
+-- ARGV[3i-2]   its replenish rate, tokens per second (may be fractional)
+-- ARGV[3i-1]   its burst capacity, whole tokens (at least 1)
+-- ARGV[3i]     its requested tokens, whole tokens (1..burst)
 --
--- The bucket is one string "<tokens> <microseconds>": the tokens it held at
+-- A bucket is one string "<tokens> <microseconds>": the tokens it held at
 -- that Redis time. Tokens refill by elapsed time, so the state only needs
 -- writing when tokens are taken. The key expires when the bucket would be
 -- full again; an expired bucket reads as full, which is what it would be.
 --
--- Returns {allowed (1|0), remaining whole tokens (rounded down),
--- microseconds until the bucket holds the requested tokens again, rounded
--- up (0 when it holds them now)}.
-
-local rate = tonumber(ARGV[1])
-local burst = tonumber(ARGV[2])
-local requested = tonumber(ARGV[3])
+-- Returns {allowed (1|0), then for each bucket: remaining whole tokens
+-- (rounded down), microseconds until it holds its requested tokens again
+-- (rounded up; 0 when it holds them now)}.
 
 -- Redis time, not the caller's, so instances with skewed clocks agree.
 -- 1.7e15 microseconds is well inside a double's exact integers (2^53).
 local time = redis.call('TIME')
 local now = tonumber(time[1]) * 1000000 + tonumber(time[2])
 
-local tokens = burst
-local rewound = false
-local state = redis.call('GET', KEYS[1])
-if state then
-  local stored, at = string.match(state, '^(%S+) (%d+)$')
-  stored, at = tonumber(stored), tonumber(at)
-  if stored and at then
-    -- After a failover to a server whose clock is behind, the stored time
-    -- can lie ahead: count from now instead, and store now (below), or
-    -- the bucket would not refill until the clock caught up.
-    rewound = at > now
-    tokens = math.min(burst, stored + math.max(0, now - at) * rate / 1000000)
+local rate, burst, requested, tokens, rewound = {}, {}, {}, {}, {}
+local allowed = 1
+for i = 1, #KEYS do
+  rate[i] = tonumber(ARGV[3 * i - 2])
+  burst[i] = tonumber(ARGV[3 * i - 1])
+  requested[i] = tonumber(ARGV[3 * i])
+  tokens[i] = burst[i]
+  local state = redis.call('GET', KEYS[i])
+  if state then
+    local stored, at = string.match(state, '^(%S+) (%d+)$')
+    stored, at = tonumber(stored), tonumber(at)
+    if stored and at then
+      -- After a failover to a server whose clock is behind, the stored
+      -- time can lie ahead: count from now instead, and store now (below),
+      -- or the bucket would not refill until the clock caught up.
+      rewound[i] = at > now
+      tokens[i] = math.min(burst[i], stored + math.max(0, now - at) * rate[i] / 1000000)
+    end
+  end
+  if tokens[i] < requested[i] then
+    allowed = 0
   end
 end
 
--- store writes the bucket with a TTL of the time its missing tokens take
--- to refill (at least 1 s), so an idle key lives no longer than needed.
-local function store()
-  local ttl = math.max(1000, math.ceil((burst - tokens) * 1000 / rate))
-  redis.call('SET', KEYS[1], string.format('%.17g %d', tokens, now), 'PX', ttl)
-end
-
-if tokens < requested then
-  if rewound then
-    store()
+local reply = {allowed}
+for i = 1, #KEYS do
+  if allowed == 1 then
+    tokens[i] = tokens[i] - requested[i]
   end
-  local wait = math.ceil((requested - tokens) * 1000000 / rate)
-  return {0, math.floor(tokens), wait}
+  if allowed == 1 or rewound[i] then
+    -- The key lives as long as its missing tokens take to refill (at
+    -- least 1 s), so an idle key lives no longer than needed.
+    local ttl = math.max(1000, math.ceil((burst[i] - tokens[i]) * 1000 / rate[i]))
+    redis.call('SET', KEYS[i], string.format('%.17g %d', tokens[i], now), 'PX', ttl)
+  end
+  local wait = 0
+  if tokens[i] < requested[i] then
+    wait = math.ceil((requested[i] - tokens[i]) * 1000000 / rate[i])
+  end
+  reply[2 * i] = math.floor(tokens[i])
+  reply[2 * i + 1] = wait
 end
-
-tokens = tokens - requested
-store()
-local wait = 0
-if tokens < requested then
-  wait = math.ceil((requested - tokens) * 1000000 / rate)
-end
-return {1, math.floor(tokens), wait}
+return reply

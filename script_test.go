@@ -254,7 +254,7 @@ func TestScriptAgreesWithOracle(t *testing.T) {
 			)
 			for n := range requests {
 				now += gap(n, lastWait)
-				stored, t0, reply, t1, after := runScriptStep(t, rdb, key, b, now-b.at, args)
+				stored, t0, reply, t1, after := runScriptStep(t, rdb, key, b, now-b.at, args[:])
 				what := fmt.Sprintf("request %d: bucket %+v, reply %v", n, stored, reply)
 				lastWait = reply[2]
 				if reply[0] == 1 {

@@ -1,0 +1,535 @@
+package ratelimit
+
+import (
+	"bytes"
+	"cmp"
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"math"
+	"regexp"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/caddyserver/caddy/v2"
+	"go.uber.org/zap"
+)
+
+// Limit is one token bucket of a policy. A request is admitted only if
+// every limit of its handler holds the tokens the request asks of it;
+// then all are taken, else none. What a limit leaves out is the
+// handler's.
+type Limit struct {
+	// Name names the limit in headers (`"<zone>.<name>"`), the
+	// `{http.rate_limit.limit_name}` placeholder, the `limit` label of
+	// the metrics and its Redis keys: letters, digits, `-` and `_`,
+	// unique in the handler. Required.
+	Name string `json:"name,omitempty"`
+
+	// Key is the template that picks this limit's bucket, as the
+	// handler's `key`. Default: the handler's.
+	Key string `json:"key,omitempty"`
+
+	// ReplenishRate, BurstCapacity and RequestedTokens are as the
+	// handler's, and default to the handler's values.
+	ReplenishRate   Param `json:"replenish_rate,omitempty"`
+	BurstCapacity   Param `json:"burst_capacity,omitempty"`
+	RequestedTokens Param `json:"requested_tokens,omitempty"`
+
+	// IPv4Prefix and IPv6Prefix are as the handler's, and default to the
+	// handler's values.
+	IPv4Prefix *int `json:"ipv4_prefix,omitempty"`
+	IPv6Prefix *int `json:"ipv6_prefix,omitempty"`
+}
+
+// Param is a limit's rate, burst or cost: a number fixed in the config,
+// or text with placeholders that each request resolves (`{plan_rate}`),
+// parsed then exactly as a fixed value. In JSON a number, or a string.
+type Param string
+
+// UnmarshalJSON takes a number as its text, or a string.
+func (p *Param) UnmarshalJSON(b []byte) error {
+	b = bytes.TrimSpace(b)
+	if len(b) > 0 && b[0] == '"' {
+		var s string
+		if err := json.Unmarshal(b, &s); err != nil {
+			return err
+		}
+		*p = Param(s)
+		return nil
+	}
+	var n json.Number
+	if err := json.Unmarshal(b, &n); err != nil {
+		return fmt.Errorf("want a number or a string, got %s", b)
+	}
+	*p = Param(n)
+	return nil
+}
+
+// MarshalJSON writes a plain number as a number, anything else as a
+// string.
+func (p Param) MarshalJSON() ([]byte, error) {
+	if _, err := strconv.ParseFloat(string(p), 64); err == nil && json.Valid([]byte(p)) {
+		return []byte(p), nil
+	}
+	return json.Marshal(string(p))
+}
+
+// perRequest says whether the value has placeholders to resolve per
+// request.
+func (p Param) perRequest() bool { return strings.Contains(string(p), "{") }
+
+// unlimited is the rate (and burst) that exempts a request from a limit.
+const unlimited = "unlimited"
+
+var limitNamePattern = regexp.MustCompile(`^[A-Za-z0-9_-]+$`)
+
+func checkLimitName(name string) error {
+	if !limitNamePattern.MatchString(name) {
+		return fmt.Errorf("limit name '%s': use only letters, digits, '-' and '_'", name)
+	}
+	return nil
+}
+
+// Bounds of a limit: token counts stay exact in the script's doubles,
+// and an empty bucket fills within a year.
+const (
+	maxExactTokens = 1 << 53
+	maxFillSeconds = 365 * 86400
+)
+
+// parseRate reads tokens per second: a number (`10`, `0.5`) or a count
+// per duration (`100/1m`, `5000/1h`).
+func parseRate(s string) (float64, error) {
+	count, per, found := strings.Cut(s, "/")
+	n, err := strconv.ParseFloat(count, 64)
+	if err != nil || !(n > 0) || n > 1e15 {
+		return 0, fmt.Errorf("%s, or <count>/<duration> like 100/1m", wantRate)
+	}
+	if !found {
+		return n, nil
+	}
+	d, err := caddy.ParseDuration(per)
+	if err != nil || d <= 0 {
+		return 0, errors.New("the duration after '/' must be positive, like 1s, 1m or 1h")
+	}
+	return n / d.Seconds(), nil
+}
+
+const wantRate = "want a positive number of tokens per second"
+
+// limitValues are one limit's rate, burst and cost, resolved.
+type limitValues struct {
+	rate      float64
+	burst     int64
+	requested int64
+}
+
+// paramError says which value of a limit was wrong: a request's
+// requested_tokens usually comes from the client (400), the others from
+// the config (500).
+type paramError struct {
+	param string
+	msg   string
+}
+
+func (e *paramError) Error() string { return e.msg }
+
+// badValue reports a value: "<param> '<value>' <reason>", where reason
+// starts with a verb, or with ": " before a noun phrase.
+func badValue(param, value, reason string) *paramError {
+	sep := " "
+	if strings.HasPrefix(reason, ":") {
+		sep = ""
+	}
+	return &paramError{param, fmt.Sprintf("%s '%s'%s%s", param, value, sep, reason)}
+}
+
+// resolveValues parses a limit's values as written (placeholders already
+// replaced) and judges them together. An empty burst or cost stands for
+// its default. unlimited says the rate is `unlimited`: the limit does not
+// apply.
+func resolveValues(rate, burst, requested string) (v limitValues, isUnlimited bool, err error) {
+	if rate == unlimited {
+		return v, true, nil
+	}
+	if rate == "" && burst != "0" {
+		return v, false, &paramError{"replenish_rate", "replenish_rate is required (or burst_capacity 0 to block every request)"}
+	}
+	if rate != "" {
+		if v.rate, err = parseRate(rate); err != nil {
+			return v, false, badValue("replenish_rate", rate, ": "+err.Error())
+		}
+	}
+	v.burst = int64(math.Ceil(v.rate))
+	if burst != "" {
+		if v.burst, err = strconv.ParseInt(burst, 10, 64); err != nil {
+			return v, false, badValue("burst_capacity", burst, "is not a whole number")
+		}
+	}
+	v.requested = 1
+	if requested != "" {
+		if v.requested, err = strconv.ParseInt(requested, 10, 64); err != nil {
+			return v, false, badValue("requested_tokens", requested, "is not a whole number")
+		}
+	}
+	return v, false, v.check()
+}
+
+// check judges a limit's values together; its messages name each value
+// and say what would fix it.
+func (v limitValues) check() error {
+	rate, burst := strconv.FormatFloat(v.rate, 'g', -1, 64), strconv.FormatInt(v.burst, 10)
+	requested := strconv.FormatInt(v.requested, 10)
+	switch {
+	case v.burst < 0:
+		return badValue("burst_capacity", burst, "must not be negative")
+	case v.burst == 0:
+		return nil // blocks everything; rate and cost do not matter
+	case !(v.rate > 0) || math.IsInf(v.rate, 0):
+		return badValue("replenish_rate", rate, ": "+wantRate)
+	case float64(v.burst) < v.rate:
+		return badValue("burst_capacity", burst, fmt.Sprintf("is smaller than replenish_rate '%s': the bucket could never hold one second's refill, "+
+			"so clients would be held below the configured rate; raise burst_capacity to at least %v", rate, math.Ceil(v.rate)))
+	case v.burst > maxExactTokens:
+		return badValue("burst_capacity", burst, "is above 2^53, where the script's numbers stop being exact; lower it")
+	case float64(v.burst)/v.rate > maxFillSeconds:
+		return badValue("replenish_rate", rate, fmt.Sprintf("is so small that an empty bucket of %d tokens would take %.3g days to fill "+
+			"(more than a year, past what Retry-After can say); raise it to at least %v", v.burst, float64(v.burst)/v.rate/86400, float64(v.burst)/maxFillSeconds))
+	case v.requested < 1:
+		return badValue("requested_tokens", requested, "must be at least 1")
+	case v.requested > v.burst:
+		return badValue("requested_tokens", requested, fmt.Sprintf("is more than burst_capacity '%d': no request could ever be admitted", v.burst))
+	}
+	return nil
+}
+
+// limit is one limit of a handler, ready for requests.
+type limit struct {
+	index     int    // in the handler's limits
+	name      string // "" for a handler without `limits`
+	nameValue any    // the name as a placeholder value, boxed once
+	ietfName  string // "<zone>", or "<zone>.<name>"
+	template  keyTemplate
+	// A bucket's Redis key is keyPrefix + client key + keySuffix.
+	keyPrefix, keySuffix string
+	group                int // limits with one key template share a Cluster hash slot
+	rate, burst, cost    Param
+	// fixed: no placeholders, so the values (and arguments) are known.
+	fixed      bool
+	values     limitValues
+	exempt     bool   // a fixed rate of `unlimited`
+	args       [3]any // the values as script arguments, boxed once
+	burstValue any    // the burst as a placeholder value, boxed once
+}
+
+// bucket is one limit's bucket for one request, and Redis's answer.
+type bucket struct {
+	limit  *limit
+	key    string
+	values limitValues
+	args   [3]any
+	// remaining is the whole tokens left after the request; -1 when Redis
+	// failed.
+	remaining int64
+	// retryAfter is how long until the bucket holds the requested tokens;
+	// negative when never (burst 0).
+	retryAfter time.Duration
+	// unknown: a denial from the deny cache says nothing of this bucket.
+	unknown bool
+}
+
+// ownLimit is the handler's own limit when it has no `limits`.
+var ownLimit = []Limit{{}}
+
+// buildLimits makes the handler's limits from its config.
+func (h *Handler) buildLimits(keyPrefix string) ([]*limit, error) {
+	configs, named := h.Limits, len(h.Limits) > 0
+	if !named {
+		configs = ownLimit
+	}
+	groups := map[string]int{}
+	limits := make([]*limit, len(configs))
+	for i, c := range configs {
+		l := &limit{
+			index: i, name: c.Name, nameValue: c.Name, ietfName: h.Zone,
+			rate: or(c.ReplenishRate, h.ReplenishRate), burst: or(c.BurstCapacity, h.BurstCapacity),
+			cost: or(c.RequestedTokens, h.RequestedTokens),
+		}
+		if l.cost == "0" { // in JSON, 0 means the default
+			l.cost = ""
+		}
+		key := or(c.Key, h.Key)
+		var err error
+		if l.template, err = parseKeyTemplate(key); err != nil {
+			return nil, err
+		}
+		l.template.ipv4Bits = *cmp.Or(c.IPv4Prefix, h.IPv4Prefix, new(32))
+		l.template.ipv6Bits = *cmp.Or(c.IPv6Prefix, h.IPv6Prefix, new(64))
+		prefix := bucketPrefix(keyPrefix, h.Zone, key)
+		if named {
+			// Limits with one key template share a hash tag: their
+			// buckets live in one Cluster slot, for one script call.
+			l.ietfName = h.Zone + "." + c.Name
+			l.keyPrefix = prefix[:len(keyPrefix)] + "{" + prefix[len(keyPrefix):]
+			l.keySuffix = "}" + c.Name
+		} else {
+			l.keyPrefix = prefix
+		}
+		group := fmt.Sprintf("%s/%d/%d", key, l.template.ipv4Bits, l.template.ipv6Bits)
+		if _, ok := groups[group]; !ok {
+			groups[group] = len(groups)
+		}
+		l.group = groups[group]
+		l.fixed = !l.rate.perRequest() && !l.burst.perRequest() && !l.cost.perRequest()
+		if l.fixed {
+			if l.values, l.exempt, err = resolveValues(string(l.rate), string(l.burst), string(l.cost)); err != nil {
+				return nil, err
+			}
+			l.args, l.burstValue = l.values.scriptArgs(), l.values.burst
+		}
+		limits[i] = l
+	}
+	return limits, nil
+}
+
+// or is the first of its values that is set.
+func or[T ~string](values ...T) T { return cmp.Or(values...) }
+
+// scriptArgs are the values as the script takes them.
+func (v limitValues) scriptArgs() [3]any {
+	return [3]any{
+		strconv.FormatFloat(v.rate, 'f', -1, 64),
+		strconv.FormatInt(v.burst, 10),
+		strconv.FormatInt(v.requested, 10),
+	}
+}
+
+// checkLimits judges the limits as configured, before provisioning: the
+// parser calls it at the end of the directive, Validate for JSON.
+func (h *Handler) checkLimits() error {
+	if err := checkPrefixes(h.IPv4Prefix, h.IPv6Prefix); err != nil {
+		return err
+	}
+	if len(h.Limits) == 0 {
+		return checkValues(h.ReplenishRate, h.BurstCapacity, h.RequestedTokens)
+	}
+	seen := map[string]bool{}
+	for _, l := range h.Limits {
+		if err := checkLimitName(l.Name); err != nil {
+			return err
+		}
+		if seen[l.Name] {
+			return fmt.Errorf("limit '%s' is given twice: limit names must be unique in a handler", l.Name)
+		}
+		seen[l.Name] = true
+		err := checkPrefixes(l.IPv4Prefix, l.IPv6Prefix)
+		if err == nil && l.Key != "" {
+			_, err = parseKeyTemplate(l.Key)
+		}
+		if err == nil {
+			err = checkValues(or(l.ReplenishRate, h.ReplenishRate), or(l.BurstCapacity, h.BurstCapacity), or(l.RequestedTokens, h.RequestedTokens))
+		}
+		if err != nil {
+			return fmt.Errorf("limit %s: %w", l.Name, err)
+		}
+	}
+	return nil
+}
+
+// checkValues judges a limit's rate, burst and cost: together when all
+// are fixed, else each fixed one alone (the others are judged per
+// request).
+func checkValues(rate, burst, cost Param) error {
+	if cost == "0" { // in JSON, 0 means the default
+		cost = ""
+	}
+	if !rate.perRequest() && !burst.perRequest() && !cost.perRequest() {
+		_, _, err := resolveValues(string(rate), string(burst), string(cost))
+		return err
+	}
+	if !rate.perRequest() && rate != "" && rate != unlimited {
+		if _, err := parseRate(string(rate)); err != nil {
+			return badValue("replenish_rate", string(rate), ": "+err.Error())
+		}
+	}
+	if !burst.perRequest() && burst != "" && burst != unlimited {
+		if n, err := strconv.ParseInt(string(burst), 10, 64); err != nil || n < 0 || n > maxExactTokens {
+			return badValue("burst_capacity", string(burst), "is not a whole number from 0 to 2^53")
+		}
+	}
+	if !cost.perRequest() && cost != "" {
+		if n, err := strconv.ParseInt(string(cost), 10, 64); err != nil || n < 1 {
+			return badValue("requested_tokens", string(cost), "is not a whole number of at least 1")
+		}
+	}
+	return nil
+}
+
+func checkPrefixes(v4, v6 *int) error {
+	if v4 != nil && (*v4 < 0 || *v4 > 32) {
+		return fmt.Errorf("ipv4_prefix '%d': want a prefix length from 0 to 32", *v4)
+	}
+	if v6 != nil && (*v6 < 0 || *v6 > 128) {
+		return fmt.Errorf("ipv6_prefix '%d': want a prefix length from 0 to 128", *v6)
+	}
+	return nil
+}
+
+// asksRedis says whether any limit may ever call Redis: not when every
+// one is a fixed hard block (burst 0) or exemption.
+func (h *Handler) asksRedis() bool {
+	for _, l := range h.limits {
+		if !l.fixed || !l.exempt && l.values.burst > 0 {
+			return true
+		}
+	}
+	return false
+}
+
+// resolveBuckets finds a request's bucket for each limit that applies to
+// it: the Redis key from the key template, and the values, resolved from
+// placeholders where the config has them. skipped is the decision when no
+// limit applies: `exempt`, or `empty_key` (with deny_empty_key false).
+func (h *Handler) resolveBuckets(repl *caddy.Replacer, buckets []bucket) (_ []bucket, skipped decision, err error) {
+	skipped = decisionEmptyKey
+	for _, l := range h.limits {
+		values, args, exempt := l.values, l.args, l.exempt
+		if !l.fixed {
+			if values, exempt, err = resolveValues(repl.ReplaceAll(string(l.rate), ""),
+				repl.ReplaceAll(string(l.burst), ""), repl.ReplaceAll(string(l.cost), "")); err != nil {
+				if l.name != "" {
+					err = fmt.Errorf("limit %s: %w", l.name, err)
+				}
+				return nil, skipped, err
+			}
+			if !exempt {
+				args = values.scriptArgs()
+			}
+		}
+		if exempt {
+			skipped = decisionExempt
+			continue
+		}
+		key := l.template.redisKey(repl, l.keyPrefix, l.keySuffix)
+		if key == "" {
+			if h.denyEmpty {
+				return nil, skipped, errEmptyKey
+			}
+			continue
+		}
+		buckets = append(buckets, bucket{limit: l, key: key, values: values, args: args})
+	}
+	return buckets, skipped, nil
+}
+
+// blockedBucket is the index of a bucket that holds nothing (burst 0,
+// which denies without asking Redis), or -1.
+func blockedBucket(buckets []bucket) int {
+	for i := range buckets {
+		if buckets[i].values.burst == 0 {
+			return i
+		}
+	}
+	return -1
+}
+
+// describe picks the bucket that the `X-RateLimit-*` headers and the
+// placeholders describe: on a denial the one that refused with the
+// longest wait, else the one with the fewest requests left; the first
+// such on ties.
+func describe(buckets []bucket, allowed bool) int {
+	pick := -1
+	for i := range buckets {
+		b := &buckets[i]
+		switch {
+		case b.unknown:
+		case pick < 0:
+			pick = i
+		case !allowed && b.retryAfter > buckets[pick].retryAfter:
+			pick = i
+		case allowed && b.remaining/b.values.requested < buckets[pick].remaining/buckets[pick].values.requested:
+			pick = i
+		}
+	}
+	return max(pick, 0)
+}
+
+// retryAfter is how long until every bucket holds its requested tokens.
+func retryAfter(buckets []bucket) time.Duration {
+	var wait time.Duration
+	for i := range buckets {
+		if !buckets[i].unknown {
+			wait = max(wait, buckets[i].retryAfter)
+		}
+	}
+	return wait
+}
+
+// slotGroups splits the limits by Cluster hash slot, in the order their
+// key templates first appear.
+func slotGroups(limits []*limit) [][]*limit {
+	var groups [][]*limit
+	for _, l := range limits {
+		if l.group == len(groups) {
+			groups = append(groups, nil)
+		}
+		groups[l.group] = append(groups[l.group], l)
+	}
+	return groups
+}
+
+// takeGroups takes a request's buckets on a Cluster whose hash slots they
+// span: one slot group after another, in a fixed order, each group all
+// or nothing in one script call. When a later group refuses or fails,
+// the earlier groups get their tokens back. A bucket given back what was
+// taken, capped at its burst, is never fuller than it would have been, so
+// the bound holds; a request that meets such a bucket meanwhile may be
+// refused, briefly, when it would otherwise fit.
+func (h *Handler) takeGroups(clientCtx context.Context, sent time.Time, buckets []bucket) (bool, error) {
+	var inline [maxInlineBuckets]bucket
+	var given [maxInlineBuckets]bucket
+	taken := given[:0]
+	for g := range h.groups {
+		group := inline[:0]
+		for i := range buckets {
+			if buckets[i].limit.group == g {
+				group = append(group, buckets[i])
+			}
+		}
+		if len(group) == 0 {
+			continue
+		}
+		allowed, err := h.limiter.take(clientCtx, sent, group)
+		j := 0
+		for i := range buckets {
+			if buckets[i].limit.group == g {
+				buckets[i].remaining, buckets[i].retryAfter = group[j].remaining, group[j].retryAfter
+				j++
+			} else if buckets[i].limit.group > g {
+				buckets[i].unknown = !allowed || err != nil
+			}
+		}
+		if err == nil && allowed {
+			taken = append(taken, group...)
+			continue
+		}
+		if len(taken) > 0 {
+			if gerr := h.limiter.giveBack(clientCtx, time.Now(), taken); gerr != nil {
+				if ok, suppressed := h.redisWarns.allow(); ok {
+					h.logger.Warn("Redis failed while giving tokens back; those buckets stay short until they refill",
+						zap.String("zone", h.Zone), zap.Error(gerr), suppressedField(suppressed))
+				}
+			}
+			for i := range buckets {
+				if buckets[i].limit.group < g {
+					buckets[i].remaining += buckets[i].values.requested
+				}
+			}
+		}
+		return false, err
+	}
+	return true, nil
+}

@@ -33,6 +33,16 @@ func parseCaddyfile(h httpcaddyfile.Helper) (caddyhttp.MiddlewareHandler, error)
 //		replenish_rate   <tokens per second, or <count>/<duration> like 100/1m>
 //		burst_capacity   <integer>
 //		requested_tokens <integer>
+//		ipv4_prefix      <bits>
+//		ipv6_prefix      <bits>
+//		limit <name> [<replenish_rate> <burst_capacity> [<requested_tokens>]] {
+//			key              <template with placeholders>
+//			replenish_rate   <rate>
+//			burst_capacity   <integer>
+//			requested_tokens <integer>
+//			ipv4_prefix      <bits>
+//			ipv6_prefix      <bits>
+//		}
 //		deny_empty_key   true|false
 //		empty_key_status <http status>
 //		status_code      <http status>
@@ -66,7 +76,9 @@ func parseCaddyfile(h httpcaddyfile.Helper) (caddyhttp.MiddlewareHandler, error)
 //	}
 //
 // The inline arguments set the subdirectives of the same names. Each
-// subdirective may be given once.
+// subdirective may be given once; `limit` once per name. A rate, burst or
+// cost may be placeholders, resolved per request (a rate of `unlimited`
+// exempts the request from that limit).
 func (h *Handler) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 	d.Next() // consume directive name
 

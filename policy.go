@@ -274,7 +274,7 @@ func (h *Handler) buildLimits(keyPrefix string) ([]*limit, error) {
 			// buckets live in one Cluster slot, for one script call.
 			l.ietfName = h.Zone + "." + c.Name
 			l.keyPrefix = prefix[:len(keyPrefix)] + "{" + prefix[len(keyPrefix):]
-			l.keySuffix = "}" + c.Name
+			l.keySuffix = "}" + keySeparator + c.Name
 		} else {
 			l.keyPrefix = prefix
 		}
@@ -398,8 +398,7 @@ func (h *Handler) resolveBuckets(repl *caddy.Replacer, buckets []bucket) (_ []bu
 	for _, l := range h.limits {
 		values, args, exempt := l.values, l.args, l.exempt
 		if !l.fixed {
-			if values, exempt, err = resolveValues(repl.ReplaceAll(string(l.rate), ""),
-				repl.ReplaceAll(string(l.burst), ""), repl.ReplaceAll(string(l.cost), "")); err != nil {
+			if values, exempt, err = l.resolve(repl); err != nil {
 				if l.name != "" {
 					err = fmt.Errorf("limit %s: %w", l.name, err)
 				}
@@ -423,6 +422,23 @@ func (h *Handler) resolveBuckets(repl *caddy.Replacer, buckets []bucket) (_ []bu
 		buckets = append(buckets, bucket{limit: l, key: key, values: values, args: args})
 	}
 	return buckets, skipped, nil
+}
+
+// resolve resolves the limit's values from a request's placeholders. A
+// value the config sets that resolves to nothing is an error, not the
+// default: a fallback belongs in the config (`map`'s `default`).
+func (l *limit) resolve(repl *caddy.Replacer) (limitValues, bool, error) {
+	var text [3]string
+	for i, p := range [3]struct {
+		name  string
+		value Param
+	}{{"replenish_rate", l.rate}, {"burst_capacity", l.burst}, {"requested_tokens", l.cost}} {
+		text[i] = repl.ReplaceAll(string(p.value), "")
+		if text[i] == "" && p.value != "" {
+			return limitValues{}, false, badValue(p.name, string(p.value), "resolved to nothing for this request")
+		}
+	}
+	return resolveValues(text[0], text[1], text[2])
 }
 
 // blockedBucket is the index of a bucket that holds nothing (burst 0,

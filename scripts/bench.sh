@@ -12,6 +12,8 @@
 #                 nothing else (the ceiling for any limiter that asks Redis
 #                 once per allowed request)
 #   allowed@64    rate_limit, always allowed, one bucket per connection
+#   multi@64      as allowed@64 with a policy of three limits on one key
+#                 template (one script call over three buckets per request)
 #   nometrics@64  as allowed@64 with `metrics off` (what the metrics cost)
 #   denied@64     rate_limit, one empty bucket: every request gets 429
 #                 (after the first denial the handler's deny cache answers;
@@ -99,6 +101,7 @@ CASES=(
 	"bare@64 bare 200 -"
 	"floor@64 floor 200 -"
 	"allowed@64 allowed 200 -"
+	"multi@64 multi 200 -"
 	"nometrics@64 allowed-nometrics 200 -"
 	"denied@64 denied 429 -same-key"
 	"allowed@256 allowed 200 -"

@@ -18,7 +18,8 @@ import (
 // ratio is the median of the rounds' own ratios (both cases from the same
 // round), which follows the machine's drift from round to round better
 // than a ratio of medians. Every case is set beside bare@64, and beside
-// bare@<conns> and floor@<conns> of its own connection count.
+// bare@<conns>, floor@<conns> and allowed@<conns> (a single limit) of its
+// own connection count.
 func table(argv []string) {
 	fs := flag.NewFlagSet("table", flag.ExitOnError)
 	warmup := fs.String("warmup", "1s", "warm-up per case, as given to run (for the footnote)")
@@ -124,8 +125,8 @@ func writeTable(w io.Writer, cases []*benchCase, caddyCPU, loadCPU, warmup, dur 
 		byName[c.name] = c
 		rounds = max(rounds, len(c.rounds))
 	}
-	fmt.Fprintf(w, "%-12s %5s %8s %8s %8s %9s %10s %8s %9s %9s %11s %9s %6s %6s %6s %6s %6s %6s\n",
-		"case", "conns", "req/s", "p50", "p99", "vs bare64", "vs bare256", "vs floor", "caddy-us", "reads/req",
+	fmt.Fprintf(w, "%-12s %5s %8s %8s %8s %9s %10s %8s %10s %9s %9s %11s %9s %6s %6s %6s %6s %6s %6s\n",
+		"case", "conns", "req/s", "p50", "p99", "vs bare64", "vs bare256", "vs floor", "vs allowed", "caddy-us", "reads/req",
 		"scripts/req", "redis-us", "caddy%", "load%", "redis%", "other0", "other1", "errors")
 	for _, c := range cases {
 		med := func(field func(roundFigures) float64) float64 {
@@ -139,12 +140,12 @@ func writeTable(w io.Writer, cases []*benchCase, caddyCPU, loadCPU, warmup, dur 
 		if c.conns == "256" {
 			vsBare256 = ratio(c, byName["bare@256"])
 		}
-		fmt.Fprintf(w, "%-12s %5s %8.0f %6.2fms %6.2fms %9s %10s %8s %9.1f %9.3f %11.3f %9.1f %6.0f %6.0f %6.0f %6.0f %6.0f %6d\n",
+		fmt.Fprintf(w, "%-12s %5s %8.0f %6.2fms %6.2fms %9s %10s %8s %10s %9.1f %9.3f %11.3f %9.1f %6.0f %6.0f %6.0f %6.0f %6.0f %6d\n",
 			c.name, c.conns,
 			med(func(r roundFigures) float64 { return r.rps }),
 			med(func(r roundFigures) float64 { return r.p50ms }),
 			med(func(r roundFigures) float64 { return r.p99ms }),
-			ratio(c, byName["bare@64"]), vsBare256, ratio(c, byName["floor@"+c.conns]),
+			ratio(c, byName["bare@64"]), vsBare256, ratio(c, byName["floor@"+c.conns]), ratio(c, byName["allowed@"+c.conns]),
 			med(func(r roundFigures) float64 { return r.caddyUSPerReq }),
 			med(func(r roundFigures) float64 { return r.readsPerReq }),
 			med(func(r roundFigures) float64 { return r.scriptsPerReq }),

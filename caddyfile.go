@@ -232,7 +232,13 @@ func (f limitFields) inline(d *caddyfile.Dispenser, seen map[string]bool, block 
 func (f limitFields) set(d *caddyfile.Dispenser, block, sub string) (known bool, err error) {
 	switch sub {
 	case "key", "replenish_rate", "burst_capacity", "requested_tokens", "ipv4_prefix", "ipv6_prefix":
-		return true, oneValue(d, block, func(v string) error { return f.setValue(sub, v) })
+		return true, oneValue(d, block, func(v string) error {
+			err := f.setValue(sub, v)
+			if err != nil && block != "" {
+				err = fmt.Errorf("%s: %w", block, err) // "limit <name>: ..."
+			}
+			return err
+		})
 	}
 	return false, nil
 }

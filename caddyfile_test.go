@@ -158,6 +158,128 @@ func TestUnmarshalCaddyfileParsesEveryForm(t *testing.T) {
 				},
 			}},
 		},
+		// Policies: limits, prefixes and per-request values (issue 11)
+		{
+			name:  "limit with inline rate and burst",
+			input: "rate_limit {\n\tlimit a 10 20\n}",
+			want:  Handler{Limits: []Limit{{Name: "a", ReplenishRate: "10", BurstCapacity: "20"}}},
+		},
+		{
+			name:  "limit with inline rate, burst and requested tokens",
+			input: "rate_limit {\n\tlimit a 10 20 2\n}",
+			want:  Handler{Limits: []Limit{{Name: "a", ReplenishRate: "10", BurstCapacity: "20", RequestedTokens: "2"}}},
+		},
+		{
+			name:  "limit with no values takes the handler's",
+			input: "rate_limit 10 20 {\n\tlimit a\n}",
+			want:  Handler{ReplenishRate: "10", BurstCapacity: "20", Limits: []Limit{{Name: "a"}}},
+		},
+		{
+			name: "limit block with every subdirective",
+			input: `rate_limit {
+				limit a {
+					key {http.request.header.X-Tenant}
+					replenish_rate 100/1m
+					burst_capacity 200
+					requested_tokens 2
+					ipv4_prefix 24
+					ipv6_prefix 48
+				}
+			}`,
+			want: Handler{Limits: []Limit{{
+				Name: "a", Key: "{http.request.header.X-Tenant}",
+				ReplenishRate: "1.6666666666666667", BurstCapacity: "200", RequestedTokens: "2",
+				IPv4Prefix: ptr(24), IPv6Prefix: ptr(48),
+			}}},
+		},
+		{
+			name:  "limit inline values plus a block",
+			input: "rate_limit {\n\tlimit a 10 20 {\n\t\tkey {client_ip}\n\t\tipv6_prefix 56\n\t}\n}",
+			want: Handler{Limits: []Limit{{
+				Name: "a", Key: "{client_ip}", ReplenishRate: "10", BurstCapacity: "20", IPv6Prefix: ptr(56),
+			}}},
+		},
+		{
+			name:  "limit inline rate and burst, requested_tokens in the block",
+			input: "rate_limit {\n\tlimit a 10 20 {\n\t\trequested_tokens 5\n\t}\n}",
+			want:  Handler{Limits: []Limit{{Name: "a", ReplenishRate: "10", BurstCapacity: "20", RequestedTokens: "5"}}},
+		},
+		{
+			name: "several limits, in order, beside handler fields",
+			input: `rate_limit {
+				zone api
+				key {http.request.header.X-API-Key}
+				limit second 10 20
+				limit hour 1000/1h 1000
+				limit tenant 600/1m 600 {
+					key {http.request.header.X-Tenant}
+				}
+				limit Az09_- 1 1
+			}`,
+			want: Handler{Zone: "api", Key: "{http.request.header.X-API-Key}", Limits: []Limit{
+				{Name: "second", ReplenishRate: "10", BurstCapacity: "20"},
+				{Name: "hour", ReplenishRate: floatParam(1000.0 / 3600), BurstCapacity: "1000"},
+				{Name: "tenant", Key: "{http.request.header.X-Tenant}", ReplenishRate: "10", BurstCapacity: "600"},
+				{Name: "Az09_-", ReplenishRate: "1", BurstCapacity: "1"},
+			}},
+		},
+		{
+			name:  "handler ipv4_prefix and ipv6_prefix",
+			input: "rate_limit 10 20 {\n\tipv4_prefix 24\n\tipv6_prefix 48\n}",
+			want:  Handler{ReplenishRate: "10", BurstCapacity: "20", IPv4Prefix: ptr(24), IPv6Prefix: ptr(48)},
+		},
+		{
+			name:  "prefixes at their lower bounds",
+			input: "rate_limit 10 20 {\n\tipv4_prefix 0\n\tipv6_prefix 0\n\tlimit a {\n\t\tipv4_prefix 0\n\t\tipv6_prefix 0\n\t}\n}",
+			want: Handler{ReplenishRate: "10", BurstCapacity: "20", IPv4Prefix: ptr(0), IPv6Prefix: ptr(0),
+				Limits: []Limit{{Name: "a", IPv4Prefix: ptr(0), IPv6Prefix: ptr(0)}}},
+		},
+		{
+			name:  "prefixes at their upper bounds",
+			input: "rate_limit 10 20 {\n\tipv4_prefix 32\n\tipv6_prefix 128\n\tlimit a {\n\t\tipv4_prefix 32\n\t\tipv6_prefix 128\n\t}\n}",
+			want: Handler{ReplenishRate: "10", BurstCapacity: "20", IPv4Prefix: ptr(32), IPv6Prefix: ptr(128),
+				Limits: []Limit{{Name: "a", IPv4Prefix: ptr(32), IPv6Prefix: ptr(128)}}},
+		},
+		{
+			name: "placeholders in the handler's values are kept as written",
+			input: `rate_limit {
+				replenish_rate {plan_rate}
+				burst_capacity {plan_burst}
+				requested_tokens {http.request.header.X-Cost}
+			}`,
+			want: Handler{ReplenishRate: "{plan_rate}", BurstCapacity: "{plan_burst}", RequestedTokens: "{http.request.header.X-Cost}"},
+		},
+		{
+			name:  "placeholders inline, in the text of a value",
+			input: "rate_limit {http.request.header.X-Count}/1m {plan_burst} {plan_cost}",
+			want:  Handler{ReplenishRate: "{http.request.header.X-Count}/1m", BurstCapacity: "{plan_burst}", RequestedTokens: "{plan_cost}"},
+		},
+		{
+			name:  "placeholders in a limit, inline and in its block",
+			input: "rate_limit {\n\tlimit plan {plan_rate} {plan_burst} {\n\t\trequested_tokens {http.request.header.X-Cost}\n\t}\n}",
+			want: Handler{Limits: []Limit{{Name: "plan", ReplenishRate: "{plan_rate}", BurstCapacity: "{plan_burst}",
+				RequestedTokens: "{http.request.header.X-Cost}"}}},
+		},
+		{
+			name:  "a fixed value beside placeholders",
+			input: "rate_limit {\n\tlimit a 100/1m {plan_burst}\n}",
+			want:  Handler{Limits: []Limit{{Name: "a", ReplenishRate: "1.6666666666666667", BurstCapacity: "{plan_burst}"}}},
+		},
+		{
+			name:  "unlimited rate is kept as written",
+			input: "rate_limit {\n\treplenish_rate unlimited\n\tlimit a unlimited unlimited\n}",
+			want:  Handler{ReplenishRate: "unlimited", Limits: []Limit{{Name: "a", ReplenishRate: "unlimited", BurstCapacity: "unlimited"}}},
+		},
+		{
+			name:  "fixed rates stored as the JSON number",
+			input: "rate_limit {\n\tlimit m 100/1m 100\n\tlimit h {\n\t\treplenish_rate 5000/1h\n\t\tburst_capacity 5000\n\t}\n\tlimit f 0.5 1\n\tlimit e 1e3 1000\n}",
+			want: Handler{Limits: []Limit{
+				{Name: "m", ReplenishRate: "1.6666666666666667", BurstCapacity: "100"},
+				{Name: "h", ReplenishRate: "1.3888888888888888", BurstCapacity: "5000"},
+				{Name: "f", ReplenishRate: "0.5", BurstCapacity: "1"},
+				{Name: "e", ReplenishRate: "1000", BurstCapacity: "1000"},
+			}},
+		},
 		{
 			name:  "empty redis and tls blocks",
 			input: "rate_limit 1 1 {\n\tredis {\n\t\ttls\n\t}\n}",
@@ -277,6 +399,83 @@ func TestUnmarshalCaddyfileErrorsNameSubdirectiveAndValue(t *testing.T) {
 		{"zone with a space", block("zone \"a b\""), []string{"zone 'a b'"}},
 		{"key template unclosed", block("key \"{http.request.host\""), []string{"key '{http.request.host'", "unclosed placeholder"}},
 
+		// policies: limits (fixtures: policy_*, the README's examples, and
+		// limit_burst_below_rate, a limit's mistake in a whole Caddyfile)
+		{"limit without a name", block("limit"), []string{"limit: wrong argument count"}},
+		{"duplicate limit names", block("limit a 1 1\n\tlimit a 2 2"), []string{"limit 'a' is given twice", "unique"}},
+		{"duplicate limit names, one with a block", block("limit a\n\tlimit b\n\tlimit a {\n\t\tkey {client_ip}\n\t}"), []string{"limit 'a' is given twice"}},
+		{"limit name with a dot", block("limit a.b"), []string{"limit name 'a.b'", "letters, digits, '-' and '_'"}},
+		{"limit name with a bar", block("limit a|b 1 1"), []string{"limit name 'a|b'", "letters, digits"}},
+		{"limit name with a space", block("limit \"a b\" 1 1"), []string{"limit name 'a b'"}},
+		{"limit name with a placeholder", block("limit {plan} 1 1"), []string{"limit name '{plan}'"}},
+		{"limit name empty", block("limit \"\" 1 1"), []string{"limit name ''"}},
+		{"limit block with an unknown subdirective", block("limit a {\n\t\tzone other\n\t}"), []string{"unrecognized limit a subdirective 'zone'"}},
+		{"limit block with a handler-only flag", block("limit a {\n\t\tshadow\n\t}"), []string{"unrecognized limit a subdirective 'shadow'"}},
+		{"limit block with a nested limit", block("limit a {\n\t\tlimit b 1 1\n\t}"), []string{"unrecognized limit a subdirective 'limit'"}},
+		{"limit with one inline value", block("limit a 10"), []string{"limit a: want <replenish_rate> <burst_capacity> [<requested_tokens>], got 1 argument(s): '10'"}},
+		{"limit with four inline values", block("limit a 1 2 1 4"), []string{"limit a:", "got 4 argument(s): '1 2 1 4'"}},
+		{"limit subdirective given twice", block("limit a {\n\t\tkey {client_ip}\n\t\tkey {remote_host}\n\t}"), []string{"limit a: subdirective 'key' is given twice"}},
+		{"limit inline rate plus replenish_rate", block("limit a 10 20 {\n\t\treplenish_rate 5\n\t}"), []string{"limit a: subdirective 'replenish_rate' is given twice"}},
+		{"limit inline cost plus requested_tokens", block("limit a 10 20 2 {\n\t\trequested_tokens 1\n\t}"), []string{"limit a: subdirective 'requested_tokens' is given twice"}},
+		{"limit key without value", block("limit a {\n\t\tkey\n\t}"), []string{"limit a key: wrong argument count"}},
+		{"limit ipv6_prefix with two values", block("limit a {\n\t\tipv6_prefix 64 48\n\t}"), []string{"limit a ipv6_prefix: wrong argument count"}},
+
+		// static values of a limit, alone (where they are written) and
+		// judged together at the end of the directive (fixture:
+		// limit_burst_below_rate)
+		{"limit rate 0", block0("limit a 0 10"), []string{"replenish_rate '0'", "positive number"}},
+		{"limit rate in its block not a number", block0("limit a {\n\t\treplenish_rate fast\n\t}"), []string{"replenish_rate 'fast'", "positive number"}},
+		{"limit rate per zero duration", block0("limit a 10/0s 10"), []string{"replenish_rate '10/0s'", "duration after '/' must be positive"}},
+		{"limit burst not whole", block0("limit a 10 2.5"), []string{"burst_capacity '2.5' is not a whole number"}},
+		{"limit burst unlimited with a fixed rate", block0("limit a 10 unlimited"), []string{"limit a: burst_capacity 'unlimited' is not a whole number"}},
+		{"limit requested not whole", block0("limit a 10 20 1.5"), []string{"requested_tokens '1.5' is not a whole number"}},
+		{"limit requested unlimited", block0("limit a 10 20 unlimited"), []string{"requested_tokens 'unlimited' is not a whole number"}},
+		{"limit requested_tokens 0 inline", block0("limit a 10 20 0"), []string{"requested_tokens '0' must be at least 1"}},
+		{"limit requested_tokens 0 in its block", block0("limit a 10 20 {\n\t\trequested_tokens 0\n\t}"), []string{"requested_tokens '0' must be at least 1"}},
+		{"limit requested_tokens negative", block0("limit a 1 2 -1"), []string{"limit a: requested_tokens '-1' must be at least 1"}},
+		{"limit burst below the handler's rate", block("limit ok 1 1\n\tlimit a {\n\t\tburst_capacity 0\n\t}\n\tlimit b {\n\t\treplenish_rate 3\n\t}"),
+			[]string{"limit b: burst_capacity '1' is smaller than replenish_rate '3'"}},
+		{"limit requested above burst", block0("limit a 1 2 3"), []string{"limit a: requested_tokens '3' is more than burst_capacity '2'"}},
+		{"limit requested above the handler's burst", "rate_limit 1 2 {\n\tlimit a {\n\t\trequested_tokens 3\n\t}\n}", []string{"limit a: requested_tokens '3' is more than burst_capacity '2'"}},
+		{"limit handler's requested above the limit's burst", "rate_limit 1 5 5 {\n\tlimit a 1 2\n}", []string{"limit a: requested_tokens '5' is more than burst_capacity '2'"}},
+		{"limit negative burst", block0("limit a 10 -1"), []string{"limit a: burst_capacity '-1' must not be negative"}},
+		{"limit rate filling in more than a year", block0("limit a 1e-10 1000"), []string{"limit a: replenish_rate '1e-10'", "more than a year"}},
+		{"limit burst above 2^53", block0("limit a 1e15 9007199254740993"), []string{"limit a: burst_capacity '9007199254740993'", "2^53"}},
+		{"limit without any rate", block0("limit a"), []string{"limit a: replenish_rate is required"}},
+		{"second limit without any rate", block0("limit a 1 1\n\tlimit b {\n\t\tburst_capacity 5\n\t}"), []string{"limit b: replenish_rate is required"}},
+		// A fixed rate and a fixed burst are judged together even when
+		// the cost comes from the request, and a fixed burst and cost
+		// when the rate does.
+		{"limit burst below rate beside a per-request cost", block0("limit a 10 5 {http.request.header.X-Cost}"),
+			[]string{"limit a: burst_capacity '5' is smaller than replenish_rate '10'"}},
+		{"limit requested above burst beside a per-request rate", block0("limit a {plan_rate} 2 3"),
+			[]string{"limit a: requested_tokens '3' is more than burst_capacity '2'"}},
+		{"handler burst below rate beside a per-request cost", "rate_limit 10 5 {http.request.header.X-Cost}",
+			[]string{"burst_capacity '5' is smaller than replenish_rate '10'"}},
+		{"handler requested above burst beside a per-request rate", "rate_limit {plan_rate} 2 3",
+			[]string{"requested_tokens '3' is more than burst_capacity '2'"}},
+		{"per-request burst beside a fixed rate 0", block0("limit a 0 {plan_burst}"), []string{"replenish_rate '0'", "positive number"}},
+		{"per-request rate beside a negative burst", block0("limit a {plan_rate} -1"), []string{"limit a: burst_capacity '-1'", "0 to 2^53"}},
+
+		// prefixes, of the handler and of a limit
+		{"ipv4_prefix above 32", block("ipv4_prefix 33"), []string{"ipv4_prefix '33': want a prefix length from 0 to 32"}},
+		{"ipv4_prefix negative", block("ipv4_prefix -1"), []string{"ipv4_prefix '-1'", "0 to 32"}},
+		{"ipv4_prefix not a number", block("ipv4_prefix /24"), []string{"ipv4_prefix '/24'", "0 to 32"}},
+		{"ipv6_prefix above 128", block("ipv6_prefix 129"), []string{"ipv6_prefix '129': want a prefix length from 0 to 128"}},
+		{"ipv6_prefix negative", block("ipv6_prefix -64"), []string{"ipv6_prefix '-64'", "0 to 128"}},
+		{"ipv6_prefix placeholder", block("ipv6_prefix {bits}"), []string{"ipv6_prefix '{bits}'", "0 to 128"}},
+		{"ipv6_prefix without value", block("ipv6_prefix"), []string{"ipv6_prefix: wrong argument count"}},
+		{"ipv4_prefix given twice", block("ipv4_prefix 24\n\tipv4_prefix 16"), []string{"subdirective 'ipv4_prefix' is given twice"}},
+		{"limit ipv4_prefix above 32", block("limit a {\n\t\tipv4_prefix 64\n\t}"), []string{"ipv4_prefix '64': want a prefix length from 0 to 32"}},
+		{"limit ipv6_prefix above 128", block("limit a {\n\t\tipv6_prefix 129\n\t}"), []string{"ipv6_prefix '129'", "0 to 128"}},
+		{"limit ipv6_prefix fractional", block("limit a {\n\t\tipv6_prefix 56.5\n\t}"), []string{"ipv6_prefix '56.5'", "0 to 128"}},
+
+		// key templates of a limit
+		{"limit key unclosed", block("limit a {\n\t\tkey \"{http.request.host\"\n\t}"), []string{"key '{http.request.host'", "unclosed placeholder"}},
+		{"limit key with a literal brace", block("limit a {\n\t\tkey \\{x\\}{client_ip}\n\t}"), []string{"key '\\{x\\}{client_ip}'", "literal brace"}},
+		{"limit key empty", block("limit a {\n\t\tkey \"\"\n\t}"), []string{"key ''", "empty"}},
+		{"limit key malformed placeholder", block("limit a {\n\t\tkey {}\n\t}"), []string{"key '{}'", "malformed placeholder"}},
+
 		// no rate at all (fixture: no_rate)
 		{"bare directive", "rate_limit", []string{"replenish_rate is required"}},
 	} {
@@ -337,6 +536,70 @@ func TestProvisionValidateRejectsJSONWithReason(t *testing.T) {
 			[]string{"'db 2'", "Redis Cluster"}},
 		{"master_name with cluster", `{"replenish_rate": 1, "redis": {"cluster": true, "master_name": "mymaster"}}`,
 			[]string{"'master_name mymaster'", "'cluster'", "exclude each other"}},
+
+		// policies: limits, prefixes and per-request values. A limit's
+		// mistake names the limit ("limit a: ..."), as in the Caddyfile:
+		// with several limits, the value alone does not say which.
+		{"duplicate limit names", `{"limits": [{"name": "a", "replenish_rate": 1}, {"name": "a", "replenish_rate": 2, "burst_capacity": 2}]}`,
+			[]string{"limit 'a' is given twice", "unique"}},
+		{"limit without a name", `{"limits": [{"replenish_rate": 1}]}`,
+			[]string{"limit name ''", "letters, digits"}},
+		{"limit name with a dot", `{"limits": [{"name": "a.b", "replenish_rate": 1}]}`,
+			[]string{"limit name 'a.b'", "letters, digits, '-' and '_'"}},
+		{"limit name with a brace", `{"limits": [{"name": "a}", "replenish_rate": 1}]}`,
+			[]string{"limit name 'a}'"}},
+		// In JSON a rate of 0 is unset, as it always was (the Caddyfile
+		// refuses `0` where it is written).
+		{"limit rate 0", `{"limits": [{"name": "a", "replenish_rate": 0, "burst_capacity": 10}]}`,
+			[]string{"limit a", "replenish_rate is required"}},
+		{"limit rate not a number", `{"limits": [{"name": "a", "replenish_rate": "fast"}]}`,
+			[]string{"limit a", "replenish_rate 'fast'", "positive number"}},
+		{"limit burst below rate", `{"limits": [{"name": "ok", "replenish_rate": 1}, {"name": "a", "replenish_rate": 10, "burst_capacity": 5}]}`,
+			[]string{"limit a", "burst_capacity '5' is smaller than replenish_rate '10'", "at least 10"}},
+		{"limit burst below the handler's rate", `{"replenish_rate": 10, "limits": [{"name": "a", "burst_capacity": 5}]}`,
+			[]string{"limit a", "burst_capacity '5' is smaller than replenish_rate '10'"}},
+		{"limit burst not whole", `{"limits": [{"name": "a", "replenish_rate": 1, "burst_capacity": 2.5}]}`,
+			[]string{"limit a", "burst_capacity '2.5' is not a whole number"}},
+		{"limit requested above burst", `{"limits": [{"name": "a", "replenish_rate": 1, "burst_capacity": 2, "requested_tokens": 3}]}`,
+			[]string{"limit a", "requested_tokens '3' is more than burst_capacity '2'"}},
+		{"limit requested negative", `{"limits": [{"name": "a", "replenish_rate": 1, "burst_capacity": 2, "requested_tokens": -1}]}`,
+			[]string{"limit a", "requested_tokens '-1' must be at least 1"}},
+		{"limit requested 0 as a string", `{"limits": [{"name": "a", "replenish_rate": 1, "burst_capacity": 2, "requested_tokens": "zero"}]}`,
+			[]string{"limit a", "requested_tokens 'zero' is not a whole number"}},
+		{"limit rate filling in more than a year", `{"limits": [{"name": "a", "replenish_rate": 1e-10, "burst_capacity": 1000}]}`,
+			[]string{"limit a", "replenish_rate '1e-10'", "more than a year"}},
+		{"limit without any rate", `{"limits": [{"name": "a", "burst_capacity": 5}]}`,
+			[]string{"limit a", "replenish_rate is required"}},
+		{"limit burst below rate beside a per-request cost", `{"limits": [{"name": "a", "replenish_rate": 10, "burst_capacity": 5, "requested_tokens": "{http.request.header.X-Cost}"}]}`,
+			[]string{"limit a", "burst_capacity '5' is smaller than replenish_rate '10'"}},
+		{"limit per-request rate beside a negative burst", `{"limits": [{"name": "a", "replenish_rate": "{plan_rate}", "burst_capacity": -1}]}`,
+			[]string{"limit a", "burst_capacity '-1'", "0 to 2^53"}},
+		{"limit per-request burst beside a bad rate", `{"limits": [{"name": "a", "replenish_rate": "10/0s", "burst_capacity": "{plan_burst}"}]}`,
+			[]string{"limit a", "replenish_rate '10/0s'", "duration after '/' must be positive"}},
+		{"limit key unclosed", `{"limits": [{"name": "a", "replenish_rate": 1, "key": "{http.request.host"}]}`,
+			[]string{"limit a", "key '{http.request.host'", "unclosed placeholder"}},
+		{"limit key with a literal brace", `{"limits": [{"name": "a", "replenish_rate": 1, "key": "\\{x\\}{client_ip}"}]}`,
+			[]string{"limit a", "literal brace"}},
+		{"handler rate not a number beside limits that set their own", `{"replenish_rate": "fast", "limits": [{"name": "a", "replenish_rate": 1}]}`,
+			[]string{"replenish_rate 'fast'", "positive number"}},
+		{"handler burst negative beside limits that set their own", `{"burst_capacity": -5, "limits": [{"name": "a", "replenish_rate": 1, "burst_capacity": 1}]}`,
+			[]string{"burst_capacity '-5'"}},
+		{"ipv4_prefix above 32", `{"replenish_rate": 1, "ipv4_prefix": 33}`,
+			[]string{"ipv4_prefix '33': want a prefix length from 0 to 32"}},
+		{"ipv4_prefix negative", `{"replenish_rate": 1, "ipv4_prefix": -1}`,
+			[]string{"ipv4_prefix '-1'", "0 to 32"}},
+		{"ipv6_prefix above 128", `{"replenish_rate": 1, "ipv6_prefix": 129}`,
+			[]string{"ipv6_prefix '129': want a prefix length from 0 to 128"}},
+		{"ipv6_prefix negative", `{"replenish_rate": 1, "ipv6_prefix": -1}`,
+			[]string{"ipv6_prefix '-1'", "0 to 128"}},
+		{"handler prefix out of range beside limits", `{"ipv6_prefix": 200, "limits": [{"name": "a", "replenish_rate": 1}]}`,
+			[]string{"ipv6_prefix '200'", "0 to 128"}},
+		{"limit ipv4_prefix above 32", `{"limits": [{"name": "a", "replenish_rate": 1, "ipv4_prefix": 40}]}`,
+			[]string{"limit a", "ipv4_prefix '40'", "0 to 32"}},
+		{"limit ipv6_prefix above 128", `{"limits": [{"name": "a", "replenish_rate": 1, "ipv6_prefix": 129}]}`,
+			[]string{"limit a", "ipv6_prefix '129'", "0 to 128"}},
+		{"limit ipv6_prefix negative", `{"limits": [{"name": "a", "replenish_rate": 1, "ipv6_prefix": -8}]}`,
+			[]string{"limit a", "ipv6_prefix '-8'", "0 to 128"}},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			h := new(Handler)
@@ -351,6 +614,86 @@ func TestProvisionValidateRejectsJSONWithReason(t *testing.T) {
 				if !strings.Contains(err.Error(), w) {
 					t.Errorf("error %q does not contain %q", err, w)
 				}
+			}
+		})
+	}
+}
+
+// TestLimitsJSONLoadsStrictly loads limits as Caddy loads a module's
+// JSON: unknown fields and values of the wrong type are refused before
+// provisioning.
+func TestLimitsJSONLoadsStrictly(t *testing.T) {
+	for _, tc := range []struct {
+		name, json string
+		want       []string
+	}{
+		{"unknown field in a limit", `{"limits": [{"name": "a", "replenish_rate": 1, "zone": "x"}]}`, []string{"unknown field", "zone"}},
+		{"burst neither number nor string", `{"limits": [{"name": "a", "replenish_rate": 1, "burst_capacity": true}]}`, []string{"want a number or a string, got true"}},
+		{"rate an object", `{"replenish_rate": {"per": "1m"}}`, []string{"want a number or a string"}},
+		{"prefix as a string", `{"replenish_rate": 1, "ipv6_prefix": "64"}`, []string{"ipv6_prefix"}},
+		{"limits not an array", `{"limits": {"name": "a"}}`, []string{"limits"}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			err := caddy.StrictUnmarshalJSON([]byte(tc.json), new(Handler))
+			if err == nil {
+				t.Fatalf("%s loaded", tc.json)
+			}
+			for _, w := range tc.want {
+				if !strings.Contains(err.Error(), w) {
+					t.Errorf("error %q does not contain %q", err, w)
+				}
+			}
+		})
+	}
+}
+
+// TestLimitsJSONAccepted provisions JSON policies that are right,
+// including what only JSON can say (0 for the default cost, numbers as
+// strings).
+func TestLimitsJSONAccepted(t *testing.T) {
+	for _, tc := range []struct {
+		name, json string
+		check      func(t *testing.T, h *Handler)
+	}{
+		{"requested_tokens 0 in a limit is the default", `{"limits": [{"name": "a", "replenish_rate": 1, "burst_capacity": 2, "requested_tokens": 0}]}`,
+			func(t *testing.T, h *Handler) {
+				if v := h.limits[0].values; v.requested != 1 {
+					t.Errorf("requested %d, want 1", v.requested)
+				}
+			}},
+		{"requested_tokens 0 in a limit is the handler's", `{"requested_tokens": 2, "limits": [{"name": "a", "replenish_rate": 1, "burst_capacity": 4, "requested_tokens": 0}]}`,
+			func(t *testing.T, h *Handler) {
+				if v := h.limits[0].values; v.requested != 2 {
+					t.Errorf("requested %d, want the handler's 2", v.requested)
+				}
+			}},
+		{"numbers in strings", `{"limits": [{"name": "a", "replenish_rate": "100/1m", "burst_capacity": "100", "requested_tokens": "2"}]}`,
+			func(t *testing.T, h *Handler) {
+				if v := h.limits[0].values; v.rate != 100.0/60 || v.burst != 100 || v.requested != 2 {
+					t.Errorf("values %+v", v)
+				}
+			}},
+		{"placeholders", `{"replenish_rate": "{plan_rate}", "burst_capacity": "{plan_burst}", "requested_tokens": "{http.request.header.X-Cost}"}`, nil},
+		{"prefixes at their bounds", `{"replenish_rate": 1, "ipv4_prefix": 0, "ipv6_prefix": 128,
+			"limits": [{"name": "a", "ipv4_prefix": 32, "ipv6_prefix": 0}, {"name": "b"}]}`,
+			func(t *testing.T, h *Handler) {
+				for i, want := range [][2]int{{32, 0}, {0, 128}} {
+					if got := [2]int{h.limits[i].template.ipv4Bits, h.limits[i].template.ipv6Bits}; got != want {
+						t.Errorf("limit %s: bits %v, want %v", h.limits[i].name, got, want)
+					}
+				}
+			}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			h := new(Handler)
+			if err := caddy.StrictUnmarshalJSON([]byte(tc.json), h); err != nil {
+				t.Fatalf("json: %v", err)
+			}
+			if err := tryProvision(t, offline(h)); err != nil {
+				t.Fatalf("refused: %v", err)
+			}
+			if tc.check != nil {
+				tc.check(t, h)
 			}
 		})
 	}
@@ -411,6 +754,52 @@ func TestProvisionValidateAcceptsAndDefaults(t *testing.T) {
 		}},
 		{"sentinel", "rate_limit 1 1 {\n\tredis h1:26379 h2:26379 {\n\t\tmaster_name mymaster\n\t\tdb 1\n\t}\n}", nil},
 		{"zone with every allowed character", "rate_limit 1 1 {\n\tzone Az09_.:-\n}", nil},
+		{"prefixes: a limit's own, else the handler's, else 32 and 64", `rate_limit 10 20 {
+			ipv4_prefix 24
+			limit own {
+				ipv4_prefix 16
+				ipv6_prefix 56
+			}
+			limit inherited
+		}`, func(t *testing.T, h *Handler) {
+			for i, want := range [][2]int{{16, 56}, {24, 64}} {
+				if got := [2]int{h.limits[i].template.ipv4Bits, h.limits[i].template.ipv6Bits}; got != want {
+					t.Errorf("limit %s: ipv4/ipv6 bits %v, want %v", h.limits[i].name, got, want)
+				}
+			}
+		}},
+		{"default prefixes without limits", "rate_limit 10 20", func(t *testing.T, h *Handler) {
+			if b := h.limits[0].template; b.ipv4Bits != 32 || b.ipv6Bits != 64 {
+				t.Errorf("ipv4/ipv6 bits %d/%d, want 32/64", b.ipv4Bits, b.ipv6Bits)
+			}
+		}},
+		{"handler prefixes without limits", "rate_limit 10 20 {\n\tipv4_prefix 0\n\tipv6_prefix 128\n}", func(t *testing.T, h *Handler) {
+			if b := h.limits[0].template; b.ipv4Bits != 0 || b.ipv6Bits != 128 {
+				t.Errorf("ipv4/ipv6 bits %d/%d, want 0/128", b.ipv4Bits, b.ipv6Bits)
+			}
+		}},
+		{"limits of fixed and per-request values", `rate_limit {
+			key {http.request.header.X-API-Key}
+			limit second 10 20
+			limit hour 1000/1h 1000
+			limit plan {plan_rate} {plan_burst} {http.request.header.X-Cost}
+			limit off {
+				replenish_rate unlimited
+			}
+		}`, func(t *testing.T, h *Handler) {
+			if len(h.limits) != 4 {
+				t.Fatalf("%d limits, want 4", len(h.limits))
+			}
+			if l := h.limits[1]; !l.fixed || l.values.burst != 1000 || l.values.rate != 1000.0/3600 {
+				t.Errorf("hour: fixed %v, values %+v", l.fixed, l.values)
+			}
+			if l := h.limits[2]; l.fixed {
+				t.Errorf("plan: fixed, want per request")
+			}
+			if l := h.limits[3]; !l.fixed || !l.exempt {
+				t.Errorf("off: fixed %v exempt %v, want an exempt fixed limit", l.fixed, l.exempt)
+			}
+		}},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			h, err := parseTestCaddyfile(tc.input)

@@ -208,6 +208,9 @@ func (h *Handler) Provision(ctx caddy.Context) error {
 	h.denyEmpty = h.DenyEmptyKey == nil || *h.DenyEmptyKey
 	h.failOpen = h.OnError == onErrorAllow
 
+	if err := h.checkLimits(); err != nil { // Validate's check, first: its messages name the limit
+		return err
+	}
 	redisConfig := h.Redis.withPlaceholders()
 	if err := redisConfig.validate(); err != nil {
 		return err
@@ -267,9 +270,7 @@ func (h *Handler) applyDefaults() {
 	if h.Key == "" {
 		h.Key = "{http.vars.client_ip}"
 	}
-	if h.RequestedTokens == "0" { // in JSON, 0 means the default
-		h.RequestedTokens = ""
-	}
+	h.ReplenishRate, h.RequestedTokens = unset(h.ReplenishRate), unset(h.RequestedTokens) // in JSON, 0 means unset
 	if h.StatusCode == 0 {
 		h.StatusCode = http.StatusTooManyRequests
 	}

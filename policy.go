@@ -255,11 +255,8 @@ func (h *Handler) buildLimits(keyPrefix string) ([]*limit, error) {
 	for i, c := range configs {
 		l := &limit{
 			index: i, name: c.Name, nameValue: c.Name, ietfName: h.Zone,
-			rate: or(c.ReplenishRate, h.ReplenishRate), burst: or(c.BurstCapacity, h.BurstCapacity),
-			cost: or(c.RequestedTokens, h.RequestedTokens),
-		}
-		if l.cost == "0" { // in JSON, 0 means the default
-			l.cost = ""
+			rate: or(unset(c.ReplenishRate), unset(h.ReplenishRate)), burst: or(c.BurstCapacity, h.BurstCapacity),
+			cost: or(unset(c.RequestedTokens), unset(h.RequestedTokens)),
 		}
 		key := or(c.Key, h.Key)
 		var err error
@@ -313,8 +310,8 @@ func (h *Handler) checkLimits() error {
 	if err := checkPrefixes(h.IPv4Prefix, h.IPv6Prefix); err != nil {
 		return err
 	}
-	if len(h.Limits) == 0 {
-		return checkValues(h.ReplenishRate, h.BurstCapacity, h.RequestedTokens)
+	if err := checkValues(h.ReplenishRate, h.BurstCapacity, h.RequestedTokens, len(h.Limits) == 0); err != nil {
+		return err
 	}
 	seen := map[string]bool{}
 	for _, l := range h.Limits {
@@ -330,7 +327,8 @@ func (h *Handler) checkLimits() error {
 			_, err = parseKeyTemplate(l.Key)
 		}
 		if err == nil {
-			err = checkValues(or(l.ReplenishRate, h.ReplenishRate), or(l.BurstCapacity, h.BurstCapacity), or(l.RequestedTokens, h.RequestedTokens))
+			err = checkValues(or(unset(l.ReplenishRate), unset(h.ReplenishRate)), or(l.BurstCapacity, h.BurstCapacity),
+				or(unset(l.RequestedTokens), unset(h.RequestedTokens)), true)
 		}
 		if err != nil {
 			return fmt.Errorf("limit %s: %w", l.Name, err)
@@ -339,33 +337,52 @@ func (h *Handler) checkLimits() error {
 	return nil
 }
 
-// checkValues judges a limit's rate, burst and cost: together when all
-// are fixed, else each fixed one alone (the others are judged per
-// request).
-func checkValues(rate, burst, cost Param) error {
-	if cost == "0" { // in JSON, 0 means the default
-		cost = ""
-	}
-	if !rate.perRequest() && !burst.perRequest() && !cost.perRequest() {
+// checkValues judges a limit's rate, burst and cost: each fixed one
+// alone, and, when together is set, the fixed ones together (all three;
+// or rate and burst, or burst and cost, when the third is a placeholder).
+// What has placeholders is judged per request.
+func checkValues(rate, burst, cost Param, together bool) error {
+	rate, cost = unset(rate), unset(cost)
+	if together && !rate.perRequest() && !burst.perRequest() && !cost.perRequest() {
 		_, _, err := resolveValues(string(rate), string(burst), string(cost))
 		return err
 	}
-	if !rate.perRequest() && rate != "" && rate != unlimited {
-		if _, err := parseRate(string(rate)); err != nil {
+	v := limitValues{requested: 1}
+	fixedRate := !rate.perRequest() && rate != "" && rate != unlimited
+	fixedBurst := !burst.perRequest() && burst != "" && burst != unlimited
+	fixedCost := !cost.perRequest() && cost != ""
+	var err error
+	if fixedRate {
+		if v.rate, err = parseRate(string(rate)); err != nil {
 			return badValue("replenish_rate", string(rate), ": "+err.Error())
 		}
 	}
-	if !burst.perRequest() && burst != "" && burst != unlimited {
-		if n, err := strconv.ParseInt(string(burst), 10, 64); err != nil || n < 0 || n > maxExactTokens {
+	if fixedBurst {
+		if v.burst, err = strconv.ParseInt(string(burst), 10, 64); err != nil || v.burst < 0 || v.burst > maxExactTokens {
 			return badValue("burst_capacity", string(burst), "is not a whole number from 0 to 2^53")
 		}
 	}
-	if !cost.perRequest() && cost != "" {
-		if n, err := strconv.ParseInt(string(cost), 10, 64); err != nil || n < 1 {
+	if fixedCost {
+		if v.requested, err = strconv.ParseInt(string(cost), 10, 64); err != nil || v.requested < 1 {
 			return badValue("requested_tokens", string(cost), "is not a whole number of at least 1")
 		}
 	}
+	switch {
+	case !together || !fixedBurst || v.burst == 0:
+	case fixedRate:
+		return v.check() // with the cost too, if it is fixed
+	case fixedCost && v.requested > v.burst:
+		return badValue("requested_tokens", string(cost), fmt.Sprintf("is more than burst_capacity '%d': no request could ever be admitted", v.burst))
+	}
 	return nil
+}
+
+// unset is a rate or cost as JSON means it: 0 stands for unset.
+func unset(p Param) Param {
+	if p == "0" {
+		return ""
+	}
+	return p
 }
 
 func checkPrefixes(v4, v6 *int) error {

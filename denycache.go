@@ -81,6 +81,15 @@ func (c *denyCache) put(buckets []bucket, sent time.Time) {
 	}
 }
 
+// forgetBuckets drops what the cache knows of the buckets.
+func (c *denyCache) forgetBuckets(buckets []bucket) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	for i := range buckets {
+		delete(c.entries, buckets[i].key)
+	}
+}
+
 // makeRoom drops the expired entries among a sample of 32, or, when none
 // has expired, the first of them.
 func (c *denyCache) makeRoom(now time.Time) {

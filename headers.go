@@ -99,13 +99,23 @@ func (rh *rateLimitHeaders) set(hdr http.Header, buckets []bucket, described int
 	items := 0
 	for i := range buckets {
 		b := &buckets[i]
-		if b.unknown || b.remaining < 0 || b.retryAfter < 0 {
-			continue
+		if b.remaining < 0 || b.retryAfter < 0 {
+			return // Redis failed, or a bucket never refills: nothing true to say
 		}
 		lh := &rh.limits[b.limit.index]
+		if i > 0 {
+			policy = append(policy, ", "...)
+		}
+		if rh.policy == nil {
+			policy = append(policy, policyItem(lh.quoted, b.values)...)
+		} else {
+			policy = append(policy, lh.policy...)
+		}
+		if b.unknown { // a cached denial says nothing of this bucket's state
+			continue
+		}
 		if items > 0 {
 			state = append(state, ", "...)
-			policy = append(policy, ", "...)
 		}
 		items++
 		state = append(state, lh.quoted...)
@@ -113,17 +123,11 @@ func (rh *rateLimitHeaders) set(hdr http.Header, buckets []bucket, described int
 		state = strconv.AppendInt(state, b.remaining, 10)
 		state = append(state, ";t="...)
 		state = strconv.AppendInt(state, ceilSeconds(b.retryAfter), 10)
-		if rh.policy == nil {
-			policy = append(policy, policyItem(lh.quoted, b.values)...)
-		} else {
-			policy = append(policy, lh.policy...)
-		}
 	}
-	if items == 0 {
-		return
+	if items > 0 {
+		hdr["Ratelimit"] = []string{string(state)}
 	}
-	hdr["Ratelimit"] = []string{string(state)}
-	if rh.policy != nil && items == len(rh.limits) {
+	if rh.policy != nil && len(buckets) == len(rh.limits) {
 		hdr["Ratelimit-Policy"] = rh.policy
 	} else {
 		hdr["Ratelimit-Policy"] = []string{string(policy)}

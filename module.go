@@ -176,6 +176,7 @@ type Handler struct {
 	limits       []*limit
 	groups       [][]*limit // on Cluster, limits by hash slot, when they span several
 	useDenyCache bool       // see takeGroups
+	perRequest   bool       // some limit's values come from the request
 	denyEmpty    bool
 	failOpen     bool
 	headers      rateLimitHeaders
@@ -227,6 +228,9 @@ func (h *Handler) Provision(ctx caddy.Context) error {
 	h.zoneValue = h.Zone
 	h.denied = newDenyCache()
 	h.useDenyCache = true
+	for _, l := range h.limits {
+		h.perRequest = h.perRequest || !l.fixed
+	}
 	h.redisWarns = &logThrottle{every: 10 * time.Second}
 	h.overloaded = &logThrottle{every: 10 * time.Second}
 	h.paramWarns = &logThrottle{every: 10 * time.Second}
@@ -400,8 +404,15 @@ func (h *Handler) check(clientCtx context.Context, buckets []bucket) (bool, erro
 	}
 	switch err.(type) {
 	case nil:
-		if !allowed && h.useDenyCache {
+		switch {
+		case !h.useDenyCache:
+		case !allowed:
 			h.denied.put(buckets, sent)
+		case h.perRequest:
+			// Admitted with other values than a cached denial's, say after
+			// a change of plan, the bucket refilled at another rate than
+			// that denial counted on.
+			h.denied.forgetBuckets(buckets)
 		}
 	case overloadError:
 		if clientCtx.Err() != nil {

@@ -514,6 +514,27 @@ func slotGroups(limits []*limit) [][]*limit {
 	return groups
 }
 
+// giveBackGroups returns what a request took from earlier slot groups, a
+// script call per group (one slot each), whether or not the client is
+// still there: the tokens must not stay taken. A failure is logged; those
+// buckets then stay short until they refill.
+func (h *Handler) giveBackGroups(clientCtx context.Context, taken []bucket) {
+	ctx := context.WithoutCancel(clientCtx)
+	for start := 0; start < len(taken); {
+		end := start + 1
+		for end < len(taken) && taken[end].limit.group == taken[start].limit.group {
+			end++
+		}
+		if err := h.limiter.giveBack(ctx, time.Now(), taken[start:end]); err != nil {
+			if ok, suppressed := h.redisWarns.allow(); ok {
+				h.logger.Warn("Redis failed while giving tokens back; those buckets stay short until they refill",
+					zap.String("zone", h.Zone), zap.Error(err), suppressedField(suppressed))
+			}
+		}
+		start = end
+	}
+}
+
 // takeGroups takes a request's buckets on a Cluster whose hash slots they
 // span: one slot group after another, in a fixed order, each group all
 // or nothing in one script call. When a later group refuses or fails,
@@ -549,17 +570,10 @@ func (h *Handler) takeGroups(clientCtx context.Context, sent time.Time, buckets 
 			taken = append(taken, group...)
 			continue
 		}
-		if len(taken) > 0 {
-			if gerr := h.limiter.giveBack(clientCtx, time.Now(), taken); gerr != nil {
-				if ok, suppressed := h.redisWarns.allow(); ok {
-					h.logger.Warn("Redis failed while giving tokens back; those buckets stay short until they refill",
-						zap.String("zone", h.Zone), zap.Error(gerr), suppressedField(suppressed))
-				}
-			}
-			for i := range buckets {
-				if buckets[i].limit.group < g {
-					buckets[i].remaining += buckets[i].values.requested
-				}
+		h.giveBackGroups(clientCtx, taken)
+		for i := range buckets {
+			if buckets[i].limit.group < g {
+				buckets[i].remaining += buckets[i].values.requested
 			}
 		}
 		return false, err

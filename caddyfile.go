@@ -118,11 +118,11 @@ func (h *Handler) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 		case "max_keys":
 			err = value(func(v string) error {
 				n, err := strconv.ParseInt(v, 10, 64)
-				if err != nil || n < 1 {
+				if err != nil {
 					return fmt.Errorf("max_keys '%s': want a whole number of buckets, 1 or more", v)
 				}
 				h.MaxKeys = n
-				return nil
+				return checkMaxKeys(n)
 			})
 		case "headers":
 			err = value(func(v string) error { h.Headers = v; return checkHeaders(v) })

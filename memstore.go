@@ -5,6 +5,7 @@ import (
 	"hash/maphash"
 	"math"
 	"slices"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -24,6 +25,11 @@ type memoryStore struct {
 	live    atomic.Int64 // buckets held, swept or not
 	maxKeys atomic.Int64
 	stop    chan struct{}
+	name    string // in memoryStores
+	// Every key the store is given starts with one of these (the key
+	// prefix and the zone are the store's, see memoryStoreName), which it
+	// does not hold: see storedKey.
+	plainPrefix, namedPrefix string
 }
 
 // memoryShards spreads the buckets so that requests on different keys
@@ -33,8 +39,8 @@ const memoryShards = 256
 
 type memoryShard struct {
 	mu      sync.Mutex
-	buckets map[string]memoryBucket
-	_       [40]byte // a cache line of its own
+	buckets map[string]memoryBucket // by stored key
+	_       [48]byte                // a cache line of its own: 64 bytes in all
 }
 
 // memoryBucket is a bucket's state: the tokens it held at a time, and
@@ -55,15 +61,25 @@ var clockStart = time.Now()
 
 func memoryNow(t time.Time) int64 { return int64(t.Sub(clockStart) / time.Microsecond) }
 
-// memoryStores holds the stores in use by zone, so that handlers of one
+// memoryStores holds the stores in use by name, so that handlers of one
 // zone share buckets, also across config reloads.
 var memoryStores = caddy.NewUsagePool()
 
-// acquireMemoryStore returns the store named name and the key that
-// releaseMemoryStore takes; maxKeys applies from now on.
-func acquireMemoryStore(name string, maxKeys int64) (*memoryStore, error) {
+// memoryStoreName names the store of a kind (store memory, or the local
+// buckets of on_error local) for the handlers whose keys start with
+// keyPrefix and zone. Zones cannot contain keySeparator, so no two
+// (zone, key prefix) pairs share a name.
+func memoryStoreName(kind, keyPrefix, zone string) string {
+	return kind + ":" + zone + keySeparator + keyPrefix
+}
+
+// acquireMemoryStore returns the store of kind for keys of keyPrefix and
+// zone, shared with every handler that has the same; release gives it
+// back. maxKeys applies from now on.
+func acquireMemoryStore(kind, keyPrefix, zone string, maxKeys int64) (*memoryStore, error) {
+	name := memoryStoreName(kind, keyPrefix, zone)
 	v, _, err := memoryStores.LoadOrNew(name, func() (caddy.Destructor, error) {
-		return newMemoryStore(), nil
+		return newMemoryStore(name, keyPrefix, zone), nil
 	})
 	if err != nil {
 		return nil, err
@@ -73,16 +89,19 @@ func acquireMemoryStore(name string, maxKeys int64) (*memoryStore, error) {
 	return s, nil
 }
 
-func releaseMemoryStore(name string) error {
-	_, err := memoryStores.Delete(name)
+// release gives back what acquireMemoryStore handed out; the last
+// release stops the sweep, and the buckets go with the store.
+func (s *memoryStore) release() error {
+	_, err := memoryStores.Delete(s.name)
 	return err
 }
 
 // memorySweepEvery is how often the sweep goes over every bucket.
 const memorySweepEvery = 5 * time.Second
 
-func newMemoryStore() *memoryStore {
-	s := &memoryStore{seed: maphash.MakeSeed(), stop: make(chan struct{})}
+func newMemoryStore(name, keyPrefix, zone string) *memoryStore {
+	s := &memoryStore{seed: maphash.MakeSeed(), stop: make(chan struct{}), name: name,
+		plainPrefix: keyPrefix + zone + keySeparator, namedPrefix: keyPrefix + "{" + zone}
 	for i := range s.shards {
 		s.shards[i].buckets = make(map[string]memoryBucket)
 	}
@@ -96,49 +115,107 @@ func (s *memoryStore) Destruct() error {
 	return nil
 }
 
+// storedKey is the part of a bucket's key that the store holds: without
+// the key prefix and the zone, which every key of the store starts with,
+// so a bucket costs less memory. A plain limit's key, `<key_prefix><zone>|
+// <tag>|<client key>`, is held from its template tag on, whose characters
+// are base64's; a named limit's, `<key_prefix>{<zone>|<tag>|<client
+// key>}|<name>`, from the `|` after the zone on. Each form only drops a
+// constant prefix, and the two never meet (a tag never starts with `|`),
+// so no two keys are held as one.
+func (s *memoryStore) storedKey(key string) string {
+	if rest, ok := strings.CutPrefix(key, s.plainPrefix); ok {
+		return rest
+	}
+	if rest, ok := strings.CutPrefix(key, s.namedPrefix); ok {
+		return rest
+	}
+	return key // not a handler's key (it is, by construction of the store's name)
+}
+
 // take checks and takes every bucket's requested tokens, all or none,
 // and fills in each bucket's answer, as the script does in Redis.
+//
+// A bucket's time never moves back: the caller reads the clock before
+// the shards are locked, so concurrent requests can reach a bucket out
+// of their clocks' order, and a take at a time before the bucket's last
+// one is made at that last time. Counting from the earlier time, as the
+// script does when its server's clock went back, would count the time
+// in between twice, and admit more than burst + rate*T.
 func (s *memoryStore) take(now time.Time, buckets []bucket) (bool, error) {
-	t := memoryNow(now)
-	var inline [maxInlineBuckets]int
-	shards := s.lock(buckets, inline[:0])
+	var inlineKeys [maxInlineBuckets]string
+	var inlineShards [maxInlineBuckets]int
+	keys := inlineKeys[:0]
+	for i := range buckets {
+		keys = append(keys, s.storedKey(buckets[i].key))
+	}
+	shards := s.lock(keys, inlineShards[:0])
 	defer s.unlock(shards)
 
-	allowed, fresh := true, 0
+	t := memoryNow(now)
+	allowed, absent := true, 0
 	for i := range buckets {
 		b := &buckets[i]
-		state, ok := s.shard(b.key).buckets[b.key]
-		if !ok || state.expires <= t {
-			fresh++
-			state = memoryBucket{tokens: float64(b.values.burst), at: t}
+		state, ok := s.shard(keys[i]).buckets[keys[i]]
+		if !ok {
+			absent++
 		}
-		tokens := refill(state, t, b.values)
-		allowed = allowed && tokens >= float64(b.values.requested)
-		b.remaining, b.retryAfter = int64(math.Floor(tokens)), 0 // the answer if denied is below
+		current, at := currentState(state, ok, t, b.values)
+		allowed = allowed && refill(current, at, b.values) >= float64(b.values.requested)
 	}
-	if allowed && fresh > 0 && s.live.Load()+int64(fresh) > s.maxKeys.Load() {
+	if allowed && absent > 0 && !s.reserve(absent) {
 		s.sweepShards(shards, t) // what expired makes room first
-		if s.live.Load()+int64(fresh) > s.maxKeys.Load() {
+		absent = 0               // ... and may have been this request's own buckets
+		for i := range keys {
+			if _, ok := s.shard(keys[i]).buckets[keys[i]]; !ok {
+				absent++
+			}
+		}
+		if !s.reserve(absent) {
 			return false, errMemoryFull
 		}
 	}
 	for i := range buckets {
 		b := &buckets[i]
-		sh := s.shard(b.key)
-		state, ok := sh.buckets[b.key]
-		if !ok || state.expires <= t {
-			state = memoryBucket{tokens: float64(b.values.burst), at: t}
-		}
-		after, _, remaining, wait := takeBucket(state, t, b.values, allowed)
+		sh := s.shard(keys[i])
+		state, ok := sh.buckets[keys[i]]
+		current, at := currentState(state, ok, t, b.values)
+		after, _, remaining, wait := takeBucket(current, at, b.values, allowed)
 		if allowed {
-			if !ok {
-				s.live.Add(1)
-			}
-			sh.buckets[b.key] = after
+			// Assigning to an entry replaces its key too: a copy of the
+			// stored key, so that the map never keeps the request's
+			// (larger) key buffer alive.
+			sh.buckets[strings.Clone(keys[i])] = after
 		}
 		b.remaining, b.retryAfter = remaining, time.Duration(wait)*time.Microsecond
 	}
 	return allowed, nil
+}
+
+// currentState is a bucket's state for a take at t, and the time of the
+// take: an absent bucket (not ok), or one past its expiry, is full at t
+// (as an absent or expired Redis key); a bucket taken from after t is
+// taken from at that time (see take).
+func currentState(state memoryBucket, ok bool, t int64, v limitValues) (memoryBucket, int64) {
+	if !ok || state.expires <= t {
+		return memoryBucket{tokens: float64(v.burst), at: t}, t
+	}
+	return state, max(t, state.at)
+}
+
+// reserve counts n new buckets if they fit under max_keys. Takes on
+// other shards reserve concurrently, so the store never holds more than
+// max_keys (a reservation that does not fit is undone; meanwhile it may
+// refuse a concurrent one that would have fit).
+func (s *memoryStore) reserve(n int) bool {
+	if n == 0 {
+		return true
+	}
+	if s.live.Add(int64(n)) <= s.maxKeys.Load() {
+		return true
+	}
+	s.live.Add(-int64(n))
+	return false
 }
 
 // refill is what a bucket holds at t: script.lua's arithmetic, which
@@ -167,17 +244,18 @@ func takeBucket(state memoryBucket, t int64, v limitValues, take bool) (after me
 	return memoryBucket{tokens: tokens, at: t, expires: t + int64(ttl)*1000}, took, int64(math.Floor(tokens)), wait
 }
 
+// shardIndex is the shard of a stored key.
 func (s *memoryStore) shardIndex(key string) int {
 	return int(maphash.String(s.seed, key) % memoryShards)
 }
 
 func (s *memoryStore) shard(key string) *memoryShard { return &s.shards[s.shardIndex(key)] }
 
-// lock locks the shards of the buckets, each once and in order, so that
-// requests over several shards never wait on each other in a circle.
-func (s *memoryStore) lock(buckets []bucket, shards []int) []int {
-	for i := range buckets {
-		shards = append(shards, s.shardIndex(buckets[i].key))
+// lock locks the shards of the stored keys, each once and in order, so
+// that requests over several shards never wait on each other in a circle.
+func (s *memoryStore) lock(keys []string, shards []int) []int {
+	for _, key := range keys {
+		shards = append(shards, s.shardIndex(key))
 	}
 	slices.Sort(shards)
 	shards = slices.Compact(shards)

@@ -260,13 +260,13 @@ func (h *Handler) Provision(ctx caddy.Context) error {
 	}
 
 	if h.Store == storeMemory {
-		if h.memory, err = acquireMemoryStore(storeMemory+":"+h.Zone, h.MaxKeys); err != nil {
+		if h.memory, err = acquireMemoryStore(storeMemory, redisConfig.KeyPrefix, h.Zone, h.MaxKeys); err != nil {
 			return fmt.Errorf("setting up the in-memory store: %w", err)
 		}
 		return nil
 	}
 	if h.OnError == onErrorLocal {
-		if h.local, err = acquireMemoryStore(onErrorLocal+":"+h.Zone, h.MaxKeys); err != nil {
+		if h.local, err = acquireMemoryStore(onErrorLocal, redisConfig.KeyPrefix, h.Zone, h.MaxKeys); err != nil {
 			return fmt.Errorf("setting up the local buckets of on_error local: %w", err)
 		}
 	}
@@ -334,6 +334,7 @@ func (h *Handler) Validate() error {
 		checkHeaders(h.Headers),
 		checkOnError(h.OnError),
 		checkStore(h.Store, h.Redis != nil, h.OnError),
+		checkMaxKeys(h.MaxKeys),
 		h.checkLimits(),
 	} {
 		if err != nil {
@@ -346,10 +347,10 @@ func (h *Handler) Validate() error {
 // Cleanup releases the shared Redis client or in-memory store.
 func (h *Handler) Cleanup() error {
 	if h.memory != nil {
-		return releaseMemoryStore(storeMemory + ":" + h.Zone)
+		return h.memory.release()
 	}
 	if h.local != nil {
-		_ = releaseMemoryStore(onErrorLocal + ":" + h.Zone)
+		_ = h.local.release()
 	}
 	if h.limiter == nil {
 		return nil
@@ -417,6 +418,9 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyht
 // decideLocally decides a request with the in-process buckets of
 // on_error local, while Redis fails.
 func (h *Handler) decideLocally(w http.ResponseWriter, r *http.Request, next caddyhttp.Handler, repl *caddy.Replacer, buckets []bucket) error {
+	for i := range buckets {
+		buckets[i].unknown = false // a Cluster group that failed left them so; every bucket answers here
+	}
 	allowed, err := h.local.take(time.Now(), buckets)
 	if err != nil { // full: as on_error allow
 		buckets[0].remaining = -1
@@ -612,6 +616,15 @@ func checkStatus(subdirective string, code int) error {
 func checkOnError(v string) error {
 	if v != onErrorAllow && v != onErrorDeny && v != onErrorLocal {
 		return fmt.Errorf("on_error '%s': want 'allow', 'deny' or 'local'", v)
+	}
+	return nil
+}
+
+// checkMaxKeys judges max_keys: a store that may hold no bucket would
+// send every request to on_error.
+func checkMaxKeys(n int64) error {
+	if n < 1 {
+		return fmt.Errorf("max_keys '%d': want a whole number of buckets, 1 or more", n)
 	}
 	return nil
 }

@@ -40,8 +40,8 @@ bin/caddy: $(BUILD_INPUTS)
 bin/caddy-bench: $(BUILD_INPUTS) $(FLOOR_INPUTS)
 	@XCADDY_QUIET=1 bash scripts/build-caddy.sh $@ bench/floor
 
-run: bin/caddy ## Build, then serve Caddyfile.example on :8080 (starts a throwaway Redis if none answers)
-	@bash scripts/run.sh
+run: bin/caddy ## Build, then serve Caddyfile.example on :8080 (starts a throwaway Redis if none answers; STORE=memory: no Redis)
+	@STORE="$(STORE)" bash scripts/run.sh
 
 deps: ## Install redis-server, redis-cli, gcc and xcaddy if missing
 	@bash scripts/install-deps.sh

@@ -1,6 +1,7 @@
 package ratelimit
 
 import (
+	"cmp"
 	"encoding/json"
 	"fmt"
 	"strconv"
@@ -47,7 +48,9 @@ func parseCaddyfile(h httpcaddyfile.Helper) (caddyhttp.MiddlewareHandler, error)
 //		empty_key_status <http status>
 //		status_code      <http status>
 //		include_headers  true|false
-//		on_error         allow|deny
+//		on_error         allow|deny|local
+//		store            redis|memory
+//		max_keys         <n>
 //		headers          spring|ietf|both|none
 //		shadow
 //		log_key
@@ -110,6 +113,17 @@ func (h *Handler) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 			err = value(func(v string) error { return setStatus(&h.StatusCode, sub, v) })
 		case "on_error":
 			err = value(func(v string) error { h.OnError = v; return checkOnError(v) })
+		case "store":
+			err = value(func(v string) error { h.Store = v; return checkStore(v, false, "") })
+		case "max_keys":
+			err = value(func(v string) error {
+				n, err := strconv.ParseInt(v, 10, 64)
+				if err != nil {
+					return fmt.Errorf("max_keys '%s': want a whole number of buckets, 1 or more", v)
+				}
+				h.MaxKeys = n
+				return checkMaxKeys(n)
+			})
 		case "headers":
 			err = value(func(v string) error { h.Headers = v; return checkHeaders(v) })
 		case "metrics":
@@ -137,8 +151,11 @@ func (h *Handler) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 			return err
 		}
 	}
-	// Validate judges this too; here the message can name the line.
+	// Validate judges these too; here the message can name the line.
 	if err := h.checkLimits(); err != nil {
+		return d.WrapErr(err)
+	}
+	if err := checkStore(cmp.Or(h.Store, storeRedis), h.Redis != nil, h.OnError); err != nil {
 		return d.WrapErr(err)
 	}
 	return nil

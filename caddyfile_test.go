@@ -73,6 +73,16 @@ func TestUnmarshalCaddyfileParsesEveryForm(t *testing.T) {
 				DenyEmptyKey: ptr(true), IncludeHeaders: ptr(true), OnError: "allow"},
 		},
 		{
+			name:  "store memory with max_keys",
+			input: "rate_limit 1 1 {\n\tstore memory\n\tmax_keys 500\n\ton_error deny\n}",
+			want:  Handler{ReplenishRate: "1", BurstCapacity: "1", Store: "memory", MaxKeys: 500, OnError: "deny"},
+		},
+		{
+			name:  "on_error local with store redis",
+			input: "rate_limit 1 1 {\n\ton_error local\n\tstore redis\n}",
+			want:  Handler{ReplenishRate: "1", BurstCapacity: "1", Store: "redis", OnError: "local"},
+		},
+		{
 			name:  "fractional rate",
 			input: "rate_limit 0.5 1",
 			want:  Handler{ReplenishRate: "0.5", BurstCapacity: "1"},
@@ -371,7 +381,25 @@ func TestUnmarshalCaddyfileErrorsNameSubdirectiveAndValue(t *testing.T) {
 		{"status_code too large", block("status_code 600"), []string{"status_code '600'", "200 to 599"}},
 		{"status_code not a number", block("status_code abc"), []string{"status_code 'abc'", "200 to 599"}},
 		{"empty_key_status too large", block("empty_key_status 600"), []string{"empty_key_status '600'", "200 to 599"}},
-		{"on_error unknown", block("on_error ignore"), []string{"on_error 'ignore'", "want 'allow' or 'deny'"}},
+		{"on_error unknown", block("on_error ignore"), []string{"on_error 'ignore'", "want 'allow', 'deny' or 'local'"}},
+
+		// store and max_keys: judged where written, and with what depends
+		// on them (a redis block, on_error local) at the end of the directive
+		{"store unknown", block("store bogus"), []string{"store 'bogus'", "want 'redis' or 'memory'"}},
+		{"store without value", block("store"), []string{"store: wrong argument count"}},
+		{"store memory with a redis block", block("store memory\n\tredis 127.0.0.1:1"),
+			[]string{"store 'memory'", "the 'redis' block has nothing to do", "remove it, or use store redis"}},
+		{"redis block before store memory", block("redis {\n\t\taddress 127.0.0.1:1\n\t}\n\tstore memory"),
+			[]string{"store 'memory'", "the 'redis' block has nothing to do"}},
+		{"store memory with on_error local", block("store memory\n\ton_error local"),
+			[]string{"on_error 'local' with store 'memory'", "the buckets are local already"}},
+		{"on_error local before store memory", block("on_error local\n\tstore memory"),
+			[]string{"on_error 'local' with store 'memory'"}},
+		{"max_keys zero", block("max_keys 0"), []string{"max_keys '0'", "want a whole number of buckets, 1 or more"}},
+		{"max_keys negative", block("max_keys -5"), []string{"max_keys '-5'", "1 or more"}},
+		{"max_keys not a number", block("max_keys many"), []string{"max_keys 'many'", "1 or more"}},
+		{"max_keys fractional", block("max_keys 1.5"), []string{"max_keys '1.5'", "1 or more"}},
+		{"max_keys without value", block("max_keys"), []string{"max_keys: wrong argument count"}},
 
 		// redis addresses (fixture: bad_redis_address)
 		{"redis address with http scheme", block("redis http://x:1"), []string{"redis address 'http://x:1'", "redis:// or rediss://"}},
@@ -525,7 +553,11 @@ func TestProvisionValidateRejectsJSONWithReason(t *testing.T) {
 		{"empty_key_status out of range", `{"replenish_rate": 1, "empty_key_status": 600}`,
 			[]string{"empty_key_status '600'", "200 to 599"}},
 		{"unknown on_error", `{"replenish_rate": 1, "on_error": "ignore"}`,
-			[]string{"on_error 'ignore'", "want 'allow' or 'deny'"}},
+			[]string{"on_error 'ignore'", "want 'allow', 'deny' or 'local'"}},
+		{"unknown store", `{"replenish_rate": 1, "store": "bogus"}`,
+			[]string{"store 'bogus'", "want 'redis' or 'memory'"}},
+		{"max_keys negative", `{"replenish_rate": 1, "on_error": "local", "max_keys": -3}`,
+			[]string{"max_keys '-3'", "1 or more"}},
 		{"unknown headers", `{"replenish_rate": 1, "headers": "all"}`,
 			[]string{"headers 'all'", "spring, ietf, both or none"}},
 		{"tls cert without key", `{"replenish_rate": 1, "redis": {"tls": {"cert": "/c.pem"}}}`,

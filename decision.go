@@ -12,18 +12,22 @@ import (
 type decision uint8
 
 const (
-	decisionAllowed      decision = iota // tokens taken
-	decisionDenied                       // a bucket short (or burst_capacity 0)
-	decisionExempt                       // the rate resolved to `unlimited`
-	decisionInvalid                      // a value from the request out of range
-	decisionEmptyKey                     // the key resolved to nothing
-	decisionErrorAllowed                 // Redis failed, on_error allow
-	decisionErrorDenied                  // Redis failed, on_error deny
-	decisionShadowDenied                 // would be denied; shadow mode let it pass
+	decisionAllowed           decision = iota // tokens taken
+	decisionDenied                            // a bucket short (or burst_capacity 0)
+	decisionExempt                            // the rate resolved to `unlimited`
+	decisionInvalid                           // a value from the request out of range
+	decisionEmptyKey                          // the key resolved to nothing
+	decisionErrorAllowed                      // Redis failed, on_error allow
+	decisionErrorDenied                       // Redis failed, on_error deny
+	decisionShadowDenied                      // would be denied; shadow mode let it pass
+	decisionOverflow                          // store memory full: a new client follows on_error
+	decisionErrorLocalAllowed                 // Redis failed, on_error local admitted it
+	decisionErrorLocalDenied                  // Redis failed, on_error local refused it
 	numDecisions
 )
 
-var decisionNames = [numDecisions]string{"allowed", "denied", "exempt", "invalid", "empty_key", "error_allowed", "error_denied", "shadow_denied"}
+var decisionNames = [numDecisions]string{"allowed", "denied", "exempt", "invalid", "empty_key", "error_allowed",
+	"error_denied", "shadow_denied", "overflow", "error_local_allowed", "error_local_denied"}
 
 func (d decision) String() string { return decisionNames[d] }
 
@@ -46,7 +50,7 @@ func (h *Handler) record(repl *caddy.Replacer, d decision, buckets []bucket, des
 	if described >= 0 && described < len(buckets) {
 		b = &buckets[described]
 	}
-	refused := b != nil && (d == decisionDenied || d == decisionShadowDenied)
+	refused := b != nil && (d == decisionDenied || d == decisionShadowDenied || d == decisionErrorLocalDenied)
 	repl.Set("http.rate_limit.zone", h.zoneValue)
 	repl.Set("http.rate_limit.result", decisionValues[d])
 	limitName, label := emptyValue, 0

@@ -17,7 +17,6 @@ import (
 	"context"
 	"fmt"
 	"io"
-	"math"
 	"net"
 	"net/http"
 	"net/http/httptest"
@@ -473,36 +472,33 @@ type scriptBucket struct {
 	present bool
 }
 
-// scriptRefill is the tokens b holds at now (microseconds): what it
-// held, plus rate per second for the time since, at most burst. It is
-// script.lua's arithmetic, operation for operation, in float64 as Lua's
-// numbers are.
+// scriptRefill is the tokens b holds at now (microseconds), as the
+// memory store's refill (memstore.go) computes them.
 func scriptRefill(b scriptBucket, now int64, rate float64, burst int64) float64 {
-	if !b.present {
-		return float64(burst)
-	}
-	elapsed := max(0, now-b.at)
-	return math.Min(float64(burst), b.tokens+float64(elapsed)*rate/1e6)
+	return refill(b.state(now, burst), now, limitValues{rate, burst, 1})
 }
 
-// scriptTake is script.lua in Go, the reference for the token bucket's
-// arithmetic: at now it refills b, then takes requested tokens if b
-// holds them. It returns the bucket afterwards (a denial leaves it as it
-// was), whether the tokens were taken, the whole tokens left (rounded
-// down) and the microseconds until the bucket holds requested tokens
-// again (rounded up; 0 when it holds them now). The TTL the script sets
-// is left out: a bucket expires only once it has refilled, so expiry
-// never changes an answer.
+// scriptTake is the memory store's takeBucket (memstore.go), the token
+// bucket of script.lua in Go, for a bucket as the script stores it: at
+// now it refills b, then takes requested tokens if b holds them. It
+// returns the bucket afterwards (a denial leaves it as it was), whether
+// the tokens were taken, the whole tokens left (rounded down) and the
+// microseconds until the bucket holds requested tokens again (rounded
+// up; 0 when it holds them now).
 func scriptTake(b scriptBucket, now int64, rate float64, burst, requested int64) (after scriptBucket, allowed bool, remaining, wait int64) {
-	tokens := scriptRefill(b, now, rate, burst)
-	if tokens < float64(requested) {
-		return b, false, int64(math.Floor(tokens)), scriptWait(tokens, rate, requested)
+	state, took, remaining, wait := takeBucket(b.state(now, burst), now, limitValues{rate, burst, requested}, true)
+	if !took {
+		return b, false, remaining, wait
 	}
-	tokens -= float64(requested)
-	if tokens < float64(requested) {
-		wait = scriptWait(tokens, rate, requested)
+	return scriptBucket{tokens: state.tokens, at: now, present: true}, true, remaining, wait
+}
+
+// state is b as the memory store holds it: an absent bucket is full.
+func (b scriptBucket) state(now, burst int64) memoryBucket {
+	if !b.present {
+		return memoryBucket{tokens: float64(burst), at: now}
 	}
-	return scriptBucket{tokens: tokens, at: now, present: true}, true, int64(math.Floor(tokens)), wait
+	return memoryBucket{tokens: b.tokens, at: b.at}
 }
 
 // parseBucket reads a bucket's state from the reply to GET its key: the
@@ -524,12 +520,6 @@ func parseBucket(state *redis.StringCmd) (scriptBucket, error) {
 		return scriptBucket{}, fmt.Errorf("bucket state %q: want \"<tokens> <microseconds>\"", v)
 	}
 	return b, nil
-}
-
-// scriptWait is how long until tokens refill to requested, in
-// microseconds rounded up.
-func scriptWait(tokens, rate float64, requested int64) int64 {
-	return int64(math.Ceil((float64(requested) - tokens) * 1e6 / rate))
 }
 
 // forceReload loads a Caddyfile into the running Caddy even when it is

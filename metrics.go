@@ -54,7 +54,7 @@ func newZoneMetrics(registry prometheus.Registerer, zone string, limits []*limit
 	m := &zoneMetrics{redisDuration: collectors.redisDuration.WithLabelValues(zone)}
 	for d := range numDecisions {
 		m.requests[d] = []prometheus.Counter{collectors.requests.WithLabelValues(zone, d.String(), "")}
-		if d != decisionDenied && d != decisionShadowDenied {
+		if d != decisionDenied && d != decisionShadowDenied && d != decisionErrorLocalDenied {
 			continue
 		}
 		for _, l := range limits {

@@ -60,7 +60,7 @@ func init() {
 // Placeholder | Description
 // ------------|-------------
 // `{http.rate_limit.zone}` | the zone
-// `{http.rate_limit.result}` | `allowed`, `denied`, `exempt`, `invalid`, `empty_key`, `error_allowed`, `error_denied` or `shadow_denied`
+// `{http.rate_limit.result}` | `allowed`, `denied`, `exempt`, `invalid`, `empty_key`, `error_allowed`, `error_denied`, `error_local_allowed`, `error_local_denied`, `overflow` or `shadow_denied`
 // `{http.rate_limit.limit_name}` | the limit that refused (with `limits`); empty when admitted
 // `{http.rate_limit.remaining}` | whole tokens left; `-1` when Redis failed
 // `{http.rate_limit.limit}` | the burst capacity
@@ -149,9 +149,25 @@ type Handler struct {
 	Headers string `json:"headers,omitempty"`
 
 	// OnError says what happens when Redis fails (unreachable, an error
-	// reply, or no answer within the timeout): `allow` lets the request
-	// through, `deny` answers 503. Default: `allow`.
+	// reply, no answer within the timeout, or its circuit breaker open):
+	// `allow` lets the request through, `deny` answers 503, `local`
+	// decides it with a bucket in this Caddy process, with the same
+	// parameters (across N instances at most N times the rate), until
+	// Redis answers again. With `store memory`, it says what happens to a
+	// new client while the store is full (`allow` or `deny`).
+	// Default: `allow`.
 	OnError string `json:"on_error,omitempty"`
+
+	// Store says where the buckets live: `redis` (shared by every Caddy
+	// instance that uses the same Redis), or `memory`, in this Caddy
+	// process only, with nothing else to run. Default: `redis`.
+	Store string `json:"store,omitempty"`
+
+	// MaxKeys caps the buckets `store memory` holds at once (a bucket is
+	// forgotten once it would be full again). At the cap, a new client's
+	// request follows `on_error`; no live bucket is dropped to make room.
+	// Default: 1,000,000.
+	MaxKeys int64 `json:"max_keys,omitempty"`
 
 	// Shadow runs the limiter without ever denying: tokens are taken and
 	// decisions counted as usual, but a request that would be denied
@@ -171,7 +187,9 @@ type Handler struct {
 	Redis *RedisConfig `json:"redis,omitempty"`
 
 	logger       *zap.Logger
-	limiter      *limiter // nil when no limit ever asks Redis
+	memory       *memoryStore // with store memory: the buckets
+	local        *memoryStore // with on_error local: the buckets while Redis fails
+	limiter      *limiter     // nil when no limit ever asks Redis
 	limiterKey   string
 	limits       []*limit
 	groups       [][]*limit // on Cluster, limits by hash slot, when they span several
@@ -186,6 +204,7 @@ type Handler struct {
 	denied       *denyCache
 	redisWarns   *logThrottle // Redis failures: a line per 10 s
 	overloaded   *logThrottle // calls this instance could not send in time: the same
+	fullWarns    *logThrottle // the in-memory store full: the same
 	paramWarns   *logThrottle // values out of range in requests: the same
 	shadowKeys   *keyThrottle // shadow denials: a line per key per 5 s ...
 	shadowLines  *logThrottle // ... and at most ten a second
@@ -232,6 +251,7 @@ func (h *Handler) Provision(ctx caddy.Context) error {
 		h.perRequest = h.perRequest || !l.fixed
 	}
 	h.redisWarns = &logThrottle{every: 10 * time.Second}
+	h.fullWarns = &logThrottle{every: 10 * time.Second}
 	h.overloaded = &logThrottle{every: 10 * time.Second}
 	h.paramWarns = &logThrottle{every: 10 * time.Second}
 	h.shadowKeys = newKeyThrottle(shadowLogEvery)
@@ -246,6 +266,17 @@ func (h *Handler) Provision(ctx caddy.Context) error {
 		}
 	}
 
+	if h.Store == storeMemory {
+		if h.memory, err = acquireMemoryStore(storeMemory, redisConfig.KeyPrefix, h.Zone, h.MaxKeys); err != nil {
+			return fmt.Errorf("setting up the in-memory store: %w", err)
+		}
+		return nil
+	}
+	if h.OnError == onErrorLocal {
+		if h.local, err = acquireMemoryStore(onErrorLocal, redisConfig.KeyPrefix, h.Zone, h.MaxKeys); err != nil {
+			return fmt.Errorf("setting up the local buckets of on_error local: %w", err)
+		}
+	}
 	if !h.asksRedis() {
 		return nil // hard blocks only: nothing ever asks Redis
 	}
@@ -287,6 +318,12 @@ func (h *Handler) applyDefaults() {
 	if h.Headers == "" {
 		h.Headers = headersSpring
 	}
+	if h.Store == "" {
+		h.Store = storeRedis
+	}
+	if h.MaxKeys == 0 {
+		h.MaxKeys = defaultMaxKeys
+	}
 	if h.Zone == "" {
 		h.Zone = h.derivedZone()
 	}
@@ -301,6 +338,8 @@ func (h *Handler) Validate() error {
 		checkStatus("empty_key_status", h.EmptyKeyStatus),
 		checkHeaders(h.Headers),
 		checkOnError(h.OnError),
+		checkStore(h.Store, h.Redis != nil, h.OnError),
+		checkMaxKeys(h.MaxKeys),
 		h.checkLimits(),
 	} {
 		if err != nil {
@@ -310,8 +349,14 @@ func (h *Handler) Validate() error {
 	return nil
 }
 
-// Cleanup releases the shared Redis client.
+// Cleanup releases the shared Redis client or in-memory store.
 func (h *Handler) Cleanup() error {
+	if h.memory != nil {
+		return h.memory.release()
+	}
+	if h.local != nil {
+		_ = h.local.release()
+	}
 	if h.limiter == nil {
 		return nil
 	}
@@ -354,26 +399,58 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyht
 			// The client went away; that says nothing about Redis.
 			return caddyhttp.Error(499, r.Context().Err())
 		}
+		if h.local != nil {
+			return h.decideLocally(w, r, next, repl, buckets)
+		}
 		buckets[0].remaining = -1
 		h.headers.set(w.Header(), buckets[:1], 0)
+		d := decisionErrorDenied
+		switch {
+		case err == errMemoryFull:
+			d = decisionOverflow
+		case h.failOpen:
+			d = decisionErrorAllowed
+		}
+		h.record(repl, d, buckets, 0)
 		if h.failOpen {
-			h.record(repl, decisionErrorAllowed, buckets, 0)
 			return next.ServeHTTP(w, r)
 		}
-		h.record(repl, decisionErrorDenied, buckets, 0)
 		return reject(w, r, prebuiltError(http.StatusServiceUnavailable, err))
 	}
+	return h.answer(w, r, next, repl, buckets, allowed, decisionAllowed, decisionDenied)
+}
+
+// decideLocally decides a request with the in-process buckets of
+// on_error local, while Redis fails.
+func (h *Handler) decideLocally(w http.ResponseWriter, r *http.Request, next caddyhttp.Handler, repl *caddy.Replacer, buckets []bucket) error {
+	for i := range buckets {
+		buckets[i].unknown = false // a Cluster group that failed left them so; every bucket answers here
+	}
+	allowed, err := h.local.take(time.Now(), buckets)
+	if err != nil { // full: as on_error allow
+		buckets[0].remaining = -1
+		h.headers.set(w.Header(), buckets[:1], 0)
+		h.record(repl, decisionErrorAllowed, buckets, 0)
+		return next.ServeHTTP(w, r)
+	}
+	return h.answer(w, r, next, repl, buckets, allowed, decisionErrorLocalAllowed, decisionErrorLocalDenied)
+}
+
+// answer ends a request whose buckets answered: the headers, then on to
+// the next handler, or a denial with Retry-After (in shadow mode, on).
+func (h *Handler) answer(w http.ResponseWriter, r *http.Request, next caddyhttp.Handler, repl *caddy.Replacer,
+	buckets []bucket, allowed bool, admitted, refused decision) error {
 
 	described := describe(buckets, allowed)
 	h.headers.set(w.Header(), buckets, described)
 	switch {
 	case allowed:
-		h.record(repl, decisionAllowed, buckets, described)
+		h.record(repl, admitted, buckets, described)
 	case h.Shadow:
 		h.record(repl, decisionShadowDenied, buckets, described)
 		h.logShadowDenial(buckets, described)
 	default:
-		h.record(repl, decisionDenied, buckets, described)
+		h.record(repl, refused, buckets, described)
 		w.Header()["Retry-After"] = countValue(ceilSeconds(retryAfter(buckets)))
 		return reject(w, r, h.errDenied)
 	}
@@ -389,6 +466,16 @@ var errEmptyKey = errors.New("empty key")
 // throttled; an open breaker was logged when it opened.
 func (h *Handler) check(clientCtx context.Context, buckets []bucket) (bool, error) {
 	sent := time.Now()
+	if h.memory != nil {
+		allowed, err := h.memory.take(sent, buckets)
+		if err != nil {
+			if ok, suppressed := h.fullWarns.allow(); ok {
+				h.logger.Warn("in-memory store full: a new client's request follows on_error", zap.String("zone", h.Zone),
+					zap.Int64("max_keys", h.MaxKeys), zap.String("on_error", h.OnError), suppressedField(suppressed))
+			}
+		}
+		return allowed, err
+	}
 	if h.useDenyCache && h.denied.answer(buckets, sent) {
 		return false, nil
 	}
@@ -508,11 +595,17 @@ func (h *Handler) derivedZone() string {
 // The Caddyfile parser calls them where the value is written, so the
 // message gets the line; Validate calls them for JSON configs.
 
-// Values of on_error.
+// Values of on_error and store.
 const (
 	onErrorAllow = "allow"
 	onErrorDeny  = "deny"
+	onErrorLocal = "local"
+	storeRedis   = "redis"
+	storeMemory  = "memory"
 )
+
+// defaultMaxKeys is max_keys when the config leaves it out.
+const defaultMaxKeys = 1_000_000
 
 const wantStatus = "want an HTTP status from 200 to 599 (a 1xx status cannot end a request)"
 
@@ -533,8 +626,31 @@ func checkStatus(subdirective string, code int) error {
 }
 
 func checkOnError(v string) error {
-	if v != onErrorAllow && v != onErrorDeny {
-		return fmt.Errorf("on_error '%s': want 'allow' or 'deny'", v)
+	if v != onErrorAllow && v != onErrorDeny && v != onErrorLocal {
+		return fmt.Errorf("on_error '%s': want 'allow', 'deny' or 'local'", v)
+	}
+	return nil
+}
+
+// checkMaxKeys judges max_keys: a store that may hold no bucket would
+// send every request to on_error.
+func checkMaxKeys(n int64) error {
+	if n < 1 {
+		return fmt.Errorf("max_keys '%d': want a whole number of buckets, 1 or more", n)
+	}
+	return nil
+}
+
+// checkStore judges store with what depends on it: a redis block, and
+// on_error local.
+func checkStore(store string, redis bool, onError string) error {
+	switch {
+	case store != storeRedis && store != storeMemory:
+		return fmt.Errorf("store '%s': want 'redis' or 'memory'", store)
+	case store == storeMemory && redis:
+		return errors.New("store 'memory' keeps the buckets in this Caddy process, so the 'redis' block has nothing to do: remove it, or use store redis")
+	case store == storeMemory && onError == onErrorLocal:
+		return errors.New("on_error 'local' with store 'memory': the buckets are local already; use on_error allow or deny for a full store")
 	}
 	return nil
 }

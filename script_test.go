@@ -12,9 +12,11 @@ import (
 	"github.com/redis/go-redis/v9"
 )
 
-// The token bucket's arithmetic: the properties of scriptTake, the Go
-// reference of script.lua (helpers_test.go), without any process; then
-// script.lua itself, through a real redis-server, against scriptTake.
+// The token bucket's arithmetic: the properties of the memory store's
+// takeBucket (memstore.go; scriptTake in helpers_test.go gives it the
+// script's shape), without any process; then script.lua itself, through
+// a real redis-server, against it: the Go bucket and the Lua one must
+// agree on every decision, remaining count and wait.
 
 // bucketLimits are the limits the arithmetic is tried with: whole and
 // fractional rates, including ones no decimal writes exactly (100/1m,
@@ -223,10 +225,10 @@ func TestScriptTakeProperties(t *testing.T) {
 	}
 }
 
-// TestScriptAgreesWithOracle feeds the sequences of the properties test
-// (arrivals) to script.lua in a real redis-server, and checks that
-// scriptTake gives the same decision, remaining and wait at every step,
-// and that both store the same tokens.
+// TestScriptAgreesWithMemoryStore feeds the sequences of the properties
+// test (arrivals) to script.lua in a real redis-server, and checks that
+// the memory store's bucket (scriptTake) gives the same decision,
+// remaining and wait at every step, and that both store the same tokens.
 //
 // The script reads its clock from Redis (TIME), so each step is one
 // MULTI (runScriptStep) that stores the bucket ("<tokens> <microseconds>")
@@ -236,7 +238,7 @@ func TestScriptTakeProperties(t *testing.T) {
 // exactly it; a denial stores nothing, so scriptTake must give the same
 // answer at some microsecond between the two TIMEs (the wait pins it to
 // about one).
-func TestScriptAgreesWithOracle(t *testing.T) {
+func TestScriptAgreesWithMemoryStore(t *testing.T) {
 	srv := redistest.Start(t)
 	rdb := srv.Client(t)
 	if sha, err := rdb.ScriptLoad(context.Background(), scriptSource).Result(); err != nil || sha != scriptSHA {

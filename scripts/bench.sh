@@ -14,6 +14,7 @@
 #   allowed@64    rate_limit, always allowed, one bucket per connection
 #   multi@64      as allowed@64 with a policy of three limits on one key
 #                 template (one script call over three buckets per request)
+#   memory@64     as allowed@64 with store memory: no Redis at all
 #   nometrics@64  as allowed@64 with `metrics off` (what the metrics cost)
 #   denied@64     rate_limit, one empty bucket: every request gets 429
 #                 (after the first denial the handler's deny cache answers;
@@ -102,6 +103,7 @@ CASES=(
 	"floor@64 floor 200 -"
 	"allowed@64 allowed 200 -"
 	"multi@64 multi 200 -"
+	"memory@64 memory 200 -"
 	"nometrics@64 allowed-nometrics 200 -"
 	"denied@64 denied 429 -same-key"
 	"allowed@256 allowed 200 -"

@@ -6,6 +6,8 @@
 # answering there is used as is and never stopped. If nothing answers and
 # redis-server is installed, a throwaway in-memory redis-server runs on that
 # port for as long as Caddy does, and is stopped by its PID afterwards.
+# With STORE=memory (`make run STORE=memory`) the buckets live in Caddy
+# and no Redis is needed at all.
 set -euo pipefail
 SCRIPT_NAME=run
 # shellcheck source=scripts/common.sh
@@ -41,14 +43,24 @@ trap 'exit 129' HUP
 # What 127.0.0.1:6379 answers to PING: +PONG, an error such as -NOAUTH (a
 # Redis all the same), or nothing. Over bash's /dev/tcp: redis-cli may be
 # missing.
-reply="$({ exec 3<>/dev/tcp/127.0.0.1/6379 && printf 'PING\r\n' >&3 &&
-	IFS=$'\r' read -r -t 3 line <&3 && printf '%s' "$line"; } 2>/dev/null || true)"
-if [[ -n "$reply" ]]; then
+case "${STORE:-redis}" in
+memory) export RATE_LIMIT_STORE=memory ;;
+redis) export RATE_LIMIT_STORE=redis ;;
+*) die "STORE=$STORE: want redis (the default) or memory" ;;
+esac
+reply=""
+if [[ "$RATE_LIMIT_STORE" == redis ]]; then
+	reply="$({ exec 3<>/dev/tcp/127.0.0.1/6379 && printf 'PING\r\n' >&3 &&
+		IFS=$'\r' read -r -t 3 line <&3 && printf '%s' "$line"; } 2>/dev/null || true)"
+fi
+if [[ "$RATE_LIMIT_STORE" == memory ]]; then
+	log "STORE=memory: the buckets live in Caddy; no Redis needed"
+elif [[ -n "$reply" ]]; then
 	[[ "$reply" == +PONG ]] || log "warning: 127.0.0.1:6379 answered PING with: $reply"
 	log "using the Redis already answering on 127.0.0.1:6379"
 else
 	command -v redis-server >/dev/null 2>&1 ||
-		die "nothing answers on 127.0.0.1:6379 and redis-server is not installed: install it (make deps), or start a Redis there"
+		die "nothing answers on 127.0.0.1:6379 and redis-server is not installed: install it (make deps), start a Redis there, or run without Redis, with the buckets in Caddy: make run STORE=memory"
 	redis_dir="$(mktemp -d "${TMPDIR:-/tmp}/run-redis.XXXXXX")"
 	redis-server --port 6379 --bind 127.0.0.1 --save "" --appendonly no \
 		--dir "$redis_dir" --logfile "$redis_dir/redis.log" &

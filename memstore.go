@@ -1,0 +1,310 @@
+package ratelimit
+
+import (
+	"errors"
+	"hash/maphash"
+	"math"
+	"slices"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/caddyserver/caddy/v2"
+)
+
+// memoryStore keeps buckets in the Caddy process, for `store memory` and
+// for `on_error local`: the token bucket of script.lua, in Go, with the
+// same arithmetic (takeBucket), so it answers as Redis would. Buckets are
+// sharded, each shard with its own lock: no lock is shared by all
+// requests. A bucket is forgotten once it would be full again, as a Redis
+// key expires, by a sweep in the background.
+type memoryStore struct {
+	shards  [memoryShards]memoryShard
+	seed    maphash.Seed
+	live    atomic.Int64 // buckets held, swept or not
+	maxKeys atomic.Int64
+	stop    chan struct{}
+	name    string // in memoryStores
+	// Every key the store is given starts with one of these (the key
+	// prefix and the zone are the store's, see memoryStoreName), which it
+	// does not hold: see storedKey.
+	plainPrefix, namedPrefix string
+}
+
+// memoryShards spreads the buckets so that requests on different keys
+// rarely wait on one lock, and a shard's sweep holds its lock briefly:
+// 4,000 buckets each at 1,000,000.
+const memoryShards = 256
+
+type memoryShard struct {
+	mu      sync.Mutex
+	buckets map[string]memoryBucket // by stored key
+	_       [48]byte                // a cache line of its own: 64 bytes in all
+}
+
+// memoryBucket is a bucket's state: the tokens it held at a time, and
+// when it would be full again, in microseconds of the store's clock.
+type memoryBucket struct {
+	tokens      float64
+	at, expires int64
+}
+
+// errMemoryFull refuses a request whose bucket would be new while the
+// store holds max_keys live buckets: no live bucket is dropped to make
+// room, which would hand its client a full bucket.
+var errMemoryFull = errors.New("the in-memory store holds max_keys buckets; a new client's request follows on_error")
+
+// clockStart makes the store's clock monotonic: microseconds since the
+// process started, unmoved by changes of the wall clock.
+var clockStart = time.Now()
+
+func memoryNow(t time.Time) int64 { return int64(t.Sub(clockStart) / time.Microsecond) }
+
+// memoryStores holds the stores in use by name, so that handlers of one
+// zone share buckets, also across config reloads.
+var memoryStores = caddy.NewUsagePool()
+
+// memoryStoreName names the store of a kind (store memory, or the local
+// buckets of on_error local) for the handlers whose keys start with
+// keyPrefix and zone. Zones cannot contain keySeparator, so no two
+// (zone, key prefix) pairs share a name.
+func memoryStoreName(kind, keyPrefix, zone string) string {
+	return kind + ":" + zone + keySeparator + keyPrefix
+}
+
+// acquireMemoryStore returns the store of kind for keys of keyPrefix and
+// zone, shared with every handler that has the same; release gives it
+// back. maxKeys applies from now on.
+func acquireMemoryStore(kind, keyPrefix, zone string, maxKeys int64) (*memoryStore, error) {
+	name := memoryStoreName(kind, keyPrefix, zone)
+	v, _, err := memoryStores.LoadOrNew(name, func() (caddy.Destructor, error) {
+		return newMemoryStore(name, keyPrefix, zone), nil
+	})
+	if err != nil {
+		return nil, err
+	}
+	s := v.(*memoryStore)
+	s.maxKeys.Store(maxKeys)
+	return s, nil
+}
+
+// release gives back what acquireMemoryStore handed out; the last
+// release stops the sweep, and the buckets go with the store.
+func (s *memoryStore) release() error {
+	_, err := memoryStores.Delete(s.name)
+	return err
+}
+
+// memorySweepEvery is how often the sweep goes over every bucket.
+const memorySweepEvery = 5 * time.Second
+
+func newMemoryStore(name, keyPrefix, zone string) *memoryStore {
+	s := &memoryStore{seed: maphash.MakeSeed(), stop: make(chan struct{}), name: name,
+		plainPrefix: keyPrefix + zone + keySeparator, namedPrefix: keyPrefix + "{" + zone}
+	for i := range s.shards {
+		s.shards[i].buckets = make(map[string]memoryBucket)
+	}
+	go s.sweepEvery(memorySweepEvery)
+	return s
+}
+
+// Destruct stops the sweep; the buckets go with the store.
+func (s *memoryStore) Destruct() error {
+	close(s.stop)
+	return nil
+}
+
+// storedKey is the part of a bucket's key that the store holds: without
+// the key prefix and the zone, which every key of the store starts with,
+// so a bucket costs less memory. A plain limit's key, `<key_prefix><zone>|
+// <tag>|<client key>`, is held from its template tag on, whose characters
+// are base64's; a named limit's, `<key_prefix>{<zone>|<tag>|<client
+// key>}|<name>`, from the `|` after the zone on. Each form only drops a
+// constant prefix, and the two never meet (a tag never starts with `|`),
+// so no two keys are held as one.
+func (s *memoryStore) storedKey(key string) string {
+	if rest, ok := strings.CutPrefix(key, s.plainPrefix); ok {
+		return rest
+	}
+	if rest, ok := strings.CutPrefix(key, s.namedPrefix); ok {
+		return rest
+	}
+	return key // not a handler's key (it is, by construction of the store's name)
+}
+
+// take checks and takes every bucket's requested tokens, all or none,
+// and fills in each bucket's answer, as the script does in Redis.
+//
+// A bucket's time never moves back: the caller reads the clock before
+// the shards are locked, so concurrent requests can reach a bucket out
+// of their clocks' order, and a take at a time before the bucket's last
+// one is made at that last time. Counting from the earlier time, as the
+// script does when its server's clock went back, would count the time
+// in between twice, and admit more than burst + rate*T.
+func (s *memoryStore) take(now time.Time, buckets []bucket) (bool, error) {
+	var inlineKeys [maxInlineBuckets]string
+	var inlineShards [maxInlineBuckets]int
+	keys := inlineKeys[:0]
+	for i := range buckets {
+		keys = append(keys, s.storedKey(buckets[i].key))
+	}
+	shards := s.lock(keys, inlineShards[:0])
+	defer s.unlock(shards)
+
+	t := memoryNow(now)
+	allowed, absent := true, 0
+	for i := range buckets {
+		b := &buckets[i]
+		state, ok := s.shard(keys[i]).buckets[keys[i]]
+		if !ok {
+			absent++
+		}
+		current, at := currentState(state, ok, t, b.values)
+		allowed = allowed && refill(current, at, b.values) >= float64(b.values.requested)
+	}
+	if allowed && absent > 0 && !s.reserve(absent) {
+		s.sweepShards(shards, t) // what expired makes room first
+		absent = 0               // ... and may have been this request's own buckets
+		for i := range keys {
+			if _, ok := s.shard(keys[i]).buckets[keys[i]]; !ok {
+				absent++
+			}
+		}
+		if !s.reserve(absent) {
+			return false, errMemoryFull
+		}
+	}
+	for i := range buckets {
+		b := &buckets[i]
+		sh := s.shard(keys[i])
+		state, ok := sh.buckets[keys[i]]
+		current, at := currentState(state, ok, t, b.values)
+		after, _, remaining, wait := takeBucket(current, at, b.values, allowed)
+		if allowed {
+			// Assigning to an entry replaces its key too: a copy of the
+			// stored key, so that the map never keeps the request's
+			// (larger) key buffer alive.
+			sh.buckets[strings.Clone(keys[i])] = after
+		}
+		b.remaining, b.retryAfter = remaining, time.Duration(wait)*time.Microsecond
+	}
+	return allowed, nil
+}
+
+// currentState is a bucket's state for a take at t, and the time of the
+// take: an absent bucket (not ok), or one past its expiry, is full at t
+// (as an absent or expired Redis key); a bucket taken from after t is
+// taken from at that time (see take).
+func currentState(state memoryBucket, ok bool, t int64, v limitValues) (memoryBucket, int64) {
+	if !ok || state.expires <= t {
+		return memoryBucket{tokens: float64(v.burst), at: t}, t
+	}
+	return state, max(t, state.at)
+}
+
+// reserve counts n new buckets if they fit under max_keys. Takes on
+// other shards reserve concurrently, so the store never holds more than
+// max_keys (a reservation that does not fit is undone; meanwhile it may
+// refuse a concurrent one that would have fit).
+func (s *memoryStore) reserve(n int) bool {
+	if n == 0 {
+		return true
+	}
+	if s.live.Add(int64(n)) <= s.maxKeys.Load() {
+		return true
+	}
+	s.live.Add(-int64(n))
+	return false
+}
+
+// refill is what a bucket holds at t: script.lua's arithmetic, which
+// also counts from t when the stored time lies ahead.
+func refill(state memoryBucket, t int64, v limitValues) float64 {
+	return math.Min(float64(v.burst), state.tokens+float64(max(0, t-state.at))*v.rate/1000000)
+}
+
+// takeBucket is script.lua for one bucket at time t (microseconds):
+// refill by the time elapsed, take the requested tokens when take says
+// so, and answer the remaining whole tokens and the microseconds until
+// the bucket holds its requested tokens again. The state after holds
+// when the bucket would be full again. Every step is the script's, in the
+// same order, so that both agree to the bit (TestScriptAgreesWithMemoryStore).
+func takeBucket(state memoryBucket, t int64, v limitValues, take bool) (after memoryBucket, took bool, remaining, wait int64) {
+	tokens := refill(state, t, v)
+	requested := float64(v.requested)
+	if take && tokens >= requested {
+		tokens -= requested
+		took = true
+	}
+	if tokens < requested {
+		wait = int64(math.Ceil((requested - tokens) * 1000000 / v.rate))
+	}
+	ttl := math.Max(1000, math.Ceil((float64(v.burst)-tokens)*1000/v.rate)) // milliseconds, as the key's TTL
+	return memoryBucket{tokens: tokens, at: t, expires: t + int64(ttl)*1000}, took, int64(math.Floor(tokens)), wait
+}
+
+// shardIndex is the shard of a stored key.
+func (s *memoryStore) shardIndex(key string) int {
+	return int(maphash.String(s.seed, key) % memoryShards)
+}
+
+func (s *memoryStore) shard(key string) *memoryShard { return &s.shards[s.shardIndex(key)] }
+
+// lock locks the shards of the stored keys, each once and in order, so
+// that requests over several shards never wait on each other in a circle.
+func (s *memoryStore) lock(keys []string, shards []int) []int {
+	for _, key := range keys {
+		shards = append(shards, s.shardIndex(key))
+	}
+	slices.Sort(shards)
+	shards = slices.Compact(shards)
+	for _, i := range shards {
+		s.shards[i].mu.Lock()
+	}
+	return shards
+}
+
+func (s *memoryStore) unlock(shards []int) {
+	for _, i := range shards {
+		s.shards[i].mu.Unlock()
+	}
+}
+
+// sweepEvery forgets, every interval, the buckets that would be full by
+// now, a shard at a time.
+func (s *memoryStore) sweepEvery(interval time.Duration) {
+	tick := time.NewTicker(interval)
+	defer tick.Stop()
+	for {
+		select {
+		case <-s.stop:
+			return
+		case <-tick.C:
+			s.sweep()
+		}
+	}
+}
+
+// sweep goes over every shard once, locking one at a time.
+func (s *memoryStore) sweep() {
+	for i := range s.shards {
+		sh := &s.shards[i]
+		sh.mu.Lock()
+		s.sweepShards([]int{i}, memoryNow(time.Now()))
+		sh.mu.Unlock()
+	}
+}
+
+// sweepShards forgets the expired buckets of shards the caller holds
+// locked.
+func (s *memoryStore) sweepShards(shards []int, t int64) {
+	for _, i := range shards {
+		for key, b := range s.shards[i].buckets {
+			if b.expires <= t {
+				delete(s.shards[i].buckets, key)
+				s.live.Add(-1)
+			}
+		}
+	}
+}

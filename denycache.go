@@ -81,6 +81,15 @@ func (c *denyCache) put(buckets []bucket, sent time.Time) {
 	}
 }
 
+// forget drops what the cache knows of the buckets at keys.
+func (c *denyCache) forget(keys []string) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	for _, key := range keys {
+		delete(c.entries, key)
+	}
+}
+
 // makeRoom drops the expired entries among a sample of 32, or, when none
 // has expired, the first of them.
 func (c *denyCache) makeRoom(now time.Time) {

@@ -167,6 +167,34 @@ func takeBucket(state memoryBucket, t int64, v limitValues, take bool) (after me
 	return memoryBucket{tokens: tokens, at: t, expires: t + int64(ttl)*1000}, took, int64(math.Floor(tokens)), wait
 }
 
+// peek reads a bucket without changing it, for the admin API.
+func (s *memoryStore) peek(now time.Time, key string, v limitValues) bucketView {
+	t := memoryNow(now)
+	sh := s.shard(key)
+	sh.mu.Lock()
+	state, ok := sh.buckets[key]
+	sh.mu.Unlock()
+	if !ok || state.expires <= t {
+		return bucketView{tokens: float64(v.burst)}
+	}
+	_, _, _, wait := takeBucket(state, t, v, false)
+	return bucketView{tokens: refill(state, t, v), wait: time.Duration(wait) * time.Microsecond,
+		expiresIn: time.Duration(state.expires-t) * time.Microsecond}
+}
+
+// reset forgets buckets, which makes them full.
+func (s *memoryStore) reset(keys []string) {
+	for _, key := range keys {
+		sh := s.shard(key)
+		sh.mu.Lock()
+		if _, ok := sh.buckets[key]; ok {
+			delete(sh.buckets, key)
+			s.live.Add(-1)
+		}
+		sh.mu.Unlock()
+	}
+}
+
 func (s *memoryStore) shardIndex(key string) int {
 	return int(maphash.String(s.seed, key) % memoryShards)
 }

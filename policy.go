@@ -212,6 +212,7 @@ type limit struct {
 	name      string // "" for a handler without `limits`
 	nameValue any    // the name as a placeholder value, boxed once
 	ietfName  string // "<zone>", or "<zone>.<name>"
+	keyText   string // the key template as configured
 	template  keyTemplate
 	// A bucket's Redis key is keyPrefix + client key + keySuffix.
 	keyPrefix, keySuffix string
@@ -262,6 +263,7 @@ func (h *Handler) buildLimits(keyPrefix string) ([]*limit, error) {
 			l.cost = ""
 		}
 		key := or(c.Key, h.Key)
+		l.keyText = key
 		var err error
 		if l.template, err = parseKeyTemplate(key); err != nil {
 			return nil, err

@@ -304,42 +304,41 @@ var paramPlaceholder = regexp.MustCompile(`\{([^{}]+)\}`)
 // refuses a query that names a placeholder no limit uses, or that gives
 // no limit all it needs.
 func clientBuckets(limits []*limit, query url.Values) (map[*limit]bucket, map[*limit]bool, error) {
-	repl := caddy.NewReplacer()
-	given := map[string]bool{}
+	given := map[string]string{} // by the placeholder's name, as placeholderName gives it
 	for name, values := range query {
-		canonical := placeholderName(name)
-		given[canonical] = true
-		repl.Set(canonical, values[0])
-		if canonical == "http.vars.client_ip" {
-			repl.Set("client_ip", values[0])
-		}
+		given[placeholderName(name)] = values[0]
 	}
+	// Each value is set under the name the config writes, which may differ
+	// from the canonical one that the query's name maps to: a header's name
+	// in another case (`X-API-Key` in the config, `X-Api-Key` canonical),
+	// `client_ip` for `http.vars.client_ip`.
+	repl := caddy.NewReplacer()
 	used := map[string]bool{}
 	buckets, exempt := map[*limit]bucket{}, map[*limit]bool{}
 	var missing []string
 	for _, l := range limits {
-		var needs []string
+		var needs []string // as the config writes them
 		for _, p := range l.template.parts {
 			if p.placeholder != "" {
-				needs = append(needs, placeholderName(p.placeholder))
+				needs = append(needs, p.placeholder)
 			}
 		}
 		for _, p := range []Param{l.rate, l.burst, l.cost} {
 			for _, m := range paramPlaceholder.FindAllStringSubmatch(string(p), -1) {
-				needs = append(needs, placeholderName(m[1]))
+				needs = append(needs, m[1])
 			}
 		}
 		complete := true
-		for _, name := range needs {
+		for _, written := range needs {
+			name := placeholderName(written)
 			used[name] = true
-			if name == "client_ip" {
-				used["http.vars.client_ip"] = true
-				name = "http.vars.client_ip"
-			}
-			if !given[name] {
+			value, ok := given[name]
+			if !ok {
 				complete = false
 				missing = append(missing, name)
+				continue
 			}
+			repl.Set(written, value)
 		}
 		if !complete {
 			continue

@@ -81,12 +81,12 @@ func (c *denyCache) put(buckets []bucket, sent time.Time) {
 	}
 }
 
-// forgetBuckets drops what the cache knows of the buckets.
-func (c *denyCache) forgetBuckets(buckets []bucket) {
+// forget drops what the cache knows of the buckets at keys.
+func (c *denyCache) forget(keys ...string) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
-	for i := range buckets {
-		delete(c.entries, buckets[i].key)
+	for _, key := range keys {
+		delete(c.entries, key)
 	}
 }
 

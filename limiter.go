@@ -29,6 +29,8 @@ var (
 	//go:embed giveback.lua
 	giveBackSource string
 	giveBackSHA    = sha1Hex(giveBackSource)
+	//go:embed peek.lua
+	peekSource string
 )
 
 func sha1Hex(s string) string {
@@ -82,9 +84,13 @@ type limiter struct {
 
 	breakers nodeBreakers
 	// watchers are the handlers using the limiter, told when a node's
-	// breaker opens or closes.
+	// breaker opens or closes, and when buckets were reset.
 	watchersMu sync.Mutex
-	watchers   map[breakerWatcher]struct{}
+	watchers   map[limiterWatcher]struct{}
+	// resets is the pub/sub channel on which every instance that shares
+	// the Redis learns of buckets the admin API reset.
+	resets string
+	pubsub *redis.PubSub
 
 	// closing guards closed: once set, no call enters the queue, so every
 	// queued call is answered before the workers stop.
@@ -97,9 +103,11 @@ type limiter struct {
 	lastReload atomic.Int64
 }
 
-// breakerWatcher learns when a node's breaker opens or closes.
-type breakerWatcher interface {
+// limiterWatcher learns when a node's breaker opens or closes, and which
+// buckets were reset (to drop their cached denials).
+type limiterWatcher interface {
 	breakerChanged(node string, open bool, failures int64)
+	forgetDenials(keys []string)
 }
 
 // limiters holds the limiters in use, keyed by their Redis settings and
@@ -145,7 +153,8 @@ func newLimiter(c RedisConfig, files tlsFiles) (*limiter, error) {
 		timeout:  time.Duration(c.Timeout),
 		queue:    make(chan *call, queueLength),
 		stop:     make(chan struct{}),
-		watchers: make(map[breakerWatcher]struct{}),
+		watchers: make(map[limiterWatcher]struct{}),
+		resets:   c.KeyPrefix + "reset",
 	}
 	l.cluster, _ = l.client.(*redis.ClusterClient)
 	l.node = opts.Addrs[0]
@@ -158,17 +167,19 @@ func newLimiter(c RedisConfig, files tlsFiles) (*limiter, error) {
 		go l.work(i)
 	}
 	go l.loadScript(time.Duration(c.DialTimeout) + l.timeout)
+	l.pubsub = l.client.Subscribe(context.Background())
+	go l.listenResets()
 	return l, nil
 }
 
 // watch tells w of breaker changes from now on; unwatch stops it.
-func (l *limiter) watch(w breakerWatcher) {
+func (l *limiter) watch(w limiterWatcher) {
 	l.watchersMu.Lock()
 	l.watchers[w] = struct{}{}
 	l.watchersMu.Unlock()
 }
 
-func (l *limiter) unwatch(w breakerWatcher) {
+func (l *limiter) unwatch(w limiterWatcher) {
 	l.watchersMu.Lock()
 	delete(l.watchers, w)
 	l.watchersMu.Unlock()
@@ -243,6 +254,7 @@ func (l *limiter) Destruct() error {
 		l.closing.Unlock()
 		close(l.stop)
 		l.workers.Wait()
+		_ = l.pubsub.Close()
 		_ = l.client.Close()
 	}()
 	return nil
@@ -311,6 +323,71 @@ func (l *limiter) call(clientCtx context.Context, now time.Time, sha, source any
 	}
 	<-c.done
 	return c, c.err
+}
+
+// listenResets drops the cached denials of buckets that the admin API
+// reset, on this instance or another: it subscribes to the resets
+// channel (go-redis subscribes again after a reconnect) until the
+// limiter closes.
+func (l *limiter) listenResets() {
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	_ = l.pubsub.Subscribe(ctx, l.resets) // a failure is retried by the receive loop
+	cancel()
+	for msg := range l.pubsub.Channel() {
+		keys := strings.Split(msg.Payload, "\n")
+		l.watchersMu.Lock()
+		for w := range l.watchers {
+			w.forgetDenials(keys)
+		}
+		l.watchersMu.Unlock()
+	}
+}
+
+// bucketView is what a bucket holds now, for the admin API.
+type bucketView struct {
+	tokens    float64
+	wait      time.Duration // until it holds the requested tokens
+	expiresIn time.Duration // until its key expires; 0 for none (full)
+}
+
+// peek reads buckets without changing them, with a read-only script
+// (EVAL_RO), one bucket per call: on a Cluster they may live on
+// different masters.
+func (l *limiter) peek(ctx context.Context, buckets []bucket) ([]bucketView, error) {
+	views := make([]bucketView, len(buckets))
+	for i := range buckets {
+		reply, err := l.client.EvalRO(ctx, peekSource, []string{buckets[i].key}, buckets[i].args[:]...).Slice()
+		if err != nil {
+			return nil, err
+		}
+		if len(reply) != 3 {
+			return nil, fmt.Errorf("unexpected peek reply %v", reply)
+		}
+		text, _ := reply[0].(string)
+		wait, ok1 := reply[1].(int64)
+		pttl, ok2 := reply[2].(int64)
+		tokens, err := strconv.ParseFloat(text, 64)
+		if err != nil || !ok1 || !ok2 {
+			return nil, fmt.Errorf("unexpected peek reply %v", reply)
+		}
+		views[i] = bucketView{tokens: tokens, wait: time.Duration(wait) * time.Microsecond}
+		if pttl > 0 {
+			views[i].expiresIn = time.Duration(pttl) * time.Millisecond
+		}
+	}
+	return views, nil
+}
+
+// reset deletes buckets, which makes them full, and tells every
+// instance sharing the Redis to drop its cached denials of them.
+func (l *limiter) reset(ctx context.Context, keys []string) error {
+	pipe := l.client.Pipeline()
+	for _, key := range keys {
+		pipe.Del(ctx, key)
+	}
+	pipe.Publish(ctx, l.resets, strings.Join(keys, "\n"))
+	_, err := pipe.Exec(ctx)
+	return err
 }
 
 // maxRetryMicros bounds the wait a reply may give: no bucket takes longer

@@ -244,6 +244,37 @@ func takeBucket(state memoryBucket, t int64, v limitValues, take bool) (after me
 	return memoryBucket{tokens: tokens, at: t, expires: t + int64(ttl)*1000}, took, int64(math.Floor(tokens)), wait
 }
 
+// peek reads a bucket without changing it, for the admin API.
+func (s *memoryStore) peek(now time.Time, key string, v limitValues) bucketView {
+	key = s.storedKey(key)
+	sh := s.shard(key)
+	sh.mu.Lock()
+	state, ok := sh.buckets[key]
+	sh.mu.Unlock()
+	t := memoryNow(now)
+	if !ok || state.expires <= t {
+		return bucketView{tokens: float64(v.burst)}
+	}
+	current, at := currentState(state, ok, t, v)
+	_, _, _, wait := takeBucket(current, at, v, false)
+	return bucketView{tokens: refill(current, at, v), wait: time.Duration(wait) * time.Microsecond,
+		expiresIn: time.Duration(state.expires-t) * time.Microsecond}
+}
+
+// reset forgets buckets, which makes them full.
+func (s *memoryStore) reset(keys []string) {
+	for _, key := range keys {
+		key = s.storedKey(key)
+		sh := s.shard(key)
+		sh.mu.Lock()
+		if _, ok := sh.buckets[key]; ok {
+			delete(sh.buckets, key)
+			s.live.Add(-1)
+		}
+		sh.mu.Unlock()
+	}
+}
+
 // shardIndex is the shard of a stored key.
 func (s *memoryStore) shardIndex(key string) int {
 	return int(maphash.String(s.seed, key) % memoryShards)

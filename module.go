@@ -222,7 +222,12 @@ func (Handler) CaddyModule() caddy.ModuleInfo {
 
 // Provision sets up the handler: defaults, the limits with their
 // compiled key templates, and the shared Redis client.
-func (h *Handler) Provision(ctx caddy.Context) error {
+func (h *Handler) Provision(ctx caddy.Context) (err error) {
+	defer func() {
+		if err == nil {
+			registerZone(h) // for the admin API
+		}
+	}()
 	h.logger = ctx.Logger()
 	h.applyDefaults()
 	h.denyEmpty = h.DenyEmptyKey == nil || *h.DenyEmptyKey
@@ -235,7 +240,6 @@ func (h *Handler) Provision(ctx caddy.Context) error {
 	if err := redisConfig.validate(); err != nil {
 		return err
 	}
-	var err error
 	if h.limits, err = h.buildLimits(redisConfig.KeyPrefix); err != nil {
 		return err
 	}
@@ -351,6 +355,7 @@ func (h *Handler) Validate() error {
 
 // Cleanup releases the shared Redis client or in-memory store.
 func (h *Handler) Cleanup() error {
+	unregisterZone(h)
 	if h.memory != nil {
 		return h.memory.release()
 	}
@@ -499,7 +504,12 @@ func (h *Handler) check(clientCtx context.Context, buckets []bucket) (bool, erro
 			// Admitted with other values than a cached denial's, say after
 			// a change of plan, the bucket refilled at another rate than
 			// that denial counted on.
-			h.denied.forgetBuckets(buckets)
+			var inline [maxInlineBuckets]string
+			keys := inline[:0]
+			for i := range buckets {
+				keys = append(keys, buckets[i].key)
+			}
+			h.denied.forget(keys...)
 		}
 	case overloadError:
 		if clientCtx.Err() != nil {
@@ -549,6 +559,9 @@ func (h *Handler) breakerChanged(node string, open bool, failures int64) {
 		h.logger.Info("circuit breaker closed: the Redis node answers again", zap.String("zone", h.Zone), zap.String("node", node))
 	}
 }
+
+// forgetDenials drops the cached denials of buckets the admin API reset.
+func (h *Handler) forgetDenials(keys []string) { h.denied.forget(keys...) }
 
 // reject ends a request with a denial. When the server has error routes
 // (`handle_errors`) the denial goes to them as an error. Otherwise the

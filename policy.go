@@ -212,6 +212,7 @@ type limit struct {
 	name      string // "" for a handler without `limits`
 	nameValue any    // the name as a placeholder value, boxed once
 	ietfName  string // "<zone>", or "<zone>.<name>"
+	keyText   string // the key template as configured
 	template  keyTemplate
 	// A bucket's Redis key is keyPrefix + client key + keySuffix.
 	keyPrefix, keySuffix string
@@ -259,6 +260,7 @@ func (h *Handler) buildLimits(keyPrefix string) ([]*limit, error) {
 			cost: or(unset(c.RequestedTokens), unset(h.RequestedTokens)),
 		}
 		key := or(c.Key, h.Key)
+		l.keyText = key
 		var err error
 		if l.template, err = parseKeyTemplate(key); err != nil {
 			return nil, err

@@ -1,0 +1,386 @@
+package ratelimit
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"math"
+	"net/http"
+	"net/textproto"
+	"net/url"
+	"regexp"
+	"slices"
+	"strconv"
+	"strings"
+	"sync"
+	"time"
+
+	"github.com/caddyserver/caddy/v2"
+)
+
+func init() {
+	caddy.RegisterModule(adminAPI{})
+}
+
+// adminAPI serves, on Caddy's admin endpoint, what operators ask of a
+// rate limit: the zones of the running config, and one client's buckets,
+// to see or to reset.
+//
+//	GET    /rate_limit/zones
+//	GET    /rate_limit/zones/<zone>/buckets?<placeholder>=<value>...
+//	DELETE /rate_limit/zones/<zone>/buckets?<placeholder>=<value>...
+//
+// A client's buckets are named by the values of the placeholders of the
+// zone's key templates (`?client_ip=2001:db8::7`,
+// `?http.request.header.X-API-Key=abc`), masked and escaped as a
+// request's would be. Reading takes no tokens and writes nothing (a
+// read-only script); DELETE makes the buckets full and has every Caddy
+// instance that shares the Redis drop its cached denials of them. It is
+// as reachable as the admin endpoint, which should stay private.
+type adminAPI struct{}
+
+// CaddyModule returns the Caddy module information.
+func (adminAPI) CaddyModule() caddy.ModuleInfo {
+	return caddy.ModuleInfo{
+		ID:  "admin.api.rate_limit",
+		New: func() caddy.Module { return new(adminAPI) },
+	}
+}
+
+// Routes returns the admin routes of the rate limit.
+func (adminAPI) Routes() []caddy.AdminRoute {
+	return []caddy.AdminRoute{{Pattern: "/rate_limit/", Handler: caddy.AdminHandlerFunc(serveAdmin)}}
+}
+
+// loadedZones holds the provisioned handlers by zone: those of the
+// running config (and, during a reload, of the one it replaces).
+var loadedZones = struct {
+	sync.Mutex
+	byZone map[string][]*Handler
+}{byZone: map[string][]*Handler{}}
+
+func registerZone(h *Handler) {
+	loadedZones.Lock()
+	defer loadedZones.Unlock()
+	loadedZones.byZone[h.Zone] = append(loadedZones.byZone[h.Zone], h)
+}
+
+func unregisterZone(h *Handler) {
+	loadedZones.Lock()
+	defer loadedZones.Unlock()
+	handlers := slices.DeleteFunc(loadedZones.byZone[h.Zone], func(o *Handler) bool { return o == h })
+	if len(handlers) == 0 {
+		delete(loadedZones.byZone, h.Zone)
+	} else {
+		loadedZones.byZone[h.Zone] = handlers
+	}
+}
+
+// zoneLimits are the distinct limits of a zone's handlers, newest first,
+// with the handler of each.
+func zoneLimits(zone string) (limits []*limit, handlers []*Handler) {
+	loadedZones.Lock()
+	defer loadedZones.Unlock()
+	seen := map[string]bool{}
+	byZone := loadedZones.byZone[zone]
+	for i := len(byZone) - 1; i >= 0; i-- {
+		for _, l := range byZone[i].limits {
+			if id := l.keyPrefix + "\x00" + l.keySuffix; !seen[id] {
+				seen[id] = true
+				limits, handlers = append(limits, l), append(handlers, byZone[i])
+			}
+		}
+	}
+	return limits, handlers
+}
+
+func serveAdmin(w http.ResponseWriter, r *http.Request) error {
+	parts := strings.Split(strings.Trim(strings.TrimPrefix(r.URL.Path, "/rate_limit/"), "/"), "/")
+	switch {
+	case len(parts) == 1 && parts[0] == "zones":
+		if r.Method != http.MethodGet {
+			return methodNotAllowed(r, http.MethodGet)
+		}
+		return writeJSON(w, listZones())
+	case len(parts) == 3 && parts[0] == "zones" && parts[2] == "buckets":
+		switch r.Method {
+		case http.MethodGet, http.MethodDelete:
+			return serveBuckets(w, r, parts[1])
+		}
+		return methodNotAllowed(r, http.MethodGet, http.MethodDelete)
+	}
+	return caddy.APIError{HTTPStatus: http.StatusNotFound, Err: fmt.Errorf("resource not found: %s", r.URL.Path)}
+}
+
+func methodNotAllowed(r *http.Request, allowed ...string) error {
+	return caddy.APIError{HTTPStatus: http.StatusMethodNotAllowed,
+		Err: fmt.Errorf("method not allowed: %s (this resource takes %s)", r.Method, strings.Join(allowed, " and "))}
+}
+
+func writeJSON(w http.ResponseWriter, v any) error {
+	w.Header().Set("Content-Type", "application/json")
+	return json.NewEncoder(w).Encode(v)
+}
+
+// zoneInfo describes a zone and its limits, as GET /rate_limit/zones
+// answers.
+type zoneInfo struct {
+	Zone   string      `json:"zone"`
+	Store  string      `json:"store"`
+	Limits []limitInfo `json:"limits"`
+}
+
+type limitInfo struct {
+	Name            string `json:"name"` // empty for a handler without limits
+	Key             string `json:"key"`
+	ReplenishRate   Param  `json:"replenish_rate"`
+	BurstCapacity   Param  `json:"burst_capacity"`
+	RequestedTokens Param  `json:"requested_tokens"`
+	IPv4Prefix      int    `json:"ipv4_prefix"`
+	IPv6Prefix      int    `json:"ipv6_prefix"`
+}
+
+func listZones() []zoneInfo {
+	loadedZones.Lock()
+	names := make([]string, 0, len(loadedZones.byZone))
+	for zone := range loadedZones.byZone {
+		names = append(names, zone)
+	}
+	loadedZones.Unlock()
+	slices.Sort(names)
+	zones := make([]zoneInfo, 0, len(names))
+	for _, zone := range names {
+		limits, handlers := zoneLimits(zone)
+		if len(limits) == 0 {
+			continue
+		}
+		info := zoneInfo{Zone: zone, Store: handlers[0].Store}
+		for _, l := range limits {
+			li := limitInfo{Name: l.name, Key: l.keyText, ReplenishRate: l.rate, BurstCapacity: l.burst,
+				RequestedTokens: l.cost, IPv4Prefix: l.template.ipv4Bits, IPv6Prefix: l.template.ipv6Bits}
+			if l.fixed && !l.exempt { // with the defaults filled in
+				li.ReplenishRate = floatParam(l.values.rate)
+				li.BurstCapacity = Param(strconv.FormatInt(l.values.burst, 10))
+				li.RequestedTokens = Param(strconv.FormatInt(l.values.requested, 10))
+			}
+			info.Limits = append(info.Limits, li)
+		}
+		zones = append(zones, info)
+	}
+	return zones
+}
+
+// bucketInfo is what a client's bucket holds now, as GET
+// /rate_limit/zones/<zone>/buckets answers.
+type bucketInfo struct {
+	Limit string `json:"limit"` // empty for a handler without limits
+	// Key is the client key as stored (escaped, or hashed when long), as
+	// logs show it with log_key; StoredKey the whole Redis key.
+	Key             string  `json:"key"`
+	StoredKey       string  `json:"stored_key"`
+	Exempt          bool    `json:"exempt,omitempty"` // the rate resolved to `unlimited`
+	Tokens          string  `json:"tokens,omitempty"` // a decimal, with the fraction refilled so far
+	ReplenishRate   float64 `json:"replenish_rate,omitempty"`
+	BurstCapacity   int64   `json:"burst_capacity,omitempty"`
+	RequestedTokens int64   `json:"requested_tokens,omitempty"`
+	// RetryAfter is the seconds until the bucket holds one more request
+	// (0 when it does now); ExpiresIn the seconds until its key expires,
+	// when it would be full again (0 when there is no key: it is full).
+	RetryAfter float64 `json:"retry_after"`
+	ExpiresIn  float64 `json:"expires_in"`
+}
+
+// adminTimeout bounds the Redis calls of one admin request.
+const adminTimeout = 5 * time.Second
+
+// serveBuckets shows (GET) or resets (DELETE) one client's buckets.
+func serveBuckets(w http.ResponseWriter, r *http.Request, zone string) error {
+	limits, handlers := zoneLimits(zone)
+	if len(limits) == 0 {
+		return caddy.APIError{HTTPStatus: http.StatusNotFound, Err: fmt.Errorf("zone '%s' is in no rate_limit handler of the running config", zone)}
+	}
+	buckets, exempt, err := clientBuckets(limits, r.URL.Query())
+	if err != nil {
+		return caddy.APIError{HTTPStatus: http.StatusBadRequest, Err: err}
+	}
+	ctx, cancel := context.WithTimeout(r.Context(), adminTimeout)
+	defer cancel()
+	infos := make([]bucketInfo, 0, len(limits))
+	var reset []string
+	for i, l := range limits {
+		h := handlers[i]
+		b, ok := buckets[l]
+		if !ok {
+			if exempt[l] {
+				infos = append(infos, bucketInfo{Limit: l.name, Exempt: true})
+			}
+			continue
+		}
+		info := bucketInfo{Limit: l.name, Key: b.clientKey(), StoredKey: b.key,
+			ReplenishRate: b.values.rate, BurstCapacity: b.values.burst, RequestedTokens: b.values.requested}
+		if r.Method == http.MethodDelete {
+			if err := h.resetBucket(ctx, b.key); err != nil {
+				return caddy.APIError{HTTPStatus: http.StatusServiceUnavailable, Err: fmt.Errorf("resetting %s: %w", b.key, err)}
+			}
+			reset = append(reset, b.key)
+			continue
+		}
+		view, err := h.peekBucket(ctx, b)
+		if err != nil {
+			return caddy.APIError{HTTPStatus: http.StatusServiceUnavailable, Err: fmt.Errorf("reading %s: %w", b.key, err)}
+		}
+		info.Tokens = strconv.FormatFloat(math.Round(view.tokens*1e6)/1e6, 'f', -1, 64) // to the millionth
+		info.RetryAfter, info.ExpiresIn = view.wait.Seconds(), view.expiresIn.Seconds()
+		infos = append(infos, info)
+	}
+	if r.Method == http.MethodDelete {
+		return writeJSON(w, struct {
+			Zone  string   `json:"zone"`
+			Reset []string `json:"reset"`
+		}{zone, reset})
+	}
+	return writeJSON(w, struct {
+		Zone    string       `json:"zone"`
+		Buckets []bucketInfo `json:"buckets"`
+	}{zone, infos})
+}
+
+// peekBucket reads a bucket where its handler keeps it.
+func (h *Handler) peekBucket(ctx context.Context, b bucket) (bucketView, error) {
+	if h.memory != nil {
+		return h.memory.peek(time.Now(), b.key, b.values), nil
+	}
+	if h.limiter == nil {
+		return bucketView{}, errors.New("the handler asks no Redis (burst_capacity 0)")
+	}
+	views, err := h.limiter.peek(ctx, []bucket{b})
+	if err != nil {
+		return bucketView{}, err
+	}
+	return views[0], nil
+}
+
+// resetBucket makes a bucket full where its handler keeps it, and in the
+// local buckets of on_error local.
+func (h *Handler) resetBucket(ctx context.Context, key string) error {
+	if h.local != nil {
+		h.local.reset([]string{key})
+	}
+	if h.memory != nil {
+		h.memory.reset([]string{key})
+		return nil
+	}
+	if h.limiter == nil {
+		return nil
+	}
+	h.forgetDenials([]string{key}) // at once here; other instances within the pub/sub's delay
+	return h.limiter.reset(ctx, []string{key})
+}
+
+// placeholderName is a placeholder as a key template names it, from the
+// name a query gives: Caddyfile shorthands (`client_ip`, `remote_host`,
+// `header.X-Key`) stand for the names they expand to, and header names
+// are matched as HTTP matches them, in any case.
+func placeholderName(name string) string {
+	switch {
+	case name == "client_ip":
+		return "http.vars.client_ip"
+	case name == "remote_host":
+		return "http.request.remote.host"
+	case strings.HasPrefix(name, "header."):
+		name = "http.request.header." + strings.TrimPrefix(name, "header.")
+	}
+	if rest, ok := strings.CutPrefix(name, "http.request.header."); ok {
+		return "http.request.header." + textproto.CanonicalMIMEHeaderKey(rest)
+	}
+	return name
+}
+
+var paramPlaceholder = regexp.MustCompile(`\{([^{}]+)\}`)
+
+// clientBuckets resolves, from a query's placeholder values, a client's
+// bucket for every limit whose placeholders the query gives all of. It
+// refuses a query that names a placeholder no limit uses, or that gives
+// no limit all it needs.
+func clientBuckets(limits []*limit, query url.Values) (map[*limit]bucket, map[*limit]bool, error) {
+	given := map[string]string{} // by the placeholder's name, as placeholderName gives it
+	for name, values := range query {
+		given[placeholderName(name)] = values[0]
+	}
+	// Each value is set under the name the config writes, which may differ
+	// from the canonical one that the query's name maps to: a header's name
+	// in another case (`X-API-Key` in the config, `X-Api-Key` canonical),
+	// `client_ip` for `http.vars.client_ip`.
+	repl := caddy.NewReplacer()
+	used := map[string]bool{}
+	buckets, exempt := map[*limit]bucket{}, map[*limit]bool{}
+	var missing []string
+	for _, l := range limits {
+		var needs []string // as the config writes them
+		for _, p := range l.template.parts {
+			if p.placeholder != "" {
+				needs = append(needs, p.placeholder)
+			}
+		}
+		for _, p := range []Param{l.rate, l.burst, l.cost} {
+			for _, m := range paramPlaceholder.FindAllStringSubmatch(string(p), -1) {
+				needs = append(needs, m[1])
+			}
+		}
+		complete := true
+		for _, written := range needs {
+			name := placeholderName(written)
+			used[name] = true
+			value, ok := given[name]
+			if !ok {
+				complete = false
+				missing = append(missing, name)
+				continue
+			}
+			repl.Set(written, value)
+		}
+		if !complete {
+			continue
+		}
+		values, isExempt, err := l.values, l.exempt, error(nil)
+		if !l.fixed {
+			values, isExempt, err = l.resolve(repl)
+		}
+		if err != nil {
+			return nil, nil, err
+		}
+		if isExempt {
+			exempt[l] = true
+			continue
+		}
+		key := l.template.redisKey(repl, l.keyPrefix, l.keySuffix)
+		if key == "" {
+			return nil, nil, fmt.Errorf("a placeholder of key '%s' is empty", l.keyText)
+		}
+		buckets[l] = bucket{limit: l, key: key, values: values, args: values.scriptArgs()}
+	}
+	for name := range given {
+		if !used[name] {
+			return nil, nil, fmt.Errorf("unknown placeholder '%s': the zone's keys and values use %s", name, strings.Join(sortedKeys(used), ", "))
+		}
+	}
+	if len(buckets) == 0 && len(exempt) == 0 {
+		slices.Sort(missing)
+		return nil, nil, fmt.Errorf("missing placeholder(s) %s: give each as a query parameter, e.g. ?%s=<value>",
+			strings.Join(slices.Compact(missing), ", "), missing[0])
+	}
+	return buckets, exempt, nil
+}
+
+func sortedKeys(m map[string]bool) []string {
+	keys := make([]string, 0, len(m))
+	for k := range m {
+		keys = append(keys, k)
+	}
+	slices.Sort(keys)
+	return keys
+}
+
+// Interface guards
+var _ caddy.AdminRouter = (*adminAPI)(nil)

@@ -12,17 +12,17 @@ import (
 type decision uint8
 
 const (
-	decisionAllowed      decision = iota // tokens taken
-	decisionDenied                       // a bucket short (or burst_capacity 0)
-	decisionExempt                       // the rate resolved to `unlimited`
-	decisionInvalid                      // a value from the request out of range
-	decisionEmptyKey                     // the key resolved to nothing
-	decisionErrorAllowed                 // Redis failed, on_error allow
-	decisionErrorDenied                  // Redis failed, on_error deny
-	decisionShadowDenied                 // would be denied; shadow mode let it pass
-	decisionOverflow                     // store memory full: a new client follows on_error
-	decisionErrorLocalAllowed            // Redis failed, on_error local admitted it
-	decisionErrorLocalDenied             // Redis failed, on_error local refused it
+	decisionAllowed           decision = iota // tokens taken
+	decisionDenied                            // a bucket short (or burst_capacity 0)
+	decisionExempt                            // the rate resolved to `unlimited`
+	decisionInvalid                           // a value from the request out of range
+	decisionEmptyKey                          // the key resolved to nothing
+	decisionErrorAllowed                      // Redis failed, on_error allow
+	decisionErrorDenied                       // Redis failed, on_error deny
+	decisionShadowDenied                      // would be denied; shadow mode let it pass
+	decisionOverflow                          // store memory full: a new client follows on_error
+	decisionErrorLocalAllowed                 // Redis failed, on_error local admitted it
+	decisionErrorLocalDenied                  // Redis failed, on_error local refused it
 	numDecisions
 )
 

@@ -50,6 +50,7 @@ func parseCaddyfile(h httpcaddyfile.Helper) (caddyhttp.MiddlewareHandler, error)
 //		include_headers  true|false
 //		on_error         allow|deny|local
 //		store            redis|memory
+//		lease            <max_tokens> [<hold>]
 //		max_keys         <n>
 //		headers          spring|ietf|both|none
 //		shadow
@@ -115,6 +116,8 @@ func (h *Handler) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 			err = value(func(v string) error { h.OnError = v; return checkOnError(v) })
 		case "store":
 			err = value(func(v string) error { h.Store = v; return checkStore(v, false, "") })
+		case "lease":
+			err = h.unmarshalLease(d)
 		case "max_keys":
 			err = value(func(v string) error {
 				n, err := strconv.ParseInt(v, 10, 64)
@@ -207,6 +210,29 @@ func (h *Handler) unmarshalLimit(d *caddyfile.Dispenser) error {
 		}
 	}
 	h.Limits = append(h.Limits, l)
+	return nil
+}
+
+// unmarshalLease parses `lease <max_tokens> [<hold>]`.
+func (h *Handler) unmarshalLease(d *caddyfile.Dispenser) error {
+	args := d.RemainingArgs()
+	if len(args) < 1 || len(args) > 2 {
+		return d.Errf("lease: want <max_tokens> [<hold>], got %d argument(s): '%s'", len(args), strings.Join(args, " "))
+	}
+	h.Lease = new(Lease)
+	n, err := strconv.ParseInt(args[0], 10, 64)
+	if err != nil {
+		return d.Errf("lease '%s': want the most tokens a call may lease, 1 or more", args[0])
+	}
+	h.Lease.MaxTokens = n
+	if len(args) == 2 {
+		if err := setDuration(&h.Lease.Hold, "lease hold", args[1]); err != nil {
+			return d.WrapErr(err)
+		}
+	}
+	if err := checkLease(h.Lease, storeRedis); err != nil {
+		return d.WrapErr(err)
+	}
 	return nil
 }
 

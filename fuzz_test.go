@@ -156,7 +156,7 @@ func FuzzParseReply(f *testing.F) {
 		reply, err := readReply(cmd, nil)
 		var allowed bool
 		if err == nil {
-			allowed, err = readTake(reply, buckets)
+			allowed, err = readTake(reply, buckets, false)
 		}
 		if wellFormed != (err == nil) {
 			t.Fatalf("reply %#v: %v, error %v; well-formed %v", cmd.Val(), reply, err, wellFormed)

@@ -264,10 +264,13 @@ func (l *limiter) Destruct() error {
 // and fills in each bucket's answer. The answer comes within the timeout
 // from now. A call whose client has left (clientCtx done) by the time its
 // batch goes out is not sent, so it takes no tokens.
-func (l *limiter) take(clientCtx context.Context, now time.Time, buckets []bucket) (allowed bool, err error) {
-	c, err := l.call(clientCtx, now, scriptSHAValue, scriptSourceValue, buckets)
+// With lease (the most tokens a bucket may lend, boxed), an admitted
+// request also borrows tokens for this instance's next requests; each
+// bucket's leased says how many.
+func (l *limiter) take(clientCtx context.Context, now time.Time, buckets []bucket, lease any) (allowed bool, err error) {
+	c, err := l.call(clientCtx, now, scriptSHAValue, scriptSourceValue, buckets, lease)
 	if err == nil {
-		allowed, err = readTake(c.reply, buckets)
+		allowed, err = readTake(c.reply, buckets, lease != nil)
 	}
 	c.release()
 	return allowed, err
@@ -276,15 +279,15 @@ func (l *limiter) take(clientCtx context.Context, now time.Time, buckets []bucke
 // giveBack returns each bucket's requested tokens, which the request took
 // before a later group of its buckets refused.
 func (l *limiter) giveBack(clientCtx context.Context, now time.Time, buckets []bucket) error {
-	c, err := l.call(clientCtx, now, giveBackSHAValue, giveBackSourceValue, buckets)
+	c, err := l.call(clientCtx, now, giveBackSHAValue, giveBackSourceValue, buckets, nil)
 	c.release()
 	return err
 }
 
-// call runs a script over the buckets (their keys and arguments) through
-// the batcher and returns the answered call, for the caller to read and
-// release.
-func (l *limiter) call(clientCtx context.Context, now time.Time, sha, source any, buckets []bucket) (*call, error) {
+// call runs a script over the buckets (their keys and arguments, then
+// extra once per bucket unless nil) through the batcher and returns the
+// answered call, for the caller to read and release.
+func (l *limiter) call(clientCtx context.Context, now time.Time, sha, source any, buckets []bucket, extra any) (*call, error) {
 	c := calls.Get().(*call)
 	for i := range buckets {
 		c.keys = append(c.keys, buckets[i].key)
@@ -301,6 +304,11 @@ func (l *limiter) call(clientCtx context.Context, now time.Time, sha, source any
 	}
 	for i := range buckets {
 		c.args = append(c.args, buckets[i].args[:]...)
+	}
+	if extra != nil {
+		for range buckets {
+			c.args = append(c.args, extra)
+		}
 	}
 	c.source = source
 	c.deadline = now.Add(l.timeout)
@@ -395,11 +403,25 @@ func (l *limiter) reset(ctx context.Context, keys []string) error {
 const maxRetryMicros = maxFillSeconds * 1_000_000
 
 // readTake reads the check-and-take reply, {allowed, then per bucket:
-// remaining, microseconds until it holds its requested tokens}, into the
-// buckets. Anything else is no answer at all: never read as a denial.
-func readTake(reply []int64, buckets []bucket) (allowed bool, err error) {
-	if len(reply) != 1+2*len(buckets) || reply[0]>>1 != 0 {
+// remaining, microseconds until it holds its requested tokens; with
+// leases, then the tokens each lent}, into the buckets. Anything else is
+// no answer at all: never read as a denial.
+func readTake(reply []int64, buckets []bucket, leasing bool) (allowed bool, err error) {
+	n := len(buckets)
+	want := 1 + 2*n
+	if leasing {
+		want += n
+	}
+	if len(reply) != want || reply[0]>>1 != 0 {
 		return false, fmt.Errorf("unexpected script reply %v", reply)
+	}
+	for i := range buckets {
+		buckets[i].leased = 0
+		if leasing {
+			if buckets[i].leased = reply[1+2*n+i]; buckets[i].leased < 0 {
+				return false, fmt.Errorf("unexpected script reply %v", reply)
+			}
+		}
 	}
 	for i := range buckets {
 		remaining, wait := reply[1+2*i], reply[2+2*i]

@@ -219,7 +219,7 @@ func TestScriptBatchKeepsResultsApart(t *testing.T) {
 			continue
 		}
 		b := []bucket{{}}
-		allowed, err := readTake(c.reply, b)
+		allowed, err := readTake(c.reply, b, false)
 		if err != nil || allowed != want[i].allowed || b[0].remaining != want[i].remaining {
 			t.Fatalf("call %d: reply %v (%v), want %+v", i, c.reply, err, want[i])
 		}

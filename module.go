@@ -163,6 +163,10 @@ type Handler struct {
 	// process only, with nothing else to run. Default: `redis`.
 	Store string `json:"store,omitempty"`
 
+	// Lease lets this instance admit most requests without waiting on
+	// Redis, from tokens it takes ahead: see Lease. Off by default.
+	Lease *Lease `json:"lease,omitempty"`
+
 	// MaxKeys caps the buckets `store memory` holds at once (a bucket is
 	// forgotten once it would be full again). At the cap, a new client's
 	// request follows `on_error`; no live bucket is dropped to make room.
@@ -190,6 +194,7 @@ type Handler struct {
 	memory       *memoryStore // with store memory: the buckets
 	local        *memoryStore // with on_error local: the buckets while Redis fails
 	limiter      *limiter     // nil when no limit ever asks Redis
+	leases       *leases      // with lease
 	limiterKey   string
 	limits       []*limit
 	groups       [][]*limit // on Cluster, limits by hash slot, when they span several
@@ -301,6 +306,10 @@ func (h *Handler) Provision(ctx caddy.Context) (err error) {
 	if h.metrics != nil {
 		watchBreakers(h.Zone, h.limiter)
 	}
+	if h.Lease != nil {
+		h.leases = newLeases(h.Lease)
+		go h.leases.giveBackEvery(h.limiter)
+	}
 	return nil
 }
 
@@ -344,6 +353,7 @@ func (h *Handler) Validate() error {
 		checkOnError(h.OnError),
 		checkStore(h.Store, h.Redis != nil, h.OnError),
 		checkMaxKeys(h.MaxKeys),
+		checkLease(h.Lease, h.Store),
 		h.checkLimits(),
 	} {
 		if err != nil {
@@ -364,6 +374,9 @@ func (h *Handler) Cleanup() error {
 	}
 	if h.limiter == nil {
 		return nil
+	}
+	if h.leases != nil {
+		h.leases.close() // gives back what they hold
 	}
 	h.limiter.unwatch(h)
 	if h.metrics != nil {
@@ -481,15 +494,27 @@ func (h *Handler) check(clientCtx context.Context, buckets []bucket) (bool, erro
 		}
 		return allowed, err
 	}
+	var lease any
+	if h.leases != nil {
+		if h.leases.admit(sent, buckets) {
+			return true, nil
+		}
+		lease = h.leases.max
+	}
 	if h.useDenyCache && h.denied.answer(buckets, sent) {
 		return false, nil
 	}
 	var allowed bool
 	var err error
 	if h.groups == nil {
-		allowed, err = h.limiter.take(clientCtx, sent, buckets)
+		allowed, err = h.limiter.take(clientCtx, sent, buckets, lease)
 	} else {
-		allowed, err = h.takeGroups(clientCtx, sent, buckets)
+		allowed, err = h.takeGroups(clientCtx, sent, buckets, lease)
+	}
+	if h.leases != nil && err == nil && allowed {
+		h.leases.grant(sent, buckets)
+	} else if h.leases != nil && err != nil && clientCtx.Err() == nil {
+		h.leases.drop() // nothing to give them back to
 	}
 	if h.metrics != nil && err != errBreakerOpen {
 		h.metrics.redisDuration.Observe(time.Since(sent).Seconds())
@@ -650,6 +675,21 @@ func checkOnError(v string) error {
 func checkMaxKeys(n int64) error {
 	if n < 1 {
 		return fmt.Errorf("max_keys '%d': want a whole number of buckets, 1 or more", n)
+	}
+	return nil
+}
+
+// checkLease judges lease: its size and hold, and that there is a Redis
+// to lease from.
+func checkLease(l *Lease, store string) error {
+	switch {
+	case l == nil:
+	case store == storeMemory:
+		return errors.New("lease with store 'memory': the buckets are in this process already; remove lease")
+	case l.MaxTokens < 1:
+		return fmt.Errorf("lease '%d': want the most tokens a call may lease, 1 or more", l.MaxTokens)
+	case l.Hold < 0 || time.Duration(l.Hold) > maxLeaseHold:
+		return fmt.Errorf("lease hold '%v': want a duration of at most %v (default %v)", time.Duration(l.Hold), maxLeaseHold, defaultLeaseHold)
 	}
 	return nil
 }

@@ -6,6 +6,10 @@
 -- ARGV[3i-2]   its replenish rate, tokens per second (may be fractional)
 -- ARGV[3i-1]   its burst capacity, whole tokens (at least 1)
 -- ARGV[3i]     its requested tokens, whole tokens (1..burst)
+-- ARGV[3n+i]   (leases only) the most tokens bucket i may lend the caller
+--              on top of the request, when admitted: never more than half
+--              of what the request leaves, so a lease shrinks to nothing
+--              as the bucket runs low and never takes its last tokens
 --
 -- A bucket is one string "<tokens> <microseconds>": the tokens it held at
 -- that Redis time. Tokens refill by elapsed time, so the state only needs
@@ -14,16 +18,19 @@
 --
 -- Returns {allowed (1|0), then for each bucket: remaining whole tokens
 -- (rounded down), microseconds until it holds its requested tokens again
--- (rounded up; 0 when it holds them now)}.
+-- (rounded up; 0 when it holds them now); then, with leases, the tokens
+-- lent from each bucket}.
 
 -- Redis time, not the caller's, so instances with skewed clocks agree.
 -- 1.7e15 microseconds is well inside a double's exact integers (2^53).
 local time = redis.call('TIME')
 local now = tonumber(time[1]) * 1000000 + tonumber(time[2])
 
-local rate, burst, requested, tokens, rewound = {}, {}, {}, {}, {}
+local n = #KEYS
+local leasing = #ARGV > 3 * n
+local rate, burst, requested, tokens, rewound, lent = {}, {}, {}, {}, {}, {}
 local allowed = 1
-for i = 1, #KEYS do
+for i = 1, n do
   rate[i] = tonumber(ARGV[3 * i - 2])
   burst[i] = tonumber(ARGV[3 * i - 1])
   requested[i] = tonumber(ARGV[3 * i])
@@ -46,9 +53,14 @@ for i = 1, #KEYS do
 end
 
 local reply = {allowed}
-for i = 1, #KEYS do
+for i = 1, n do
+  lent[i] = 0
   if allowed == 1 then
     tokens[i] = tokens[i] - requested[i]
+    if leasing then
+      lent[i] = math.max(0, math.min(tonumber(ARGV[3 * n + i]), math.floor(tokens[i] / 2)))
+      tokens[i] = tokens[i] - lent[i]
+    end
   end
   if allowed == 1 or rewound[i] then
     -- The key lives as long as its missing tokens take to refill (at
@@ -62,5 +74,10 @@ for i = 1, #KEYS do
   end
   reply[2 * i] = math.floor(tokens[i])
   reply[2 * i + 1] = wait
+end
+if leasing then
+  for i = 1, n do
+    reply[2 * n + 1 + i] = lent[i]
+  end
 end
 return reply

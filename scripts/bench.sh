@@ -15,6 +15,9 @@
 #   multi@64      as allowed@64 with a policy of three limits on one key
 #                 template (one script call over three buckets per request)
 #   memory@64     as allowed@64 with store memory: no Redis at all
+#   lease@64      as allowed@64 with `lease 32`: most requests admitted
+#                 from tokens leased ahead, without waiting on Redis
+#   lease@256     as lease@64 with 256 connections
 #   nometrics@64  as allowed@64 with `metrics off` (what the metrics cost)
 #   denied@64     rate_limit, one empty bucket: every request gets 429
 #                 (after the first denial the handler's deny cache answers;
@@ -104,9 +107,11 @@ CASES=(
 	"allowed@64 allowed 200 -"
 	"multi@64 multi 200 -"
 	"memory@64 memory 200 -"
+	"lease@64 lease 200 -"
 	"nometrics@64 allowed-nometrics 200 -"
 	"denied@64 denied 429 -same-key"
 	"allowed@256 allowed 200 -"
+	"lease@256 lease 200 -"
 	"floor@256 floor 200 -"
 	"bare@256 bare 200 -"
 )

@@ -1,0 +1,213 @@
+package ratelimit
+
+import (
+	"context"
+	"hash/maphash"
+	"slices"
+	"strconv"
+	"sync"
+	"time"
+
+	"github.com/caddyserver/caddy/v2"
+)
+
+// Lease lets an instance admit most requests without waiting on Redis:
+// when a request goes to Redis, the same script call also takes up to
+// `max_tokens` extra tokens for this instance (never more than half of
+// what the request leaves), and this instance's next requests on that
+// bucket are admitted from them until `hold` ends; then what is unused
+// goes back to the bucket. No bucket admits more than its bound:
+// tokens admitted anywhere are never more than tokens taken from Redis,
+// and a bucket given back unused tokens is never fuller than it would
+// have been.
+type Lease struct {
+	// MaxTokens is the most tokens one call may lease from a bucket.
+	MaxTokens int64 `json:"max_tokens,omitempty"`
+
+	// Hold is how long leased tokens may admit requests before the unused
+	// ones go back. At most 1s. Default: 100ms.
+	Hold caddy.Duration `json:"hold,omitempty"`
+}
+
+// Bounds of a lease's hold.
+const (
+	defaultLeaseHold = 100 * time.Millisecond
+	maxLeaseHold     = time.Second
+)
+
+// leases holds what this handler's instance leased, by bucket, sharded
+// like the memory store.
+type leases struct {
+	hold   time.Duration
+	max    any // the most tokens a call may lease, as the script's argument
+	seed   maphash.Seed
+	shards [leaseShards]leaseShard
+	stop   chan struct{}
+	done   chan struct{}
+}
+
+const leaseShards = 64
+
+type leaseShard struct {
+	mu     sync.Mutex
+	byKey  map[string]lease
+	padded [40]byte // a cache line of its own
+}
+
+// lease is one bucket's leased tokens.
+type lease struct {
+	tokens    int64       // unused
+	remaining int64       // what Redis said the bucket held, leases taken out, at the last call
+	values    limitValues // the values it was leased with: other values ask Redis
+	until     time.Time   // when the hold ends
+}
+
+func newLeases(c *Lease) *leases {
+	hold := time.Duration(c.Hold)
+	if hold == 0 {
+		hold = defaultLeaseHold
+	}
+	ls := &leases{hold: hold, max: strconv.FormatInt(c.MaxTokens, 10), seed: maphash.MakeSeed(),
+		stop: make(chan struct{}), done: make(chan struct{})}
+	for i := range ls.shards {
+		ls.shards[i].byKey = make(map[string]lease)
+	}
+	return ls
+}
+
+func (ls *leases) shardIndex(key string) int {
+	return int(maphash.String(ls.seed, key) % leaseShards)
+}
+
+// lock locks the shards of the buckets, each once and in order.
+func (ls *leases) lock(buckets []bucket, shards []int) []int {
+	for i := range buckets {
+		shards = append(shards, ls.shardIndex(buckets[i].key))
+	}
+	slices.Sort(shards)
+	shards = slices.Compact(shards)
+	for _, i := range shards {
+		ls.shards[i].mu.Lock()
+	}
+	return shards
+}
+
+func (ls *leases) unlock(shards []int) {
+	for _, i := range shards {
+		ls.shards[i].mu.Unlock()
+	}
+}
+
+// admit admits a request from the leases when every one of its buckets
+// holds a lease, within its hold, with the request's values and its
+// requested tokens; then it takes them from each. A bucket's remaining
+// is then an estimate: what Redis said at the last call, plus what the
+// lease still holds.
+func (ls *leases) admit(now time.Time, buckets []bucket) bool {
+	var inline [maxInlineBuckets]int
+	shards := ls.lock(buckets, inline[:0])
+	defer ls.unlock(shards)
+	for i := range buckets {
+		b := &buckets[i]
+		l, ok := ls.shards[ls.shardIndex(b.key)].byKey[b.key]
+		if !ok || !now.Before(l.until) || l.values != b.values || l.tokens < b.values.requested {
+			return false
+		}
+	}
+	for i := range buckets {
+		b := &buckets[i]
+		shard := &ls.shards[ls.shardIndex(b.key)]
+		l := shard.byKey[b.key]
+		l.tokens -= b.values.requested
+		shard.byKey[b.key] = l
+		b.remaining, b.retryAfter = l.remaining+l.tokens, 0
+	}
+	return true
+}
+
+// grant keeps what an admitted request's call leased, for its buckets'
+// next requests, and counts it in the request's remaining. Tokens still
+// unused from an earlier lease stay, under the new hold.
+func (ls *leases) grant(now time.Time, buckets []bucket) {
+	var inline [maxInlineBuckets]int
+	shards := ls.lock(buckets, inline[:0])
+	defer ls.unlock(shards)
+	for i := range buckets {
+		b := &buckets[i]
+		if b.leased == 0 {
+			continue
+		}
+		shard := &ls.shards[ls.shardIndex(b.key)]
+		l := shard.byKey[b.key]
+		if l.values != b.values {
+			l.tokens = 0 // leased with other values: given back when it ends
+		}
+		l = lease{tokens: l.tokens + b.leased, remaining: b.remaining, values: b.values, until: now.Add(ls.hold)}
+		shard.byKey[b.key] = l
+		b.remaining += l.tokens
+	}
+}
+
+// take removes the leases whose hold ended by now (all of them, with
+// everything), and returns their unused tokens as buckets to give back.
+func (ls *leases) take(now time.Time, everything bool) []bucket {
+	var back []bucket
+	for i := range ls.shards {
+		shard := &ls.shards[i]
+		shard.mu.Lock()
+		for key, l := range shard.byKey {
+			if !everything && now.Before(l.until) {
+				continue
+			}
+			delete(shard.byKey, key)
+			if l.tokens > 0 {
+				args := l.values.scriptArgs()
+				args[2] = strconv.FormatInt(l.tokens, 10) // the tokens to give back
+				back = append(back, bucket{key: key, values: l.values, args: args})
+			}
+		}
+		shard.mu.Unlock()
+	}
+	return back
+}
+
+// drop forgets every lease without giving anything back: after Redis
+// failed, the tokens are lost, which only ever holds clients below their
+// limit.
+func (ls *leases) drop() { ls.take(time.Now(), true) }
+
+// giveBackEvery gives back, every half hold, the unused tokens of the
+// leases whose hold ended, through l (in its next pipeline), until stop.
+func (ls *leases) giveBackEvery(l *limiter) {
+	defer close(ls.done)
+	tick := time.NewTicker(ls.hold / 2)
+	defer tick.Stop()
+	for {
+		select {
+		case <-ls.stop:
+			ls.giveBack(l, ls.take(time.Now(), true))
+			return
+		case now := <-tick.C:
+			ls.giveBack(l, ls.take(now, false))
+		}
+	}
+}
+
+// giveBack returns leased tokens to their buckets: all in one call, or a
+// bucket per call on a Cluster, where they may live on different
+// masters. What fails is dropped.
+func (ls *leases) giveBack(l *limiter, back []bucket) {
+	if l.cluster == nil && len(back) > 0 {
+		_ = l.giveBack(context.Background(), time.Now(), back)
+		return
+	}
+	for i := range back {
+		_ = l.giveBack(context.Background(), time.Now(), back[i:i+1])
+	}
+}
+
+// close gives back what the leases hold and stops.
+func (ls *leases) close() {
+	close(ls.stop)
+	<-ls.done
+}

@@ -3,7 +3,6 @@ package ratelimit
 import (
 	"context"
 	"encoding/json"
-	"errors"
 	"fmt"
 	"math"
 	"net/http"
@@ -179,8 +178,9 @@ type bucketInfo struct {
 	// logs show it with log_key; StoredKey the whole Redis key.
 	Key             string  `json:"key"`
 	StoredKey       string  `json:"stored_key"`
-	Exempt          bool    `json:"exempt,omitempty"` // the rate resolved to `unlimited`
-	Tokens          string  `json:"tokens,omitempty"` // a decimal, with the fraction refilled so far
+	Exempt          bool    `json:"exempt,omitempty"`  // the rate resolved to `unlimited`
+	Blocked         bool    `json:"blocked,omitempty"` // burst_capacity 0: every request denied, no bucket kept
+	Tokens          string  `json:"tokens,omitempty"`  // a decimal, with the fraction refilled so far
 	ReplenishRate   float64 `json:"replenish_rate,omitempty"`
 	BurstCapacity   int64   `json:"burst_capacity,omitempty"`
 	RequestedTokens int64   `json:"requested_tokens,omitempty"`
@@ -217,6 +217,10 @@ func serveBuckets(w http.ResponseWriter, r *http.Request, zone string) error {
 			}
 			continue
 		}
+		if b.values.burst == 0 {
+			infos = append(infos, bucketInfo{Limit: l.name, Blocked: true})
+			continue
+		}
 		info := bucketInfo{Limit: l.name, Key: b.clientKey(), StoredKey: b.key,
 			ReplenishRate: b.values.rate, BurstCapacity: b.values.burst, RequestedTokens: b.values.requested}
 		if r.Method == http.MethodDelete {
@@ -250,9 +254,6 @@ func serveBuckets(w http.ResponseWriter, r *http.Request, zone string) error {
 func (h *Handler) peekBucket(ctx context.Context, b bucket) (bucketView, error) {
 	if h.memory != nil {
 		return h.memory.peek(time.Now(), b.key, b.values), nil
-	}
-	if h.limiter == nil {
-		return bucketView{}, errors.New("the handler asks no Redis (burst_capacity 0)")
 	}
 	views, err := h.limiter.peek(ctx, []bucket{b})
 	if err != nil {

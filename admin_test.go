@@ -37,6 +37,7 @@ type adminBucket struct {
 	Key             string  `json:"key"`
 	StoredKey       string  `json:"stored_key"`
 	Exempt          bool    `json:"exempt"`
+	Blocked         bool    `json:"blocked"`
 	Tokens          string  `json:"tokens"`
 	ReplenishRate   float64 `json:"replenish_rate"`
 	BurstCapacity   int64   `json:"burst_capacity"`
@@ -122,7 +123,7 @@ func bucketsPath(zone string, query url.Values) string {
 	return "/rate_limit/zones/" + zone + "/buckets?" + query.Encode()
 }
 
-// readBuckets GETs a client's buckets of a zone.
+// getAdminBuckets GETs a client's buckets of a zone.
 func getAdminBuckets(t *testing.T, base, zone string, query url.Values) []adminBucket {
 	t.Helper()
 	var got adminBuckets
@@ -133,7 +134,7 @@ func getAdminBuckets(t *testing.T, base, zone string, query url.Values) []adminB
 	return got.Buckets
 }
 
-// readBucket is readBuckets for a zone with one limit.
+// adminBucketOf is getAdminBuckets for a zone with one limit.
 func adminBucketOf(t *testing.T, base, zone string, query url.Values) adminBucket {
 	t.Helper()
 	buckets := getAdminBuckets(t, base, zone, query)
@@ -1129,4 +1130,31 @@ func TestAdminCluster(t *testing.T) {
 		}
 	}
 	expectAdmitted(t, procClient, proc.URL+"/cp", "1", "X-Key", user, "X-Tenant", tenant)
+}
+
+func TestAdminBlockedLimitShowsBlockedAndReadsNoBucket(t *testing.T) {
+	srv := redistest.Start(t)
+	loadCaddyfile(t, nil, caddyGlobals+fmt.Sprintf(`
+http://localhost:9080 {
+	rate_limit {
+		zone blockedzone
+		key {http.request.header.X-Key}
+		limit open 1 5
+		limit shut {
+			burst_capacity 0
+		}
+		redis %s
+	}
+	respond "ok"
+}`, srv.Addr))
+	buckets := getAdminBuckets(t, caddytestAdmin, "blockedzone", url.Values{"header.X-Key": {"k"}})
+	if len(buckets) != 2 || buckets[0].Limit != "open" || buckets[0].Tokens != "5" || buckets[0].Blocked ||
+		buckets[1].Limit != "shut" || !buckets[1].Blocked || buckets[1].Tokens != "" || buckets[1].StoredKey != "" {
+		t.Fatalf("buckets %+v: want open full (5) and shut blocked, with no bucket", buckets)
+	}
+	var reset adminReset
+	adminJSON(t, caddytestAdmin, http.MethodDelete, bucketsPath("blockedzone", url.Values{"header.X-Key": {"k"}}), &reset)
+	if len(reset.Reset) != 1 || !strings.HasSuffix(reset.Reset[0], "|open") {
+		t.Fatalf("reset %v: want only the open limit's key", reset.Reset)
+	}
 }

@@ -12,7 +12,9 @@ package ratelimit
 // preparation would cost, for scale.
 
 import (
+	"encoding/json"
 	"fmt"
+	"net"
 	"net/http"
 	"strconv"
 	"sync/atomic"
@@ -22,6 +24,7 @@ import (
 
 	"github.com/caddy-redis/ratelimit/internal/redistest"
 	"github.com/caddyserver/caddy/v2"
+	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 	"go.uber.org/zap"
 )
 
@@ -192,6 +195,109 @@ func BenchmarkServeHTTPDenied(b *testing.B) {
 
 // BenchmarkServeHTTPDeniedRedis is BenchmarkServeHTTPDenied with the deny
 // cache emptied before every request, so each denial is Redis's answer.
+// BenchmarkServeHTTPDeniedErrorRoutes is BenchmarkServeHTTPDenied on a
+// server with handle_errors routes: the denial is returned as an error,
+// a prebuilt one (prebuiltError).
+func BenchmarkServeHTTPDeniedErrorRoutes(b *testing.B) {
+	h, _, _ := emptiedBucket(b)
+	w := &benchWriter{h: freshHeader()}
+	srv := &caddyhttp.Server{Errors: &caddyhttp.HTTPErrorConfig{Routes: caddyhttp.RouteList{{}}}}
+	r, err := http.NewRequest(http.MethodGet, "http://example.com/", nil)
+	if err != nil {
+		b.Fatal(err)
+	}
+	r.RemoteAddr = "192.0.2.1:1234"
+	r.Header.Set("X-Key", "client-1")
+	r = caddyhttp.PrepareRequest(r, caddy.NewReplacer(), w, srv)
+	serveOne(b, h, r, w, http.StatusTooManyRequests)
+	b.ReportAllocs()
+	for b.Loop() {
+		serveOne(b, h, r, w, http.StatusTooManyRequests)
+	}
+}
+
+// BenchmarkCaddyServerDenied runs denied requests (from the deny cache)
+// through the ServeHTTP of a real caddyhttp.Server loaded with
+// caddy.Load (rate_limit, then static_response), without and with
+// handle_errors routes: what reject saves in Caddy's own error path.
+func BenchmarkCaddyServerDenied(b *testing.B) {
+	for _, errorRoutes := range []bool{false, true} {
+		name := "errors=none"
+		if errorRoutes {
+			name = "errors=routes"
+		}
+		b.Run(name, func(b *testing.B) {
+			srv := redistest.Start(b)
+			server := loadBenchServer(b, srv.Addr, errorRoutes)
+			r, err := http.NewRequest(http.MethodGet, "http://example.com/", nil)
+			if err != nil {
+				b.Fatal(err)
+			}
+			r.RemoteAddr = "192.0.2.1:1234"
+			r.Header.Set("X-Key", "client-1")
+			w := &benchWriter{}
+			serve := func(want int) {
+				w.h, w.status = http.Header{}, http.StatusOK
+				server.ServeHTTP(w, r)
+				if w.status != want {
+					b.Fatalf("status %d, want %d", w.status, want)
+				}
+			}
+			serve(http.StatusOK)              // takes the only token
+			serve(http.StatusTooManyRequests) // Redis denies; cached
+			b.ReportAllocs()
+			for b.Loop() {
+				serve(http.StatusTooManyRequests)
+			}
+		})
+	}
+}
+
+// loadBenchServer loads a config of one HTTP server on a free loopback
+// port and returns that server, provisioned.
+func loadBenchServer(b *testing.B, redisAddr string, errorRoutes bool) *caddyhttp.Server {
+	b.Helper()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		b.Fatal(err)
+	}
+	port := ln.Addr().(*net.TCPAddr).Port
+	ln.Close()
+	server := map[string]any{
+		"listen":          []string{"127.0.0.1:" + strconv.Itoa(port)},
+		"automatic_https": map[string]any{"disable": true},
+		"routes": []any{map[string]any{"handle": []any{
+			map[string]any{
+				"handler": "rate_limit", "zone": "bench-caddy", "key": "{http.request.header.X-Key}",
+				"replenish_rate": 0.001, "burst_capacity": 1,
+				"redis": map[string]any{"addresses": []string{redisAddr}, "timeout": "2s"},
+			},
+			map[string]any{"handler": "static_response", "body": "ok"},
+		}}},
+	}
+	if errorRoutes {
+		server["errors"] = map[string]any{"routes": []any{map[string]any{"handle": []any{
+			map[string]any{"handler": "static_response", "status_code": "{http.error.status_code}"},
+		}}}}
+	}
+	cfg, err := json.Marshal(map[string]any{
+		"admin": map[string]any{"disabled": true, "config": map[string]any{"persist": false}},
+		"apps":  map[string]any{"http": map[string]any{"servers": map[string]any{"bench": server}}},
+	})
+	if err != nil {
+		b.Fatal(err)
+	}
+	if err := caddy.Load(cfg, true); err != nil {
+		b.Fatal(err)
+	}
+	b.Cleanup(func() { _ = caddy.Stop() })
+	app, err := caddy.ActiveContext().App("http")
+	if err != nil {
+		b.Fatal(err)
+	}
+	return app.(*caddyhttp.App).Servers["bench"]
+}
+
 func BenchmarkServeHTTPDeniedRedis(b *testing.B) {
 	h, r, w := emptiedBucket(b)
 	b.ReportAllocs()

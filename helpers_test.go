@@ -297,9 +297,9 @@ func mustTake(t *testing.T, l *limiter, key string, args [3]any) takeResult {
 // newTestCall is a check-and-take call on one bucket, as the limiter
 // queues it, due by deadline.
 func newTestCall(key string, args [3]any, deadline time.Time) *call {
-	c := &call{keys: []string{key}, source: scriptSourceValue, deadline: deadline,
+	c := &call{keys: []string{key}, script: takeScript, deadline: deadline,
 		clientCtx: context.Background(), done: make(chan struct{}, 1)}
-	c.args = []any{evalSHA, scriptSHAValue, "1", &c.keys[0], args[0], args[1], args[2]}
+	c.args = []any{"evalsha", takeScript.sha, "1", &c.keys[0], args[0], args[1], args[2]}
 	return c
 }
 

@@ -214,7 +214,7 @@ type Handler struct {
 	shadowKeys   *keyThrottle // shadow denials: a line per key per 5 s ...
 	shadowLines  *logThrottle // ... and at most ten a second
 	metrics      *zoneMetrics
-	zoneValue    any // the zone as a placeholder value, boxed once
+	zoneValue    any // the zone as a placeholder value, boxed once (BenchmarkServeHTTPDenied 6 -> 5 allocs)
 }
 
 // CaddyModule returns the Caddy module information.
@@ -591,8 +591,10 @@ func (h *Handler) forgetDenials(keys []string) { h.denied.forget(keys...) }
 // reject ends a request with a denial. When the server has error routes
 // (`handle_errors`) the denial goes to them as an error. Otherwise the
 // status is written here, as Caddy's error path would write it, without
-// that path's cost (several microseconds, mostly preparing an error log
-// entry that is then not written): a flood must be cheap to refuse.
+// that path's cost, mostly preparing an error log entry that is then not
+// written: 27 allocs, 3.8 KB and about 13 µs per denial
+// (BenchmarkCaddyServerDenied/errors=none 81 -> 54 allocs). A flood must
+// be cheap to refuse.
 func reject(w http.ResponseWriter, r *http.Request, denial caddyhttp.HandlerError) error {
 	if srv, _ := r.Context().Value(caddyhttp.ServerCtxKey).(*caddyhttp.Server); srv != nil &&
 		(srv.Errors == nil || len(srv.Errors.Routes) == 0) {
@@ -603,7 +605,8 @@ func reject(w http.ResponseWriter, r *http.Request, denial caddyhttp.HandlerErro
 }
 
 // prebuiltError is a denial made once: caddyhttp.Error fills in only the
-// ID, without the stack walk it would do for the trace.
+// ID, without the stack walk it would do for the trace (5 allocs, 256 B
+// and about 2.7 µs per denial: BenchmarkServeHTTPDeniedErrorRoutes 13 -> 8).
 func prebuiltError(status int, err error) caddyhttp.HandlerError {
 	return caddyhttp.HandlerError{Err: err, StatusCode: status, Trace: "rate_limit"}
 }

@@ -222,7 +222,7 @@ type limit struct {
 	fixed      bool
 	values     limitValues
 	exempt     bool   // a fixed rate of `unlimited`
-	args       [3]any // the values as script arguments, boxed once
+	args       [3]any // the values as script arguments, boxed once (BenchmarkServeHTTPAllowed 21 -> 16 allocs)
 	burstValue any    // the burst as a placeholder value, boxed once
 }
 

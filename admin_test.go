@@ -169,23 +169,11 @@ func q(pairs ...string) url.Values {
 // response with its body read.
 func send(t *testing.T, client *http.Client, url string, headers ...string) (*http.Response, string) {
 	t.Helper()
-	req, err := http.NewRequest(http.MethodGet, url, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
-	for i := 0; i+1 < len(headers); i += 2 {
-		req.Header.Set(headers[i], headers[i+1])
-	}
-	resp, err := client.Do(req)
+	resp, body, err := getHeaders(client, url, headers...)
 	if err != nil {
 		t.Fatalf("GET %s %v: %v", url, headers, err)
 	}
-	defer resp.Body.Close()
-	body, err := io.ReadAll(resp.Body)
-	if err != nil {
-		t.Fatal(err)
-	}
-	return resp, string(body)
+	return resp, body
 }
 
 // expectAdmitted sends a request and expects 200 with the remaining

@@ -389,12 +389,21 @@ func serveCaddyfile(t *testing.T, site, redisAddr string) *caddytest.Tester {
 // getKey sends GET url with the X-Key header (none when key is empty)
 // and reads the body.
 func getKey(client *http.Client, url, key string) (*http.Response, string, error) {
+	if key == "" {
+		return getHeaders(client, url)
+	}
+	return getHeaders(client, url, "X-Key", key)
+}
+
+// getHeaders sends a GET with the headers (name, value, ...) and returns
+// the response with its body read.
+func getHeaders(client *http.Client, url string, headers ...string) (*http.Response, string, error) {
 	req, err := http.NewRequest(http.MethodGet, url, nil)
 	if err != nil {
 		return nil, "", err
 	}
-	if key != "" {
-		req.Header.Set("X-Key", key)
+	for i := 0; i+1 < len(headers); i += 2 {
+		req.Header.Set(headers[i], headers[i+1])
 	}
 	resp, err := client.Do(req)
 	if err != nil {

@@ -84,22 +84,7 @@ func TestPolicyOnCluster(t *testing.T) {
 // the masters that hold them, costing exactly three script calls (take,
 // take refused, give back).
 func testClusterAllOrNothingWithGiveBack(t *testing.T, c *redistest.Cluster, cc *redis.ClusterClient, clients []*redis.Client) {
-	h := caddyfileHandler(t, fmt.Sprintf(`rate_limit {
-	zone caon
-	key {http.request.header.X-Key}
-	on_error deny
-	limit second 5 5
-	limit day 1000/1d 1000
-	limit tenant 10 10 {
-		key {http.request.header.X-Tenant}
-	}
-	limit tenantday 1000/1d 1000 {
-		key {http.request.header.X-Tenant}
-	}
-	redis %s {
-		timeout 2s
-	}
-}`, strings.Join(c.Addrs, " ")))
+	h := caddyfileHandler(t, fmt.Sprintf(allOrNothingDirective, "caon", strings.Join(c.Addrs, " ")))
 	if len(h.groups) != 2 || h.useDenyCache {
 		t.Fatalf("%d slot groups, deny cache %v; want 2 groups (client, tenant) and no deny cache", len(h.groups), h.useDenyCache)
 	}

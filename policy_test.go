@@ -8,7 +8,6 @@ package ratelimit
 import (
 	"context"
 	"fmt"
-	"io"
 	"math"
 	"net/http"
 	"net/http/httptest"
@@ -158,11 +157,10 @@ func couldAdmitAt(rdb *redis.Client, key string, v limitValues, started time.Tim
 // bucket admits beyond its bound, and a refusal (by the per-second or the
 // tenant limit) takes nothing from any bucket: the slow per-day buckets,
 // which never refuse, hold exactly their burst less what was admitted.
-func TestPolicyAllOrNothingUnderConcurrency(t *testing.T) {
-	srv := redistest.Start(t)
-	rdb := srv.Client(t)
-	h := caddyfileHandler(t, fmt.Sprintf(`rate_limit {
-	zone aon
+// allOrNothingDirective is a policy (zone, then the Redis addresses) of
+// two limits per client key and two per tenant.
+const allOrNothingDirective = `rate_limit {
+	zone %s
 	key {http.request.header.X-Key}
 	on_error deny
 	limit second 5 5
@@ -176,7 +174,12 @@ func TestPolicyAllOrNothingUnderConcurrency(t *testing.T) {
 	redis %s {
 		timeout 2s
 	}
-}`, srv.Addr))
+}`
+
+func TestPolicyAllOrNothingUnderConcurrency(t *testing.T) {
+	srv := redistest.Start(t)
+	rdb := srv.Client(t)
+	h := caddyfileHandler(t, fmt.Sprintf(allOrNothingDirective, "aon", srv.Addr))
 	runAllOrNothing(t, h, rdb, rdb)
 }
 
@@ -517,6 +520,18 @@ func TestDenyCacheNeverDeniesWhatRedisWouldAdmitWithPlansFromHeaders(t *testing.
 
 // ---- Plans: one key, values per request
 
+// plansDirective is a handler (zone, then the Redis address) whose rate
+// and burst come from the request's X-Plan-Rate and X-Plan-Burst.
+const plansDirective = `rate_limit {
+	zone %s
+	key {http.request.header.X-Key}
+	replenish_rate {http.request.header.X-Plan-Rate}
+	burst_capacity {http.request.header.X-Plan-Burst}
+	redis %s {
+		timeout 1s
+	}
+}`
+
 // TestPolicyPlanSwitchKeepsTheBucketCapsAtTheNewBurstRefillsAtTheNewRate:
 // the rate and burst come from the request; a client that changes plan
 // between requests keeps its one bucket (its key holds neither), its
@@ -524,15 +539,7 @@ func TestDenyCacheNeverDeniesWhatRedisWouldAdmitWithPlansFromHeaders(t *testing.
 func TestPolicyPlanSwitchKeepsTheBucketCapsAtTheNewBurstRefillsAtTheNewRate(t *testing.T) {
 	srv := redistest.Start(t)
 	rdb := srv.Client(t)
-	h := caddyfileHandler(t, fmt.Sprintf(`rate_limit {
-	zone plans
-	key {http.request.header.X-Key}
-	replenish_rate {http.request.header.X-Plan-Rate}
-	burst_capacity {http.request.header.X-Plan-Burst}
-	redis %s {
-		timeout 1s
-	}
-}`, srv.Addr))
+	h := caddyfileHandler(t, fmt.Sprintf(plansDirective, "plans", srv.Addr))
 	// big and small refill one token in 10 s: nothing refills between the
 	// steps below. fast refills 10 a second.
 	big := []string{"X-Key", "k", "X-Plan-Rate", "0.1", "X-Plan-Burst", "10"}
@@ -598,15 +605,7 @@ func TestPolicyPlanSwitchKeepsTheBucketCapsAtTheNewBurstRefillsAtTheNewRate(t *t
 func TestDenyCacheForgetsADenialOnceAnotherPlanIsAdmittedOnTheBucket(t *testing.T) {
 	srv := redistest.Start(t)
 	rdb := srv.Client(t)
-	h := caddyfileHandler(t, fmt.Sprintf(`rate_limit {
-	zone planscache
-	key {http.request.header.X-Key}
-	replenish_rate {http.request.header.X-Plan-Rate}
-	burst_capacity {http.request.header.X-Plan-Burst}
-	redis %s {
-		timeout 1s
-	}
-}`, srv.Addr))
+	h := caddyfileHandler(t, fmt.Sprintf(plansDirective, "planscache", srv.Addr))
 	slow := []string{"X-Key", "k", "X-Plan-Rate", "0.1", "X-Plan-Burst", "10"}
 	fast := []string{"X-Key", "k", "X-Plan-Rate", "10", "X-Plan-Burst", "10"}
 	for i := range 10 {
@@ -829,23 +828,11 @@ func TestPolicyInvalidValuesFromRequestRefusedWithoutTakingTokens(t *testing.T) 
 // value, ...) and returns the response with its body read.
 func getWith(t *testing.T, client *http.Client, path string, headers ...string) (*http.Response, string) {
 	t.Helper()
-	req, err := http.NewRequest(http.MethodGet, "http://localhost:9080"+path, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
-	for i := 0; i+1 < len(headers); i += 2 {
-		req.Header.Set(headers[i], headers[i+1])
-	}
-	resp, err := client.Do(req)
+	resp, body, err := getHeaders(client, "http://localhost:9080"+path, headers...)
 	if err != nil {
 		t.Fatalf("GET %s %q: %v", path, headers, err)
 	}
-	defer resp.Body.Close()
-	body, err := io.ReadAll(resp.Body)
-	if err != nil {
-		t.Fatalf("GET %s: reading the body: %v", path, err)
-	}
-	return resp, string(body)
+	return resp, body
 }
 
 // namedKey is the Redis key of a named limit's bucket with the default

@@ -126,9 +126,11 @@ func FuzzParseReply(f *testing.F) {
 	f.Add(uint8(11), int64(1), int64(3), int64(0), "")
 	f.Add(uint8(2), int64(1), int64(1), int64(1), "x")
 	f.Add(uint8(7), int64(-1), int64(-5), int64(-1), "OK")
+	f.Add(uint8(27), int64(1), int64(4), int64(0), "") // two buckets, leasing
 	f.Fuzz(func(t *testing.T, shape uint8, a, b, c int64, s string) {
 		cmd := redis.NewCmd(context.Background())
 		buckets := make([]bucket, 1+int(shape/8)%2) // one bucket, or two
+		leasing := shape&16 != 0                    // then a's sign doubles as each bucket's lent tokens
 		wellFormed := false
 		switch shape % 8 {
 		case 0:
@@ -141,6 +143,11 @@ func FuzzParseReply(f *testing.F) {
 			reply := []any{a, b, c}
 			if len(buckets) == 2 {
 				reply = append(reply, b, c)
+			}
+			if leasing {
+				for range buckets {
+					reply = append(reply, b)
+				}
 			}
 			cmd.SetVal(reply)
 			wellFormed = (a == 0 || a == 1) && b >= 0 && c >= 0 && c <= maxRetryMicros
@@ -156,13 +163,13 @@ func FuzzParseReply(f *testing.F) {
 		reply, err := readReply(cmd, nil)
 		var allowed bool
 		if err == nil {
-			allowed, err = readTake(reply, buckets, false)
+			allowed, err = readTake(reply, buckets, leasing)
 		}
 		if wellFormed != (err == nil) {
 			t.Fatalf("reply %#v: %v, error %v; well-formed %v", cmd.Val(), reply, err, wellFormed)
 		}
 		for _, bk := range buckets {
-			if err == nil && (allowed != (a == 1) || bk.remaining != b || bk.retryAfter.Microseconds() != c) {
+			if err == nil && (allowed != (a == 1) || bk.remaining != b || bk.retryAfter.Microseconds() != c || leasing && bk.leased != b) {
 				t.Fatalf("reply %#v read as %v %+v", cmd.Val(), allowed, buckets)
 			}
 		}

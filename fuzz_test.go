@@ -130,7 +130,7 @@ func FuzzParseReply(f *testing.F) {
 	f.Fuzz(func(t *testing.T, shape uint8, a, b, c int64, s string) {
 		cmd := redis.NewCmd(context.Background())
 		buckets := make([]bucket, 1+int(shape/8)%2) // one bucket, or two
-		leasing := shape&16 != 0                    // then a's sign doubles as each bucket's lent tokens
+		leasing := shape&16 != 0                    // then each bucket also lent b tokens
 		wellFormed := false
 		switch shape % 8 {
 		case 0:

@@ -161,6 +161,9 @@ func (h *Handler) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 	if err := checkStore(cmp.Or(h.Store, storeRedis), h.Redis != nil, h.OnError); err != nil {
 		return d.WrapErr(err)
 	}
+	if err := checkLease(h.Lease, cmp.Or(h.Store, storeRedis)); err != nil { // store may come after lease
+		return d.WrapErr(err)
+	}
 	return nil
 }
 
@@ -230,7 +233,7 @@ func (h *Handler) unmarshalLease(d *caddyfile.Dispenser) error {
 			return d.WrapErr(err)
 		}
 	}
-	if err := checkLease(h.Lease, storeRedis); err != nil {
+	if err := checkLease(h.Lease, cmp.Or(h.Store, storeRedis)); err != nil {
 		return d.WrapErr(err)
 	}
 	return nil

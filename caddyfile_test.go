@@ -291,6 +291,16 @@ func TestUnmarshalCaddyfileParsesEveryForm(t *testing.T) {
 			}},
 		},
 		{
+			name:  "lease",
+			input: "rate_limit 10 20 {\n\tlease 32\n}",
+			want:  Handler{ReplenishRate: "10", BurstCapacity: "20", Lease: &Lease{MaxTokens: 32}},
+		},
+		{
+			name:  "lease with hold",
+			input: "rate_limit 10 20 {\n\tlease 32 250ms\n}",
+			want:  Handler{ReplenishRate: "10", BurstCapacity: "20", Lease: &Lease{MaxTokens: 32, Hold: caddy.Duration(250 * time.Millisecond)}},
+		},
+		{
 			name:  "empty redis and tls blocks",
 			input: "rate_limit 1 1 {\n\tredis {\n\t\ttls\n\t}\n}",
 			want: Handler{ReplenishRate: "1", BurstCapacity: "1", Redis: &RedisConfig{
@@ -504,6 +514,22 @@ func TestUnmarshalCaddyfileErrorsNameSubdirectiveAndValue(t *testing.T) {
 		{"limit key empty", block("limit a {\n\t\tkey \"\"\n\t}"), []string{"key ''", "empty"}},
 		{"limit key malformed placeholder", block("limit a {\n\t\tkey {}\n\t}"), []string{"key '{}'", "malformed placeholder"}},
 
+		// lease
+		{"lease without value", block("lease"), []string{"lease: want <max_tokens> [<hold>], got 0 argument(s)"}},
+		{"lease with three values", block("lease 32 100ms 2"), []string{"lease: want <max_tokens> [<hold>], got 3 argument(s): '32 100ms 2'"}},
+		{"lease zero", block("lease 0"), []string{"lease '0'", "1 or more"}},
+		{"lease negative", block("lease -4"), []string{"lease '-4'", "1 or more"}},
+		{"lease not a number", block("lease lots"), []string{"lease 'lots'", "1 or more"}},
+		{"lease fractional", block("lease 1.5"), []string{"lease '1.5'"}},
+		{"lease hold not a duration", block("lease 32 soon"), []string{"lease hold 'soon'", "duration"}},
+		{"lease hold zero", block("lease 32 0s"), []string{"lease hold '0s'", "positive duration"}},
+		{"lease hold above 1s", block("lease 32 2s"), []string{"lease hold '2s'", "at most 1s"}},
+		{"lease hold just above 1s", block("lease 32 1001ms"), []string{"lease hold '1.001s'", "at most 1s"}},
+		{"lease given twice", block("lease 32\n\tlease 16"), []string{"subdirective 'lease' is given twice"}},
+		{"lease with store memory", block("store memory\n\tlease 32"), []string{"lease with store 'memory'"}},
+		{"store memory after lease", block("lease 32\n\tstore memory"), []string{"lease with store 'memory'"}},
+		{"lease in a limit", block("limit a {\n\t\tlease 32\n\t}"), []string{"unrecognized limit a subdirective 'lease'"}},
+
 		// no rate at all (fixture: no_rate)
 		{"bare directive", "rate_limit", []string{"replenish_rate is required"}},
 	} {
@@ -558,6 +584,14 @@ func TestProvisionValidateRejectsJSONWithReason(t *testing.T) {
 			[]string{"store 'bogus'", "want 'redis' or 'memory'"}},
 		{"max_keys negative", `{"replenish_rate": 1, "on_error": "local", "max_keys": -3}`,
 			[]string{"max_keys '-3'", "1 or more"}},
+		{"lease without max_tokens", `{"replenish_rate": 1, "lease": {}}`,
+			[]string{"lease '0'", "1 or more"}},
+		{"lease max_tokens negative", `{"replenish_rate": 1, "lease": {"max_tokens": -2}}`,
+			[]string{"lease '-2'", "1 or more"}},
+		{"lease hold above 1s", `{"replenish_rate": 1, "lease": {"max_tokens": 32, "hold": "1500ms"}}`,
+			[]string{"lease hold '1.5s'", "at most 1s"}},
+		{"lease hold negative", `{"replenish_rate": 1, "lease": {"max_tokens": 32, "hold": "-100ms"}}`,
+			[]string{"lease hold '-100ms'"}},
 		{"unknown headers", `{"replenish_rate": 1, "headers": "all"}`,
 			[]string{"headers 'all'", "spring, ietf, both or none"}},
 		{"tls cert without key", `{"replenish_rate": 1, "redis": {"tls": {"cert": "/c.pem"}}}`,
@@ -664,6 +698,10 @@ func TestLimitsJSONLoadsStrictly(t *testing.T) {
 		{"rate an object", `{"replenish_rate": {"per": "1m"}}`, []string{"want a number or a string"}},
 		{"prefix as a string", `{"replenish_rate": 1, "ipv6_prefix": "64"}`, []string{"ipv6_prefix"}},
 		{"limits not an array", `{"limits": {"name": "a"}}`, []string{"limits"}},
+		{"lease hold not a duration", `{"replenish_rate": 1, "lease": {"max_tokens": 32, "hold": "soon"}}`, []string{"soon"}},
+		{"unknown field in lease", `{"replenish_rate": 1, "lease": {"max_tokens": 32, "size": 2}}`, []string{"unknown field", "size"}},
+		{"lease max_tokens a string", `{"replenish_rate": 1, "lease": {"max_tokens": "32"}}`, []string{"max_tokens"}},
+		{"lease a number", `{"replenish_rate": 1, "lease": 32}`, []string{"lease"}},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			err := caddy.StrictUnmarshalJSON([]byte(tc.json), new(Handler))

@@ -6,6 +6,7 @@ import (
 	"slices"
 	"strconv"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/caddyserver/caddy/v2"
@@ -42,6 +43,7 @@ type leases struct {
 	max    any // the most tokens a call may lease, as the script's argument
 	seed   maphash.Seed
 	shards [leaseShards]leaseShard
+	closed atomic.Bool // set by close: nothing more is leased or kept
 	stop   chan struct{}
 	done   chan struct{}
 }
@@ -49,9 +51,12 @@ type leases struct {
 const leaseShards = 64
 
 type leaseShard struct {
-	mu     sync.Mutex
-	byKey  map[string]lease
-	padded [40]byte // a cache line of its own
+	mu    sync.Mutex
+	byKey map[string]lease
+	// superseded holds the unused tokens of leases that a lease with
+	// other values replaced, for the next give-back.
+	superseded []bucket
+	padded     [16]byte // a cache line of its own
 }
 
 // lease is one bucket's leased tokens.
@@ -127,29 +132,49 @@ func (ls *leases) admit(now time.Time, buckets []bucket) bool {
 
 // grant keeps what an admitted request's call leased, for its buckets'
 // next requests, and counts it in the request's remaining. Tokens still
-// unused from an earlier lease stay, under the new hold.
-func (ls *leases) grant(now time.Time, buckets []bucket) {
+// unused from an earlier lease stay, under the new hold. Once the leases
+// are closed nothing is kept: what the call leased is returned as
+// buckets to give back.
+func (ls *leases) grant(now time.Time, buckets []bucket) (back []bucket) {
 	var inline [maxInlineBuckets]int
 	shards := ls.lock(buckets, inline[:0])
 	defer ls.unlock(shards)
+	closed := ls.closed.Load() // under the locks: close's last take comes after
 	for i := range buckets {
 		b := &buckets[i]
 		if b.leased == 0 {
 			continue
 		}
+		if closed {
+			back = append(back, giveBackBucket(b.key, b.values, b.leased))
+			continue
+		}
 		shard := &ls.shards[ls.shardIndex(b.key)]
 		l := shard.byKey[b.key]
 		if l.values != b.values {
-			l.tokens = 0 // leased with other values: given back when it ends
+			if l.tokens > 0 { // leased with other values: given back with the next take
+				shard.superseded = append(shard.superseded, giveBackBucket(b.key, l.values, l.tokens))
+			}
+			l.tokens = 0
 		}
 		l = lease{tokens: l.tokens + b.leased, remaining: b.remaining, values: b.values, until: now.Add(ls.hold)}
 		shard.byKey[b.key] = l
 		b.remaining += l.tokens
 	}
+	return back
+}
+
+// giveBackBucket is the bucket at key, with values, to be given tokens
+// back.
+func giveBackBucket(key string, values limitValues, tokens int64) bucket {
+	args := values.scriptArgs()
+	args[2] = strconv.FormatInt(tokens, 10) // the tokens to give back
+	return bucket{key: key, values: values, args: args}
 }
 
 // take removes the leases whose hold ended by now (all of them, with
-// everything), and returns their unused tokens as buckets to give back.
+// everything), and returns their unused tokens, and those of superseded
+// leases, as buckets to give back.
 func (ls *leases) take(now time.Time, everything bool) []bucket {
 	var back []bucket
 	for i := range ls.shards {
@@ -161,11 +186,12 @@ func (ls *leases) take(now time.Time, everything bool) []bucket {
 			}
 			delete(shard.byKey, key)
 			if l.tokens > 0 {
-				args := l.values.scriptArgs()
-				args[2] = strconv.FormatInt(l.tokens, 10) // the tokens to give back
-				back = append(back, bucket{key: key, values: l.values, args: args})
+				back = append(back, giveBackBucket(key, l.values, l.tokens))
 			}
 		}
+		back = append(back, shard.superseded...)
+		clear(shard.superseded)
+		shard.superseded = shard.superseded[:0]
 		shard.mu.Unlock()
 	}
 	return back
@@ -180,7 +206,7 @@ func (ls *leases) drop() { ls.take(time.Now(), true) }
 // leases whose hold ended, through l (in its next pipeline), until stop.
 func (ls *leases) giveBackEvery(l *limiter) {
 	defer close(ls.done)
-	tick := time.NewTicker(ls.hold / 2)
+	tick := time.NewTicker(max(ls.hold/2, time.Millisecond)) // a hold of 1ns is valid; a ticker of 0 panics
 	defer tick.Stop()
 	for {
 		select {
@@ -206,8 +232,11 @@ func (ls *leases) giveBack(l *limiter, back []bucket) {
 	}
 }
 
-// close gives back what the leases hold and stops.
+// close gives back what the leases hold and stops. From then on nothing
+// is leased (see Handler.check) or kept (see grant): no loop would give
+// it back.
 func (ls *leases) close() {
+	ls.closed.Store(true)
 	close(ls.stop)
 	<-ls.done
 }

@@ -495,7 +495,7 @@ func (h *Handler) check(clientCtx context.Context, buckets []bucket) (bool, erro
 		return allowed, err
 	}
 	var lease any
-	if h.leases != nil {
+	if h.leases != nil && !h.leases.closed.Load() { // after Cleanup, no lease: nothing would give it back
 		if h.leases.admit(sent, buckets) {
 			return true, nil
 		}
@@ -511,8 +511,10 @@ func (h *Handler) check(clientCtx context.Context, buckets []bucket) (bool, erro
 	} else {
 		allowed, err = h.takeGroups(clientCtx, sent, buckets, lease)
 	}
-	if h.leases != nil && err == nil && allowed {
-		h.leases.grant(sent, buckets)
+	if lease != nil && err == nil && allowed {
+		if back := h.leases.grant(sent, buckets); len(back) > 0 {
+			go h.leases.giveBack(h.limiter, back) // leased as Cleanup closed the leases
+		}
 	} else if h.leases != nil && err != nil && clientCtx.Err() == nil {
 		h.leases.drop() // nothing to give them back to
 	}

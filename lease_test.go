@@ -113,7 +113,7 @@ func scriptsLoaded(t *testing.T, rdbs ...*redis.Client) {
 	t.Helper()
 	eventually(t, 5*time.Second, "the scripts loaded", func() bool {
 		for _, rdb := range rdbs {
-			loaded, err := rdb.ScriptExists(context.Background(), scriptSHA, giveBackSHA).Result()
+			loaded, err := rdb.ScriptExists(context.Background(), scriptSHA, giveBackScript.sha.(string)).Result()
 			if err != nil || !loaded[0] || !loaded[1] {
 				return false
 			}

@@ -3,7 +3,6 @@ package ratelimit
 import (
 	"context"
 	"hash/maphash"
-	"slices"
 	"strconv"
 	"sync"
 	"sync/atomic"
@@ -40,7 +39,8 @@ const (
 // like the memory store.
 type leases struct {
 	hold   time.Duration
-	max    any // the most tokens a call may lease, as the script's argument
+	max    int64
+	maxes  []any // each allowance up to max as the script's argument, boxed once
 	seed   maphash.Seed
 	shards [leaseShards]leaseShard
 	closed atomic.Bool // set by close: nothing more is leased or kept
@@ -72,8 +72,11 @@ func newLeases(c *Lease) *leases {
 	if hold == 0 {
 		hold = defaultLeaseHold
 	}
-	ls := &leases{hold: hold, max: strconv.FormatInt(c.MaxTokens, 10), seed: maphash.MakeSeed(),
+	ls := &leases{hold: hold, max: c.MaxTokens, seed: maphash.MakeSeed(),
 		stop: make(chan struct{}), done: make(chan struct{})}
+	for n := range min(c.MaxTokens, maxBoxedAllowance) + 1 {
+		ls.maxes = append(ls.maxes, strconv.FormatInt(n, 10))
+	}
 	for i := range ls.shards {
 		ls.shards[i].byKey = make(map[string]lease)
 	}
@@ -84,40 +87,55 @@ func (ls *leases) shardIndex(key string) int {
 	return int(maphash.String(ls.seed, key) % leaseShards)
 }
 
-// lock locks the shards of the buckets, each once and in order.
+// lock locks the shards of the buckets (see lockShards).
 func (ls *leases) lock(buckets []bucket, shards []int) []int {
 	for i := range buckets {
 		shards = append(shards, ls.shardIndex(buckets[i].key))
 	}
-	slices.Sort(shards)
-	shards = slices.Compact(shards)
-	for _, i := range shards {
-		ls.shards[i].mu.Lock()
-	}
-	return shards
+	return lockShards(ls.shards[:], shards)
 }
 
-func (ls *leases) unlock(shards []int) {
-	for _, i := range shards {
-		ls.shards[i].mu.Unlock()
+func (ls *leases) unlock(shards []int) { unlockShards(ls.shards[:], shards) }
+
+func (sh *leaseShard) mutex() *sync.Mutex { return &sh.mu }
+
+// maxBoxedAllowance bounds the allowances boxed ahead; a larger lease
+// boxes one per call.
+const maxBoxedAllowance = 1024
+
+// allowance is the most a bucket may lend with a call, given what its
+// lease holds: max_tokens, less what is held, so that a lease that a
+// policy cannot use (another limit's lease is short) does not grow.
+func (ls *leases) allowance(held int64) any {
+	n := max(0, ls.max-held)
+	if n < int64(len(ls.maxes)) {
+		return ls.maxes[n]
 	}
+	return strconv.FormatInt(n, 10)
 }
 
 // admit admits a request from the leases when every one of its buckets
 // holds a lease, within its hold, with the request's values and its
 // requested tokens; then it takes them from each. A bucket's remaining
 // is then an estimate: what Redis said at the last call, plus what the
-// lease still holds.
+// lease still holds. Otherwise it sets each bucket's leaseMax for the
+// call to Redis.
 func (ls *leases) admit(now time.Time, buckets []bucket) bool {
 	var inline [maxInlineBuckets]int
 	shards := ls.lock(buckets, inline[:0])
 	defer ls.unlock(shards)
+	admit := true
 	for i := range buckets {
 		b := &buckets[i]
 		l, ok := ls.shards[ls.shardIndex(b.key)].byKey[b.key]
-		if !ok || !now.Before(l.until) || l.values != b.values || l.tokens < b.values.requested {
-			return false
+		if !ok || !now.Before(l.until) || l.values != b.values {
+			l.tokens = 0 // a lease that does not count
 		}
+		b.leaseMax = ls.allowance(l.tokens)
+		admit = admit && l.tokens >= b.values.requested
+	}
+	if !admit {
+		return false
 	}
 	for i := range buckets {
 		b := &buckets[i]
@@ -143,6 +161,14 @@ func (ls *leases) grant(now time.Time, buckets []bucket) (back []bucket) {
 	for i := range buckets {
 		b := &buckets[i]
 		if b.leased == 0 {
+			// Nothing new: a lease still held counts in remaining, and
+			// what Redis said is its new base.
+			shard := &ls.shards[ls.shardIndex(b.key)]
+			if l, ok := shard.byKey[b.key]; ok && !closed && now.Before(l.until) && l.values == b.values {
+				l.remaining = b.remaining
+				shard.byKey[b.key] = l
+				b.remaining += l.tokens
+			}
 			continue
 		}
 		if closed {

@@ -222,16 +222,16 @@ func expectBoundAndAccounted(t *testing.T, name string, rdb *redis.Client, key s
 func TestLeaseConfigLoads(t *testing.T) {
 	for _, tc := range []struct {
 		name, caddyfile, json string
-		max                   string
+		max                   int64
 		hold                  time.Duration
 	}{
-		{"default hold", "rate_limit 10 20 {\n\tlease 32\n}", "", "32", 100 * time.Millisecond},
-		{"hold", "rate_limit 10 20 {\n\tlease 32 250ms\n}", "", "32", 250 * time.Millisecond},
-		{"the bounds", "rate_limit 10 20 {\n\tlease 1 1s\n}", "", "1", time.Second},
-		{"a nanosecond", "rate_limit 10 20 {\n\tlease 8 1ns\n}", "", "8", time.Nanosecond},
-		{"JSON", "", `{"replenish_rate": 10, "burst_capacity": 20, "lease": {"max_tokens": 32, "hold": "100ms"}}`, "32", 100 * time.Millisecond},
-		{"JSON default hold", "", `{"replenish_rate": 10, "burst_capacity": 20, "lease": {"max_tokens": 5}}`, "5", 100 * time.Millisecond},
-		{"JSON hold in nanoseconds", "", `{"replenish_rate": 10, "burst_capacity": 20, "lease": {"max_tokens": 5, "hold": 1}}`, "5", time.Nanosecond},
+		{"default hold", "rate_limit 10 20 {\n\tlease 32\n}", "", 32, 100 * time.Millisecond},
+		{"hold", "rate_limit 10 20 {\n\tlease 32 250ms\n}", "", 32, 250 * time.Millisecond},
+		{"the bounds", "rate_limit 10 20 {\n\tlease 1 1s\n}", "", 1, time.Second},
+		{"a nanosecond", "rate_limit 10 20 {\n\tlease 8 1ns\n}", "", 8, time.Nanosecond},
+		{"JSON", "", `{"replenish_rate": 10, "burst_capacity": 20, "lease": {"max_tokens": 32, "hold": "100ms"}}`, 32, 100 * time.Millisecond},
+		{"JSON default hold", "", `{"replenish_rate": 10, "burst_capacity": 20, "lease": {"max_tokens": 5}}`, 5, 100 * time.Millisecond},
+		{"JSON hold in nanoseconds", "", `{"replenish_rate": 10, "burst_capacity": 20, "lease": {"max_tokens": 5, "hold": 1}}`, 5, time.Nanosecond},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			h := new(Handler)
@@ -247,7 +247,7 @@ func TestLeaseConfigLoads(t *testing.T) {
 				t.Fatalf("refused: %v", err)
 			}
 			if h.leases == nil || h.leases.max != tc.max || h.leases.hold != tc.hold {
-				t.Fatalf("leases %+v, want max %s hold %v", h.leases, tc.max, tc.hold)
+				t.Fatalf("leases %+v, want max %d hold %v", h.leases, tc.max, tc.hold)
 			}
 			// The give-back loop runs a few rounds: no panic, and Cleanup
 			// (registered by tryProvision) stops it.
@@ -521,8 +521,9 @@ func TestLeaseAdmitsWithoutRedisWhileItHolds(t *testing.T) {
 		h := leaseHandler(t, "localpol", fmt.Sprintf("lease 32 1s\n\tlimit a %v 100\n\tlimit b %v 20", leaseRate, leaseRate), srv.Addr)
 		scriptsLoaded(t, rdb)
 		a, b := limitKey(t, h, "a", "p"), limitKey(t, h, "b", "p")
-		// The first call: a leaves 99 and lends 32, b leaves 19 and
-		// lends 9; b's lease admits 9 more.
+		// The first call: a leaves 99 and could lend 32, b leaves 19 and
+		// can lend 9; both lend for 9 requests (in lockstep: a lease
+		// admits only when every limit's does), which admit 9 more.
 		if n := callsOf(t, rdb, func() {
 			for i := range 10 {
 				if ans := servePolicy(h, "X-Key", "p"); ans.status != 200 || ans.result() != "allowed" {
@@ -532,14 +533,15 @@ func TestLeaseAdmitsWithoutRedisWhileItHolds(t *testing.T) {
 		}); n != 1 {
 			t.Errorf("10 requests: %d script calls, want 1", n)
 		}
-		if la, lb := leaseHeld(h, a), leaseHeld(h, b); la != 23 || lb != 0 {
-			t.Errorf("after 10 requests a's lease holds %d, b's %d; want 23 and 0", la, lb)
+		if la, lb := leaseHeld(h, a), leaseHeld(h, b); la != 0 || lb != 0 {
+			t.Errorf("after 10 requests a's lease holds %d, b's %d; want both spent", la, lb)
 		}
-		// b's lease is spent, a's still holds 23: the 11th asks Redis.
+		// Both leases are spent: the 11th asks Redis, and b, low now,
+		// lends for 4 requests, so a lends for 4 too.
 		if n := callsOf(t, rdb, func() { servePolicy(h, "X-Key", "p") }); n != 1 {
-			t.Errorf("the 11th request, b's lease spent: %d script calls, want 1", n)
+			t.Errorf("the 11th request, the leases spent: %d script calls, want 1", n)
 		}
-		expectTokens(t, rdb, a, 100, 34, "a after the second call (67 - 1, lending 32)")
+		expectTokens(t, rdb, a, 100, 85, "a after the second call (90 - 1, lending 4)")
 		expectTokens(t, rdb, b, 100, 5, "b after the second call (10 - 1, lending 4)")
 	})
 
@@ -664,10 +666,9 @@ func TestLeaseGivesBackWhenTheHoldEnds(t *testing.T) {
 	})
 }
 
-// TestLeaseDenialsComeFromRedis: a lease that holds fewer tokens than a
-// request asks does not admit it: Redis decides, and a denial is Redis's
-// (with its remaining and Retry-After), then the deny cache's; the lease
-// keeps what it holds.
+// TestLeaseDenialsComeFromRedis: a lease lends whole requests' worth,
+// and one that is spent admits nothing: Redis decides, and a denial is
+// Redis's (with its remaining and Retry-After), then the deny cache's.
 func TestLeaseDenialsComeFromRedis(t *testing.T) {
 	srv := redistest.Start(t)
 	rdb := srv.Client(t)
@@ -675,8 +676,8 @@ func TestLeaseDenialsComeFromRedis(t *testing.T) {
 	scriptsLoaded(t, rdb)
 	key := limitKey(t, h, "", "x")
 
-	// 97 left, 10 leased: three requests from the lease (1 left), then
-	// Redis: 87 - 3 = 84, 10 more leased.
+	// 97 left, 9 leased (three requests' worth of at most 10): three
+	// requests from the lease, then Redis: 88 - 3 = 85, 9 more leased.
 	var got []string
 	n := callsOf(t, rdb, func() {
 		for range 5 {
@@ -687,19 +688,19 @@ func TestLeaseDenialsComeFromRedis(t *testing.T) {
 	if want := "[200 97 200 94 200 91 200 88 200 85]"; fmt.Sprint(got) != want || n != 2 {
 		t.Errorf("5 requests of 3 with lease 10: %v in %d script calls; want %s in 2", got, n, want)
 	}
-	if leaseHeld(h, key) != 11 {
-		t.Errorf("the lease holds %d, want 1 + 10", leaseHeld(h, key))
+	if leaseHeld(h, key) != 9 {
+		t.Errorf("the lease holds %d, want 9", leaseHeld(h, key))
 	}
 
-	// The bucket runs short while the lease holds 2: Redis denies.
+	// The bucket runs short while the lease is spent: Redis denies.
 	setBucket(t, rdb, key, 2)
 	for range 3 {
-		hit(h, "x") // 11 -> 8 -> 5 -> 2
+		hit(h, "x") // 9 -> 6 -> 3 -> 0
 	}
 	var status int
 	var header http.Header
 	if n := callsOf(t, rdb, func() { status, header = serve(context.Background(), h, "x") }); n != 1 || status != 429 {
-		t.Errorf("the lease holds 2 of 3, the bucket 2: %d in %d script calls; want 429 from Redis", status, n)
+		t.Errorf("the lease spent, the bucket 2 of 3: %d in %d script calls; want 429 from Redis", status, n)
 	}
 	if header.Get("X-RateLimit-Remaining") != "2" || header.Get("Retry-After") == "" {
 		t.Errorf("denial: remaining %q, Retry-After %q; want Redis's 2 and a Retry-After", header.Get("X-RateLimit-Remaining"), header.Get("Retry-After"))
@@ -707,8 +708,8 @@ func TestLeaseDenialsComeFromRedis(t *testing.T) {
 	if n := callsOf(t, rdb, func() { status, _ = serve(context.Background(), h, "x") }); n != 0 || status != 429 {
 		t.Errorf("again: %d in %d script calls; want 429 from the deny cache", status, n)
 	}
-	if leaseHeld(h, key) != 2 {
-		t.Errorf("the lease holds %d after the denials, want its 2", leaseHeld(h, key))
+	if leaseHeld(h, key) != 0 {
+		t.Errorf("the lease holds %d after the denials, want 0", leaseHeld(h, key))
 	}
 }
 
@@ -1016,27 +1017,29 @@ func TestLeaseOnCluster(t *testing.T) {
 		scriptsLoaded(t, clients...)
 		clientKey := limitKey(t, h, "client", "g")
 		rdb := masterOf(t, c, cc, clients, clientKey)
-		// 1: the client leaves 99 and lends 32, the tenant leaves 1.
-		// 2: the tenant lent nothing, so Redis: the client leaves 66 and
-		// lends 32, the tenant 0.
+		// 1: the client leaves 99 and lends 32 (its slot group is a call
+		// of its own), the tenant leaves 1.
+		// 2: the tenant lent nothing, so Redis: the client leaves 66 and,
+		// its lease holding 32 already, lends nothing more (a lease that
+		// the policy cannot use does not grow); the tenant leaves 0.
 		for i := 1; i <= 2; i++ {
 			if ans := servePolicy(h, "X-Key", "g", "X-Tenant", "t"); ans.status != 200 {
 				t.Fatalf("request %d: %v", i, ans)
 			}
 		}
-		expectTokens(t, rdb, clientKey, 100, 34, "the client's bucket after two requests")
-		// 3: the client leaves 33 and lends 16, then the tenant refuses:
-		// the 1 + 16 go back.
+		expectTokens(t, rdb, clientKey, 100, 66, "the client's bucket after two requests")
+		// 3: the client leaves 65, then the tenant refuses: the 1 goes
+		// back.
 		total := clusterScriptCalls(t, clients)
 		ans := servePolicy(h, "X-Key", "g", "X-Tenant", "t")
 		if got := clusterScriptCalls(t, clients) - total; ans.status != 429 || ans.limitName() != "tenant" || got != 3 {
 			t.Errorf("request 3: %v in %d script calls; want 429 by the tenant in 3 (take, take refused, give back)", ans, got)
 		}
-		expectTokens(t, rdb, clientKey, 100, 34, "the client's bucket after the tenant refused")
+		expectTokens(t, rdb, clientKey, 100, 66, "the client's bucket after the tenant refused")
 		// Once the hold ends, the client's lease goes back too.
 		eventually(t, 3*time.Second, "the lease given back", func() bool {
 			tokens, _ := tokensNow(t, rdb, clientKey, leaseRate, 100)
-			return tokens > 34+leaseSlack
+			return tokens > 66+leaseSlack
 		})
 		expectTokens(t, rdb, clientKey, 100, 98, "the client's bucket after the hold")
 	})

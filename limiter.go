@@ -267,13 +267,13 @@ func (l *limiter) Destruct() error {
 // and fills in each bucket's answer. The answer comes within the timeout
 // from now. A call whose client has left (clientCtx done) by the time its
 // batch goes out is not sent, so it takes no tokens.
-// With lease (the most tokens a bucket may lend, boxed), an admitted
-// request also borrows tokens for this instance's next requests; each
+// With leasing, an admitted request also borrows tokens for this
+// instance's next requests, at most each bucket's leaseMax; each
 // bucket's leased says how many.
-func (l *limiter) take(clientCtx context.Context, now time.Time, buckets []bucket, lease any) (allowed bool, err error) {
-	c, err := l.call(clientCtx, now, takeScript, buckets, lease)
+func (l *limiter) take(clientCtx context.Context, now time.Time, buckets []bucket, leasing bool) (allowed bool, err error) {
+	c, err := l.call(clientCtx, now, takeScript, buckets, leasing)
 	if err == nil {
-		allowed, err = readTake(c.reply, buckets, lease != nil)
+		allowed, err = readTake(c.reply, buckets, leasing)
 	}
 	c.release()
 	return allowed, err
@@ -282,15 +282,15 @@ func (l *limiter) take(clientCtx context.Context, now time.Time, buckets []bucke
 // giveBack returns each bucket's requested tokens, which the request took
 // before a later group of its buckets refused.
 func (l *limiter) giveBack(clientCtx context.Context, now time.Time, buckets []bucket) error {
-	c, err := l.call(clientCtx, now, giveBackScript, buckets, nil)
+	c, err := l.call(clientCtx, now, giveBackScript, buckets, false)
 	c.release()
 	return err
 }
 
-// call runs a script over the buckets (their keys and arguments, then
-// extra once per bucket unless nil) through the batcher and returns the
+// call runs a script over the buckets (their keys and arguments, then,
+// when leasing, each one's leaseMax) through the batcher and returns the
 // answered call, for the caller to read and release.
-func (l *limiter) call(clientCtx context.Context, now time.Time, script *luaScript, buckets []bucket, extra any) (*call, error) {
+func (l *limiter) call(clientCtx context.Context, now time.Time, script *luaScript, buckets []bucket, leasing bool) (*call, error) {
 	c := calls.Get().(*call)
 	for i := range buckets {
 		c.keys = append(c.keys, buckets[i].key)
@@ -308,9 +308,9 @@ func (l *limiter) call(clientCtx context.Context, now time.Time, script *luaScri
 	for i := range buckets {
 		c.args = append(c.args, buckets[i].args[:]...)
 	}
-	if extra != nil {
-		for range buckets {
-			c.args = append(c.args, extra)
+	if leasing {
+		for i := range buckets {
+			c.args = append(c.args, buckets[i].leaseMax)
 		}
 	}
 	c.script = script

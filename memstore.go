@@ -282,23 +282,40 @@ func (s *memoryStore) shardIndex(key string) int {
 
 func (s *memoryStore) shard(key string) *memoryShard { return &s.shards[s.shardIndex(key)] }
 
-// lock locks the shards of the stored keys, each once and in order, so
-// that requests over several shards never wait on each other in a circle.
+// lock locks the shards of the stored keys (see lockShards).
 func (s *memoryStore) lock(keys []string, shards []int) []int {
 	for _, key := range keys {
 		shards = append(shards, s.shardIndex(key))
 	}
-	slices.Sort(shards)
-	shards = slices.Compact(shards)
-	for _, i := range shards {
-		s.shards[i].mu.Lock()
-	}
-	return shards
+	return lockShards(s.shards[:], shards)
 }
 
-func (s *memoryStore) unlock(shards []int) {
-	for _, i := range shards {
-		s.shards[i].mu.Unlock()
+func (s *memoryStore) unlock(shards []int) { unlockShards(s.shards[:], shards) }
+
+func (sh *memoryShard) mutex() *sync.Mutex { return &sh.mu }
+
+// lockShards locks the shards at the indexes, each once and in order, so
+// that requests over several shards never wait on each other in a
+// circle; it returns the indexes locked, for unlockShards. The memory
+// store and the leases shard their maps alike.
+func lockShards[T any, P interface {
+	*T
+	mutex() *sync.Mutex
+}](shards []T, indexes []int) []int {
+	slices.Sort(indexes)
+	indexes = slices.Compact(indexes)
+	for _, i := range indexes {
+		P(&shards[i]).mutex().Lock()
+	}
+	return indexes
+}
+
+func unlockShards[T any, P interface {
+	*T
+	mutex() *sync.Mutex
+}](shards []T, indexes []int) {
+	for _, i := range indexes {
+		P(&shards[i]).mutex().Unlock()
 	}
 }
 

@@ -494,12 +494,9 @@ func (h *Handler) check(clientCtx context.Context, buckets []bucket) (bool, erro
 		}
 		return allowed, err
 	}
-	var lease any
-	if h.leases != nil && !h.leases.closed.Load() { // after Cleanup, no lease: nothing would give it back
-		if h.leases.admit(sent, buckets) {
-			return true, nil
-		}
-		lease = h.leases.max
+	leasing := h.leases != nil && !h.leases.closed.Load() // after Cleanup, no lease: nothing would give it back
+	if leasing && h.leases.admit(sent, buckets) {
+		return true, nil
 	}
 	if h.useDenyCache && h.denied.answer(buckets, sent) {
 		return false, nil
@@ -507,11 +504,11 @@ func (h *Handler) check(clientCtx context.Context, buckets []bucket) (bool, erro
 	var allowed bool
 	var err error
 	if h.groups == nil {
-		allowed, err = h.limiter.take(clientCtx, sent, buckets, lease)
+		allowed, err = h.limiter.take(clientCtx, sent, buckets, leasing)
 	} else {
-		allowed, err = h.takeGroups(clientCtx, sent, buckets, lease)
+		allowed, err = h.takeGroups(clientCtx, sent, buckets, leasing)
 	}
-	if lease != nil && err == nil && allowed {
+	if leasing && err == nil && allowed {
 		if back := h.leases.grant(sent, buckets); len(back) > 0 {
 			go h.leases.giveBack(h.limiter, back) // leased as Cleanup closed the leases
 		}

@@ -240,9 +240,11 @@ type bucket struct {
 	retryAfter time.Duration
 	// unknown: a denial from the deny cache says nothing of this bucket.
 	unknown bool
-	// leased is the tokens the bucket lent this instance ahead of its
-	// next requests (lease).
-	leased int64
+	// leaseMax is the most tokens the bucket may lend this instance with
+	// the request (lease): what the lease may hold, less what it holds.
+	// leased is what it lent.
+	leaseMax any
+	leased   int64
 }
 
 // ownLimit is the handler's own limit when it has no `limits`.
@@ -547,7 +549,7 @@ func (h *Handler) giveBackGroups(clientCtx context.Context, taken []bucket) {
 // taken, capped at its burst, is never fuller than it would have been, so
 // the bound holds; a request that meets such a bucket meanwhile may be
 // refused, briefly, when it would otherwise fit.
-func (h *Handler) takeGroups(clientCtx context.Context, sent time.Time, buckets []bucket, lease any) (bool, error) {
+func (h *Handler) takeGroups(clientCtx context.Context, sent time.Time, buckets []bucket, leasing bool) (bool, error) {
 	var inline [maxInlineBuckets]bucket
 	var given [maxInlineBuckets]bucket
 	taken := given[:0]
@@ -561,7 +563,7 @@ func (h *Handler) takeGroups(clientCtx context.Context, sent time.Time, buckets 
 		if len(group) == 0 {
 			continue
 		}
-		allowed, err := h.limiter.take(clientCtx, sent, group, lease)
+		allowed, err := h.limiter.take(clientCtx, sent, group, leasing)
 		j := 0
 		for i := range buckets {
 			if buckets[i].limit.group == g {

@@ -9,7 +9,10 @@
 -- ARGV[3n+i]   (leases only) the most tokens bucket i may lend the caller
 --              on top of the request, when admitted: never more than half
 --              of what the request leaves, so a lease shrinks to nothing
---              as the bucket runs low and never takes its last tokens
+--              as the bucket runs low and never takes its last tokens.
+--              All buckets lend for the same number of further requests
+--              (the fewest any of them can), as a lease admits a request
+--              only when every bucket's lease holds its tokens
 --
 -- A bucket is one string "<tokens> <microseconds>": the tokens it held at
 -- that Redis time. Tokens refill by elapsed time, so the state only needs
@@ -52,15 +55,23 @@ for i = 1, n do
   end
 end
 
+-- The further requests' worth every bucket can lend.
+local lend = 0
+if leasing and allowed == 1 then
+  lend = math.huge
+  for i = 1, n do
+    local left = tokens[i] - requested[i]
+    local can = math.min(tonumber(ARGV[3 * n + i]), math.floor(left / 2))
+    lend = math.min(lend, math.floor(can / requested[i]))
+  end
+  lend = math.max(0, lend)
+end
+
 local reply = {allowed}
 for i = 1, n do
-  lent[i] = 0
+  lent[i] = lend * requested[i]
   if allowed == 1 then
-    tokens[i] = tokens[i] - requested[i]
-    if leasing then
-      lent[i] = math.max(0, math.min(tonumber(ARGV[3 * n + i]), math.floor(tokens[i] / 2)))
-      tokens[i] = tokens[i] - lent[i]
-    end
+    tokens[i] = tokens[i] - requested[i] - lent[i]
   end
   if allowed == 1 or rewound[i] then
     -- The key lives as long as its missing tokens take to refill (at

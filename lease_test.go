@@ -575,14 +575,9 @@ func TestLeaseAdmitsWithoutRedisWhileItHolds(t *testing.T) {
 // to Redis; limit a, of 100, must still admit the client's first 100
 // requests: one instance may not take a's last tokens into a lease that
 // cannot admit anything and then have Redis refuse the client on a.
-//
-// KNOWN BUG (fails as of the lease implementation): script.lua lends
-// each bucket its own min(max_tokens, half of what the request leaves),
-// whatever the others lend, and Handler.check grants every bucket's
-// lease. a lends 32, 32, 16, 8, 3, 1: after 8 requests this instance's
-// lease on a holds 92 unusable tokens, a's bucket in Redis 0, and the
-// 9th request gets 429 by a; the tokens come back only when a's hold
-// ends, and every admitted request that lends extends it.
+// (Before buckets lent in lockstep, a lent 32, 32, 16, 8, 3, 1 while b
+// lent nothing, and the 9th request got 429 by a, with 92 of a's tokens
+// in a lease no request could use.)
 func TestLeaseOfOneLimitDoesNotStarveAPolicy(t *testing.T) {
 	srv := redistest.Start(t)
 	rdb := srv.Client(t)

@@ -11,6 +11,11 @@
 #                 plugin's script, batched, over a bare RESP connection, and
 #                 nothing else (the ceiling for any limiter that asks Redis
 #                 once per allowed request)
+#   floor3@64     as floor@64 with three buckets per request in one script
+#                 call (the ceiling for a policy of three limits: multi)
+#   memfloor@64   bench/floor's in-process bucket keyed by placeholders and
+#                 nothing else (the ceiling for an in-process limiter:
+#                 memory, lease)
 #   allowed@64    rate_limit, always allowed, one bucket per connection
 #   multi@64      as allowed@64 with a policy of three limits on one key
 #                 template (one script call over three buckets per request)
@@ -18,6 +23,7 @@
 #   lease@64      as allowed@64 with `lease 32`: most requests admitted
 #                 from tokens leased ahead, without waiting on Redis
 #   lease@256     as lease@64 with 256 connections
+#   memfloor@256  as memfloor@64 with 256 connections
 #   nometrics@64  as allowed@64 with `metrics off` (what the metrics cost)
 #   denied@64     rate_limit, one empty bucket: every request gets 429
 #                 (after the first denial the handler's deny cache answers;
@@ -35,7 +41,10 @@
 # total_reads_processed (read events: below 1 means requests shared a
 # pipeline) and script calls (cmdstat_evalsha + cmdstat_eval).
 #
-# Environment: BENCH_ROUNDS (5), BENCH_DURATION (3s), BENCH_WARMUP (1s).
+# Environment: BENCH_ROUNDS (5), BENCH_DURATION (3s), BENCH_WARMUP (1s),
+# BENCH_CASES (all; or a list such as "bare@64 memory@64": fewer cases per
+# round set the ones compared closer together in time, which matters on
+# a machine whose speed swings from one minute to the next).
 # BENCH_PROFILE=<dir> adds one more allowed@64 run with Caddy's admin
 # endpoint on, saves a 5 s CPU profile and allocation profile of Caddy
 # into <dir> and prints the top of each.
@@ -100,10 +109,13 @@ log "redis-server $(redis-server --version | awk '{print $3}') pid $redis_pid on
 
 # --- cases ---------------------------------------------------------------------
 # name@connections caddyfile expected-status loadgen-flags. The table sets
-# each case beside bare@64, floor@<connections> and (at 256) bare@256.
+# each case beside bare@64, its floor at <connections> (floor, floor3 or
+# memfloor) and (at 256) bare@256.
 CASES=(
 	"bare@64 bare 200 -"
 	"floor@64 floor 200 -"
+	"floor3@64 floor3 200 -"
+	"memfloor@64 memfloor 200 -"
 	"allowed@64 allowed 200 -"
 	"multi@64 multi 200 -"
 	"memory@64 memory 200 -"
@@ -112,9 +124,22 @@ CASES=(
 	"denied@64 denied 429 -same-key"
 	"allowed@256 allowed 200 -"
 	"lease@256 lease 200 -"
+	"memfloor@256 memfloor 200 -"
 	"floor@256 floor 200 -"
 	"bare@256 bare 200 -"
 )
+
+if [[ -n "${BENCH_CASES:-}" ]]; then
+	selected=()
+	for want in $BENCH_CASES; do
+		found=""
+		for c in "${CASES[@]}"; do
+			[[ "${c%% *}" == "$want" ]] && selected+=("$c") && found=1
+		done
+		[[ -n "$found" ]] || die "BENCH_CASES: no case $want (cases: $(printf '%s ' "${CASES[@]%% *}"))"
+	done
+	CASES=("${selected[@]}")
+fi
 
 start_caddy() { # caddyfile-name [admin-address] -> sets caddy_pid, caddy_port
 	local conf="$REPO_ROOT/bench/$1.caddyfile"

@@ -5,6 +5,9 @@
 // has nothing else: no go-redis, timeouts, headers, placeholders, metrics
 // or deny cache. Its throughput is the ceiling for any limiter that asks
 // Redis once per allowed request; the bench table sets the plugin beside it.
+// With `buckets` above 1 it takes a token from that many buckets per
+// request in one script call, the floor of a policy of several limits.
+// memory.go holds the in-process floor, bench_memory_floor.
 package floor
 
 import (
@@ -38,8 +41,12 @@ type Floor struct {
 	Redis string `json:"redis"`
 	// Script is the path of the plugin's script.lua.
 	Script string `json:"script"`
+	// Buckets is how many buckets each request takes a token from, in one
+	// script call. Default: 1.
+	Buckets int `json:"buckets,omitempty"`
 
 	sha   string
+	args  []string // the script's arguments after the keys
 	queue chan *call
 }
 
@@ -60,11 +67,18 @@ func (*Floor) CaddyModule() caddy.ModuleInfo {
 	return caddy.ModuleInfo{ID: "http.handlers.bench_floor", New: func() caddy.Module { return new(Floor) }}
 }
 
-// UnmarshalCaddyfile reads `bench_floor <redis host:port> <script.lua path>`.
+// UnmarshalCaddyfile reads `bench_floor <redis host:port> <script.lua path> [<buckets>]`.
 func (f *Floor) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 	d.Next()
 	if !d.Args(&f.Redis, &f.Script) {
 		return d.ArgErr()
+	}
+	if d.NextArg() {
+		n, err := strconv.Atoi(d.Val())
+		if err != nil || n < 1 {
+			return d.Errf("buckets %q: want a whole number of at least 1", d.Val())
+		}
+		f.Buckets = n
 	}
 	return nil
 }
@@ -77,6 +91,10 @@ func (f *Floor) Provision(caddy.Context) error {
 	}
 	sum := sha1.Sum(src)
 	f.sha = hex.EncodeToString(sum[:])
+	f.Buckets = max(f.Buckets, 1)
+	for range f.Buckets {
+		f.args = append(f.args, "1000000000", "1000000000", "1")
+	}
 	f.queue = make(chan *call, 4096)
 	for i := range pipelines {
 		conn, err := net.Dial("tcp", f.Redis)
@@ -111,12 +129,16 @@ func writeCommand(w *bufio.Writer, args ...string) {
 	w.WriteString(strconv.Itoa(len(args)))
 	w.WriteString("\r\n")
 	for _, a := range args {
-		w.WriteByte('$')
-		w.WriteString(strconv.Itoa(len(a)))
-		w.WriteString("\r\n")
-		w.WriteString(a)
-		w.WriteString("\r\n")
+		writeBulk(w, a)
 	}
+}
+
+func writeBulk(w *bufio.Writer, a string) {
+	w.WriteByte('$')
+	w.WriteString(strconv.Itoa(len(a)))
+	w.WriteString("\r\n")
+	w.WriteString(a)
+	w.WriteString("\r\n")
 }
 
 // work sends whatever is queued in one pipeline and reads the replies;
@@ -135,14 +157,14 @@ func (f *Floor) work(w *bufio.Writer, r *bufio.Reader) {
 			}
 		}
 		for _, c := range batch {
-			writeCommand(w, "EVALSHA", f.sha, "1", c.key, "1000000000", "1000000000", "1")
+			f.writeCall(w, c.key)
 		}
 		if err := w.Flush(); err != nil {
 			panic(err)
 		}
 		for _, c := range batch {
-			// The reply is *3, :allowed, :remaining, :wait.
-			for i := range 4 {
+			// The reply is *<1+2n>, :allowed, then :remaining, :wait per bucket.
+			for i := range 2 + 2*f.Buckets {
 				line, err := r.ReadSlice('\n')
 				if err != nil || i == 0 && line[0] != '*' {
 					panic(fmt.Sprintf("bench_floor: reply %q, error %v", line, err))
@@ -153,6 +175,23 @@ func (f *Floor) work(w *bufio.Writer, r *bufio.Reader) {
 			}
 			c.done <- struct{}{}
 		}
+	}
+}
+
+// writeCall writes the script call for the buckets of key: <key>|1 to
+// <key>|n.
+func (f *Floor) writeCall(w *bufio.Writer, key string) {
+	w.WriteString("*")
+	w.WriteString(strconv.Itoa(3 + 4*f.Buckets))
+	w.WriteString("\r\n")
+	writeBulk(w, "EVALSHA")
+	writeBulk(w, f.sha)
+	writeBulk(w, strconv.Itoa(f.Buckets))
+	for i := range f.Buckets {
+		writeBulk(w, key+"|"+strconv.Itoa(i+1))
+	}
+	for _, a := range f.args {
+		writeBulk(w, a)
 	}
 }
 

@@ -18,8 +18,9 @@ import (
 // ratio is the median of the rounds' own ratios (both cases from the same
 // round), which follows the machine's drift from round to round better
 // than a ratio of medians. Every case is set beside bare@64, and beside
-// bare@<conns>, floor@<conns> and allowed@<conns> (a single limit) of its
-// own connection count.
+// bare@<conns>, its floor (see floorOf) and allowed@<conns> (a single
+// limit) of its own connection count; p99-bare is the median of the
+// rounds' own differences of p99 from bare@<conns>'s.
 func table(argv []string) {
 	fs := flag.NewFlagSet("table", flag.ExitOnError)
 	warmup := fs.String("warmup", "1s", "warm-up per case, as given to run (for the footnote)")
@@ -125,8 +126,8 @@ func writeTable(w io.Writer, cases []*benchCase, caddyCPU, loadCPU, warmup, dur 
 		byName[c.name] = c
 		rounds = max(rounds, len(c.rounds))
 	}
-	fmt.Fprintf(w, "%-12s %5s %8s %8s %8s %9s %10s %8s %10s %9s %9s %11s %9s %6s %6s %6s %6s %6s %6s\n",
-		"case", "conns", "req/s", "p50", "p99", "vs bare64", "vs bare256", "vs floor", "vs allowed", "caddy-us", "reads/req",
+	fmt.Fprintf(w, "%-12s %5s %8s %8s %8s %9s %9s %10s %8s %10s %9s %9s %11s %9s %6s %6s %6s %6s %6s %6s\n",
+		"case", "conns", "req/s", "p50", "p99", "p99-bare", "vs bare64", "vs bare256", "vs floor", "vs allowed", "caddy-us", "reads/req",
 		"scripts/req", "redis-us", "caddy%", "load%", "redis%", "other0", "other1", "errors")
 	for _, c := range cases {
 		med := func(field func(roundFigures) float64) float64 {
@@ -140,12 +141,13 @@ func writeTable(w io.Writer, cases []*benchCase, caddyCPU, loadCPU, warmup, dur 
 		if c.conns == "256" {
 			vsBare256 = ratio(c, byName["bare@256"])
 		}
-		fmt.Fprintf(w, "%-12s %5s %8.0f %6.2fms %6.2fms %9s %10s %8s %10s %9.1f %9.3f %11.3f %9.1f %6.0f %6.0f %6.0f %6.0f %6.0f %6d\n",
+		fmt.Fprintf(w, "%-12s %5s %8.0f %6.2fms %6.2fms %9s %9s %10s %8s %10s %9.1f %9.3f %11.3f %9.1f %6.0f %6.0f %6.0f %6.0f %6.0f %6d\n",
 			c.name, c.conns,
 			med(func(r roundFigures) float64 { return r.rps }),
 			med(func(r roundFigures) float64 { return r.p50ms }),
 			med(func(r roundFigures) float64 { return r.p99ms }),
-			ratio(c, byName["bare@64"]), vsBare256, ratio(c, byName["floor@"+c.conns]), ratio(c, byName["allowed@"+c.conns]),
+			p99Above(c, byName["bare@"+c.conns]),
+			ratio(c, byName["bare@64"]), vsBare256, ratio(c, byName[floorOf(c.name)+"@"+c.conns]), ratio(c, byName["allowed@"+c.conns]),
 			med(func(r roundFigures) float64 { return r.caddyUSPerReq }),
 			med(func(r roundFigures) float64 { return r.readsPerReq }),
 			med(func(r roundFigures) float64 { return r.scriptsPerReq }),
@@ -179,6 +181,34 @@ func ratio(c, base *benchCase) string {
 		}
 	}
 	return fmt.Sprintf("%.3f", median(rs))
+}
+
+// floorOf names the measuring stick a case is set beside: floor3 (three
+// buckets in one script call) for a policy of three limits, memfloor (an
+// in-process bucket keyed by placeholders) for the cases decided in the
+// process, floor for the others.
+func floorOf(name string) string {
+	switch base, _, _ := strings.Cut(name, "@"); base {
+	case "multi":
+		return "floor3"
+	case "memory", "lease":
+		return "memfloor"
+	}
+	return "floor"
+}
+
+// p99Above is the median over the rounds of c's p99 less base's in the
+// same round, formatted; "-" without base.
+func p99Above(c, base *benchCase) string {
+	if base == nil {
+		return "-"
+	}
+	n := min(len(c.rounds), len(base.rounds))
+	ds := make([]float64, n)
+	for i := range n {
+		ds[i] = c.rounds[i].p99ms - base.rounds[i].p99ms
+	}
+	return fmt.Sprintf("%+.2fms", median(ds))
 }
 
 // median of vs (the mean of the middle two for an even count; 0 for none).

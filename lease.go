@@ -16,10 +16,12 @@ import (
 // `max_tokens` extra tokens for this instance (never more than half of
 // what the request leaves), and this instance's next requests on that
 // bucket are admitted from them until `hold` ends; then what is unused
-// goes back to the bucket. No bucket admits more than its bound:
-// tokens admitted anywhere are never more than tokens taken from Redis,
-// and a bucket given back unused tokens is never fuller than it would
-// have been.
+// goes back to the bucket. Tokens admitted anywhere are never more than
+// tokens taken from Redis, and a bucket given back unused tokens is never
+// fuller than it would have been; but the bucket refills while leased
+// tokens are out, so over an interval that starts while leases are out a
+// client may be admitted what they hold (at most max_tokens per instance)
+// on top of burst_capacity + replenish_rate × T.
 type Lease struct {
 	// MaxTokens is the most tokens one call may lease from a bucket.
 	MaxTokens int64 `json:"max_tokens,omitempty"`
@@ -150,7 +152,8 @@ func (ls *leases) admit(now time.Time, buckets []bucket) bool {
 
 // grant keeps what an admitted request's call leased, for its buckets'
 // next requests, and counts it in the request's remaining. Tokens still
-// unused from an earlier lease stay, under the new hold. Once the leases
+// unused from an earlier lease within its hold stay, under the new hold;
+// those of a lease whose hold ended go back. Once the leases
 // are closed nothing is kept: what the call leased is returned as
 // buckets to give back.
 func (ls *leases) grant(now time.Time, buckets []bucket) (back []bucket) {
@@ -177,8 +180,11 @@ func (ls *leases) grant(now time.Time, buckets []bucket) (back []bucket) {
 		}
 		shard := &ls.shards[ls.shardIndex(b.key)]
 		l := shard.byKey[b.key]
-		if l.values != b.values {
-			if l.tokens > 0 { // leased with other values: given back with the next take
+		if l.values != b.values || !now.Before(l.until) {
+			// Leased with other values, or its hold ended (admit counted it
+			// as empty, so this call lent a whole max_tokens): given back
+			// with the next take, never carried into the new hold.
+			if l.tokens > 0 {
 				shard.superseded = append(shard.superseded, giveBackBucket(b.key, l.values, l.tokens))
 			}
 			l.tokens = 0

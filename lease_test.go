@@ -12,6 +12,7 @@ import (
 	"encoding/json"
 	"fmt"
 	"net/http"
+	"strconv"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -1038,4 +1039,78 @@ func TestLeaseOnCluster(t *testing.T) {
 		})
 		expectTokens(t, rdb, clientKey, 100, 98, "the client's bucket after the hold")
 	})
+}
+
+// TestLeaseExpiredIsNotCarriedIntoANewHold: a lease whose hold ended but
+// that the give-back loop has not taken yet counts as empty for the next
+// request (which asks Redis for max_tokens), so what Redis lends then
+// must not be added to it: the old tokens go back with the next
+// give-back, and a lease never holds more than max_tokens. (Without the
+// loop running, as here, a client asking once per hold grew its lease by
+// max_tokens each time, valid for a fresh hold.)
+func TestLeaseExpiredIsNotCarriedIntoANewHold(t *testing.T) {
+	ls := newLeases(&Lease{MaxTokens: 32, Hold: caddy.Duration(100 * time.Millisecond)})
+	values := limitValues{rate: 1000, burst: 2000, requested: 1}
+	now := time.Now()
+	for cycle := range 10 {
+		buckets := []bucket{{key: "k", values: values}}
+		if ls.admit(now, buckets) {
+			t.Fatalf("cycle %d: admitted from a lease whose hold ended", cycle)
+		}
+		if got := buckets[0].leaseMax; got != "32" {
+			t.Fatalf("cycle %d: asks Redis to lend %v, want 32 (the expired lease counts as empty)", cycle, got)
+		}
+		buckets[0].leased, buckets[0].remaining = 32, 1000 // what Redis lent
+		if back := ls.grant(now, buckets); len(back) != 0 {
+			t.Fatalf("cycle %d: %d buckets to give back at once, want none", cycle, len(back))
+		}
+		if held := ls.shards[ls.shardIndex("k")].byKey["k"].tokens; held != 32 {
+			t.Fatalf("cycle %d: the lease holds %d, want 32 (max_tokens)", cycle, held)
+		}
+		now = now.Add(101 * time.Millisecond)
+	}
+	// The nine leases that expired unused go back with the next take.
+	var given int64
+	for _, b := range ls.take(now, false) {
+		n, err := strconv.ParseInt(b.args[2].(string), 10, 64)
+		if err != nil || b.key != "k" {
+			t.Fatalf("give-back %q of %v", b.key, b.args)
+		}
+		given += n
+	}
+	if given != 10*32 {
+		t.Errorf("given back %d tokens, want %d (ten leases of 32, all unused)", given, 10*32)
+	}
+}
+
+// TestLeaseBoundOverAnIntervalStartingWithALeaseOut: the bound the
+// README gives with leases. One request leases 8 of a bucket of 20; the
+// bucket in Redis refills to 20 while the lease is out; a burst that
+// follows is admitted the lease and the full bucket: no more than
+// burst_capacity + replenish_rate × T + max_tokens over the burst's T.
+func TestLeaseBoundOverAnIntervalStartingWithALeaseOut(t *testing.T) {
+	srv := redistest.Start(t)
+	rdb := srv.Client(t)
+	h := leaseHandler(t, "looser", "replenish_rate 20\n\tburst_capacity 20\n\tlease 8 1s", srv.Addr)
+	scriptsLoaded(t, rdb)
+	key := limitKey(t, h, "", "b")
+	if status, _, _ := hit(h, "b"); status != 200 {
+		t.Fatalf("first request: %d", status)
+	}
+	if got := leaseHeld(h, key); got != 8 {
+		t.Fatalf("leased %d, want 8 (min(8, half of the 19 left))", got)
+	}
+	time.Sleep(700 * time.Millisecond) // 11 refill to 20 in 550 ms; the lease holds for 1s
+	start := time.Now()
+	admitted := 0
+	for range 40 {
+		if status, _, _ := hit(h, "b"); status == 200 {
+			admitted++
+		}
+	}
+	elapsed := time.Since(start).Seconds()
+	if bound := 20 + 20*elapsed + 8; float64(admitted) > bound {
+		t.Errorf("admitted %d in %.3fs, above burst + rate × T + max_tokens = %.1f", admitted, elapsed, bound)
+	}
+	t.Logf("admitted %d in %.3fs: burst + rate × T = %.1f, plus the lease's 8", admitted, elapsed, 20+20*elapsed)
 }

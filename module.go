@@ -406,7 +406,7 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyht
 	}
 	if blocked := blockedBucket(buckets); blocked >= 0 {
 		buckets[blocked].remaining, buckets[blocked].retryAfter = 0, -1
-		h.headers.set(w.Header(), buckets, blocked)
+		h.headers.set(w.Header(), buckets, blocked, false)
 		h.record(repl, decisionDenied, buckets, blocked)
 		return reject(w, r, h.errBlocked)
 	}
@@ -421,7 +421,7 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyht
 			return h.decideLocally(w, r, next, repl, buckets)
 		}
 		buckets[0].remaining = -1
-		h.headers.set(w.Header(), buckets[:1], 0)
+		h.headers.set(w.Header(), buckets[:1], 0, false)
 		d := decisionErrorDenied
 		switch {
 		case err == errMemoryFull:
@@ -447,7 +447,7 @@ func (h *Handler) decideLocally(w http.ResponseWriter, r *http.Request, next cad
 	allowed, err := h.local.take(time.Now(), buckets)
 	if err != nil { // full: as on_error allow
 		buckets[0].remaining = -1
-		h.headers.set(w.Header(), buckets[:1], 0)
+		h.headers.set(w.Header(), buckets[:1], 0, false)
 		h.record(repl, decisionErrorAllowed, buckets, 0)
 		return next.ServeHTTP(w, r)
 	}
@@ -460,7 +460,7 @@ func (h *Handler) answer(w http.ResponseWriter, r *http.Request, next caddyhttp.
 	buckets []bucket, allowed bool, admitted, refused decision) error {
 
 	described := describe(buckets, allowed)
-	h.headers.set(w.Header(), buckets, described)
+	h.headers.set(w.Header(), buckets, described, !allowed && !h.Shadow)
 	switch {
 	case allowed:
 		h.record(repl, admitted, buckets, described)
@@ -469,7 +469,6 @@ func (h *Handler) answer(w http.ResponseWriter, r *http.Request, next caddyhttp.
 		h.logShadowDenial(buckets, described)
 	default:
 		h.record(repl, refused, buckets, described)
-		w.Header()["Retry-After"] = countValue(ceilSeconds(retryAfter(buckets)))
 		return reject(w, r, h.errDenied)
 	}
 	return next.ServeHTTP(w, r)

@@ -393,7 +393,7 @@ const maxInlineBuckets = 4
 func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyhttp.Handler) error {
 	repl := r.Context().Value(caddy.ReplacerCtxKey).(*caddy.Replacer)
 	var inline [maxInlineBuckets]bucket
-	buckets, skipped, err := h.resolveBuckets(repl, inline[:0])
+	buckets, skipped, err := h.resolveBuckets(r, repl, inline[:0])
 	switch {
 	case err == errEmptyKey:
 		h.record(repl, decisionEmptyKey, nil, -1)

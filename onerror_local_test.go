@@ -115,7 +115,7 @@ func TestOnErrorLocalDescribesEveryBucketAfterAPartialRedisAnswer(t *testing.T) 
 		r, w := newRequest("192.0.2.1", "kai")
 		r.Header.Set("X-Tenant", "acme")
 		repl := r.Context().Value(caddy.ReplacerCtxKey).(*caddy.Replacer)
-		buckets, _, err := h.resolveBuckets(repl, nil)
+		buckets, _, err := h.resolveBuckets(r, repl, nil)
 		if err != nil || len(buckets) != 2 {
 			t.Fatalf("buckets %d, %v", len(buckets), err)
 		}

@@ -251,6 +251,12 @@ func (t *keyTemplate) key(rv *requestValues, prefix, suffix string) string {
 // IPv6 default. IPv4-mapped IPv6 addresses count as IPv4. A value that is
 // no address is written as any value.
 func (t *keyTemplate) appendAddress(b []byte, v string) []byte {
+	if t.ipv4Bits == 32 && strings.IndexByte(v, ':') < 0 {
+		// No IPv6 address (and no IPv4-mapped one) without a ':': an IPv4
+		// address kept whole or no address at all, both written as they
+		// are, without parsing (about 20 ns per key: BenchmarkKeyResolve/client_ip).
+		return appendEscaped(t, b, v)
+	}
 	addr, err := netip.ParseAddr(v)
 	if err != nil {
 		return appendEscaped(t, b, v)

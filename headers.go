@@ -131,9 +131,15 @@ func (rh *rateLimitHeaders) set(hdr http.Header, buckets []bucket, described int
 			v.put(hdr, "X-Ratelimit-Requested-Tokens", countText(b.values.requested))
 		}
 	}
-	if !rh.ietf {
-		return
+	if rh.ietf {
+		rh.setIETF(hdr, v, buckets)
 	}
+}
+
+// setIETF writes RateLimit and RateLimit-Policy. Out of set, so that
+// its buffers take no room on the stack of a request without them
+// (set's frame 512 -> 128 bytes; see warnFull).
+func (rh *rateLimitHeaders) setIETF(hdr http.Header, v *headerValues, buckets []bucket) {
 	// The IETF fields describe buckets; without an answer from Redis, or
 	// for a bucket that never refills, there is nothing true to say.
 	var stateBuf, policyBuf [128]byte

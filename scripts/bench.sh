@@ -52,6 +52,10 @@
 # BENCH_CASES (all; or a list such as "bare@64 memory@64": fewer cases per
 # round set the ones compared closer together in time, which matters on
 # a machine whose speed swings from one minute to the next).
+# BENCH_GOGC (100, Go's default) is every Caddy's GOGC: the peer's
+# config holds a ring of a million events (24 MB), which makes its GC run
+# several times less often than the others'; a GOGC of several hundred
+# puts every case in that regime, so that ratios show per-request work.
 # BENCH_PROFILE=<dir> adds one more 64-connection run of the Caddyfile
 # BENCH_PROFILE_CASE names (allowed; or memory, denied, ...) with Caddy's
 # admin endpoint on, saves a 5 s CPU profile and allocation profile of
@@ -70,6 +74,7 @@ LOAD_CPU=1
 caddy_bin="$REPO_ROOT/bin/caddy-bench"
 mholt_bin="$REPO_ROOT/bin/caddy-mholt"
 PROFILE_CASE="${BENCH_PROFILE_CASE:-allowed}"
+GOGC_CADDY="${BENCH_GOGC:-100}"
 
 bench_start=$SECONDS
 [[ -x "$caddy_bin" ]] || die "$caddy_bin not found; run: make bench"
@@ -159,7 +164,7 @@ start_caddy() { # caddyfile-name [admin-address] -> sets caddy_pid, caddy_port
 	[[ "$1" != mholt* ]] || bin="$mholt_bin"
 	caddy_port="$("$LOADGEN" freeport)"
 	mkdir -p "$work/home"
-	BENCH_PORT="$caddy_port" BENCH_REDIS="$REDIS_ADDR" BENCH_ADMIN="${2:-off}" BENCH_SCRIPT="$REPO_ROOT/script.lua" GOMAXPROCS=1 \
+	BENCH_PORT="$caddy_port" BENCH_REDIS="$REDIS_ADDR" BENCH_ADMIN="${2:-off}" BENCH_SCRIPT="$REPO_ROOT/script.lua" GOMAXPROCS=1 GOGC="$GOGC_CADDY" \
 		HOME="$work/home" XDG_DATA_HOME="$work/home/data" XDG_CONFIG_HOME="$work/home/config" \
 		taskset -c "$CADDY_CPU" "$bin" run --config "$conf" --adapter caddyfile \
 		>>"$work/caddy.log" 2>&1 &
@@ -171,7 +176,7 @@ start_caddy() { # caddyfile-name [admin-address] -> sets caddy_pid, caddy_port
 
 results="$work/results"
 : >"$results"
-log "$ROUNDS rounds of ${#CASES[@]} cases, $WARMUP warm-up + $DURATION each; Caddy on CPU $CADDY_CPU (GOMAXPROCS=1), Redis + load generator on CPU $LOAD_CPU"
+log "$ROUNDS rounds of ${#CASES[@]} cases, $WARMUP warm-up + $DURATION each; Caddy on CPU $CADDY_CPU (GOMAXPROCS=1, GOGC=$GOGC_CADDY), Redis + load generator on CPU $LOAD_CPU"
 for ((round = 1; round <= ROUNDS; round++)); do
 	for c in "${CASES[@]}"; do
 		read -r name conf expect flags <<<"$c"

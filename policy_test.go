@@ -596,6 +596,55 @@ func TestPolicyPlanSwitchKeepsTheBucketCapsAtTheNewBurstRefillsAtTheNewRate(t *t
 	}
 }
 
+// TestPolicyMoveToASlowerPlanRefillsAtItsRate: a client drains its
+// bucket on a fast plan (100/s, burst 100), whose writes give the key
+// about a second to live, then moves to a slow one (0.1/s, burst 20) and
+// is refused. From then on the bucket refills at 0.1/s: once the fast
+// plan's second has passed, it still holds about what it held (another
+// instance, without this one's cached denial, refuses the client or
+// admits it with nothing left), where an expired key would read as a
+// full bucket and admit it with 19 left. In Redis and in store memory.
+func TestPolicyMoveToASlowerPlanRefillsAtItsRate(t *testing.T) {
+	srv := redistest.Start(t)
+	rdb := srv.Client(t)
+	fast := []string{"X-Key", "k", "X-Plan-Rate", "100", "X-Plan-Burst", "100"}
+	slow := []string{"X-Key", "k", "X-Plan-Rate", "0.1", "X-Plan-Burst", "20"}
+	for _, store := range []string{storeRedis, storeMemory} {
+		t.Run(store, func(t *testing.T) {
+			directive := fmt.Sprintf(plansDirective, "slower-"+store, srv.Addr)
+			if store == storeMemory {
+				directive = strings.Replace(directive, "redis "+srv.Addr+" {\n\t\ttimeout 1s\n\t}", "store memory", 1)
+			}
+			h := caddyfileHandler(t, directive)
+			other := caddyfileHandler(t, directive) // the same buckets, a deny cache of its own
+			drained := false
+			for i := 0; i < 2000 && !drained; i++ {
+				drained = servePolicy(h, fast...).status == 429
+			}
+			if !drained {
+				t.Fatal("2000 requests on the fast plan did not drain the bucket")
+			}
+			drainedAt := time.Now()
+			if a := servePolicy(h, slow...); a.status != 429 {
+				t.Fatalf("slow plan right after the drain: %v, want 429", a)
+			}
+			key := policyBuckets(t, h, slow...)[""].key
+			if store == storeRedis {
+				// A full bucket of the slow plan is 200 s of refill away.
+				if pttl := rdb.PTTL(context.Background(), key).Val(); pttl < 150*time.Second {
+					t.Errorf("after the slow plan's denial the key expires in %v, want about 200 s (the slow plan's refill)", pttl)
+				}
+			}
+			time.Sleep(time.Until(drainedAt.Add(1500 * time.Millisecond)))
+			a := servePolicy(other, slow...)
+			if a.status != 429 && a.remaining() != "0" {
+				t.Fatalf("slow plan 1.5 s after the drain, on another instance: %v; want 429, or 200 with 0 left "+
+					"(the bucket refilled at most 0.15 tokens since)", a)
+			}
+		})
+	}
+}
+
 // TestDenyCacheForgetsADenialOnceAnotherPlanIsAdmittedOnTheBucket: a
 // client denied on a slow plan, then admitted on a fast one, has a bucket
 // that the fast plan refilled; back on the slow plan, its request must be

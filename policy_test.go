@@ -19,7 +19,9 @@ import (
 	"testing"
 	"time"
 
+	"github.com/caddy-redis/ratelimit/internal/caddyproc"
 	"github.com/caddy-redis/ratelimit/internal/redistest"
+	"github.com/caddy-redis/ratelimit/internal/testproc"
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 	"github.com/redis/go-redis/v9"
@@ -868,6 +870,51 @@ func TestPolicyInvalidValuesFromRequestRefusedWithoutTakingTokens(t *testing.T) 
 	}
 	if n := logs.Len(); n != 1 {
 		t.Errorf("50 requests with bad costs logged %d warnings, want 1 (throttled)", n)
+	}
+}
+
+// TestLongCostHeaderIsCutInLogsAndErrorMessage: a client sends 16 KiB
+// as its cost. It is refused with 400, and what Caddy prints of it (the
+// warning, and {http.error.message} through handle_errors) quotes 64
+// bytes of it and says how long it was: no line of Caddy's log is longer
+// than a few KiB. (At debug level, Caddy's own error log writes the
+// request's headers whole, as its access log does.)
+func TestLongCostHeaderIsCutInLogsAndErrorMessage(t *testing.T) {
+	srv := redistest.Start(t)
+	proc := caddyproc.Start(t, loggingCaddyfile("INFO", fmt.Sprintf(`
+http://127.0.0.1:{{http_port}} {
+	rate_limit {
+		zone cut
+		key {header.X-Key}
+		replenish_rate 10
+		burst_capacity 20
+		requested_tokens {header.X-Cost}
+		redis %s
+	}
+	respond "ok"
+	handle_errors {
+		respond "{err.message}" {err.status_code}
+	}
+}`, srv.Addr)))
+	cost := strings.Repeat("9", 16*1024-1) + "x"
+	resp, body := send(t, caddyClient(t), proc.URL, "X-Key", "k", "X-Cost", cost)
+	if resp.StatusCode != 400 {
+		t.Fatalf("a 16 KiB cost: %d %.200s, want 400", resp.StatusCode, body)
+	}
+	if len(body) > 300 || !strings.Contains(body, strings.Repeat("9", 64)+"…(16384 bytes in all)") {
+		t.Errorf("{http.error.message} is %d bytes: %.400s; want it short, quoting 64 bytes and the length", len(body), body)
+	}
+	var warning string
+	eventually(t, 5*time.Second, "the warning in Caddy's log", func() bool {
+		log := testproc.ReadFrom(proc.LogFile, 0)
+		warning = grepLines(log, "out of range")
+		return warning != ""
+	})
+	if !strings.Contains(warning, "16384 bytes") {
+		t.Errorf("the warning does not state the value's length: %.500s", warning)
+	}
+	if line, n := longestLine(testproc.ReadFrom(proc.LogFile, 0)); n > 4096 {
+		t.Errorf("Caddy's log has a line of %d bytes: %.300s...", n, line)
 	}
 }
 

@@ -17,7 +17,7 @@ const maxQuoted = 64
 // cutValue is a value from a request (or an admin query) as messages
 // quote it: whole up to maxQuoted bytes, else its first maxQuoted bytes
 // (whole characters) with a marker that gives its length.
-func cutValueX(v string) string {
+func cutValue(v string) string {
 	if len(v) <= maxQuoted {
 		return v
 	}
@@ -55,4 +55,3 @@ func redactAddress(a string) string {
 	}
 	return a[:start] + user + ":" + redactedPassword + a[at:]
 }
-func cutValue(v string) string { return v }

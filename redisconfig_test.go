@@ -3,9 +3,11 @@ package ratelimit
 import (
 	"context"
 	"fmt"
+	"strings"
 	"testing"
 
 	"github.com/caddy-redis/ratelimit/internal/redistest"
+	"github.com/redis/go-redis/v9"
 )
 
 func TestRedisPasswordWithBracesTakenLiterally(t *testing.T) {
@@ -60,4 +62,193 @@ func TestTLSWithoutServerNameChecksEachNodeByItsOwnName(t *testing.T) {
 			t.Errorf("%s: TLS config %+v, want ServerName %q", c.name, opts.TLSConfig, c.want)
 		}
 	}
+}
+
+// secretPassword is the password of the address tests: no message may
+// quote it, nor any part of it.
+const secretPassword = "Hunter2Sekr3t"
+
+// secretParts are pieces of secretPassword that no message may hold.
+var secretParts = []string{"Hunter2", "Sekr3t", "unter2Se"}
+
+func expectNoSecret(t *testing.T, what, text string) {
+	t.Helper()
+	for _, part := range secretParts {
+		if strings.Contains(text, part) {
+			t.Errorf("%s quotes the password (%q): %s", what, part, text)
+			return
+		}
+	}
+}
+
+// TestAddressErrorsNeverQuoteThePassword: every way an address can be
+// wrong (port, database, scheme, host, escapes, a password with '/' or
+// '@') is refused, at the parser and when provisioning, by a message that
+// names the address with its password as xxxxx, and quotes no part of
+// the password.
+func TestAddressErrorsNeverQuoteThePassword(t *testing.T) {
+	for _, c := range []struct{ address, shown string }{
+		{"redis://:" + secretPassword + "@127.0.0.1:notaport", "redis://:xxxxx@127.0.0.1:notaport"},
+		{"redis://alice:" + secretPassword + "@127.0.0.1:notaport", "redis://alice:xxxxx@127.0.0.1:notaport"},
+		{"redis://:" + secretPassword + "@127.0.0.1:6379/notadb", "redis://:xxxxx@127.0.0.1:6379/notadb"},
+		{"redis://:" + secretPassword + "@127.0.0.1:6379/1/2", "redis://:xxxxx@127.0.0.1:6379/1/2"},
+		{"redis://:" + secretPassword + "@127.0.0.1:6379?db=x", "redis://:xxxxx@127.0.0.1:6379?db=x"},
+		{"redis://:" + secretPassword + "@127.0.0.1:6379?nope=1", "redis://:xxxxx@127.0.0.1:6379?nope=1"},
+		{"http://:" + secretPassword + "@127.0.0.1:6379", "http://:xxxxx@127.0.0.1:6379"},
+		{"unix://:" + secretPassword + "@/tmp/redis.sock", "unix://:xxxxx@/tmp/redis.sock"},
+		{"redis://:" + secretPassword + "@[::1", "redis://:xxxxx@[::1"},
+		{"redis://:Hunter2/Sekr3t@127.0.0.1:notaport", "redis://:xxxxx@127.0.0.1:notaport"},
+		{"redis://:Hunter2@Sekr3t@127.0.0.1:notaport", "redis://:xxxxx@127.0.0.1:notaport"},
+		{"redis://alice:Hunter2%zzSekr3t@127.0.0.1:6379", "redis://alice:xxxxx@127.0.0.1:6379"},
+		{"redis://Hunter2%zzSekr3t:x@127.0.0.1:6379", "redis://Hunter2%zzSekr3t:xxxxx@127.0.0.1:6379"}, // a user name is shown
+		{"alice:" + secretPassword + "@127.0.0.1:6379", "xxxxx@127.0.0.1:6379"},
+		{":" + secretPassword + "@127.0.0.1:6379", "xxxxx@127.0.0.1:6379"},
+	} {
+		_, err := checkAddress(c.address)
+		if err == nil {
+			t.Errorf("%s: accepted", c.shown)
+			continue
+		}
+		if !strings.Contains(err.Error(), "'"+c.shown+"'") {
+			t.Errorf("%s: error %q does not name the address as %s", c.shown, err, c.shown)
+		}
+		if strings.HasPrefix(c.address, "redis://Hunter2%zz") {
+			continue // the user name is no secret; the test only wants it refused
+		}
+		expectNoSecret(t, c.shown+": checkAddress", err.Error())
+		_, err = (&RedisConfig{Addresses: []string{c.address}}).withPlaceholders().options(tlsFiles{})
+		if err == nil {
+			t.Errorf("%s: options accepted it", c.shown)
+			continue
+		}
+		expectNoSecret(t, c.shown+": options", err.Error())
+		// And through the Caddyfile, given inline and with address.
+		for _, form := range []string{"redis %s", "redis {\n\taddress %s\n}", "redis {\n\t%s\n}"} {
+			_, err := parseTestCaddyfile("rate_limit 1 2 {\n" + fmt.Sprintf(form, c.address) + "\n}")
+			if err == nil {
+				t.Errorf("%s: the Caddyfile %q was accepted", c.shown, form)
+				continue
+			}
+			expectNoSecret(t, c.shown+": Caddyfile", err.Error())
+		}
+	}
+}
+
+// TestPasswordSubdirectiveErrorsDoNotQuoteIt: a password (or Sentinel
+// password) given with more than one value is refused without quoting
+// any of them.
+func TestPasswordSubdirectiveErrorsDoNotQuoteIt(t *testing.T) {
+	for _, sub := range []string{"password", "sentinel_password"} {
+		_, err := parseTestCaddyfile("rate_limit 1 2 {\n\tredis 127.0.0.1:6379 {\n\t\tmaster_name m\n\t\t" + sub + " Hunter2 Sekr3t\n\t}\n}")
+		if err == nil || !strings.Contains(err.Error(), sub) {
+			t.Errorf("%s with two values: %v, want an error naming %s", sub, err, sub)
+			continue
+		}
+		expectNoSecret(t, sub, err.Error())
+	}
+}
+
+// TestURLPasswordsTakenWhole: the password of a redis:// URL runs to the
+// last '@' and is percent-decoded, so one holding '/', '@' or '#' works
+// as written, as does an encoded one.
+func TestURLPasswordsTakenWhole(t *testing.T) {
+	for _, c := range []struct{ address, user, password, addr string }{
+		{"redis://:ab/cd@127.0.0.1:6380", "", "ab/cd", "127.0.0.1:6380"},
+		{"redis://u:a@b#c?d@127.0.0.1:6380/2", "u", "a@b#c?d", "127.0.0.1:6380"},
+		{"rediss://u:p%40ss%25@cache:6380", "u", "p@ss%", "cache:6380"},
+		{"redis://only-user@127.0.0.1", "only-user", "", "127.0.0.1:6379"},
+	} {
+		o, err := parseAddress(c.address)
+		if err != nil {
+			t.Errorf("%s: %v", c.address, err)
+			continue
+		}
+		if o.Username != c.user || o.Password != c.password || o.Addr != c.addr {
+			t.Errorf("%s: user %q password %q addr %q, want %q %q %q", c.address, o.Username, o.Password, o.Addr, c.user, c.password, c.addr)
+		}
+	}
+}
+
+// TestRedisSecretsKeptByteForByte: passwords, user names and Sentinel
+// credentials keep every byte that is no known placeholder, backslashes
+// before braces included (Caddy's Replacer.ReplaceKnown drops them); a
+// known placeholder is replaced, and its value taken whole.
+func TestRedisSecretsKeptByteForByte(t *testing.T) {
+	t.Setenv("RL_TEST_SECRET", `v\{al}`)
+	for _, c := range []struct{ written, want string }{
+		{`ab\{cd`, `ab\{cd`},
+		{`ab\{cd\}ef\\g`, `ab\{cd\}ef\\g`},
+		{`{x}\{env.RL_TEST_SECRET}`, `{x}\v\{al}`},
+		{`{{env.RL_TEST_SECRET}}`, `{v\{al}}`},
+		{`pre{env.RL_TEST_SECRET}post{`, `pre` + `v\{al}` + `post{`},
+		{`}{`, `}{`},
+	} {
+		got := (&RedisConfig{Password: c.written, Username: c.written, SentinelPassword: c.written,
+			SentinelUsername: c.written, MasterName: "m"}).withPlaceholders()
+		for _, v := range []string{got.Password, got.Username, got.SentinelPassword, got.SentinelUsername} {
+			if v != c.want {
+				t.Errorf("%q resolved to %q, want %q", c.written, v, c.want)
+				break
+			}
+		}
+	}
+}
+
+// literalSecret holds what Caddy's Replacer would take for escapes:
+// backslashes before braces, a doubled backslash, braces around text
+// that is no placeholder.
+const literalSecret = `ab\{cd}e\\f{x}`
+
+// TestRedisPasswordWithBackslashesAndBracesAuthenticatesAndLimits: a
+// redis-server whose password and ACL user name hold backslashes and
+// braces; the Caddyfile gives them as written, or through {env.*}. The
+// handler authenticates and limits (a refused AUTH would answer -1 for
+// remaining with on_error allow: limiting silently off).
+func TestRedisPasswordWithBackslashesAndBracesAuthenticatesAndLimits(t *testing.T) {
+	srv := redistest.Start(t)
+	ctx := context.Background()
+	admin := srv.Client(t)
+	const user = `us\{er}`
+	if err := admin.Do(ctx, "ACL", "SETUSER", user, "on", ">"+literalSecret, "~*", "&*", "+@all").Err(); err != nil {
+		t.Fatal(err)
+	}
+	if err := admin.ConfigSet(ctx, "requirepass", literalSecret).Err(); err != nil {
+		t.Fatal(err)
+	}
+	t.Setenv("RL_TEST_REDIS_PASSWORD", literalSecret)
+	t.Setenv("RL_TEST_REDIS_USER", user)
+	for i, credentials := range []string{
+		"password " + literalSecret,
+		"password {env.RL_TEST_REDIS_PASSWORD}",
+		"username " + user + "\n\t\tpassword " + literalSecret,
+		"username {env.RL_TEST_REDIS_USER}\n\t\tpassword {env.RL_TEST_REDIS_PASSWORD}",
+	} {
+		h := caddyfileHandler(t, fmt.Sprintf("rate_limit 0.01 2 {\n\tzone secret%d\n\tkey {http.request.header.X-Key}\n\tredis %s {\n\t\t%s\n\t\ttimeout 1s\n\t}\n}",
+			i, srv.Addr, credentials))
+		expectBurstThenDeny(t, h, "k", 2)
+	}
+}
+
+// TestSentinelCredentialsWithBackslashesAndBracesAuthenticate: the
+// Sentinels require a user whose name and password hold backslashes and
+// braces; sentinel_username and sentinel_password given as written reach
+// them byte for byte, and the handler finds the master and limits.
+func TestSentinelCredentialsWithBackslashesAndBracesAuthenticate(t *testing.T) {
+	st := redistest.StartSentinel(t)
+	ctx := context.Background()
+	const user = `sent\{u}`
+	for _, s := range st.Sentinels {
+		c := redis.NewClient(&redis.Options{Addr: s.Addr})
+		err := c.Do(ctx, "ACL", "SETUSER", user, "on", ">"+literalSecret, "+@all").Err()
+		if err == nil {
+			err = c.Do(ctx, "ACL", "SETUSER", "default", "off").Err() // only that user, from now on
+		}
+		c.Close()
+		if err != nil {
+			t.Fatalf("sentinel %s: %v", s.Addr, err)
+		}
+	}
+	h := caddyfileHandler(t, fmt.Sprintf("rate_limit 0.01 2 {\n\tzone sentinelsecret\n\tkey {http.request.header.X-Key}\n\tredis %s {\n\t\tmaster_name %s\n\t\tsentinel_username %s\n\t\tsentinel_password %s\n\t\ttimeout 1s\n\t}\n}",
+		strings.Join(st.SentinelAddrs, " "), st.MasterName, user, literalSecret))
+	expectBurstThenDeny(t, h, "k", 2)
 }

@@ -3,10 +3,18 @@ package ratelimit
 import (
 	"context"
 	"fmt"
+	"net/http"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strconv"
 	"strings"
 	"testing"
+	"time"
 
+	"github.com/caddy-redis/ratelimit/internal/caddyproc"
 	"github.com/caddy-redis/ratelimit/internal/redistest"
+	"github.com/caddy-redis/ratelimit/internal/testproc"
 	"github.com/redis/go-redis/v9"
 )
 
@@ -75,7 +83,7 @@ func expectNoSecret(t *testing.T, what, text string) {
 	t.Helper()
 	for _, part := range secretParts {
 		if strings.Contains(text, part) {
-			t.Errorf("%s quotes the password (%q): %s", what, part, text)
+			t.Errorf("%s quotes the password (%q): %.600s", what, part, grepLines(text, part))
 			return
 		}
 	}
@@ -251,4 +259,160 @@ func TestSentinelCredentialsWithBackslashesAndBracesAuthenticate(t *testing.T) {
 	h := caddyfileHandler(t, fmt.Sprintf("rate_limit 0.01 2 {\n\tzone sentinelsecret\n\tkey {http.request.header.X-Key}\n\tredis %s {\n\t\tmaster_name %s\n\t\tsentinel_username %s\n\t\tsentinel_password %s\n\t\ttimeout 1s\n\t}\n}",
 		strings.Join(st.SentinelAddrs, " "), st.MasterName, user, literalSecret))
 	expectBurstThenDeny(t, h, "k", 2)
+}
+
+// TestRedisPasswordAppearsInNoCaddyOutput runs the real Caddy binary (as
+// xcaddy builds it) as an operator would, with a password in Redis
+// addresses that are wrong in every way (port, database, scheme, a '/'
+// in the password, no scheme), given literally and through {env.*}, with
+// and without a user name: `caddy validate`, `caddy run`, and `/load`
+// into a running Caddy. Then with addresses that parse but fail when
+// used: a wrong password, a dead port, TLS to a plain server. No part of
+// the password appears in anything Caddy prints or answers: stdout,
+// stderr, its log at debug level, the /load answers, the admin API's.
+func TestRedisPasswordAppearsInNoCaddyOutput(t *testing.T) {
+	bin := caddyproc.Binary(t)
+	srv := redistest.Start(t)
+	if err := srv.Client(t).ConfigSet(context.Background(), "requirepass", "another-one").Err(); err != nil {
+		t.Fatal(err)
+	}
+	site := `
+http://127.0.0.1:{{http_port}} {
+	rate_limit 10 20 {
+		zone leak
+		key {header.X-Key}
+		on_error deny
+		redis %s {
+			timeout 300ms
+		}
+	}
+	respond "ok"
+}`
+	wrong := []string{
+		"redis://:" + secretPassword + "@127.0.0.1:notaport",
+		"redis://alice:" + secretPassword + "@127.0.0.1:6379/notadb",
+		"http://:" + secretPassword + "@127.0.0.1:6379",
+		"redis://:Hunter2/Sekr3t@127.0.0.1:notaport",
+		"alice:" + secretPassword + "@127.0.0.1:6379",
+	}
+	env := []string{"HOME=" + t.TempDir()}
+	for i, a := range wrong {
+		env = append(env, fmt.Sprintf("RL_TEST_REDIS_URL_%d=%s", i, a))
+	}
+	// Each wrong address, written in the Caddyfile and through {env.*}.
+	var configs []string
+	for i, a := range wrong {
+		configs = append(configs, fmt.Sprintf(site, a), fmt.Sprintf(site, fmt.Sprintf("{env.RL_TEST_REDIS_URL_%d}", i)))
+	}
+	ports, err := testproc.FreePorts(2)
+	if err != nil {
+		t.Fatal(err)
+	}
+	dir := t.TempDir()
+	caddy := func(args ...string) (string, error) {
+		ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+		defer cancel()
+		cmd := exec.CommandContext(ctx, bin, args...)
+		cmd.Dir, cmd.Env = dir, append(os.Environ(), env...)
+		out, err := cmd.CombinedOutput()
+		return string(out), err
+	}
+	for i, config := range configs {
+		path := filepath.Join(dir, fmt.Sprintf("Caddyfile%d", i))
+		text := strings.NewReplacer("{{http_port}}", strconv.Itoa(ports[0]), "{{admin_port}}", strconv.Itoa(ports[1])).
+			Replace(loggingCaddyfile("DEBUG", config))
+		if err := os.WriteFile(path, []byte(text), 0o644); err != nil {
+			t.Fatal(err)
+		}
+		commands := [][]string{{"validate", "--config", path, "--adapter", "caddyfile"}}
+		if i < 2 { // one literal, one through {env.*}: each fails before serving
+			commands = append(commands, []string{"run", "--config", path, "--adapter", "caddyfile"})
+		}
+		for _, args := range commands {
+			out, err := caddy(args...)
+			if err == nil {
+				t.Errorf("caddy %s with %s: succeeded\n%s", args[0], wrong[i/2], out)
+			}
+			if !strings.Contains(out, "xxxxx") && !strings.Contains(out, "{env.") && i%2 == 0 {
+				t.Errorf("caddy %s with %s: the output names no address:\n%s", args[0], wrong[i/2], out)
+			}
+			expectNoSecret(t, fmt.Sprintf("caddy %s with config %d", args[0], i), out)
+		}
+	}
+
+	// /load into a running Caddy, then addresses that fail in use.
+	for _, e := range env {
+		name, value, _ := strings.Cut(e, "=")
+		t.Setenv(name, value) // caddyproc passes the test's environment on
+	}
+	inst := caddyproc.Start(t, loggingCaddyfile("DEBUG", "http://127.0.0.1:{{http_port}} {\n\trespond \"ok\"\n}"))
+	for i, config := range configs {
+		err := inst.Load(loggingCaddyfile("DEBUG", config))
+		if err == nil {
+			t.Errorf("/load of config %d (%s): accepted", i, wrong[i/2])
+			continue
+		}
+		expectNoSecret(t, fmt.Sprintf("/load of config %d", i), err.Error())
+	}
+	failing := strings.Join([]string{
+		"redis://:" + secretPassword + "@" + srv.Addr,       // WRONGPASS
+		"redis://alice:" + secretPassword + "@" + deadRedis, // refused
+		"rediss://:" + secretPassword + "@" + srv.Addr,      // TLS to a plain server
+	}, " ")
+	inst.Reload(t, loggingCaddyfile("DEBUG", fmt.Sprintf(`
+http://127.0.0.1:{{http_port}} {
+	route /wrongpass {
+		rate_limit 10 20 {
+			zone wrongpass
+			key {header.X-Key}
+			on_error deny
+			redis %[1]s {
+				timeout 500ms
+			}
+		}
+	}
+	route /dead {
+		rate_limit 10 20 {
+			zone dead
+			key {header.X-Key}
+			on_error deny
+			redis %[2]s {
+				timeout 500ms
+			}
+		}
+	}
+	route /tls {
+		rate_limit 10 20 {
+			zone tls
+			key {header.X-Key}
+			on_error deny
+			redis %[3]s {
+				timeout 500ms
+			}
+		}
+	}
+	respond "ok"
+}`, strings.Fields(failing)[0], strings.Fields(failing)[1], strings.Fields(failing)[2])))
+	client := caddyClient(t)
+	admin := fmt.Sprintf("http://127.0.0.1:%d", inst.AdminPort)
+	for _, zone := range []string{"wrongpass", "dead", "tls"} {
+		for range 7 { // past the breaker's 5 failures in a row
+			resp, body := send(t, client, inst.URL+"/"+zone, "X-Key", "k")
+			if resp.StatusCode != 503 {
+				t.Errorf("%s: %d %q, want 503 (on_error deny)", zone, resp.StatusCode, body)
+			}
+			expectNoSecret(t, zone+": the response", body+fmt.Sprint(resp.Header))
+		}
+		_, _, answer := adminCall(t, admin, http.MethodGet, bucketsPath(zone, q("header.X-Key", "k")))
+		expectNoSecret(t, zone+": the admin API's answer", string(answer))
+		_, _, answer = adminCall(t, admin, http.MethodDelete, bucketsPath(zone, q("header.X-Key", "k")))
+		expectNoSecret(t, zone+": the admin API's answer to DELETE", string(answer))
+	}
+	log := testproc.ReadFrom(inst.LogFile, 0)
+	for _, cause := range []string{"WRONGPASS", "connection refused", "tls"} {
+		if !strings.Contains(log, cause) {
+			t.Errorf("Caddy's log does not say %q: the failures did not happen as meant", cause)
+		}
+	}
+	expectNoSecret(t, "Caddy's log", log)
 }

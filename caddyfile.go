@@ -379,11 +379,11 @@ func (rc *RedisConfig) unmarshalCaddyfile(d *caddyfile.Dispenser) error {
 		case "sentinel_username":
 			err = value(into(&rc.SentinelUsername))
 		case "sentinel_password":
-			err = value(into(&rc.SentinelPassword))
+			err = secret(d, &rc.SentinelPassword)
 		case "username":
 			err = value(into(&rc.Username))
 		case "password":
-			err = value(into(&rc.Password))
+			err = secret(d, &rc.Password)
 		case "key_prefix":
 			err = value(into(&rc.KeyPrefix))
 		case "db":
@@ -405,7 +405,8 @@ func (rc *RedisConfig) unmarshalCaddyfile(d *caddyfile.Dispenser) error {
 			rc.TLS = new(RedisTLS)
 			err = rc.TLS.unmarshalCaddyfile(d)
 		default:
-			return d.Errf("unrecognized redis subdirective '%s'", sub)
+			// Perhaps an address on a line of its own: shown as addresses are.
+			return d.Errf("unrecognized redis subdirective '%s'", redactAddress(sub))
 		}
 		if err != nil {
 			return err
@@ -476,6 +477,17 @@ func oneValue(d *caddyfile.Dispenser, block string, set func(string) error) erro
 	}
 	if err := set(v); err != nil {
 		return d.WrapErr(err)
+	}
+	return nil
+}
+
+// secret reads the single value of a password subdirective. Unlike
+// oneValue's, its error does not quote the value (d.ArgErr would quote
+// the token the dispenser is on: a password, or part of one).
+func secret(d *caddyfile.Dispenser, dst *string) error {
+	sub := d.Val()
+	if !d.AllArgs(dst) {
+		return d.Errf("redis %s: want exactly one value (quote a password that holds spaces)", sub)
 	}
 	return nil
 }

@@ -26,6 +26,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/caddy-redis/ratelimit/internal/caddyproc"
 	"github.com/caddy-redis/ratelimit/internal/testproc"
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/caddyconfig"
@@ -435,6 +436,25 @@ func assertHeaders(t *testing.T, resp *http.Response, want map[string]string) {
 }
 
 // ---- Caddy processes (internal/caddyproc)
+
+// loggingCaddyfile is caddyproc.Caddyfile with Caddy's log from level
+// up, as JSON lines on stderr (the instance's LogFile): all that Caddy
+// and the handler print.
+func loggingCaddyfile(level, sites string) string {
+	return strings.Replace(caddyproc.Caddyfile(sites), "grace_period 2s\n}",
+		"grace_period 2s\n\tlog {\n\t\tlevel "+level+"\n\t\tformat json\n\t}\n}", 1)
+}
+
+// longestLine is the longest line of text, and its length.
+func longestLine(text string) (string, int) {
+	var longest string
+	for _, line := range strings.Split(text, "\n") {
+		if len(line) > len(longest) {
+			longest = line
+		}
+	}
+	return longest, len(longest)
+}
 
 // caddyClient talks to caddyproc instances; its own transport, so idle
 // connections of one test do not meet the next.

@@ -104,6 +104,10 @@ type limiter struct {
 
 	// lastReload throttles cluster slot reloads after network errors.
 	lastReload atomic.Int64
+
+	// noEvalRO: the server answered that it knows no EVAL_RO (Redis
+	// before 7), so the admin API's reads use EVAL of the same script.
+	noEvalRO atomic.Bool
 }
 
 // limiterWatcher learns when a node's breaker opens or closes, and which
@@ -362,12 +366,12 @@ type bucketView struct {
 }
 
 // peek reads buckets without changing them, with a read-only script
-// (EVAL_RO), one bucket per call: on a Cluster they may live on
-// different masters.
+// (EVAL_RO; EVAL of the same script on Redis 6.2, which has no EVAL_RO),
+// one bucket per call: on a Cluster they may live on different masters.
 func (l *limiter) peek(ctx context.Context, buckets []bucket) ([]bucketView, error) {
 	views := make([]bucketView, len(buckets))
 	for i := range buckets {
-		reply, err := l.client.EvalRO(ctx, peekSource, []string{buckets[i].key}, buckets[i].args[:]...).Slice()
+		reply, err := l.peekOne(ctx, buckets[i])
 		if err != nil {
 			return nil, err
 		}
@@ -387,6 +391,28 @@ func (l *limiter) peek(ctx context.Context, buckets []bucket) ([]bucketView, err
 		}
 	}
 	return views, nil
+}
+
+// peekOne runs peek.lua on one bucket: with EVAL_RO until the server
+// says it has no such command, then with EVAL, which runs the script (it
+// writes nothing) as well.
+func (l *limiter) peekOne(ctx context.Context, b bucket) ([]any, error) {
+	keys := []string{b.key}
+	if !l.noEvalRO.Load() {
+		reply, err := l.client.EvalRO(ctx, peekSource, keys, b.args[:]...).Slice()
+		if err == nil || !isUnknownCommand(err) {
+			return reply, err
+		}
+		l.noEvalRO.Store(true)
+	}
+	return l.client.Eval(ctx, peekSource, keys, b.args[:]...).Slice()
+}
+
+// isUnknownCommand says whether Redis refused a command it does not
+// know: "ERR unknown command 'EVAL_RO', with args beginning with: ...".
+func isUnknownCommand(err error) bool {
+	var reply redis.Error
+	return errors.As(err, &reply) && strings.HasPrefix(reply.Error(), "ERR unknown command")
 }
 
 // reset deletes buckets, which makes them full, and tells every

@@ -179,9 +179,8 @@ func (s *memoryStore) take(now time.Time, buckets []bucket) (bool, error) {
 		b := &buckets[i]
 		sh := s.shard(keys[i])
 		state, ok := sh.buckets[keys[i]]
-		current, at := currentState(state, ok, t, b.values)
-		after, _, remaining, wait := takeBucket(current, at, b.values, allowed)
-		if allowed {
+		after, store, remaining, wait := settle(state, ok, t, b.values, allowed)
+		if store {
 			// Assigning to an entry replaces its key too: a copy of the
 			// stored key, so that the map never keeps the request's
 			// (larger) key buffer alive.
@@ -190,6 +189,18 @@ func (s *memoryStore) take(now time.Time, buckets []bucket) (bool, error) {
 		b.remaining, b.retryAfter = remaining, time.Duration(wait)*time.Microsecond
 	}
 	return allowed, nil
+}
+
+// settle is one bucket's part of a take at t, once the request is known
+// to be allowed or not: the state to store, if store, and the answer.
+// state is the bucket as held, if ok.
+func settle(state memoryBucket, ok bool, t int64, v limitValues, allowed bool) (after memoryBucket, store bool, remaining, wait int64) {
+	current, at := currentState(state, ok, t, v)
+	after, _, remaining, wait = takeBucket(current, at, v, allowed)
+	if !allowed && ok {
+		after = extendOnDenial(state, after, at, v)
+	}
+	return after, allowed || ok && after != state, remaining, wait
 }
 
 // currentState is a bucket's state for a take at t, and the time of the
@@ -242,6 +253,20 @@ func takeBucket(state memoryBucket, t int64, v limitValues, take bool) (after me
 	}
 	ttl := math.Max(1000, math.Ceil((float64(v.burst)-tokens)*1000/v.rate)) // milliseconds, as the key's TTL
 	return memoryBucket{tokens: tokens, at: t, expires: t + int64(ttl)*1000}, took, int64(math.Floor(tokens)), wait
+}
+
+// extendOnDenial is what a denial at t leaves of a held bucket: its
+// state, unchanged, unless the values now in force (a slower plan than
+// the one it was taken at) need it to live longer to refill; then it
+// expires as after (takeBucket's) says. script.lua's PEXPIRE, with its
+// millisecond of slack for the rounding of expiries: at unchanged values
+// a denial changes nothing.
+func extendOnDenial(state, after memoryBucket, t int64, v limitValues) memoryBucket {
+	fill := math.Ceil((float64(v.burst) - after.tokens) * 1000 / v.rate) // milliseconds, as the script's
+	if state.expires > t && float64(state.expires-t)+1000 < fill*1000 {
+		state.expires = after.expires
+	}
+	return state
 }
 
 // peek reads a bucket without changing it, for the admin API.

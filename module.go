@@ -206,6 +206,7 @@ type Handler struct {
 	errDenied    caddyhttp.HandlerError
 	errEmptyKey  caddyhttp.HandlerError
 	errBlocked   caddyhttp.HandlerError
+	errRedis     caddyhttp.HandlerError // Redis failed, on_error deny: the cause goes to the log, not to clients
 	denied       *denyCache
 	redisWarns   *logThrottle // Redis failures: a line per 10 s
 	overloaded   *logThrottle // calls this instance could not send in time: the same
@@ -269,6 +270,7 @@ func (h *Handler) Provision(ctx caddy.Context) (err error) {
 	h.errDenied = prebuiltError(h.StatusCode, fmt.Errorf("zone %s: rate limit exceeded", h.Zone))
 	h.errBlocked = prebuiltError(h.StatusCode, fmt.Errorf("zone %s: requests blocked (burst_capacity 0)", h.Zone))
 	h.errEmptyKey = prebuiltError(h.EmptyKeyStatus, fmt.Errorf("zone %s: the rate limit key is empty", h.Zone))
+	h.errRedis = prebuiltError(http.StatusServiceUnavailable, fmt.Errorf("zone %s: Redis failed (on_error deny); see the log", h.Zone))
 	if !h.DisableMetrics {
 		if h.metrics, err = newZoneMetrics(ctx.GetMetricsRegistry(), h.Zone, h.limits); err != nil {
 			return fmt.Errorf("registering metrics: %w", err)
@@ -433,7 +435,13 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyht
 		if h.failOpen {
 			return next.ServeHTTP(w, r)
 		}
-		return reject(w, r, prebuiltError(http.StatusServiceUnavailable, err))
+		if err == errMemoryFull {
+			return reject(w, r, prebuiltError(http.StatusServiceUnavailable, err))
+		}
+		// Not err: a Redis error names internal addresses ("dial tcp
+		// 10.0.0.5:6379", "MOVED ..."), which {http.error.message} would
+		// hand to clients.
+		return reject(w, r, h.errRedis)
 	}
 	return h.answer(w, r, next, repl, buckets, allowed, decisionAllowed, decisionDenied)
 }

@@ -138,13 +138,14 @@ type paramError struct {
 func (e *paramError) Error() string { return e.msg }
 
 // badValue reports a value: "<param> '<value>' <reason>", where reason
-// starts with a verb, or with ": " before a noun phrase.
+// starts with a verb, or with ": " before a noun phrase. The value may
+// come from a request: it is quoted cut short (cutValue).
 func badValue(param, value, reason string) *paramError {
 	sep := " "
 	if strings.HasPrefix(reason, ":") {
 		sep = ""
 	}
-	return &paramError{param, fmt.Sprintf("%s '%s'%s%s", param, value, sep, reason)}
+	return &paramError{param, fmt.Sprintf("%s '%s'%s%s", param, cutValue(value), sep, reason)}
 }
 
 // resolveValues parses a limit's values as written (placeholders already

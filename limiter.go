@@ -86,6 +86,10 @@ type limiter struct {
 	timers  [pipelinesInFlight]*batchTimer // one per worker
 
 	breakers nodeBreakers
+	// rtt estimates how long a pipeline takes now (batch.go).
+	rtt roundTrips
+	// outcomes is each worker's room for what a batch's nodes answered.
+	outcomes [pipelinesInFlight][]nodeOutcome
 	// watchers are the handlers using the limiter, told when a node's
 	// breaker opens or closes, and when buckets were reset.
 	watchersMu sync.Mutex
@@ -110,10 +114,12 @@ type limiter struct {
 	noEvalRO atomic.Bool
 }
 
-// limiterWatcher learns when a node's breaker opens or closes, and which
-// buckets were reset (to drop their cached denials).
+// limiterWatcher learns when a node's breaker opens or closes, or is
+// dropped with its node, and which buckets were reset (to drop their
+// cached denials).
 type limiterWatcher interface {
 	breakerChanged(node string, open bool, failures int64)
+	breakerDropped(node string)
 	forgetDenials(keys []string)
 }
 
@@ -156,10 +162,10 @@ func newLimiter(c RedisConfig, files tlsFiles) (*limiter, error) {
 		return nil, err
 	}
 	l := &limiter{
-		client:   redis.NewUniversalClient(opts),
-		timeout:  time.Duration(c.Timeout),
-		queue:    make(chan *call, queueLength),
-		stop:     make(chan struct{}),
+		client:    redis.NewUniversalClient(opts),
+		timeout:   time.Duration(c.Timeout),
+		queue:     make(chan *call, queueLength),
+		stop:      make(chan struct{}),
 		watchers: make(map[limiterWatcher]struct{}),
 		resets:   c.KeyPrefix + "reset",
 	}
@@ -176,6 +182,9 @@ func newLimiter(c RedisConfig, files tlsFiles) (*limiter, error) {
 	go l.loadScript(time.Duration(c.DialTimeout) + l.timeout)
 	l.pubsub = l.client.Subscribe(context.Background())
 	go l.listenResets()
+	if l.cluster != nil {
+		go l.pruneBreakers()
+	}
 	return l, nil
 }
 
@@ -192,17 +201,27 @@ func (l *limiter) unwatch(w limiterWatcher) {
 	l.watchersMu.Unlock()
 }
 
-// breakerChanged counts a node's breaker opening or closing and tells the
-// watchers. It runs in a batch worker, never on a request's path.
-func (l *limiter) breakerChanged(b *breaker, open bool, failures int64) {
-	if open {
-		l.breakers.open.Add(1)
-	} else {
-		l.breakers.open.Add(-1)
-	}
+// watcherList is a copy of the watchers, to tell them something without
+// holding watchersMu meanwhile.
+func (l *limiter) watcherList() []limiterWatcher {
 	l.watchersMu.Lock()
 	defer l.watchersMu.Unlock()
+	list := make([]limiterWatcher, 0, len(l.watchers))
 	for w := range l.watchers {
+		list = append(list, w)
+	}
+	return list
+}
+
+// breakerChanged counts a node's breaker opening or closing and tells the
+// watchers. It runs in a batch worker, never on a request's path.
+func (l *limiter) breakerChanged(b *breaker) {
+	changed, open := l.breakers.sync(b)
+	if !changed {
+		return
+	}
+	failures := b.failures.Load()
+	for _, w := range l.watcherList() {
 		w.breakerChanged(b.node, open, failures)
 	}
 }
@@ -279,7 +298,9 @@ func (l *limiter) take(clientCtx context.Context, now time.Time, buckets []bucke
 	if err == nil {
 		allowed, err = readTake(c.reply, buckets, leasing)
 	}
-	c.release()
+	if c != nil {
+		c.release()
+	}
 	return allowed, err
 }
 
@@ -287,13 +308,16 @@ func (l *limiter) take(clientCtx context.Context, now time.Time, buckets []bucke
 // before a later group of its buckets refused.
 func (l *limiter) giveBack(clientCtx context.Context, now time.Time, buckets []bucket) error {
 	c, err := l.call(clientCtx, now, giveBackScript, buckets, false)
-	c.release()
+	if c != nil {
+		c.release()
+	}
 	return err
 }
 
 // call runs a script over the buckets (their keys and arguments, then,
 // when leasing, each one's leaseMax) through the batcher and returns the
-// answered call, for the caller to read and release.
+// answered call, for the caller to read and release; nil when the
+// timeout ran out first (the worker releases it then).
 func (l *limiter) call(clientCtx context.Context, now time.Time, script *luaScript, buckets []bucket, leasing bool) (*call, error) {
 	c := calls.Get().(*call)
 	for i := range buckets {
@@ -336,7 +360,12 @@ func (l *limiter) call(clientCtx context.Context, now time.Time, script *luaScri
 	if err != nil {
 		return c, err
 	}
-	<-c.done
+	if answered, sent := c.wait(); !answered {
+		if sent {
+			return nil, errNoAnswer
+		}
+		return nil, errWaitedOut
+	}
 	return c, c.err
 }
 

@@ -592,6 +592,17 @@ func (h *Handler) breakerChanged(node string, open bool, failures int64) {
 	}
 }
 
+// breakerDropped logs that an open breaker was dropped, since no request
+// meets it any more: its node serves no slots now, or the slot map it
+// stood for is known again.
+func (h *Handler) breakerDropped(node string) {
+	msg := "circuit breaker closed: the Redis node serves no slots any more; its keys are served by other nodes"
+	if node == unknownSlots {
+		msg = "circuit breaker closed: the Cluster's slot map is known again; requests go to its masters"
+	}
+	h.logger.Info(msg, zap.String("zone", h.Zone), zap.String("node", node))
+}
+
 // forgetDenials drops the cached denials of buckets the admin API reset.
 func (h *Handler) forgetDenials(keys []string) { h.denied.forget(keys...) }
 

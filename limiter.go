@@ -95,9 +95,10 @@ type limiter struct {
 	watchersMu sync.Mutex
 	watchers   map[limiterWatcher]struct{}
 	// resets is the pub/sub channel on which every instance that shares
-	// the Redis learns of buckets the admin API reset.
-	resets string
-	pubsub *redis.PubSub
+	// the Redis learns of buckets the admin API reset (resets.go).
+	resets    string
+	keyPrefix string
+	resetSub  resetSubscription
 
 	// closing guards closed: once set, no call enters the queue, so every
 	// queued call is answered before the workers stop.
@@ -116,11 +117,12 @@ type limiter struct {
 
 // limiterWatcher learns when a node's breaker opens or closes, or is
 // dropped with its node, and which buckets were reset (to drop their
-// cached denials).
+// cached denials), or that resets may have been missed (to drop them all).
 type limiterWatcher interface {
 	breakerChanged(node string, open bool, failures int64)
 	breakerDropped(node string)
 	forgetDenials(keys []string)
+	forgetAllDenials()
 }
 
 // limiters holds the limiters in use, keyed by their Redis settings and
@@ -166,10 +168,13 @@ func newLimiter(c RedisConfig, files tlsFiles) (*limiter, error) {
 		timeout:   time.Duration(c.Timeout),
 		queue:     make(chan *call, queueLength),
 		stop:      make(chan struct{}),
-		watchers: make(map[limiterWatcher]struct{}),
-		resets:   c.KeyPrefix + "reset",
+		watchers:  make(map[limiterWatcher]struct{}),
+		resets:    c.KeyPrefix + "reset",
+		keyPrefix: c.KeyPrefix,
 	}
 	l.cluster, _ = l.client.(*redis.ClusterClient)
+	l.resetSub.warns.every = 10 * time.Second
+	l.filterResetsConns() // before the first dial
 	l.node = opts.Addrs[0]
 	if opts.MasterName != "" {
 		l.node = "master " + opts.MasterName
@@ -180,7 +185,6 @@ func newLimiter(c RedisConfig, files tlsFiles) (*limiter, error) {
 		go l.work(i)
 	}
 	go l.loadScript(time.Duration(c.DialTimeout) + l.timeout)
-	l.pubsub = l.client.Subscribe(context.Background())
 	go l.listenResets()
 	if l.cluster != nil {
 		go l.pruneBreakers()
@@ -280,7 +284,7 @@ func (l *limiter) Destruct() error {
 		l.closing.Unlock()
 		close(l.stop)
 		l.workers.Wait()
-		_ = l.pubsub.Close()
+		l.resetSub.close()
 		_ = l.client.Close()
 	}()
 	return nil
@@ -367,24 +371,6 @@ func (l *limiter) call(clientCtx context.Context, now time.Time, script *luaScri
 		return nil, errWaitedOut
 	}
 	return c, c.err
-}
-
-// listenResets drops the cached denials of buckets that the admin API
-// reset, on this instance or another: it subscribes to the resets
-// channel (go-redis subscribes again after a reconnect) until the
-// limiter closes.
-func (l *limiter) listenResets() {
-	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
-	_ = l.pubsub.Subscribe(ctx, l.resets) // a failure is retried by the receive loop
-	cancel()
-	for msg := range l.pubsub.Channel() {
-		keys := strings.Split(msg.Payload, "\n")
-		l.watchersMu.Lock()
-		for w := range l.watchers {
-			w.forgetDenials(keys)
-		}
-		l.watchersMu.Unlock()
-	}
 }
 
 // bucketView is what a bucket holds now, for the admin API.

@@ -603,8 +603,16 @@ func (h *Handler) breakerDropped(node string) {
 	h.logger.Info(msg, zap.String("zone", h.Zone), zap.String("node", node))
 }
 
-// forgetDenials drops the cached denials of buckets the admin API reset.
-func (h *Handler) forgetDenials(keys []string) { h.denied.forget(keys...) }
+// forgetDenials drops the cached denials of buckets the admin API reset,
+// one at a time: requests do not wait for the whole list.
+func (h *Handler) forgetDenials(keys []string) {
+	for _, key := range keys {
+		h.denied.forget(key)
+	}
+}
+
+// forgetAllDenials drops every cached denial: resets may have been missed.
+func (h *Handler) forgetAllDenials() { h.denied.forgetAll() }
 
 // reject ends a request with a denial. When the server has error routes
 // (`handle_errors`) the denial goes to them as an error. Otherwise the

@@ -80,17 +80,20 @@ func resetsLogger() *zap.Logger { return caddy.Log().Named("http.handlers.rate_l
 type resetsDial struct{}
 
 // listenResets keeps the limiter subscribed to the reset channel until
-// it closes. Each time the subscription is (re)established, whether go-redis
-// dialed again after an error or a dead connection was replaced, every
-// cached denial is dropped: a reset may have been published in between.
+// it closes. Each time the subscription is established again, whether
+// go-redis dialed again after an error or a dead connection was replaced,
+// every cached denial is dropped: a reset may have been published in
+// between. The first subscription drops nothing: the caches hold only
+// what the moments since the limiter started put there.
 func (l *limiter) listenResets() {
 	ctx := context.WithValue(context.Background(), resetsDial{}, true)
+	subscribed := false
 	for {
 		ps := l.resetSub.open(ctx, l.client)
 		if ps == nil {
 			return
 		}
-		dead := l.receiveResets(ctx, ps)
+		dead := l.receiveResets(ctx, ps, &subscribed)
 		_ = ps.Close()
 		if !dead {
 			select {
@@ -104,7 +107,8 @@ func (l *limiter) listenResets() {
 
 // receiveResets handles the messages of one subscription until it is
 // closed (false) or its connection has stopped answering (true).
-func (l *limiter) receiveResets(ctx context.Context, ps *redis.PubSub) (dead bool) {
+// subscribed says whether the limiter was subscribed before.
+func (l *limiter) receiveResets(ctx context.Context, ps *redis.PubSub, subscribed *bool) (dead bool) {
 	_ = ps.Subscribe(ctx, l.resets) // on failure, the next receive dials and subscribes again
 	pinged := false
 	for {
@@ -137,11 +141,15 @@ func (l *limiter) receiveResets(ctx context.Context, ps *redis.PubSub) (dead boo
 		pinged = false
 		switch m := msg.(type) {
 		case *redis.Subscription:
-			if m.Kind == "subscribe" {
+			if m.Kind != "subscribe" {
+				break
+			}
+			if *subscribed {
 				for _, w := range l.watcherList() {
 					w.forgetAllDenials()
 				}
 			}
+			*subscribed = true
 		case *redis.Message:
 			l.applyReset(m.Payload)
 		}

@@ -72,14 +72,15 @@ func resetAndWait(t *testing.T, h *Handler, key string) time.Duration {
 // TestResetFloodDoesNotStallRequests publishes 24 MiB of newlines on the
 // reset channel, as anyone who can PUBLISH to the Redis may: 24 million
 // empty keys. Requests answered from the deny cache meanwhile wait no
-// longer than a bad moment of this machine (before messages were
-// bounded, such a message held the cache's lock for 0.6 s and more), and
-// handling it allocates no more than a few MiB (it took 424 MiB).
+// longer than a bad moment of a shared machine (a few ms as a rule; the
+// bound allows for a loaded one): before messages were bounded, such a
+// message held the cache's lock for 0.8 s, 1.8 s with -race. Handling it
+// allocates no more than a few MiB (it took 409 MiB).
 func TestResetFloodDoesNotStallRequests(t *testing.T) {
 	const (
 		flood      = 24 << 20
 		workers    = 4
-		maxLatency = 150 * time.Millisecond
+		maxLatency = 300 * time.Millisecond
 		maxAlloc   = 8 << 20
 	)
 	srv := redistest.Start(t)

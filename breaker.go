@@ -10,8 +10,9 @@ import (
 )
 
 // Circuit breaker settings: after breakerThreshold failures in a row of
-// one Redis node, calls to that node skip Redis (and follow on_error at
-// once) for breakerCooldown, after which one call probes it again.
+// one Redis node (a failed batch is one failure, however many calls it
+// held), calls to that node skip Redis (and follow on_error at once) for
+// breakerCooldown, after which one call probes it again.
 const (
 	breakerThreshold = 5
 	breakerCooldown  = 500 * time.Millisecond

@@ -16,6 +16,7 @@ import (
 	"time"
 
 	"github.com/caddy-redis/ratelimit/internal/redistest"
+	"github.com/redis/go-redis/v9"
 )
 
 // publishNewlines publishes n newlines on channel, written to the socket
@@ -43,6 +44,16 @@ func publishNewlines(t *testing.T, addr, channel string, n int) {
 	if err != nil || !strings.HasPrefix(reply, ":") {
 		t.Fatalf("PUBLISH of %d bytes: %q %v", n, reply, err)
 	}
+}
+
+// waitSubscribed waits until an instance listens on the reset channel of
+// the Redis that rdb reaches: a reset published before is not heard.
+func waitSubscribed(t *testing.T, rdb *redis.Client) {
+	t.Helper()
+	eventually(t, 5*time.Second, "subscribed to the reset channel", func() bool {
+		n, err := rdb.PubSubNumSub(context.Background(), defaultKeyPrefix+"reset").Result()
+		return err == nil && n[defaultKeyPrefix+"reset"] > 0
+	})
 }
 
 // denyAndCache empties key's bucket (burst 1) and has its denial cached.
@@ -86,6 +97,7 @@ func TestResetFloodDoesNotStallRequests(t *testing.T) {
 	srv := redistest.Start(t)
 	h := caddyfileHandler(t, fmt.Sprintf("rate_limit 0.01 1 {\n\tzone resetflood\n\tkey {http.request.header.X-Key}\n\tredis %s\n}", srv.Addr))
 	channel := defaultKeyPrefix + "reset"
+	waitSubscribed(t, srv.Client(t))
 	for w := range workers {
 		denyAndCache(t, h, "d"+strconv.Itoa(w))
 	}
@@ -152,6 +164,7 @@ func TestResetFloodDoesNotStallRequests(t *testing.T) {
 func TestResetOfForeignKeysIsIgnored(t *testing.T) {
 	srv := redistest.Start(t)
 	h := caddyfileHandler(t, fmt.Sprintf("rate_limit 0.01 1 {\n\tzone resetforeign\n\tkey {http.request.header.X-Key}\n\tredis %s\n}", srv.Addr))
+	waitSubscribed(t, srv.Client(t))
 	denyAndCache(t, h, "mine")
 	mine := h.limits[0].keyPrefix + "mine"
 	if err := srv.Client(t).Del(context.Background(), mine).Err(); err != nil {
@@ -197,6 +210,7 @@ func TestDeadResetSubscriptionDropsCachedDenials(t *testing.T) {
 			proxy := startRedisProxy(t, srv.Addr)
 			h := caddyfileHandler(t, fmt.Sprintf("rate_limit 0.01 1 {\n\tzone deadsub\n\tkey {http.request.header.X-Key}\n\tredis %s\n}", proxy.addr))
 			rdb := srv.Client(t)
+			waitSubscribed(t, rdb)
 			denyAndCache(t, h, "x")
 			calls := scriptCalls(t, rdb)
 			if status, _, _ := hit(h, "x"); status != 429 || scriptCalls(t, rdb) != calls {

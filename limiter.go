@@ -86,14 +86,19 @@ type limiter struct {
 	timers  [pipelinesInFlight]*batchTimer // one per worker
 
 	breakers nodeBreakers
+	// rtt estimates how long a pipeline takes now (batch.go).
+	rtt roundTrips
+	// outcomes is each worker's room for what a batch's nodes answered.
+	outcomes [pipelinesInFlight][]nodeOutcome
 	// watchers are the handlers using the limiter, told when a node's
 	// breaker opens or closes, and when buckets were reset.
 	watchersMu sync.Mutex
 	watchers   map[limiterWatcher]struct{}
 	// resets is the pub/sub channel on which every instance that shares
-	// the Redis learns of buckets the admin API reset.
-	resets string
-	pubsub *redis.PubSub
+	// the Redis learns of buckets the admin API reset (resets.go).
+	resets    string
+	keyPrefix string
+	resetSub  resetSubscription
 
 	// closing guards closed: once set, no call enters the queue, so every
 	// queued call is answered before the workers stop.
@@ -110,11 +115,14 @@ type limiter struct {
 	noEvalRO atomic.Bool
 }
 
-// limiterWatcher learns when a node's breaker opens or closes, and which
-// buckets were reset (to drop their cached denials).
+// limiterWatcher learns when a node's breaker opens or closes, or is
+// dropped with its node, and which buckets were reset (to drop their
+// cached denials), or that resets may have been missed (to drop them all).
 type limiterWatcher interface {
 	breakerChanged(node string, open bool, failures int64)
+	breakerDropped(node string)
 	forgetDenials(keys []string)
+	forgetAllDenials()
 }
 
 // limiters holds the limiters in use, keyed by their Redis settings and
@@ -156,14 +164,17 @@ func newLimiter(c RedisConfig, files tlsFiles) (*limiter, error) {
 		return nil, err
 	}
 	l := &limiter{
-		client:   redis.NewUniversalClient(opts),
-		timeout:  time.Duration(c.Timeout),
-		queue:    make(chan *call, queueLength),
-		stop:     make(chan struct{}),
-		watchers: make(map[limiterWatcher]struct{}),
-		resets:   c.KeyPrefix + "reset",
+		client:    redis.NewUniversalClient(opts),
+		timeout:   time.Duration(c.Timeout),
+		queue:     make(chan *call, queueLength),
+		stop:      make(chan struct{}),
+		watchers:  make(map[limiterWatcher]struct{}),
+		resets:    c.KeyPrefix + "reset",
+		keyPrefix: c.KeyPrefix,
 	}
 	l.cluster, _ = l.client.(*redis.ClusterClient)
+	l.resetSub.warns.every = 10 * time.Second
+	l.filterResetsConns() // before the first dial
 	l.node = opts.Addrs[0]
 	if opts.MasterName != "" {
 		l.node = "master " + opts.MasterName
@@ -174,8 +185,10 @@ func newLimiter(c RedisConfig, files tlsFiles) (*limiter, error) {
 		go l.work(i)
 	}
 	go l.loadScript(time.Duration(c.DialTimeout) + l.timeout)
-	l.pubsub = l.client.Subscribe(context.Background())
 	go l.listenResets()
+	if l.cluster != nil {
+		go l.pruneBreakers()
+	}
 	return l, nil
 }
 
@@ -192,17 +205,27 @@ func (l *limiter) unwatch(w limiterWatcher) {
 	l.watchersMu.Unlock()
 }
 
-// breakerChanged counts a node's breaker opening or closing and tells the
-// watchers. It runs in a batch worker, never on a request's path.
-func (l *limiter) breakerChanged(b *breaker, open bool, failures int64) {
-	if open {
-		l.breakers.open.Add(1)
-	} else {
-		l.breakers.open.Add(-1)
-	}
+// watcherList is a copy of the watchers, to tell them something without
+// holding watchersMu meanwhile.
+func (l *limiter) watcherList() []limiterWatcher {
 	l.watchersMu.Lock()
 	defer l.watchersMu.Unlock()
+	list := make([]limiterWatcher, 0, len(l.watchers))
 	for w := range l.watchers {
+		list = append(list, w)
+	}
+	return list
+}
+
+// breakerChanged counts a node's breaker opening or closing and tells the
+// watchers. It runs in a batch worker, never on a request's path.
+func (l *limiter) breakerChanged(b *breaker) {
+	changed, open := l.breakers.sync(b)
+	if !changed {
+		return
+	}
+	failures := b.failures.Load()
+	for _, w := range l.watcherList() {
 		w.breakerChanged(b.node, open, failures)
 	}
 }
@@ -261,7 +284,7 @@ func (l *limiter) Destruct() error {
 		l.closing.Unlock()
 		close(l.stop)
 		l.workers.Wait()
-		_ = l.pubsub.Close()
+		l.resetSub.close()
 		_ = l.client.Close()
 	}()
 	return nil
@@ -279,7 +302,9 @@ func (l *limiter) take(clientCtx context.Context, now time.Time, buckets []bucke
 	if err == nil {
 		allowed, err = readTake(c.reply, buckets, leasing)
 	}
-	c.release()
+	if c != nil {
+		c.release()
+	}
 	return allowed, err
 }
 
@@ -287,13 +312,16 @@ func (l *limiter) take(clientCtx context.Context, now time.Time, buckets []bucke
 // before a later group of its buckets refused.
 func (l *limiter) giveBack(clientCtx context.Context, now time.Time, buckets []bucket) error {
 	c, err := l.call(clientCtx, now, giveBackScript, buckets, false)
-	c.release()
+	if c != nil {
+		c.release()
+	}
 	return err
 }
 
 // call runs a script over the buckets (their keys and arguments, then,
 // when leasing, each one's leaseMax) through the batcher and returns the
-// answered call, for the caller to read and release.
+// answered call, for the caller to read and release; nil when the
+// timeout ran out first (the worker releases it then).
 func (l *limiter) call(clientCtx context.Context, now time.Time, script *luaScript, buckets []bucket, leasing bool) (*call, error) {
 	c := calls.Get().(*call)
 	for i := range buckets {
@@ -336,26 +364,13 @@ func (l *limiter) call(clientCtx context.Context, now time.Time, script *luaScri
 	if err != nil {
 		return c, err
 	}
-	<-c.done
-	return c, c.err
-}
-
-// listenResets drops the cached denials of buckets that the admin API
-// reset, on this instance or another: it subscribes to the resets
-// channel (go-redis subscribes again after a reconnect) until the
-// limiter closes.
-func (l *limiter) listenResets() {
-	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
-	_ = l.pubsub.Subscribe(ctx, l.resets) // a failure is retried by the receive loop
-	cancel()
-	for msg := range l.pubsub.Channel() {
-		keys := strings.Split(msg.Payload, "\n")
-		l.watchersMu.Lock()
-		for w := range l.watchers {
-			w.forgetDenials(keys)
+	if answered, sent := c.wait(); !answered {
+		if sent {
+			return nil, errNoAnswer
 		}
-		l.watchersMu.Unlock()
+		return nil, errWaitedOut
 	}
+	return c, c.err
 }
 
 // bucketView is what a bucket holds now, for the admin API.

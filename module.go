@@ -592,8 +592,27 @@ func (h *Handler) breakerChanged(node string, open bool, failures int64) {
 	}
 }
 
-// forgetDenials drops the cached denials of buckets the admin API reset.
-func (h *Handler) forgetDenials(keys []string) { h.denied.forget(keys...) }
+// breakerDropped logs that an open breaker was dropped, since no request
+// meets it any more: its node serves no slots now, or the slot map it
+// stood for is known again.
+func (h *Handler) breakerDropped(node string) {
+	msg := "circuit breaker closed: the Redis node serves no slots any more; its keys are served by other nodes"
+	if node == unknownSlots {
+		msg = "circuit breaker closed: the Cluster's slot map is known again; requests go to its masters"
+	}
+	h.logger.Info(msg, zap.String("zone", h.Zone), zap.String("node", node))
+}
+
+// forgetDenials drops the cached denials of buckets the admin API reset,
+// one at a time: requests do not wait for the whole list.
+func (h *Handler) forgetDenials(keys []string) {
+	for _, key := range keys {
+		h.denied.forget(key)
+	}
+}
+
+// forgetAllDenials drops every cached denial: resets may have been missed.
+func (h *Handler) forgetAllDenials() { h.denied.forgetAll() }
 
 // reject ends a request with a denial. When the server has error routes
 // (`handle_errors`) the denial goes to them as an error. Otherwise the

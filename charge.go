@@ -337,10 +337,20 @@ func (h *Handler) serveCharged(w http.ResponseWriter, r *http.Request, next cadd
 	buckets []bucket, local bool) error {
 
 	cw := newChargeWriter(w, h.charging)
+	served := false
+	defer func() {
+		if !served { // a handler that aborts the response panics (reverse_proxy, when the client left mid-stream)
+			h.settleResponse(cw, errAborted, repl, buckets, local)
+		}
+	}()
 	err := next.ServeHTTP(cw, r)
+	served = true
 	h.settleResponse(cw, err, repl, buckets, local)
 	return err
 }
+
+// errAborted stands for the error of a handler that panicked.
+var errAborted = errors.New("the response was aborted")
 
 // settling is one bucket's settlement: its cost, and the difference from
 // its reservation.
@@ -388,7 +398,7 @@ func (h *Handler) settleResponse(cw *chargeWriter, err error, repl *caddy.Replac
 	unsettled := items[:0]
 	for _, it := range items {
 		if it.diff == 0 {
-			h.countCharged(it.bucket.limit, it.cost, 0)
+			h.countCharged(it.bucket.limit, float64(it.cost), 0)
 		} else {
 			unsettled = append(unsettled, it)
 		}
@@ -483,14 +493,14 @@ func (h *Handler) warnChargeMissing(l *limit, why string) {
 	}
 }
 
-// countCharged counts what a limit charged and forgave.
-func (h *Handler) countCharged(l *limit, charged, forgiven int64) {
+// countCharged counts what a limit charged and forgave, in tokens.
+func (h *Handler) countCharged(l *limit, charged, forgiven float64) {
 	if h.metrics == nil {
 		return
 	}
-	h.metrics.charged[l.index].Add(float64(charged))
+	h.metrics.charged[l.index].Add(charged)
 	if forgiven > 0 {
-		h.metrics.forgiven[l.index].Add(float64(forgiven))
+		h.metrics.forgiven[l.index].Add(forgiven)
 	}
 }
 
@@ -546,7 +556,7 @@ func (h *Handler) settleInProcess(s *memoryStore, items []settling) {
 		default:
 			sh.buckets[strings.Clone(keys[i])] = after
 		}
-		h.countCharged(b.limit, it.cost-int64(forgiven), int64(forgiven))
+		h.countCharged(b.limit, float64(it.cost)-forgiven, forgiven)
 	}
 }
 
@@ -659,15 +669,15 @@ func (p *pendingSettlement) wait() {
 		if err != nil {
 			h.countSettleFailure(nil, err)
 			for _, s := range group {
-				h.countCharged(s.limit, s.reserved, 0)
+				h.countCharged(s.limit, float64(s.reserved), 0)
 			}
 			c.release()
 			continue
 		}
 		gaveBack := false
 		for i, s := range group {
-			forgiven := c.reply[i]
-			h.countCharged(s.limit, s.cost-forgiven, forgiven)
+			forgiven := float64(c.reply[i]) / 1e6
+			h.countCharged(s.limit, float64(s.cost)-forgiven, forgiven)
 			gaveBack = gaveBack || s.diff < 0
 		}
 		if gaveBack && h.useDenyCache {
@@ -684,7 +694,7 @@ func (p *pendingSettlement) wait() {
 // counted as charged their reservations.
 func (h *Handler) countSettleFailure(items []settling, err error) {
 	for _, it := range items {
-		h.countCharged(it.bucket.limit, it.bucket.values.requested, 0)
+		h.countCharged(it.bucket.limit, float64(it.bucket.values.requested), 0)
 	}
 	if h.metrics != nil {
 		h.metrics.settleFailures.Inc()

@@ -1,13 +1,21 @@
 package ratelimit
 
 import (
+	"bufio"
+	"cmp"
 	"context"
 	"fmt"
+	"io"
 	"math"
 	"math/rand/v2"
+	"net/http"
+	"net/http/httptest"
 	"strconv"
+	"strings"
 	"testing"
+	"time"
 
+	"github.com/caddy-redis/ratelimit/internal/caddyproc"
 	"github.com/caddy-redis/ratelimit/internal/redistest"
 	"github.com/redis/go-redis/v9"
 )
@@ -157,7 +165,7 @@ func TestSettleScriptAgreesWithMemoryStore(t *testing.T) {
 				}
 				continue
 			}
-			if after.tokens != want.tokens || forgiven != int64(math.Floor(wantForgiven)) {
+			if after.tokens != want.tokens || forgiven != int64(math.Floor(wantForgiven*1e6)) {
 				t.Fatalf("%s: the script stored %v and forgave %d, settleBucket %v and %v", what, after.tokens, forgiven, want.tokens, wantForgiven)
 			}
 			if wantTTL := (want.expires - now) / 1000; ttl > wantTTL || ttl < wantTTL-5 {
@@ -194,4 +202,520 @@ func TestSettleScriptAgreesWithMemoryStore(t *testing.T) {
 	if debts < 100 || forgivenSeen < 50 || cappedSeen < 50 {
 		t.Fatalf("the random settlements tried too little")
 	}
+}
+
+// ---- Through a real Caddy (internal/caddyproc) with reverse_proxy to an
+// upstream written here, and a real redis-server.
+
+// chargeUpstream answers as the APIs that charging reads do. Each request
+// says in its query what to answer:
+//
+//	format=openai     a chat completion (JSON), or with stream=1 its event
+//	                  stream, usage=N its usage.total_tokens (none without)
+//	format=anthropic  a message (JSON), or with stream=1 its event stream:
+//	                  in=N input and out=N output tokens
+//	format=ollama     Ollama's native stream (JSON lines): in=N, out=N
+//	format=raw        ct=<Content-Type> and body=<text> as given
+//	format=big        size=N bytes of pseudo-random data (seed=S)
+//	format=paced      an OpenAI event stream of chunks=N chunks and a
+//	                  usage chunk (usage=N), each sent only once the test
+//	                  acknowledged the one before on acks (late says when
+//	                  it did not within 5 s)
+//
+// and for any of them cost=<text> as the X-Cost header and status=N as
+// the status. hold=1 holds the response until release is closed or the
+// request is canceled (the client left), after the first event of a
+// stream.
+type chargeUpstream struct {
+	*httptest.Server
+	release  chan struct{}
+	canceled chan string // the formats of held requests canceled
+	acks     chan int
+	late     chan string
+}
+
+func startChargeUpstream(t *testing.T) *chargeUpstream {
+	u := &chargeUpstream{release: make(chan struct{}), canceled: make(chan string, 16),
+		acks: make(chan int), late: make(chan string, 64)}
+	u.Server = httptest.NewServer(http.HandlerFunc(u.serve))
+	t.Cleanup(u.Close)
+	return u
+}
+
+// host is the upstream's address, for reverse_proxy.
+func (u *chargeUpstream) host() string { return strings.TrimPrefix(u.URL, "http://") }
+
+func (u *chargeUpstream) serve(w http.ResponseWriter, r *http.Request) {
+	q := r.URL.Query()
+	num := func(name string) int { n, _ := strconv.Atoi(q.Get(name)); return n }
+	if cost := q.Get("cost"); cost != "" {
+		w.Header().Set("X-Cost", cost)
+	}
+	status := cmp.Or(num("status"), http.StatusOK)
+	stream := q.Get("stream") == "1"
+	var events []string // each written and flushed on its own
+	switch q.Get("format") {
+	case "openai":
+		usage := ""
+		if q.Has("usage") {
+			usage = fmt.Sprintf(`{"prompt_tokens":%d,"completion_tokens":%d,"total_tokens":%d}`, num("usage")/3, num("usage")-num("usage")/3, num("usage"))
+		}
+		if !stream {
+			w.Header().Set("Content-Type", "application/json")
+			events = []string{fmt.Sprintf(`{"id":"chatcmpl-1","object":"chat.completion","choices":[{"index":0,"message":{"role":"assistant","content":"Hello!"},"finish_reason":"stop"}],"usage":%s}`, cmp.Or(usage, "null"))}
+			break
+		}
+		w.Header().Set("Content-Type", "text/event-stream")
+		for _, word := range []string{"Hel", "lo", "!"} {
+			events = append(events, fmt.Sprintf("data: {\"id\":\"chatcmpl-1\",\"object\":\"chat.completion.chunk\",\"choices\":[{\"index\":0,\"delta\":{\"content\":%q}}],\"usage\":null}\n\n", word))
+		}
+		if usage != "" {
+			events = append(events, fmt.Sprintf("data: {\"id\":\"chatcmpl-1\",\"object\":\"chat.completion.chunk\",\"choices\":[],\"usage\":%s}\n\n", usage))
+		}
+		events = append(events, "data: [DONE]\n\n")
+	case "anthropic":
+		if !stream {
+			w.Header().Set("Content-Type", "application/json")
+			events = []string{fmt.Sprintf(`{"id":"msg_1","type":"message","content":[{"type":"text","text":"Hi"}],"usage":{"input_tokens":%d,"output_tokens":%d}}`, num("in"), num("out"))}
+			break
+		}
+		w.Header().Set("Content-Type", "text/event-stream")
+		events = []string{
+			fmt.Sprintf("event: message_start\ndata: {\"type\":\"message_start\",\"message\":{\"id\":\"msg_1\",\"usage\":{\"input_tokens\":%d,\"output_tokens\":1}}}\n\n", num("in")),
+			"event: content_block_delta\ndata: {\"type\":\"content_block_delta\",\"index\":0,\"delta\":{\"type\":\"text_delta\",\"text\":\"Hi\"}}\n\n",
+			"event: ping\ndata: {\"type\": \"ping\"}\n\n",
+			fmt.Sprintf("event: message_delta\ndata: {\"type\":\"message_delta\",\"delta\":{\"stop_reason\":\"end_turn\"},\"usage\":{\"output_tokens\":%d}}\n\n", num("out")),
+			"event: message_stop\ndata: {\"type\":\"message_stop\"}\n\n",
+		}
+	case "ollama":
+		w.Header().Set("Content-Type", "application/x-ndjson")
+		events = []string{
+			"{\"model\":\"m\",\"message\":{\"role\":\"assistant\",\"content\":\"Hi\"},\"done\":false}\n",
+			fmt.Sprintf("{\"model\":\"m\",\"message\":{\"role\":\"assistant\",\"content\":\"\"},\"done\":true,\"prompt_eval_count\":%d,\"eval_count\":%d}\n", num("in"), num("out")),
+		}
+	case "raw":
+		w.Header().Set("Content-Type", q.Get("ct"))
+		events = []string{q.Get("body")}
+	case "paced":
+		w.Header().Set("Content-Type", "text/event-stream")
+		w.WriteHeader(status)
+		for i := range num("chunks") + 1 {
+			event := fmt.Sprintf("data: {\"choices\":[{\"delta\":{\"content\":\"chunk %d\"}}],\"usage\":null}\n\n", i)
+			if i == num("chunks") {
+				event = fmt.Sprintf("data: {\"choices\":[],\"usage\":{\"total_tokens\":%d}}\n\n", num("usage"))
+			}
+			_, _ = io.WriteString(w, event)
+			_ = http.NewResponseController(w).Flush()
+			select {
+			case got := <-u.acks:
+				if got != i {
+					u.late <- fmt.Sprintf("chunk %d acknowledged as %d", i, got)
+				}
+			case <-time.After(5 * time.Second):
+				u.late <- fmt.Sprintf("chunk %d did not reach the client within 5 s, before the next was due", i)
+			case <-r.Context().Done():
+				return
+			}
+		}
+		_, _ = io.WriteString(w, "data: [DONE]\n\n")
+		return
+	case "big":
+		w.Header().Set("Content-Type", "application/json")
+		w.Header().Set("Content-Length", strconv.Itoa(num("size")))
+		w.WriteHeader(status)
+		_, _ = io.Copy(w, pseudoRandom(uint64(num("seed")), num("size")))
+		return
+	}
+	w.WriteHeader(status)
+	for i, e := range events {
+		_, _ = io.WriteString(w, e)
+		_ = http.NewResponseController(w).Flush()
+		if i == 0 && q.Get("hold") == "1" {
+			select {
+			case <-u.release:
+			case <-r.Context().Done():
+				u.canceled <- q.Get("format")
+				return
+			}
+		}
+	}
+}
+
+// pseudoRandom is n bytes of a stream that the seed fixes.
+func pseudoRandom(seed uint64, n int) io.Reader {
+	return io.LimitReader(rand.NewChaCha8([32]byte{byte(seed), byte(seed >> 8)}), int64(n))
+}
+
+// chargeCaddy is a Caddy process serving sites (their %[1]s is the Redis
+// address, %[2]s the upstream's), and its admin endpoint.
+type chargeCaddy struct {
+	*caddyproc.Instance
+	admin  string
+	client *http.Client
+}
+
+func startChargeCaddy(t *testing.T, sites, redisAddr, upstream string) *chargeCaddy {
+	t.Helper()
+	inst := caddyproc.Start(t, caddyproc.Caddyfile(fmt.Sprintf(sites, redisAddr, upstream)))
+	return &chargeCaddy{Instance: inst, admin: fmt.Sprintf("http://127.0.0.1:%d", inst.AdminPort), client: caddyClient(t)}
+}
+
+// get sends GET path with the headers (name, value, ...) and reads the
+// body.
+func (c *chargeCaddy) get(t *testing.T, path string, headers ...string) (*http.Response, string) {
+	t.Helper()
+	return send(t, c.client, c.URL+path, headers...)
+}
+
+// tokensOf reads what a client's bucket holds now (admin API).
+func (c *chargeCaddy) tokensOf(t *testing.T, zone, key string) float64 {
+	t.Helper()
+	return adminBucketOf(t, c.admin, zone, q("header.X-Key", key)).tokens(t)
+}
+
+// awaitTokens waits until the bucket holds want, give or take what the
+// rate refills in a few seconds (settlements land after the response).
+func (c *chargeCaddy) awaitTokens(t *testing.T, zone, key string, want, slack float64) {
+	t.Helper()
+	var got float64
+	start := time.Now()
+	for got = c.tokensOf(t, zone, key); got < want || got > want+slack; got = c.tokensOf(t, zone, key) {
+		if time.Since(start) > 3*time.Second {
+			t.Fatalf("the %s bucket of %s holds %v, not %v (+%v), after 3 s", zone, key, got, want, slack)
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+}
+
+// llmSites are handlers that charge what each API style reports, with a
+// reservation of 100 from a bucket of 1000 that refills a token every
+// 1000 s (negligible during a test).
+const llmSites = `
+http://127.0.0.1:{{http_port}} {
+	rate_limit /openai {
+		zone openai
+		key {http.request.header.X-Key}
+		replenish_rate 0.001
+		burst_capacity 1000
+		requested_tokens 100
+		charge json usage.total_tokens
+		headers both
+		redis %[1]s
+	}
+	rate_limit /anthropic {
+		zone anthropic
+		key {http.request.header.X-Key}
+		replenish_rate 0.001
+		burst_capacity 1000
+		requested_tokens 100
+		charge json usage.input_tokens message.usage.input_tokens usage.output_tokens
+		redis %[1]s
+	}
+	rate_limit /ollama {
+		zone ollama
+		key {http.request.header.X-Key}
+		replenish_rate 0.001
+		burst_capacity 1000
+		requested_tokens 100
+		charge json prompt_eval_count eval_count
+		redis %[1]s
+	}
+	reverse_proxy %[2]s
+}
+`
+
+// TestChargeUsageFromJSONAndStreamsExactly: OpenAI's chat completion and
+// its event stream (usage in the last chunk), Anthropic's message and its
+// stream (input tokens in message_start, output in message_delta) and
+// Ollama's JSON lines are each charged exactly what they report: a
+// smaller cost gives back the rest of the reservation, a larger one takes
+// more. The admin API shows it, and the next response's headers, which
+// describe the bucket after that response's reservation.
+func TestChargeUsageFromJSONAndStreamsExactly(t *testing.T) {
+	srv := redistest.Start(t)
+	up := startChargeUpstream(t)
+	c := startChargeCaddy(t, llmSites, srv.Addr, up.host())
+	for _, tc := range []struct {
+		name, zone  string
+		query       func(cost int) string
+		bodyHas     string
+		contentType string
+	}{
+		{"OpenAI JSON", "openai", func(n int) string { return fmt.Sprintf("format=openai&usage=%d", n) }, `"total_tokens"`, "application/json"},
+		{"OpenAI stream", "openai", func(n int) string { return fmt.Sprintf("format=openai&stream=1&usage=%d", n) }, "data: [DONE]", "text/event-stream"},
+		{"Anthropic JSON", "anthropic", func(n int) string { return fmt.Sprintf("format=anthropic&in=%d&out=%d", n/4, n-n/4) }, `"output_tokens"`, "application/json"},
+		{"Anthropic stream", "anthropic", func(n int) string { return fmt.Sprintf("format=anthropic&stream=1&in=%d&out=%d", n/4, n-n/4) }, "message_stop", "text/event-stream"},
+		{"Ollama JSON lines", "ollama", func(n int) string { return fmt.Sprintf("format=ollama&in=%d&out=%d", n/4, n-n/4) }, `"done":true`, "application/x-ndjson"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			key := strings.ReplaceAll(tc.name, " ", "-")
+			path := "/" + tc.zone + "?"
+			tokens := 1000.0
+			for i, cost := range []int{37, 250, 100, 0, 512} {
+				resp, body := c.get(t, path+tc.query(cost), "X-Key", key)
+				wantRemaining := strconv.Itoa(int(tokens) - 100)
+				if resp.StatusCode != 200 || resp.Header.Get("X-RateLimit-Remaining") != wantRemaining ||
+					!strings.Contains(body, tc.bodyHas) || resp.Header.Get("Content-Type") != tc.contentType {
+					t.Fatalf("request %d: %d, X-RateLimit-Remaining %q, %s %q; want 200 with %s and the upstream's body",
+						i+1, resp.StatusCode, resp.Header.Get("X-RateLimit-Remaining"), resp.Header.Get("Content-Type"), body, wantRemaining)
+				}
+				if tc.zone == "openai" {
+					if want := fmt.Sprintf(`"openai";r=%s;t=0`, wantRemaining); resp.Header.Get("RateLimit") != want {
+						t.Errorf("request %d: RateLimit %q, want %q", i+1, resp.Header.Get("RateLimit"), want)
+					}
+				}
+				tokens -= float64(cost)
+				c.awaitTokens(t, tc.zone, key, tokens, 0.05)
+			}
+		})
+	}
+}
+
+// chargeSeries names a charging counter of a zone's limit.
+func chargeSeries(name, zone, limit string) string {
+	return fmt.Sprintf(`caddy_rate_limit_%s{limit=%q,zone=%q}`, name, limit, zone)
+}
+
+// TestChargeDebtRefusesUntilRefillWithExactRetryAfter: a cost above the
+// reservation takes the rest below zero, down to -max_debt (the rest is
+// forgiven and counted); the next request is refused with remaining 0,
+// IETF r=0 and a Retry-After that is exactly when the refill covers the
+// debt and the reservation; the admin API shows the debt as negative
+// tokens; a request just before that time is refused, one just after
+// admitted.
+func TestChargeDebtRefusesUntilRefillWithExactRetryAfter(t *testing.T) {
+	srv := redistest.Start(t)
+	up := startChargeUpstream(t)
+	c := startChargeCaddy(t, `
+http://127.0.0.1:{{http_port}} {
+	rate_limit {
+		zone debt
+		key {http.request.header.X-Key}
+		replenish_rate 2
+		burst_capacity 10
+		charge header X-Cost
+		max_debt 5
+		headers both
+		redis %[1]s
+	}
+	reverse_proxy %[2]s
+}
+`, srv.Addr, up.host())
+	before := scrapeMetricsAt(t, c.admin)
+	// 10 tokens, 1 reserved, 16 charged: 15 more from 9 is -6, past
+	// -max_debt (-5) by 1, which is forgiven.
+	resp, _ := c.get(t, "/?format=raw&ct=text/plain&body=ok&cost=16", "X-Key", "k")
+	if resp.StatusCode != 200 || resp.Header.Get("X-RateLimit-Remaining") != "9" {
+		t.Fatalf("first request: %d remaining %q, want 200 with 9", resp.StatusCode, resp.Header.Get("X-RateLimit-Remaining"))
+	}
+	settled := time.Now()
+	c.awaitTokens(t, "debt", "k", -5, 2*time.Since(settled).Seconds()+0.2)
+
+	resp, _ = c.get(t, "/?format=raw&ct=text/plain&body=ok&cost=1", "X-Key", "k")
+	elapsed := time.Since(settled).Seconds()
+	// 6 tokens to refill at 2 a second: 3 s from the settlement.
+	if elapsed > 0.9 {
+		t.Skipf("the machine is too slow for this test's timing: %.2f s after the settlement", elapsed)
+	}
+	if resp.StatusCode != 429 || resp.Header.Get("X-RateLimit-Remaining") != "0" || resp.Header.Get("Retry-After") != "3" ||
+		resp.Header.Get("RateLimit") != `"debt";r=0;t=3` {
+		t.Fatalf("in debt: %d, remaining %q, Retry-After %q, RateLimit %q; want 429, 0, 3, \"debt\";r=0;t=3", resp.StatusCode,
+			resp.Header.Get("X-RateLimit-Remaining"), resp.Header.Get("Retry-After"), resp.Header.Get("RateLimit"))
+	}
+	b := adminBucketOf(t, c.admin, "debt", q("header.X-Key", "k"))
+	if tokens := b.tokens(t); tokens >= 0 || tokens < -5 || math.Abs(b.RetryAfter-(1-tokens)/2) > 0.01 {
+		t.Fatalf("admin: %v tokens, retry after %v s; want debt down to -5, with the wait (1 - tokens)/2", tokens, b.RetryAfter)
+	}
+	// The key lives until the bucket is full again, from the debt.
+	if want := (10 - b.tokens(t)) / 2; b.ExpiresIn > want+0.01 || b.ExpiresIn < want-0.3 {
+		t.Errorf("admin: expires in %v s, want about %v (full again from %v)", b.ExpiresIn, want, b.tokens(t))
+	}
+	time.Sleep(time.Duration((b.RetryAfter - 0.25) * float64(time.Second)))
+	if resp, _ := c.get(t, "/?format=raw&ct=text/plain&body=ok&cost=1", "X-Key", "k"); resp.StatusCode != 429 {
+		t.Fatalf("a quarter second before the refill covers the debt: %d, want 429", resp.StatusCode)
+	}
+	time.Sleep(400 * time.Millisecond)
+	if resp, _ := c.get(t, "/?format=raw&ct=text/plain&body=ok&cost=1", "X-Key", "k"); resp.StatusCode != 200 || resp.Header.Get("X-RateLimit-Remaining") != "0" {
+		t.Fatalf("once the refill covers the debt: %d remaining %q, want 200 with 0", resp.StatusCode, resp.Header.Get("X-RateLimit-Remaining"))
+	}
+	// 16 charged, less what was forgiven: 1 token, less what the bucket
+	// refilled between the reservation and the settlement; then 1.
+	after := scrapeMetricsAt(t, c.admin)
+	charged := after.samples[chargeSeries("charged_total", "debt", "")] - before.samples[chargeSeries("charged_total", "debt", "")]
+	forgiven := after.samples[chargeSeries("forgiven_total", "debt", "")] - before.samples[chargeSeries("forgiven_total", "debt", "")]
+	if math.Abs(charged+forgiven-17) > 1e-6 || forgiven < 0.8 || forgiven > 1 {
+		t.Errorf("charged %v and forgave %v tokens; want 17 in all, about 1 forgiven", charged, forgiven)
+	}
+}
+
+// loginHash is the bcrypt hash (cost 4) of "open sesame".
+const loginHash = "$2a$04$SiVdzZJhQ648b6CFqQNggeA87/qBp2cI/bYACcuQP5bRUmKspsDjS"
+
+// TestChargeStatus401CountsOnlyFailedLogins: with charge_status 401 on a
+// rate_limit before basic_auth (the directive orders itself there), a
+// right password gets its reservation back, so right passwords are never
+// refused however many; wrong ones are refused once they used the burst.
+func TestChargeStatus401CountsOnlyFailedLogins(t *testing.T) {
+	srv := redistest.Start(t)
+	c := startChargeCaddy(t, `
+http://127.0.0.1:{{http_port}} {
+	rate_limit {
+		zone logins
+		key {client_ip}
+		replenish_rate 5/1h
+		burst_capacity 5
+		charge_status 401
+		redis %[1]s
+	}
+	basic_auth {
+		alice `+loginHash+`
+	}
+	respond "welcome {http.auth.user.id}"
+}
+`, srv.Addr, "")
+	login := func(password string) *http.Response {
+		req, _ := http.NewRequest(http.MethodGet, c.URL+"/", nil)
+		req.SetBasicAuth("alice", password)
+		resp, err := c.client.Do(req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		_, _ = io.Copy(io.Discard, resp.Body)
+		resp.Body.Close()
+		return resp
+	}
+	right := func(n int) {
+		t.Helper()
+		for i := range n {
+			if resp := login("open sesame"); resp.StatusCode != 200 {
+				t.Fatalf("right password, attempt %d: %d, want 200", i+1, resp.StatusCode)
+			}
+		}
+	}
+	wrong := func(want int) {
+		t.Helper()
+		if resp := login("guess"); resp.StatusCode != want {
+			t.Fatalf("wrong password: %d, want %d", resp.StatusCode, want)
+		}
+	}
+	right(20)
+	wrong(401)
+	wrong(401)
+	right(20) // 3 tokens left: each right login takes one and gets it back
+	wrong(401)
+	wrong(401)
+	wrong(401)
+	wrong(429) // five failures used the burst
+	adminBucket := adminBucketOf(t, c.admin, "logins", q("client_ip", "127.0.0.1"))
+	if tokens := adminBucket.tokens(t); tokens > 0.05 {
+		t.Errorf("after five failures: %v tokens, want 0", tokens)
+	}
+}
+
+// TestChargeStreamReachesTheClientChunkByChunk: a streamed answer passes
+// through the limiter as it is sent: the upstream sends each chunk only
+// once the client has read the one before, so a chunk held anywhere on
+// the way stops the stream. Its usage is then charged.
+func TestChargeStreamReachesTheClientChunkByChunk(t *testing.T) {
+	srv := redistest.Start(t)
+	up := startChargeUpstream(t)
+	c := startChargeCaddy(t, llmSites, srv.Addr, up.host())
+	req, _ := http.NewRequest(http.MethodGet, c.URL+"/openai?format=paced&chunks=8&usage=77", nil)
+	req.Header.Set("X-Key", "paced")
+	resp, err := c.client.Do(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	if resp.StatusCode != 200 || resp.Header.Get("X-RateLimit-Remaining") != "900" {
+		t.Fatalf("%d remaining %q, want 200 with 900", resp.StatusCode, resp.Header.Get("X-RateLimit-Remaining"))
+	}
+	events := bufio.NewReader(resp.Body)
+	for i := 0; i <= 8; i++ {
+		start := time.Now()
+		var event string
+		for {
+			line, err := events.ReadString('\n')
+			if err != nil {
+				t.Fatalf("chunk %d: %v (so far %q)", i, err, event)
+			}
+			if line == "\n" {
+				break
+			}
+			event += line
+		}
+		t.Logf("chunk %d after %v: %s", i, time.Since(start).Round(time.Microsecond), strings.TrimSpace(event))
+		if want := fmt.Sprintf("chunk %d", i); i < 8 && !strings.Contains(event, want) || i == 8 && !strings.Contains(event, `"total_tokens":77`) {
+			t.Fatalf("chunk %d is %q", i, event)
+		}
+		up.acks <- i
+	}
+	if rest, err := io.ReadAll(events); err != nil || string(rest) != "data: [DONE]\n\n" {
+		t.Fatalf("the end of the stream: %q %v", rest, err)
+	}
+	select {
+	case late := <-up.late:
+		t.Fatal(late)
+	default:
+	}
+	c.awaitTokens(t, "openai", "paced", 1000-77, 0.05)
+}
+
+// TestChargeClientLeavingMidStreamIsChargedWhatTheStreamReported: a
+// client that leaves mid-stream is charged what the stream reported so
+// far (Anthropic's input tokens, in its first event), or, when it
+// reported nothing yet (OpenAI's usage comes last), the reservation.
+func TestChargeClientLeavingMidStreamIsChargedWhatTheStreamReported(t *testing.T) {
+	srv := redistest.Start(t)
+	up := startChargeUpstream(t)
+	c := startChargeCaddy(t, llmSites, srv.Addr, up.host())
+	for _, tc := range []struct {
+		zone, query, firstEvent string
+		want                    float64
+	}{
+		{"anthropic", "format=anthropic&stream=1&in=40&out=500&hold=1", "message_start", 1000 - 40},
+		{"openai", "format=openai&stream=1&usage=300&hold=1", "chat.completion.chunk", 1000 - 100},
+	} {
+		ctx, cancel := context.WithCancel(context.Background())
+		req, _ := http.NewRequestWithContext(ctx, http.MethodGet, c.URL+"/"+tc.zone+"?"+tc.query, nil)
+		req.Header.Set("X-Key", "leaver")
+		resp, err := c.client.Do(req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		first, err := bufio.NewReader(resp.Body).ReadString('\n')
+		for err == nil && !strings.Contains(first, tc.firstEvent) {
+			first, err = bufio.NewReader(resp.Body).ReadString('\n')
+		}
+		if err != nil {
+			t.Fatalf("%s: reading the first event: %v", tc.zone, err)
+		}
+		cancel() // the client leaves
+		resp.Body.Close()
+		select {
+		case got := <-up.canceled:
+			if got != tc.zone {
+				t.Fatalf("the upstream saw %s canceled, want %s", got, tc.zone)
+			}
+		case <-time.After(5 * time.Second):
+			t.Fatalf("%s: the upstream request was not canceled when the client left", tc.zone)
+		}
+		c.awaitTokens(t, tc.zone, "leaver", tc.want, 0.05)
+	}
+}
+
+// TestChargeLargeBodyPassesThroughUntouched: a 10 MiB body reaches the
+// client byte for byte through a limiter that scans JSON bodies; past
+// max_body the scan stops and the reservation is the cost.
+func TestChargeLargeBodyPassesThroughUntouched(t *testing.T) {
+	srv := redistest.Start(t)
+	up := startChargeUpstream(t)
+	c := startChargeCaddy(t, llmSites, srv.Addr, up.host())
+	const size = 10 << 20
+	resp, body := c.get(t, fmt.Sprintf("/openai?format=big&size=%d&seed=21", size), "X-Key", "big")
+	want, _ := io.ReadAll(pseudoRandom(21, size))
+	if resp.StatusCode != 200 || len(body) != size || body != string(want) {
+		t.Fatalf("%d with %d bytes, want 200 with the upstream's %d bytes unchanged", resp.StatusCode, len(body), size)
+	}
+	c.awaitTokens(t, "openai", "big", 1000-100, 0.05)
 }

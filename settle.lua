@@ -17,8 +17,9 @@
 -- included (debt); a missing (expired) bucket is full. A written key
 -- lives until the bucket would be full again, from debt too.
 --
--- Returns {for each bucket: the tokens forgiven, whole tokens rounded
--- down: what a take could not take past -max_debt}.
+-- Returns {for each bucket: the tokens forgiven, what a take could not
+-- take past -max_debt, in millionths of a token (rounded down): a bucket
+-- refills by fractions, so what is forgiven has one}.
 
 local time = redis.call('TIME')
 local now = tonumber(time[1]) * 1000000 + tonumber(time[2])
@@ -53,6 +54,6 @@ for i = 1, #KEYS do
     local ttl = math.max(1000, math.ceil((burst - left) * 1000 / rate))
     redis.call('SET', KEYS[i], string.format('%.17g %d', left, now), 'PX', ttl)
   end
-  reply[i] = math.floor(forgiven)
+  reply[i] = math.floor(forgiven * 1000000)
 end
 return reply

@@ -10,8 +10,13 @@ import (
 	"math/rand/v2"
 	"net/http"
 	"net/http/httptest"
+	"net/url"
+	"path/filepath"
+	"reflect"
+	"slices"
 	"strconv"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -370,18 +375,35 @@ func (c *chargeCaddy) get(t *testing.T, path string, headers ...string) (*http.R
 // tokensOf reads what a client's bucket holds now (admin API).
 func (c *chargeCaddy) tokensOf(t *testing.T, zone, key string) float64 {
 	t.Helper()
-	return adminBucketOf(t, c.admin, zone, q("header.X-Key", key)).tokens(t)
+	return c.limitTokens(t, zone, q("header.X-Key", key), "")
 }
 
-// awaitTokens waits until the bucket holds want, give or take what the
-// rate refills in a few seconds (settlements land after the response).
+// limitTokens reads what the bucket of a limit (by name; "" for a
+// handler without limits) holds for the client the query names.
+func (c *chargeCaddy) limitTokens(t *testing.T, zone string, query url.Values, limit string) float64 {
+	t.Helper()
+	for _, b := range getAdminBuckets(t, c.admin, zone, query) {
+		if b.Limit == limit {
+			return b.tokens(t)
+		}
+	}
+	t.Fatalf("zone %s has no bucket of limit %q for %v", zone, limit, query)
+	return 0
+}
+
+// awaitTokens waits until the bucket holds want, give or take slack (the
+// refill): settlements land just after the response.
 func (c *chargeCaddy) awaitTokens(t *testing.T, zone, key string, want, slack float64) {
 	t.Helper()
-	var got float64
+	c.awaitLimitTokens(t, zone, q("header.X-Key", key), "", want, slack)
+}
+
+func (c *chargeCaddy) awaitLimitTokens(t *testing.T, zone string, query url.Values, limit string, want, slack float64) {
+	t.Helper()
 	start := time.Now()
-	for got = c.tokensOf(t, zone, key); got < want || got > want+slack; got = c.tokensOf(t, zone, key) {
+	for got := c.limitTokens(t, zone, query, limit); got < want || got > want+slack; got = c.limitTokens(t, zone, query, limit) {
 		if time.Since(start) > 3*time.Second {
-			t.Fatalf("the %s bucket of %s holds %v, not %v (+%v), after 3 s", zone, key, got, want, slack)
+			t.Fatalf("the %s bucket %q of %v holds %v, not %v (+%v), after 3 s", zone, limit, query, got, want, slack)
 		}
 		time.Sleep(20 * time.Millisecond)
 	}
@@ -598,13 +620,23 @@ http://127.0.0.1:{{http_port}} {
 			t.Fatalf("wrong password: %d, want %d", resp.StatusCode, want)
 		}
 	}
+	rdb := srv.Client(t)
+	before := commandCalls(t, rdb)
 	right(20)
+	eventually(t, 3*time.Second, "20 right logins: a take and a give-back each", func() bool {
+		return commandsSince(t, rdb, before)["evalsha"] == 40
+	})
 	wrong(401)
 	wrong(401)
 	right(20) // 3 tokens left: each right login takes one and gets it back
+	before = commandCalls(t, rdb)
 	wrong(401)
 	wrong(401)
 	wrong(401)
+	time.Sleep(200 * time.Millisecond) // a settlement would have landed
+	if calls := commandsSince(t, rdb, before)["evalsha"]; calls != 3 {
+		t.Errorf("%d script calls for 3 wrong logins, want 3: a 401 keeps its reservation, no settlement", calls)
+	}
 	wrong(429) // five failures used the burst
 	adminBucket := adminBucketOf(t, c.admin, "logins", q("client_ip", "127.0.0.1"))
 	if tokens := adminBucket.tokens(t); tokens > 0.05 {
@@ -718,4 +750,670 @@ func TestChargeLargeBodyPassesThroughUntouched(t *testing.T) {
 		t.Fatalf("%d with %d bytes, want 200 with the upstream's %d bytes unchanged", resp.StatusCode, len(body), size)
 	}
 	c.awaitTokens(t, "openai", "big", 1000-100, 0.05)
+}
+
+// accessLogEntry is what an access log line says of the limiter.
+type accessLogEntry struct {
+	uri, result, charged string
+	status               int
+}
+
+// accessLog reads the entries of a JSON access log whose lines carry
+// log_append fields result and charged.
+func accessLog(t *testing.T, path string) []accessLogEntry {
+	t.Helper()
+	var entries []accessLogEntry
+	for _, l := range logLines(t, path) {
+		req, _ := l["request"].(map[string]any)
+		status, _ := l["status"].(float64)
+		entries = append(entries, accessLogEntry{uri: fmt.Sprint(req["uri"]), result: fmt.Sprint(l["result"]),
+			charged: fmt.Sprint(l["charged"]), status: int(status)})
+	}
+	return entries
+}
+
+// TestChargeUnreadableCostKeepsTheReservation: a cost that cannot be read
+// (no header, not a number, negative, no usage in the body, a body that
+// is not JSON or too large) keeps the reservation, with result
+// charge_missing, {http.rate_limit.charged} the reservation, and a
+// warning in the log (throttled); a cost that can be read is charged.
+func TestChargeUnreadableCostKeepsTheReservation(t *testing.T) {
+	srv := redistest.Start(t)
+	up := startChargeUpstream(t)
+	logPath := filepath.Join(t.TempDir(), "access.log")
+	c := startChargeCaddy(t, `
+http://127.0.0.1:{{http_port}} {
+	log {
+		output file `+logPath+` {
+			roll_disabled
+		}
+		format json
+	}
+	log_append result {http.rate_limit.result}
+	log_append charged {http.rate_limit.charged}
+	rate_limit /header {
+		zone header
+		key {http.request.header.X-Key}
+		replenish_rate 0.001
+		burst_capacity 1000
+		requested_tokens 100
+		charge header X-Cost
+		redis %[1]s
+	}
+	rate_limit /json {
+		zone json
+		key {http.request.header.X-Key}
+		replenish_rate 0.001
+		burst_capacity 1000
+		requested_tokens 100
+		charge json usage.total_tokens
+		max_body 4KiB
+		redis %[1]s
+	}
+	reverse_proxy %[2]s
+}
+`, srv.Addr, up.host())
+	raw := func(path, ct, body string) string {
+		return path + "?" + url.Values{"format": {"raw"}, "ct": {ct}, "body": {body}}.Encode()
+	}
+	cases := []struct {
+		name, zone, uri string
+		charged         int
+	}{
+		{"no cost header", "header", raw("/header", "text/plain", "ok"), 100},
+		{"a cost that is not a number", "header", raw("/header", "text/plain", "ok") + "&cost=abc", 100},
+		{"a negative cost", "header", raw("/header", "text/plain", "ok") + "&cost=-3", 100},
+		{"an infinite cost", "header", raw("/header", "text/plain", "ok") + "&cost=1e999", 100},
+		{"a readable cost, rounded up", "header", raw("/header", "text/plain", "ok") + "&cost=12.5", 13},
+		{"usage as a string", "json", raw("/json", "application/json", `{"usage":{"total_tokens":"12"}}`), 100},
+		{"negative usage", "json", raw("/json", "application/json", `{"usage":{"total_tokens":-5}}`), 100},
+		{"not JSON", "json", raw("/json", "text/html", `<p>usage.total_tokens: 5</p>`), 100},
+		{"a stream without usage", "json", "/json?format=openai&stream=1", 100},
+		{"a body over max_body", "json", raw("/json", "application/json", `{"pad":"`+strings.Repeat("x", 5000)+`","usage":{"total_tokens":12}}`), 100},
+		{"readable usage", "json", raw("/json", "application/json", `{"usage":{"total_tokens":12}}`), 12},
+	}
+	for i, tc := range cases {
+		key := fmt.Sprintf("k%d", i)
+		if resp, _ := c.get(t, tc.uri, "X-Key", key); resp.StatusCode != 200 {
+			t.Fatalf("%s: %d, want 200", tc.name, resp.StatusCode)
+		}
+		c.awaitTokens(t, tc.zone, key, float64(1000-tc.charged), 0.05)
+	}
+	var entries []accessLogEntry
+	eventually(t, 3*time.Second, "the access log has every request", func() bool {
+		entries = accessLog(t, logPath)
+		return len(entries) >= len(cases)
+	})
+	for i, tc := range cases {
+		want := accessLogEntry{uri: tc.uri, result: "charge_missing", charged: strconv.Itoa(tc.charged), status: 200}
+		if tc.charged != 100 {
+			want.result = "allowed"
+		}
+		if entries[i] != want {
+			t.Errorf("%s: access log %+v, want %+v", tc.name, entries[i], want)
+		}
+	}
+	warnings := 0
+	for _, l := range logLines(t, c.LogFile) {
+		if msg, _ := l["msg"].(string); strings.Contains(msg, "could not be read") {
+			warnings++
+			t.Logf("warning: %s (%v)", msg, l["reason"])
+		}
+	}
+	if warnings != 2 { // a line per 10 s per handler
+		t.Errorf("%d warnings about unreadable costs, want one per handler (throttled)", warnings)
+	}
+}
+
+// TestChargeSettlementLostWithRedisStoppedIsCountedNotResent: a response
+// that ends while Redis is stopped still reaches the client; its
+// settlement fails, is counted and logged, and is never sent again (the
+// reservation stands).
+func TestChargeSettlementLostWithRedisStoppedIsCountedNotResent(t *testing.T) {
+	srv := redistest.Start(t)
+	up := startChargeUpstream(t)
+	c := startChargeCaddy(t, `
+http://127.0.0.1:{{http_port}} {
+	rate_limit {
+		zone lost
+		key {http.request.header.X-Key}
+		replenish_rate 0.001
+		burst_capacity 1000
+		requested_tokens 100
+		charge header X-Cost
+		redis %[1]s
+	}
+	reverse_proxy %[2]s
+}
+`, srv.Addr, up.host())
+	before := scrapeMetricsAt(t, c.admin)
+	type answer struct {
+		status int
+		body   string
+		err    error
+	}
+	done := make(chan answer, 1)
+	go func() {
+		resp, body, err := getHeaders(c.client, c.URL+"/?format=raw&ct=text/plain&body=held&cost=37&hold=1", "X-Key", "k")
+		if err != nil {
+			done <- answer{err: err}
+			return
+		}
+		done <- answer{status: resp.StatusCode, body: body}
+	}()
+	// The reservation is taken; stop Redis while the response is held.
+	c.awaitTokens(t, "lost", "k", 900, 0.05)
+	srv.Stop(t)
+	close(up.release)
+	a := <-done
+	if a.err != nil || a.status != 200 || a.body != "held" {
+		t.Fatalf("the held response: %d %q %v, want 200 held", a.status, a.body, a.err)
+	}
+	eventually(t, 3*time.Second, "the lost settlement is counted", func() bool {
+		s := scrapeMetricsAt(t, c.admin)
+		return s.samples[`caddy_rate_limit_settle_failures_total{zone="lost"}`]-before.samples[`caddy_rate_limit_settle_failures_total{zone="lost"}`] == 1
+	})
+	warned := false
+	for _, l := range logLines(t, c.LogFile) {
+		msg, _ := l["msg"].(string)
+		warned = warned || strings.Contains(msg, "settling a response's cost failed")
+	}
+	if !warned {
+		t.Errorf("no warning about the lost settlement in Caddy's log")
+	}
+	// The reservation stands: what is charged is the 100 reserved.
+	assertDeltas(t, before, scrapeMetricsAt(t, c.admin), map[string]float64{chargeSeries("charged_total", "lost", ""): 100})
+
+	// Back (empty, without persistence): nothing is sent again.
+	srv.Restart(t)
+	rdb := srv.Client(t)
+	time.Sleep(time.Second)
+	if n := scriptCalls(t, rdb); n != 0 {
+		t.Fatalf("%d script calls reached the restarted Redis, want none: the lost settlement was sent again", n)
+	}
+	if resp, _ := c.get(t, "/?format=raw&ct=text/plain&body=ok&cost=100", "X-Key", "k"); resp.StatusCode != 200 ||
+		resp.Header.Get("X-RateLimit-Remaining") != "900" {
+		t.Fatalf("after the restart: %d remaining %q, want 200 with 900 (a new bucket)", resp.StatusCode, resp.Header.Get("X-RateLimit-Remaining"))
+	}
+}
+
+// TestChargeBoundUnderConcurrency: many clients at once on one bucket,
+// each response costing what the upstream says (from nothing to four
+// times the reservation): over any interval of length T, what the limit
+// charges stays within burst + rate*T + max_debt; the bucket never goes
+// below -max_debt; tokens are conserved exactly (what was charged, less
+// what was forgiven, is what the bucket lost plus what it refilled).
+func TestChargeBoundUnderConcurrency(t *testing.T) {
+	const (
+		rate     = 500.0
+		burst    = 500
+		reserved = 10
+		maxDebt  = 60
+		clients  = 16
+		duration = 3 * time.Second
+		// A settlement lands within the Redis timeout of its response.
+		settleWithin = 100 * time.Millisecond
+	)
+	srv := redistest.Start(t)
+	up := startChargeUpstream(t)
+	c := startChargeCaddy(t, fmt.Sprintf(`
+http://127.0.0.1:{{http_port}} {
+	rate_limit {
+		zone bound
+		key {http.request.header.X-Key}
+		replenish_rate %v
+		burst_capacity %d
+		requested_tokens %d
+		charge header X-Cost
+		max_debt %d
+		redis %%[1]s
+	}
+	reverse_proxy %%[2]s
+}
+`, rate, burst, reserved, maxDebt), srv.Addr, up.host())
+	before := scrapeMetricsAt(t, c.admin)
+
+	type admission struct {
+		sent, received time.Time
+		cost           int
+	}
+	var (
+		mu       sync.Mutex
+		admitted []admission
+		refused  int
+		lowest   = math.Inf(1)
+		stop     = make(chan struct{})
+		wg       sync.WaitGroup
+		start    = time.Now()
+		sampling = make(chan struct{})
+	)
+	go func() { // the bucket, as the admin API reads it, all along
+		defer close(sampling)
+		for {
+			select {
+			case <-stop:
+				return
+			case <-time.After(5 * time.Millisecond):
+			}
+			if tokens := c.tokensOf(t, "bound", "shared"); tokens < lowest {
+				mu.Lock()
+				lowest = tokens
+				mu.Unlock()
+			}
+		}
+	}()
+	for g := range clients {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			rng := rand.New(rand.NewPCG(uint64(g), 21))
+			for time.Since(start) < duration {
+				cost := rng.IntN(4*reserved + 1)
+				sent := time.Now()
+				resp, _, err := getHeaders(c.client, fmt.Sprintf("%s/?format=raw&ct=text/plain&body=ok&cost=%d", c.URL, cost), "X-Key", "shared")
+				if err != nil {
+					t.Error(err)
+					return
+				}
+				mu.Lock()
+				switch resp.StatusCode {
+				case 200:
+					admitted = append(admitted, admission{sent, time.Now(), cost})
+				case 429:
+					refused++
+				default:
+					t.Errorf("status %d", resp.StatusCode)
+				}
+				mu.Unlock()
+			}
+		}()
+	}
+	wg.Wait()
+	end := time.Now()
+	time.Sleep(2 * settleWithin) // the last settlements land
+	close(stop)
+	<-sampling
+	final := c.tokensOf(t, "bound", "shared")
+	finalAt := time.Now() // the bucket refilled until then
+	after := scrapeMetricsAt(t, c.admin)
+	forgiven := after.samples[chargeSeries("forgiven_total", "bound", "")] - before.samples[chargeSeries("forgiven_total", "bound", "")]
+	charged := after.samples[chargeSeries("charged_total", "bound", "")] - before.samples[chargeSeries("charged_total", "bound", "")]
+
+	total := 0
+	refunds, debts := 0, 0
+	for _, a := range admitted {
+		total += a.cost
+		switch {
+		case a.cost < reserved:
+			refunds++
+		case a.cost > reserved:
+			debts++
+		}
+	}
+	elapsed := end.Sub(start).Seconds() + settleWithin.Seconds()
+	t.Logf("%d admitted (%d refunds, %d above the reservation), %d refused in %.2f s; charged %d, forgiven %.3f; lowest %.3f, final %.3f tokens",
+		len(admitted), refunds, debts, refused, elapsed, total, forgiven, lowest, final)
+	if refused < len(admitted)/10 || refunds < 20 || debts < 20 {
+		t.Fatalf("the run tried too little")
+	}
+	if math.Abs(charged-(float64(total)-forgiven)) > 1e-6 {
+		t.Errorf("the metrics say %v charged and %v forgiven; the upstream charged %d", charged, forgiven, total)
+	}
+	if lowest < -maxDebt-1e-9 || final < -maxDebt-1e-9 {
+		t.Errorf("the bucket went down to %v tokens, below -max_debt (%d)", math.Min(lowest, final), -maxDebt)
+	}
+	// Whole run: charged = burst - final + refill, refill <= rate*T.
+	if net := float64(total) - forgiven; net > burst-final+rate*finalAt.Sub(start).Seconds()+1e-6 || net > burst+rate*elapsed+maxDebt {
+		t.Errorf("charged %v in %.3f s, final %v tokens: more than burst + rate*T (+ the debt)", net, elapsed, final)
+	}
+	// Every interval: the requests admitted in it (sent after its start,
+	// settled before its end) charged at most burst + rate*T + max_debt,
+	// before what was forgiven.
+	slices.SortFunc(admitted, func(a, b admission) int { return a.sent.Compare(b.sent) })
+	for i := range admitted {
+		from := admitted[i].sent
+		sum := 0
+		var to time.Time // the last settlement of those so far
+		for j := i; j < len(admitted); j++ {
+			sum += admitted[j].cost
+			to = later(to, admitted[j].received.Add(settleWithin))
+			if bound := burst + rate*to.Sub(from).Seconds() + maxDebt + forgiven; float64(sum) > bound {
+				t.Fatalf("%d charged by the %d requests sent from %v, settled within %v: more than %v", sum, j-i+1,
+					from.Sub(start), to.Sub(from), bound)
+			}
+		}
+	}
+}
+
+func later(a, b time.Time) time.Time {
+	if a.After(b) {
+		return a
+	}
+	return b
+}
+
+// TestChargeSeveralLimitsAllOrNothingOneSettlementCall: a policy whose
+// `tokens` limit charges by the response and whose `requests` limit does
+// not: a response's usage settles the tokens bucket only, in one script
+// call, and none when the usage equals the reservation; in debt, the
+// tokens limit refuses, takes nothing from the requests limit, and the
+// headers describe it; {http.rate_limit.charged.tokens} shows the cost.
+func TestChargeSeveralLimitsAllOrNothingOneSettlementCall(t *testing.T) {
+	srv := redistest.Start(t)
+	rdb := srv.Client(t)
+	up := startChargeUpstream(t)
+	logPath := filepath.Join(t.TempDir(), "access.log")
+	c := startChargeCaddy(t, `
+http://127.0.0.1:{{http_port}} {
+	log {
+		output file `+logPath+` {
+			roll_disabled
+		}
+		format json
+	}
+	log_append result {http.rate_limit.result}
+	log_append charged {http.rate_limit.charged.tokens}
+	rate_limit {
+		zone policy
+		key {http.request.header.X-Key}
+		limit requests 0.001 100
+		limit tokens 0.001 1000 100 {
+			charge json usage.total_tokens
+		}
+		headers both
+		redis %[1]s
+	}
+	reverse_proxy %[2]s
+}
+`, srv.Addr, up.host())
+	k := q("header.X-Key", "k")
+	before := commandCalls(t, rdb)
+	for i, usage := range []int{100, 100, 40, 1560} {
+		if resp, _ := c.get(t, fmt.Sprintf("/?format=openai&usage=%d", usage), "X-Key", "k"); resp.StatusCode != 200 {
+			t.Fatalf("request %d: %d", i+1, resp.StatusCode)
+		}
+	}
+	c.awaitLimitTokens(t, "policy", k, "tokens", 1000-1800, 0.05)
+	// The admin API reads with EVAL_RO; requests and settlements are
+	// EVALSHA (a take each, a settlement each for the two that differ).
+	if calls := commandsSince(t, rdb, before); calls["evalsha"] != 6 || calls["eval"] != 0 {
+		t.Fatalf("Redis served %v for four requests, two settled: want 6 EVALSHA", calls)
+	}
+	// In debt (-800): the tokens limit refuses, for (100 + 800) / 0.001 s.
+	resp, _ := c.get(t, "/?format=openai&usage=1", "X-Key", "k")
+	if resp.StatusCode != 429 || resp.Header.Get("X-RateLimit-Remaining") != "0" || resp.Header.Get("X-RateLimit-Burst-Capacity") != "1000" ||
+		resp.Header.Get("Retry-After") != "900000" || resp.Header.Get("RateLimit") != `"policy.requests";r=96;t=0, "policy.tokens";r=0;t=900000` {
+		t.Fatalf("in debt: %d, remaining %q of %q, Retry-After %q, RateLimit %q; want 429 by tokens: 0 of 1000, 900000 s",
+			resp.StatusCode, resp.Header.Get("X-RateLimit-Remaining"), resp.Header.Get("X-RateLimit-Burst-Capacity"),
+			resp.Header.Get("Retry-After"), resp.Header.Get("RateLimit"))
+	}
+	if requests := c.limitTokens(t, "policy", k, "requests"); requests < 96 || requests > 96.05 {
+		t.Fatalf("the requests bucket holds %v after the refusal, want 96: a refusal takes nothing", requests)
+	}
+	var entries []accessLogEntry
+	eventually(t, 3*time.Second, "the access log has every request", func() bool {
+		entries = accessLog(t, logPath)
+		return len(entries) >= 5
+	})
+	for i, want := range []string{"100", "100", "40", "1560", "<nil>"} {
+		if entries[i].charged != want {
+			t.Errorf("request %d: {http.rate_limit.charged.tokens} %q, want %s", i+1, entries[i].charged, want)
+		}
+	}
+}
+
+// TestChargeWithPlansFromMap: max_debt defaults to each request's
+// burst, here a plan's from `map`.
+func TestChargeWithPlansFromMap(t *testing.T) {
+	srv := redistest.Start(t)
+	up := startChargeUpstream(t)
+	c := startChargeCaddy(t, `
+http://127.0.0.1:{{http_port}} {
+	map {http.request.header.X-Plan} {plan_burst} {
+		pro     2000
+		default 1000
+	}
+	rate_limit {
+		zone plans
+		key {http.request.header.X-Key}
+		replenish_rate 0.001
+		burst_capacity {plan_burst}
+		requested_tokens 100
+		charge header X-Cost
+		redis %[1]s
+	}
+	reverse_proxy %[2]s
+}
+`, srv.Addr, up.host())
+	for _, tc := range []struct {
+		plan, burst string
+		want        float64
+	}{{"pro", "2000", 2000 - 3500}, {"basic", "1000", -1000}} { // basic: 1000 - 3500, held at -max_debt (its burst)
+		if resp, _ := c.get(t, "/?format=raw&ct=text/plain&body=ok&cost=3500", "X-Key", tc.plan, "X-Plan", tc.plan); resp.StatusCode != 200 {
+			t.Fatalf("%s: %d", tc.plan, resp.StatusCode)
+		}
+		c.awaitLimitTokens(t, "plans", q("header.X-Key", tc.plan, "plan_burst", tc.burst), "", tc.want, 0.05)
+	}
+}
+
+// TestChargeWithStoreMemoryOnErrorLocalAndShadow: the in-process stores
+// settle at once (store memory, and on_error local's buckets while Redis
+// is down); shadow mode settles what it admits and lets a request in
+// debt pass without charging it.
+func TestChargeWithStoreMemoryOnErrorLocalAndShadow(t *testing.T) {
+	srv := redistest.Start(t)
+	up := startChargeUpstream(t)
+	c := startChargeCaddy(t, `
+http://127.0.0.1:{{http_port}} {
+	rate_limit /memory {
+		zone memory
+		key {http.request.header.X-Key}
+		replenish_rate 0.001
+		burst_capacity 1000
+		requested_tokens 100
+		charge json usage.total_tokens
+		store memory
+	}
+	rate_limit /local {
+		zone local
+		key {http.request.header.X-Key}
+		replenish_rate 0.001
+		burst_capacity 1000
+		requested_tokens 100
+		charge json usage.total_tokens
+		on_error local
+		redis `+deadRedis+`
+	}
+	rate_limit /shadow {
+		zone shadow
+		key {http.request.header.X-Key}
+		replenish_rate 0.001
+		burst_capacity 1000
+		requested_tokens 100
+		charge json usage.total_tokens
+		shadow
+		redis %[1]s
+	}
+	reverse_proxy %[2]s
+}
+`, srv.Addr, up.host())
+	for _, zone := range []string{"memory", "local"} {
+		remaining := 1000
+		for i, usage := range []int{37, 250, 1500} {
+			resp, _ := c.get(t, fmt.Sprintf("/%s?format=openai&usage=%d", zone, usage), "X-Key", "k")
+			if want := strconv.Itoa(remaining - 100); resp.StatusCode != 200 || resp.Header.Get("X-RateLimit-Remaining") != want {
+				t.Fatalf("%s request %d: %d remaining %q, want 200 with %s", zone, i+1, resp.StatusCode, resp.Header.Get("X-RateLimit-Remaining"), want)
+			}
+			remaining -= usage
+		}
+		// -787: refused until (100 + 787) / 0.001 s.
+		resp, _ := c.get(t, "/"+zone+"?format=openai&usage=1", "X-Key", "k")
+		if resp.StatusCode != 429 || resp.Header.Get("X-RateLimit-Remaining") != "0" || resp.Header.Get("Retry-After") != "887000" {
+			t.Fatalf("%s in debt: %d remaining %q Retry-After %q, want 429, 0, 887000", zone, resp.StatusCode,
+				resp.Header.Get("X-RateLimit-Remaining"), resp.Header.Get("Retry-After"))
+		}
+	}
+	if tokens := c.tokensOf(t, "memory", "k"); tokens < -787 || tokens > -786.9 {
+		t.Errorf("admin, store memory: %v tokens, want -787", tokens)
+	}
+
+	for i, usage := range []int{1500, 500} {
+		resp, _ := c.get(t, fmt.Sprintf("/shadow?format=openai&usage=%d", usage), "X-Key", "k")
+		if resp.StatusCode != 200 || len(rateLimitHeaderNames(resp)) != 0 {
+			t.Fatalf("shadow request %d: %d with %v, want 200 without rate-limit headers", i+1, resp.StatusCode, rateLimitHeaderNames(resp))
+		}
+		c.awaitTokens(t, "shadow", "k", -500, 0.05)
+	}
+	time.Sleep(300 * time.Millisecond) // long enough for a settlement to land
+	if tokens := c.tokensOf(t, "shadow", "k"); tokens > -499.95 || tokens < -500 {
+		t.Errorf("shadow: %v tokens, want -500: a request refused in shadow mode is not charged", tokens)
+	}
+}
+
+// TestChargeOnClusterOneSettlementPerSlotGroup: on a Cluster, a policy
+// whose charging limits have two key templates (two hash slots) settles
+// each slot group with one script call.
+func TestChargeOnClusterOneSettlementPerSlotGroup(t *testing.T) {
+	cluster := redistest.StartCluster(t, 3, 0)
+	clients := masterClients(t, cluster)
+	up := startChargeUpstream(t)
+	c := startChargeCaddy(t, `
+http://127.0.0.1:{{http_port}} {
+	rate_limit {
+		zone cluster
+		key {http.request.header.X-Key}
+		limit client 0.001 1000 100 {
+			charge header X-Cost
+		}
+		limit tenant 0.001 5000 100 {
+			key {http.request.header.X-Tenant}
+			charge header X-Cost
+		}
+		redis %[1]s {
+			cluster
+		}
+	}
+	reverse_proxy %[2]s
+}
+`, cluster.Masters[0].Addr, up.host())
+	calls := func() int64 {
+		var n int64
+		for _, rdb := range clients {
+			n += commandCalls(t, rdb)["evalsha"]
+		}
+		return n
+	}
+	before := calls()
+	if resp, _ := c.get(t, "/?format=raw&ct=text/plain&body=ok&cost=350", "X-Key", "k", "X-Tenant", "acme"); resp.StatusCode != 200 {
+		t.Fatalf("%d, want 200", resp.StatusCode)
+	}
+	who := q("header.X-Key", "k", "header.X-Tenant", "acme")
+	c.awaitLimitTokens(t, "cluster", who, "client", 1000-350, 0.05)
+	c.awaitLimitTokens(t, "cluster", who, "tenant", 5000-350, 0.05)
+	if n := calls() - before; n != 4 {
+		t.Errorf("%d EVALSHA on the masters, want 4: a take and a settlement per slot group", n)
+	}
+}
+
+// ---- Configuration
+
+func TestChargeCaddyfileParsesEveryForm(t *testing.T) {
+	for _, tc := range []struct {
+		name, input string
+		want        Handler
+	}{
+		{"a header", "rate_limit 10 20 {\n\tcharge header X-Cost\n}",
+			Handler{ReplenishRate: "10", BurstCapacity: "20", Charge: &Charge{Header: "X-Cost"}}},
+		{"JSON paths, statuses, debt and body", "rate_limit 10 20 {\n\tcharge json usage.input_tokens usage.output_tokens\n\tcharge_status 2xx 401\n\tmax_debt 0\n\tmax_body 2MiB\n}",
+			Handler{ReplenishRate: "10", BurstCapacity: "20", Charge: &Charge{JSON: []string{"usage.input_tokens", "usage.output_tokens"}},
+				ChargeStatus: []int{2, 401}, MaxDebt: ptr(int64(0)), MaxBody: 2 << 20}},
+		{"a placeholder", "rate_limit 10 20 {\n\tcharge placeholder {http.reverse_proxy.upstream.duration_ms}\n}",
+			Handler{ReplenishRate: "10", BurstCapacity: "20", Charge: &Charge{Placeholder: "{http.reverse_proxy.upstream.duration_ms}"}}},
+		{"charge_status alone", "rate_limit 10 20 {\n\tcharge_status 401 403\n\tmax_body 65536\n\tcharge json n\n}",
+			Handler{ReplenishRate: "10", BurstCapacity: "20", ChargeStatus: []int{401, 403}, MaxBody: 65536, Charge: &Charge{JSON: []string{"n"}}}},
+		{"in a limit", "rate_limit {\n\tlimit requests 1 60\n\tlimit tokens 1000 100000 1000 {\n\t\tcharge json usage.total_tokens\n\t\tcharge_status 2xx\n\t\tmax_debt 50000\n\t}\n}",
+			Handler{Limits: []Limit{{Name: "requests", ReplenishRate: "1", BurstCapacity: "60"},
+				{Name: "tokens", ReplenishRate: "1000", BurstCapacity: "100000", RequestedTokens: "1000",
+					Charge: &Charge{JSON: []string{"usage.total_tokens"}}, ChargeStatus: []int{2}, MaxDebt: ptr(int64(50000))}}}},
+	} {
+		h, err := parseTestCaddyfile(tc.input)
+		if err != nil {
+			t.Errorf("%s: %v", tc.name, err)
+			continue
+		}
+		if !reflect.DeepEqual(*h, tc.want) {
+			t.Errorf("%s:\n got %+v\nwant %+v", tc.name, *h, tc.want)
+		}
+	}
+}
+
+func TestChargeConfigMistakesNameTheSubdirectiveAndValue(t *testing.T) {
+	paths := ""
+	for i := range 17 {
+		paths += fmt.Sprintf(" p%d", i)
+	}
+	for _, tc := range []struct{ input, want string }{
+		{"charge", "charge: want header <name>, json <path>... or placeholder"},
+		{"charge header", "charge: want header <name>"},
+		{"charge header A B", "got 'header A B'"},
+		{"charge cookie X", "got 'cookie X'"},
+		{"charge header X:Y", "charge header 'X:Y': not a header name"},
+		{"charge json usage..total", "charge json 'usage..total': want keys separated by '.'"},
+		{"charge json a.b.c.d.e.f.g.h.i", "charge json 'a.b.c.d.e.f.g.h.i': more than 8 keys"},
+		{"charge json" + paths, "charge json: 17 paths in one handler, more than 16"},
+		{"charge placeholder duration", "charge placeholder 'duration': want a placeholder"},
+		{"charge header X\n\tcharge header Y", "subdirective 'charge' is given twice"},
+		{"charge_status", "charge_status: want one or more status codes"},
+		{"charge_status 99", "charge_status '99': want a status code (100 to 599) or a class (2xx)"},
+		{"charge_status 600", "charge_status '600'"},
+		{"charge_status 6xx", "charge_status '6xx'"},
+		{"charge_status 2XX", "charge_status '2XX'"},
+		{"max_debt -1\n\tcharge_status 401", "max_debt '-1': want a whole number of tokens from 0 to 2^53"},
+		{"max_debt lots\n\tcharge_status 401", "max_debt 'lots': want a whole number of tokens"},
+		{"max_debt 5", "max_debt '5': nothing can run into debt without charge or charge_status"},
+		{"max_debt 100000000\n\tcharge_status 401", "max_debt '100000000': a debt that large takes more than a year to pay back at replenish_rate '1'; lower it to at most 31536000"},
+		{"max_body 0\n\tcharge json n", "max_body '0': want a size such as 1MiB"},
+		{"max_body 1XB\n\tcharge json n", "max_body '1XB'"},
+		{"max_body 1MiB\n\tcharge header X-Cost", "max_body '1048576': only a 'charge json' source reads the body"},
+		{"limit a 1 1 {\n\t\tmax_debt 5\n\t}", "limit a: max_debt '5': nothing can run into debt"},
+		{"limit a 1 1 {\n\t\tcharge header\n\t}", "limit a: charge: want header <name>"},
+		{"limit a 1 1 {\n\t\tcharge_status 7\n\t}", "limit a: charge_status '7'"},
+	} {
+		input := "rate_limit 1 1 {\n\t" + tc.input + "\n}"
+		_, err := parseTestCaddyfile(input)
+		if err == nil || !strings.Contains(err.Error(), tc.want) {
+			t.Errorf("%q: %v, want an error with %q", tc.input, err, tc.want)
+		}
+	}
+}
+
+func TestChargeJSONConfigJudgedByValidate(t *testing.T) {
+	for _, tc := range []struct {
+		h    Handler
+		want string
+	}{
+		{Handler{ReplenishRate: "1", Charge: &Charge{Header: "X-Cost", JSON: []string{"n"}}}, "charge: want exactly one source"},
+		{Handler{ReplenishRate: "1", Charge: &Charge{}}, "charge: want exactly one source"},
+		{Handler{ReplenishRate: "1", ChargeStatus: []int{0}}, "charge_status '0'"},
+		{Handler{ReplenishRate: "1", MaxDebt: ptr(int64(3))}, "max_debt '3': nothing can run into debt"},
+		{Handler{ReplenishRate: "1", MaxBody: -1, Charge: &Charge{JSON: []string{"n"}}}, "max_body '-1'"},
+		{Handler{ReplenishRate: "1", Limits: []Limit{{Name: "t", Charge: &Charge{Placeholder: "x"}}}}, "limit t: charge placeholder 'x'"},
+	} {
+		h := tc.h
+		h.applyDefaults()
+		if err := h.Validate(); err == nil || !strings.Contains(err.Error(), tc.want) {
+			t.Errorf("%+v: %v, want an error with %q", tc.h, err, tc.want)
+		}
+	}
+	// What a valid JSON config charges: each limit its own, or the
+	// handler's.
+	h := offline(&Handler{ReplenishRate: "10", ChargeStatus: []int{401}, Limits: []Limit{
+		{Name: "plain"}, {Name: "tokens", Charge: &Charge{JSON: []string{"usage.total_tokens"}}, MaxDebt: ptr(int64(7))}}})
+	provision(t, h)
+	if r := h.limits[0].charge; r == nil || r.maxDebt != -1 || !slices.Equal(r.statuses, []int{401}) || r.paths != 0 {
+		t.Errorf("limit plain: %+v, want the handler's charge_status 401 and max_debt of its burst", r)
+	}
+	if r := h.limits[1].charge; r == nil || r.maxDebt != 7 || r.paths != 1 || r.chargedKey != "http.rate_limit.charged.tokens" {
+		t.Errorf("limit tokens: %+v, want its JSON path and max_debt 7", r)
+	}
 }

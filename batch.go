@@ -34,15 +34,31 @@ type call struct {
 	reply     []int64
 	err       error
 	done      chan struct{} // one answer per use
+	// then, when set, takes the answer instead of done, in the worker:
+	// for a call nobody waits on (a settlement, charge.go).
+	then answerTaker
 }
 
+// answerTaker takes a call's answer in the worker that got it, quickly,
+// and releases the call.
+type answerTaker interface{ takeAnswer(*call) }
+
 var calls = sync.Pool{New: func() any { return &call{done: make(chan struct{}, 1)} }}
+
+// answer hands the call its answer (or error).
+func (c *call) answer() {
+	if c.then != nil {
+		c.then.takeAnswer(c)
+		return
+	}
+	c.done <- struct{}{}
+}
 
 // release clears a call, keeping its room, and puts it back.
 func (c *call) release() {
 	clear(c.args)
 	c.args, c.keys, c.reply = c.args[:0], c.keys[:0], c.reply[:0]
-	c.script, c.clientCtx, c.breaker, c.err = nil, nil, nil, nil
+	c.script, c.clientCtx, c.breaker, c.err, c.then = nil, nil, nil, nil, nil
 	calls.Put(c)
 }
 
@@ -76,7 +92,7 @@ func (l *limiter) work(worker int) {
 				select {
 				case c := <-l.queue:
 					c.err = errLimiterClosed
-					c.done <- struct{}{}
+					c.answer()
 				default:
 					return
 				}
@@ -119,7 +135,7 @@ func (l *limiter) sendBatch(worker int, batch []*call) {
 			live = append(live, c)
 			continue
 		}
-		c.done <- struct{}{}
+		c.answer()
 	}
 	if len(live) == 0 {
 		return
@@ -133,7 +149,7 @@ func (l *limiter) sendBatch(worker int, batch []*call) {
 		c.breaker = l.nodeBreaker(ctx, c.keys[0], &resolved)
 		if !c.breaker.allow() {
 			c.err = errBreakerOpen
-			c.done <- struct{}{}
+			c.answer()
 			continue
 		}
 		send = append(send, c)
@@ -166,7 +182,7 @@ func (l *limiter) sendBatch(worker int, batch []*call) {
 			}
 			l.reloadSlotsAfter(c.err)
 		}
-		c.done <- struct{}{}
+		c.answer()
 	}
 }
 

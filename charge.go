@@ -8,6 +8,7 @@ import (
 	"net/http"
 	"strconv"
 	"strings"
+	"sync"
 	"time"
 
 	"github.com/caddyserver/caddy/v2"
@@ -246,10 +247,10 @@ type chargeRule struct {
 	paths       uint16 // for charge json: bits of the handler's scan paths
 	placeholder string
 	statuses    []int // empty: every status
-	// maxDebt is max_debt; -1 when it is the bucket's burst. maxDebtArg is
-	// it as the script's argument, boxed once (when set).
-	maxDebt    int64
-	maxDebtArg any
+	// maxDebt is max_debt; -1 when it is the bucket's burst. maxArg is it
+	// as the script's argument, boxed once (when set).
+	maxDebt int64
+	maxArg  any
 	// chargedKey is the limit's own placeholder,
 	// http.rate_limit.charged.<name>; empty for a handler without limits.
 	chargedKey string
@@ -283,7 +284,7 @@ func (h *Handler) setUpCharging() error {
 		l := h.limits[i]
 		rule := &chargeRule{statuses: statuses, maxDebt: -1}
 		if maxDebt != nil {
-			rule.maxDebt, rule.maxDebtArg = *maxDebt, strconv.FormatInt(*maxDebt, 10)
+			rule.maxDebt, rule.maxArg = *maxDebt, strconv.FormatInt(*maxDebt, 10)
 		}
 		if l.name != "" {
 			rule.chargedKey = "http.rate_limit.charged." + l.name
@@ -313,18 +314,25 @@ func (h *Handler) setUpCharging() error {
 // maxDebtFor is how far below zero a bucket with values v may go: its
 // max_debt, or its burst; never more than a year's refill, so a debt is
 // always paid back within what Retry-After can say.
-func (r *chargeRule) maxDebtFor(v limitValues) (int64, any) {
-	debt, arg := r.maxDebt, r.maxDebtArg
+func (r *chargeRule) maxDebtFor(v limitValues) int64 {
+	debt := r.maxDebt
 	if debt < 0 {
-		debt, arg = v.burst, nil
+		debt = v.burst
 	}
-	if most := int64(v.rate * maxFillSeconds); debt > most {
-		debt, arg = most, nil
+	return min(debt, int64(v.rate*maxFillSeconds))
+}
+
+// maxDebtArg is maxDebtFor as the settle script's argument: boxed once
+// when it is max_debt or the burst (whose argument the bucket has).
+func (r *chargeRule) maxDebtArg(b *bucket) any {
+	switch debt := r.maxDebtFor(b.values); {
+	case debt == r.maxDebt:
+		return r.maxArg
+	case debt == b.values.burst:
+		return b.args[1]
+	default:
+		return strconv.FormatInt(debt, 10)
 	}
-	if arg == nil {
-		arg = strconv.FormatInt(debt, 10)
-	}
-	return debt, arg
 }
 
 // The values of {http.rate_limit.result} after the response, boxed once.
@@ -352,10 +360,11 @@ func (h *Handler) serveCharged(w http.ResponseWriter, r *http.Request, next cadd
 // errAborted stands for the error of a handler that panicked.
 var errAborted = errors.New("the response was aborted")
 
-// settling is one bucket's settlement: its cost, and the difference from
-// its reservation.
+// settling is one bucket's settlement: the bucket's index in the
+// request's buckets (an index, not a pointer, so that they stay on the
+// stack), its cost, and the difference from its reservation.
 type settling struct {
-	bucket *bucket
+	bucket int
 	cost   int64
 	diff   int64
 }
@@ -386,7 +395,7 @@ func (h *Handler) settleResponse(cw *chargeWriter, err error, repl *caddy.Replac
 		if rule.chargedKey != "" {
 			repl.Set(rule.chargedKey, cost)
 		}
-		items = append(items, settling{bucket: b, cost: cost, diff: cost - reserved})
+		items = append(items, settling{bucket: i, cost: cost, diff: cost - reserved})
 	}
 	var store *memoryStore
 	switch {
@@ -398,7 +407,7 @@ func (h *Handler) settleResponse(cw *chargeWriter, err error, repl *caddy.Replac
 	unsettled := items[:0]
 	for _, it := range items {
 		if it.diff == 0 {
-			h.countCharged(it.bucket.limit, float64(it.cost), 0)
+			h.countCharged(buckets[it.bucket].limit, float64(it.cost), 0)
 		} else {
 			unsettled = append(unsettled, it)
 		}
@@ -406,9 +415,9 @@ func (h *Handler) settleResponse(cw *chargeWriter, err error, repl *caddy.Replac
 	switch {
 	case len(unsettled) == 0:
 	case store != nil:
-		h.settleInProcess(store, unsettled)
+		h.settleInProcess(store, buckets, unsettled)
 	default:
-		h.settleInRedis(unsettled)
+		h.settleInRedis(buckets, unsettled)
 	}
 }
 
@@ -530,28 +539,27 @@ func settleBucket(state memoryBucket, t int64, v limitValues, diff, maxDebt int6
 // buckets of on_error local), at once: no I/O. A bucket that is gone
 // (swept) is full, as an expired key; one that a take would bring back
 // while the store is full cannot be, and its settlement is lost.
-func (h *Handler) settleInProcess(s *memoryStore, items []settling) {
+func (h *Handler) settleInProcess(s *memoryStore, buckets []bucket, items []settling) {
 	var inlineKeys [maxInlineBuckets]string
 	var inlineShards [maxInlineBuckets]int
 	keys := inlineKeys[:0]
 	for _, it := range items {
-		keys = append(keys, s.storedKey(it.bucket.key))
+		keys = append(keys, s.storedKey(buckets[it.bucket].key))
 	}
 	shards := s.lock(keys, inlineShards[:0])
 	defer s.unlock(shards)
 	t := memoryNow(time.Now())
 	for i, it := range items {
-		b := it.bucket
+		b := &buckets[it.bucket]
 		sh := s.shard(keys[i])
 		state, ok := sh.buckets[keys[i]]
 		current, at := currentState(state, ok, t, b.values)
-		debt, _ := b.limit.charge.maxDebtFor(b.values)
-		after, forgiven := settleBucket(current, at, b.values, it.diff, debt)
+		after, forgiven := settleBucket(current, at, b.values, it.diff, b.limit.charge.maxDebtFor(b.values))
 		switch {
 		case !ok && after.tokens >= float64(b.values.burst):
 			// A full bucket needs no entry.
 		case !ok && !s.reserve(1):
-			h.countSettleFailure(items[i:i+1], errMemoryFull)
+			h.countSettleFailure(buckets, items[i:i+1], errMemoryFull)
 			continue
 		default:
 			sh.buckets[strings.Clone(keys[i])] = after
@@ -560,20 +568,23 @@ func (h *Handler) settleInProcess(s *memoryStore, items []settling) {
 	}
 }
 
-// pendingSettlement is a request's settlement on its way to Redis: a
-// call per slot group, and what each bucket charged, in the calls'
-// order.
-type pendingSettlement struct {
+// settleCall is one settlement call on its way to Redis (a request's
+// buckets, or on a Cluster those of one slot group) and what each of its
+// buckets charged, read when Redis answers. Pooled, with its call: a
+// settlement costs no goroutine and no allocation of its own.
+type settleCall struct {
 	h      *Handler
-	calls  []*call
 	items  []settlement
-	inline struct {
-		calls [maxInlineBuckets]*call
-		items [maxInlineBuckets]settlement
-	}
+	inline [maxInlineBuckets]settlement
 }
 
-// settlement is one bucket's part of a pendingSettlement.
+var settleCalls = sync.Pool{New: func() any {
+	s := new(settleCall)
+	s.items = s.inline[:0]
+	return s
+}}
+
+// settlement is one bucket's part of a settleCall.
 type settlement struct {
 	limit          *limit
 	cost, reserved int64
@@ -583,12 +594,10 @@ type settlement struct {
 // settleInRedis queues the settlement of a request's buckets, one script
 // call for all of them (one per slot group on a Cluster), before the
 // request returns, so that it precedes the client's next request in the
-// queue; what Redis answers is read off the request path. A call is sent
-// at most once: one lost to a failure is counted and logged, and the
-// reservation stands.
-func (h *Handler) settleInRedis(items []settling) {
-	p := &pendingSettlement{h: h}
-	p.calls, p.items = p.inline.calls[:0], p.inline.items[:0]
+// queue; what Redis answers is read by the batcher's worker (takeAnswer),
+// off the request path. A call is sent at most once: one lost to a
+// failure is counted and logged, and the reservation stands.
+func (h *Handler) settleInRedis(buckets []bucket, items []settling) {
 	groups := 1
 	if h.groups != nil {
 		groups = len(h.groups)
@@ -598,35 +607,34 @@ func (h *Handler) settleInRedis(items []settling) {
 	for g := range groups {
 		group := inline[:0]
 		for _, it := range items {
-			if h.groups == nil || it.bucket.limit.group == g {
+			if h.groups == nil || buckets[it.bucket].limit.group == g {
 				group = append(group, it)
 			}
 		}
 		if len(group) == 0 {
 			continue
 		}
+		s := settleCalls.Get().(*settleCall)
+		s.h = h
 		c := calls.Get().(*call)
 		c.args = append(c.args, "evalsha", settleScript.sha, keyCountArg(len(group)))
 		for _, it := range group {
-			c.keys = append(c.keys, it.bucket.key)
+			c.keys = append(c.keys, buckets[it.bucket].key)
 		}
 		for i := range c.keys {
 			c.args = append(c.args, &c.keys[i])
 		}
 		for _, it := range group {
-			b := it.bucket
-			_, debt := b.limit.charge.maxDebtFor(b.values)
-			c.args = append(c.args, b.args[0], b.args[1], diffArg(it.diff), debt)
-			p.items = append(p.items, settlement{limit: b.limit, cost: it.cost, reserved: b.values.requested, diff: it.diff})
+			b := &buckets[it.bucket]
+			c.args = append(c.args, b.args[0], b.args[1], diffArg(it.diff), b.limit.charge.maxDebtArg(b))
+			s.items = append(s.items, settlement{limit: b.limit, cost: it.cost, reserved: b.values.requested, diff: it.diff})
 		}
-		c.script, c.clientCtx = settleScript, context.Background() // sent even when the client has left
+		c.script, c.clientCtx, c.then = settleScript, context.Background(), s // sent even when the client has left
 		if err := h.limiter.enqueue(c, now); err != nil {
 			c.err = err
-			c.done <- struct{}{} // answered here: wait reads it
+			s.takeAnswer(c)
 		}
-		p.calls = append(p.calls, c)
 	}
-	go p.wait()
 }
 
 // keyCountArg is a call's number of keys as its argument.
@@ -653,48 +661,46 @@ func diffArg(diff int64) any {
 	return strconv.FormatInt(diff, 10)
 }
 
-// wait reads what Redis answered to a request's settlement calls.
-func (p *pendingSettlement) wait() {
-	h := p.h
-	items := p.items
-	for _, c := range p.calls {
-		<-c.done
-		n := len(c.keys)
-		group := items[:n]
-		items = items[n:]
-		err := c.err
-		if err == nil && len(c.reply) != n {
-			err = fmt.Errorf("unexpected settle reply %v", c.reply)
+// takeAnswer reads what Redis answered to a settlement call, in the
+// batcher's worker: it counts what was charged and forgiven, and
+// releases the call and itself.
+func (s *settleCall) takeAnswer(c *call) {
+	h := s.h
+	err := c.err
+	if err == nil && len(c.reply) != len(s.items) {
+		err = fmt.Errorf("unexpected settle reply %v", c.reply)
+	}
+	if err != nil {
+		h.countSettleFailure(nil, nil, err)
+		for _, it := range s.items {
+			h.countCharged(it.limit, float64(it.reserved), 0)
 		}
-		if err != nil {
-			h.countSettleFailure(nil, err)
-			for _, s := range group {
-				h.countCharged(s.limit, float64(s.reserved), 0)
-			}
-			c.release()
-			continue
-		}
+	} else {
 		gaveBack := false
-		for i, s := range group {
+		for i, it := range s.items {
 			forgiven := float64(c.reply[i]) / 1e6
-			h.countCharged(s.limit, float64(s.cost)-forgiven, forgiven)
-			gaveBack = gaveBack || s.diff < 0
+			h.countCharged(it.limit, float64(it.cost)-forgiven, forgiven)
+			gaveBack = gaveBack || it.diff < 0
 		}
 		if gaveBack && h.useDenyCache {
 			// Tokens came back sooner than time alone would bring them: a
 			// cached denial of these buckets would refuse what now fits.
 			h.denied.forget(c.keys...)
 		}
-		c.release()
 	}
+	c.release()
+	clear(s.items)
+	s.h, s.items = nil, s.items[:0]
+	settleCalls.Put(s)
 }
 
 // countSettleFailure counts settlements lost, and logs (throttled) why:
 // the reservations of their buckets stand. items, when given, are
 // counted as charged their reservations.
-func (h *Handler) countSettleFailure(items []settling, err error) {
+func (h *Handler) countSettleFailure(buckets []bucket, items []settling, err error) {
 	for _, it := range items {
-		h.countCharged(it.bucket.limit, float64(it.bucket.values.requested), 0)
+		b := &buckets[it.bucket]
+		h.countCharged(b.limit, float64(b.values.requested), 0)
 	}
 	if h.metrics != nil {
 		h.metrics.settleFailures.Inc()

@@ -17,12 +17,16 @@ import (
 	"strconv"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
 	"github.com/caddy-redis/ratelimit/internal/caddyproc"
 	"github.com/caddy-redis/ratelimit/internal/redistest"
+	"github.com/caddyserver/caddy/v2"
+	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 	"github.com/redis/go-redis/v9"
+	"go.uber.org/zap"
 )
 
 // Settling what responses cost (charge.go, settle.lua): the arithmetic of
@@ -152,8 +156,7 @@ func TestSettleScriptAgreesWithMemoryStore(t *testing.T) {
 			}
 			elapsed := rng.Int64N(fillMicros(l.rate, l.burst) / 2)
 			diff := rng.Int64N(3*l.burst) - l.burst
-			_, debtArg := (&chargeRule{maxDebt: maxDebt, maxDebtArg: strconv.FormatInt(maxDebt, 10)}).maxDebtFor(v)
-			args := []any{v.scriptArgs()[0], v.scriptArgs()[1], diffArg(diff), debtArg}
+			args := []any{v.scriptArgs()[0], v.scriptArgs()[1], diffArg(diff), strconv.FormatInt(maxDebt, 10)}
 			stored, t0, forgiven, t1, after, ttl := storeSettleStep(t, rdb, key, b, elapsed, args)
 			what := fmt.Sprintf("%s: bucket %+v, diff %d, max_debt %d", l.name, stored, diff, maxDebt)
 			if after.at < t0 && after.present || after.at > t1 {
@@ -1417,3 +1420,57 @@ func TestChargeJSONConfigJudgedByValidate(t *testing.T) {
 		t.Errorf("limit tokens: %+v, want its JSON path and max_debt 7", r)
 	}
 }
+
+// ---- Benchmarks
+
+// BenchmarkServeHTTPCharged is BenchmarkServeHTTPAllowedParallel (32
+// goroutines per CPU, a key each) for a limit that charges by the
+// response: `charge header X-Cost` with a cost of 2 against a
+// reservation of 1, so every request also settles; `charge_status 2xx`,
+// where every response keeps its reservation (no settlement); and the
+// same limit without charging, for scale. cpu-ns/op is this process's
+// CPU per request (the handler, go-redis, the runtime).
+func BenchmarkServeHTTPCharged(b *testing.B) {
+	costly := caddyhttp.HandlerFunc(func(w http.ResponseWriter, r *http.Request) error {
+		w.Header()["X-Cost"] = costTwo
+		w.WriteHeader(http.StatusOK)
+		return nil
+	})
+	for _, c := range []struct {
+		name   string
+		charge func(h *Handler)
+	}{
+		{"none", func(*Handler) {}},
+		{"charge_status", func(h *Handler) { h.ChargeStatus = []int{2} }},
+		{"charge_header", func(h *Handler) { h.Charge = &Charge{Header: "X-Cost"} }},
+	} {
+		b.Run(c.name, func(b *testing.B) {
+			srv := redistest.Start(b)
+			h := &Handler{Zone: "bench-charge", Key: "{http.request.header.X-Key}", ReplenishRate: "1e9", BurstCapacity: "1000000000",
+				Redis: &RedisConfig{Addresses: []string{srv.Addr}, Timeout: caddy.Duration(2 * time.Second)}}
+			c.charge(h)
+			provision(b, h)
+			observeLogs(h, zap.InfoLevel)
+			var next atomic.Int64
+			b.SetParallelism(32)
+			b.ReportAllocs()
+			cpu := processCPU()
+			b.ResetTimer()
+			b.RunParallel(func(pb *testing.PB) {
+				n := next.Add(1)
+				r, w := benchRequest(fmt.Sprintf("192.0.2.%d", n%250+1), "client-"+strconv.FormatInt(n, 10))
+				for pb.Next() {
+					w.h = freshHeader()
+					if err := h.ServeHTTP(w, r, costly); err != nil {
+						b.Errorf("goroutine %d: %v", n, err)
+						return
+					}
+				}
+			})
+			b.StopTimer()
+			b.ReportMetric(float64(processCPU()-cpu)/float64(b.N), "cpu-ns/op")
+		})
+	}
+}
+
+var costTwo = []string{"2"}

@@ -25,6 +25,11 @@
 #   lease@256     as lease@64 with 256 connections
 #   memfloor@256  as memfloor@64 with 256 connections
 #   nometrics@64  as allowed@64 with `metrics off` (what the metrics cost)
+#   charge@64     as allowed@64 with `charge header X-Cost`: every response
+#                 costs more than its reservation, so every request also
+#                 settles (a second script call, after the response)
+#   chargestatus@64  as allowed@64 with `charge_status 2xx`: responses keep
+#                 their reservation, no settlement (what the writer costs)
 #   denied@64     rate_limit, one empty bucket: every request gets 429
 #                 (after the first denial the handler's deny cache answers;
 #                 scripts/req near 0 shows it)
@@ -121,6 +126,8 @@ CASES=(
 	"memory@64 memory 200 -"
 	"lease@64 lease 200 -"
 	"nometrics@64 allowed-nometrics 200 -"
+	"charge@64 charge 200 -"
+	"chargestatus@64 chargestatus 200 -"
 	"denied@64 denied 429 -same-key"
 	"allowed@256 allowed 200 -"
 	"lease@256 lease 200 -"

@@ -3,6 +3,7 @@ package ratelimit
 import (
 	"bufio"
 	"cmp"
+	"compress/gzip"
 	"context"
 	"fmt"
 	"io"
@@ -11,6 +12,7 @@ import (
 	"net/http"
 	"net/http/httptest"
 	"net/url"
+	"os"
 	"path/filepath"
 	"reflect"
 	"slices"
@@ -1474,3 +1476,148 @@ func BenchmarkServeHTTPCharged(b *testing.B) {
 }
 
 var costTwo = []string{"2"}
+
+// readmeLLMExample is the first Caddyfile of the README's "Token budgets
+// for LLM APIs" section.
+func readmeLLMExample(t *testing.T) string {
+	t.Helper()
+	raw, err := os.ReadFile("README.md")
+	if err != nil {
+		t.Fatal(err)
+	}
+	_, section, ok := strings.Cut(string(raw), "\n## Token budgets for LLM APIs\n")
+	if !ok {
+		t.Fatal(`README.md has no "Token budgets for LLM APIs" section`)
+	}
+	_, block, ok := strings.Cut(section, "```caddyfile\n")
+	if !ok {
+		t.Fatal("the section has no caddyfile block")
+	}
+	block, _, _ = strings.Cut(block, "```")
+	if !strings.HasPrefix(block, "llm.example.com {") || !strings.Contains(block, "reverse_proxy localhost:8000\n") {
+		t.Fatalf("the example is not the site expected:\n%s", block)
+	}
+	return block
+}
+
+// TestChargeReadmeExampleRunsAsWritten: the README's LLM Caddyfile, with
+// its site address, its upstream and a redis line replaced, charges
+// chat completions and their streams what they report, gives back the
+// reservation of a failed answer, keeps it for a stream without usage,
+// and refuses a key in debt until the refill covers it.
+func TestChargeReadmeExampleRunsAsWritten(t *testing.T) {
+	srv := redistest.Start(t)
+	up := startChargeUpstream(t)
+	site := strings.Replace(readmeLLMExample(t), "llm.example.com {", "http://127.0.0.1:{{http_port}} {", 1)
+	site = strings.Replace(site, "reverse_proxy localhost:8000", "reverse_proxy %[2]s", 1)
+	site = strings.Replace(site, "\t\tlimit requests", "\t\tredis %[1]s\n\t\tlimit requests", 1)
+	c := startChargeCaddy(t, site, srv.Addr, up.host())
+	charged := func() float64 {
+		return scrapeMetricsAt(t, c.admin).samples[chargeSeries("charged_total", "llm", "tokens")]
+	}
+	for _, tc := range []struct {
+		name, query string
+		status      int
+		charged     float64
+	}{
+		{"a chat completion", "format=openai&usage=350", 200, 350},
+		{"a streamed one", "format=openai&stream=1&usage=4321", 200, 4321},
+		{"an upstream failure", "format=openai&usage=9999&status=500", 500, 0},
+		{"a stream without usage", "format=openai&stream=1", 200, 2000},
+	} {
+		before := charged()
+		resp, _ := c.get(t, "/v1/chat/completions?"+tc.query, "Authorization", "Bearer sk-1")
+		if resp.StatusCode != tc.status {
+			t.Fatalf("%s: %d, want %d", tc.name, resp.StatusCode, tc.status)
+		}
+		eventually(t, 3*time.Second, tc.name+" charged", func() bool { return charged()-before == tc.charged })
+	}
+	// 250,000 tokens: the bucket goes to -max_debt (-100,000); the next
+	// request waits for 102,000 tokens at 100,000 a minute.
+	if resp, _ := c.get(t, "/v1/chat/completions?format=openai&usage=250000", "Authorization", "Bearer sk-1"); resp.StatusCode != 200 {
+		t.Fatalf("a costly answer: %d", resp.StatusCode)
+	}
+	eventually(t, 3*time.Second, "the debt", func() bool {
+		return c.limitTokens(t, "llm", q("header.Authorization", "Bearer sk-1"), "tokens") < -99000
+	})
+	resp, _ := c.get(t, "/v1/chat/completions?format=openai&usage=1", "Authorization", "Bearer sk-1")
+	if retry, _ := strconv.Atoi(resp.Header.Get("Retry-After")); resp.StatusCode != 429 || retry < 55 || retry > 62 {
+		t.Fatalf("in debt: %d, Retry-After %q; want 429 with about 61 s", resp.StatusCode, resp.Header.Get("Retry-After"))
+	}
+	if resp, _ := c.get(t, "/v1/chat/completions?format=openai&usage=1", "Authorization", "Bearer sk-2"); resp.StatusCode != 200 {
+		t.Fatalf("another key: %d, want 200", resp.StatusCode)
+	}
+}
+
+// TestChargeReadsBodiesThatEncodeCompressesOnlyInsideIt: `encode` runs
+// after rate_limit in Caddy's order, so the limiter sees the compressed
+// body and charges the reservation ("the body is encoded"); with `encode`
+// first in a `route`, as the README says, it sees the body as the
+// upstream sent it, and the client still gets it compressed.
+func TestChargeReadsBodiesThatEncodeCompressesOnlyInsideIt(t *testing.T) {
+	srv := redistest.Start(t)
+	up := startChargeUpstream(t)
+	c := startChargeCaddy(t, `
+http://127.0.0.1:{{http_port}} {
+	handle /default {
+		encode gzip
+		rate_limit {
+			zone encdefault
+			key {http.request.header.X-Key}
+			replenish_rate 0.001
+			burst_capacity 1000
+			requested_tokens 100
+			charge json usage.total_tokens
+			redis %[1]s
+		}
+		reverse_proxy %[2]s
+	}
+	handle /route {
+		route {
+			encode gzip
+			rate_limit {
+				zone encroute
+				key {http.request.header.X-Key}
+				replenish_rate 0.001
+				burst_capacity 1000
+				requested_tokens 100
+				charge json usage.total_tokens
+				redis %[1]s
+			}
+			reverse_proxy %[2]s
+		}
+	}
+}
+`, srv.Addr, up.host())
+	body := `{"pad":"` + strings.Repeat("lorem ipsum ", 200) + `","usage":{"total_tokens":42}}`
+	query := "?" + url.Values{"format": {"raw"}, "ct": {"application/json"}, "body": {body}}.Encode()
+	for _, tc := range []struct {
+		path, zone string
+		want       float64
+	}{{"/default", "encdefault", 900}, {"/route", "encroute", 958}} {
+		req, _ := http.NewRequest(http.MethodGet, c.URL+tc.path+query, nil)
+		req.Header.Set("X-Key", "k")
+		req.Header.Set("Accept-Encoding", "gzip") // set by hand: the client then does not decompress
+		resp, err := c.client.Do(req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		zr, err := gzip.NewReader(resp.Body)
+		if err != nil || resp.Header.Get("Content-Encoding") != "gzip" {
+			t.Fatalf("%s: Content-Encoding %q, %v; want a gzipped answer", tc.path, resp.Header.Get("Content-Encoding"), err)
+		}
+		got, err := io.ReadAll(zr)
+		resp.Body.Close()
+		if err != nil || string(got) != body {
+			t.Fatalf("%s: the body changed: %v", tc.path, err)
+		}
+		c.awaitTokens(t, tc.zone, "k", tc.want, 0.05)
+	}
+	found := false
+	for _, l := range logLines(t, c.LogFile) {
+		found = found || l["reason"] == "the body is encoded (Content-Encoding: gzip)"
+	}
+	if !found {
+		t.Errorf("no warning that the body is encoded")
+	}
+}

@@ -60,17 +60,22 @@ func init() {
 // Placeholder | Description
 // ------------|-------------
 // `{http.rate_limit.zone}` | the zone
-// `{http.rate_limit.result}` | `allowed`, `denied`, `exempt`, `invalid`, `empty_key`, `error_allowed`, `error_denied`, `error_local_allowed`, `error_local_denied`, `overflow` or `shadow_denied`
+// `{http.rate_limit.result}` | `allowed`, `denied`, `exempt`, `invalid`, `empty_key`, `error_allowed`, `error_denied`, `error_local_allowed`, `error_local_denied`, `overflow` or `shadow_denied`; after the response, `charge_missing` when its cost could not be read
 // `{http.rate_limit.limit_name}` | the limit that refused (with `limits`); empty when admitted
 // `{http.rate_limit.remaining}` | whole tokens left; `-1` when Redis failed
 // `{http.rate_limit.limit}` | the burst capacity
 // `{http.rate_limit.retry_after}` | on denial, seconds until a retry can succeed, as in `Retry-After`
 // `{http.rate_limit.key}` | the client key as stored (escaped, or hashed when long), only with `log_key` (else empty)
+// `{http.rate_limit.charged}` | with `charge` or `charge_status`, after the response: the tokens it was charged (of the first limit that charges)
+// `{http.rate_limit.charged.<limit>}` | the same, for each named limit that charges
 //
 // It counts its decisions in the `caddy_rate_limit_requests_total`
 // metric (labels `zone`, `result` and `limit`), times Redis in
 // `caddy_rate_limit_redis_duration_seconds` and reports its circuit
-// breaker in `caddy_rate_limit_breaker_open`.
+// breaker in `caddy_rate_limit_breaker_open`. Limits that charge by the
+// response count tokens in `caddy_rate_limit_charged_total` and
+// `caddy_rate_limit_forgiven_total`, and settlements lost to Redis
+// failures in `caddy_rate_limit_settle_failures_total`.
 type Handler struct {
 	// Zone names the space of buckets: letters, digits, `-`, `_`, `.` and
 	// `:`. Handlers with the same zone and key template share buckets,

@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"math"
 	"net/http"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -57,6 +58,7 @@ type Charge struct {
 // an event of a stream (or a line of JSON lines), and the default of
 // max_body.
 const (
+	maxCostHeaders  = 4
 	maxScanPaths    = 16
 	maxPathKeys     = 8
 	maxEventBytes   = 64 << 10
@@ -186,7 +188,7 @@ func (h *Handler) checkCharging() error {
 	if !named {
 		configs = ownLimit
 	}
-	paths := map[string]bool{}
+	paths, headers := map[string]bool{}, map[string]bool{}
 	charges, readsBody := false, false
 	for _, c := range configs {
 		err := errors.Join(checkCharge(c.Charge), checkChargeStatus(c.ChargeStatus), checkMaxDebt(c.MaxDebt))
@@ -212,9 +214,14 @@ func (h *Handler) checkCharging() error {
 				paths[p] = true
 				readsBody = true
 			}
+			if charge.Header != "" {
+				headers[http.CanonicalHeaderKey(charge.Header)] = true
+			}
 		}
 	}
 	switch {
+	case len(headers) > maxCostHeaders:
+		return fmt.Errorf("charge header: %d headers in one handler, more than %d", len(headers), maxCostHeaders)
 	case len(paths) > maxScanPaths:
 		return fmt.Errorf("charge json: %d paths in one handler, more than %d; sum fewer", len(paths), maxScanPaths)
 	case h.MaxBody != 0 && !readsBody:
@@ -244,6 +251,7 @@ func (h *Handler) chargeOf(c Limit) (*Charge, []int, *int64) {
 // chargeRule is how one limit charges, ready for requests.
 type chargeRule struct {
 	header      string // canonical, for charge header
+	headerIndex int    // its index in the handler's charging.headers
 	paths       uint16 // for charge json: bits of the handler's scan paths
 	placeholder string
 	statuses    []int // empty: every status
@@ -259,6 +267,7 @@ type chargeRule struct {
 // charging is what a handler needs to charge responses, when some limit
 // charges.
 type charging struct {
+	headers []string  // every cost header its limits read, canonical
 	paths   scanPaths // every JSON path its limits read
 	maxBody int64
 	first   *limit       // its first charging limit, which {http.rate_limit.charged} shows
@@ -290,7 +299,14 @@ func (h *Handler) setUpCharging() error {
 			rule.chargedKey = "http.rate_limit.charged." + l.name
 		}
 		if charge != nil {
-			rule.header = http.CanonicalHeaderKey(charge.Header)
+			if charge.Header != "" {
+				rule.header = http.CanonicalHeaderKey(charge.Header)
+				rule.headerIndex = slices.Index(c.headers, rule.header)
+				if rule.headerIndex < 0 {
+					rule.headerIndex = len(c.headers)
+					c.headers = append(c.headers, rule.header)
+				}
+			}
 			rule.placeholder = charge.Placeholder
 			for _, p := range charge.JSON {
 				bit, err := c.paths.add(p)
@@ -437,11 +453,11 @@ func (r *chargeRule) costOf(status int, cw *chargeWriter, repl *caddy.Replacer, 
 	}
 	switch {
 	case r.header != "":
-		values := cw.Header()[r.header]
-		if len(values) == 0 {
+		value, ok := cw.costHeader(r)
+		if !ok {
 			return reserved, "no " + r.header + " header"
 		}
-		cost, why = parseCost(values[0])
+		cost, why = parseCost(value)
 		if why != "" {
 			why = "header " + r.header + " " + why
 		}
@@ -667,7 +683,7 @@ func diffArg(diff int64) any {
 func (s *settleCall) takeAnswer(c *call) {
 	h := s.h
 	err := c.err
-	if err == nil && len(c.reply) != len(s.items) {
+	if err == nil && len(c.reply) != 2*len(s.items) {
 		err = fmt.Errorf("unexpected settle reply %v", c.reply)
 	}
 	if err != nil {
@@ -678,7 +694,7 @@ func (s *settleCall) takeAnswer(c *call) {
 	} else {
 		gaveBack := false
 		for i, it := range s.items {
-			forgiven := float64(c.reply[i]) / 1e6
+			forgiven := float64(c.reply[2*i]) + float64(c.reply[2*i+1])/1e6
 			h.countCharged(it.limit, float64(it.cost)-forgiven, forgiven)
 			gaveBack = gaveBack || it.diff < 0
 		}

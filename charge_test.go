@@ -88,10 +88,10 @@ func TestSettleBucketExamples(t *testing.T) {
 // storeSettleStep is runScriptStep for settle.lua: one MULTI that stores
 // b's tokens at key, elapsed microseconds before Redis's time (an absent
 // b deletes the key), and settles between two TIME calls. It returns the
-// bucket as stored, the two times, the script's reply (the tokens
-// forgiven), the bucket afterwards and its TTL.
+// bucket as stored, the two times, the tokens forgiven (whole tokens
+// and millionths), the bucket afterwards and its TTL.
 func storeSettleStep(t *testing.T, rdb *redis.Client, key string, b scriptBucket, elapsed int64, args []any) (
-	stored scriptBucket, t0, forgiven, t1 int64, after scriptBucket, ttl int64) {
+	stored scriptBucket, t0 int64, forgiven [2]int64, t1 int64, after scriptBucket, ttl int64) {
 	t.Helper()
 	ctx := context.Background()
 	var (
@@ -115,7 +115,7 @@ func storeSettleStep(t *testing.T, rdb *redis.Client, key string, b scriptBucket
 		t.Fatal(err)
 	}
 	v, err := settle.Int64Slice()
-	if err != nil || len(v) != 1 {
+	if err != nil || len(v) != 2 || v[1] < 0 || v[1] >= 1e6 {
 		t.Fatalf("settle reply %v, %v", v, err)
 	}
 	if stored, err = parseBucket(before); err == nil {
@@ -124,7 +124,7 @@ func storeSettleStep(t *testing.T, rdb *redis.Client, key string, b scriptBucket
 	if err != nil {
 		t.Fatal(err)
 	}
-	return stored, clock0.Val().UnixMicro(), v[0], clock1.Val().UnixMicro(), after, pttl.Val().Milliseconds()
+	return stored, clock0.Val().UnixMicro(), [2]int64(v), clock1.Val().UnixMicro(), after, pttl.Val().Milliseconds()
 }
 
 // TestSettleScriptAgreesWithMemoryStore: settle.lua in a real
@@ -175,7 +175,8 @@ func TestSettleScriptAgreesWithMemoryStore(t *testing.T) {
 				}
 				continue
 			}
-			if after.tokens != want.tokens || forgiven != int64(math.Floor(wantForgiven*1e6)) {
+			whole := math.Floor(wantForgiven)
+			if after.tokens != want.tokens || forgiven != [2]int64{int64(whole), int64(math.Floor((wantForgiven - whole) * 1e6))} {
 				t.Fatalf("%s: the script stored %v and forgave %d, settleBucket %v and %v", what, after.tokens, forgiven, want.tokens, wantForgiven)
 			}
 			if wantTTL := (want.expires - now) / 1000; ttl > wantTTL || ttl < wantTTL-5 {
@@ -207,6 +208,13 @@ func TestSettleScriptAgreesWithMemoryStore(t *testing.T) {
 				}
 			}
 		}
+	}
+	// A cost as large as costs go (2^53): nothing overflows, and all but
+	// what the bucket could give is forgiven, to the token.
+	_, _, forgiven, _, after, _ := storeSettleStep(t, rdb, "settle:huge", scriptBucket{}, 0,
+		[]any{"1", "1000", strconv.FormatInt(maxExactTokens-1, 10), "1000"})
+	if after.tokens != -1000 || forgiven != [2]int64{maxExactTokens - 1 - 2000, 0} {
+		t.Errorf("a cost of 2^53: %v tokens after, %v tokens forgiven; want -1000 and 2^53-2001", after.tokens, forgiven)
 	}
 	t.Logf("%d settlements into debt, %d forgave, %d give-backs capped at the burst", debts, forgivenSeen, cappedSeen)
 	if debts < 100 || forgivenSeen < 50 || cappedSeen < 50 {
@@ -805,6 +813,19 @@ http://127.0.0.1:{{http_port}} {
 		charge header X-Cost
 		redis %[1]s
 	}
+	handle /hidden {
+		header -X-Cost
+		rate_limit {
+			zone hidden
+			key {http.request.header.X-Key}
+			replenish_rate 0.001
+			burst_capacity 1000
+			requested_tokens 100
+			charge header X-Cost
+			redis %[1]s
+		}
+		reverse_proxy %[2]s
+	}
 	rate_limit /json {
 		zone json
 		key {http.request.header.X-Key}
@@ -849,6 +870,13 @@ http://127.0.0.1:{{http_port}} {
 		entries = accessLog(t, logPath)
 		return len(entries) >= len(cases)
 	})
+	// A cost header that a handler around the limiter removes from the
+	// response (`header -X-Cost`, applied as it writes) is still read.
+	resp, _ := c.get(t, raw("/hidden", "text/plain", "ok")+"&cost=37", "X-Key", "hidden")
+	if resp.StatusCode != 200 || resp.Header.Get("X-Cost") != "" {
+		t.Fatalf("/hidden: %d, X-Cost %q; want 200 without X-Cost", resp.StatusCode, resp.Header.Get("X-Cost"))
+	}
+	c.awaitTokens(t, "hidden", "hidden", 1000-37, 0.05)
 	for i, tc := range cases {
 		want := accessLogEntry{uri: tc.uri, result: "charge_missing", charged: strconv.Itoa(tc.charged), status: 200}
 		if tc.charged != 100 {

@@ -21,12 +21,18 @@ import (
 // http.ResponseController reaches the writer beneath through Unwrap.
 type chargeWriter struct {
 	caddyhttp.ResponseWriterWrapper
-	status int          // the final status written; 0 until then
-	scan   *bodyScanner // for charge json; nil otherwise
+	charging *charging
+	status   int          // the final status written; 0 until then
+	scan     *bodyScanner // for charge json; nil otherwise
+	// costHeaders are the charging.headers as the response was written:
+	// a handler around this one may remove them from the map later
+	// (`header -X-Cost`, deferred to its own WriteHeader).
+	costHeaders [maxCostHeaders]string
+	hasHeader   [maxCostHeaders]bool
 }
 
 func newChargeWriter(w http.ResponseWriter, c *charging) *chargeWriter {
-	cw := &chargeWriter{ResponseWriterWrapper: caddyhttp.ResponseWriterWrapper{ResponseWriter: w}}
+	cw := &chargeWriter{ResponseWriterWrapper: caddyhttp.ResponseWriterWrapper{ResponseWriter: w}, charging: c}
 	if c.paths.n > 0 {
 		cw.scan = &bodyScanner{maxBody: c.maxBody}
 		cw.scan.doc.paths = &c.paths
@@ -45,6 +51,12 @@ func (cw *chargeWriter) WriteHeader(status int) {
 
 func (cw *chargeWriter) begin(status int) {
 	cw.status = status
+	h := cw.Header()
+	for i, name := range cw.charging.headers {
+		if values := h[name]; len(values) > 0 {
+			cw.costHeaders[i], cw.hasHeader[i] = values[0], true
+		}
+	}
 	if cw.scan != nil {
 		cw.scan.begin(cw.Header())
 	}
@@ -67,7 +79,7 @@ func (cw *chargeWriter) Write(p []byte) (int, error) {
 func (cw *chargeWriter) ReadFrom(r io.Reader) (int64, error) {
 	if cw.scan == nil {
 		if cw.status == 0 {
-			cw.status = http.StatusOK
+			cw.begin(http.StatusOK)
 		}
 		return cw.ResponseWriterWrapper.ReadFrom(r)
 	}
@@ -99,6 +111,18 @@ func (cw *chargeWriter) finalStatus(err error) int {
 		return http.StatusInternalServerError
 	}
 	return http.StatusOK
+}
+
+// costHeader is the rule's cost header as the response was written (or
+// as it is, when nothing was written).
+func (cw *chargeWriter) costHeader(r *chargeRule) (string, bool) {
+	if cw.status != 0 {
+		return cw.costHeaders[r.headerIndex], cw.hasHeader[r.headerIndex]
+	}
+	if values := cw.Header()[r.header]; len(values) > 0 {
+		return values[0], true
+	}
+	return "", false
 }
 
 // scanned is the sum of the values the body gave for the paths in mask,

@@ -18,8 +18,8 @@
 -- lives until the bucket would be full again, from debt too.
 --
 -- Returns {for each bucket: the tokens forgiven, what a take could not
--- take past -max_debt, in millionths of a token (rounded down): a bucket
--- refills by fractions, so what is forgiven has one}.
+-- take past -max_debt, as whole tokens and millionths (both rounded
+-- down): a bucket refills by fractions, so what is forgiven has one}.
 
 local time = redis.call('TIME')
 local now = tonumber(time[1]) * 1000000 + tonumber(time[2])
@@ -54,6 +54,8 @@ for i = 1, #KEYS do
     local ttl = math.max(1000, math.ceil((burst - left) * 1000 / rate))
     redis.call('SET', KEYS[i], string.format('%.17g %d', left, now), 'PX', ttl)
   end
-  reply[i] = math.floor(forgiven * 1000000)
+  local whole = math.floor(forgiven)
+  reply[2 * i - 1] = whole
+  reply[2 * i] = math.floor((forgiven - whole) * 1000000)
 end
 return reply

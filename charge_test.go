@@ -9,6 +9,7 @@ import (
 	"io"
 	"math"
 	"math/rand/v2"
+	"net"
 	"net/http"
 	"net/http/httptest"
 	"net/url"
@@ -973,21 +974,30 @@ http://127.0.0.1:{{http_port}} {
 // TestChargeBoundUnderConcurrency: many clients at once on one bucket,
 // each response costing what the upstream says (from nothing to four
 // times the reservation): over any interval of length T, what the limit
-// charges stays within burst + rate*T + max_debt; the bucket never goes
-// below -max_debt; tokens are conserved exactly (what was charged, less
-// what was forgiven, is what the bucket lost plus what it refilled).
+// charges stays within burst + rate*T + max_debt; no request is admitted
+// while its bucket holds less than its reservation (every script call on
+// the bucket, as Redis ran them, replayed: replayBucket); the bucket
+// never goes below -max_debt; tokens are conserved (what was charged,
+// less what was forgiven, is what the bucket lost plus what it refilled).
 func TestChargeBoundUnderConcurrency(t *testing.T) {
 	const (
 		rate     = 500.0
 		burst    = 500
 		reserved = 10
-		maxDebt  = 60
+		maxDebt  = 30
 		clients  = 16
 		duration = 3 * time.Second
-		// A settlement lands within the Redis timeout of its response.
-		settleWithin = 100 * time.Millisecond
+		// A settlement lands within the Redis timeout of its response
+		// (set here, long enough for a loaded machine and -race).
+		settleWithin = time.Second
 	)
 	srv := redistest.Start(t)
+	rdb := srv.Client(t)
+	for _, src := range []string{scriptSource, settleSource} { // so that no call fails with NOSCRIPT under MONITOR
+		if err := rdb.ScriptLoad(context.Background(), src).Err(); err != nil {
+			t.Fatal(err)
+		}
+	}
 	up := startChargeUpstream(t)
 	c := startChargeCaddy(t, fmt.Sprintf(`
 http://127.0.0.1:{{http_port}} {
@@ -999,12 +1009,16 @@ http://127.0.0.1:{{http_port}} {
 		requested_tokens %d
 		charge header X-Cost
 		max_debt %d
-		redis %%[1]s
+		redis %%[1]s {
+			timeout %v
+		}
 	}
 	reverse_proxy %%[2]s
 }
-`, rate, burst, reserved, maxDebt), srv.Addr, up.host())
+`, rate, burst, reserved, maxDebt, settleWithin), srv.Addr, up.host())
 	before := scrapeMetricsAt(t, c.admin)
+	key := adminBucketOf(t, c.admin, "bound", q("header.X-Key", "shared")).StoredKey
+	monitor := monitorRedis(t, srv.Addr)
 
 	type admission struct {
 		sent, received time.Time
@@ -1063,9 +1077,10 @@ http://127.0.0.1:{{http_port}} {
 	}
 	wg.Wait()
 	end := time.Now()
-	time.Sleep(2 * settleWithin) // the last settlements land
+	time.Sleep(settleWithin) // the last settlements land
 	close(stop)
 	<-sampling
+	lines := monitor()
 	final := c.tokensOf(t, "bound", "shared")
 	finalAt := time.Now() // the bucket refilled until then
 	after := scrapeMetricsAt(t, c.admin)
@@ -1086,8 +1101,17 @@ http://127.0.0.1:{{http_port}} {
 	elapsed := end.Sub(start).Seconds() + settleWithin.Seconds()
 	t.Logf("%d admitted (%d refunds, %d above the reservation), %d refused in %.2f s; charged %d, forgiven %.3f; lowest %.3f, final %.3f tokens",
 		len(admitted), refunds, debts, refused, elapsed, total, forgiven, lowest, final)
-	if refused < len(admitted)/10 || refunds < 20 || debts < 20 {
+	replayed, intoDebt, gaveBack := replayBucket(t, lines, key, limitValues{rate, burst, reserved})
+	t.Logf("replayed from %d MONITOR lines: %d admissions, %d settlements into debt, %d give-backs", len(lines), replayed, intoDebt, gaveBack)
+	if refused < len(admitted)/10 || refunds < 20 || debts < 20 || intoDebt < 10 || forgiven == 0 {
 		t.Fatalf("the run tried too little")
+	}
+	if replayed != len(admitted) {
+		t.Errorf("Redis admitted %d takes; the clients %d requests", replayed, len(admitted))
+	}
+
+	if failures := after.samples[`caddy_rate_limit_settle_failures_total{zone="bound"}`]; failures > 0 {
+		t.Fatalf("%v settlements failed: what they charged is unknown", failures)
 	}
 	if math.Abs(charged-(float64(total)-forgiven)) > 1e-6 {
 		t.Errorf("the metrics say %v charged and %v forgiven; the upstream charged %d", charged, forgiven, total)
@@ -1648,4 +1672,140 @@ http://127.0.0.1:{{http_port}} {
 	if !found {
 		t.Errorf("no warning that the body is encoded")
 	}
+}
+
+// replayBucket checks, from MONITOR's lines (in the order Redis ran
+// them), every script call on the bucket at key: each admission (a take
+// that wrote the bucket) found the bucket, refilled to the script's own
+// time (which its write stores), holding the reservation, and took
+// exactly that; each settlement left what settleBucket says. It returns
+// the admissions, the settlements that went into debt and those that
+// gave back.
+func replayBucket(t *testing.T, lines []string, key string, v limitValues) (admitted, debts, gaveBack int) {
+	t.Helper()
+	last := memoryBucket{tokens: float64(v.burst)}
+	present := false
+	var call []string // the script call on key being run, and its writes
+	var writes [][]string
+	end := func() {
+		defer func() { call, writes = nil, nil }()
+		if call == nil {
+			return
+		}
+		if len(writes) > 1 {
+			t.Fatalf("a script call wrote %s %d times: %v", key, len(writes), call)
+		}
+		if len(writes) == 0 {
+			return // a refusal, or a give-back to a bucket that stays full
+		}
+		state, err := parseBucket(redis.NewStringResult(writes[0][2], nil))
+		if err != nil {
+			t.Fatal(err)
+		}
+		now := state.at
+		before := last
+		if !present {
+			before = memoryBucket{tokens: float64(v.burst), at: now}
+		}
+		tokens := refill(before, now, v)
+		n := func(i int) int64 { x, _ := strconv.ParseInt(call[i], 10, 64); return x }
+		switch call[1] {
+		case takeScript.sha:
+			if tokens < float64(n(6)) || state.tokens != tokens-float64(n(6)) {
+				t.Fatalf("a take of %d at %d found %v tokens and left %v: admitted below its reservation, or took another amount", n(6), now, tokens, state.tokens)
+			}
+			admitted++
+		case settleScript.sha:
+			want, _ := settleBucket(before, now, v, n(6), n(7))
+			if state.tokens != want.tokens {
+				t.Fatalf("a settlement of %d (max_debt %d) at %d from %v tokens left %v, want %v", n(6), n(7), now, tokens, state.tokens, want.tokens)
+			}
+			if n(6) < 0 {
+				gaveBack++
+			} else if state.tokens < 0 {
+				debts++
+			}
+		default:
+			t.Fatalf("a script call that is neither a take nor a settlement: %v", call)
+		}
+		last, present = memoryBucket{tokens: state.tokens, at: now}, true
+	}
+	for _, line := range lines {
+		args := monitorArgs(t, line)
+		if strings.Contains(line, " [0 lua] ") {
+			if call != nil && len(args) >= 3 && strings.EqualFold(args[0], "set") && args[1] == key {
+				writes = append(writes, args)
+			}
+			continue
+		}
+		end()
+		if len(args) >= 7 && strings.EqualFold(args[0], "evalsha") && args[3] == key {
+			call = args
+		}
+	}
+	end()
+	return admitted, debts, gaveBack
+}
+
+// monitorRedis runs MONITOR on the Redis at addr and returns a function
+// that stops it and returns every line it saw, in the order Redis ran
+// the commands.
+func monitorRedis(t *testing.T, addr string) func() []string {
+	t.Helper()
+	conn, err := net.Dial("tcp", addr)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { conn.Close() })
+	rd := bufio.NewReader(conn)
+	if _, err := io.WriteString(conn, "MONITOR\r\n"); err != nil {
+		t.Fatal(err)
+	}
+	if ok, err := rd.ReadString('\n'); err != nil || ok != "+OK\r\n" {
+		t.Fatalf("MONITOR: %q %v", ok, err)
+	}
+	var lines []string
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		for {
+			line, err := rd.ReadString('\n')
+			if err != nil {
+				return
+			}
+			lines = append(lines, strings.TrimSuffix(strings.TrimPrefix(line, "+"), "\r\n"))
+		}
+	}()
+	return func() []string {
+		_, _ = io.WriteString(conn, "QUIT\r\n") // Redis answers what it monitored so far, then closes
+		<-done
+		return lines
+	}
+}
+
+// monitorArgs are the command and arguments of a MONITOR line,
+// `<time> [<db> <client>] "cmd" "arg" ...`, unquoted.
+func monitorArgs(t *testing.T, line string) []string {
+	t.Helper()
+	_, rest, ok := strings.Cut(line, "] ")
+	if !ok {
+		return nil
+	}
+	var args []string
+	for rest = strings.TrimSpace(rest); rest != ""; rest = strings.TrimSpace(rest) {
+		if rest[0] != '"' {
+			t.Fatalf("MONITOR line %q: an argument not in quotes", line)
+		}
+		var b strings.Builder
+		i := 1
+		for ; i < len(rest) && rest[i] != '"'; i++ {
+			if rest[i] == '\\' && i+1 < len(rest) {
+				i++
+			}
+			b.WriteByte(rest[i])
+		}
+		args = append(args, b.String())
+		rest = rest[min(i+1, len(rest)):]
+	}
+	return args
 }

@@ -643,6 +643,10 @@ http://127.0.0.1:{{http_port}} {
 	wrong(401)
 	wrong(401)
 	right(20) // 3 tokens left: each right login takes one and gets it back
+	eventually(t, 3*time.Second, "every right login's token given back", func() bool {
+		tokens := adminBucketOf(t, c.admin, "logins", q("client_ip", "127.0.0.1")).tokens(t)
+		return tokens >= 3 && tokens < 3.01
+	})
 	before = commandCalls(t, rdb)
 	wrong(401)
 	wrong(401)

@@ -34,7 +34,8 @@ import (
 // reservation.
 type Charge struct {
 	// Header names a response header whose value is the cost, in tokens
-	// (a fraction is rounded up), such as `X-Cost`.
+	// (a fraction is rounded up), such as `X-Cost`, read as the response
+	// is written. At most 4 different headers in a handler.
 	Header string `json:"header,omitempty"`
 
 	// JSON lists paths of numbers in the response body, summed: keys

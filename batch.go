@@ -158,6 +158,7 @@ func (l *limiter) sendBatch(worker int, batch []*call) {
 		return
 	}
 
+	send = l.mergeSettlements(send) // charge.go
 	cmds := l.pipeline(ctx, send, false)
 	// After a restart, failover or SCRIPT FLUSH the server has lost the
 	// script: send the source for those that failed, which caches it again.

@@ -7,6 +7,7 @@ import (
 	"context"
 	"fmt"
 	"io"
+	"maps"
 	"math"
 	"math/rand/v2"
 	"net"
@@ -1682,68 +1683,93 @@ http://127.0.0.1:{{http_port}} {
 // them), every script call on the bucket at key: each admission (a take
 // that wrote the bucket) found the bucket, refilled to the script's own
 // time (which its write stores), holding the reservation, and took
-// exactly that; each settlement left what settleBucket says. It returns
-// the admissions, the settlements that went into debt and those that
-// gave back.
+// exactly that; each settlement (several may share a call) left what
+// settleBucket says. It returns the admissions, the settlements that
+// went into debt and those that gave back.
 func replayBucket(t *testing.T, lines []string, key string, v limitValues) (admitted, debts, gaveBack int) {
 	t.Helper()
 	last := memoryBucket{tokens: float64(v.burst)}
 	present := false
 	var call []string // the script call on key being run, and its writes
-	var writes [][]string
+	var writes []scriptBucket
 	end := func() {
 		defer func() { call, writes = nil, nil }()
 		if call == nil {
 			return
 		}
-		if len(writes) > 1 {
-			t.Fatalf("a script call wrote %s %d times: %v", key, len(writes), call)
+		nkeys, _ := strconv.Atoi(call[2])
+		per := 3 // a take's arguments per bucket
+		if call[1] == settleScript.sha {
+			per = 4
 		}
-		if len(writes) == 0 {
-			return // a refusal, or a give-back to a bucket that stays full
-		}
-		state, err := parseBucket(redis.NewStringResult(writes[0][2], nil))
-		if err != nil {
-			t.Fatal(err)
-		}
-		now := state.at
-		before := last
-		if !present {
-			before = memoryBucket{tokens: float64(v.burst), at: now}
-		}
-		tokens := refill(before, now, v)
-		n := func(i int) int64 { x, _ := strconv.ParseInt(call[i], 10, 64); return x }
-		switch call[1] {
-		case takeScript.sha:
-			if tokens < float64(n(6)) || state.tokens != tokens-float64(n(6)) {
-				t.Fatalf("a take of %d at %d found %v tokens and left %v: admitted below its reservation, or took another amount", n(6), now, tokens, state.tokens)
+		for k := range nkeys {
+			if call[3+k] != key {
+				continue
 			}
-			admitted++
-		case settleScript.sha:
-			want, _ := settleBucket(before, now, v, n(6), n(7))
-			if state.tokens != want.tokens {
-				t.Fatalf("a settlement of %d (max_debt %d) at %d from %v tokens left %v, want %v", n(6), n(7), now, tokens, state.tokens, want.tokens)
+			arg := func(i int) int64 { x, _ := strconv.ParseInt(call[3+nkeys+per*k+i], 10, 64); return x }
+			var wrote *scriptBucket
+			if len(writes) > 0 {
+				wrote = &writes[0]
 			}
-			if n(6) < 0 {
-				gaveBack++
-			} else if state.tokens < 0 {
-				debts++
+			switch call[1] {
+			case takeScript.sha:
+				if wrote == nil {
+					continue // a refusal
+				}
+				before := last
+				if !present {
+					before = memoryBucket{tokens: float64(v.burst), at: wrote.at}
+				}
+				if tokens := refill(before, wrote.at, v); tokens < float64(arg(2)) || wrote.tokens != tokens-float64(arg(2)) {
+					t.Fatalf("a take of %d at %d found %v tokens and left %v: admitted below its reservation, or took another amount",
+						arg(2), wrote.at, tokens, wrote.tokens)
+				}
+				admitted++
+			case settleScript.sha:
+				if wrote == nil { // a give-back to a bucket that stays full
+					if present || arg(2) >= 0 {
+						t.Fatalf("a settlement of %d did not write the bucket", arg(2))
+					}
+					continue
+				}
+				before := last
+				if !present {
+					before = memoryBucket{tokens: float64(v.burst), at: wrote.at}
+				}
+				want, _ := settleBucket(before, wrote.at, v, arg(2), arg(3))
+				if wrote.tokens != want.tokens {
+					t.Fatalf("a settlement of %d (max_debt %d) at %d from %v tokens left %v, want %v",
+						arg(2), arg(3), wrote.at, refill(before, wrote.at, v), wrote.tokens, want.tokens)
+				}
+				if arg(2) < 0 {
+					gaveBack++
+				} else if wrote.tokens < 0 {
+					debts++
+				}
+			default:
+				t.Fatalf("a script call that is neither a take nor a settlement: %v", call)
 			}
-		default:
-			t.Fatalf("a script call that is neither a take nor a settlement: %v", call)
+			last, present = memoryBucket{tokens: wrote.tokens, at: wrote.at}, true
+			writes = writes[1:]
 		}
-		last, present = memoryBucket{tokens: state.tokens, at: now}, true
+		if len(writes) > 0 {
+			t.Fatalf("a script call wrote %s more often than it had it: %v", key, call)
+		}
 	}
 	for _, line := range lines {
 		args := monitorArgs(t, line)
 		if strings.Contains(line, " [0 lua] ") {
 			if call != nil && len(args) >= 3 && strings.EqualFold(args[0], "set") && args[1] == key {
-				writes = append(writes, args)
+				state, err := parseBucket(redis.NewStringResult(args[2], nil))
+				if err != nil {
+					t.Fatal(err)
+				}
+				writes = append(writes, state)
 			}
 			continue
 		}
 		end()
-		if len(args) >= 7 && strings.EqualFold(args[0], "evalsha") && args[3] == key {
+		if len(args) >= 7 && strings.EqualFold(args[0], "evalsha") && slices.Contains(args[3:], key) {
 			call = args
 		}
 	}
@@ -1812,4 +1838,73 @@ func monitorArgs(t *testing.T, line string) []string {
 		rest = rest[min(i+1, len(rest)):]
 	}
 	return args
+}
+
+// answerRecorder takes a call's answer for a test.
+type answerRecorder struct {
+	reply []int64
+	err   error
+}
+
+func (a *answerRecorder) takeAnswer(c *call) {
+	a.reply, a.err = append([]int64(nil), c.reply...), c.err
+	c.release()
+}
+
+// TestSettlementsOfABatchShareOneScriptCall: the settlement calls that
+// one batch sends go to Redis as one call (mergeSettlements), and each
+// gets the answer for its own buckets; other calls go as they are.
+func TestSettlementsOfABatchShareOneScriptCall(t *testing.T) {
+	srv := redistest.Start(t)
+	rdb := srv.Client(t)
+	l := newTestLimiter(t, srv.Addr, 2*time.Second)
+	v := limitValues{rate: 0.001, burst: 100, requested: 10}
+	args := v.scriptArgs()
+	settle := func(rec *answerRecorder, diffs map[string]int64) *call {
+		c := calls.Get().(*call)
+		keys := slices.Sorted(maps.Keys(diffs))
+		c.keys = append(c.keys, keys...)
+		c.args = append(c.args, "evalsha", settleScript.sha, keyCountArg(len(keys)))
+		for i := range c.keys {
+			c.args = append(c.args, &c.keys[i])
+		}
+		for _, k := range keys {
+			c.args = append(c.args, args[0], args[1], diffArg(diffs[k]), "5")
+		}
+		c.script, c.clientCtx, c.then = settleScript, context.Background(), rec
+		return c
+	}
+	var a, b answerRecorder
+	take := newTestCall("m:take", args, time.Now().Add(time.Second))
+	batch := []*call{settle(&a, map[string]int64{"m:a": 30, "m:b": -5}), take, settle(&b, map[string]int64{"m:c": 200})}
+	send := l.mergeSettlements(batch)
+	if len(send) != 2 || send[0] != take || len(send[1].keys) != 3 {
+		t.Fatalf("merged into %d calls, want the take and one settlement of 3 buckets", len(send))
+	}
+	before := commandCalls(t, rdb)["evalsha"]
+	for _, c := range send {
+		c.breaker = l.breakers.get(l.node)
+	}
+	l.pipeline(context.Background(), send, false)
+	for _, c := range send {
+		c.answer()
+	}
+	<-take.done
+	if calls := commandCalls(t, rdb)["evalsha"] - before; calls != 2 {
+		t.Errorf("%d script calls, want 2", calls)
+	}
+	// a: 100 - 30 = 70, and a full bucket given back 5 stays full; b:
+	// 100 - 200 is -5 at most, 95 forgiven.
+	if a.err != nil || !slices.Equal(a.reply, []int64{0, 0, 0, 0}) || b.err != nil || !slices.Equal(b.reply, []int64{95, 0}) {
+		t.Fatalf("answers: %v %v and %v %v; want [0 0 0 0] and [95 0]", a.reply, a.err, b.reply, b.err)
+	}
+	for key, want := range map[string]float64{"m:a": 70, "m:c": -5} {
+		if st, err := parseBucket(rdb.Get(context.Background(), key)); err != nil || math.Abs(st.tokens-want) > 0.01 {
+			t.Errorf("%s holds %+v %v, want %v", key, st, err, want)
+		}
+	}
+	if n, _ := rdb.Exists(context.Background(), "m:b").Result(); n != 0 {
+		t.Errorf("m:b, full and given back tokens, was written")
+	}
+	take.release()
 }

@@ -1,10 +1,16 @@
 package ratelimit
 
 import (
+	"errors"
+	"fmt"
+	"io"
 	"math/rand/v2"
 	"net/http"
+	"net/http/httptest"
 	"strings"
 	"testing"
+
+	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 )
 
 // The body scan (chargewriter.go) without any process: JSON bodies, event
@@ -204,5 +210,68 @@ func TestChargeScanHoldsNoBody(t *testing.T) {
 	}
 	if got, why := cw.scanned(bit); got != 3 || why != "" {
 		t.Errorf("%v %q, want 3", got, why)
+	}
+}
+
+// TestChargeWriterPassesFlushesAndCopies: the writer is an http.Flusher,
+// http.ResponseController flushes through it to the writer beneath, an
+// io.Copy into it is scanned when the body is read (through Write) and
+// handed to the writer beneath otherwise, and what arrives beneath is
+// what was written.
+func TestChargeWriterPassesFlushesAndCopies(t *testing.T) {
+	c := &charging{maxBody: defaultMaxBody}
+	bit, _ := c.paths.add("n")
+	rec := httptest.NewRecorder()
+	cw := newChargeWriter(rec, c)
+	var w http.ResponseWriter = cw
+	if _, ok := w.(http.Flusher); !ok {
+		t.Fatal("the writer is not an http.Flusher")
+	}
+	cw.Header().Set("Content-Type", "application/json")
+	cw.WriteHeader(201)
+	if err := http.NewResponseController(w).Flush(); err != nil || !rec.Flushed {
+		t.Fatalf("ResponseController.Flush: %v, flushed %v", err, rec.Flushed)
+	}
+	if _, err := io.Copy(w, strings.NewReader(`{"n":7}`)); err != nil {
+		t.Fatal(err)
+	}
+	if got, why := cw.scanned(bit); got != 7 || why != "" || rec.Body.String() != `{"n":7}` || rec.Code != 201 || cw.status != 201 {
+		t.Fatalf("scanned %v %q, body %q, status %d (%d); want 7, the body as written, 201", got, why, rec.Body.String(), rec.Code, cw.status)
+	}
+
+	// Without a body scan, a copy goes to the writer beneath (sendfile,
+	// where it has it), and an implicit 200 is the status.
+	plain := &charging{}
+	rec = httptest.NewRecorder()
+	cw = newChargeWriter(rec, plain)
+	if n, err := io.Copy(cw, strings.NewReader("file")); n != 4 || err != nil || rec.Body.String() != "file" || cw.finalStatus(nil) != 200 {
+		t.Fatalf("copy: %d %v, body %q, status %d", n, err, rec.Body.String(), cw.finalStatus(nil))
+	}
+	if cw.Unwrap() != rec {
+		t.Fatal("Unwrap does not give the writer beneath")
+	}
+}
+
+func TestChargeFinalStatus(t *testing.T) {
+	for _, tc := range []struct {
+		written int
+		err     error
+		want    int
+	}{
+		{0, nil, 200},
+		{404, nil, 404},
+		{0, caddyhttp.Error(401, errors.New("no")), 401},
+		{0, errors.New("broken"), 500},
+		{206, caddyhttp.Error(502, errors.New("after the header")), 206},
+		{0, fmt.Errorf("wrapped: %w", caddyhttp.Error(429, errors.New("no"))), 429},
+	} {
+		cw := newChargeWriter(httptest.NewRecorder(), &charging{})
+		if tc.written != 0 {
+			cw.WriteHeader(100) // informational: not the status
+			cw.WriteHeader(tc.written)
+		}
+		if got := cw.finalStatus(tc.err); got != tc.want {
+			t.Errorf("written %d, error %v: status %d, want %d", tc.written, tc.err, got, tc.want)
+		}
 	}
 }

@@ -693,11 +693,19 @@ func (s *settleCall) takeAnswer(c *call) {
 			h.countCharged(it.limit, float64(it.reserved), 0)
 		}
 	} else {
-		gaveBack := false
+		gaveBack, unsettled := false, false
 		for i, it := range s.items {
+			if c.reply[2*i] < 0 { // its key holds another type, or the write was refused
+				unsettled = true
+				h.countCharged(it.limit, float64(it.reserved), 0)
+				continue
+			}
 			forgiven := float64(c.reply[2*i]) + float64(c.reply[2*i+1])/1e6
 			h.countCharged(it.limit, float64(it.cost)-forgiven, forgiven)
 			gaveBack = gaveBack || it.diff < 0
+		}
+		if unsettled {
+			h.countSettleFailure(nil, nil, errUnsettled)
 		}
 		if gaveBack && h.useDenyCache {
 			// Tokens came back sooner than time alone would bring them: a
@@ -780,6 +788,9 @@ func (m *settleMerge) takeAnswer(c *call) {
 	m.parts = m.parts[:0]
 	settleMerges.Put(m)
 }
+
+// errUnsettled is a bucket that settle.lua could not settle.
+var errUnsettled = errors.New("a bucket was not settled: its key holds another type, or Redis refused the write")
 
 // countSettleFailure counts settlements lost, and logs (throttled) why:
 // the reservations of their buckets stand. items, when given, are

@@ -1874,12 +1874,17 @@ func TestSettlementsOfABatchShareOneScriptCall(t *testing.T) {
 		c.script, c.clientCtx, c.then = settleScript, context.Background(), rec
 		return c
 	}
-	var a, b answerRecorder
+	// m:bad holds a list: its settlement fails, and only its own.
+	if err := rdb.LPush(context.Background(), "m:bad", "x").Err(); err != nil {
+		t.Fatal(err)
+	}
+	var a, b, bad answerRecorder
 	take := newTestCall("m:take", args, time.Now().Add(time.Second))
-	batch := []*call{settle(&a, map[string]int64{"m:a": 30, "m:b": -5}), take, settle(&b, map[string]int64{"m:c": 200})}
+	batch := []*call{settle(&a, map[string]int64{"m:a": 30, "m:b": -5}), take, settle(&bad, map[string]int64{"m:bad": 3}),
+		settle(&b, map[string]int64{"m:c": 200})}
 	send := l.mergeSettlements(batch)
-	if len(send) != 2 || send[0] != take || len(send[1].keys) != 3 {
-		t.Fatalf("merged into %d calls, want the take and one settlement of 3 buckets", len(send))
+	if len(send) != 2 || send[0] != take || len(send[1].keys) != 4 {
+		t.Fatalf("merged into %d calls, want the take and one settlement of 4 buckets", len(send))
 	}
 	before := commandCalls(t, rdb)["evalsha"]
 	for _, c := range send {
@@ -1895,8 +1900,9 @@ func TestSettlementsOfABatchShareOneScriptCall(t *testing.T) {
 	}
 	// a: 100 - 30 = 70, and a full bucket given back 5 stays full; b:
 	// 100 - 200 is -5 at most, 95 forgiven.
-	if a.err != nil || !slices.Equal(a.reply, []int64{0, 0, 0, 0}) || b.err != nil || !slices.Equal(b.reply, []int64{95, 0}) {
-		t.Fatalf("answers: %v %v and %v %v; want [0 0 0 0] and [95 0]", a.reply, a.err, b.reply, b.err)
+	if a.err != nil || !slices.Equal(a.reply, []int64{0, 0, 0, 0}) || b.err != nil || !slices.Equal(b.reply, []int64{95, 0}) ||
+		bad.err != nil || !slices.Equal(bad.reply, []int64{-1, 0}) {
+		t.Fatalf("answers: %v %v, %v %v and %v %v; want [0 0 0 0], [95 0] and [-1 0] (not settled)", a.reply, a.err, b.reply, b.err, bad.reply, bad.err)
 	}
 	for key, want := range map[string]float64{"m:a": 70, "m:c": -5} {
 		if st, err := parseBucket(rdb.Get(context.Background(), key)); err != nil || math.Abs(st.tokens-want) > 0.01 {

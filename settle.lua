@@ -19,7 +19,10 @@
 --
 -- Returns {for each bucket: the tokens forgiven, what a take could not
 -- take past -max_debt, as whole tokens and millionths (both rounded
--- down): a bucket refills by fractions, so what is forgiven has one}.
+-- down): a bucket refills by fractions, so what is forgiven has one}; or
+-- -1, 0 for a bucket that could not be settled (its key holds another
+-- type, or the write was refused): one call may settle the buckets of
+-- several requests, and one such bucket must not fail the others.
 
 local time = redis.call('TIME')
 local now = tonumber(time[1]) * 1000000 + tonumber(time[2])
@@ -31,7 +34,11 @@ for i = 1, #KEYS do
   local diff = tonumber(ARGV[4 * i - 1])
   local maxDebt = tonumber(ARGV[4 * i])
   local tokens = burst
-  local state = redis.call('GET', KEYS[i])
+  local state = redis.pcall('GET', KEYS[i])
+  local failed = type(state) == 'table' -- an error: GET answers a string or false otherwise
+  if failed then
+    state = nil
+  end
   if state then
     local stored, at = string.match(state, '^(%S+) (%d+)$')
     stored, at = tonumber(stored), tonumber(at)
@@ -50,12 +57,17 @@ for i = 1, #KEYS do
       left = floor
     end
   end
-  if state or left < burst then
+  if not failed and (state or left < burst) then
     local ttl = math.max(1000, math.ceil((burst - left) * 1000 / rate))
-    redis.call('SET', KEYS[i], string.format('%.17g %d', left, now), 'PX', ttl)
+    local written = redis.pcall('SET', KEYS[i], string.format('%.17g %d', left, now), 'PX', ttl)
+    failed = written.err ~= nil -- SET answers a status ({ok = 'OK'}) or an error, both tables
   end
-  local whole = math.floor(forgiven)
-  reply[2 * i - 1] = whole
-  reply[2 * i] = math.floor((forgiven - whole) * 1000000)
+  if failed then
+    reply[2 * i - 1], reply[2 * i] = -1, 0
+  else
+    local whole = math.floor(forgiven)
+    reply[2 * i - 1] = whole
+    reply[2 * i] = math.floor((forgiven - whole) * 1000000)
+  end
 end
 return reply

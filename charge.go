@@ -352,7 +352,8 @@ func (r *chargeRule) maxDebtArg(b *bucket) any {
 	}
 }
 
-// The values of {http.rate_limit.result} after the response, boxed once.
+// resultChargeMissing is {http.rate_limit.result} once a response's cost
+// could not be read, boxed once.
 var resultChargeMissing any = "charge_missing"
 
 // serveCharged serves an admitted request whose limits charge by the

@@ -42,6 +42,9 @@ type call struct {
 	state atomic.Int32
 	sent  atomic.Bool // the worker sent it to Redis
 	timer *time.Timer // the caller's deadline, kept from use to use
+	// then, when set, takes the answer instead of done, in the worker:
+	// for a call nobody waits on (a settlement, charge.go).
+	then answerTaker
 }
 
 const (
@@ -50,13 +53,17 @@ const (
 	callAbandoned
 )
 
+// answerTaker takes a call's answer in the worker that got it, quickly,
+// and releases the call.
+type answerTaker interface{ takeAnswer(*call) }
+
 var calls = sync.Pool{New: func() any { return &call{done: make(chan struct{}, 1)} }}
 
 // release clears a call, keeping its room, and puts it back.
 func (c *call) release() {
 	clear(c.args)
 	c.args, c.keys, c.reply = c.args[:0], c.keys[:0], c.reply[:0]
-	c.script, c.clientCtx, c.breaker, c.err = nil, nil, nil, nil
+	c.script, c.clientCtx, c.breaker, c.err, c.then = nil, nil, nil, nil, nil
 	c.state.Store(callPending)
 	c.sent.Store(false)
 	calls.Put(c)
@@ -65,6 +72,10 @@ func (c *call) release() {
 // answer hands the call back to its caller, or puts it back when the
 // caller has given it up. The worker must not touch it afterwards.
 func (c *call) answer() {
+	if c.then != nil {
+		c.then.takeAnswer(c)
+		return
+	}
 	if c.state.CompareAndSwap(callPending, callAnswered) {
 		c.done <- struct{}{}
 		return
@@ -209,6 +220,7 @@ func (l *limiter) sendBatch(worker int, batch []*call) {
 		return
 	}
 
+	send = l.mergeSettlements(send) // charge.go
 	sent := time.Now()
 	cmds := l.pipeline(ctx, send, false)
 	for _, cmd := range cmds {

@@ -20,7 +20,7 @@ import (
 	"go.uber.org/zap"
 )
 
-// The scripts: check-and-take, give back, and the admin API's read.
+// The scripts: check-and-take, give back, settle, and the admin API's read.
 var (
 	//go:embed script.lua
 	scriptSource string
@@ -28,9 +28,12 @@ var (
 	giveBackSource string
 	//go:embed peek.lua
 	peekSource string
+	//go:embed settle.lua
+	settleSource string
 
 	takeScript     = newLuaScript(scriptSource)
 	giveBackScript = newLuaScript(giveBackSource)
+	settleScript   = newLuaScript(settleSource)
 	scriptSHA      = takeScript.sha.(string)
 )
 
@@ -258,6 +261,7 @@ func (l *limiter) loadScript(within time.Duration) {
 	defer cancel()
 	_ = l.client.ScriptLoad(ctx, scriptSource).Err()
 	_ = l.client.ScriptLoad(ctx, giveBackSource).Err()
+	_ = l.client.ScriptLoad(ctx, settleSource).Err()
 }
 
 // lingerIdle is how long a released limiter must go without calls before
@@ -346,22 +350,8 @@ func (l *limiter) call(clientCtx context.Context, now time.Time, script *luaScri
 		}
 	}
 	c.script = script
-	c.deadline = now.Add(l.timeout)
 	c.clientCtx = clientCtx
-	l.lastCall.Store(now.UnixNano())
-	l.closing.RLock()
-	var err error
-	if l.closed {
-		err = errLimiterClosed
-	} else {
-		select {
-		case l.queue <- c:
-		default:
-			err = errQueueFull
-		}
-	}
-	l.closing.RUnlock()
-	if err != nil {
+	if err := l.enqueue(c, now); err != nil {
 		return c, err
 	}
 	if answered, sent := c.wait(); !answered {
@@ -371,6 +361,26 @@ func (l *limiter) call(clientCtx context.Context, now time.Time, script *luaScri
 		return nil, errWaitedOut
 	}
 	return c, c.err
+}
+
+// enqueue queues a call that is ready but for its deadline, which the
+// timeout from now sets; the caller waits on it (call.wait), or its then
+// takes the answer, unless this refuses it (the limiter closed, or its
+// queue full).
+func (l *limiter) enqueue(c *call, now time.Time) error {
+	c.deadline = now.Add(l.timeout)
+	l.lastCall.Store(now.UnixNano())
+	l.closing.RLock()
+	defer l.closing.RUnlock()
+	if l.closed {
+		return errLimiterClosed
+	}
+	select {
+	case l.queue <- c:
+		return nil
+	default:
+		return errQueueFull
+	}
 }
 
 // bucketView is what a bucket holds now, for the admin API.
@@ -443,8 +453,9 @@ func (l *limiter) reset(ctx context.Context, keys []string) error {
 }
 
 // maxRetryMicros bounds the wait a reply may give: no bucket takes longer
-// than a year to fill (limitValues.check).
-const maxRetryMicros = maxFillSeconds * 1_000_000
+// than a year to fill (limitValues.check), nor to pay back its debt
+// (maxDebtFor).
+const maxRetryMicros = 2 * maxFillSeconds * 1_000_000
 
 // readTake reads the check-and-take reply, {allowed, then per bucket:
 // remaining, microseconds until it holds its requested tokens; with

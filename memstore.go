@@ -252,7 +252,7 @@ func takeBucket(state memoryBucket, t int64, v limitValues, take bool) (after me
 		wait = int64(math.Ceil((requested - tokens) * 1000000 / v.rate))
 	}
 	ttl := math.Max(1000, math.Ceil((float64(v.burst)-tokens)*1000/v.rate)) // milliseconds, as the key's TTL
-	return memoryBucket{tokens: tokens, at: t, expires: t + int64(ttl)*1000}, took, int64(math.Floor(tokens)), wait
+	return memoryBucket{tokens: tokens, at: t, expires: t + int64(ttl)*1000}, took, max(0, int64(math.Floor(tokens))), wait
 }
 
 // extendOnDenial is what a denial at t leaves of a held bucket: its

@@ -60,17 +60,22 @@ func init() {
 // Placeholder | Description
 // ------------|-------------
 // `{http.rate_limit.zone}` | the zone
-// `{http.rate_limit.result}` | `allowed`, `denied`, `exempt`, `invalid`, `empty_key`, `error_allowed`, `error_denied`, `error_local_allowed`, `error_local_denied`, `overflow` or `shadow_denied`
+// `{http.rate_limit.result}` | `allowed`, `denied`, `exempt`, `invalid`, `empty_key`, `error_allowed`, `error_denied`, `error_local_allowed`, `error_local_denied`, `overflow` or `shadow_denied`; after the response, `charge_missing` when its cost could not be read
 // `{http.rate_limit.limit_name}` | the limit that refused (with `limits`); empty when admitted
 // `{http.rate_limit.remaining}` | whole tokens left; `-1` when Redis failed
 // `{http.rate_limit.limit}` | the burst capacity
 // `{http.rate_limit.retry_after}` | on denial, seconds until a retry can succeed, as in `Retry-After`
 // `{http.rate_limit.key}` | the client key as stored (escaped, or hashed when long), only with `log_key` (else empty)
+// `{http.rate_limit.charged}` | with `charge` or `charge_status`, after the response: the tokens it was charged (of the first limit that charges)
+// `{http.rate_limit.charged.<limit>}` | the same, for each named limit that charges
 //
 // It counts its decisions in the `caddy_rate_limit_requests_total`
 // metric (labels `zone`, `result` and `limit`), times Redis in
 // `caddy_rate_limit_redis_duration_seconds` and reports its circuit
-// breaker in `caddy_rate_limit_breaker_open`.
+// breaker in `caddy_rate_limit_breaker_open`. Limits that charge by the
+// response count tokens in `caddy_rate_limit_charged_total` and
+// `caddy_rate_limit_forgiven_total`, and settlements lost to Redis
+// failures in `caddy_rate_limit_settle_failures_total`.
 type Handler struct {
 	// Zone names the space of buckets: letters, digits, `-`, `_`, `.` and
 	// `:`. Handlers with the same zone and key template share buckets,
@@ -124,6 +129,37 @@ type Handler struct {
 	// prefixes; what it leaves out is the handler's. Without limits, the
 	// handler is one limit of the fields above.
 	Limits []Limit `json:"limits,omitempty"`
+
+	// Charge says where the real cost of a response comes from, for every
+	// limit (a limit may have its own): a response header, numbers in a
+	// JSON body or an event stream, or a placeholder (see Charge).
+	// `requested_tokens` is then a reservation, taken before the request
+	// as the check; once the response is written, the difference is
+	// settled: a smaller cost gives tokens back (capped at the burst), a
+	// larger one takes the rest, even below zero, down to `max_debt`.
+	// Default: none; the cost is `requested_tokens`.
+	Charge *Charge `json:"charge,omitempty"`
+
+	// ChargeStatus lists the response statuses that are charged: codes
+	// (`401`) or classes (`2` for 2xx, as Caddy's response matchers write
+	// them). A response with any other status gets its whole reservation
+	// back. Without `charge`, a matching response is charged its
+	// reservation. Default: every status is charged.
+	ChargeStatus []int `json:"charge_status,omitempty"`
+
+	// MaxDebt is how far below zero, in tokens, a response that costs
+	// more than its reservation may take a bucket: the cost beyond it is
+	// forgiven (and counted). While a bucket is in debt, or holds less
+	// than a request's reservation, requests are refused until it
+	// refills. Only with `charge` or `charge_status`. Default:
+	// `burst_capacity`.
+	MaxDebt *int64 `json:"max_debt,omitempty"`
+
+	// MaxBody is how many bytes of a JSON response body `charge json`
+	// reads, in bytes; a larger body is charged its reservation. Event
+	// streams and JSON lines are read whole, an event or line of up to 64
+	// KiB at a time. Default: 1 MiB.
+	MaxBody int64 `json:"max_body,omitempty"`
 
 	// DenyEmptyKey denies requests whose key resolves to the empty string
 	// with `empty_key_status`; when false they pass that limit unlimited.
@@ -195,6 +231,7 @@ type Handler struct {
 	local        *memoryStore // with on_error local: the buckets while Redis fails
 	limiter      *limiter     // nil when no limit ever asks Redis
 	leases       *leases      // with lease
+	charging     *charging    // when a limit charges by the response (charge.go)
 	limiterKey   string
 	limits       []*limit
 	groups       [][]*limit // on Cluster, limits by hash slot, when they span several
@@ -242,11 +279,17 @@ func (h *Handler) Provision(ctx caddy.Context) (err error) {
 	if err := h.checkLimits(); err != nil { // Validate's check, first: its messages name the limit
 		return err
 	}
+	if err := h.checkCharging(); err != nil {
+		return err
+	}
 	redisConfig := h.Redis.withPlaceholders()
 	if err := redisConfig.validate(); err != nil {
 		return err
 	}
 	if h.limits, err = h.buildLimits(redisConfig.KeyPrefix); err != nil {
+		return err
+	}
+	if err := h.setUpCharging(); err != nil {
 		return err
 	}
 	style := h.Headers
@@ -357,6 +400,7 @@ func (h *Handler) Validate() error {
 		checkMaxKeys(h.MaxKeys),
 		checkLease(h.Lease, h.Store),
 		h.checkLimits(),
+		h.checkCharging(),
 	} {
 		if err != nil {
 			return err
@@ -479,6 +523,9 @@ func (h *Handler) answer(w http.ResponseWriter, r *http.Request, next caddyhttp.
 		h.record(repl, refused, buckets, described)
 		w.Header()["Retry-After"] = countValue(ceilSeconds(retryAfter(buckets)))
 		return reject(w, r, h.errDenied)
+	}
+	if allowed && h.charging != nil {
+		return h.serveCharged(w, r, next, repl, buckets, admitted == decisionErrorLocalAllowed)
 	}
 	return next.ServeHTTP(w, r)
 }

@@ -42,6 +42,13 @@ type Limit struct {
 	// handler's values.
 	IPv4Prefix *int `json:"ipv4_prefix,omitempty"`
 	IPv6Prefix *int `json:"ipv6_prefix,omitempty"`
+
+	// Charge, ChargeStatus and MaxDebt are as the handler's, and default
+	// to the handler's values: a limit charges by the response when it or
+	// its handler has `charge` or `charge_status`.
+	Charge       *Charge `json:"charge,omitempty"`
+	ChargeStatus []int   `json:"charge_status,omitempty"`
+	MaxDebt      *int64  `json:"max_debt,omitempty"`
 }
 
 // Param is a limit's rate, burst or cost: a number fixed in the config,
@@ -225,6 +232,10 @@ type limit struct {
 	exempt     bool   // a fixed rate of `unlimited`
 	args       [3]any // the values as script arguments, boxed once (BenchmarkServeHTTPAllowed 21 -> 16 allocs)
 	burstValue any    // the burst as a placeholder value, boxed once
+
+	// charge is how the response charges it (charge.go); nil when
+	// requested_tokens is its cost.
+	charge *chargeRule
 }
 
 // bucket is one limit's bucket for one request, and Redis's answer.

@@ -15,16 +15,17 @@
 --              only when every bucket's lease holds its tokens
 --
 -- A bucket is one string "<tokens> <microseconds>": the tokens it held at
--- that Redis time. Tokens refill by elapsed time, so the state only needs
+-- that Redis time, below zero when a response cost more than it reserved
+-- (settle.lua). Tokens refill by elapsed time, so the state only needs
 -- writing when tokens are taken. The key expires when the bucket would be
 -- full again at the values of the latest request (a denial extends it when
 -- they need longer); an expired bucket reads as full, which is what it
 -- would be.
 --
 -- Returns {allowed (1|0), then for each bucket: remaining whole tokens
--- (rounded down), microseconds until it holds its requested tokens again
--- (rounded up; 0 when it holds them now); then, with leases, the tokens
--- lent from each bucket}.
+-- (rounded down; 0 in debt), microseconds until it holds its requested
+-- tokens again (rounded up; 0 when it holds them now); then, with
+-- leases, the tokens lent from each bucket}.
 
 -- Redis time, not the caller's, so instances with skewed clocks agree.
 -- 1.7e15 microseconds is well inside a double's exact integers (2^53).
@@ -96,7 +97,7 @@ for i = 1, n do
   if tokens[i] < requested[i] then
     wait = math.ceil((requested[i] - tokens[i]) * 1000000 / rate[i])
   end
-  reply[2 * i] = math.floor(tokens[i])
+  reply[2 * i] = math.max(0, math.floor(tokens[i]))
   reply[2 * i + 1] = wait
 end
 if leasing then

@@ -25,6 +25,11 @@
 #   lease@256     as lease@64 with 256 connections
 #   memfloor@256  as memfloor@64 with 256 connections
 #   nometrics@64  as allowed@64 with `metrics off` (what the metrics cost)
+#   charge@64     as allowed@64 with `charge header X-Cost`: every response
+#                 costs more than its reservation, so every request also
+#                 settles (a second script call, after the response)
+#   chargestatus@64  as allowed@64 with `charge_status 2xx`: responses keep
+#                 their reservation, no settlement (what the writer costs)
 #   denied@64     rate_limit, one empty bucket: every request gets 429
 #                 (after the first denial the handler's deny cache answers;
 #                 scripts/req near 0 shows it)
@@ -45,9 +50,10 @@
 # BENCH_CASES (all; or a list such as "bare@64 memory@64": fewer cases per
 # round set the ones compared closer together in time, which matters on
 # a machine whose speed swings from one minute to the next).
-# BENCH_PROFILE=<dir> adds one more allowed@64 run with Caddy's admin
-# endpoint on, saves a 5 s CPU profile and allocation profile of Caddy
-# into <dir> and prints the top of each.
+# BENCH_PROFILE=<dir> adds one more allowed@64 run (BENCH_PROFILE_CASE=
+# <caddyfile> for another, such as charge) with Caddy's admin endpoint
+# on, saves a 5 s CPU profile and allocation profile of Caddy into <dir>
+# and prints the top of each.
 # Never touches any Redis it did not start; kills only its own PIDs.
 set -euo pipefail
 SCRIPT_NAME=bench
@@ -121,6 +127,8 @@ CASES=(
 	"memory@64 memory 200 -"
 	"lease@64 lease 200 -"
 	"nometrics@64 allowed-nometrics 200 -"
+	"charge@64 charge 200 -"
+	"chargestatus@64 chargestatus 200 -"
 	"denied@64 denied 429 -same-key"
 	"allowed@256 allowed 200 -"
 	"lease@256 lease 200 -"
@@ -185,8 +193,9 @@ if [[ -n "${BENCH_PROFILE:-}" ]]; then
 	mkdir -p "$BENCH_PROFILE"
 	prof="$(cd "$BENCH_PROFILE" && pwd)"
 	admin="127.0.0.1:$("$LOADGEN" freeport)"
-	start_caddy allowed "$admin"
-	log "profiling allowed@64 (admin $admin) into $prof"
+	profiled="${BENCH_PROFILE_CASE:-allowed}"
+	start_caddy "$profiled" "$admin"
+	log "profiling $profiled@64 (admin $admin) into $prof"
 	GOMAXPROCS=1 taskset -c "$LOAD_CPU" "$LOADGEN" run -addr "127.0.0.1:$caddy_port" -c 64 -warmup 1s -d 7s \
 		-expect 200 -redis "$REDIS_ADDR" -pid "$caddy_pid" >"$work/profile-run" &
 	lg_pid=$!
@@ -200,9 +209,9 @@ if [[ -n "${BENCH_PROFILE:-}" ]]; then
 	log "profile run: $(cat "$work/profile-run")"
 	stop_child "$caddy_pid" caddy
 	caddy_pid=""
-	echo "--- Caddy CPU profile, allowed@64 (go tool pprof -top $prof/caddy-cpu.pprof) ---"
+	echo "--- Caddy CPU profile, $profiled@64 (go tool pprof -top $prof/caddy-cpu.pprof) ---"
 	go tool pprof -top -nodecount 30 "$prof/caddy-cpu.pprof" 2>/dev/null | sed -n '4,40p'
-	echo "--- Caddy allocations, allowed@64 (go tool pprof -sample_index=alloc_objects -top $prof/caddy-allocs.pprof) ---"
+	echo "--- Caddy allocations, $profiled@64 (go tool pprof -sample_index=alloc_objects -top $prof/caddy-allocs.pprof) ---"
 	go tool pprof -sample_index=alloc_objects -top -nodecount 30 "$prof/caddy-allocs.pprof" 2>/dev/null | sed -n '4,40p'
 fi
 log "done in $((SECONDS - bench_start))s"

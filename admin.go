@@ -4,6 +4,7 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
+	"maps"
 	"math"
 	"net/http"
 	"net/textproto"
@@ -99,7 +100,7 @@ func serveAdmin(w http.ResponseWriter, r *http.Request) error {
 	switch {
 	case len(parts) == 1 && parts[0] == "zones":
 		if r.Method != http.MethodGet {
-			return methodNotAllowed(r, http.MethodGet)
+			return methodNotAllowed(w, r, http.MethodGet)
 		}
 		return writeJSON(w, listZones())
 	case len(parts) == 3 && parts[0] == "zones" && parts[2] == "buckets":
@@ -107,14 +108,17 @@ func serveAdmin(w http.ResponseWriter, r *http.Request) error {
 		case http.MethodGet, http.MethodDelete:
 			return serveBuckets(w, r, parts[1])
 		}
-		return methodNotAllowed(r, http.MethodGet, http.MethodDelete)
+		return methodNotAllowed(w, r, http.MethodGet, http.MethodDelete)
 	}
 	return caddy.APIError{HTTPStatus: http.StatusNotFound, Err: fmt.Errorf("resource not found: %s", r.URL.Path)}
 }
 
-func methodNotAllowed(r *http.Request, allowed ...string) error {
+// methodNotAllowed refuses the request's method, with the Allow header
+// that HTTP requires of a 405.
+func methodNotAllowed(w http.ResponseWriter, r *http.Request, allowed ...string) error {
+	w.Header().Set("Allow", strings.Join(allowed, ", "))
 	return caddy.APIError{HTTPStatus: http.StatusMethodNotAllowed,
-		Err: fmt.Errorf("method not allowed: %s (this resource takes %s)", r.Method, strings.Join(allowed, " and "))}
+		Err: fmt.Errorf("method not allowed: %s (this resource takes %s)", cutValue(r.Method), strings.Join(allowed, " and "))}
 }
 
 func writeJSON(w http.ResponseWriter, v any) error {
@@ -302,12 +306,22 @@ var paramPlaceholder = regexp.MustCompile(`\{([^{}]+)\}`)
 
 // clientBuckets resolves, from a query's placeholder values, a client's
 // bucket for every limit whose placeholders the query gives all of. It
-// refuses a query that names a placeholder no limit uses, or that gives
+// refuses a query that names a placeholder no limit uses, gives one
+// twice (by one name or by two spellings of it: which value would count
+// is anyone's guess, and a DELETE could reset another client), or gives
 // no limit all it needs.
 func clientBuckets(limits []*limit, query url.Values) (map[*limit]bucket, map[*limit]bool, error) {
 	given := map[string]string{} // by the placeholder's name, as placeholderName gives it
-	for name, values := range query {
-		given[placeholderName(name)] = values[0]
+	spelled := map[string]string{}
+	for _, name := range slices.Sorted(maps.Keys(query)) {
+		if n := len(query[name]); n > 1 {
+			return nil, nil, fmt.Errorf("query parameter '%s' is given %d times: give each placeholder once", cutValue(name), n)
+		}
+		canonical := placeholderName(name)
+		if other, ok := spelled[canonical]; ok {
+			return nil, nil, fmt.Errorf("query parameters '%s' and '%s' both name the placeholder %s: give it once", cutValue(other), cutValue(name), cutValue(canonical))
+		}
+		given[canonical], spelled[canonical] = query[name][0], name
 	}
 	// Each value is set under the name the config writes, which may differ
 	// from the canonical one that the query's name maps to: a header's name
@@ -363,7 +377,7 @@ func clientBuckets(limits []*limit, query url.Values) (map[*limit]bucket, map[*l
 	}
 	for name := range given {
 		if !used[name] {
-			return nil, nil, fmt.Errorf("unknown placeholder '%s': the zone's keys and values use %s", name, strings.Join(sortedKeys(used), ", "))
+			return nil, nil, fmt.Errorf("unknown placeholder '%s': the zone's keys and values use %s", cutValue(name), strings.Join(sortedKeys(used), ", "))
 		}
 	}
 	if len(buckets) == 0 && len(exempt) == 0 {

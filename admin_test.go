@@ -636,6 +636,130 @@ http://localhost:9080 {
 	}
 }
 
+// TestAdminRefusesAmbiguousQueries: a query that gives one placeholder
+// twice, by two of its spellings or by one name repeated, says nothing
+// certain about which client is meant, so a DELETE could reset another
+// client's buckets: it is refused with 400 naming both spellings (or the
+// repeated name), and Redis is not asked. A 405 says, in Allow, which
+// methods the resource takes.
+func TestAdminRefusesAmbiguousQueries(t *testing.T) {
+	srv := redistest.Start(t)
+	rdb := srv.Client(t)
+	ctx := context.Background()
+	proc := caddyproc.Start(t, caddyproc.Caddyfile(fmt.Sprintf(`
+http://127.0.0.1:{{http_port}} {
+	rate_limit 0.01 5 {
+		zone ambiguous
+		key {client_ip}:{header.X-Key}
+		redis %s
+	}
+	respond "ok"
+}`, srv.Addr)))
+	admin := fmt.Sprintf("http://127.0.0.1:%d", proc.AdminPort)
+	expectAdmitted(t, caddyClient(t), proc.URL, "4", "X-Key", "a")
+	held := adminBucketOf(t, admin, "ambiguous", q("client_ip", "127.0.0.1", "header.X-Key", "a")).StoredKey
+
+	bucketsOf := func(query string) string { return "/rate_limit/zones/ambiguous/buckets?" + query }
+	for _, c := range []struct{ method, path, allow string }{
+		{http.MethodPost, "/rate_limit/zones", "GET"},
+		{http.MethodPut, bucketsOf("client_ip=127.0.0.1&header.X-Key=a"), "GET, DELETE"},
+	} {
+		req, _ := http.NewRequest(c.method, admin+c.path, nil)
+		resp, err := adminHTTP.Do(req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		resp.Body.Close()
+		if resp.StatusCode != 405 || resp.Header.Get("Allow") != c.allow {
+			t.Errorf("%s %s: %d with Allow %q, want 405 with Allow %q", c.method, c.path, resp.StatusCode, resp.Header.Get("Allow"), c.allow)
+		}
+	}
+	for _, c := range []struct {
+		query string
+		says  []string
+	}{
+		{"client_ip=127.0.0.1&http.vars.client_ip=192.0.2.1&header.X-Key=a", []string{"'client_ip'", "'http.vars.client_ip'", "http.vars.client_ip"}},
+		{"client_ip=127.0.0.1&header.X-Key=a&header.x-key=b", []string{"'header.X-Key'", "'header.x-key'", "http.request.header.X-Key"}},
+		{"client_ip=127.0.0.1&header.X-Key=a&http.request.header.X-Key=a", []string{"'header.X-Key'", "'http.request.header.X-Key'"}},
+		{"client_ip=192.0.2.1&client_ip=127.0.0.1&header.X-Key=a", []string{"'client_ip' is given 2 times"}},
+		{"client_ip=127.0.0.1&header.X-Key=a&header.X-Key=a", []string{"'header.X-Key' is given 2 times"}},
+	} {
+		for _, method := range []string{http.MethodGet, http.MethodDelete} {
+			before := commandCalls(t, rdb)
+			status, _, body := adminCall(t, admin, method, bucketsOf(c.query))
+			var answer struct{ Error string }
+			if err := json.Unmarshal(body, &answer); err != nil || status != 400 {
+				t.Errorf("%s ?%s: %d %s, want 400 with an error", method, c.query, status, body)
+				continue
+			}
+			for _, s := range c.says {
+				if !strings.Contains(answer.Error, s) {
+					t.Errorf("%s ?%s: error %q does not say %s", method, c.query, answer.Error, s)
+				}
+			}
+			if d := commandsSince(t, rdb, before); len(d) != 0 {
+				t.Errorf("%s ?%s: Redis served %v, want nothing", method, c.query, d)
+			}
+		}
+	}
+	if n, err := rdb.Exists(ctx, held).Result(); err != nil || n != 1 {
+		t.Fatalf("the client's bucket %s is gone (%d, %v): an ambiguous DELETE reset it", held, n, err)
+	}
+
+}
+
+// TestAdminReadsBucketsWithoutEvalRO: on a Redis without EVAL_RO (6.2,
+// which managed services still run; here a 7 whose EVAL_RO is renamed
+// away, which answers the same "unknown command"), the admin API reads
+// buckets with EVAL of the same read-only script, and learns that once:
+// the second read sends no EVAL_RO.
+func TestAdminReadsBucketsWithoutEvalRO(t *testing.T) {
+	srv := redistest.Start(t, "--rename-command", "EVAL_RO", "")
+	rdb := srv.Client(t)
+	proc := caddyproc.Start(t, caddyproc.Caddyfile(fmt.Sprintf(`
+http://127.0.0.1:{{http_port}} {
+	rate_limit 0.01 5 {
+		zone noevalro
+		key {header.X-Key}
+		redis %s
+	}
+	respond "ok"
+}`, srv.Addr)))
+	admin := fmt.Sprintf("http://127.0.0.1:%d", proc.AdminPort)
+	expectAdmitted(t, caddyClient(t), proc.URL, "4", "X-Key", "a")
+	errorsOf := func() int64 { return errorStat(t, rdb, "ERR") }
+	for i := range 2 {
+		errsBefore, before := errorsOf(), commandCalls(t, rdb)
+		b := adminBucketOf(t, admin, "noevalro", q("header.X-Key", "a"))
+		if !b.holds(t, 4) || b.ExpiresIn <= 0 {
+			t.Fatalf("read %d: %+v, want 4 tokens and an expiry", i+1, b)
+		}
+		refused, calls := errorsOf()-errsBefore, commandsSince(t, rdb, before)
+		if calls["eval"] != 1 || i == 1 && refused != 0 || i == 0 && refused != 1 {
+			t.Errorf("read %d: Redis served %v and refused %d unknown commands; want one eval, after one refused EVAL_RO on the first read only", i+1, calls, refused)
+		}
+	}
+}
+
+// errorStat reads the count of a Redis error prefix from INFO errorstats.
+func errorStat(t *testing.T, rdb *redis.Client, prefix string) int64 {
+	t.Helper()
+	info, err := rdb.Info(context.Background(), "errorstats").Result()
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, line := range strings.Split(info, "\n") {
+		if rest, ok := strings.CutPrefix(strings.TrimSpace(line), "errorstat_"+prefix+":count="); ok {
+			n, err := strconv.ParseInt(rest, 10, 64)
+			if err != nil {
+				t.Fatalf("errorstats %q: %v", line, err)
+			}
+			return n
+		}
+	}
+	return 0
+}
+
 // TestAdminCompositeKey names a client's bucket by two placeholders, with
 // the Caddyfile's shorthands, the full names, and header names in any
 // case.

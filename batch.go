@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/redis/go-redis/v9"
@@ -19,9 +20,11 @@ const (
 	queueLength       = 4096
 )
 
-// call is one script call's trip through the batcher, pooled: the caller
-// always gets its answer (by the deadline at the latest) and then puts
-// the call back. Its slices keep their room from use to use.
+// call is one script call's trip through the batcher, pooled. Its caller
+// waits for the answer until the call's own deadline and then puts the
+// call back; a caller that gives up at its deadline leaves the call to
+// the worker, which puts it back once done with it. Its slices keep
+// their room from use to use.
 type call struct {
 	// args are the command: EVALSHA, the script's SHA, the number of
 	// keys, &keys[i] for each key, then each bucket's arguments.
@@ -34,7 +37,25 @@ type call struct {
 	reply     []int64
 	err       error
 	done      chan struct{} // one answer per use
+	// state says who owns the call once it is queued: callPending until
+	// the worker answers it or its caller gives it up.
+	state atomic.Int32
+	sent  atomic.Bool // the worker sent it to Redis
+	timer *time.Timer // the caller's deadline, kept from use to use
+	// then, when set, takes the answer instead of done, in the worker:
+	// for a call nobody waits on (a settlement, charge.go).
+	then answerTaker
 }
+
+const (
+	callPending int32 = iota
+	callAnswered
+	callAbandoned
+)
+
+// answerTaker takes a call's answer in the worker that got it, quickly,
+// and releases the call.
+type answerTaker interface{ takeAnswer(*call) }
 
 var calls = sync.Pool{New: func() any { return &call{done: make(chan struct{}, 1)} }}
 
@@ -42,8 +63,54 @@ var calls = sync.Pool{New: func() any { return &call{done: make(chan struct{}, 1
 func (c *call) release() {
 	clear(c.args)
 	c.args, c.keys, c.reply = c.args[:0], c.keys[:0], c.reply[:0]
-	c.script, c.clientCtx, c.breaker, c.err = nil, nil, nil, nil
+	c.script, c.clientCtx, c.breaker, c.err, c.then = nil, nil, nil, nil, nil
+	c.state.Store(callPending)
+	c.sent.Store(false)
 	calls.Put(c)
+}
+
+// answer hands the call back to its caller, or puts it back when the
+// caller has given it up. The worker must not touch it afterwards.
+func (c *call) answer() {
+	if c.then != nil {
+		c.then.takeAnswer(c)
+		return
+	}
+	if c.state.CompareAndSwap(callPending, callAnswered) {
+		c.done <- struct{}{}
+		return
+	}
+	c.release()
+}
+
+// wait waits for the call's answer until its deadline. A call still
+// unanswered then is given up: its batch mates may be answered later, but
+// its own time is over; sent says whether it had gone to Redis. The
+// worker puts a call given up back.
+func (c *call) wait() (answered, sent bool) {
+	d := time.Until(c.deadline)
+	if c.timer == nil {
+		c.timer = time.NewTimer(d)
+	} else {
+		c.timer.Reset(d)
+	}
+	select {
+	case <-c.done:
+		if !c.timer.Stop() {
+			select { // a timer channel of Go before 1.23 may hold the expiry
+			case <-c.timer.C:
+			default:
+			}
+		}
+		return true, true
+	case <-c.timer.C:
+		sent = c.sent.Load() // before giving it up, after which it is the worker's
+		if c.state.CompareAndSwap(callPending, callAbandoned) {
+			return false, sent
+		}
+		<-c.done // answered just now
+		return true, true
+	}
 }
 
 // overloadError fails calls that this instance could not send in time.
@@ -55,11 +122,16 @@ func (e overloadError) Error() string { return string(e) }
 
 var (
 	errQueueFull      = overloadError("too many requests waiting for Redis")
-	errExpiredInQueue = overloadError("the timeout ran out before the call could be sent to Redis")
+	errWaitedOut      = overloadError("the timeout ran out while the call waited to be sent to Redis")
+	errExpiredInQueue = overloadError("too little of the timeout was left, after waiting to be sent, for a round trip to Redis")
 )
 
 // errBreakerOpen fails calls to a node whose breaker is open.
 var errBreakerOpen = errors.New("circuit breaker open: this Redis node failed repeatedly")
+
+// errNoAnswer fails a call that was sent and not answered within its
+// timeout.
+var errNoAnswer = fmt.Errorf("no answer from Redis within the timeout: %w", context.DeadlineExceeded)
 
 // work is one worker: it waits for a call, takes whatever else is
 // already queued (never waiting for more), and sends them together.
@@ -76,7 +148,7 @@ func (l *limiter) work(worker int) {
 				select {
 				case c := <-l.queue:
 					c.err = errLimiterClosed
-					c.done <- struct{}{}
+					c.answer()
 				default:
 					return
 				}
@@ -96,30 +168,35 @@ func (l *limiter) work(worker int) {
 	}
 }
 
-// sendBatch sends one batch and delivers every call's own result or
-// error. Calls that must not go are answered first: those whose time
-// (nearly) ran out in the queue or whose client left (they must not take
-// tokens), and those whose node's breaker is open. The rest go in one
-// pipeline that ends at their earliest deadline, so no caller waits past
-// its own; each answer or failure then counts for its node's breaker.
+// sendBatch sends one batch and answers every call with its own result
+// or error. Calls that must not go are answered first: those whose
+// client left (they must not take tokens), those with less of their
+// timeout left than a round trip takes now (this instance's overload,
+// not a Redis failure: sent, they would only take tokens for callers
+// gone by the time the answer comes), and those whose node's breaker is
+// open. The rest go in one pipeline that may take until the latest of
+// their deadlines, and each caller waits until its own (call.wait): a
+// call short of time does not cut its batch mates' time short. Then
+// each node in the batch counts once for its breaker: a success if it
+// answered, else one failure however many of its calls failed.
 func (l *limiter) sendBatch(worker int, batch []*call) {
-	last := time.Now().Add(l.timeout / 10)
+	last := time.Now().Add(l.sendMargin())
 	var deadline time.Time
 	live := batch[:0]
 	for _, c := range batch {
 		switch {
 		case c.clientCtx.Err() != nil:
 			c.err = c.clientCtx.Err()
-		case c.deadline.Before(last):
+		case c.deadline.Before(last): // also every call its caller gave up
 			c.err = errExpiredInQueue
 		default:
-			if deadline.IsZero() || c.deadline.Before(deadline) {
+			if c.deadline.After(deadline) {
 				deadline = c.deadline
 			}
 			live = append(live, c)
 			continue
 		}
-		c.done <- struct{}{}
+		c.answer()
 	}
 	if len(live) == 0 {
 		return
@@ -133,16 +210,25 @@ func (l *limiter) sendBatch(worker int, batch []*call) {
 		c.breaker = l.nodeBreaker(ctx, c.keys[0], &resolved)
 		if !c.breaker.allow() {
 			c.err = errBreakerOpen
-			c.done <- struct{}{}
+			c.answer()
 			continue
 		}
+		c.sent.Store(true)
 		send = append(send, c)
 	}
 	if len(send) == 0 {
 		return
 	}
 
+	send = l.mergeSettlements(send) // charge.go
+	sent := time.Now()
 	cmds := l.pipeline(ctx, send, false)
+	for _, cmd := range cmds {
+		if cmd.Err() == nil { // answered: a round trip, not a deadline
+			l.rtt.add(time.Since(sent))
+			break
+		}
+	}
 	// After a restart, failover or SCRIPT FLUSH the server has lost the
 	// script: send the source for those that failed, which caches it again.
 	var lost []*call
@@ -155,19 +241,81 @@ func (l *limiter) sendBatch(worker int, batch []*call) {
 		l.pipeline(ctx, lost, true)
 	}
 
+	// What each node did.
+	nodes := l.outcomes[worker][:0]
 	for _, c := range send {
-		if c.err == nil {
-			if c.breaker.success() {
-				l.breakerChanged(c.breaker, false, 0)
-			}
-		} else if c.clientCtx.Err() == nil { // a client that left says nothing about Redis
-			if opened, failures := c.breaker.failure(); opened {
-				l.breakerChanged(c.breaker, true, failures)
-			}
-			l.reloadSlotsAfter(c.err)
+		if c.err != nil && c.clientCtx.Err() != nil {
+			continue // a client that left says nothing about Redis
 		}
-		c.done <- struct{}{}
+		i := 0
+		for i < len(nodes) && nodes[i].breaker != c.breaker {
+			i++
+		}
+		if i == len(nodes) {
+			nodes = append(nodes, nodeOutcome{breaker: c.breaker})
+		}
+		if c.err == nil {
+			nodes[i].answered = true
+		} else {
+			nodes[i].err = c.err
+		}
 	}
+	for i := range nodes {
+		n := &nodes[i]
+		if n.answered && n.breaker.success() || !n.answered && n.breaker.failure() {
+			l.breakerChanged(n.breaker)
+		}
+		if !n.answered {
+			l.reloadSlotsAfter(n.err)
+		}
+		*n = nodeOutcome{}
+	}
+	l.outcomes[worker] = nodes[:0]
+	for _, c := range send { // after the breakers: an answer closes the breaker before its caller goes on
+		c.answer()
+	}
+}
+
+// nodeOutcome is what one node did for a batch: answered at least one of
+// its calls, or failed them all (err is one of the failures).
+type nodeOutcome struct {
+	breaker  *breaker
+	answered bool
+	err      error
+}
+
+// sendMargin is the least time a call must have left to be sent: what a
+// round trip takes now, at least a tenth of the timeout, and at most half
+// of it, so that calls with half their time left always go, and keep the
+// estimate current when Redis slows down.
+func (l *limiter) sendMargin() time.Duration {
+	return max(l.timeout/10, min(l.rtt.estimate(), l.timeout/2))
+}
+
+// roundTrips estimates how long a pipeline takes, from sending to the
+// last answer, as TCP estimates its round trips (RFC 6298): a moving
+// mean and mean deviation of recent ones. Both workers update it without
+// a lock; an update lost to the other worker's changes little.
+type roundTrips struct {
+	mean, dev atomic.Int64 // nanoseconds
+}
+
+func (r *roundTrips) add(d time.Duration) {
+	sample, mean, dev := int64(d), r.mean.Load(), r.dev.Load()
+	if mean == 0 {
+		r.mean.Store(sample)
+		r.dev.Store(sample / 2)
+		return
+	}
+	diff := sample - mean
+	r.mean.Store(mean + diff/8)
+	r.dev.Store(dev + (max(diff, -diff)-dev)/4)
+}
+
+// estimate is the time within which a pipeline is answered but rarely
+// later: the mean plus four deviations, as TCP's retransmission timeout.
+func (r *roundTrips) estimate() time.Duration {
+	return time.Duration(r.mean.Load() + 4*r.dev.Load())
 }
 
 // onceCmd is a script call that go-redis must not send again: its

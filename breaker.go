@@ -1,14 +1,18 @@
 package ratelimit
 
 import (
+	"context"
 	"sync"
 	"sync/atomic"
 	"time"
+
+	"github.com/redis/go-redis/v9"
 )
 
 // Circuit breaker settings: after breakerThreshold failures in a row of
-// one Redis node, calls to that node skip Redis (and follow on_error at
-// once) for breakerCooldown, after which one call probes it again.
+// one Redis node (a failed batch is one failure, however many calls it
+// held), calls to that node skip Redis (and follow on_error at once) for
+// breakerCooldown, after which one call probes it again.
 const (
 	breakerThreshold = 5
 	breakerCooldown  = 500 * time.Millisecond
@@ -23,6 +27,9 @@ type breaker struct {
 	// openUntil is when the next probe may go, in Unix nanoseconds;
 	// zero while closed.
 	openUntil atomic.Int64
+	// counted says the breaker is counted open in nodeBreakers.open;
+	// guarded by nodeBreakers.mu.
+	counted bool
 }
 
 // allow says whether a call may go to the node. While open, the first
@@ -47,12 +54,12 @@ func (b *breaker) success() (closed bool) {
 
 // failure records a failure of the node; opened says it opened the
 // breaker, after failures in a row.
-func (b *breaker) failure() (opened bool, failures int64) {
+func (b *breaker) failure() (opened bool) {
 	n := b.failures.Add(1)
 	if n < breakerThreshold || b.openUntil.Load() != 0 {
-		return false, n
+		return false
 	}
-	return b.openUntil.CompareAndSwap(0, time.Now().Add(breakerCooldown).UnixNano()), n
+	return b.openUntil.CompareAndSwap(0, time.Now().Add(breakerCooldown).UnixNano())
 }
 
 func (b *breaker) isOpen() bool { return b.openUntil.Load() != 0 }
@@ -63,11 +70,13 @@ const unknownSlots = "cluster (slot map unknown)"
 
 // nodeBreakers holds one breaker per Redis master: a dead Cluster master
 // fails its own keys fast while the other masters' keys are limited as
-// usual. Standalone and Sentinel have one.
+// usual. Standalone and Sentinel have one. A Cluster's breakers follow
+// its topology: a node that no longer serves slots has its breaker
+// dropped (see limiter.pruneBreakers).
 type nodeBreakers struct {
 	mu     sync.RWMutex
 	byNode map[string]*breaker
-	open   atomic.Int64 // breakers open now
+	open   atomic.Int64 // breakers in byNode counted open; changed under mu
 }
 
 // get returns the breaker of node, made on first use. Nodes are the
@@ -89,4 +98,103 @@ func (n *nodeBreakers) get(node string) *breaker {
 		n.byNode[node] = b
 	}
 	return b
+}
+
+// sync counts b as it is now, open or closed, after a success or failure
+// changed it; changed says whether that changed the count, and so is
+// news to log. A breaker dropped meanwhile (its node left) or already
+// counted as it is changes nothing, so that two workers racing to open
+// and close it, or a worker and pruning, count it once.
+func (n *nodeBreakers) sync(b *breaker) (changed, open bool) {
+	n.mu.Lock()
+	defer n.mu.Unlock()
+	open = b.isOpen()
+	if n.byNode[b.node] != b || b.counted == open {
+		return false, open
+	}
+	b.counted = open
+	if open {
+		n.open.Add(1)
+	} else {
+		n.open.Add(-1)
+	}
+	return true, open
+}
+
+// retain drops the breakers of the nodes that keep refuses, and returns
+// the nodes of those that were counted open: they no longer are.
+func (n *nodeBreakers) retain(keep func(node string) bool) (closed []string) {
+	n.mu.Lock()
+	defer n.mu.Unlock()
+	for node, b := range n.byNode {
+		if keep(node) {
+			continue
+		}
+		delete(n.byNode, node)
+		if b.counted {
+			b.counted = false
+			n.open.Add(-1)
+			closed = append(closed, node)
+		}
+	}
+	return closed
+}
+
+// How often a Cluster's breakers are checked against its masters: every
+// second while one is open (so the gauge and the logs follow a failover
+// within a moment), every minute otherwise (to forget nodes that left).
+const (
+	pruneWhileOpen = time.Second
+	pruneIdle      = time.Minute
+)
+
+// pruneBreakers runs beside a Cluster's limiter until it closes, never on
+// a request's path: it drops the breakers of nodes that serve no slots
+// any more (a master that failed over to its replica, a node removed),
+// and the one of an unknown slot map once the map is known. Otherwise a
+// breaker that opened for a dead master would stay open for good, since
+// no call goes to that node again: counted by the gauge, never logged as
+// closed. Each check asks the cluster for its slot map (CLUSTER SLOTS).
+func (l *limiter) pruneBreakers() {
+	tick := time.NewTicker(pruneWhileOpen)
+	defer tick.Stop()
+	checked := time.Now()
+	for {
+		select {
+		case <-l.stop:
+			return
+		case <-tick.C:
+		}
+		if l.breakers.open.Load() == 0 && time.Since(checked) < pruneIdle {
+			continue
+		}
+		checked = time.Now()
+		masters, err := l.clusterMasters()
+		if err != nil {
+			continue // no slot map: keep everything, the unknownSlots breaker too
+		}
+		closed := l.breakers.retain(func(node string) bool { return masters[node] })
+		for _, w := range l.watcherList() {
+			for _, node := range closed {
+				w.breakerDropped(node)
+			}
+		}
+	}
+}
+
+// clusterMasters reloads the slot map and returns the masters that serve
+// slots in it, by the addresses the client routes to (as nodeBreaker
+// names them).
+func (l *limiter) clusterMasters() (map[string]bool, error) {
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
+	defer cancel()
+	var mu sync.Mutex
+	masters := make(map[string]bool)
+	err := l.cluster.ForEachMaster(ctx, func(_ context.Context, c *redis.Client) error {
+		mu.Lock()
+		masters[c.Options().Addr] = true
+		mu.Unlock()
+		return nil
+	})
+	return masters, err
 }

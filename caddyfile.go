@@ -3,6 +3,7 @@ package ratelimit
 import (
 	"cmp"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"strconv"
 	"strings"
@@ -36,6 +37,10 @@ func parseCaddyfile(h httpcaddyfile.Helper) (caddyhttp.MiddlewareHandler, error)
 //		requested_tokens <integer>
 //		ipv4_prefix      <bits>
 //		ipv6_prefix      <bits>
+//		charge           header <name> | json <path>... | placeholder <{placeholder}>
+//		charge_status    <code|class>...
+//		max_debt         <tokens>
+//		max_body         <size>
 //		limit <name> [<replenish_rate> <burst_capacity> [<requested_tokens>]] {
 //			key              <template with placeholders>
 //			replenish_rate   <rate>
@@ -43,6 +48,9 @@ func parseCaddyfile(h httpcaddyfile.Helper) (caddyhttp.MiddlewareHandler, error)
 //			requested_tokens <integer>
 //			ipv4_prefix      <bits>
 //			ipv6_prefix      <bits>
+//			charge           header <name> | json <path>... | placeholder <{placeholder}>
+//			charge_status    <code|class>...
+//			max_debt         <tokens>
 //		}
 //		deny_empty_key   true|false
 //		empty_key_status <http status>
@@ -118,6 +126,12 @@ func (h *Handler) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 			err = value(func(v string) error { h.Store = v; return checkStore(v, false, "") })
 		case "lease":
 			err = h.unmarshalLease(d)
+		case "max_body":
+			err = value(func(v string) error {
+				n, err := parseSize(v)
+				h.MaxBody = n
+				return err
+			})
 		case "max_keys":
 			err = value(func(v string) error {
 				n, err := strconv.ParseInt(v, 10, 64)
@@ -164,6 +178,9 @@ func (h *Handler) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 	if err := checkLease(h.Lease, cmp.Or(h.Store, storeRedis)); err != nil { // store may come after lease
 		return d.WrapErr(err)
 	}
+	if err := h.checkCharging(); err != nil {
+		return d.WrapErr(err)
+	}
 	return nil
 }
 
@@ -177,6 +194,9 @@ func (h *Handler) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 //		requested_tokens <integer>
 //		ipv4_prefix      <bits>
 //		ipv6_prefix      <bits>
+//		charge           header <name> | json <path>... | placeholder <{placeholder}>
+//		charge_status    <code|class>...
+//		max_debt         <tokens>
 //	}
 func (h *Handler) unmarshalLimit(d *caddyfile.Dispenser) error {
 	args := d.RemainingArgs()
@@ -206,7 +226,7 @@ func (h *Handler) unmarshalLimit(d *caddyfile.Dispenser) error {
 		seen[sub] = true
 		known, err := fields.set(d, block, sub)
 		if !known {
-			return d.Errf("unrecognized %s subdirective '%s' (a limit takes key, replenish_rate, burst_capacity, requested_tokens, ipv4_prefix and ipv6_prefix)", block, sub)
+			return d.Errf("unrecognized %s subdirective '%s' (a limit takes key, replenish_rate, burst_capacity, requested_tokens, ipv4_prefix, ipv6_prefix, charge, charge_status and max_debt)", block, sub)
 		}
 		if err != nil {
 			return err
@@ -245,14 +265,19 @@ type limitFields struct {
 	key               *string
 	rate, burst, cost *Param
 	ipv4, ipv6        **int
+	charge            **Charge
+	chargeStatus      *[]int
+	maxDebt           **int64
 }
 
 func (h *Handler) limitFields() limitFields {
-	return limitFields{&h.Key, &h.ReplenishRate, &h.BurstCapacity, &h.RequestedTokens, &h.IPv4Prefix, &h.IPv6Prefix}
+	return limitFields{&h.Key, &h.ReplenishRate, &h.BurstCapacity, &h.RequestedTokens, &h.IPv4Prefix, &h.IPv6Prefix,
+		&h.Charge, &h.ChargeStatus, &h.MaxDebt}
 }
 
 func (l *Limit) limitFields() limitFields {
-	return limitFields{&l.Key, &l.ReplenishRate, &l.BurstCapacity, &l.RequestedTokens, &l.IPv4Prefix, &l.IPv6Prefix}
+	return limitFields{&l.Key, &l.ReplenishRate, &l.BurstCapacity, &l.RequestedTokens, &l.IPv4Prefix, &l.IPv6Prefix,
+		&l.Charge, &l.ChargeStatus, &l.MaxDebt}
 }
 
 // inline sets `<replenish_rate> <burst_capacity> [<requested_tokens>]`,
@@ -276,7 +301,34 @@ func (f limitFields) inline(d *caddyfile.Dispenser, seen map[string]bool, block 
 // set parses the subdirective sub, if it is one of the fields; block
 // names the enclosing block for messages.
 func (f limitFields) set(d *caddyfile.Dispenser, block, sub string) (known bool, err error) {
+	inBlock := func(err error) error {
+		if err != nil && block != "" {
+			err = fmt.Errorf("%s: %w", block, err) // "limit <name>: ..."
+		}
+		return err
+	}
 	switch sub {
+	case "charge", "charge_status":
+		args := d.RemainingArgs()
+		var err error
+		if sub == "charge" {
+			*f.charge, err = parseCharge(args)
+		} else {
+			*f.chargeStatus, err = parseChargeStatuses(args)
+		}
+		if err != nil {
+			return true, d.WrapErr(inBlock(err))
+		}
+		return true, nil
+	case "max_debt":
+		return true, oneValue(d, block, func(v string) error {
+			n, err := strconv.ParseInt(v, 10, 64)
+			if err != nil {
+				return inBlock(fmt.Errorf("max_debt '%s': want a whole number of tokens from 0 to 2^53", v))
+			}
+			*f.maxDebt = &n
+			return inBlock(checkMaxDebt(&n))
+		})
 	case "key", "replenish_rate", "burst_capacity", "requested_tokens", "ipv4_prefix", "ipv6_prefix":
 		return true, oneValue(d, block, func(v string) error {
 			err := f.setValue(sub, v)
@@ -287,6 +339,45 @@ func (f limitFields) set(d *caddyfile.Dispenser, block, sub string) (known bool,
 		})
 	}
 	return false, nil
+}
+
+// parseCharge reads `charge header <name>`, `charge json <path>...` or
+// `charge placeholder <{placeholder}>` (args after the subdirective).
+func parseCharge(args []string) (*Charge, error) {
+	const want = "charge: want header <name>, json <path>... or placeholder <{placeholder}>"
+	if len(args) < 2 {
+		return nil, fmt.Errorf("%s, got '%s'", want, strings.Join(args, " "))
+	}
+	c := new(Charge)
+	switch kind, values := args[0], args[1:]; {
+	case kind == "json":
+		c.JSON = values
+	case len(values) != 1:
+		return nil, fmt.Errorf("%s, got '%s'", want, strings.Join(args, " "))
+	case kind == "header":
+		c.Header = values[0]
+	case kind == "placeholder":
+		c.Placeholder = values[0]
+	default:
+		return nil, fmt.Errorf("%s, got '%s'", want, strings.Join(args, " "))
+	}
+	return c, checkCharge(c)
+}
+
+// parseChargeStatuses reads `charge_status <code|class>...`.
+func parseChargeStatuses(args []string) ([]int, error) {
+	if len(args) == 0 {
+		return nil, errors.New("charge_status: want one or more status codes (401) or classes (4xx)")
+	}
+	statuses := make([]int, 0, len(args))
+	for _, a := range args {
+		n, err := parseChargeStatus(a)
+		if err != nil {
+			return nil, err
+		}
+		statuses = append(statuses, n)
+	}
+	return statuses, nil
 }
 
 // setValue sets one field from its text. Numbers are checked here, and
@@ -379,11 +470,11 @@ func (rc *RedisConfig) unmarshalCaddyfile(d *caddyfile.Dispenser) error {
 		case "sentinel_username":
 			err = value(into(&rc.SentinelUsername))
 		case "sentinel_password":
-			err = value(into(&rc.SentinelPassword))
+			err = secret(d, &rc.SentinelPassword)
 		case "username":
 			err = value(into(&rc.Username))
 		case "password":
-			err = value(into(&rc.Password))
+			err = secret(d, &rc.Password)
 		case "key_prefix":
 			err = value(into(&rc.KeyPrefix))
 		case "db":
@@ -405,7 +496,8 @@ func (rc *RedisConfig) unmarshalCaddyfile(d *caddyfile.Dispenser) error {
 			rc.TLS = new(RedisTLS)
 			err = rc.TLS.unmarshalCaddyfile(d)
 		default:
-			return d.Errf("unrecognized redis subdirective '%s'", sub)
+			// Perhaps an address on a line of its own: shown as addresses are.
+			return d.Errf("unrecognized redis subdirective '%s'", redactAddress(sub))
 		}
 		if err != nil {
 			return err
@@ -476,6 +568,17 @@ func oneValue(d *caddyfile.Dispenser, block string, set func(string) error) erro
 	}
 	if err := set(v); err != nil {
 		return d.WrapErr(err)
+	}
+	return nil
+}
+
+// secret reads the single value of a password subdirective. Unlike
+// oneValue's, its error does not quote the value (d.ArgErr would quote
+// the token the dispenser is on: a password, or part of one).
+func secret(d *caddyfile.Dispenser, dst *string) error {
+	sub := d.Val()
+	if !d.AllArgs(dst) {
+		return d.Errf("redis %s: want exactly one value (quote a password that holds spaces)", sub)
 	}
 	return nil
 }

@@ -362,7 +362,7 @@ func TestUnmarshalCaddyfileErrorsNameSubdirectiveAndValue(t *testing.T) {
 		{"status_code without value", block("status_code"), []string{"status_code: wrong argument count"}},
 		{"redis address without value", redis("address"), []string{"redis address: wrong argument count"}},
 		{"redis cluster with a value", redis("cluster yes"), []string{"redis cluster: wrong argument count", "after 'yes'"}},
-		{"redis password with two values", redis("password a b"), []string{"redis password: wrong argument count"}},
+		{"redis password with two values", redis("password a b"), []string{"redis password: want exactly one value"}},
 		{"redis tls with a value", redis("tls on"), []string{"redis tls: wrong argument count", "after 'on'"}},
 		{"tls ca without value", rtls("ca"), []string{"redis tls ca: wrong argument count"}},
 		{"tls insecure_skip_verify with a value", rtls("insecure_skip_verify true"), []string{"redis tls insecure_skip_verify: wrong argument count", "after 'true'"}},

@@ -90,6 +90,15 @@ func (c *denyCache) forget(keys ...string) {
 	}
 }
 
+// forgetAll drops everything the cache knows; a new map rather than
+// clear, which would hold the lock while it walks up to denyCacheSize
+// entries.
+func (c *denyCache) forgetAll() {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	c.entries = make(map[string]denial)
+}
+
 // makeRoom drops the expired entries among a sample of 32, or, when none
 // has expired, the first of them.
 func (c *denyCache) makeRoom(now time.Time) {

@@ -23,9 +23,12 @@ import (
 	"net/url"
 	"strconv"
 	"strings"
+	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
+	"github.com/caddy-redis/ratelimit/internal/caddyproc"
 	"github.com/caddy-redis/ratelimit/internal/testproc"
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/caddyconfig"
@@ -349,6 +352,159 @@ func scriptCalls(t *testing.T, rdb *redis.Client) int64 {
 	return total
 }
 
+// ---- A proxy in front of Redis
+
+// redisProxy forwards TCP connections to a Redis server and misbehaves on
+// demand, as a network can: it adds latency, stalls, blackholes the
+// connections open so far, or cuts them.
+type redisProxy struct {
+	addr   string
+	target string
+	ln     net.Listener
+	wg     sync.WaitGroup
+	mu     sync.Mutex
+	conns  map[net.Conn]struct{}
+	// cutting: pass on what a client sends, let Redis run it, and then
+	// close the connection instead of passing the reply back; the client
+	// cannot know whether its commands ran, as after a reset connection.
+	cutting atomic.Bool
+	// latency delays every chunk, each way, in nanoseconds.
+	latency atomic.Int64
+	// stalledUntil holds back every chunk due before it (Unix nanoseconds).
+	stalledUntil atomic.Int64
+	// generation counts blackholeOpen calls: a connection opened in an
+	// earlier one passes nothing on, either way, and stays open.
+	generation atomic.Int64
+}
+
+func startRedisProxy(t *testing.T, target string) *redisProxy {
+	t.Helper()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	p := &redisProxy{addr: ln.Addr().String(), target: target, ln: ln, conns: make(map[net.Conn]struct{})}
+	p.wg.Add(1)
+	go func() {
+		defer p.wg.Done()
+		for {
+			client, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			p.wg.Add(1)
+			go func() {
+				defer p.wg.Done()
+				p.serve(client)
+			}()
+		}
+	}()
+	t.Cleanup(func() {
+		ln.Close()
+		p.mu.Lock()
+		for c := range p.conns {
+			c.Close()
+		}
+		p.mu.Unlock()
+		p.wg.Wait()
+	})
+	return p
+}
+
+// stall holds back everything due in the next d, as a network that
+// stops for d and then delivers what it held.
+func (p *redisProxy) stall(d time.Duration) { p.stalledUntil.Store(time.Now().Add(d).UnixNano()) }
+
+// blackholeOpen makes the connections open now go silent for good,
+// without closing them: what is sent on them is swallowed, as by a dead
+// peer whose TCP never says so. New connections work.
+func (p *redisProxy) blackholeOpen() { p.generation.Add(1) }
+
+// track keeps c to close at cleanup; false once the proxy is closing.
+func (p *redisProxy) track(c net.Conn) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	p.conns[c] = struct{}{}
+}
+
+// await waits until a chunk read at arrived is due: after the latency,
+// and not within a stall.
+func (p *redisProxy) await(arrived time.Time) {
+	time.Sleep(time.Until(arrived.Add(time.Duration(p.latency.Load()))))
+	for {
+		until := time.Unix(0, p.stalledUntil.Load())
+		if !time.Now().Before(until) {
+			return
+		}
+		time.Sleep(time.Until(until))
+	}
+}
+
+func (p *redisProxy) serve(client net.Conn) {
+	defer client.Close()
+	gen := p.generation.Load()
+	server, err := net.Dial("tcp", p.target)
+	if err != nil {
+		return
+	}
+	defer server.Close()
+	p.track(client)
+	p.track(server)
+	silent := func() bool { return p.generation.Load() != gen }
+	go func() { // replies: passed back unless cutting
+		buf := make([]byte, 64<<10)
+		for {
+			n, err := server.Read(buf)
+			if n > 0 {
+				p.await(time.Now())
+				if !p.cutting.Load() && !silent() {
+					if _, werr := client.Write(buf[:n]); werr != nil {
+						return
+					}
+				}
+			}
+			if err != nil {
+				client.Close()
+				return
+			}
+		}
+	}()
+	buf := make([]byte, 64<<10)
+	for {
+		n, err := client.Read(buf)
+		if n > 0 && !silent() {
+			p.await(time.Now())
+			if _, werr := server.Write(buf[:n]); werr != nil {
+				return
+			}
+			if p.cutting.Load() {
+				p.drainThenCut(client, server, buf)
+				return
+			}
+		}
+		if err != nil {
+			return
+		}
+	}
+}
+
+// drainThenCut forwards whatever else the client sends until it falls
+// silent (the rest of a pipeline), gives Redis a moment to run it all,
+// and returns, which closes both connections.
+func (p *redisProxy) drainThenCut(client, server net.Conn, buf []byte) {
+	for {
+		_ = client.SetReadDeadline(time.Now().Add(30 * time.Millisecond))
+		n, err := client.Read(buf)
+		if n > 0 {
+			_, _ = server.Write(buf[:n])
+		}
+		if err != nil { // silent for 30 ms, or gone
+			break
+		}
+	}
+	time.Sleep(50 * time.Millisecond)
+}
+
 // ---- Caddy in this process (caddytest)
 
 // caddyGlobals is the start of every Caddyfile served by caddytest.
@@ -440,6 +596,25 @@ func assertHeaders(t *testing.T, resp *http.Response, want map[string]string) {
 }
 
 // ---- Caddy processes (internal/caddyproc)
+
+// loggingCaddyfile is caddyproc.Caddyfile with Caddy's log from level
+// up, as JSON lines on stderr (the instance's LogFile): all that Caddy
+// and the handler print.
+func loggingCaddyfile(level, sites string) string {
+	return strings.Replace(caddyproc.Caddyfile(sites), "grace_period 2s\n}",
+		"grace_period 2s\n\tlog {\n\t\tlevel "+level+"\n\t\tformat json\n\t}\n}", 1)
+}
+
+// longestLine is the longest line of text, and its length.
+func longestLine(text string) (string, int) {
+	var longest string
+	for _, line := range strings.Split(text, "\n") {
+		if len(line) > len(longest) {
+			longest = line
+		}
+	}
+	return longest, len(longest)
+}
 
 // caddyClient talks to caddyproc instances; its own transport, so idle
 // connections of one test do not meet the next.

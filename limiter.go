@@ -20,7 +20,7 @@ import (
 	"go.uber.org/zap"
 )
 
-// The scripts: check-and-take, give back, and the admin API's read.
+// The scripts: check-and-take, give back, settle, and the admin API's read.
 var (
 	//go:embed script.lua
 	scriptSource string
@@ -28,9 +28,12 @@ var (
 	giveBackSource string
 	//go:embed peek.lua
 	peekSource string
+	//go:embed settle.lua
+	settleSource string
 
 	takeScript     = newLuaScript(scriptSource)
 	giveBackScript = newLuaScript(giveBackSource)
+	settleScript   = newLuaScript(settleSource)
 	scriptSHA      = takeScript.sha.(string)
 )
 
@@ -86,14 +89,19 @@ type limiter struct {
 	timers  [pipelinesInFlight]*batchTimer // one per worker
 
 	breakers nodeBreakers
+	// rtt estimates how long a pipeline takes now (batch.go).
+	rtt roundTrips
+	// outcomes is each worker's room for what a batch's nodes answered.
+	outcomes [pipelinesInFlight][]nodeOutcome
 	// watchers are the handlers using the limiter, told when a node's
 	// breaker opens or closes, and when buckets were reset.
 	watchersMu sync.Mutex
 	watchers   map[limiterWatcher]struct{}
 	// resets is the pub/sub channel on which every instance that shares
-	// the Redis learns of buckets the admin API reset.
-	resets string
-	pubsub *redis.PubSub
+	// the Redis learns of buckets the admin API reset (resets.go).
+	resets    string
+	keyPrefix string
+	resetSub  resetSubscription
 
 	// closing guards closed: once set, no call enters the queue, so every
 	// queued call is answered before the workers stop.
@@ -104,13 +112,20 @@ type limiter struct {
 
 	// lastReload throttles cluster slot reloads after network errors.
 	lastReload atomic.Int64
+
+	// noEvalRO: the server answered that it knows no EVAL_RO (Redis
+	// before 7), so the admin API's reads use EVAL of the same script.
+	noEvalRO atomic.Bool
 }
 
-// limiterWatcher learns when a node's breaker opens or closes, and which
-// buckets were reset (to drop their cached denials).
+// limiterWatcher learns when a node's breaker opens or closes, or is
+// dropped with its node, and which buckets were reset (to drop their
+// cached denials), or that resets may have been missed (to drop them all).
 type limiterWatcher interface {
 	breakerChanged(node string, open bool, failures int64)
+	breakerDropped(node string)
 	forgetDenials(keys []string)
+	forgetAllDenials()
 }
 
 // limiters holds the limiters in use, keyed by their Redis settings and
@@ -152,14 +167,17 @@ func newLimiter(c RedisConfig, files tlsFiles) (*limiter, error) {
 		return nil, err
 	}
 	l := &limiter{
-		client:   redis.NewUniversalClient(opts),
-		timeout:  time.Duration(c.Timeout),
-		queue:    make(chan *call, queueLength),
-		stop:     make(chan struct{}),
-		watchers: make(map[limiterWatcher]struct{}),
-		resets:   c.KeyPrefix + "reset",
+		client:    redis.NewUniversalClient(opts),
+		timeout:   time.Duration(c.Timeout),
+		queue:     make(chan *call, queueLength),
+		stop:      make(chan struct{}),
+		watchers:  make(map[limiterWatcher]struct{}),
+		resets:    c.KeyPrefix + "reset",
+		keyPrefix: c.KeyPrefix,
 	}
 	l.cluster, _ = l.client.(*redis.ClusterClient)
+	l.resetSub.warns.every = 10 * time.Second
+	l.filterResetsConns() // before the first dial
 	l.node = opts.Addrs[0]
 	if opts.MasterName != "" {
 		l.node = "master " + opts.MasterName
@@ -170,8 +188,10 @@ func newLimiter(c RedisConfig, files tlsFiles) (*limiter, error) {
 		go l.work(i)
 	}
 	go l.loadScript(time.Duration(c.DialTimeout) + l.timeout)
-	l.pubsub = l.client.Subscribe(context.Background())
 	go l.listenResets()
+	if l.cluster != nil {
+		go l.pruneBreakers()
+	}
 	return l, nil
 }
 
@@ -188,17 +208,27 @@ func (l *limiter) unwatch(w limiterWatcher) {
 	l.watchersMu.Unlock()
 }
 
-// breakerChanged counts a node's breaker opening or closing and tells the
-// watchers. It runs in a batch worker, never on a request's path.
-func (l *limiter) breakerChanged(b *breaker, open bool, failures int64) {
-	if open {
-		l.breakers.open.Add(1)
-	} else {
-		l.breakers.open.Add(-1)
-	}
+// watcherList is a copy of the watchers, to tell them something without
+// holding watchersMu meanwhile.
+func (l *limiter) watcherList() []limiterWatcher {
 	l.watchersMu.Lock()
 	defer l.watchersMu.Unlock()
+	list := make([]limiterWatcher, 0, len(l.watchers))
 	for w := range l.watchers {
+		list = append(list, w)
+	}
+	return list
+}
+
+// breakerChanged counts a node's breaker opening or closing and tells the
+// watchers. It runs in a batch worker, never on a request's path.
+func (l *limiter) breakerChanged(b *breaker) {
+	changed, open := l.breakers.sync(b)
+	if !changed {
+		return
+	}
+	failures := b.failures.Load()
+	for _, w := range l.watcherList() {
 		w.breakerChanged(b.node, open, failures)
 	}
 }
@@ -231,6 +261,7 @@ func (l *limiter) loadScript(within time.Duration) {
 	defer cancel()
 	_ = l.client.ScriptLoad(ctx, scriptSource).Err()
 	_ = l.client.ScriptLoad(ctx, giveBackSource).Err()
+	_ = l.client.ScriptLoad(ctx, settleSource).Err()
 }
 
 // lingerIdle is how long a released limiter must go without calls before
@@ -257,7 +288,7 @@ func (l *limiter) Destruct() error {
 		l.closing.Unlock()
 		close(l.stop)
 		l.workers.Wait()
-		_ = l.pubsub.Close()
+		l.resetSub.close()
 		_ = l.client.Close()
 	}()
 	return nil
@@ -275,7 +306,9 @@ func (l *limiter) take(clientCtx context.Context, now time.Time, buckets []bucke
 	if err == nil {
 		allowed, err = readTake(c.reply, buckets, leasing)
 	}
-	c.release()
+	if c != nil {
+		c.release()
+	}
 	return allowed, err
 }
 
@@ -283,13 +316,16 @@ func (l *limiter) take(clientCtx context.Context, now time.Time, buckets []bucke
 // before a later group of its buckets refused.
 func (l *limiter) giveBack(clientCtx context.Context, now time.Time, buckets []bucket) error {
 	c, err := l.call(clientCtx, now, giveBackScript, buckets, false)
-	c.release()
+	if c != nil {
+		c.release()
+	}
 	return err
 }
 
 // call runs a script over the buckets (their keys and arguments, then,
 // when leasing, each one's leaseMax) through the batcher and returns the
-// answered call, for the caller to read and release.
+// answered call, for the caller to read and release; nil when the
+// timeout ran out first (the worker releases it then).
 func (l *limiter) call(clientCtx context.Context, now time.Time, script *luaScript, buckets []bucket, leasing bool) (*call, error) {
 	c := calls.Get().(*call)
 	for i := range buckets {
@@ -314,43 +350,36 @@ func (l *limiter) call(clientCtx context.Context, now time.Time, script *luaScri
 		}
 	}
 	c.script = script
-	c.deadline = now.Add(l.timeout)
 	c.clientCtx = clientCtx
-	l.lastCall.Store(now.UnixNano())
-	l.closing.RLock()
-	var err error
-	if l.closed {
-		err = errLimiterClosed
-	} else {
-		select {
-		case l.queue <- c:
-		default:
-			err = errQueueFull
-		}
-	}
-	l.closing.RUnlock()
-	if err != nil {
+	if err := l.enqueue(c, now); err != nil {
 		return c, err
 	}
-	<-c.done
+	if answered, sent := c.wait(); !answered {
+		if sent {
+			return nil, errNoAnswer
+		}
+		return nil, errWaitedOut
+	}
 	return c, c.err
 }
 
-// listenResets drops the cached denials of buckets that the admin API
-// reset, on this instance or another: it subscribes to the resets
-// channel (go-redis subscribes again after a reconnect) until the
-// limiter closes.
-func (l *limiter) listenResets() {
-	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
-	_ = l.pubsub.Subscribe(ctx, l.resets) // a failure is retried by the receive loop
-	cancel()
-	for msg := range l.pubsub.Channel() {
-		keys := strings.Split(msg.Payload, "\n")
-		l.watchersMu.Lock()
-		for w := range l.watchers {
-			w.forgetDenials(keys)
-		}
-		l.watchersMu.Unlock()
+// enqueue queues a call that is ready but for its deadline, which the
+// timeout from now sets; the caller waits on it (call.wait), or its then
+// takes the answer, unless this refuses it (the limiter closed, or its
+// queue full).
+func (l *limiter) enqueue(c *call, now time.Time) error {
+	c.deadline = now.Add(l.timeout)
+	l.lastCall.Store(now.UnixNano())
+	l.closing.RLock()
+	defer l.closing.RUnlock()
+	if l.closed {
+		return errLimiterClosed
+	}
+	select {
+	case l.queue <- c:
+		return nil
+	default:
+		return errQueueFull
 	}
 }
 
@@ -362,12 +391,12 @@ type bucketView struct {
 }
 
 // peek reads buckets without changing them, with a read-only script
-// (EVAL_RO), one bucket per call: on a Cluster they may live on
-// different masters.
+// (EVAL_RO; EVAL of the same script on Redis 6.2, which has no EVAL_RO),
+// one bucket per call: on a Cluster they may live on different masters.
 func (l *limiter) peek(ctx context.Context, buckets []bucket) ([]bucketView, error) {
 	views := make([]bucketView, len(buckets))
 	for i := range buckets {
-		reply, err := l.client.EvalRO(ctx, peekSource, []string{buckets[i].key}, buckets[i].args[:]...).Slice()
+		reply, err := l.peekOne(ctx, buckets[i])
 		if err != nil {
 			return nil, err
 		}
@@ -389,6 +418,28 @@ func (l *limiter) peek(ctx context.Context, buckets []bucket) ([]bucketView, err
 	return views, nil
 }
 
+// peekOne runs peek.lua on one bucket: with EVAL_RO until the server
+// says it has no such command, then with EVAL, which runs the script (it
+// writes nothing) as well.
+func (l *limiter) peekOne(ctx context.Context, b bucket) ([]any, error) {
+	keys := []string{b.key}
+	if !l.noEvalRO.Load() {
+		reply, err := l.client.EvalRO(ctx, peekSource, keys, b.args[:]...).Slice()
+		if err == nil || !isUnknownCommand(err) {
+			return reply, err
+		}
+		l.noEvalRO.Store(true)
+	}
+	return l.client.Eval(ctx, peekSource, keys, b.args[:]...).Slice()
+}
+
+// isUnknownCommand says whether Redis refused a command it does not
+// know: "ERR unknown command 'EVAL_RO', with args beginning with: ...".
+func isUnknownCommand(err error) bool {
+	var reply redis.Error
+	return errors.As(err, &reply) && strings.HasPrefix(reply.Error(), "ERR unknown command")
+}
+
 // reset deletes buckets, which makes them full, and tells every
 // instance sharing the Redis to drop its cached denials of them.
 func (l *limiter) reset(ctx context.Context, keys []string) error {
@@ -402,8 +453,9 @@ func (l *limiter) reset(ctx context.Context, keys []string) error {
 }
 
 // maxRetryMicros bounds the wait a reply may give: no bucket takes longer
-// than a year to fill (limitValues.check).
-const maxRetryMicros = maxFillSeconds * 1_000_000
+// than a year to fill (limitValues.check), nor to pay back its debt
+// (maxDebtFor).
+const maxRetryMicros = 2 * maxFillSeconds * 1_000_000
 
 // readTake reads the check-and-take reply, {allowed, then per bucket:
 // remaining, microseconds until it holds its requested tokens; with

@@ -168,7 +168,8 @@ func (s *memoryStore) take(now time.Time, buckets []bucket) (bool, error) {
 			absent++
 		}
 		states = append(states, state)
-		current, at := currentState(state, t, b.values)
+		st, ok := held(state)
+		current, at := currentState(st, ok, t, b.values)
 		allowed = allowed && refill(current, at, b.values) >= float64(b.values.requested)
 	}
 	if allowed && absent > 0 && !s.reserve(absent) {
@@ -185,31 +186,58 @@ func (s *memoryStore) take(now time.Time, buckets []bucket) (bool, error) {
 	}
 	for i := range buckets {
 		b := &buckets[i]
-		current, at := currentState(states[i], t, b.values)
-		after, _, remaining, wait := takeBucket(current, at, b.values, allowed)
-		if allowed {
-			if states[i] == nil {
-				// A copy of the stored key: the map must not keep the
-				// request's (larger) key alive.
-				states[i] = new(memoryBucket)
-				s.shards[shards[i]].buckets[strings.Clone(keys[i])] = states[i]
-			}
-			*states[i] = after
+		state, ok := held(states[i])
+		after, store, remaining, wait := settle(state, ok, t, b.values, allowed)
+		if store {
+			s.put(shards[i], keys[i], states[i], after)
 		}
 		b.remaining, b.retryAfter = remaining, time.Duration(wait)*time.Microsecond
 	}
 	return allowed, nil
 }
 
+// settle is one bucket's part of a take at t, once the request is known
+// to be allowed or not: the state to store, if store, and the answer.
+// state is the bucket as held, if ok.
+func settle(state memoryBucket, ok bool, t int64, v limitValues, allowed bool) (after memoryBucket, store bool, remaining, wait int64) {
+	current, at := currentState(state, ok, t, v)
+	after, _, remaining, wait = takeBucket(current, at, v, allowed)
+	if !allowed && ok {
+		after = extendOnDenial(state, after, at, v)
+	}
+	return after, allowed || ok && after != state, remaining, wait
+}
+
+// held is the state of a bucket the store holds (nil for none), and
+// whether there is one.
+func held(b *memoryBucket) (memoryBucket, bool) {
+	if b == nil {
+		return memoryBucket{}, false
+	}
+	return *b, true
+}
+
+// put stores a bucket's state: in place when the store holds it (held),
+// else as a new entry under a copy of the stored key, so that the map
+// never keeps the request's (larger) key alive. The caller holds the
+// shard locked.
+func (s *memoryStore) put(shard int, key string, held *memoryBucket, state memoryBucket) {
+	if held == nil {
+		held = new(memoryBucket)
+		s.shards[shard].buckets[strings.Clone(key)] = held
+	}
+	*held = state
+}
+
 // currentState is a bucket's state for a take at t, and the time of the
-// take: an absent bucket (nil), or one past its expiry, is full at t (as
-// an absent or expired Redis key); a bucket taken from after t is taken
-// from at that time (see take).
-func currentState(state *memoryBucket, t int64, v limitValues) (memoryBucket, int64) {
-	if state == nil || state.expires <= t {
+// take: an absent bucket (not ok), or one past its expiry, is full at t
+// (as an absent or expired Redis key); a bucket taken from after t is
+// taken from at that time (see take).
+func currentState(state memoryBucket, ok bool, t int64, v limitValues) (memoryBucket, int64) {
+	if !ok || state.expires <= t {
 		return memoryBucket{tokens: float64(v.burst), at: t}, t
 	}
-	return *state, max(t, state.at)
+	return state, max(t, state.at)
 }
 
 // reserve counts n new buckets if they fit under max_keys. Takes on
@@ -250,7 +278,21 @@ func takeBucket(state memoryBucket, t int64, v limitValues, take bool) (after me
 		wait = int64(math.Ceil((requested - tokens) * 1000000 / v.rate))
 	}
 	ttl := math.Max(1000, math.Ceil((float64(v.burst)-tokens)*1000/v.rate)) // milliseconds, as the key's TTL
-	return memoryBucket{tokens: tokens, at: t, expires: t + int64(ttl)*1000}, took, int64(math.Floor(tokens)), wait
+	return memoryBucket{tokens: tokens, at: t, expires: t + int64(ttl)*1000}, took, max(0, int64(math.Floor(tokens))), wait
+}
+
+// extendOnDenial is what a denial at t leaves of a held bucket: its
+// state, unchanged, unless the values now in force (a slower plan than
+// the one it was taken at) need it to live longer to refill; then it
+// expires as after (takeBucket's) says. script.lua's PEXPIRE, with its
+// millisecond of slack for the rounding of expiries: at unchanged values
+// a denial changes nothing.
+func extendOnDenial(state, after memoryBucket, t int64, v limitValues) memoryBucket {
+	fill := math.Ceil((float64(v.burst) - after.tokens) * 1000 / v.rate) // milliseconds, as the script's
+	if state.expires > t && float64(state.expires-t)+1000 < fill*1000 {
+		state.expires = after.expires
+	}
+	return state
 }
 
 // peek reads a bucket without changing it, for the admin API.
@@ -268,7 +310,7 @@ func (s *memoryStore) peek(now time.Time, key string, v limitValues) bucketView 
 	if stored == nil || state.expires <= t {
 		return bucketView{tokens: float64(v.burst)}
 	}
-	current, at := currentState(&state, t, v)
+	current, at := currentState(state, true, t, v)
 	_, _, _, wait := takeBucket(current, at, v, false)
 	return bucketView{tokens: refill(current, at, v), wait: time.Duration(wait) * time.Microsecond,
 		expiresIn: time.Duration(state.expires-t) * time.Microsecond}
@@ -296,6 +338,14 @@ func (s *memoryStore) shardIndex(key string) int {
 func (s *memoryStore) shard(key string) *memoryShard { return &s.shards[s.shardIndex(key)] }
 
 func (s *memoryStore) unlock(shards []int) { unlockShards(s.shards[:], shards) }
+
+// lock locks the shards of the stored keys (see lockShards).
+func (s *memoryStore) lock(keys []string, shards []int) []int {
+	for _, key := range keys {
+		shards = append(shards, s.shardIndex(key))
+	}
+	return lockShards(s.shards[:], shards)
+}
 
 func (sh *memoryShard) mutex() *sync.Mutex { return &sh.mu }
 

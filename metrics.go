@@ -15,6 +15,8 @@ var collectors = struct {
 	requests      *prometheus.CounterVec
 	redisDuration *prometheus.HistogramVec
 	breakerOpen   *breakerCollector
+	// Charging (charge.go): tokens charged and forgiven, settlements lost.
+	charged, forgiven, settleFailures *prometheus.CounterVec
 }{}
 
 // zoneMetrics are one zone's series, looked up once at provision time so
@@ -26,6 +28,9 @@ type zoneMetrics struct {
 	// the handler's limit i.
 	requests      [numDecisions][]prometheus.Counter
 	redisDuration prometheus.Observer
+	// By limit index, for the limits that charge by the response.
+	charged, forgiven []prometheus.Counter
+	settleFailures    prometheus.Counter
 }
 
 func newZoneMetrics(registry prometheus.Registerer, zone string, limits []*limit) (*zoneMetrics, error) {
@@ -46,13 +51,27 @@ func newZoneMetrics(registry prometheus.Registerer, zone string, limits []*limit
 				[]string{"zone"}, nil),
 			zones: make(map[string]map[*limiter]int),
 		}
+		collectors.charged = prometheus.NewCounterVec(prometheus.CounterOpts{
+			Namespace: ns, Subsystem: sub, Name: "charged_total",
+			Help: "Tokens charged for responses by limits with charge or charge_status, once settled (a reservation that stands counts), by zone and limit.",
+		}, []string{"zone", "limit"})
+		collectors.forgiven = prometheus.NewCounterVec(prometheus.CounterOpts{
+			Namespace: ns, Subsystem: sub, Name: "forgiven_total",
+			Help: "Tokens of responses' costs not taken because the bucket reached -max_debt, by zone and limit.",
+		}, []string{"zone", "limit"})
+		collectors.settleFailures = prometheus.NewCounterVec(prometheus.CounterOpts{
+			Namespace: ns, Subsystem: sub, Name: "settle_failures_total",
+			Help: "Settlements of responses' costs lost to a failure (their reservations stand; none is sent again), by zone.",
+		}, []string{"zone"})
 	})
-	for _, c := range []prometheus.Collector{collectors.requests, collectors.redisDuration, collectors.breakerOpen} {
+	for _, c := range []prometheus.Collector{collectors.requests, collectors.redisDuration, collectors.breakerOpen,
+		collectors.charged, collectors.forgiven, collectors.settleFailures} {
 		if err := registry.Register(c); err != nil && !errors.As(err, &prometheus.AlreadyRegisteredError{}) {
 			return nil, err
 		}
 	}
 	m := &zoneMetrics{redisDuration: collectors.redisDuration.WithLabelValues(zone)}
+	m.charged, m.forgiven, m.settleFailures = chargeCounters(zone, limits)
 	for d := range numDecisions {
 		m.requests[d] = []prometheus.Counter{collectors.requests.WithLabelValues(zone, d.String(), "")}
 		if d != decisionDenied && d != decisionShadowDenied && d != decisionErrorLocalDenied {

@@ -60,17 +60,22 @@ func init() {
 // Placeholder | Description
 // ------------|-------------
 // `{http.rate_limit.zone}` | the zone
-// `{http.rate_limit.result}` | `allowed`, `denied`, `exempt`, `invalid`, `empty_key`, `error_allowed`, `error_denied`, `error_local_allowed`, `error_local_denied`, `overflow` or `shadow_denied`
+// `{http.rate_limit.result}` | `allowed`, `denied`, `exempt`, `invalid`, `empty_key`, `error_allowed`, `error_denied`, `error_local_allowed`, `error_local_denied`, `overflow` or `shadow_denied`; after the response, `charge_missing` when its cost could not be read
 // `{http.rate_limit.limit_name}` | the limit that refused (with `limits`); empty when admitted
 // `{http.rate_limit.remaining}` | whole tokens left; `-1` when Redis failed
 // `{http.rate_limit.limit}` | the burst capacity
 // `{http.rate_limit.retry_after}` | on denial, seconds until a retry can succeed, as in `Retry-After`
 // `{http.rate_limit.key}` | the client key as stored (escaped, or hashed when long), only with `log_key` (else empty)
+// `{http.rate_limit.charged}` | with `charge` or `charge_status`, after the response: the tokens it was charged (of the first limit that charges)
+// `{http.rate_limit.charged.<limit>}` | the same, for each named limit that charges
 //
 // It counts its decisions in the `caddy_rate_limit_requests_total`
 // metric (labels `zone`, `result` and `limit`), times Redis in
 // `caddy_rate_limit_redis_duration_seconds` and reports its circuit
-// breaker in `caddy_rate_limit_breaker_open`.
+// breaker in `caddy_rate_limit_breaker_open`. Limits that charge by the
+// response count tokens in `caddy_rate_limit_charged_total` and
+// `caddy_rate_limit_forgiven_total`, and settlements lost to Redis
+// failures in `caddy_rate_limit_settle_failures_total`.
 type Handler struct {
 	// Zone names the space of buckets: letters, digits, `-`, `_`, `.` and
 	// `:`. Handlers with the same zone and key template share buckets,
@@ -124,6 +129,37 @@ type Handler struct {
 	// prefixes; what it leaves out is the handler's. Without limits, the
 	// handler is one limit of the fields above.
 	Limits []Limit `json:"limits,omitempty"`
+
+	// Charge says where the real cost of a response comes from, for every
+	// limit (a limit may have its own): a response header, numbers in a
+	// JSON body or an event stream, or a placeholder (see Charge).
+	// `requested_tokens` is then a reservation, taken before the request
+	// as the check; once the response is written, the difference is
+	// settled: a smaller cost gives tokens back (capped at the burst), a
+	// larger one takes the rest, even below zero, down to `max_debt`.
+	// Default: none; the cost is `requested_tokens`.
+	Charge *Charge `json:"charge,omitempty"`
+
+	// ChargeStatus lists the response statuses that are charged: codes
+	// (`401`) or classes (`2` for 2xx, as Caddy's response matchers write
+	// them). A response with any other status gets its whole reservation
+	// back. Without `charge`, a matching response is charged its
+	// reservation. Default: every status is charged.
+	ChargeStatus []int `json:"charge_status,omitempty"`
+
+	// MaxDebt is how far below zero, in tokens, a response that costs
+	// more than its reservation may take a bucket: the cost beyond it is
+	// forgiven (and counted). While a bucket is in debt, or holds less
+	// than a request's reservation, requests are refused until it
+	// refills. Only with `charge` or `charge_status`. Default:
+	// `burst_capacity`.
+	MaxDebt *int64 `json:"max_debt,omitempty"`
+
+	// MaxBody is how many bytes of a JSON response body `charge json`
+	// reads, in bytes; a larger body is charged its reservation. Event
+	// streams and JSON lines are read whole, an event or line of up to 64
+	// KiB at a time. Default: 1 MiB.
+	MaxBody int64 `json:"max_body,omitempty"`
 
 	// DenyEmptyKey denies requests whose key resolves to the empty string
 	// with `empty_key_status`; when false they pass that limit unlimited.
@@ -195,6 +231,7 @@ type Handler struct {
 	local        *memoryStore // with on_error local: the buckets while Redis fails
 	limiter      *limiter     // nil when no limit ever asks Redis
 	leases       *leases      // with lease
+	charging     *charging    // when a limit charges by the response (charge.go)
 	limiterKey   string
 	limits       []*limit
 	groups       [][]*limit // on Cluster, limits by hash slot, when they span several
@@ -206,6 +243,7 @@ type Handler struct {
 	errDenied    caddyhttp.HandlerError
 	errEmptyKey  caddyhttp.HandlerError
 	errBlocked   caddyhttp.HandlerError
+	errRedis     caddyhttp.HandlerError // Redis failed, on_error deny: the cause goes to the log, not to clients
 	denied       *denyCache
 	redisWarns   *logThrottle // Redis failures: a line per 10 s
 	overloaded   *logThrottle // calls this instance could not send in time: the same
@@ -241,11 +279,17 @@ func (h *Handler) Provision(ctx caddy.Context) (err error) {
 	if err := h.checkLimits(); err != nil { // Validate's check, first: its messages name the limit
 		return err
 	}
+	if err := h.checkCharging(); err != nil {
+		return err
+	}
 	redisConfig := h.Redis.withPlaceholders()
 	if err := redisConfig.validate(); err != nil {
 		return err
 	}
 	if h.limits, err = h.buildLimits(redisConfig.KeyPrefix); err != nil {
+		return err
+	}
+	if err := h.setUpCharging(); err != nil {
 		return err
 	}
 	style := h.Headers
@@ -269,6 +313,7 @@ func (h *Handler) Provision(ctx caddy.Context) (err error) {
 	h.errDenied = prebuiltError(h.StatusCode, fmt.Errorf("zone %s: rate limit exceeded", h.Zone))
 	h.errBlocked = prebuiltError(h.StatusCode, fmt.Errorf("zone %s: requests blocked (burst_capacity 0)", h.Zone))
 	h.errEmptyKey = prebuiltError(h.EmptyKeyStatus, fmt.Errorf("zone %s: the rate limit key is empty", h.Zone))
+	h.errRedis = prebuiltError(http.StatusServiceUnavailable, fmt.Errorf("zone %s: Redis failed (on_error deny); see the log", h.Zone))
 	if !h.DisableMetrics {
 		if h.metrics, err = newZoneMetrics(ctx.GetMetricsRegistry(), h.Zone, h.limits); err != nil {
 			return fmt.Errorf("registering metrics: %w", err)
@@ -355,6 +400,7 @@ func (h *Handler) Validate() error {
 		checkMaxKeys(h.MaxKeys),
 		checkLease(h.Lease, h.Store),
 		h.checkLimits(),
+		h.checkCharging(),
 	} {
 		if err != nil {
 			return err
@@ -398,15 +444,16 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyht
 	// after each GC shrank it (runtime.newstack: 1.8% of Caddy's CPU under
 	// make bench's memory@64 load with the frames of this handler below the
 	// next ones, 1.3% without, most of it now in the runtime's allocation).
-	if pass, err := h.limit(w, r); !pass {
+	if pass, err := h.limit(w, r, next); !pass {
 		return err
 	}
 	return next.ServeHTTP(w, r)
 }
 
 // limit decides a request: pass says it goes on to the next handler,
-// else it ends with err (nil when the denial was written here).
-func (h *Handler) limit(w http.ResponseWriter, r *http.Request) (pass bool, err error) {
+// else it ends with err (nil when the denial was written here). A charged
+// request is served from here, through next.
+func (h *Handler) limit(w http.ResponseWriter, r *http.Request, next caddyhttp.Handler) (pass bool, err error) {
 	repl := r.Context().Value(caddy.ReplacerCtxKey).(*caddy.Replacer)
 	var inline [maxInlineBuckets]bucket
 	buckets, skipped, err := h.resolveBuckets(r, repl, inline[:0])
@@ -434,7 +481,7 @@ func (h *Handler) limit(w http.ResponseWriter, r *http.Request) (pass bool, err 
 			return false, caddyhttp.Error(499, r.Context().Err())
 		}
 		if h.local != nil {
-			return h.decideLocally(w, r, repl, buckets)
+			return h.decideLocally(w, r, next, repl, buckets)
 		}
 		buckets[0].remaining = -1
 		h.headers.set(w.Header(), buckets[:1], 0, false)
@@ -449,14 +496,20 @@ func (h *Handler) limit(w http.ResponseWriter, r *http.Request) (pass bool, err 
 		if h.failOpen {
 			return true, nil
 		}
-		return false, reject(w, r, prebuiltError(http.StatusServiceUnavailable, err))
+		if err == errMemoryFull {
+			return false, reject(w, r, prebuiltError(http.StatusServiceUnavailable, err))
+		}
+		// Not err: a Redis error names internal addresses ("dial tcp
+		// 10.0.0.5:6379", "MOVED ..."), which {http.error.message} would
+		// hand to clients.
+		return false, reject(w, r, h.errRedis)
 	}
-	return h.answer(w, r, repl, buckets, allowed, decisionAllowed, decisionDenied)
+	return h.answer(w, r, next, repl, buckets, allowed, decisionAllowed, decisionDenied)
 }
 
 // decideLocally decides a request with the in-process buckets of
 // on_error local, while Redis fails.
-func (h *Handler) decideLocally(w http.ResponseWriter, r *http.Request, repl *caddy.Replacer, buckets []bucket) (pass bool, err error) {
+func (h *Handler) decideLocally(w http.ResponseWriter, r *http.Request, next caddyhttp.Handler, repl *caddy.Replacer, buckets []bucket) (pass bool, err error) {
 	for i := range buckets {
 		buckets[i].unknown = false // a Cluster group that failed left them so; every bucket answers here
 	}
@@ -467,13 +520,13 @@ func (h *Handler) decideLocally(w http.ResponseWriter, r *http.Request, repl *ca
 		h.record(repl, decisionErrorAllowed, buckets, 0)
 		return true, nil
 	}
-	return h.answer(w, r, repl, buckets, allowed, decisionErrorLocalAllowed, decisionErrorLocalDenied)
+	return h.answer(w, r, next, repl, buckets, allowed, decisionErrorLocalAllowed, decisionErrorLocalDenied)
 }
 
 // answer ends the decision on a request whose buckets answered: the
 // headers, then on to the next handler, or a denial with Retry-After (in
 // shadow mode, on).
-func (h *Handler) answer(w http.ResponseWriter, r *http.Request, repl *caddy.Replacer,
+func (h *Handler) answer(w http.ResponseWriter, r *http.Request, next caddyhttp.Handler, repl *caddy.Replacer,
 	buckets []bucket, allowed bool, admitted, refused decision) (pass bool, err error) {
 
 	described := describe(buckets, allowed)
@@ -487,6 +540,11 @@ func (h *Handler) answer(w http.ResponseWriter, r *http.Request, repl *caddy.Rep
 	default:
 		h.record(repl, refused, buckets, described)
 		return false, reject(w, r, h.errDenied)
+	}
+	if allowed && h.charging != nil {
+		// Served from here, not from ServeHTTP: settling the charge needs
+		// the buckets once the response is done.
+		return false, h.serveCharged(w, r, next, repl, buckets, admitted == decisionErrorLocalAllowed)
 	}
 	return true, nil
 }
@@ -618,8 +676,27 @@ func (h *Handler) breakerChanged(node string, open bool, failures int64) {
 	}
 }
 
-// forgetDenials drops the cached denials of buckets the admin API reset.
-func (h *Handler) forgetDenials(keys []string) { h.denied.forget(keys...) }
+// breakerDropped logs that an open breaker was dropped, since no request
+// meets it any more: its node serves no slots now, or the slot map it
+// stood for is known again.
+func (h *Handler) breakerDropped(node string) {
+	msg := "circuit breaker closed: the Redis node serves no slots any more; its keys are served by other nodes"
+	if node == unknownSlots {
+		msg = "circuit breaker closed: the Cluster's slot map is known again; requests go to its masters"
+	}
+	h.logger.Info(msg, zap.String("zone", h.Zone), zap.String("node", node))
+}
+
+// forgetDenials drops the cached denials of buckets the admin API reset,
+// one at a time: requests do not wait for the whole list.
+func (h *Handler) forgetDenials(keys []string) {
+	for _, key := range keys {
+		h.denied.forget(key)
+	}
+}
+
+// forgetAllDenials drops every cached denial: resets may have been missed.
+func (h *Handler) forgetAllDenials() { h.denied.forgetAll() }
 
 // reject ends a request with a denial. When the server has error routes
 // (`handle_errors`) the denial goes to them as an error. Otherwise the

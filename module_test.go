@@ -8,7 +8,9 @@ import (
 	"testing"
 	"time"
 
+	"github.com/caddy-redis/ratelimit/internal/caddyproc"
 	"github.com/caddy-redis/ratelimit/internal/redistest"
+	"github.com/caddy-redis/ratelimit/internal/testproc"
 	"go.uber.org/zap"
 )
 
@@ -356,4 +358,36 @@ http://localhost:9080 {
 				i+1, resp.StatusCode, resp.Header.Get("X-RateLimit-Remaining"), want)
 		}
 	}
+}
+
+// TestRedisErrorKeptOutOfErrorMessage: with on_error deny, a request
+// while Redis fails gets 503; {http.error.message} (here the body,
+// through handle_errors) says that Redis failed, not how: the cause names
+// internal addresses. The warning in Caddy's log names it.
+func TestRedisErrorKeptOutOfErrorMessage(t *testing.T) {
+	proc := caddyproc.Start(t, loggingCaddyfile("DEBUG", fmt.Sprintf(`
+http://127.0.0.1:{{http_port}} {
+	rate_limit 10 20 {
+		zone down
+		key {header.X-Key}
+		on_error deny
+		redis %s {
+			timeout 200ms
+		}
+	}
+	respond "ok"
+	handle_errors {
+		respond "{err.message}" {err.status_code}
+	}
+}`, deadRedis)))
+	resp, body := send(t, caddyClient(t), proc.URL, "X-Key", "k")
+	if resp.StatusCode != 503 {
+		t.Fatalf("Redis down, on_error deny: %d %q, want 503", resp.StatusCode, body)
+	}
+	if strings.Contains(body, deadRedis) || strings.Contains(body, "dial") || !strings.Contains(body, "Redis failed") {
+		t.Errorf("{http.error.message} %q: want it to say Redis failed, without the address or the cause", body)
+	}
+	eventually(t, 5*time.Second, "the warning naming the cause", func() bool {
+		return strings.Contains(grepLines(testproc.ReadFrom(proc.LogFile, 0), "Redis failed; following on_error"), deadRedis)
+	})
 }

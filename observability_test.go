@@ -45,7 +45,14 @@ type metricsScrape struct {
 
 func scrapeMetrics(t *testing.T) metricsScrape {
 	t.Helper()
-	resp, err := http.Get("http://localhost:2999/metrics")
+	return scrapeMetricsAt(t, caddytestAdmin)
+}
+
+// scrapeMetricsAt scrapes the admin endpoint at base (a caddyproc
+// instance's).
+func scrapeMetricsAt(t *testing.T, base string) metricsScrape {
+	t.Helper()
+	resp, err := http.Get(base + "/metrics")
 	if err != nil {
 		t.Fatalf("scraping /metrics: %v", err)
 	}

@@ -120,7 +120,7 @@ func TestOnErrorLocalDescribesEveryBucketAfterAPartialRedisAnswer(t *testing.T) 
 			t.Fatalf("buckets %d, %v", len(buckets), err)
 		}
 		buckets[0].unknown = unknown // as takeGroups leaves a later group's bucket
-		pass, err := h.decideLocally(w, r, repl, buckets)
+		pass, err := h.decideLocally(w, r, okHandler, repl, buckets)
 		if pass {
 			err = okHandler.ServeHTTP(w, r)
 		}

@@ -43,6 +43,13 @@ type Limit struct {
 	// handler's values.
 	IPv4Prefix *int `json:"ipv4_prefix,omitempty"`
 	IPv6Prefix *int `json:"ipv6_prefix,omitempty"`
+
+	// Charge, ChargeStatus and MaxDebt are as the handler's, and default
+	// to the handler's values: a limit charges by the response when it or
+	// its handler has `charge` or `charge_status`.
+	Charge       *Charge `json:"charge,omitempty"`
+	ChargeStatus []int   `json:"charge_status,omitempty"`
+	MaxDebt      *int64  `json:"max_debt,omitempty"`
 }
 
 // Param is a limit's rate, burst or cost: a number fixed in the config,
@@ -139,13 +146,14 @@ type paramError struct {
 func (e *paramError) Error() string { return e.msg }
 
 // badValue reports a value: "<param> '<value>' <reason>", where reason
-// starts with a verb, or with ": " before a noun phrase.
+// starts with a verb, or with ": " before a noun phrase. The value may
+// come from a request: it is quoted cut short (cutValue).
 func badValue(param, value, reason string) *paramError {
 	sep := " "
 	if strings.HasPrefix(reason, ":") {
 		sep = ""
 	}
-	return &paramError{param, fmt.Sprintf("%s '%s'%s%s", param, value, sep, reason)}
+	return &paramError{param, fmt.Sprintf("%s '%s'%s%s", param, cutValue(value), sep, reason)}
 }
 
 // resolveValues parses a limit's values as written (placeholders already
@@ -225,6 +233,10 @@ type limit struct {
 	exempt     bool   // a fixed rate of `unlimited`
 	args       [3]any // the values as script arguments, boxed once (BenchmarkServeHTTPAllowed 21 -> 16 allocs)
 	burstValue any    // the burst as a placeholder value, boxed once
+
+	// charge is how the response charges it (charge.go); nil when
+	// requested_tokens is its cost.
+	charge *chargeRule
 }
 
 // bucket is one limit's bucket for one request, and Redis's answer.

@@ -19,7 +19,9 @@ import (
 	"testing"
 	"time"
 
+	"github.com/caddy-redis/ratelimit/internal/caddyproc"
 	"github.com/caddy-redis/ratelimit/internal/redistest"
+	"github.com/caddy-redis/ratelimit/internal/testproc"
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 	"github.com/redis/go-redis/v9"
@@ -596,6 +598,55 @@ func TestPolicyPlanSwitchKeepsTheBucketCapsAtTheNewBurstRefillsAtTheNewRate(t *t
 	}
 }
 
+// TestPolicyMoveToASlowerPlanRefillsAtItsRate: a client drains its
+// bucket on a fast plan (100/s, burst 100), whose writes give the key
+// about a second to live, then moves to a slow one (0.1/s, burst 20) and
+// is refused. From then on the bucket refills at 0.1/s: once the fast
+// plan's second has passed, it still holds about what it held (another
+// instance, without this one's cached denial, refuses the client or
+// admits it with nothing left), where an expired key would read as a
+// full bucket and admit it with 19 left. In Redis and in store memory.
+func TestPolicyMoveToASlowerPlanRefillsAtItsRate(t *testing.T) {
+	srv := redistest.Start(t)
+	rdb := srv.Client(t)
+	fast := []string{"X-Key", "k", "X-Plan-Rate", "100", "X-Plan-Burst", "100"}
+	slow := []string{"X-Key", "k", "X-Plan-Rate", "0.1", "X-Plan-Burst", "20"}
+	for _, store := range []string{storeRedis, storeMemory} {
+		t.Run(store, func(t *testing.T) {
+			directive := fmt.Sprintf(plansDirective, "slower-"+store, srv.Addr)
+			if store == storeMemory {
+				directive = strings.Replace(directive, "redis "+srv.Addr+" {\n\t\ttimeout 1s\n\t}", "store memory", 1)
+			}
+			h := caddyfileHandler(t, directive)
+			other := caddyfileHandler(t, directive) // the same buckets, a deny cache of its own
+			drained := false
+			for i := 0; i < 2000 && !drained; i++ {
+				drained = servePolicy(h, fast...).status == 429
+			}
+			if !drained {
+				t.Fatal("2000 requests on the fast plan did not drain the bucket")
+			}
+			drainedAt := time.Now()
+			if a := servePolicy(h, slow...); a.status != 429 {
+				t.Fatalf("slow plan right after the drain: %v, want 429", a)
+			}
+			key := policyBuckets(t, h, slow...)[""].key
+			if store == storeRedis {
+				// A full bucket of the slow plan is 200 s of refill away.
+				if pttl := rdb.PTTL(context.Background(), key).Val(); pttl < 150*time.Second {
+					t.Errorf("after the slow plan's denial the key expires in %v, want about 200 s (the slow plan's refill)", pttl)
+				}
+			}
+			time.Sleep(time.Until(drainedAt.Add(1500 * time.Millisecond)))
+			a := servePolicy(other, slow...)
+			if a.status != 429 && a.remaining() != "0" {
+				t.Fatalf("slow plan 1.5 s after the drain, on another instance: %v; want 429, or 200 with 0 left "+
+					"(the bucket refilled at most 0.15 tokens since)", a)
+			}
+		})
+	}
+}
+
 // TestDenyCacheForgetsADenialOnceAnotherPlanIsAdmittedOnTheBucket: a
 // client denied on a slow plan, then admitted on a fast one, has a bucket
 // that the fast plan refilled; back on the slow plan, its request must be
@@ -819,6 +870,51 @@ func TestPolicyInvalidValuesFromRequestRefusedWithoutTakingTokens(t *testing.T) 
 	}
 	if n := logs.Len(); n != 1 {
 		t.Errorf("50 requests with bad costs logged %d warnings, want 1 (throttled)", n)
+	}
+}
+
+// TestLongCostHeaderIsCutInLogsAndErrorMessage: a client sends 16 KiB
+// as its cost. It is refused with 400, and what Caddy prints of it (the
+// warning, and {http.error.message} through handle_errors) quotes 64
+// bytes of it and says how long it was: no line of Caddy's log is longer
+// than a few KiB. (At debug level, Caddy's own error log writes the
+// request's headers whole, as its access log does.)
+func TestLongCostHeaderIsCutInLogsAndErrorMessage(t *testing.T) {
+	srv := redistest.Start(t)
+	proc := caddyproc.Start(t, loggingCaddyfile("INFO", fmt.Sprintf(`
+http://127.0.0.1:{{http_port}} {
+	rate_limit {
+		zone cut
+		key {header.X-Key}
+		replenish_rate 10
+		burst_capacity 20
+		requested_tokens {header.X-Cost}
+		redis %s
+	}
+	respond "ok"
+	handle_errors {
+		respond "{err.message}" {err.status_code}
+	}
+}`, srv.Addr)))
+	cost := strings.Repeat("9", 16*1024-1) + "x"
+	resp, body := send(t, caddyClient(t), proc.URL, "X-Key", "k", "X-Cost", cost)
+	if resp.StatusCode != 400 {
+		t.Fatalf("a 16 KiB cost: %d %.200s, want 400", resp.StatusCode, body)
+	}
+	if len(body) > 300 || !strings.Contains(body, strings.Repeat("9", 64)+"…(16384 bytes in all)") {
+		t.Errorf("{http.error.message} is %d bytes: %.400s; want it short, quoting 64 bytes and the length", len(body), body)
+	}
+	var warning string
+	eventually(t, 5*time.Second, "the warning in Caddy's log", func() bool {
+		log := testproc.ReadFrom(proc.LogFile, 0)
+		warning = grepLines(log, "out of range")
+		return warning != ""
+	})
+	if !strings.Contains(warning, "16384 bytes") {
+		t.Errorf("the warning does not state the value's length: %.500s", warning)
+	}
+	if line, n := longestLine(testproc.ReadFrom(proc.LogFile, 0)); n > 4096 {
+		t.Errorf("Caddy's log has a line of %d bytes: %.300s...", n, line)
 	}
 }
 

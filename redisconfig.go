@@ -8,6 +8,7 @@ import (
 	"errors"
 	"fmt"
 	"net"
+	"net/url"
 	"os"
 	"strconv"
 	"strings"
@@ -95,11 +96,10 @@ type RedisTLS struct {
 }
 
 // withPlaceholders returns the configuration with `{env.*}` and Caddy's
-// other global placeholders replaced, and defaults filled in. Text in
-// braces that is no known placeholder stays as written: a password may
-// well hold `{`.
+// other global placeholders replaced, and defaults filled in. Every other
+// byte stays as written: a password may well hold `{` or `\{`.
 func (c *RedisConfig) withPlaceholders() RedisConfig {
-	repl := caddy.NewReplacer()
+	repl := knownPlaceholders{caddy.NewReplacer()}
 	r := RedisConfig{}
 	if c != nil {
 		r = *c
@@ -107,7 +107,7 @@ func (c *RedisConfig) withPlaceholders() RedisConfig {
 	r.Addresses = nil
 	if c != nil {
 		for _, a := range c.Addresses {
-			resolved := strings.Fields(repl.ReplaceKnown(a, ""))
+			resolved := strings.Fields(repl.replace(a))
 			if len(resolved) == 0 {
 				resolved = []string{a} // validate names the unresolved value
 			}
@@ -117,12 +117,12 @@ func (c *RedisConfig) withPlaceholders() RedisConfig {
 	if len(r.Addresses) == 0 {
 		r.Addresses = []string{defaultRedisAddress}
 	}
-	r.MasterName = repl.ReplaceKnown(r.MasterName, "")
-	r.SentinelUsername = repl.ReplaceKnown(r.SentinelUsername, "")
-	r.SentinelPassword = repl.ReplaceKnown(r.SentinelPassword, "")
-	r.Username = repl.ReplaceKnown(r.Username, "")
-	r.Password = repl.ReplaceKnown(r.Password, "")
-	if r.KeyPrefix = repl.ReplaceKnown(r.KeyPrefix, ""); r.KeyPrefix == "" {
+	r.MasterName = repl.replace(r.MasterName)
+	r.SentinelUsername = repl.replace(r.SentinelUsername)
+	r.SentinelPassword = repl.replace(r.SentinelPassword)
+	r.Username = repl.replace(r.Username)
+	r.Password = repl.replace(r.Password)
+	if r.KeyPrefix = repl.replace(r.KeyPrefix); r.KeyPrefix == "" {
 		r.KeyPrefix = defaultKeyPrefix
 	}
 	if r.Timeout <= 0 {
@@ -133,13 +133,47 @@ func (c *RedisConfig) withPlaceholders() RedisConfig {
 	}
 	if r.TLS != nil {
 		t := *r.TLS
-		t.CA = repl.ReplaceKnown(t.CA, "")
-		t.Cert = repl.ReplaceKnown(t.Cert, "")
-		t.Key = repl.ReplaceKnown(t.Key, "")
-		t.ServerName = repl.ReplaceKnown(t.ServerName, "")
+		t.CA = repl.replace(t.CA)
+		t.Cert = repl.replace(t.Cert)
+		t.Key = repl.replace(t.Key)
+		t.ServerName = repl.replace(t.ServerName)
 		r.TLS = &t
 	}
 	return r
+}
+
+// knownPlaceholders replaces the placeholders Caddy knows when the config
+// loads (`{env.*}`, `{file.*}`, `{system.*}`, ...) and keeps every other
+// byte as written. Caddy's Replacer.ReplaceKnown would also drop the
+// backslash of `\{` and `\}`: a password `ab\{cd` would become `ab{cd`,
+// which Redis refuses (and with on_error allow, limiting would stop).
+// A replaced value is not read again: an `{env.*}` value is taken whole.
+type knownPlaceholders struct{ repl *caddy.Replacer }
+
+func (k knownPlaceholders) replace(s string) string {
+	var b strings.Builder
+	for {
+		open := strings.IndexByte(s, '{')
+		if open < 0 {
+			break
+		}
+		length := strings.IndexAny(s[open+1:], "{}")
+		if length >= 0 && s[open+1+length] == '}' {
+			if v, ok := k.repl.GetString(s[open+1 : open+1+length]); ok {
+				b.WriteString(s[:open])
+				b.WriteString(v)
+				s = s[open+length+2:]
+				continue
+			}
+		}
+		b.WriteString(s[:open+1])
+		s = s[open+1:]
+	}
+	if b.Len() == 0 {
+		return s
+	}
+	b.WriteString(s)
+	return b.String()
 }
 
 // validate refuses contradictory or malformed settings.
@@ -198,19 +232,51 @@ func checkAddress(a string) (*redis.Options, error) {
 	}
 	o, err := parseAddress(a)
 	if err != nil {
-		return nil, fmt.Errorf("redis address '%s': %w", a, err)
+		return nil, fmt.Errorf("redis address '%s': %w", redactAddress(a), err)
 	}
 	return o, nil
 }
 
-// parseAddress accepts `host:port` or a redis:// or rediss:// URL.
+// parseAddress accepts `host:port` or a redis:// or rediss:// URL. Its
+// errors never quote the user name or the password (callers name the
+// address by redactAddress): the user information is cut off before
+// go-redis parses the rest, since its errors (and net/url's) quote the
+// whole URL. It runs to the last '@', so a password may hold '/', '?',
+// '#' or '@' unescaped; the user name and password are percent-decoded,
+// as in any URL.
 func parseAddress(a string) (*redis.Options, error) {
-	if strings.Contains(a, "://") {
-		if !strings.HasPrefix(a, "redis://") && !strings.HasPrefix(a, "rediss://") {
-			return nil, errors.New("URL scheme must be redis:// or rediss://")
+	scheme, rest, isURL := strings.Cut(a, "://")
+	if !isURL {
+		if strings.Contains(a, "@") {
+			return nil, errors.New("a user name or password needs a redis:// or rediss:// URL (or the username and password subdirectives)")
 		}
-		return redis.ParseURL(a)
+		return parseHostPort(a)
 	}
+	if scheme != "redis" && scheme != "rediss" {
+		return nil, errors.New("URL scheme must be redis:// or rediss://")
+	}
+	userinfo, hasUser := "", false
+	if at := strings.LastIndexByte(rest, '@'); at >= 0 {
+		userinfo, rest, hasUser = rest[:at], rest[at+1:], true
+	}
+	o, err := redis.ParseURL(scheme + "://" + rest)
+	if err != nil {
+		return nil, err
+	}
+	if hasUser {
+		user, password, _ := strings.Cut(userinfo, ":")
+		if o.Username, err = url.PathUnescape(user); err != nil {
+			return nil, errors.New("the user name has a malformed %-escape: write '%' as %25")
+		}
+		if o.Password, err = url.PathUnescape(password); err != nil {
+			return nil, errors.New("the password has a malformed %-escape: write '%' as %25, or give it with the password subdirective, which takes it as written")
+		}
+	}
+	return o, nil
+}
+
+// parseHostPort accepts `host:port`.
+func parseHostPort(a string) (*redis.Options, error) {
 	host, port, err := net.SplitHostPort(a)
 	if err != nil {
 		return nil, fmt.Errorf("want host:port: %w", err)
@@ -254,7 +320,7 @@ func (c RedisConfig) options(files tlsFiles) (*redis.UniversalOptions, error) {
 	for _, a := range c.Addresses {
 		o, err := parseAddress(a)
 		if err != nil {
-			return nil, fmt.Errorf("address '%s': %w", a, err)
+			return nil, fmt.Errorf("address '%s': %w", redactAddress(a), err)
 		}
 		opts.Addrs = append(opts.Addrs, o.Addr)
 		if opts.Username == "" {

@@ -15,14 +15,17 @@
 --              only when every bucket's lease holds its tokens
 --
 -- A bucket is one string "<tokens> <microseconds>": the tokens it held at
--- that Redis time. Tokens refill by elapsed time, so the state only needs
+-- that Redis time, below zero when a response cost more than it reserved
+-- (settle.lua). Tokens refill by elapsed time, so the state only needs
 -- writing when tokens are taken. The key expires when the bucket would be
--- full again; an expired bucket reads as full, which is what it would be.
+-- full again at the values of the latest request (a denial extends it when
+-- they need longer); an expired bucket reads as full, which is what it
+-- would be.
 --
 -- Returns {allowed (1|0), then for each bucket: remaining whole tokens
--- (rounded down), microseconds until it holds its requested tokens again
--- (rounded up; 0 when it holds them now); then, with leases, the tokens
--- lent from each bucket}.
+-- (rounded down; 0 in debt), microseconds until it holds its requested
+-- tokens again (rounded up; 0 when it holds them now); then, with
+-- leases, the tokens lent from each bucket}.
 
 -- Redis time, not the caller's, so instances with skewed clocks agree.
 -- 1.7e15 microseconds is well inside a double's exact integers (2^53).
@@ -31,7 +34,7 @@ local now = tonumber(time[1]) * 1000000 + tonumber(time[2])
 
 local n = #KEYS
 local leasing = #ARGV > 3 * n
-local rate, burst, requested, tokens, rewound, lent = {}, {}, {}, {}, {}, {}
+local rate, burst, requested, tokens, rewound, lent, present = {}, {}, {}, {}, {}, {}, {}
 local allowed = 1
 for i = 1, n do
   rate[i] = tonumber(ARGV[3 * i - 2])
@@ -43,6 +46,7 @@ for i = 1, n do
     local stored, at = string.match(state, '^(%S+) (%d+)$')
     stored, at = tonumber(stored), tonumber(at)
     if stored and at then
+      present[i] = true
       -- After a failover to a server whose clock is behind, the stored
       -- time can lie ahead: count from now instead, and store now (below),
       -- or the bucket would not refill until the clock caught up.
@@ -73,17 +77,27 @@ for i = 1, n do
   if allowed == 1 then
     tokens[i] = tokens[i] - requested[i] - lent[i]
   end
+  -- The key lives as long as its missing tokens take to refill (at
+  -- least 1 s), so an idle key lives no longer than needed.
+  local fill = math.ceil((burst[i] - tokens[i]) * 1000 / rate[i])
   if allowed == 1 or rewound[i] then
-    -- The key lives as long as its missing tokens take to refill (at
-    -- least 1 s), so an idle key lives no longer than needed.
-    local ttl = math.max(1000, math.ceil((burst[i] - tokens[i]) * 1000 / rate[i]))
-    redis.call('SET', KEYS[i], string.format('%.17g %d', tokens[i], now), 'PX', ttl)
+    redis.call('SET', KEYS[i], string.format('%.17g %d', tokens[i], now), 'PX', math.max(1000, fill))
+  elseif present[i] then
+    -- A denial stores nothing, but the key's expiry was set at the values
+    -- of the request that wrote it: after a move to a slower plan it would
+    -- expire, and read full, before the bucket refilled at the rate now
+    -- in force. Then it lives until then. (1 ms of slack for the TTL's
+    -- rounding: at unchanged values a denial writes nothing.)
+    local pttl = redis.call('PTTL', KEYS[i])
+    if pttl >= 0 and pttl + 1 < fill then
+      redis.call('PEXPIRE', KEYS[i], math.max(1000, fill))
+    end
   end
   local wait = 0
   if tokens[i] < requested[i] then
     wait = math.ceil((requested[i] - tokens[i]) * 1000000 / rate[i])
   end
-  reply[2 * i] = math.floor(tokens[i])
+  reply[2 * i] = math.max(0, math.floor(tokens[i]))
   reply[2 * i + 1] = wait
 end
 if leasing then

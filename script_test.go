@@ -7,6 +7,7 @@ import (
 	"math/rand/v2"
 	"strconv"
 	"testing"
+	"time"
 
 	"github.com/caddy-redis/ratelimit/internal/redistest"
 	"github.com/redis/go-redis/v9"
@@ -355,3 +356,112 @@ func runScriptStep(t *testing.T, rdb *redis.Client, key string, b scriptBucket, 
 	}
 	return stored, clock0.Val().UnixMicro(), [3]int64(v), clock1.Val().UnixMicro(), after
 }
+
+// TestScriptAndMemoryStoreExpireAlikeAcrossPlanChanges: a bucket written
+// at one plan's values is taken from at another's (or the same), in
+// script.lua in a real redis-server and in the memory store's settle.
+// Both give the same decision, and the key's expiry afterwards agrees
+// with the memory bucket's to a few milliseconds (the TTL is whole
+// milliseconds): a denial at a slower plan extends it to when the bucket
+// is full at that plan, at unchanged values it writes nothing.
+func TestScriptAndMemoryStoreExpireAlikeAcrossPlanChanges(t *testing.T) {
+	srv := redistest.Start(t)
+	rdb := srv.Client(t)
+	ctx := context.Background()
+	if err := rdb.ScriptLoad(ctx, scriptSource).Err(); err != nil {
+		t.Fatal(err)
+	}
+	plans := []limitValues{{100, 100, 1}, {0.1, 20, 1}, {10, 20, 1}, {0.5, 1, 1}, {5000.0 / 3600, 7, 2}, {1000, 1000, 3}}
+	rng := rand.New(rand.NewPCG(7, 8))
+	var extended, kept, allowed int
+	for n := range 600 {
+		was, now := plans[rng.IntN(len(plans))], plans[rng.IntN(len(plans))]
+		// A key written at was's values: tokens left, written elapsed ago,
+		// expiring when the bucket would be full at was's values.
+		// Half the cases near empty and lately written, to be denied.
+		tokens := rng.Float64() * float64(was.burst)
+		if n%2 == 0 {
+			tokens = rng.Float64() * float64(min(was.burst, 3))
+		}
+		fill := int64(math.Max(1000, math.Ceil((float64(was.burst)-tokens)*1000/was.rate)))
+		elapsed := rng.Int64N(fill - 5) // milliseconds; the key lives 5 ms more at least
+		if n%2 == 0 {
+			elapsed = rng.Int64N(20)
+		}
+		key, args := "expiry:"+strconv.Itoa(n), now.scriptArgs()
+		var stored *redis.StringCmd
+		var clock0, clock1 *redis.TimeCmd
+		var take *redis.Cmd
+		var pttl *redis.DurationCmd
+		_, err := rdb.TxPipelined(ctx, func(p redis.Pipeliner) error {
+			p.Eval(ctx, storeBucketFor, []string{key}, strconv.FormatFloat(tokens, 'g', 17, 64), elapsed*1000, fill-elapsed)
+			stored, clock0 = p.Get(ctx, key), p.Time(ctx)
+			take = p.EvalSha(ctx, scriptSHA, []string{key}, args[:]...)
+			clock1, pttl = p.Time(ctx), p.PTTL(ctx, key)
+			return nil
+		})
+		if err != nil {
+			t.Fatal(err)
+		}
+		b, err := parseBucket(stored)
+		if err != nil {
+			t.Fatal(err)
+		}
+		reply, err := take.Int64Slice()
+		if err != nil || len(reply) != 3 {
+			t.Fatalf("script reply %v, %v", reply, err)
+		}
+		t0, t1 := clock0.Val().UnixMicro(), clock1.Val().UnixMicro()
+		// The key's expiry in Redis time: stored when written, fill-elapsed
+		// ms from then (the store ran right before t0).
+		state := memoryBucket{tokens: b.tokens, at: b.at, expires: b.at + fill*1000}
+		what := fmt.Sprintf("case %d: %+v written at %+v, taken at %+v: reply %v", n, state, was, now, reply)
+		// The script ran at some time in [t0, t1]: an admitted take stores
+		// it; a denial pins it to about a microsecond by its wait.
+		var after memoryBucket
+		var store, ok bool
+		for at := t0; at <= t1 && !ok; at++ {
+			current, from := currentState(state, true, at, now)
+			admit := refill(current, from, now) >= float64(now.requested)
+			var remaining, wait int64
+			after, store, remaining, wait = settle(state, true, at, now, admit)
+			ok = [3]int64(reply) == [3]int64{boolInt(admit), remaining, wait}
+		}
+		if !ok {
+			t.Fatalf("%s: the memory store answers otherwise at every time in [%d, %d]", what, t0, t1)
+		}
+		// PTTL, read at t1, against the memory bucket's expiry from then.
+		want := time.Duration(after.expires-t1) * time.Microsecond
+		if d := pttl.Val() - want; d < -3*time.Millisecond || d > 3*time.Millisecond {
+			t.Fatalf("%s: the key expires in %v, the memory bucket in %v (stored: %v)", what, pttl.Val(), want, store)
+		}
+		switch {
+		case reply[0] == 1:
+			allowed++
+		case store:
+			extended++
+		default:
+			kept++
+		}
+	}
+	t.Logf("%d admitted, %d denials extended the expiry, %d left it", allowed, extended, kept)
+	if allowed < 50 || extended < 50 || kept < 50 {
+		t.Fatalf("%d admitted, %d extended, %d kept: the cases tried too little", allowed, extended, kept)
+	}
+}
+
+func boolInt(b bool) int64 {
+	if b {
+		return 1
+	}
+	return 0
+}
+
+// storeBucketFor stores ARGV[1] tokens at KEYS[1] as the script does,
+// ARGV[2] microseconds before Redis's time, expiring ARGV[3] milliseconds
+// from now.
+const storeBucketFor = `
+local time = redis.call('TIME')
+local now = tonumber(time[1]) * 1000000 + tonumber(time[2])
+redis.call('SET', KEYS[1], ARGV[1] .. ' ' .. string.format('%d', now - tonumber(ARGV[2])), 'PX', ARGV[3])
+return 1`

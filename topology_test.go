@@ -13,6 +13,7 @@ import (
 	"time"
 
 	"github.com/caddy-redis/ratelimit/internal/redistest"
+	"github.com/prometheus/client_golang/prometheus"
 	"go.uber.org/zap"
 )
 
@@ -527,5 +528,158 @@ func TestDeadClusterMasterLeavesOtherMastersLimited(t *testing.T) {
 	}
 	if open := h.limiter.openBreakers(); open != 1 {
 		t.Errorf("%d node breakers open, want 1 (the dead master's)", open)
+	}
+}
+
+// breakerGauge reads caddy_rate_limit_breaker_open of a zone as a scrape
+// of Caddy's /metrics would.
+func breakerGauge(t *testing.T, zone string) float64 {
+	t.Helper()
+	reg := prometheus.NewRegistry()
+	if err := reg.Register(collectors.breakerOpen); err != nil {
+		t.Fatal(err)
+	}
+	families, err := reg.Gather()
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, f := range families {
+		for _, m := range f.GetMetric() {
+			for _, l := range m.GetLabel() {
+				if l.GetName() == "zone" && l.GetValue() == zone {
+					return m.GetGauge().GetValue()
+				}
+			}
+		}
+	}
+	t.Fatalf("no caddy_rate_limit_breaker_open series for zone %s", zone)
+	return 0
+}
+
+// TestBreakerOfFailedOverMasterIsDropped kills a Cluster master whose
+// replica takes over. The dead master's breaker opens while its slots
+// have no master; once limiting has resumed on the promoted replica,
+// that breaker is dropped within a few seconds: the gauge reads 0 again
+// and "circuit breaker closed" is logged, though no request ever reaches
+// the dead node again.
+func TestBreakerOfFailedOverMasterIsDropped(t *testing.T) {
+	c := redistest.StartCluster(t, 3, 1)
+	ctx := context.Background()
+	h := caddyfileHandler(t, fmt.Sprintf(`rate_limit 100 1000 {
+	zone dropbreaker
+	key {http.request.header.X-Key}
+	redis {
+		address %s
+		timeout %v
+	}
+}`, strings.Join(c.Addrs, " "), topologyTimeout))
+	logs := observeLogs(h, zap.DebugLevel)
+	cc := c.Client(t)
+	var keys []string // on the master to kill
+	for i := 0; len(keys) < 10; i++ {
+		key := "k" + strconv.Itoa(i)
+		master, err := cc.MasterForKey(ctx, h.limits[0].keyPrefix+key)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if master.Options().Addr == c.Masters[0].Addr {
+			keys = append(keys, key)
+		}
+	}
+	for _, key := range keys {
+		if _, remaining, _ := hit(h, key); remaining == "-1" || remaining == "" {
+			t.Fatalf("key %s before the kill: remaining %q, want limited", key, remaining)
+		}
+	}
+
+	c.Masters[0].Kill(t)
+	eventually(t, 10*time.Second, "the dead master's breaker opens", func() bool {
+		for _, key := range keys {
+			hit(h, key)
+		}
+		return breakerGauge(t, "dropbreaker") >= 1
+	})
+	t.Logf("breaker gauge %v with the master dead", breakerGauge(t, "dropbreaker"))
+	c.WaitHealthy(t, 30*time.Second)
+	resumed := eventually(t, 10*time.Second, "limiting resumes on the promoted replica", func() bool {
+		for _, key := range keys {
+			if _, remaining, _ := hit(h, key); remaining == "-1" || remaining == "" {
+				return false
+			}
+		}
+		return true
+	})
+	dropped := eventually(t, 5*time.Second, "the gauge returns to 0", func() bool {
+		hit(h, keys[0]) // traffic goes on, to the new master only
+		return breakerGauge(t, "dropbreaker") == 0
+	})
+	t.Logf("limiting resumed %v after the cluster was healthy; the gauge read 0 %v later",
+		resumed.Round(time.Millisecond), dropped.Round(time.Millisecond))
+	closed := logs.FilterMessageSnippet("circuit breaker closed").All()
+	if len(closed) == 0 {
+		t.Fatal("no 'circuit breaker closed' line for the dead master's breaker")
+	}
+	for _, e := range closed {
+		t.Logf("logged: %s (node %v)", e.Message, e.ContextMap()["node"])
+	}
+	if n := countLogs(logs, "circuit breaker opened"); n < 1 {
+		t.Errorf("'circuit breaker opened' logged %d times", n)
+	}
+	if open := h.limiter.openBreakers(); open != 0 {
+		t.Errorf("%d breakers counted open after the failover, want 0", open)
+	}
+}
+
+// TestUnknownSlotsBreakerIsDroppedOnceTheSlotMapLoads starts a handler
+// while every Cluster node is paused (CLIENT PAUSE): the slot map cannot
+// be loaded, and the breaker kept for that opens. Once the nodes answer,
+// requests go to the masters, and that breaker, which no request meets
+// any more, is dropped: the gauge reads 0 again.
+func TestUnknownSlotsBreakerIsDroppedOnceTheSlotMapLoads(t *testing.T) {
+	c := redistest.StartCluster(t, 3, 0)
+	ctx := context.Background()
+	const pause = 2 * time.Second
+	for _, m := range c.Masters {
+		if err := m.Client(t).Do(ctx, "CLIENT", "PAUSE", pause.Milliseconds(), "ALL").Err(); err != nil {
+			t.Fatal(err)
+		}
+	}
+	paused := time.Now()
+	h := caddyfileHandler(t, fmt.Sprintf(`rate_limit 100 1000 {
+	zone unknownslots
+	key {http.request.header.X-Key}
+	redis {
+		address %s
+		timeout %v
+	}
+}`, strings.Join(c.Addrs, " "), topologyTimeout))
+	logs := observeLogs(h, zap.DebugLevel)
+	for i := 0; breakerGauge(t, "unknownslots") == 0; i++ {
+		if time.Since(paused) > pause-topologyTimeout {
+			t.Fatalf("the breaker of the unknown slot map did not open while the nodes were paused (%d requests)", i)
+		}
+		hit(h, "k"+strconv.Itoa(i))
+	}
+	h.limiter.breakers.mu.RLock()
+	b := h.limiter.breakers.byNode[unknownSlots]
+	h.limiter.breakers.mu.RUnlock()
+	if b == nil || !b.isOpen() {
+		t.Fatal("the open breaker is not the unknown slot map's")
+	}
+	resumed := eventually(t, 10*time.Second, "limiting resumes", func() bool {
+		_, remaining, _ := hit(h, "after")
+		return remaining != "-1" && remaining != ""
+	})
+	dropped := eventually(t, 5*time.Second, "the gauge returns to 0", func() bool {
+		hit(h, "after")
+		return breakerGauge(t, "unknownslots") == 0
+	})
+	t.Logf("limiting resumed %v after the breaker opened; the gauge read 0 %v later", resumed.Round(time.Millisecond), dropped.Round(time.Millisecond))
+	closed := logs.FilterMessageSnippet("circuit breaker closed").All()
+	if len(closed) != 1 || closed[0].ContextMap()["node"] != unknownSlots {
+		t.Errorf("'circuit breaker closed' logged for %v, want once for %q", closed, unknownSlots)
+	}
+	for _, e := range closed {
+		t.Logf("logged: %s", e.Message)
 	}
 }

@@ -25,6 +25,11 @@
 #   lease@256     as lease@64 with 256 connections
 #   memfloor@256  as memfloor@64 with 256 connections
 #   nometrics@64  as allowed@64 with `metrics off` (what the metrics cost)
+#   charge@64     as allowed@64 with `charge header X-Cost`: every response
+#                 costs more than its reservation, so every request also
+#                 settles (a second script call, after the response)
+#   chargestatus@64  as allowed@64 with `charge_status 2xx`: responses keep
+#                 their reservation, no settlement (what the writer costs)
 #   denied@64     rate_limit, one empty bucket: every request gets 429
 #                 (after the first denial the handler's deny cache answers;
 #                 scripts/req near 0 shows it)
@@ -57,9 +62,9 @@
 # several times less often than the others'; a GOGC of several hundred
 # puts every case in that regime, so that ratios show per-request work.
 # BENCH_PROFILE=<dir> adds one more 64-connection run of the Caddyfile
-# BENCH_PROFILE_CASE names (allowed; or memory, denied, ...) with Caddy's
-# admin endpoint on, saves a 5 s CPU profile and allocation profile of
-# Caddy into <dir> and prints the top of each.
+# BENCH_PROFILE_CASE names (allowed; or memory, denied, charge, ...) with
+# Caddy's admin endpoint on, saves a 5 s CPU profile and allocation
+# profile of Caddy into <dir> and prints the top of each.
 # Never touches any Redis it did not start; kills only its own PIDs.
 set -euo pipefail
 SCRIPT_NAME=bench
@@ -138,6 +143,8 @@ CASES=(
 	"lease@64 lease 200 -"
 	"mholt@64 mholt 200 -"
 	"nometrics@64 allowed-nometrics 200 -"
+	"charge@64 charge 200 -"
+	"chargestatus@64 chargestatus 200 -"
 	"denied@64 denied 429 -same-key"
 	"mholt-denied@64 mholt-denied 429,200 -same-key"
 	"allowed@256 allowed 200 -"

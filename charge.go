@@ -1,0 +1,833 @@
+package ratelimit
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"math"
+	"net/http"
+	"slices"
+	"strconv"
+	"strings"
+	"sync"
+	"time"
+
+	"github.com/caddyserver/caddy/v2"
+	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
+	"github.com/prometheus/client_golang/prometheus"
+	"go.uber.org/zap"
+)
+
+// Charging: limits whose real cost only the response knows (tokens an
+// LLM API used, a cost header, failed logins). Before the request a
+// limit takes its requested_tokens as usual: that is the reservation,
+// and the check. Once the response is written the difference between
+// its real cost and the reservation is settled (settle.lua, or
+// settleBucket in the process): a smaller cost gives tokens back, a
+// larger one takes the rest, into debt down to -max_debt. The response
+// passes through a writer that reads its status and, for `charge json`,
+// scans its body as it streams by (chargewriter.go).
+
+// Charge says where the real cost of a response comes from: exactly one
+// of its fields is set. A cost that cannot be read (a missing header, not
+// a number, a negative number, no usage in the body) keeps the
+// reservation.
+type Charge struct {
+	// Header names a response header whose value is the cost, in tokens
+	// (a fraction is rounded up), such as `X-Cost`, read as the response
+	// is written. At most 4 different headers in a handler.
+	Header string `json:"header,omitempty"`
+
+	// JSON lists paths of numbers in the response body, summed: keys
+	// separated by `.`, an array element by its index
+	// (`usage.total_tokens`, `choices.0.n`). A JSON body is read up to
+	// `max_body`. In an event stream (`text/event-stream`) each path
+	// takes the last value seen in any event's `data:` JSON, and in
+	// newline-delimited JSON (`application/x-ndjson`, `application/jsonl`)
+	// in any line; these are summed at the end. A path not found counts
+	// 0; when none is found, the cost cannot be read. At most 16 paths in
+	// a handler, of at most 8 keys each.
+	JSON []string `json:"json,omitempty"`
+
+	// Placeholder is read once the response is written, such as
+	// `{http.reverse_proxy.upstream.duration_ms}` to charge the upstream's
+	// time (a fraction is rounded up).
+	Placeholder string `json:"placeholder,omitempty"`
+}
+
+// Bounds of what a body scan holds: the paths of a handler, their keys,
+// an event of a stream (or a line of JSON lines), and the default of
+// max_body.
+const (
+	maxCostHeaders  = 4
+	maxScanPaths    = 16
+	maxPathKeys     = 8
+	maxEventBytes   = 64 << 10
+	defaultMaxBody  = 1 << 20
+	chargeValueShow = 64 // bytes of a cost value a warning quotes
+)
+
+// checkCharge judges a charge source: exactly one kind, well formed.
+func checkCharge(c *Charge) error {
+	if c == nil {
+		return nil
+	}
+	kinds := 0
+	for _, set := range []bool{c.Header != "", len(c.JSON) > 0, c.Placeholder != ""} {
+		if set {
+			kinds++
+		}
+	}
+	switch {
+	case kinds != 1:
+		return errors.New("charge: want exactly one source: header <name>, json <path>..., or placeholder <{placeholder}>")
+	case c.Header != "" && !isHeaderName(c.Header):
+		return fmt.Errorf("charge header '%s': not a header name", c.Header)
+	case c.Placeholder != "" && !strings.Contains(c.Placeholder, "{"):
+		return fmt.Errorf("charge placeholder '%s': want a placeholder, such as {http.reverse_proxy.upstream.duration_ms}", c.Placeholder)
+	}
+	for _, p := range c.JSON {
+		if err := checkJSONPath(p); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// isHeaderName says whether s is a header field name: a token of
+// RFC 9110's tchar.
+func isHeaderName(s string) bool {
+	for i := 0; i < len(s); i++ {
+		c := s[i]
+		if !(c >= 'a' && c <= 'z' || c >= 'A' && c <= 'Z' || c >= '0' && c <= '9' || strings.IndexByte("!#$%&'*+-.^_`|~", c) >= 0) {
+			return false
+		}
+	}
+	return s != ""
+}
+
+func checkJSONPath(path string) error {
+	keys := strings.Split(path, ".")
+	if len(keys) > maxPathKeys {
+		return fmt.Errorf("charge json '%s': more than %d keys; a shorter path must do", path, maxPathKeys)
+	}
+	for _, k := range keys {
+		if k == "" {
+			return fmt.Errorf("charge json '%s': want keys separated by '.', such as usage.total_tokens", path)
+		}
+	}
+	return nil
+}
+
+// checkChargeStatus judges charge_status: codes, or classes as Caddy's
+// response matchers write them (2 for 2xx).
+func checkChargeStatus(statuses []int) error {
+	for _, s := range statuses {
+		if !(s >= 1 && s <= 5 || s >= 100 && s <= 599) {
+			return fmt.Errorf("charge_status '%d': want a status code (100 to 599) or a class (2xx, or 2 in JSON)", s)
+		}
+	}
+	return nil
+}
+
+// parseChargeStatus reads a charge_status value: a code, or a class
+// written `4xx`.
+func parseChargeStatus(v string) (int, error) {
+	text := v
+	if len(v) == 3 && strings.HasSuffix(v, "xx") {
+		text = v[:1]
+	}
+	n, err := strconv.Atoi(text)
+	if err != nil || len(text) == 3 && (n < 100 || n > 599) || len(text) == 1 && (n < 1 || n > 5) || len(text) != 1 && len(text) != 3 {
+		return 0, fmt.Errorf("charge_status '%s': want a status code (100 to 599) or a class (2xx)", v)
+	}
+	return n, nil
+}
+
+// checkMaxDebt judges max_debt alone; maxDebtFor bounds it by the rate.
+func checkMaxDebt(n *int64) error {
+	if n != nil && (*n < 0 || *n > maxExactTokens) {
+		return fmt.Errorf("max_debt '%d': want a whole number of tokens from 0 to 2^53", *n)
+	}
+	return nil
+}
+
+// checkMaxBody judges max_body: in JSON 0 stands for the default.
+func checkMaxBody(n int64) error {
+	if n < 0 {
+		return fmt.Errorf("max_body '%d': want a size in bytes, 1 or more", n)
+	}
+	return nil
+}
+
+// parseSize reads a size: bytes, or a number with a unit (B, KB, KiB,
+// MB, MiB, GB, GiB), such as `1MiB`.
+func parseSize(v string) (int64, error) {
+	end := len(v)
+	for end > 0 && (v[end-1] < '0' || v[end-1] > '9') {
+		end--
+	}
+	n, err := strconv.ParseInt(v[:end], 10, 64)
+	unit := map[string]int64{"": 1, "b": 1, "kb": 1e3, "kib": 1 << 10, "mb": 1e6, "mib": 1 << 20, "gb": 1e9, "gib": 1 << 30}[strings.ToLower(v[end:])]
+	if err != nil || n < 1 || unit == 0 || n > math.MaxInt64/unit {
+		return 0, fmt.Errorf("max_body '%s': want a size such as 1MiB, 512KiB or 65536 (bytes)", v)
+	}
+	return n * unit, nil
+}
+
+// checkCharging judges the charging subdirectives together, for the
+// parser at the end of the directive and for Validate: max_debt and
+// max_body only mean something with what they apply to, a handler's
+// JSON paths are bounded, and a debt must be paid back within a year.
+func (h *Handler) checkCharging() error {
+	for _, err := range []error{checkCharge(h.Charge), checkChargeStatus(h.ChargeStatus), checkMaxDebt(h.MaxDebt), checkMaxBody(h.MaxBody)} {
+		if err != nil {
+			return err
+		}
+	}
+	configs, named := h.Limits, len(h.Limits) > 0
+	if !named {
+		configs = ownLimit
+	}
+	paths, headers := map[string]bool{}, map[string]bool{}
+	charges, readsBody := false, false
+	for _, c := range configs {
+		err := errors.Join(checkCharge(c.Charge), checkChargeStatus(c.ChargeStatus), checkMaxDebt(c.MaxDebt))
+		charge, statuses, maxDebt := h.chargeOf(c)
+		if err == nil && maxDebt != nil && charge == nil && statuses == nil {
+			err = fmt.Errorf("max_debt '%d': nothing can run into debt without charge or charge_status; add one, or remove max_debt", *maxDebt)
+		}
+		if err == nil && maxDebt != nil {
+			if rate, perr := parseRate(string(or(unset(c.ReplenishRate), unset(h.ReplenishRate)))); perr == nil && float64(*maxDebt)/rate > maxFillSeconds {
+				err = fmt.Errorf("max_debt '%d': a debt that large takes more than a year to pay back at replenish_rate '%v'; lower it to at most %d",
+					*maxDebt, rate, int64(rate*maxFillSeconds))
+			}
+		}
+		if err != nil {
+			if named {
+				return fmt.Errorf("limit %s: %w", c.Name, err)
+			}
+			return err
+		}
+		charges = charges || charge != nil || statuses != nil
+		if charge != nil {
+			for _, p := range charge.JSON {
+				paths[p] = true
+				readsBody = true
+			}
+			if charge.Header != "" {
+				headers[http.CanonicalHeaderKey(charge.Header)] = true
+			}
+		}
+	}
+	switch {
+	case len(headers) > maxCostHeaders:
+		return fmt.Errorf("charge header: %d headers in one handler, more than %d", len(headers), maxCostHeaders)
+	case len(paths) > maxScanPaths:
+		return fmt.Errorf("charge json: %d paths in one handler, more than %d; sum fewer", len(paths), maxScanPaths)
+	case h.MaxBody != 0 && !readsBody:
+		return fmt.Errorf("max_body '%d': only a 'charge json' source reads the body; add one, or remove max_body", h.MaxBody)
+	case h.MaxDebt != nil && !charges:
+		return fmt.Errorf("max_debt '%d': nothing can run into debt without charge or charge_status; add one, or remove max_debt", *h.MaxDebt)
+	}
+	return nil
+}
+
+// chargeOf is how a limit charges: its own charge, charge_status and
+// max_debt, else the handler's.
+func (h *Handler) chargeOf(c Limit) (*Charge, []int, *int64) {
+	charge, statuses, maxDebt := c.Charge, c.ChargeStatus, c.MaxDebt
+	if charge == nil {
+		charge = h.Charge
+	}
+	if statuses == nil {
+		statuses = h.ChargeStatus
+	}
+	if maxDebt == nil {
+		maxDebt = h.MaxDebt
+	}
+	return charge, statuses, maxDebt
+}
+
+// chargeRule is how one limit charges, ready for requests.
+type chargeRule struct {
+	header      string // canonical, for charge header
+	headerIndex int    // its index in the handler's charging.headers
+	paths       uint16 // for charge json: bits of the handler's scan paths
+	placeholder string
+	statuses    []int // empty: every status
+	// maxDebt is max_debt; -1 when it is the bucket's burst. maxArg is it
+	// as the script's argument, boxed once (when set).
+	maxDebt int64
+	maxArg  any
+	// chargedKey is the limit's own placeholder,
+	// http.rate_limit.charged.<name>; empty for a handler without limits.
+	chargedKey string
+}
+
+// charging is what a handler needs to charge responses, when some limit
+// charges.
+type charging struct {
+	headers []string  // every cost header its limits read, canonical
+	paths   scanPaths // every JSON path its limits read
+	maxBody int64
+	first   *limit       // its first charging limit, which {http.rate_limit.charged} shows
+	warns   *logThrottle // costs that could not be read: a line per 10 s
+}
+
+// setUpCharging makes each limit's charge rule and the handler's
+// charging, when some limit charges (h.charging stays nil otherwise).
+func (h *Handler) setUpCharging() error {
+	configs := h.Limits
+	if len(configs) == 0 {
+		configs = ownLimit
+	}
+	c := &charging{maxBody: h.MaxBody, warns: &logThrottle{every: 10 * time.Second}}
+	if c.maxBody == 0 {
+		c.maxBody = defaultMaxBody
+	}
+	for i, config := range configs {
+		charge, statuses, maxDebt := h.chargeOf(config)
+		if charge == nil && statuses == nil {
+			continue
+		}
+		l := h.limits[i]
+		rule := &chargeRule{statuses: statuses, maxDebt: -1}
+		if maxDebt != nil {
+			rule.maxDebt, rule.maxArg = *maxDebt, strconv.FormatInt(*maxDebt, 10)
+		}
+		if l.name != "" {
+			rule.chargedKey = "http.rate_limit.charged." + l.name
+		}
+		if charge != nil {
+			if charge.Header != "" {
+				rule.header = http.CanonicalHeaderKey(charge.Header)
+				rule.headerIndex = slices.Index(c.headers, rule.header)
+				if rule.headerIndex < 0 {
+					rule.headerIndex = len(c.headers)
+					c.headers = append(c.headers, rule.header)
+				}
+			}
+			rule.placeholder = charge.Placeholder
+			for _, p := range charge.JSON {
+				bit, err := c.paths.add(p)
+				if err != nil {
+					return err
+				}
+				rule.paths |= bit
+			}
+		}
+		l.charge = rule
+		if c.first == nil {
+			c.first = l
+		}
+	}
+	if c.first != nil {
+		h.charging = c
+	}
+	return nil
+}
+
+// maxDebtFor is how far below zero a bucket with values v may go: its
+// max_debt, or its burst; never more than a year's refill, so a debt is
+// always paid back within what Retry-After can say.
+func (r *chargeRule) maxDebtFor(v limitValues) int64 {
+	debt := r.maxDebt
+	if debt < 0 {
+		debt = v.burst
+	}
+	return min(debt, int64(v.rate*maxFillSeconds))
+}
+
+// maxDebtArg is maxDebtFor as the settle script's argument: boxed once
+// when it is max_debt or the burst (whose argument the bucket has).
+func (r *chargeRule) maxDebtArg(b *bucket) any {
+	switch debt := r.maxDebtFor(b.values); {
+	case debt == r.maxDebt:
+		return r.maxArg
+	case debt == b.values.burst:
+		return b.args[1]
+	default:
+		return strconv.FormatInt(debt, 10)
+	}
+}
+
+// resultChargeMissing is {http.rate_limit.result} once a response's cost
+// could not be read, boxed once.
+var resultChargeMissing any = "charge_missing"
+
+// serveCharged serves an admitted request whose limits charge by the
+// response: through a writer that watches the response, then settles.
+// local says the reservation was taken from on_error local's buckets.
+func (h *Handler) serveCharged(w http.ResponseWriter, r *http.Request, next caddyhttp.Handler, repl *caddy.Replacer,
+	buckets []bucket, local bool) error {
+
+	cw := newChargeWriter(w, h.charging)
+	served := false
+	defer func() {
+		if !served { // a handler that aborts the response panics (reverse_proxy, when the client left mid-stream)
+			h.settleResponse(cw, errAborted, repl, buckets, local)
+		}
+	}()
+	err := next.ServeHTTP(cw, r)
+	served = true
+	h.settleResponse(cw, err, repl, buckets, local)
+	return err
+}
+
+// errAborted stands for the error of a handler that panicked.
+var errAborted = errors.New("the response was aborted")
+
+// settling is one bucket's settlement: the bucket's index in the
+// request's buckets (an index, not a pointer, so that they stay on the
+// stack), its cost, and the difference from its reservation.
+type settling struct {
+	bucket int
+	cost   int64
+	diff   int64
+}
+
+// settleResponse charges each charging bucket of a served request what
+// its response cost, sets the placeholders, and settles the differences
+// from the reservations: in the process at once, or in Redis after the
+// response (off the request path: nothing waits for it).
+func (h *Handler) settleResponse(cw *chargeWriter, err error, repl *caddy.Replacer, buckets []bucket, local bool) {
+	status := cw.finalStatus(err)
+	var inline [maxInlineBuckets]settling
+	items := inline[:0]
+	for i := range buckets {
+		b := &buckets[i]
+		rule := b.limit.charge
+		if rule == nil {
+			continue
+		}
+		reserved := b.values.requested
+		cost, why := rule.costOf(status, cw, repl, reserved)
+		if why != "" {
+			h.warnChargeMissing(b.limit, why)
+			repl.Set("http.rate_limit.result", resultChargeMissing)
+		}
+		if b.limit == h.charging.first {
+			repl.Set("http.rate_limit.charged", cost)
+		}
+		if rule.chargedKey != "" {
+			repl.Set(rule.chargedKey, cost)
+		}
+		items = append(items, settling{bucket: i, cost: cost, diff: cost - reserved})
+	}
+	var store *memoryStore
+	switch {
+	case local:
+		store = h.local
+	case h.memory != nil:
+		store = h.memory
+	}
+	unsettled := items[:0]
+	for _, it := range items {
+		if it.diff == 0 {
+			h.countCharged(buckets[it.bucket].limit, float64(it.cost), 0)
+		} else {
+			unsettled = append(unsettled, it)
+		}
+	}
+	switch {
+	case len(unsettled) == 0:
+	case store != nil:
+		h.settleInProcess(store, buckets, unsettled)
+	default:
+		h.settleInRedis(buckets, unsettled)
+	}
+}
+
+// costOf is what a response with status costs a limit whose reservation
+// was reserved: nothing when its status is not charged, else what the
+// source says, or the reservation without a source. why says why the
+// source could not be read (the reservation is the cost then).
+func (r *chargeRule) costOf(status int, cw *chargeWriter, repl *caddy.Replacer, reserved int64) (cost int64, why string) {
+	if len(r.statuses) > 0 {
+		charged := false
+		for _, s := range r.statuses {
+			charged = charged || caddyhttp.StatusCodeMatches(status, s)
+		}
+		if !charged {
+			return 0, ""
+		}
+	}
+	switch {
+	case r.header != "":
+		value, ok := cw.costHeader(r)
+		if !ok {
+			return reserved, "no " + r.header + " header"
+		}
+		cost, why = parseCost(value)
+		if why != "" {
+			why = "header " + r.header + " " + why
+		}
+	case r.placeholder != "":
+		cost, why = parseCost(repl.ReplaceAll(r.placeholder, ""))
+		if why != "" {
+			why = "placeholder " + r.placeholder + " " + why
+		}
+	case r.paths != 0:
+		var sum float64
+		sum, why = cw.scanned(r.paths)
+		if why == "" {
+			cost = ceilTokens(sum)
+		}
+	default:
+		return reserved, ""
+	}
+	if why != "" {
+		return reserved, why
+	}
+	return cost, ""
+}
+
+// parseCost reads a cost: a number of tokens, not negative, rounded up.
+func parseCost(text string) (int64, string) {
+	v, err := strconv.ParseFloat(strings.TrimSpace(text), 64)
+	switch {
+	case err != nil || math.IsNaN(v) || math.IsInf(v, 0):
+		return 0, fmt.Sprintf("'%s' is not a number", cutShort(text))
+	case v < 0:
+		return 0, fmt.Sprintf("'%s' is negative", cutShort(text))
+	}
+	return ceilTokens(v), ""
+}
+
+// ceilTokens rounds a cost up to whole tokens, at most 2^53.
+func ceilTokens(v float64) int64 {
+	return int64(math.Min(math.Ceil(v), maxExactTokens))
+}
+
+// cutShort cuts a value from a response to what a log line quotes.
+func cutShort(s string) string {
+	if len(s) <= chargeValueShow {
+		return s
+	}
+	return s[:chargeValueShow] + "..."
+}
+
+// warnChargeMissing logs, throttled, that a response's cost could not be
+// read.
+func (h *Handler) warnChargeMissing(l *limit, why string) {
+	if ok, suppressed := h.charging.warns.allow(); ok {
+		fields := []zap.Field{zap.String("zone", h.Zone), zap.String("reason", why), suppressedField(suppressed)}
+		if l.name != "" {
+			fields = append(fields, zap.String("limit", l.name))
+		}
+		h.logger.Warn("the cost of a response could not be read; it is charged its reservation", fields...)
+	}
+}
+
+// countCharged counts what a limit charged and forgave, in tokens.
+func (h *Handler) countCharged(l *limit, charged, forgiven float64) {
+	if h.metrics == nil {
+		return
+	}
+	h.metrics.charged[l.index].Add(charged)
+	if forgiven > 0 {
+		h.metrics.forgiven[l.index].Add(forgiven)
+	}
+}
+
+// settleBucket is settle.lua for one bucket at t (microseconds): refill
+// by the time elapsed, then take diff tokens (diff > 0), leaving the
+// bucket no lower than -maxDebt and never raising it, or give -diff back,
+// capped at the burst. forgiven is what the take could not take. Every
+// step is the script's, in the same order, so both agree to the bit
+// (TestSettleScriptAgreesWithMemoryStore).
+func settleBucket(state memoryBucket, t int64, v limitValues, diff, maxDebt int64) (after memoryBucket, forgiven float64) {
+	tokens := refill(state, t, v)
+	var left float64
+	if diff < 0 {
+		left = math.Min(float64(v.burst), tokens-float64(diff))
+	} else {
+		left = tokens - float64(diff)
+		if floor := math.Min(tokens, -float64(maxDebt)); left < floor {
+			forgiven = floor - left
+			left = floor
+		}
+	}
+	ttl := math.Max(1000, math.Ceil((float64(v.burst)-left)*1000/v.rate)) // milliseconds, as the key's TTL
+	return memoryBucket{tokens: left, at: t, expires: t + int64(ttl)*1000}, forgiven
+}
+
+// settleInProcess settles in the memory store (store memory, or the
+// buckets of on_error local), at once: no I/O. A bucket that is gone
+// (swept) is full, as an expired key; one that a take would bring back
+// while the store is full cannot be, and its settlement is lost.
+func (h *Handler) settleInProcess(s *memoryStore, buckets []bucket, items []settling) {
+	var inlineKeys [maxInlineBuckets]string
+	var inlineShards [maxInlineBuckets]int
+	keys := inlineKeys[:0]
+	for _, it := range items {
+		keys = append(keys, s.storedKey(buckets[it.bucket].key))
+	}
+	shards := s.lock(keys, inlineShards[:0])
+	defer s.unlock(shards)
+	t := memoryNow(time.Now())
+	for i, it := range items {
+		b := &buckets[it.bucket]
+		shard := s.shardIndex(keys[i])
+		stored := s.shards[shard].buckets[keys[i]]
+		state, ok := held(stored)
+		current, at := currentState(state, ok, t, b.values)
+		after, forgiven := settleBucket(current, at, b.values, it.diff, b.limit.charge.maxDebtFor(b.values))
+		switch {
+		case !ok && after.tokens >= float64(b.values.burst):
+			// A full bucket needs no entry.
+		case !ok && !s.reserve(1):
+			h.countSettleFailure(buckets, items[i:i+1], errMemoryFull)
+			continue
+		default:
+			s.put(shard, keys[i], stored, after)
+		}
+		h.countCharged(b.limit, float64(it.cost)-forgiven, forgiven)
+	}
+}
+
+// settleCall is one settlement call on its way to Redis (a request's
+// buckets, or on a Cluster those of one slot group) and what each of its
+// buckets charged, read when Redis answers. Pooled, with its call: a
+// settlement costs no goroutine and no allocation of its own.
+type settleCall struct {
+	h      *Handler
+	items  []settlement
+	inline [maxInlineBuckets]settlement
+}
+
+var settleCalls = sync.Pool{New: func() any {
+	s := new(settleCall)
+	s.items = s.inline[:0]
+	return s
+}}
+
+// settlement is one bucket's part of a settleCall.
+type settlement struct {
+	limit          *limit
+	cost, reserved int64
+	diff           int64
+}
+
+// settleInRedis queues the settlement of a request's buckets, one script
+// call for all of them (one per slot group on a Cluster), before the
+// request returns, so that it precedes the client's next request in the
+// queue; what Redis answers is read by the batcher's worker (takeAnswer),
+// off the request path. A call is sent at most once: one lost to a
+// failure is counted and logged, and the reservation stands.
+func (h *Handler) settleInRedis(buckets []bucket, items []settling) {
+	groups := 1
+	if h.groups != nil {
+		groups = len(h.groups)
+	}
+	now := time.Now()
+	var inline [maxInlineBuckets]settling
+	for g := range groups {
+		group := inline[:0]
+		for _, it := range items {
+			if h.groups == nil || buckets[it.bucket].limit.group == g {
+				group = append(group, it)
+			}
+		}
+		if len(group) == 0 {
+			continue
+		}
+		s := settleCalls.Get().(*settleCall)
+		s.h = h
+		c := calls.Get().(*call)
+		c.args = append(c.args, "evalsha", settleScript.sha, keyCountArg(len(group)))
+		for _, it := range group {
+			c.keys = append(c.keys, buckets[it.bucket].key)
+		}
+		for i := range c.keys {
+			c.args = append(c.args, &c.keys[i])
+		}
+		for _, it := range group {
+			b := &buckets[it.bucket]
+			c.args = append(c.args, b.args[0], b.args[1], diffArg(it.diff), b.limit.charge.maxDebtArg(b))
+			s.items = append(s.items, settlement{limit: b.limit, cost: it.cost, reserved: b.values.requested, diff: it.diff})
+		}
+		c.script, c.clientCtx, c.then = settleScript, context.Background(), s // sent even when the client has left
+		if err := h.limiter.enqueue(c, now); err != nil {
+			c.err = err
+			s.takeAnswer(c)
+		}
+	}
+}
+
+// keyCountArg is a call's number of keys as its argument.
+func keyCountArg(n int) any {
+	if n < len(keyCounts) {
+		return keyCounts[n]
+	}
+	return strconv.Itoa(n)
+}
+
+// smallDiffs are the differences of -512 to 511 as script arguments,
+// boxed once.
+var smallDiffs = func() (v [1024]any) {
+	for i := range v {
+		v[i] = strconv.Itoa(i - 512)
+	}
+	return v
+}()
+
+func diffArg(diff int64) any {
+	if diff >= -512 && diff < 512 {
+		return smallDiffs[diff+512]
+	}
+	return strconv.FormatInt(diff, 10)
+}
+
+// takeAnswer reads what Redis answered to a settlement call, in the
+// batcher's worker: it counts what was charged and forgiven, and
+// releases the call and itself.
+func (s *settleCall) takeAnswer(c *call) {
+	h := s.h
+	err := c.err
+	if err == nil && len(c.reply) != 2*len(s.items) {
+		err = fmt.Errorf("unexpected settle reply %v", c.reply)
+	}
+	if err != nil {
+		h.countSettleFailure(nil, nil, err)
+		for _, it := range s.items {
+			h.countCharged(it.limit, float64(it.reserved), 0)
+		}
+	} else {
+		gaveBack, unsettled := false, false
+		for i, it := range s.items {
+			if c.reply[2*i] < 0 { // its key holds another type, or the write was refused
+				unsettled = true
+				h.countCharged(it.limit, float64(it.reserved), 0)
+				continue
+			}
+			forgiven := float64(c.reply[2*i]) + float64(c.reply[2*i+1])/1e6
+			h.countCharged(it.limit, float64(it.cost)-forgiven, forgiven)
+			gaveBack = gaveBack || it.diff < 0
+		}
+		if unsettled {
+			h.countSettleFailure(nil, nil, errUnsettled)
+		}
+		if gaveBack && h.useDenyCache {
+			// Tokens came back sooner than time alone would bring them: a
+			// cached denial of these buckets would refuse what now fits.
+			h.denied.forget(c.keys...)
+		}
+	}
+	c.release()
+	clear(s.items)
+	s.h, s.items = nil, s.items[:0]
+	settleCalls.Put(s)
+}
+
+// mergeSettlements joins the settlement calls of a batch into one script
+// call, on one Redis server (not a Cluster, where the keys of one call
+// must share a slot): settle.lua settles each bucket on its own, so one
+// call does for all of them what one call each would, at less cost to
+// Redis and this instance (make bench, charge@64: scripts/req 2.00 ->
+// 1.05, Redis µs per request 15.6 -> 13.6; BenchmarkServeHTTPCharged 15
+// -> 13 allocs). Each settlement gets its part of the answer; the
+// node's breaker counts them as one call.
+func (l *limiter) mergeSettlements(send []*call) []*call {
+	if l.cluster != nil {
+		return send
+	}
+	n := 0
+	for _, c := range send {
+		if c.script == settleScript && c.then != nil {
+			n++
+		}
+	}
+	if n < 2 {
+		return send
+	}
+	merge := settleMerges.Get().(*settleMerge)
+	m := calls.Get().(*call)
+	kept := send[:0]
+	for _, c := range send {
+		if c.script != settleScript || c.then == nil {
+			kept = append(kept, c)
+			continue
+		}
+		merge.parts = append(merge.parts, c)
+		m.keys = append(m.keys, c.keys...)
+	}
+	m.args = append(m.args, "evalsha", settleScript.sha, keyCountArg(len(m.keys)))
+	for i := range m.keys {
+		m.args = append(m.args, &m.keys[i])
+	}
+	for _, c := range merge.parts {
+		m.args = append(m.args, c.args[3+len(c.keys):]...)
+	}
+	first := merge.parts[0]
+	m.script, m.clientCtx, m.breaker, m.deadline, m.then = settleScript, first.clientCtx, first.breaker, first.deadline, merge
+	return append(kept, m)
+}
+
+// settleMerge is the settlements that one merged call sends (pooled).
+type settleMerge struct{ parts []*call }
+
+var settleMerges = sync.Pool{New: func() any { return new(settleMerge) }}
+
+// takeAnswer hands each settlement its part of the merged call's answer.
+func (m *settleMerge) takeAnswer(c *call) {
+	off := 0
+	for _, p := range m.parts {
+		n := 2 * len(p.keys)
+		switch p.err = c.err; {
+		case c.err != nil:
+		case off+n > len(c.reply):
+			p.err = fmt.Errorf("unexpected settle reply %v", c.reply)
+		default:
+			p.reply = append(p.reply[:0], c.reply[off:off+n]...)
+		}
+		off += n
+		p.answer()
+	}
+	c.release()
+	clear(m.parts)
+	m.parts = m.parts[:0]
+	settleMerges.Put(m)
+}
+
+// errUnsettled is a bucket that settle.lua could not settle.
+var errUnsettled = errors.New("a bucket was not settled: its key holds another type, or Redis refused the write")
+
+// countSettleFailure counts settlements lost, and logs (throttled) why:
+// the reservations of their buckets stand. items, when given, are
+// counted as charged their reservations.
+func (h *Handler) countSettleFailure(buckets []bucket, items []settling, err error) {
+	for _, it := range items {
+		b := &buckets[it.bucket]
+		h.countCharged(b.limit, float64(b.values.requested), 0)
+	}
+	if h.metrics != nil {
+		h.metrics.settleFailures.Inc()
+	}
+	if err == errBreakerOpen {
+		return // logged when the breaker opened
+	}
+	if ok, suppressed := h.redisWarns.allow(); ok {
+		h.logger.Warn("settling a response's cost failed; its reservation stands, and the settlement is not sent again",
+			zap.String("zone", h.Zone), zap.Error(err), suppressedField(suppressed))
+	}
+}
+
+// chargeCounters are a zone's charging series, by limit index (nil for a
+// limit that does not charge).
+func chargeCounters(zone string, limits []*limit) (charged, forgiven []prometheus.Counter, failures prometheus.Counter) {
+	charged, forgiven = make([]prometheus.Counter, len(limits)), make([]prometheus.Counter, len(limits))
+	charges := false
+	for i, l := range limits {
+		if l.charge != nil {
+			charged[i] = collectors.charged.WithLabelValues(zone, l.name)
+			forgiven[i] = collectors.forgiven.WithLabelValues(zone, l.name)
+			charges = true
+		}
+	}
+	if charges {
+		failures = collectors.settleFailures.WithLabelValues(zone)
+	}
+	return charged, forgiven, failures
+}

@@ -1,0 +1,304 @@
+package ratelimit
+
+import (
+	"bufio"
+	"bytes"
+	"context"
+	"fmt"
+	"io"
+	"net"
+	"runtime"
+	"strconv"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/caddy-redis/ratelimit/internal/redistest"
+	"github.com/redis/go-redis/v9"
+)
+
+// publishNewlines publishes n newlines on channel, written to the socket
+// in pieces, so that the test holds none of the message in memory.
+func publishNewlines(t *testing.T, addr, channel string, n int) {
+	t.Helper()
+	conn, err := net.Dial("tcp", addr)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close()
+	if _, err := fmt.Fprintf(conn, "*3\r\n$7\r\nPUBLISH\r\n$%d\r\n%s\r\n$%d\r\n", len(channel), channel, n); err != nil {
+		t.Fatal(err)
+	}
+	piece := bytes.Repeat([]byte{'\n'}, 64<<10)
+	for left := n; left > 0; left -= len(piece) {
+		if _, err := conn.Write(piece[:min(left, len(piece))]); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if _, err := conn.Write([]byte("\r\n")); err != nil {
+		t.Fatal(err)
+	}
+	reply, err := bufio.NewReader(conn).ReadString('\n')
+	if err != nil || !strings.HasPrefix(reply, ":") {
+		t.Fatalf("PUBLISH of %d bytes: %q %v", n, reply, err)
+	}
+}
+
+// waitSubscribed waits until an instance listens on the reset channel of
+// the Redis that rdb reaches: a reset published before is not heard.
+func waitSubscribed(t *testing.T, rdb *redis.Client) {
+	t.Helper()
+	eventually(t, 5*time.Second, "subscribed to the reset channel", func() bool {
+		n, err := rdb.PubSubNumSub(context.Background(), defaultKeyPrefix+"reset").Result()
+		return err == nil && n[defaultKeyPrefix+"reset"] > 0
+	})
+}
+
+// denyAndCache empties key's bucket (burst 1) and has its denial cached.
+func denyAndCache(t *testing.T, h *Handler, key string) {
+	t.Helper()
+	for i, want := range []int{200, 429} {
+		if status, _, _ := hit(h, key); status != want {
+			t.Fatalf("key %s request %d: %d, want %d", key, i+1, status, want)
+		}
+	}
+}
+
+// resetAndWait resets key's bucket as the admin API does (DEL, then
+// PUBLISH on the reset channel) and waits until h admits key again: the
+// message, and every one published before it, has been handled.
+func resetAndWait(t *testing.T, h *Handler, key string) time.Duration {
+	t.Helper()
+	if err := h.limiter.reset(context.Background(), []string{h.limits[0].keyPrefix + key}); err != nil {
+		t.Fatal(err)
+	}
+	return eventually(t, 10*time.Second, "the reset of "+key+" is applied", func() bool {
+		status, _, _ := hit(h, key)
+		return status == 200
+	})
+}
+
+// TestResetFloodDoesNotStallRequests publishes 24 MiB of newlines on the
+// reset channel, as anyone who can PUBLISH to the Redis may: 24 million
+// empty keys. Requests answered from the deny cache meanwhile wait no
+// longer than a bad moment of a shared machine (a few ms as a rule; the
+// bound allows for a loaded one): before messages were bounded, such a
+// message held the cache's lock for 0.8 s, 1.8 s with -race. Handling it
+// allocates no more than a few MiB (it took 409 MiB).
+func TestResetFloodDoesNotStallRequests(t *testing.T) {
+	const (
+		flood      = 24 << 20
+		workers    = 4
+		maxLatency = 300 * time.Millisecond
+		maxAlloc   = 8 << 20
+	)
+	srv := redistest.Start(t)
+	h := caddyfileHandler(t, fmt.Sprintf("rate_limit 0.01 1 {\n\tzone resetflood\n\tkey {http.request.header.X-Key}\n\tredis %s\n}", srv.Addr))
+	channel := defaultKeyPrefix + "reset"
+	waitSubscribed(t, srv.Client(t))
+	for w := range workers {
+		denyAndCache(t, h, "d"+strconv.Itoa(w))
+	}
+	denyAndCache(t, h, "probe")
+
+	// Requests flow, each denied from the cache, while the flood arrives.
+	var (
+		stop    atomic.Bool
+		slowest atomic.Int64
+		sent    atomic.Int64
+		wg      sync.WaitGroup
+	)
+	for w := range workers {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			key := "d" + strconv.Itoa(w)
+			for !stop.Load() {
+				status, _, took := hit(h, key)
+				if status != 429 {
+					t.Errorf("key %s: %d, want 429 from the deny cache", key, status)
+					return
+				}
+				sent.Add(1)
+				for old := slowest.Load(); int64(took) > old && !slowest.CompareAndSwap(old, int64(took)); old = slowest.Load() {
+				}
+				time.Sleep(100 * time.Microsecond)
+			}
+		}()
+	}
+	time.Sleep(200 * time.Millisecond)
+	before := time.Duration(slowest.Swap(0))
+	publishNewlines(t, srv.Addr, channel, flood)
+	handled := resetAndWait(t, h, "probe")
+	stop.Store(true)
+	wg.Wait()
+	during := time.Duration(slowest.Load())
+	t.Logf("%d requests; slowest %v before the flood, %v while it was published and handled (the reset behind it applied %v after)",
+		sent.Load(), before.Round(time.Microsecond), during.Round(time.Microsecond), handled.Round(time.Millisecond))
+	if during > maxLatency {
+		t.Errorf("a request waited %v while the flood was handled, more than %v", during, maxLatency)
+	}
+	if n := h.limiter.resetSub.tooLarge.Load(); n != 1 {
+		t.Errorf("%d messages counted as too large, want 1", n)
+	}
+
+	// Memory, without the requests' own allocations: a second flood.
+	denyAndCache(t, h, "probe2")
+	var m0, m1 runtime.MemStats
+	runtime.ReadMemStats(&m0)
+	publishNewlines(t, srv.Addr, channel, flood)
+	resetAndWait(t, h, "probe2")
+	runtime.ReadMemStats(&m1)
+	alloc := m1.TotalAlloc - m0.TotalAlloc
+	t.Logf("a %d MiB message and a reset took %.2f MiB of allocations", flood>>20, float64(alloc)/(1<<20))
+	if alloc > maxAlloc {
+		t.Errorf("handling a %d MiB message allocated %.1f MiB, more than %d MiB", flood>>20, float64(alloc)/(1<<20), maxAlloc>>20)
+	}
+}
+
+// TestResetOfForeignKeysIsIgnored publishes keys without the instance's
+// key prefix: they are counted and touch no cached denial, while the
+// instance's own keys in the same message are reset.
+func TestResetOfForeignKeysIsIgnored(t *testing.T) {
+	srv := redistest.Start(t)
+	h := caddyfileHandler(t, fmt.Sprintf("rate_limit 0.01 1 {\n\tzone resetforeign\n\tkey {http.request.header.X-Key}\n\tredis %s\n}", srv.Addr))
+	waitSubscribed(t, srv.Client(t))
+	denyAndCache(t, h, "mine")
+	mine := h.limits[0].keyPrefix + "mine"
+	if err := srv.Client(t).Del(context.Background(), mine).Err(); err != nil {
+		t.Fatal(err)
+	}
+	msg := "other:" + mine + "\n" + mine + "\nother:x"
+	if err := srv.Client(t).Publish(context.Background(), defaultKeyPrefix+"reset", msg).Err(); err != nil {
+		t.Fatal(err)
+	}
+	eventually(t, 5*time.Second, "the instance's key is reset", func() bool {
+		status, _, _ := hit(h, "mine")
+		return status == 200
+	})
+	if n := h.limiter.resetSub.foreign.Load(); n != 2 {
+		t.Errorf("%d foreign keys counted, want 2", n)
+	}
+}
+
+// TestDeadResetSubscriptionDropsCachedDenials: a reset published while
+// an instance's subscription is dead never reaches it. Each way the
+// connection can die, the instance notices, subscribes again and drops
+// every cached denial, since any of them may have been reset meanwhile:
+// the client is admitted again within seconds, not after the Retry-After
+// (100 s) its cached denial held.
+func TestDeadResetSubscriptionDropsCachedDenials(t *testing.T) {
+	for _, c := range []struct {
+		name string
+		kill func(t *testing.T, srv *redistest.Server, proxy *redisProxy)
+	}{
+		{"closed by Redis", func(t *testing.T, srv *redistest.Server, _ *redisProxy) {
+			// As when a subscriber's output buffer overflows.
+			if err := srv.Client(t).Do(context.Background(), "CLIENT", "KILL", "TYPE", "pubsub").Err(); err != nil {
+				t.Fatal(err)
+			}
+		}},
+		{"silent", func(t *testing.T, _ *redistest.Server, proxy *redisProxy) {
+			// A peer that vanished: writes succeed, nothing comes back.
+			proxy.blackholeOpen()
+		}},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			srv := redistest.Start(t)
+			proxy := startRedisProxy(t, srv.Addr)
+			h := caddyfileHandler(t, fmt.Sprintf("rate_limit 0.01 1 {\n\tzone deadsub\n\tkey {http.request.header.X-Key}\n\tredis %s\n}", proxy.addr))
+			rdb := srv.Client(t)
+			waitSubscribed(t, rdb)
+			denyAndCache(t, h, "x")
+			calls := scriptCalls(t, rdb)
+			if status, _, _ := hit(h, "x"); status != 429 || scriptCalls(t, rdb) != calls {
+				t.Fatalf("x: %d, want 429 from the deny cache", status)
+			}
+
+			c.kill(t, srv, proxy)
+			// Another instance resets x now; this one cannot hear it.
+			ctx := context.Background()
+			if err := rdb.Del(ctx, h.limits[0].keyPrefix+"x").Err(); err != nil {
+				t.Fatal(err)
+			}
+			if err := rdb.Publish(ctx, defaultKeyPrefix+"reset", h.limits[0].keyPrefix+"x").Err(); err != nil {
+				t.Fatal(err)
+			}
+			took := eventually(t, 10*time.Second, "x admitted again", func() bool {
+				status, remaining, _ := hit(h, "x")
+				return status == 200 && remaining == "0" // by Redis, not on_error
+			})
+			t.Logf("x admitted %v after the subscription died", took.Round(time.Millisecond))
+		})
+	}
+}
+
+// chunkedConn is a connection whose reads return data in pieces of the
+// given sizes, in turn.
+type chunkedConn struct {
+	net.Conn
+	data   []byte
+	pieces []int
+	i      int
+}
+
+func (c *chunkedConn) Read(p []byte) (int, error) {
+	if len(c.data) == 0 {
+		return 0, io.EOF
+	}
+	n := copy(p, c.data[:min(len(c.data), c.pieces[c.i%len(c.pieces)])])
+	c.data, c.i = c.data[n:], c.i+1
+	return n, nil
+}
+
+// TestResetsConnDropsOversizedBulkStrings reads a RESP2 and RESP3 stream
+// (a handshake's map, messages small and large, a null, a pong, an
+// error) through the subscription's filter, in pieces of every size from
+// a byte on, both on the wire and as asked: it comes out unchanged but
+// for the message over maxResetMessage, which is the stand-in.
+func TestResetsConnDropsOversizedBulkStrings(t *testing.T) {
+	bulk := func(s string) string { return "$" + strconv.Itoa(len(s)) + "\r\n" + s + "\r\n" }
+	big := strings.Repeat("\n", maxResetMessage+1)
+	fits := strings.Repeat("k", maxResetMessage)
+	head := "%2\r\n" + bulk("server") + bulk("redis") + bulk("proto") + ":3\r\n" + // HELLO 3
+		">3\r\n" + bulk("subscribe") + bulk("rate_limit:reset") + ":1\r\n" +
+		">3\r\n" + bulk("message") + bulk("rate_limit:reset") + bulk("rate_limit:a\nrate_limit:b") +
+		"*3\r\n" + bulk("message") + bulk("rate_limit:reset") + bulk(fits) +
+		">3\r\n" + bulk("message") + bulk("rate_limit:reset")
+	tail := ">3\r\n" + bulk("message") + bulk("rate_limit:reset") + "$-1\r\n" +
+		"+PONG\r\n" + "-ERR wrong\r\n" + "=8\r\ntxt:1234\r\n" + "_\r\n"
+	in := head + bulk(big) + tail
+	want := head + string(oversizedBulk) + tail
+	for _, wire := range []int{1, 2, 7, 4096, 1 << 20} {
+		for _, ask := range []int{1, 3, 64, 32 << 10} {
+			sub := &resetSubscription{}
+			c := &resetsConn{Conn: &chunkedConn{data: []byte(in), pieces: []int{wire, wire + 1}}, sub: sub}
+			var out bytes.Buffer
+			buf := make([]byte, ask)
+			for {
+				n, err := c.Read(buf)
+				out.Write(buf[:n])
+				if err == io.EOF {
+					break
+				}
+				if err != nil {
+					t.Fatalf("wire %d, reads of %d: %v", wire, ask, err)
+				}
+			}
+			if got := out.String(); got != want {
+				t.Fatalf("wire %d, reads of %d: %d bytes out, want %d:\n%.200q", wire, ask, len(got), len(want), got)
+			}
+			if sub.tooLarge.Load() != 1 || sub.lastSize.Load() != int64(len(big)) {
+				t.Fatalf("wire %d, reads of %d: %d dropped (last %d bytes), want 1 of %d", wire, ask,
+					sub.tooLarge.Load(), sub.lastSize.Load(), len(big))
+			}
+		}
+	}
+	// A header that is no bulk string's ends the connection.
+	c := &resetsConn{Conn: &chunkedConn{data: []byte("$12x\r\n"), pieces: []int{100}}, sub: &resetSubscription{}}
+	if _, err := c.Read(make([]byte, 100)); err != errResetsProtocol {
+		t.Fatalf("a malformed header: %v, want %v", err, errResetsProtocol)
+	}
+}

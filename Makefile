@@ -40,6 +40,13 @@ bin/caddy: $(BUILD_INPUTS)
 bin/caddy-bench: $(BUILD_INPUTS) $(FLOOR_INPUTS)
 	@XCADDY_QUIET=1 bash scripts/build-caddy.sh $@ bench/floor
 
+# The peer the benchmark sets beside this plugin, mholt/caddy-ratelimit,
+# in a Caddy of its own (both plugins register rate_limit), from the
+# module proxy.
+MHOLT_VERSION ?= v0.1.0
+bin/caddy-mholt:
+	@XCADDY_QUIET=1 BUILD_PLUGIN=0 bash scripts/build-caddy.sh $@ github.com/mholt/caddy-ratelimit@$(MHOLT_VERSION)
+
 run: bin/caddy ## Build, then serve Caddyfile.example on :8080 (starts a throwaway Redis if none answers; STORE=memory: no Redis)
 	@STORE="$(STORE)" bash scripts/run.sh
 
@@ -66,7 +73,7 @@ fuzz: ## Run each fuzz test for FUZZTIME (5s)
 		go test -run '^$$' -fuzz "^$$target\$$" -fuzztime $(FUZZTIME) . || exit 1; \
 	done
 
-bench: bin/caddy-bench ## Load benchmark, side by side (BENCH_ROUNDS=5 BENCH_DURATION=3s BENCH_WARMUP=1s BENCH_CASES="bare@64 memory@64" BENCH_PROFILE=dir)
+bench: bin/caddy-bench bin/caddy-mholt ## Load benchmark, side by side (BENCH_ROUNDS=5 BENCH_DURATION=3s BENCH_WARMUP=1s BENCH_CASES="bare@64 memory@64" BENCH_GOGC=100 BENCH_PROFILE=dir BENCH_PROFILE_CASE=allowed)
 	@bash scripts/bench.sh
 
 soak: ## Load against two Caddy instances while Redis is stopped, restarted and flushed (SOAK_DURATION=3m)

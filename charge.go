@@ -569,8 +569,9 @@ func (h *Handler) settleInProcess(s *memoryStore, buckets []bucket, items []sett
 	t := memoryNow(time.Now())
 	for i, it := range items {
 		b := &buckets[it.bucket]
-		sh := s.shard(keys[i])
-		state, ok := sh.buckets[keys[i]]
+		shard := s.shardIndex(keys[i])
+		stored := s.shards[shard].buckets[keys[i]]
+		state, ok := held(stored)
 		current, at := currentState(state, ok, t, b.values)
 		after, forgiven := settleBucket(current, at, b.values, it.diff, b.limit.charge.maxDebtFor(b.values))
 		switch {
@@ -580,7 +581,7 @@ func (h *Handler) settleInProcess(s *memoryStore, buckets []bucket, items []sett
 			h.countSettleFailure(buckets, items[i:i+1], errMemoryFull)
 			continue
 		default:
-			sh.buckets[strings.Clone(keys[i])] = after
+			s.put(shard, keys[i], stored, after)
 		}
 		h.countCharged(b.limit, float64(it.cost)-forgiven, forgiven)
 	}

@@ -1,10 +1,14 @@
 package ratelimit
 
 import (
+	"strconv"
+	"strings"
+	"sync/atomic"
 	"time"
 
 	"github.com/caddyserver/caddy/v2"
 	"go.uber.org/zap"
+	"go.uber.org/zap/zapcore"
 )
 
 // decision is what the limiter decided for a request; it labels the
@@ -47,53 +51,142 @@ var emptyValue any = ""
 // line. buckets[described] is the bucket the placeholders describe; none
 // when no bucket was consulted (described < 0).
 func (h *Handler) record(repl *caddy.Replacer, d decision, buckets []bucket, described int) {
+	p := placeholders{h: h, repl: repl, seq: placeholderSeq.Add(1), decision: d}
 	var b *bucket
 	if described >= 0 && described < len(buckets) {
 		b = &buckets[described]
 	}
-	refused := b != nil && (d == decisionDenied || d == decisionShadowDenied || d == decisionErrorLocalDenied)
-	repl.Set("http.rate_limit.zone", h.zoneValue)
-	repl.Set("http.rate_limit.result", decisionValues[d])
-	limitName, label := emptyValue, 0
-	if refused {
-		limitName, label = b.limit.nameValue, b.limit.index+1
-	}
-	repl.Set("http.rate_limit.limit_name", limitName)
+	label := 0
 	if b != nil {
-		if b.limit.fixed {
-			repl.Set("http.rate_limit.limit", b.limit.burstValue)
-		} else {
-			repl.Set("http.rate_limit.limit", b.values.burst)
+		p.limit, p.burst, p.remaining = b.limit, b.values.burst, b.remaining
+		p.refused = d == decisionDenied || d == decisionShadowDenied || d == decisionErrorLocalDenied
+		if p.refused {
+			p.retryAfter, label = ceilSeconds(retryAfter(buckets)), b.limit.index+1
 		}
-		repl.Set("http.rate_limit.remaining", b.remaining)
-	}
-	if refused {
-		if retry := retryAfter(buckets); retry > 0 {
-			repl.Set("http.rate_limit.retry_after", ceilSeconds(retry))
+		if h.LogKey {
+			p.key = b.clientKey()
 		}
 	}
-	if h.LogKey && b != nil {
-		repl.Set("http.rate_limit.key", b.clientKey())
-	} else {
-		repl.Set("http.rate_limit.key", emptyValue) // empty, not left as literal text
-	}
+	// A provider, not repl.Set: the request's replacer map then holds
+	// nothing of ours (its first entry allocates it), and the values are
+	// boxed only when read (BenchmarkServeHTTPMemory 6 -> 5 allocs, 592 ->
+	// 392 B, about 0.18 µs less per request).
+	repl.Map(p.replace)
 	if h.metrics != nil {
 		h.metrics.requests[d][label].Inc()
 	}
 	// Checked first: building the fields costs 1 alloc, 192 B per request.
-	if ce := h.logger.Check(zap.DebugLevel, "rate limit decision"); ce != nil {
-		fields := []zap.Field{zap.String("zone", h.Zone), zap.Stringer("result", d)}
-		if b != nil {
-			fields = append(fields, zap.Int64("remaining", b.remaining))
-			if b.limit.name != "" {
-				fields = append(fields, zap.String("limit", b.limit.name))
-			}
-			if h.LogKey {
-				fields = append(fields, zap.String("key", b.clientKey()))
-			}
-		}
-		ce.Write(fields...)
+	// The level first, then Check: Check's stack frame alone is 1,176
+	// bytes (see warnFull for what a deeper stack costs).
+	if h.logger.Core().Enabled(zapcore.DebugLevel) {
+		h.logDecision(d, b)
 	}
+}
+
+// logDecision writes the debug line of a decision; out of record, whose
+// stack frame would otherwise hold the fields on every request (584 -> 184
+// bytes; see warnFull).
+func (h *Handler) logDecision(d decision, b *bucket) {
+	ce := h.logger.Check(zap.DebugLevel, "rate limit decision")
+	if ce == nil {
+		return
+	}
+	fields := []zap.Field{zap.String("zone", h.Zone), zap.Stringer("result", d)}
+	if b != nil {
+		fields = append(fields, zap.Int64("remaining", b.remaining))
+		if b.limit.name != "" {
+			fields = append(fields, zap.String("limit", b.limit.name))
+		}
+		if h.LogKey {
+			fields = append(fields, zap.String("key", b.clientKey()))
+		}
+	}
+	ce.Write(fields...)
+}
+
+// placeholders are the values of one handler's {http.rate_limit.*}
+// placeholders for one request, which its replacer asks for by name.
+//
+// Caddy asks a replacer's providers in the order they were added, and
+// takes the first answer; but when several rate_limit handlers see one
+// request, the placeholders are the last one's (and the earlier one's
+// where the last has none, as retry_after when it admitted). So each
+// answer is first asked of the handlers that came later: seq orders them.
+type placeholders struct {
+	h          *Handler
+	repl       *caddy.Replacer
+	seq        uint64
+	limit      *limit // the bucket described; nil for none
+	key        string // with log_key
+	burst      int64
+	remaining  int64
+	retryAfter int64 // seconds, on a refusal
+	decision   decision
+	refused    bool
+}
+
+// placeholderSeq numbers the placeholders as they are made: of two for
+// one request, the later has the higher number.
+var placeholderSeq atomic.Uint64
+
+const (
+	placeholderPrefix = "http.rate_limit."
+	// laterPrefix asks for a placeholder of the handlers after one:
+	// "http.rate_limit.\x00<seq>\x00<name>". No config can spell it.
+	laterPrefix = placeholderPrefix + "\x00"
+)
+
+// replace is the caddy.ReplacerFunc of the placeholders.
+func (p placeholders) replace(key string) (any, bool) {
+	name, ok := strings.CutPrefix(key, placeholderPrefix)
+	if !ok {
+		return nil, false
+	}
+	if rest, ok := strings.CutPrefix(name, "\x00"); ok {
+		seq, name, _ := strings.Cut(rest, "\x00")
+		if n, err := strconv.ParseUint(seq, 10, 64); err != nil || p.seq <= n {
+			return nil, false // asked of the handlers after n, and this one is not
+		}
+		return p.value(name)
+	}
+	return p.value(name)
+}
+
+// value is the placeholder's value: a later handler's, else this one's.
+func (p placeholders) value(name string) (any, bool) {
+	if v, ok := p.repl.Get(laterPrefix + strconv.FormatUint(p.seq, 10) + "\x00" + name); ok {
+		return v, true
+	}
+	switch name {
+	case "zone":
+		return p.h.zoneValue, true
+	case "result":
+		return decisionValues[p.decision], true
+	case "limit_name":
+		if p.refused {
+			return p.limit.nameValue, true
+		}
+		return emptyValue, true
+	case "key":
+		return p.key, true // empty without log_key (or a bucket), not left as literal text
+	}
+	if p.limit == nil {
+		return nil, false
+	}
+	switch name {
+	case "limit":
+		if p.limit.fixed {
+			return p.limit.burstValue, true
+		}
+		return p.burst, true
+	case "remaining":
+		return p.remaining, true
+	case "retry_after":
+		if p.refused && p.retryAfter > 0 {
+			return p.retryAfter, true
+		}
+	}
+	return nil, false
 }
 
 // shadowLogEvery is how often one key's shadow denials are logged.

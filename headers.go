@@ -7,6 +7,7 @@ import (
 	"strconv"
 	"strings"
 	"time"
+	"unsafe"
 )
 
 // Header styles, as the `headers` subdirective names them.
@@ -20,20 +21,54 @@ const (
 // rateLimitHeaders writes the rate-limit response headers: Spring Cloud
 // Gateway's `X-RateLimit-*` set, which describes one limit, and the IETF
 // draft-10 `RateLimit` and `RateLimit-Policy` fields, an item per limit.
-// What does not change between requests is formatted once.
+// What does not change between requests is formatted once, as strings:
+// each response gets slices of its own (see headerValues).
 type rateLimitHeaders struct {
 	spring, ietf bool
 	limits       []limitHeaders // by limit index
 	// policy is RateLimit-Policy when every limit applies with its fixed
-	// values (nil when some limit has placeholders).
-	policy []string
+	// values ("" when some limit has placeholders).
+	policy string
 }
 
 // limitHeaders are one fixed limit's header values.
 type limitHeaders struct {
-	rate, burst, requested []string
+	rate, burst, requested string
 	quoted                 string // "<zone>" or "<zone>.<name>"
 	policy                 string // its RateLimit-Policy item
+}
+
+// headerValues are one response's header values, in one allocation: each
+// header gets a window of cap 1 on vals. A later handler may write a
+// value in place (Caddy's `header` directive replaces text so), which
+// must change no other response, and an append copies. The strings
+// themselves are immutable and may be shared.
+type headerValues struct {
+	vals [maxHeaderValues]string
+	used int
+	// digits holds X-RateLimit-Remaining's text when it is not one of
+	// smallCounts (1 alloc less per such response: BenchmarkServeHTTPMemory).
+	digits [20]byte
+}
+
+// maxHeaderValues is the most values a response gets: the Spring set,
+// RateLimit, RateLimit-Policy and Retry-After.
+const maxHeaderValues = 7
+
+// put sets the header name to the value s, in a slice of the response's own.
+func (v *headerValues) put(hdr http.Header, name, s string) {
+	v.vals[v.used] = s
+	hdr[name] = v.vals[v.used : v.used+1 : v.used+1]
+	v.used++
+}
+
+// count is n as text: from smallCounts, or written into digits.
+func (v *headerValues) count(n int64) string {
+	if s, ok := smallCount(n); ok {
+		return s
+	}
+	text := strconv.AppendInt(v.digits[:0], n, 10)
+	return unsafe.String(&text[0], len(text)) // digits is never written again
 }
 
 func newRateLimitHeaders(style string, limits []*limit) rateLimitHeaders {
@@ -42,23 +77,20 @@ func newRateLimitHeaders(style string, limits []*limit) rateLimitHeaders {
 		ietf:   style == headersIETF || style == headersBoth,
 		limits: make([]limitHeaders, len(limits)),
 	}
-	// Shared by every response: saves 3 allocs, 48 B per request
-	// (BenchmarkServeHTTPAllowed 19 -> 16). Capacity 1: an append copies.
-	one := func(s string) []string { return []string{s} }
 	items := make([]string, 0, len(limits))
 	for i, l := range limits {
 		lh := &rh.limits[i]
 		lh.quoted = strconv.Quote(l.ietfName)
 		if l.fixed && !l.exempt {
-			lh.rate = one(strconv.FormatFloat(l.values.rate, 'f', -1, 64))
-			lh.burst = one(strconv.FormatInt(l.values.burst, 10))
-			lh.requested = one(strconv.FormatInt(l.values.requested, 10))
+			lh.rate = strconv.FormatFloat(l.values.rate, 'f', -1, 64)
+			lh.burst = strconv.FormatInt(l.values.burst, 10)
+			lh.requested = strconv.FormatInt(l.values.requested, 10)
 			lh.policy = policyItem(lh.quoted, l.values)
 			items = append(items, lh.policy)
 		}
 	}
 	if len(items) == len(limits) {
-		rh.policy = one(strings.Join(items, ", "))
+		rh.policy = strings.Join(items, ", ")
 	}
 	return rh
 }
@@ -76,24 +108,38 @@ func policyItem(quoted string, v limitValues) string {
 // set writes the headers of a request whose buckets were consulted; the
 // Spring set describes buckets[described]. A bucket's remaining is -1
 // when Redis failed, its retryAfter negative when it never refills
-// (burst_capacity 0).
-func (rh *rateLimitHeaders) set(hdr http.Header, buckets []bucket, described int) {
-	if rh.spring {
-		b := &buckets[described]
-		hdr["X-Ratelimit-Remaining"] = countValue(b.remaining)
-		if lh := &rh.limits[b.limit.index]; b.limit.fixed {
-			hdr["X-Ratelimit-Replenish-Rate"] = lh.rate
-			hdr["X-Ratelimit-Burst-Capacity"] = lh.burst
-			hdr["X-Ratelimit-Requested-Tokens"] = lh.requested
-		} else {
-			hdr["X-Ratelimit-Replenish-Rate"] = []string{strconv.FormatFloat(b.values.rate, 'f', -1, 64)}
-			hdr["X-Ratelimit-Burst-Capacity"] = countValue(b.values.burst)
-			hdr["X-Ratelimit-Requested-Tokens"] = countValue(b.values.requested)
-		}
-	}
-	if !rh.ietf {
+// (burst_capacity 0). A denial (denied) gets Retry-After whatever the
+// style: whole seconds until every bucket holds its requested tokens.
+func (rh *rateLimitHeaders) set(hdr http.Header, buckets []bucket, described int, denied bool) {
+	if !rh.spring && !rh.ietf && !denied {
 		return
 	}
+	v := new(headerValues)
+	if denied {
+		v.put(hdr, "Retry-After", countText(ceilSeconds(retryAfter(buckets))))
+	}
+	if rh.spring {
+		b := &buckets[described]
+		v.put(hdr, "X-Ratelimit-Remaining", v.count(b.remaining))
+		if lh := &rh.limits[b.limit.index]; b.limit.fixed {
+			v.put(hdr, "X-Ratelimit-Replenish-Rate", lh.rate)
+			v.put(hdr, "X-Ratelimit-Burst-Capacity", lh.burst)
+			v.put(hdr, "X-Ratelimit-Requested-Tokens", lh.requested)
+		} else {
+			v.put(hdr, "X-Ratelimit-Replenish-Rate", strconv.FormatFloat(b.values.rate, 'f', -1, 64))
+			v.put(hdr, "X-Ratelimit-Burst-Capacity", countText(b.values.burst))
+			v.put(hdr, "X-Ratelimit-Requested-Tokens", countText(b.values.requested))
+		}
+	}
+	if rh.ietf {
+		rh.setIETF(hdr, v, buckets)
+	}
+}
+
+// setIETF writes RateLimit and RateLimit-Policy. Out of set, so that
+// its buffers take no room on the stack of a request without them
+// (set's frame 512 -> 128 bytes; see warnFull).
+func (rh *rateLimitHeaders) setIETF(hdr http.Header, v *headerValues, buckets []bucket) {
 	// The IETF fields describe buckets; without an answer from Redis, or
 	// for a bucket that never refills, there is nothing true to say.
 	var stateBuf, policyBuf [128]byte
@@ -108,7 +154,7 @@ func (rh *rateLimitHeaders) set(hdr http.Header, buckets []bucket, described int
 		if i > 0 {
 			policy = append(policy, ", "...)
 		}
-		if rh.policy == nil {
+		if rh.policy == "" {
 			policy = append(policy, policyItem(lh.quoted, b.values)...)
 		} else {
 			policy = append(policy, lh.policy...)
@@ -127,30 +173,39 @@ func (rh *rateLimitHeaders) set(hdr http.Header, buckets []bucket, described int
 		state = strconv.AppendInt(state, ceilSeconds(b.retryAfter), 10)
 	}
 	if items > 0 {
-		hdr["Ratelimit"] = []string{string(state)}
+		v.put(hdr, "Ratelimit", string(state))
 	}
-	if rh.policy != nil && len(buckets) == len(rh.limits) {
-		hdr["Ratelimit-Policy"] = rh.policy
+	if rh.policy != "" && len(buckets) == len(rh.limits) {
+		v.put(hdr, "Ratelimit-Policy", rh.policy)
 	} else {
-		hdr["Ratelimit-Policy"] = []string{string(policy)}
+		v.put(hdr, "Ratelimit-Policy", string(policy))
 	}
 }
 
-// smallCounts are the header values of -1 to 1022, made once: most
-// remaining counts and retry times are small, and cost no allocation
-// (3 allocs, 40 B per denial: BenchmarkServeHTTPDenied 8 -> 5).
-var smallCounts = func() (v [1024][]string) {
+// smallCounts are the texts of -1 to 1022, made once: most remaining
+// counts and retry times are small, and cost no allocation (3 allocs,
+// 40 B per denial: BenchmarkServeHTTPDenied 8 -> 5). Strings are
+// immutable: every response may share them (never a slice).
+var smallCounts = func() (v [1024]string) {
 	for i := range v {
-		v[i] = []string{strconv.Itoa(i - 1)}
+		v[i] = strconv.Itoa(i - 1)
 	}
 	return v
 }()
 
-func countValue(n int64) []string {
+func smallCount(n int64) (string, bool) {
 	if n >= -1 && n < int64(len(smallCounts))-1 {
-		return smallCounts[n+1]
+		return smallCounts[n+1], true
 	}
-	return []string{strconv.FormatInt(n, 10)}
+	return "", false
+}
+
+// countText is n as text.
+func countText(n int64) string {
+	if s, ok := smallCount(n); ok {
+		return s
+	}
+	return strconv.FormatInt(n, 10)
 }
 
 // ceilSeconds rounds a duration up to whole seconds.

@@ -132,6 +132,11 @@ var okHandler = caddyhttp.HandlerFunc(func(w http.ResponseWriter, r *http.Reques
 // key is empty), writing to w, prepared as Caddy's server prepares it (a
 // zero Server, so that {http.vars.client_ip} resolves).
 func prepareRequest(remoteIP, key string, w http.ResponseWriter) *http.Request {
+	return prepareRequestOn(&caddyhttp.Server{}, remoteIP, key, w)
+}
+
+// prepareRequestOn is prepareRequest for a request to srv.
+func prepareRequestOn(srv *caddyhttp.Server, remoteIP, key string, w http.ResponseWriter) *http.Request {
 	r, err := http.NewRequest(http.MethodGet, "http://example.com/", nil)
 	if err != nil {
 		panic(err)
@@ -140,7 +145,7 @@ func prepareRequest(remoteIP, key string, w http.ResponseWriter) *http.Request {
 	if key != "" {
 		r.Header.Set("X-Key", key)
 	}
-	return caddyhttp.PrepareRequest(r, caddy.NewReplacer(), w, &caddyhttp.Server{})
+	return caddyhttp.PrepareRequest(r, caddy.NewReplacer(), w, srv)
 }
 
 // newRequest is prepareRequest writing to a recorder.

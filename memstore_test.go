@@ -52,7 +52,10 @@ func storedBucket(s *memoryStore, key string) (memoryBucket, bool) {
 	sh.mu.Lock()
 	defer sh.mu.Unlock()
 	b, ok := sh.buckets[stored]
-	return b, ok
+	if !ok {
+		return memoryBucket{}, false
+	}
+	return *b, true
 }
 
 // sweepAt is sweep at store time t (microseconds, memoryNow): every

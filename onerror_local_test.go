@@ -115,12 +115,15 @@ func TestOnErrorLocalDescribesEveryBucketAfterAPartialRedisAnswer(t *testing.T) 
 		r, w := newRequest("192.0.2.1", "kai")
 		r.Header.Set("X-Tenant", "acme")
 		repl := r.Context().Value(caddy.ReplacerCtxKey).(*caddy.Replacer)
-		buckets, _, err := h.resolveBuckets(repl, nil)
+		buckets, _, err := h.resolveBuckets(r, repl, nil)
 		if err != nil || len(buckets) != 2 {
 			t.Fatalf("buckets %d, %v", len(buckets), err)
 		}
 		buckets[0].unknown = unknown // as takeGroups leaves a later group's bucket
-		err = h.decideLocally(w, r, okHandler, repl, buckets)
+		pass, err := h.decideLocally(w, r, okHandler, repl, buckets)
+		if pass {
+			err = okHandler.ServeHTTP(w, r)
+		}
 		hdr := map[string]string{}
 		for _, k := range []string{"Retry-After", "X-RateLimit-Burst-Capacity", "X-RateLimit-Remaining"} {
 			hdr[k] = w.Header().Get(k)

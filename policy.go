@@ -8,6 +8,7 @@ import (
 	"errors"
 	"fmt"
 	"math"
+	"net/http"
 	"regexp"
 	"strconv"
 	"strings"
@@ -429,8 +430,9 @@ func (h *Handler) asksRedis() bool {
 // it: the Redis key from the key template, and the values, resolved from
 // placeholders where the config has them. skipped is the decision when no
 // limit applies: `exempt`, or `empty_key` (with deny_empty_key false).
-func (h *Handler) resolveBuckets(repl *caddy.Replacer, buckets []bucket) (_ []bucket, skipped decision, err error) {
+func (h *Handler) resolveBuckets(r *http.Request, repl *caddy.Replacer, buckets []bucket) (_ []bucket, skipped decision, err error) {
 	skipped = decisionEmptyKey
+	rv := requestValues{r: r, repl: repl} // one pass over the request's placeholders, for every limit
 	for _, l := range h.limits {
 		values, args, exempt := l.values, l.args, l.exempt
 		if !l.fixed {
@@ -448,7 +450,7 @@ func (h *Handler) resolveBuckets(repl *caddy.Replacer, buckets []bucket) (_ []bu
 			skipped = decisionExempt
 			continue
 		}
-		key := l.template.redisKey(repl, l.keyPrefix, l.keySuffix)
+		key := l.template.key(&rv, l.keyPrefix, l.keySuffix)
 		if key == "" {
 			if h.denyEmpty {
 				return nil, skipped, errEmptyKey

@@ -80,7 +80,7 @@ func policyBuckets(t *testing.T, h *Handler, headers ...string) map[string]bucke
 	t.Helper()
 	r, _ := policyRequest(headers...)
 	repl := r.Context().Value(caddy.ReplacerCtxKey).(*caddy.Replacer)
-	buckets, _, err := h.resolveBuckets(repl, nil)
+	buckets, _, err := h.resolveBuckets(r, repl, nil)
 	if err != nil {
 		t.Fatalf("resolving the buckets of %q: %v", headers, err)
 	}

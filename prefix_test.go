@@ -225,7 +225,7 @@ func bucketKeys(t *testing.T, h *Handler, remoteIP string) []string {
 	t.Helper()
 	r, _ := newRequest(remoteIP, "")
 	repl := r.Context().Value(caddy.ReplacerCtxKey).(*caddy.Replacer)
-	buckets, _, err := h.resolveBuckets(repl, nil)
+	buckets, _, err := h.resolveBuckets(r, repl, nil)
 	if err != nil {
 		t.Fatalf("resolving the buckets of %s: %v", remoteIP, err)
 	}

@@ -1,10 +1,14 @@
 package ratelimit
 
 import (
+	"crypto/tls"
+	"net/http"
+	"net/http/httptest"
 	"strings"
 	"testing"
 
 	"github.com/caddyserver/caddy/v2"
+	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 )
 
 func resolve(t *testing.T, template, prefix string, values map[string]string) string {
@@ -103,5 +107,60 @@ func TestKeyTemplateRejectsMalformed(t *testing.T) {
 		if _, err := parseKeyTemplate(s); err == nil {
 			t.Errorf("%q accepted", s)
 		}
+	}
+}
+
+// TestKeyFromRequestIsTheReplacersKey resolves key templates for many
+// requests twice: with the values read from the request (as ServeHTTP
+// does) and with every value asked of the request's replacer. The keys
+// must be the same, byte for byte: a client keeps its Redis key.
+func TestKeyFromRequestIsTheReplacersKey(t *testing.T) {
+	templates := []string{
+		"{http.vars.client_ip}", "{http.request.remote.host}", "{http.request.header.X-Key}",
+		"{http.request.header.x-key}", "{http.vars.client_ip}:{http.request.header.X-Tenant}",
+		"{http.request.header.X-Key}{http.request.remote.host}", "{http.request.uri.path}|{http.request.header.X-Key}",
+		"{http.vars.unset}", "{http.request.header.Absent}", "{client_ip}",
+	}
+	requests := []struct {
+		name   string
+		remote string
+		tls    *tls.ConnectionState
+		header http.Header
+	}{
+		{"IPv4", "192.0.2.7:1234", nil, http.Header{"X-Key": {"alice"}, "X-Tenant": {"acme"}}},
+		{"IPv6", "[2001:db8:1:2::7]:443", nil, http.Header{"X-Key": {"a key with spaces%and{braces}|"}}},
+		{"IPv4-mapped", "[::ffff:192.0.2.7]:1", nil, http.Header{"X-Tenant": {""}}},
+		{"zone", "[fe80::1%eth0]:1", nil, http.Header{"X-Key": {"b", "c"}}}, // two values join with ','
+		{"unix socket", "@", nil, http.Header{"X-Key": {strings.Repeat("long", 40)}}},
+		{"early data", "192.0.2.7:1234", &tls.ConnectionState{}, http.Header{"X-Key": {"#x"}}},
+		{"handshake done", "192.0.2.7:1234", &tls.ConnectionState{HandshakeComplete: true}, http.Header{"X-Key": {"\x00\n\xff"}}},
+	}
+	resolved := 0
+	for _, template := range templates {
+		kt, err := parseKeyTemplate(template)
+		if err != nil {
+			t.Fatal(err)
+		}
+		kt.ipv6Bits = 48
+		for _, rc := range requests {
+			r, err := http.NewRequest(http.MethodGet, "http://example.com/some/path", nil)
+			if err != nil {
+				t.Fatal(err)
+			}
+			r.RemoteAddr, r.TLS, r.Header = rc.remote, rc.tls, rc.header
+			r = caddyhttp.PrepareRequest(r, caddy.NewReplacer(), httptest.NewRecorder(), &caddyhttp.Server{})
+			repl := r.Context().Value(caddy.ReplacerCtxKey).(*caddy.Replacer)
+			fromRequest := kt.key(&requestValues{r: r, repl: repl}, "p|", "|s")
+			fromReplacer := kt.redisKey(repl, "p|", "|s")
+			if fromRequest != fromReplacer {
+				t.Errorf("%s, %s: key %q from the request, %q from the replacer", template, rc.name, fromRequest, fromReplacer)
+			}
+			if fromRequest != "" {
+				resolved++
+			}
+		}
+	}
+	if resolved < 30 {
+		t.Errorf("only %d of the keys were not empty: the comparison says little", resolved)
 	}
 }

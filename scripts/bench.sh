@@ -36,8 +36,15 @@
 #   allowed@256   as allowed@64 with 256 connections
 #   floor@256     as floor@64 with 256 connections
 #   bare@256      as bare@64 with 256 connections              (its baseline)
+#   mholt@64      the peer plugin, mholt/caddy-ratelimit (bin/caddy-mholt):
+#                 zone { key {remote_host}; events 1000000; window 1s },
+#                 all allowed (memory, lease, memfloor are set beside it)
+#   mholt-denied@64  the peer with events 100 per 1s: all but about 100
+#                 requests a second denied (denied@64 is set beside it)
 #
-# Caddy runs alone on CPU 0 with GOMAXPROCS=1; Redis and the load
+# Every case but the peer's runs on bin/caddy-bench; the peer's on
+# bin/caddy-mholt (both plugins register rate_limit, so they cannot share
+# a binary). Caddy runs alone on CPU 0 with GOMAXPROCS=1; Redis and the load
 # generator (bench/loadgen: closed loop, one keep-alive connection and one
 # X-Conn key per goroutine, log-linear latency histogram) share CPU 1.
 # Each case runs WARMUP then DURATION; ROUNDS rounds run interleaved (every
@@ -50,10 +57,14 @@
 # BENCH_CASES (all; or a list such as "bare@64 memory@64": fewer cases per
 # round set the ones compared closer together in time, which matters on
 # a machine whose speed swings from one minute to the next).
-# BENCH_PROFILE=<dir> adds one more allowed@64 run (BENCH_PROFILE_CASE=
-# <caddyfile> for another, such as charge) with Caddy's admin endpoint
-# on, saves a 5 s CPU profile and allocation profile of Caddy into <dir>
-# and prints the top of each.
+# BENCH_GOGC (100, Go's default) is every Caddy's GOGC: the peer's
+# config holds a ring of a million events (24 MB), which makes its GC run
+# several times less often than the others'; a GOGC of several hundred
+# puts every case in that regime, so that ratios show per-request work.
+# BENCH_PROFILE=<dir> adds one more 64-connection run of the Caddyfile
+# BENCH_PROFILE_CASE names (allowed; or memory, denied, charge, ...) with
+# Caddy's admin endpoint on, saves a 5 s CPU profile and allocation
+# profile of Caddy into <dir> and prints the top of each.
 # Never touches any Redis it did not start; kills only its own PIDs.
 set -euo pipefail
 SCRIPT_NAME=bench
@@ -66,9 +77,13 @@ WARMUP="${BENCH_WARMUP:-1s}"
 CADDY_CPU=0
 LOAD_CPU=1
 caddy_bin="$REPO_ROOT/bin/caddy-bench"
+mholt_bin="$REPO_ROOT/bin/caddy-mholt"
+PROFILE_CASE="${BENCH_PROFILE_CASE:-allowed}"
+GOGC_CADDY="${BENCH_GOGC:-100}"
 
 bench_start=$SECONDS
 [[ -x "$caddy_bin" ]] || die "$caddy_bin not found; run: make bench"
+[[ -x "$mholt_bin" ]] || die "$mholt_bin not found; run: make bench"
 for bin in go redis-server taskset; do
 	command -v "$bin" >/dev/null 2>&1 || die "$bin not found (make deps installs redis; taskset is in util-linux)"
 done
@@ -126,10 +141,12 @@ CASES=(
 	"multi@64 multi 200 -"
 	"memory@64 memory 200 -"
 	"lease@64 lease 200 -"
+	"mholt@64 mholt 200 -"
 	"nometrics@64 allowed-nometrics 200 -"
 	"charge@64 charge 200 -"
 	"chargestatus@64 chargestatus 200 -"
 	"denied@64 denied 429 -same-key"
+	"mholt-denied@64 mholt-denied 429,200 -same-key"
 	"allowed@256 allowed 200 -"
 	"lease@256 lease 200 -"
 	"memfloor@256 memfloor 200 -"
@@ -150,12 +167,13 @@ if [[ -n "${BENCH_CASES:-}" ]]; then
 fi
 
 start_caddy() { # caddyfile-name [admin-address] -> sets caddy_pid, caddy_port
-	local conf="$REPO_ROOT/bench/$1.caddyfile"
+	local conf="$REPO_ROOT/bench/$1.caddyfile" bin="$caddy_bin"
+	[[ "$1" != mholt* ]] || bin="$mholt_bin"
 	caddy_port="$("$LOADGEN" freeport)"
 	mkdir -p "$work/home"
-	BENCH_PORT="$caddy_port" BENCH_REDIS="$REDIS_ADDR" BENCH_ADMIN="${2:-off}" BENCH_SCRIPT="$REPO_ROOT/script.lua" GOMAXPROCS=1 \
+	BENCH_PORT="$caddy_port" BENCH_REDIS="$REDIS_ADDR" BENCH_ADMIN="${2:-off}" BENCH_SCRIPT="$REPO_ROOT/script.lua" GOMAXPROCS=1 GOGC="$GOGC_CADDY" \
 		HOME="$work/home" XDG_DATA_HOME="$work/home/data" XDG_CONFIG_HOME="$work/home/config" \
-		taskset -c "$CADDY_CPU" "$caddy_bin" run --config "$conf" --adapter caddyfile \
+		taskset -c "$CADDY_CPU" "$bin" run --config "$conf" --adapter caddyfile \
 		>>"$work/caddy.log" 2>&1 &
 	caddy_pid=$!
 	wait_listening "$caddy_port" "$caddy_pid" && return 0
@@ -165,7 +183,7 @@ start_caddy() { # caddyfile-name [admin-address] -> sets caddy_pid, caddy_port
 
 results="$work/results"
 : >"$results"
-log "$ROUNDS rounds of ${#CASES[@]} cases, $WARMUP warm-up + $DURATION each; Caddy on CPU $CADDY_CPU (GOMAXPROCS=1), Redis + load generator on CPU $LOAD_CPU"
+log "$ROUNDS rounds of ${#CASES[@]} cases, $WARMUP warm-up + $DURATION each; Caddy on CPU $CADDY_CPU (GOMAXPROCS=1, GOGC=$GOGC_CADDY), Redis + load generator on CPU $LOAD_CPU"
 for ((round = 1; round <= ROUNDS; round++)); do
 	for c in "${CASES[@]}"; do
 		read -r name conf expect flags <<<"$c"
@@ -193,11 +211,20 @@ if [[ -n "${BENCH_PROFILE:-}" ]]; then
 	mkdir -p "$BENCH_PROFILE"
 	prof="$(cd "$BENCH_PROFILE" && pwd)"
 	admin="127.0.0.1:$("$LOADGEN" freeport)"
-	profiled="${BENCH_PROFILE_CASE:-allowed}"
-	start_caddy "$profiled" "$admin"
-	log "profiling $profiled@64 (admin $admin) into $prof"
+	[[ -f "$REPO_ROOT/bench/$PROFILE_CASE.caddyfile" ]] || die "BENCH_PROFILE_CASE: no bench/$PROFILE_CASE.caddyfile"
+	profile_expect=200 profile_flags=()
+	for c in "${CASES[@]}"; do
+		read -r name conf expect flags <<<"$c"
+		if [[ "$conf" == "$PROFILE_CASE" ]]; then
+			profile_expect="$expect"
+			[[ "$flags" == - ]] || profile_flags=("$flags")
+			break
+		fi
+	done
+	start_caddy "$PROFILE_CASE" "$admin"
+	log "profiling $PROFILE_CASE@64 (admin $admin) into $prof"
 	GOMAXPROCS=1 taskset -c "$LOAD_CPU" "$LOADGEN" run -addr "127.0.0.1:$caddy_port" -c 64 -warmup 1s -d 7s \
-		-expect 200 -redis "$REDIS_ADDR" -pid "$caddy_pid" >"$work/profile-run" &
+		-expect "$profile_expect" "${profile_flags[@]}" -redis "$REDIS_ADDR" -pid "$caddy_pid" >"$work/profile-run" &
 	lg_pid=$!
 	sleep 1.5
 	curl -fsS -o "$prof/caddy-cpu.pprof" "http://$admin/debug/pprof/profile?seconds=5" &
@@ -209,9 +236,9 @@ if [[ -n "${BENCH_PROFILE:-}" ]]; then
 	log "profile run: $(cat "$work/profile-run")"
 	stop_child "$caddy_pid" caddy
 	caddy_pid=""
-	echo "--- Caddy CPU profile, $profiled@64 (go tool pprof -top $prof/caddy-cpu.pprof) ---"
+	echo "--- Caddy CPU profile, $PROFILE_CASE@64 (go tool pprof -top $prof/caddy-cpu.pprof) ---"
 	go tool pprof -top -nodecount 30 "$prof/caddy-cpu.pprof" 2>/dev/null | sed -n '4,40p'
-	echo "--- Caddy allocations, $profiled@64 (go tool pprof -sample_index=alloc_objects -top $prof/caddy-allocs.pprof) ---"
+	echo "--- Caddy allocations, $PROFILE_CASE@64 (go tool pprof -sample_index=alloc_objects -top $prof/caddy-allocs.pprof) ---"
 	go tool pprof -sample_index=alloc_objects -top -nodecount 30 "$prof/caddy-allocs.pprof" 2>/dev/null | sed -n '4,40p'
 fi
 log "done in $((SECONDS - bench_start))s"

@@ -2,10 +2,13 @@
 # Builds Caddy $CADDY_VERSION (set in the Makefile) with this plugin from the
 # working tree, using xcaddy (installed first if missing).
 #
-#   scripts/build-caddy.sh OUTPUT [DIR]...
+#   scripts/build-caddy.sh OUTPUT [DIR | MODULE@VERSION]...
 #
 # Each DIR adds one more local module, its path read from DIR/go.mod
-# (`make bench` adds its measuring stick, bench/floor).
+# (`make bench` adds its measuring stick, bench/floor); each
+# MODULE@VERSION a published module, from the module proxy. With
+# BUILD_PLUGIN=0 this plugin is left out (`make bench`'s peer,
+# mholt/caddy-ratelimit, registers rate_limit too).
 #
 # Set XCADDY_QUIET=1 to send xcaddy's chatter to a log that is printed only
 # if the build fails.
@@ -21,7 +24,7 @@ SCRIPT_NAME=build-caddy
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 
 : "${CADDY_VERSION:?not set; the Makefile sets it}"
-(($# >= 1)) || die "usage: scripts/build-caddy.sh OUTPUT [DIR]..."
+(($# >= 1)) || die "usage: scripts/build-caddy.sh OUTPUT [DIR | MODULE@VERSION]..."
 out="$1"
 shift
 [[ "$out" = /* ]] || out="$PWD/$out"
@@ -29,13 +32,27 @@ shift
 command -v go >/dev/null 2>&1 || die "Go is not on PATH; install Go 1.26+ (https://go.dev/dl/)"
 command -v xcaddy >/dev/null 2>&1 || bash "$REPO_ROOT/scripts/install-deps.sh" --xcaddy-only
 
-# --with arguments: this module, then each DIR's, by absolute directory.
+# --with arguments: this module (unless BUILD_PLUGIN=0), then each DIR's,
+# by absolute directory, then each MODULE@VERSION as it is.
 withs=()
-for dir in "$REPO_ROOT" "$@"; do
+dirs=()
+published=()
+[[ "${BUILD_PLUGIN:-1}" == 0 ]] || dirs+=("$REPO_ROOT")
+for arg in "$@"; do
+	if [[ "$arg" == *@* && ! -d "$arg" ]]; then
+		published+=("$arg")
+	else
+		dirs+=("$arg")
+	fi
+done
+for dir in "${dirs[@]}"; do
 	dir="$(cd "$dir" && pwd)" || die "no such directory: $dir"
 	module="$(awk '$1 == "module" { print $2; exit }' "$dir/go.mod")"
 	[[ -n "$module" ]] || die "cannot read the module path from $dir/go.mod"
 	withs+=(--with "$module@v0.0.0-00010101000000-000000000000=$dir")
+done
+for module in "${published[@]}"; do
+	withs+=(--with "$module")
 done
 
 mkdir -p "$(dirname "$out")"
@@ -61,7 +78,7 @@ trap 'exit 130' INT
 trap 'exit 143' TERM
 trap 'exit 129' HUP
 
-log "building Caddy $CADDY_VERSION with $REPO_ROOT${*:+ and $*} -> $out"
+log "building Caddy $CADDY_VERSION with ${dirs[*]} ${published[*]} -> $out"
 start=$SECONDS
 cmd=(xcaddy build "$CADDY_VERSION" "${withs[@]}" --output "$work/caddy")
 xlog="$work/xcaddy.log"

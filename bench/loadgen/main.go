@@ -5,12 +5,12 @@
 // soon as the previous response is read. Latency goes into a log-linear
 // histogram (256 sub-buckets per power of two, under 0.4 % error).
 //
-//	loadgen run -addr 127.0.0.1:8080 -c 64 -warmup 1s -d 5s [-same-key] [-expect 200] [-redis 127.0.0.1:6390] [-pid N] [-cpus 0,1]
+//	loadgen run -addr 127.0.0.1:8080 -c 64 -warmup 1s -d 5s [-same-key] [-expect 200[,429]] [-redis 127.0.0.1:6390] [-pid N] [-cpus 0,1]
 //	loadgen table [-warmup 1s -d 3s -cpus 0,1] RESULTS
 //	loadgen freeport
 //
 // run prints one line of key=value pairs: requests, seconds, rps, p50_us,
-// p99_us, errors (transport), unexpected (status other than -expect),
+// p99_us, errors (transport), unexpected (a status -expect does not list),
 // load_cpu (its own CPU use, % of one CPU), with -pid server_cpu (the
 // server's), with -cpus cpuN_busy (CPU N's busy time, any process, %)
 // and, with -redis, the deltas of Redis INFO over the measured window:
@@ -34,6 +34,7 @@ import (
 	"math/bits"
 	"net"
 	"os"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -87,11 +88,20 @@ func run(argv []string) {
 	dur := fs.Duration("d", 5*time.Second, "measured duration")
 	warmup := fs.Duration("warmup", time.Second, "warm-up before measuring")
 	sameKey := fs.Bool("same-key", false, "every connection sends the same X-Conn value (one bucket)")
-	expect := fs.Int("expect", 200, "expected status; others count as unexpected")
+	expectList := fs.String("expect", "200", "expected statuses, comma-separated; others count as unexpected")
 	redisAddr := fs.String("redis", "", "Redis host:port whose INFO deltas to report")
 	serverPID := fs.Int("pid", 0, "PID of the server, whose CPU use to report (Linux /proc)")
 	cpuList := fs.String("cpus", "", "comma-separated CPU numbers whose busy time (any process) to report, e.g. 0,1")
 	_ = fs.Parse(argv)
+
+	var expect []int
+	for _, f := range strings.Split(*expectList, ",") {
+		n, err := strconv.Atoi(strings.TrimSpace(f))
+		if err != nil {
+			fatal(fmt.Errorf("-expect %q: want statuses such as 200 or 429,200", *expectList))
+		}
+		expect = append(expect, n)
+	}
 
 	var rinfo *redisInfo
 	if *redisAddr != "" {
@@ -112,7 +122,7 @@ func run(argv []string) {
 		w := &worker{
 			addr:   *addr,
 			req:    []byte("GET / HTTP/1.1\r\nHost: bench.local\r\nUser-Agent: loadgen\r\nX-Conn: " + key + "\r\n\r\n"),
-			expect: *expect,
+			expect: expect,
 			phase:  &phase,
 		}
 		if err := w.dial(); err != nil {
@@ -204,7 +214,7 @@ func run(argv []string) {
 type worker struct {
 	addr   string
 	req    []byte
-	expect int
+	expect []int
 	phase  *atomic.Int32
 
 	conn net.Conn
@@ -259,7 +269,7 @@ func (w *worker) loop() {
 		if ph == measuring && w.phase.Load() == measuring {
 			w.hist.record(uint64(lat))
 			w.count++
-			if status != w.expect {
+			if !slices.Contains(w.expect, status) {
 				w.unexpected++
 			}
 		}

@@ -78,7 +78,7 @@ func tableOf(t *testing.T, results string) map[string][]string {
 	writeTable(&b, cases, "0", "1", "1s", "3s")
 	rows := map[string][]string{}
 	for _, line := range strings.Split(b.String(), "\n") {
-		if f := strings.Fields(line); len(f) == 20 && strings.Contains(f[0], "@") {
+		if f := strings.Fields(line); len(f) == 21 && strings.Contains(f[0], "@") {
 			rows[f[0]] = f
 		}
 	}
@@ -94,9 +94,10 @@ const (
 	colBare256  = 7
 	colFloor    = 8
 	colAllowed  = 9
-	colCaddyUS  = 10
-	colReadsReq = 11
-	colErrors   = 19
+	colMholt    = 10
+	colCaddyUS  = 11
+	colReadsReq = 12
+	colErrors   = 20
 )
 
 func TestTableRatiosAreMediansOfRoundRatios(t *testing.T) {
@@ -161,6 +162,29 @@ case=floor@128 round=1 requests=20 rps=20
 	}
 }
 
+func TestTableVsMholt(t *testing.T) {
+	// The cases decided in the process are set beside mholt's allowed
+	// path, denied beside its denied path, of the same connection count;
+	// the others, and cases whose peer did not run, get "-".
+	rows := tableOf(t, `case=mholt@64 round=1 requests=100 rps=100
+case=mholt-denied@64 round=1 requests=50 rps=50
+case=memory@64 round=1 requests=97 rps=97
+case=lease@64 round=1 requests=90 rps=90
+case=memfloor@64 round=1 requests=99 rps=99
+case=denied@64 round=1 requests=120 rps=120
+case=allowed@64 round=1 requests=60 rps=60
+case=memory@256 round=1 requests=60 rps=60
+`)
+	for name, want := range map[string]string{
+		"memory@64": "0.970", "lease@64": "0.900", "memfloor@64": "0.990", "denied@64": "2.400",
+		"allowed@64": "-", "memory@256": "-", "mholt@64": "-",
+	} {
+		if got := rows[name]; got == nil || got[colMholt] != want {
+			t.Errorf("%s: vs mholt in row %v, want %s", name, got, want)
+		}
+	}
+}
+
 func TestTableZeroRequests(t *testing.T) {
 	// A round without requests counts 0 per request (not NaN), errors add up.
 	rows := tableOf(t, `case=denied@64 round=1 requests=0 rps=0 server_cpu=50 reads=10 errors=3 unexpected=1
@@ -196,10 +220,10 @@ case=floor@64 round=2 requests=24000 seconds=3.000 rps=8000 p50_us=6000.0 p99_us
 case=allowed@256 round=2 requests=0 seconds=3.000 rps=0 p50_us=0.0 p99_us=0.0 errors=7 unexpected=0 load_cpu=5.0 server_cpu=10.0 cpu0_busy=12.0 cpu1_busy=9.0 reads=0 scripts=0 commands=0 redis_cpu=0.0
 `
 
-const tableGolden = `case         conns    req/s      p50      p99  p99-bare vs bare64 vs bare256 vs floor vs allowed  caddy-us reads/req scripts/req  redis-us caddy%  load% redis% other0 other1 errors
-bare@64         64    15000   4.00ms  10.50ms   +0.00ms     1.000          -    1.292          -      73.2     0.000       0.000       0.8     98     45      1      2     24      0
-floor@64        64    11500   4.80ms  12.00ms   +1.50ms     0.775          -    1.000          -      92.7     0.067       1.000      25.8     97     35     30      2     12      0
-allowed@256    256     6500   9.00ms  18.50ms         -     0.325          -        -      0.500      38.3     0.012       0.500      17.3     55     22     22      1      6     10
+const tableGolden = `case            conns    req/s      p50      p99  p99-bare vs bare64 vs bare256 vs floor vs allowed vs mholt  caddy-us reads/req scripts/req  redis-us caddy%  load% redis% other0 other1 errors
+bare@64            64    15000   4.00ms  10.50ms   +0.00ms     1.000          -    1.292          -        -      73.2     0.000       0.000       0.8     98     45      1      2     24      0
+floor@64           64    11500   4.80ms  12.00ms   +1.50ms     0.775          -    1.000          -        -      92.7     0.067       1.000      25.8     97     35     30      2     12      0
+allowed@256       256     6500   9.00ms  18.50ms         -     0.325          -        -      0.500        -      38.3     0.012       0.500      17.3     55     22     22      1      6     10
 (medians of 2 rounds, 1s warm-up + 3s measured per case. caddy-us/redis-us: CPU time of Caddy /
  Redis per request in microseconds (caddy-us minus bare's is the limiter's cost). caddy%/load%/redis%: CPU use over the
  measured window, % of one CPU, of Caddy (CPU 0), the load generator and Redis (both CPU 1); other0/other1:

@@ -18,9 +18,10 @@ import (
 // ratio is the median of the rounds' own ratios (both cases from the same
 // round), which follows the machine's drift from round to round better
 // than a ratio of medians. Every case is set beside bare@64, and beside
-// bare@<conns>, its floor (see floorOf) and allowed@<conns> (a single
-// limit) of its own connection count; p99-bare is the median of the
-// rounds' own differences of p99 from bare@<conns>'s.
+// bare@<conns>, its floor (see floorOf), allowed@<conns> (a single
+// limit) and the peer plugin (see mholtOf) of its own connection count;
+// p99-bare is the median of the rounds' own differences of p99 from
+// bare@<conns>'s.
 func table(argv []string) {
 	fs := flag.NewFlagSet("table", flag.ExitOnError)
 	warmup := fs.String("warmup", "1s", "warm-up per case, as given to run (for the footnote)")
@@ -126,8 +127,8 @@ func writeTable(w io.Writer, cases []*benchCase, caddyCPU, loadCPU, warmup, dur 
 		byName[c.name] = c
 		rounds = max(rounds, len(c.rounds))
 	}
-	fmt.Fprintf(w, "%-12s %5s %8s %8s %8s %9s %9s %10s %8s %10s %9s %9s %11s %9s %6s %6s %6s %6s %6s %6s\n",
-		"case", "conns", "req/s", "p50", "p99", "p99-bare", "vs bare64", "vs bare256", "vs floor", "vs allowed", "caddy-us", "reads/req",
+	fmt.Fprintf(w, "%-15s %5s %8s %8s %8s %9s %9s %10s %8s %10s %8s %9s %9s %11s %9s %6s %6s %6s %6s %6s %6s\n",
+		"case", "conns", "req/s", "p50", "p99", "p99-bare", "vs bare64", "vs bare256", "vs floor", "vs allowed", "vs mholt", "caddy-us", "reads/req",
 		"scripts/req", "redis-us", "caddy%", "load%", "redis%", "other0", "other1", "errors")
 	for _, c := range cases {
 		med := func(field func(roundFigures) float64) float64 {
@@ -141,13 +142,14 @@ func writeTable(w io.Writer, cases []*benchCase, caddyCPU, loadCPU, warmup, dur 
 		if c.conns == "256" {
 			vsBare256 = ratio(c, byName["bare@256"])
 		}
-		fmt.Fprintf(w, "%-12s %5s %8.0f %6.2fms %6.2fms %9s %9s %10s %8s %10s %9.1f %9.3f %11.3f %9.1f %6.0f %6.0f %6.0f %6.0f %6.0f %6d\n",
+		fmt.Fprintf(w, "%-15s %5s %8.0f %6.2fms %6.2fms %9s %9s %10s %8s %10s %8s %9.1f %9.3f %11.3f %9.1f %6.0f %6.0f %6.0f %6.0f %6.0f %6d\n",
 			c.name, c.conns,
 			med(func(r roundFigures) float64 { return r.rps }),
 			med(func(r roundFigures) float64 { return r.p50ms }),
 			med(func(r roundFigures) float64 { return r.p99ms }),
 			p99Above(c, byName["bare@"+c.conns]),
 			ratio(c, byName["bare@64"]), vsBare256, ratio(c, byName[floorOf(c.name)+"@"+c.conns]), ratio(c, byName["allowed@"+c.conns]),
+			ratio(c, byName[mholtOf(c.name)+"@"+c.conns]),
 			med(func(r roundFigures) float64 { return r.caddyUSPerReq }),
 			med(func(r roundFigures) float64 { return r.readsPerReq }),
 			med(func(r roundFigures) float64 { return r.scriptsPerReq }),
@@ -195,6 +197,19 @@ func floorOf(name string) string {
 		return "memfloor"
 	}
 	return "floor"
+}
+
+// mholtOf names the case of the peer plugin, mholt/caddy-ratelimit, that
+// a case is set beside: its allowed path (mholt) for the cases decided in
+// the process, its denied path (mholt-denied) for denied; "" for none.
+func mholtOf(name string) string {
+	switch base, _, _ := strings.Cut(name, "@"); base {
+	case "memory", "lease", "memfloor":
+		return "mholt"
+	case "denied":
+		return "mholt-denied"
+	}
+	return ""
 }
 
 // p99Above is the median over the rounds of c's p99 less base's in the

@@ -7,11 +7,120 @@ import (
 	"slices"
 	"strconv"
 	"strings"
+	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
 	"github.com/caddy-redis/ratelimit/internal/redistest"
 )
+
+// cuttingProxy forwards TCP connections to a Redis server. While it
+// cuts, it passes on what a client sends, lets Redis run it, and then
+// closes the connection instead of passing the reply back: the client
+// cannot know whether its commands ran, as after a reset connection.
+// While it refuses, it closes connections before passing anything on:
+// nothing reaches Redis, as from a host that died.
+type cuttingProxy struct {
+	addr     string
+	target   string
+	cutting  atomic.Bool
+	refusing atomic.Bool
+	ln       net.Listener
+	wg       sync.WaitGroup
+}
+
+func startCuttingProxy(t *testing.T, target string) *cuttingProxy {
+	t.Helper()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	p := &cuttingProxy{addr: ln.Addr().String(), target: target, ln: ln}
+	p.wg.Add(1)
+	go func() {
+		defer p.wg.Done()
+		for {
+			client, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			p.wg.Add(1)
+			go func() {
+				defer p.wg.Done()
+				p.serve(client)
+			}()
+		}
+	}()
+	t.Cleanup(func() {
+		ln.Close()
+		p.wg.Wait()
+	})
+	return p
+}
+
+func (p *cuttingProxy) serve(client net.Conn) {
+	defer client.Close()
+	if p.refusing.Load() {
+		return
+	}
+	server, err := net.Dial("tcp", p.target)
+	if err != nil {
+		return
+	}
+	defer server.Close()
+	go func() { // replies: passed back unless cutting
+		buf := make([]byte, 64<<10)
+		for {
+			n, err := server.Read(buf)
+			if n > 0 && !p.cutting.Load() {
+				if _, werr := client.Write(buf[:n]); werr != nil {
+					return
+				}
+			}
+			if err != nil {
+				client.Close()
+				return
+			}
+		}
+	}()
+	buf := make([]byte, 64<<10)
+	for {
+		n, err := client.Read(buf)
+		if p.refusing.Load() {
+			return
+		}
+		if n > 0 {
+			if _, werr := server.Write(buf[:n]); werr != nil {
+				return
+			}
+			if p.cutting.Load() {
+				p.drainThenCut(client, server, buf)
+				return
+			}
+		}
+		if err != nil {
+			return
+		}
+	}
+}
+
+// drainThenCut forwards whatever else the client sends until it falls
+// silent (the rest of a pipeline), gives Redis a moment to run it all,
+// and returns, which closes both connections.
+func (p *cuttingProxy) drainThenCut(client, server net.Conn, buf []byte) {
+	for {
+		_ = client.SetReadDeadline(time.Now().Add(30 * time.Millisecond))
+		n, err := client.Read(buf)
+		if n > 0 {
+			_, _ = server.Write(buf[:n])
+		}
+		if err != nil { // silent for 30 ms, or gone
+			break
+		}
+	}
+	time.Sleep(50 * time.Millisecond)
+}
 
 // expectAtMostOneTake reads the buckets of keys straight from the
 // servers: each holds burst-1 tokens (its one request ran) or does not

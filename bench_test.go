@@ -14,6 +14,7 @@ package ratelimit
 // for scale.
 
 import (
+	"context"
 	"encoding/json"
 	"fmt"
 	"net"
@@ -397,6 +398,62 @@ func BenchmarkKeyResolve(b *testing.B) {
 					_ = tmpl.key(&requestValues{r: r, repl: repl}, prefix, "")
 				}
 			})
+		}
+	}
+}
+
+// BenchmarkServeHTTPLeased is BenchmarkServeHTTPAllowedParallel's par=32
+// with `lease 32` (most requests admitted from this instance's leases,
+// renewed in the background) beside `store memory` (the in-process
+// ceiling): cpu-ns/op includes the renewals' calls.
+func BenchmarkServeHTTPLeased(b *testing.B) {
+	for _, store := range []string{"lease", "memory"} {
+		b.Run(store, func(b *testing.B) {
+			h := &Handler{Zone: "bench-" + store, Key: "{http.request.header.X-Key}", ReplenishRate: "1e9", BurstCapacity: "1000000000"}
+			if store == "memory" {
+				h.Store = storeMemory
+			} else {
+				srv := redistest.Start(b)
+				h.Lease = &Lease{MaxTokens: 32}
+				h.Redis = &RedisConfig{Addresses: []string{srv.Addr}, Timeout: caddy.Duration(2 * time.Second)}
+			}
+			provision(b, h)
+			observeLogs(h, zap.InfoLevel)
+			var next atomic.Int64
+			b.SetParallelism(32)
+			b.ReportAllocs()
+			cpu := processCPU()
+			b.ResetTimer()
+			b.RunParallel(func(pb *testing.PB) {
+				n := next.Add(1)
+				r, w := benchRequest(fmt.Sprintf("192.0.2.%d", n%250+1), "client-"+strconv.FormatInt(n, 10))
+				for pb.Next() {
+					w.h = freshHeader()
+					if err := h.ServeHTTP(w, r, okHandler); err != nil || w.status != http.StatusOK && w.status != 0 {
+						b.Errorf("goroutine %d: %v %d", n, err, w.status)
+						return
+					}
+				}
+			})
+			b.StopTimer()
+			b.ReportMetric(float64(processCPU()-cpu)/float64(b.N), "cpu-ns/op")
+		})
+	}
+}
+
+// BenchmarkLeaseCall is one renewal's call to Redis (lease.lua) alone:
+// what a lease costs per renewal, beside the requests it admits.
+func BenchmarkLeaseCall(b *testing.B) {
+	srv := redistest.Start(b)
+	h := provision(b, &Handler{Zone: "bench-leasecall", Key: "{http.request.header.X-Key}", ReplenishRate: "1e9", BurstCapacity: "1000000000",
+		Lease: &Lease{MaxTokens: 32}, Redis: &RedisConfig{Addresses: []string{srv.Addr}, Timeout: caddy.Duration(2 * time.Second)}})
+	values := h.limits[0].values
+	l := &lease{record: leaseRecordKey("rate_limit:bench-leasecall|k"), values: values}
+	buckets := []bucket{{key: "rate_limit:bench-leasecall|k", values: values, args: values.scriptArgs(), lease: l, held: 0, want: 0}}
+	b.ReportAllocs()
+	for b.Loop() {
+		if _, err := h.leases.call(context.Background(), h.limiter, time.Now(), leaseModeRenew, buckets); err != nil {
+			b.Fatal(err)
 		}
 	}
 }

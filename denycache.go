@@ -18,16 +18,23 @@ const denyCacheSize = 16384
 // with the same rate, burst and cost could be admitted sooner. This holds
 // while every handler sharing the zone refills at the same rate and the
 // bucket survives in Redis; see TestDenyCacheNeverDeniesWhatRedisWouldAdmit.
+// With lease, tokens also come back when a lease is given back or reported
+// spent, at any time: a denial is then cached for at most a hold
+// (maxWait).
 type denyCache struct {
 	mu      sync.Mutex
 	entries map[string]denial
+	// maxWait, when set, is the longest a denial is cached (with lease,
+	// a hold: tokens given back may return sooner than by refill).
+	maxWait time.Duration
 }
 
 // denial is until when a bucket cannot hold the tokens a request asks,
 // for requests with these values: another rate, burst or cost asks Redis.
+// Denials are answered from the cache until ask, at most until.
 type denial struct {
-	until  time.Time
-	values limitValues
+	until, ask time.Time
+	values     limitValues
 }
 
 func newDenyCache() *denyCache {
@@ -44,7 +51,7 @@ func (c *denyCache) answer(buckets []bucket, now time.Time) bool {
 	short := false
 	for i := range buckets {
 		d, ok := c.entries[buckets[i].key]
-		short = short || ok && d.values == buckets[i].values && now.Before(d.until)
+		short = short || ok && d.values == buckets[i].values && now.Before(d.ask)
 	}
 	if !short {
 		return false
@@ -52,7 +59,7 @@ func (c *denyCache) answer(buckets []bucket, now time.Time) bool {
 	for i := range buckets {
 		b := &buckets[i]
 		d, ok := c.entries[b.key]
-		if !ok || d.values != b.values || !now.Before(d.until) {
+		if !ok || d.values != b.values || !now.Before(d.ask) {
 			b.unknown = true
 			continue
 		}
@@ -77,7 +84,12 @@ func (c *denyCache) put(buckets []bucket, sent time.Time) {
 		if len(c.entries) >= denyCacheSize {
 			c.makeRoom(sent)
 		}
-		c.entries[b.key] = denial{until: sent.Add(b.retryAfter - time.Microsecond), values: b.values}
+		d := denial{until: sent.Add(b.retryAfter - time.Microsecond), values: b.values}
+		d.ask = d.until
+		if c.maxWait > 0 && b.retryAfter > c.maxWait {
+			d.ask = sent.Add(c.maxWait)
+		}
+		c.entries[b.key] = d
 	}
 }
 
@@ -108,7 +120,7 @@ func (c *denyCache) makeRoom(now time.Time) {
 		if seen == 0 {
 			first = k
 		}
-		if !now.Before(d.until) {
+		if !now.Before(d.ask) {
 			delete(c.entries, k)
 			dropped++
 		}

@@ -289,7 +289,7 @@ type takeResult struct {
 // takeOne asks l to take from the one bucket at key.
 func takeOne(ctx context.Context, l *limiter, now time.Time, key string, args [3]any) (takeResult, error) {
 	b := []bucket{{key: key, args: args}}
-	allowed, err := l.take(ctx, now, b, false)
+	allowed, err := l.take(ctx, now, b)
 	return takeResult{allowed, b[0].remaining, b[0].retryAfter}, err
 }
 

@@ -1,8 +1,11 @@
 package ratelimit
 
 import (
-	"context"
+	"crypto/rand"
+	"encoding/hex"
+	"fmt"
 	"hash/maphash"
+	"math"
 	"strconv"
 	"sync"
 	"sync/atomic"
@@ -11,23 +14,29 @@ import (
 	"github.com/caddyserver/caddy/v2"
 )
 
-// Lease lets an instance admit most requests without waiting on Redis:
-// when a request goes to Redis, the same script call also takes up to
-// `max_tokens` extra tokens for this instance (never more than half of
-// what the request leaves), and this instance's next requests on that
-// bucket are admitted from them until `hold` ends; then what is unused
-// goes back to the bucket. Tokens admitted anywhere are never more than
-// tokens taken from Redis, and a bucket given back unused tokens is never
-// fuller than it would have been; but the bucket refills while leased
-// tokens are out, so over an interval that starts while leases are out a
-// client may be admitted what they hold (at most max_tokens per instance)
-// on top of burst_capacity + replenish_rate × T.
+// Lease lets an instance admit most requests without waiting on Redis,
+// from tokens its bucket lent it ahead. The bucket counts in Redis what
+// it lent to each instance, and does not refill into lent tokens, so the
+// bound stays exact: over any interval T a bucket admits at most
+// `burst_capacity + replenish_rate × T`, with or without leases, on any
+// number of instances.
+//
+// A lease is sized to the key's recent rate on this instance (what it
+// will use within `hold`, at most `max_tokens`) and renewed in the
+// background when it falls to half of what the last call lent, or its
+// hold is nearly over (sooner when its calls are slow); a renewal
+// reports what was used,
+// which then stops counting as lent. Its
+// unused tokens go back when the hold ends without a renewal. A lease
+// whose instance dies counts as spent once its hold (and a grace for the
+// give-back) is over.
 type Lease struct {
-	// MaxTokens is the most tokens one call may lease from a bucket.
+	// MaxTokens is the most tokens one lease holds.
 	MaxTokens int64 `json:"max_tokens,omitempty"`
 
-	// Hold is how long leased tokens may admit requests before the unused
-	// ones go back. At most 1s. Default: 100ms.
+	// Hold is how long a lease admits requests after the call that lent
+	// or renewed it; then its unused tokens go back. At most 1s.
+	// Default: 100ms.
 	Hold caddy.Duration `json:"hold,omitempty"`
 }
 
@@ -37,57 +46,125 @@ const (
 	maxLeaseHold     = time.Second
 )
 
-// leases holds what this handler's instance leased, by bucket, sharded
-// like the memory store.
+// leases holds this handler's leases, by bucket, sharded like the memory
+// store. The calls to Redis are in leasecall.go.
 type leases struct {
-	hold   time.Duration
-	max    int64
-	maxes  []any // each allowance up to max as the script's argument, boxed once
-	seed   maphash.Seed
-	shards [leaseShards]leaseShard
-	closed atomic.Bool // set by close: nothing more is leased or kept
-	stop   chan struct{}
-	done   chan struct{}
+	hold time.Duration
+	// life is how long Redis counts a lease after a call: the hold, then
+	// time for the give-back, sent within half a hold, to arrive within
+	// the Redis timeout. Redis never counts a lease as spent while this
+	// instance may still admit from it.
+	life time.Duration
+	max  int64
+	// id names this instance in the buckets' lease records; seq orders
+	// its calls, so that Redis ignores a report older than one it has.
+	// idArg and lifeArg are the id and life as lease.lua's arguments,
+	// boxed once (with seq an int64: BenchmarkLeaseCall 13-14 -> 9-10 allocs).
+	id             string
+	seq            atomic.Int64
+	idArg, lifeArg any
+	seed           maphash.Seed
+	shards         [leaseShards]leaseShard
+	closed         atomic.Bool // set by close: nothing more is lent; what lands goes back
+	stop           chan struct{}
+	done           chan struct{}
 }
 
 const leaseShards = 64
 
 type leaseShard struct {
-	mu    sync.Mutex
-	byKey map[string]lease
-	// superseded holds the unused tokens of leases that a lease with
-	// other values replaced, for the next give-back.
-	superseded []bucket
-	padded     [16]byte // a cache line of its own
+	mu     sync.Mutex
+	byKey  map[string]*lease
+	padded [40]byte // a cache line of its own
 }
 
-// lease is one bucket's leased tokens.
+// lease is this instance's lease on one bucket, and what sizes it.
 type lease struct {
-	tokens    int64       // unused
-	remaining int64       // what Redis said the bucket held, leases taken out, at the last call
-	values    limitValues // the values it was leased with: other values ask Redis
-	until     time.Time   // when the hold ends
+	record string      // the key of the bucket's lease record (leaseRecordKey)
+	values limitValues // of the last call: a request with other values asks Redis
+	tokens int64       // unused; each admits requests until the hold ends
+	// renewAt is when a renewal starts: when the lease falls to half of
+	// what the last call lent, or sooner, to what the key's requests
+	// spend in four round trips (a renewal must land before the lease
+	// runs dry, and on a busy instance round trips vary a lot). rtt is
+	// the round trip of its calls: it rises with a slow call at once and
+	// falls by halves.
+	renewAt int64
+	rtt     time.Duration
+	// renewBy is when a renewal starts, however much the lease holds: a
+	// quarter hold, or two round trips, before the hold ends.
+	renewBy   time.Time
+	until     time.Time // the end of the hold
+	counted   bool      // Redis counts a lease of this instance on the bucket
+	remaining int64     // what Redis said the bucket held at the last call
+	// flight is the call in flight for the bucket, at most one; spent is
+	// what was admitted from tokens since it left.
+	flight *leaseFlight
+	spent  int64
+	// calm is when a renewal may start again after one failed: while the
+	// breaker is open, not one per admission.
+	calm time.Time
+	// seen counts the requests since the last call left, at since; rate
+	// is the key's rate on this instance (requests per second, averaged
+	// over about a hold; rated once known), which sizes the next lease.
+	seen  int64
+	since time.Time
+	rate  float64
+	rated bool
 }
 
-func newLeases(c *Lease) *leases {
+// leaseFlight is a lease call in flight. Requests whose leases are empty
+// wait for it, then try their leases again; they share its error.
+type leaseFlight struct {
+	done chan struct{} // closed once it landed
+	err  error         // set before done closes: a failure of Redis, not of the leader's client
+	sent time.Time
+	// buckets are a renewal's own copies of its request's buckets (a
+	// request's call uses the request's).
+	buckets []bucket
+}
+
+func newLeases(c *Lease, timeout time.Duration) *leases {
 	hold := time.Duration(c.Hold)
 	if hold == 0 {
 		hold = defaultLeaseHold
 	}
-	ls := &leases{hold: hold, max: c.MaxTokens, seed: maphash.MakeSeed(),
-		stop: make(chan struct{}), done: make(chan struct{})}
-	for n := range min(c.MaxTokens, maxBoxedAllowance) + 1 {
-		ls.maxes = append(ls.maxes, strconv.FormatInt(n, 10))
-	}
+	var id [8]byte
+	_, _ = rand.Read(id[:]) // never fails (crypto/rand)
+	ls := &leases{hold: hold, life: 2*hold + timeout, max: c.MaxTokens, id: hex.EncodeToString(id[:]),
+		seed: maphash.MakeSeed(), stop: make(chan struct{}), done: make(chan struct{})}
+	ls.idArg, ls.lifeArg = ls.id, strconv.FormatInt(ls.life.Microseconds(), 10)
 	for i := range ls.shards {
-		ls.shards[i].byKey = make(map[string]lease)
+		ls.shards[i].byKey = make(map[string]*lease)
 	}
 	return ls
+}
+
+// provisionLeases sets lease up: the leases, their give-back loop, and
+// the deny cache's limit (a cached denial lasts at most a hold: leases
+// given back or reported spent may refill a bucket sooner than its wait).
+// On a Cluster, a bucket's lease record must share its hash slot, which
+// a key_prefix with unbalanced braces prevents.
+func (h *Handler) provisionLeases(keyPrefix string) error {
+	if h.limiter.cluster != nil {
+		for _, l := range h.limits {
+			if probe := l.keyPrefix + "x" + l.keySuffix; clusterSlot(leaseRecordKey(probe)) != clusterSlot(probe) {
+				return fmt.Errorf("lease with key_prefix '%s': its braces keep a bucket's lease record out of the bucket's Redis Cluster hash slot; "+
+					"use a key_prefix without braces, or with a hash tag such as '{rl}:'", keyPrefix)
+			}
+		}
+	}
+	h.leases = newLeases(h.Lease, h.limiter.timeout)
+	h.denied.maxWait = h.leases.hold
+	go h.giveBackEvery()
+	return nil
 }
 
 func (ls *leases) shardIndex(key string) int {
 	return int(maphash.String(ls.seed, key) % leaseShards)
 }
+
+func (ls *leases) get(key string) *lease { return ls.shards[ls.shardIndex(key)].byKey[key] }
 
 // lock locks the shards of the buckets (see lockShards).
 func (ls *leases) lock(buckets []bucket, shards []int) []int {
@@ -101,174 +178,229 @@ func (ls *leases) unlock(shards []int) { unlockShards(ls.shards[:], shards) }
 
 func (sh *leaseShard) mutex() *sync.Mutex { return &sh.mu }
 
-// maxBoxedAllowance bounds the allowances boxed ahead; a larger lease
-// boxes one per call.
-const maxBoxedAllowance = 1024
+// leaseOutcome is what acquire decided for a request.
+type leaseOutcome int
 
-// allowance is the most a bucket may lend with a call, given what its
-// lease holds: max_tokens, less what is held, so that a lease that a
-// policy cannot use (another limit's lease is short) does not grow.
-func (ls *leases) allowance(held int64) any {
-	n := max(0, ls.max-held)
-	if n < int64(len(ls.maxes)) {
-		return ls.maxes[n]
-	}
-	return strconv.FormatInt(n, 10)
-}
+const (
+	leaseAdmitted leaseOutcome = iota // from the leases
+	leaseWait                         // for the flight in progress
+	leaseMiss                         // ask Redis (when leading, through the flight acquire made)
+)
 
-// admit admits a request from the leases when every one of its buckets
-// holds a lease, within its hold, with the request's values and its
-// requested tokens; then it takes them from each. A bucket's remaining
-// is then an estimate: what Redis said at the last call, plus what the
-// lease still holds. Otherwise it sets each bucket's leaseMax for the
-// call to Redis.
-func (ls *leases) admit(now time.Time, buckets []bucket) bool {
+// acquire admits a request from its buckets' leases when each holds one
+// within its hold, with the request's values and its requested tokens;
+// the request's remaining is then an estimate: what Redis said at the
+// last call, plus what the lease still holds. When a lease falls to half
+// of what its last call lent, or its hold is nearly over, acquire also
+// starts a renewal of the request's leases, and returns its flight to
+// send. Otherwise, when a call is in flight for a bucket whose lease
+// falls short, the request waits for it. Otherwise it misses; leading, it
+// then gets the flight that its own call to Redis is, registered on every
+// bucket. Until counted is set, the request counts into the rates of its
+// buckets' leases (those that exist).
+func (ls *leases) acquire(now time.Time, buckets []bucket, counted *bool, lead bool) (leaseOutcome, *leaseFlight) {
 	var inline [maxInlineBuckets]int
 	shards := ls.lock(buckets, inline[:0])
 	defer ls.unlock(shards)
-	admit := true
+	admit, found := true, false
+	var wait *leaseFlight
 	for i := range buckets {
 		b := &buckets[i]
-		l, ok := ls.shards[ls.shardIndex(b.key)].byKey[b.key]
-		if !ok || !now.Before(l.until) || l.values != b.values {
-			l.tokens = 0 // a lease that does not count
+		l := ls.get(b.key)
+		if l == nil {
+			admit = false
+			continue
 		}
-		b.leaseMax = ls.allowance(l.tokens)
-		admit = admit && l.tokens >= b.values.requested
+		if found = true; !*counted {
+			l.seen++
+		}
+		if !now.Before(l.until) || l.values != b.values || l.tokens < b.values.requested {
+			admit = false
+			if l.flight != nil {
+				wait = l.flight
+			}
+		}
 	}
-	if !admit {
-		return false
+	*counted = *counted || found
+	switch {
+	case admit:
+		renew := false
+		for i := range buckets {
+			b := &buckets[i]
+			l := ls.get(b.key)
+			l.tokens -= b.values.requested
+			if l.flight != nil {
+				l.spent += b.values.requested
+			}
+			b.remaining, b.retryAfter = l.remaining+l.tokens, 0
+			renew = renew || now.After(l.calm) && (l.tokens <= l.renewAt || !now.Before(l.renewBy))
+		}
+		if !renew || ls.closed.Load() || ls.inFlight(buckets) != nil {
+			return leaseAdmitted, nil
+		}
+		f := &leaseFlight{done: make(chan struct{}), sent: now, buckets: make([]bucket, len(buckets))}
+		copy(f.buckets, buckets)
+		ls.register(now, f, f.buckets)
+		return leaseAdmitted, f
+	case wait != nil:
+		return leaseWait, wait
+	case !lead:
+		return leaseMiss, nil
 	}
-	for i := range buckets {
-		b := &buckets[i]
-		shard := &ls.shards[ls.shardIndex(b.key)]
-		l := shard.byKey[b.key]
-		l.tokens -= b.values.requested
-		shard.byKey[b.key] = l
-		b.remaining, b.retryAfter = l.remaining+l.tokens, 0
+	if f := ls.inFlight(buckets); f != nil { // another request leads: wait for it
+		return leaseWait, f
 	}
-	return true
+	f := &leaseFlight{done: make(chan struct{}), sent: now}
+	ls.register(now, f, buckets)
+	return leaseMiss, f
 }
 
-// grant keeps what an admitted request's call leased, for its buckets'
-// next requests, and counts it in the request's remaining. Tokens still
-// unused from an earlier lease within its hold stay, under the new hold;
-// those of a lease whose hold ended go back. Once the leases
-// are closed nothing is kept: what the call leased is returned as
-// buckets to give back.
-func (ls *leases) grant(now time.Time, buckets []bucket) (back []bucket) {
+// inFlight is a flight in progress for one of the buckets, or nil. The
+// caller holds their shards locked.
+func (ls *leases) inFlight(buckets []bucket) *leaseFlight {
+	for i := range buckets {
+		if l := ls.get(buckets[i].key); l != nil && l.flight != nil {
+			return l.flight
+		}
+	}
+	return nil
+}
+
+// register makes f the flight of each bucket's lease (made if missing),
+// and sets what its call reports and asks: the tokens the lease holds
+// unused, and the most it should hold after the call. The caller holds
+// the buckets' shards locked.
+func (ls *leases) register(now time.Time, f *leaseFlight, buckets []bucket) {
+	for i := range buckets {
+		b := &buckets[i]
+		l := ls.get(b.key)
+		if l == nil {
+			l = &lease{record: leaseRecordKey(b.key), values: b.values}
+			ls.shards[ls.shardIndex(b.key)].byKey[b.key] = l
+		}
+		l.flight, l.spent = f, 0
+		b.lease, b.held = l, l.tokens
+		b.want = min(ls.max, l.tokens+ls.grant(l, now, b.values.requested))
+	}
+}
+
+// grant is what a call at now should lend l: what the key's requests use
+// within one hold at its rate, in whole requests (on top of what l
+// holds, up to max_tokens in all); nothing for a key seen once (whose
+// rate is unknown) and nothing once the leases are closed. The rate is
+// measured over windows of at least half a hold (a shorter one, between
+// calls close together, holds too few requests to tell), weighed against
+// the rate before by how long the window was, in holds: a burst a moment
+// ago still counts, and a key idle for a few holds is known by its
+// latest requests. Within a window, a rate is raised at once to what the
+// requests seen so far make over half a hold.
+func (ls *leases) grant(l *lease, now time.Time, requested int64) int64 {
+	window := now.Sub(l.since).Seconds()
+	switch {
+	case l.since.IsZero():
+		l.seen, l.since = 0, now
+	case !l.rated:
+		l.rate, l.rated = float64(l.seen)/max(window, 1e-6), true
+		l.seen, l.since = 0, now
+	case window < ls.hold.Seconds()/2:
+		l.rate = max(l.rate, float64(l.seen)/(ls.hold.Seconds()/2))
+	default:
+		keep := math.Exp(-window / ls.hold.Seconds())
+		l.rate = l.rate*keep + float64(l.seen)/window*(1-keep)
+		l.seen, l.since = 0, now
+	}
+	if !l.rated || ls.closed.Load() {
+		return 0
+	}
+	requests := l.rate * ls.hold.Seconds()
+	return min(ls.max, int64(min(requests, float64(ls.max)))*requested)
+}
+
+// land records what a call answered at now for the buckets, which the
+// flight covers: each bucket's leased is what Redis counts as lent to this
+// instance now, and what was admitted from the lease since the call left
+// is spent out of it. The hold starts anew from when the call left. A
+// failed call (err) changes no lease: Redis counts each as long as this
+// instance may admit from it, so it is used until its hold ends.
+// Buckets whose call was not answered are passed with err set too. Once
+// the leases are closed, what they hold is returned, for a give-back.
+func (ls *leases) land(f *leaseFlight, buckets []bucket, now time.Time, err error) (back []bucket) {
 	var inline [maxInlineBuckets]int
 	shards := ls.lock(buckets, inline[:0])
 	defer ls.unlock(shards)
-	closed := ls.closed.Load() // under the locks: close's last take comes after
+	closed := ls.closed.Load() // under the locks: close's last give-back comes after
 	for i := range buckets {
 		b := &buckets[i]
-		if b.leased == 0 {
-			// Nothing new: a lease still held counts in remaining, and
-			// what Redis said is its new base.
-			shard := &ls.shards[ls.shardIndex(b.key)]
-			if l, ok := shard.byKey[b.key]; ok && !closed && now.Before(l.until) && l.values == b.values {
-				l.remaining = b.remaining
-				shard.byKey[b.key] = l
-				b.remaining += l.tokens
-			}
+		l := b.lease
+		if l == nil || l.flight != f {
 			continue
 		}
-		if closed {
-			back = append(back, giveBackBucket(b.key, b.values, b.leased))
-			continue
+		if err != nil {
+			l.calm = now.Add(ls.hold / 8)
+		} else {
+			l.tokens = max(0, b.leased-l.spent)
+			rtt := now.Sub(f.sent)
+			l.rtt = max(rtt, (l.rtt+rtt)/2)
+			l.renewAt = max(max(0, b.leased-b.held)/2, int64(math.Ceil(4*l.rate*l.rtt.Seconds()))*b.values.requested)
+			l.counted = b.leased > 0
+			l.until = f.sent.Add(ls.hold)
+			l.renewBy = l.until.Add(-max(ls.hold/4, 2*l.rtt))
+			l.remaining, l.values = b.remaining, b.values
+			b.remaining += l.tokens
 		}
-		shard := &ls.shards[ls.shardIndex(b.key)]
-		l := shard.byKey[b.key]
-		if l.values != b.values || !now.Before(l.until) {
-			// Leased with other values, or its hold ended (admit counted it
-			// as empty, so this call lent a whole max_tokens): given back
-			// with the next take, never carried into the new hold.
-			if l.tokens > 0 {
-				shard.superseded = append(shard.superseded, giveBackBucket(b.key, l.values, l.tokens))
-			}
-			l.tokens = 0
+		l.spent = 0
+		if closed && l.counted {
+			back = append(back, ls.giveBackBucket(b.key, l))
 		}
-		l = lease{tokens: l.tokens + b.leased, remaining: b.remaining, values: b.values, until: now.Add(ls.hold)}
-		shard.byKey[b.key] = l
-		b.remaining += l.tokens
 	}
 	return back
 }
 
-// giveBackBucket is the bucket at key, with values, to be given tokens
-// back.
-func giveBackBucket(key string, values limitValues, tokens int64) bucket {
-	args := values.scriptArgs()
-	args[2] = strconv.FormatInt(tokens, 10) // the tokens to give back
-	return bucket{key: key, values: values, args: args}
+// finish ends a flight: its buckets may fly again, and the requests that
+// waited for it try their leases again (or share its error).
+func (ls *leases) finish(f *leaseFlight, buckets []bucket, err error) {
+	var inline [maxInlineBuckets]int
+	shards := ls.lock(buckets, inline[:0])
+	for i := range buckets {
+		if l := buckets[i].lease; l != nil && l.flight == f {
+			l.flight = nil
+		}
+	}
+	ls.unlock(shards)
+	f.err = err
+	close(f.done)
 }
 
-// take removes the leases whose hold ended by now (all of them, with
-// everything), and returns their unused tokens, and those of superseded
-// leases, as buckets to give back.
+// giveBackBucket is the bucket at key, to which lease l gives back what
+// it holds. Redis stops counting l; so does this instance. The caller
+// holds the bucket's shard locked.
+func (ls *leases) giveBackBucket(key string, l *lease) bucket {
+	b := bucket{key: key, values: l.values, args: l.values.scriptArgs(), lease: l, held: l.tokens}
+	l.tokens, l.counted = 0, false
+	return b
+}
+
+// take returns the leases to give back by now: those whose hold ended
+// (all of them, with everything) and that have no call in flight. The
+// history of a lease a hold past its end is forgotten too, and with
+// everything every lease.
 func (ls *leases) take(now time.Time, everything bool) []bucket {
 	var back []bucket
 	for i := range ls.shards {
 		shard := &ls.shards[i]
 		shard.mu.Lock()
 		for key, l := range shard.byKey {
-			if !everything && now.Before(l.until) {
+			if l.flight != nil || !everything && now.Before(l.until) {
 				continue
 			}
-			delete(shard.byKey, key)
-			if l.tokens > 0 {
-				back = append(back, giveBackBucket(key, l.values, l.tokens))
+			if l.counted {
+				back = append(back, ls.giveBackBucket(key, l))
+			}
+			if everything || !now.Before(l.until.Add(ls.hold)) {
+				delete(shard.byKey, key)
 			}
 		}
-		back = append(back, shard.superseded...)
-		clear(shard.superseded)
-		shard.superseded = shard.superseded[:0]
 		shard.mu.Unlock()
 	}
 	return back
-}
-
-// drop forgets every lease without giving anything back: after Redis
-// failed, the tokens are lost, which only ever holds clients below their
-// limit.
-func (ls *leases) drop() { ls.take(time.Now(), true) }
-
-// giveBackEvery gives back, every half hold, the unused tokens of the
-// leases whose hold ended, through l (in its next pipeline), until stop.
-func (ls *leases) giveBackEvery(l *limiter) {
-	defer close(ls.done)
-	tick := time.NewTicker(max(ls.hold/2, time.Millisecond)) // a hold of 1ns is valid; a ticker of 0 panics
-	defer tick.Stop()
-	for {
-		select {
-		case <-ls.stop:
-			ls.giveBack(l, ls.take(time.Now(), true))
-			return
-		case now := <-tick.C:
-			ls.giveBack(l, ls.take(now, false))
-		}
-	}
-}
-
-// giveBack returns leased tokens to their buckets: all in one call, or a
-// bucket per call on a Cluster, where they may live on different
-// masters. What fails is dropped.
-func (ls *leases) giveBack(l *limiter, back []bucket) {
-	if l.cluster == nil && len(back) > 0 {
-		_ = l.giveBack(context.Background(), time.Now(), back)
-		return
-	}
-	for i := range back {
-		_ = l.giveBack(context.Background(), time.Now(), back[i:i+1])
-	}
-}
-
-// close gives back what the leases hold and stops. From then on nothing
-// is leased (see Handler.check) or kept (see grant): no loop would give
-// it back.
-func (ls *leases) close() {
-	ls.closed.Store(true)
-	close(ls.stop)
-	<-ls.done
 }

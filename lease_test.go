@@ -1,18 +1,19 @@
 package ratelimit
 
-// Leases (lease.go): what one script call leases, admission from a lease
-// without Redis, give-back when the hold ends, at Cleanup and reload,
-// drops on a Redis failure, the estimate in the headers, and the bound
-// across instances, standalone and on Cluster. The parser's and
-// Validate's refusals are rows of the tables in caddyfile_test.go; the
-// forms that load are here.
+// Leases (lease.go, leasecall.go): the lease table, admission without
+// Redis, one call in flight per bucket, renewal ahead of need, sizing to
+// a key's rate, give-back when the hold ends, at Cleanup and reload,
+// failures of one bucket, the deny cache, the estimate in the headers,
+// and the exact bound across instances, standalone and on Cluster (and
+// at random: lease_random_test.go). lease.lua alone is tested in
+// leasecall_test.go. The parser's and Validate's refusals are rows of
+// the tables in caddyfile_test.go; the forms that load are here.
 
 import (
 	"context"
 	"encoding/json"
 	"fmt"
 	"net/http"
-	"strconv"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -22,6 +23,8 @@ import (
 	"github.com/caddy-redis/ratelimit/internal/caddyproc"
 	"github.com/caddy-redis/ratelimit/internal/redistest"
 	"github.com/caddyserver/caddy/v2"
+	"github.com/prometheus/client_golang/prometheus"
+	dto "github.com/prometheus/client_model/go"
 	"github.com/redis/go-redis/v9"
 )
 
@@ -60,21 +63,55 @@ func leaseHeld(h *Handler, key string) int64 {
 	s := &h.leases.shards[h.leases.shardIndex(key)]
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	return s.byKey[key].tokens
+	if l := s.byKey[key]; l != nil {
+		return l.tokens
+	}
+	return 0
 }
 
-// leasesHeld is what all of h's leases hold, and how many there are.
+// leasesHeld is what all of h's leases hold, and how many Redis counts.
 func leasesHeld(h *Handler) (tokens int64, n int) {
 	for i := range h.leases.shards {
 		s := &h.leases.shards[i]
 		s.mu.Lock()
 		for _, l := range s.byKey {
-			tokens += l.tokens
-			n++
+			if l.counted {
+				tokens += l.tokens
+				n++
+			}
 		}
 		s.mu.Unlock()
 	}
 	return tokens, n
+}
+
+// warmLease sends requests for key through h until its lease holds
+// tokens: the first call of a key lends nothing (its rate is unknown),
+// the next lends what the rate since wants. It returns how many were
+// sent, each admitted.
+func warmLease(t *testing.T, h *Handler, key, bucketKey string) int {
+	t.Helper()
+	for n := 1; n <= 3; n++ {
+		if status, _, _ := hit(h, key); status != 200 {
+			t.Fatalf("warming %s up: request %d got %d", key, n, status)
+		}
+		if leaseHeld(h, bucketKey) > 0 {
+			return n
+		}
+	}
+	t.Fatalf("no lease on %s after 3 requests", key)
+	return 0
+}
+
+// redisCalls is how many requests h sent to Redis itself (the Redis step
+// its metric times): not those admitted from a lease, nor renewals.
+func redisCalls(t *testing.T, h *Handler) uint64 {
+	t.Helper()
+	var m dto.Metric
+	if err := h.metrics.redisDuration.(prometheus.Metric).Write(&m); err != nil {
+		t.Fatal(err)
+	}
+	return m.GetHistogram().GetSampleCount()
 }
 
 // setBucket stores a bucket holding tokens now, as the script stores it.
@@ -114,8 +151,8 @@ func scriptsLoaded(t *testing.T, rdbs ...*redis.Client) {
 	t.Helper()
 	eventually(t, 5*time.Second, "the scripts loaded", func() bool {
 		for _, rdb := range rdbs {
-			loaded, err := rdb.ScriptExists(context.Background(), scriptSHA, giveBackScript.sha.(string)).Result()
-			if err != nil || !loaded[0] || !loaded[1] {
+			loaded, err := rdb.ScriptExists(context.Background(), scriptSHA, giveBackScript.sha.(string), leaseScript.sha.(string)).Result()
+			if err != nil || !loaded[0] || !loaded[1] || !loaded[2] {
 				return false
 			}
 		}
@@ -294,10 +331,19 @@ func TestLeaseWithStoreMemoryRefusedAtLoad(t *testing.T) {
 // was leased with and enough tokens; all of a request's buckets or none;
 // the estimate of remaining; what ends goes back, with what it holds;
 // a drop gives nothing back; and a lease taken with other values keeps
-// the unused tokens of the one before for give-back.
+
+// TestLeaseTable drives the lease table alone, on a clock of its own: a
+// miss leads a call, registered as the bucket's one flight, which other
+// misses wait for; what lands is Redis's count less what was admitted
+// meanwhile, for a hold from when the call left; admission within the
+// hold only, with the lease's values, all of a request's buckets or
+// none; a renewal starts at half of what the last call lent, one at a
+// time; a failed call changes nothing; give-backs come when the hold
+// ends, never while a call is in flight; once closed, what lands goes
+// back.
 func TestLeaseTable(t *testing.T) {
 	const hold = 100 * time.Millisecond
-	ls := newLeases(&Lease{MaxTokens: 10, Hold: caddy.Duration(hold)})
+	ls := newLeases(&Lease{MaxTokens: 10, Hold: caddy.Duration(hold)}, time.Second)
 	v := limitValues{rate: 1, burst: 100, requested: 1}
 	t0 := time.Unix(1_000_000, 0)
 	ask := func(values limitValues, keys ...string) []bucket {
@@ -308,149 +354,247 @@ func TestLeaseTable(t *testing.T) {
 		return bs
 	}
 	held := func(key string) int64 {
-		s := &ls.shards[ls.shardIndex(key)]
-		return s.byKey[key].tokens
+		if l := ls.get(key); l != nil {
+			return l.tokens
+		}
+		return 0
+	}
+	// acq is acquire for a request trying for the first time (first), or
+	// again.
+	acq := func(now time.Time, bs []bucket, first, lead bool) (leaseOutcome, *leaseFlight) {
+		counted := !first
+		return ls.acquire(now, bs, &counted, lead)
+	}
+	answer := func(f *leaseFlight, bs []bucket, leased, remaining int64) {
+		t.Helper()
+		for i := range bs {
+			bs[i].leased, bs[i].remaining = leased, remaining
+		}
+		if back := ls.land(f, bs, f.sent, nil); len(back) != 0 {
+			t.Fatalf("landing gave back %+v", back)
+		}
+		ls.finish(f, bs, nil)
 	}
 
-	granted := []bucket{{key: "a", values: v, leased: 10, remaining: 50}}
-	ls.grant(t0, granted)
-	if granted[0].remaining != 60 {
-		t.Errorf("remaining of the request that leased: %d, want Redis's 50 + the lease's 10", granted[0].remaining)
+	// Nothing leased: a miss. Leading, the request's call is the flight.
+	a := ask(v, "a")
+	if o, f := acq(t0, a, true, false); o != leaseMiss || f != nil {
+		t.Fatalf("no lease: %v %v; want a miss", o, f)
 	}
+	o, f := acq(t0, a, false, true)
+	if o != leaseMiss || f == nil || a[0].lease == nil || a[0].held != 0 || a[0].want != 0 {
+		t.Fatalf("leading: %v %v %+v; want a flight, asking for nothing (the rate is unknown)", o, f, a[0])
+	}
+	if o, f2 := acq(t0, ask(v, "a"), true, false); o != leaseWait || f2 != f {
+		t.Fatalf("another miss during the call: %v; want it to wait for the flight", o)
+	}
+	answer(f, a, 0, 99)
+	select {
+	case <-f.done:
+	default:
+		t.Fatal("the flight landed, but its waiters were not told")
+	}
+
+	// 10 requests in 10 ms since: the next call wants 10 (100 ms' worth,
+	// at most max_tokens). Redis lends 10.
+	for range 9 {
+		acq(t0, ask(v, "a"), true, false)
+	}
+	t1 := t0.Add(10 * time.Millisecond)
+	a = ask(v, "a")
+	acq(t1, a, true, false)
+	_, f = acq(t1, a, false, true)
+	if a[0].want != 10 {
+		t.Errorf("after 10 requests in 10ms: wants %d, want 10", a[0].want)
+	}
+	answer(f, a, 10, 88)
+	if a[0].remaining != 98 || held("a") != 10 {
+		t.Errorf("landed: remaining %d, held %d; want 88 + 10, 10", a[0].remaining, held("a"))
+	}
+
+	// Admitted within the hold (its end excluded), with its values only.
 	b := ask(v, "a")
-	if !ls.admit(t0.Add(hold/2), b) || b[0].remaining != 59 || b[0].retryAfter != 0 {
-		t.Fatalf("within the hold: admitted with remaining %d; want admitted with 50 + 9", b[0].remaining)
+	if o, _ := acq(t1.Add(hold/2), b, true, false); o != leaseAdmitted || b[0].remaining != 97 || held("a") != 9 {
+		t.Fatalf("within the hold: %v remaining %d; want admitted with 88 + 9", o, b[0].remaining)
 	}
-	if ls.admit(t0, ask(limitValues{rate: 1, burst: 100, requested: 2}, "a")) {
+	if o, _ := acq(t1, ask(limitValues{rate: 1, burst: 100, requested: 2}, "a"), true, false); o != leaseMiss {
 		t.Error("admitted a request with other values than the lease's")
 	}
-	if ls.admit(t0.Add(hold), ask(v, "a")) || ls.admit(t0.Add(time.Hour), ask(v, "a")) {
-		t.Error("admitted from a lease at or past the end of its hold")
+	if o, _ := acq(t1.Add(hold), ask(v, "a"), true, false); o != leaseMiss {
+		t.Error("admitted from a lease at the end of its hold")
 	}
-	if back := ls.take(t0.Add(hold-time.Nanosecond), false); len(back) != 0 {
-		t.Errorf("gave back %v before the hold ended", back)
+
+	// At half of the 10 lent, the admission starts a renewal: it reports
+	// the 5 left. Requests meanwhile are admitted from them.
+	for range 3 {
+		acq(t1, ask(v, "a"), true, false)
 	}
-	back := ls.take(t0.Add(hold), false)
-	if len(back) != 1 || back[0].key != "a" || back[0].args != [3]any{"1", "100", "9"} {
-		t.Fatalf("at the end of the hold gave back %+v; want bucket a with its rate, burst and 9 tokens", back)
+	o, renewal := acq(t1, ask(v, "a"), true, false)
+	if o != leaseAdmitted || renewal == nil || len(renewal.buckets) != 1 || renewal.buckets[0].held != 5 {
+		t.Fatalf("at 5 of 10: %v, renewal %+v; want admitted, and a renewal reporting 5", o, renewal)
 	}
-	if held("a") != 0 || ls.admit(t0, ask(v, "a")) {
-		t.Error("the lease given back still admits")
+	if o, again := acq(t1, ask(v, "a"), true, false); o != leaseAdmitted || again != nil {
+		t.Errorf("at 4, a renewal in flight: %v %v; want admitted, no second renewal", o, again)
+	}
+	// Redis counts 5 + 5 lent; 1 was admitted since the renewal left.
+	t2 := t1.Add(20 * time.Millisecond)
+	renewal.sent = t2
+	answer(renewal, renewal.buckets, 10, 78)
+	if held("a") != 9 {
+		t.Errorf("the renewal landed: %d held; want 10 - 1", held("a"))
+	}
+	// A failed call changes nothing: the lease is used until its hold ends.
+	for range 6 {
+		if _, f := acq(t2, ask(v, "a"), true, false); f != nil {
+			t.Fatalf("a renewal at %d, above half of the 5 lent", held("a"))
+		}
+	}
+	_, failed := acq(t2, ask(v, "a"), true, false)
+	if failed == nil {
+		t.Fatal("no renewal at 2 of 5 lent")
+	}
+	ls.land(failed, failed.buckets, t2, errBreakerOpen)
+	ls.finish(failed, failed.buckets, errBreakerOpen)
+	if held("a") != 2 || ls.get("a").until != t2.Add(hold) {
+		t.Errorf("after a failed renewal: %d held until %v; want 2 until %v", held("a"), ls.get("a").until, t2.Add(hold))
 	}
 
 	// Several buckets: all hold a lease, or none is taken from.
-	ls.grant(t0, []bucket{{key: "a", values: v, leased: 5}, {key: "b", values: v}})
-	if ls.admit(t0, ask(v, "a", "b")) || held("a") != 5 {
-		t.Fatalf("admitted with no lease on b, or took from a anyway (a holds %d)", held("a"))
-	}
-	ls.grant(t0, []bucket{{key: "b", values: v, leased: 1}})
-	if !ls.admit(t0, ask(v, "a", "b")) || held("a") != 4 || held("b") != 0 {
-		t.Fatalf("a and b leased: a holds %d, b %d; want admitted, 4 and 0", held("a"), held("b"))
-	}
-	if ls.admit(t0, ask(v, "a", "b")) || held("a") != 4 {
-		t.Fatalf("b's lease spent: a holds %d; want refused, a untouched at 4", held("a"))
+	c := ask(v, "a", "c")
+	if o, _ := acq(t2, c, true, false); o != leaseMiss || held("a") != 2 {
+		t.Fatalf("no lease on c: %v, a holds %d; want a miss, a untouched", o, held("a"))
 	}
 
-	// A lease that holds fewer tokens than a request asks does not admit it.
-	three := limitValues{rate: 1, burst: 100, requested: 3}
-	ls.grant(t0, []bucket{{key: "c", values: three, leased: 4}})
-	if !ls.admit(t0, ask(three, "c")) || ls.admit(t0, ask(three, "c")) || held("c") != 1 {
-		t.Errorf("a lease of 4 for requests of 3: c holds %d; want one admitted, then refused with 1 left", held("c"))
+	// Nothing goes back within the hold, or while a call is in flight.
+	if back := ls.take(t2.Add(hold-time.Nanosecond), false); len(back) != 0 {
+		t.Errorf("gave back %+v before the hold ended", back)
+	}
+	inFlight := ask(v, "a")
+	_, inFlightF := acq(t2.Add(hold), inFlight, false, true)
+	if back := ls.take(t2.Add(hold), false); len(back) != 0 {
+		t.Errorf("gave back %+v while a call was in flight", back)
+	}
+	ls.land(inFlightF, inFlight, t2.Add(hold), errBreakerOpen)
+	ls.finish(inFlightF, inFlight, errBreakerOpen)
+	back := ls.take(t2.Add(hold), false)
+	if len(back) != 1 || back[0].key != "a" || back[0].held != 2 || held("a") != 0 || ls.get("a").counted {
+		t.Fatalf("at the end of the hold gave back %+v; want bucket a, its 2", back)
+	}
+	if ls.get("a") == nil || ls.take(t2.Add(2*hold), false) != nil || ls.get("a") != nil {
+		t.Error("a lease given back is forgotten at once, or never")
 	}
 
-	// A drop forgets everything.
-	ls.drop()
-	if back := ls.take(t0, true); len(back) != 0 {
-		t.Errorf("after a drop, %+v left to give back", back)
-	}
-
-	// A lease with other values (a plan or a cost from the request) takes
-	// over the bucket's lease: the tokens of the one before still go back.
-	ls.grant(t0, []bucket{{key: "d", values: v, leased: 5}})
-	ls.grant(t0, []bucket{{key: "d", values: three, leased: 3}})
-	var total int64
-	for _, b := range ls.take(t0.Add(time.Hour), false) {
-		var n int64
-		fmt.Sscan(b.args[2].(string), &n)
-		total += n
-	}
-	if total != 8 {
-		t.Errorf("leases of 5 then 3 on one bucket with other values: %d tokens given back, want 8", total)
-	}
-
-	// Once Cleanup closed the leases, a call that leased meanwhile keeps
-	// nothing: what it leased is handed back to be given back.
+	// Once closed, a call in flight lands for a give-back: nothing is kept.
+	e := ask(v, "e")
+	acq(t2, e, true, true)
+	_, fe := acq(t2, e, false, true)
 	ls.closed.Store(true)
-	e := []bucket{{key: "e", values: v, leased: 7, remaining: 20}}
-	if back := ls.grant(t0, e); len(back) != 1 || back[0].key != "e" || back[0].args[2] != "7" || held("e") != 0 || e[0].remaining != 20 {
-		t.Errorf("a grant after close: handed back %+v, e holds %d, remaining %d; want e's 7 handed back, nothing kept, remaining Redis's 20",
-			back, held("e"), e[0].remaining)
+	e[0].leased = 7
+	if back := ls.land(fe, e, t2, nil); len(back) != 1 || back[0].held != 7 || held("e") != 0 {
+		t.Errorf("a call landing after close: %+v, e holds %d; want e's 7 back, nothing kept", back, held("e"))
 	}
+}
+
+// TestLeaseRenewsSoonerWhenCallsAreSlow: a renewal starts at half of
+// what the last call lent, or sooner when the key's requests would spend
+// what is left in four round trips; and a quarter hold before the hold
+// ends, or two round trips when that is longer. A slow call raises the
+// round trip at once, fast ones lower it by halves.
+func TestLeaseRenewsSoonerWhenCallsAreSlow(t *testing.T) {
+	ls := newLeases(&Lease{MaxTokens: 32, Hold: caddy.Duration(100 * time.Millisecond)}, time.Second)
+	v := limitValues{rate: 1, burst: 1000, requested: 1}
+	t0 := time.Unix(1_000_000, 0)
+	l := &lease{rate: 100, rated: true}
+	for _, tc := range []struct {
+		rtt  time.Duration
+		want int64
+		by   time.Duration // before the hold ends
+	}{
+		{time.Millisecond, 5, 25 * time.Millisecond},       // half of the 10 lent; a quarter hold
+		{25 * time.Millisecond, 10, 50 * time.Millisecond}, // 100 a second: 10 in four round trips of 25ms
+		{time.Millisecond, 6, 26 * time.Millisecond},       // 13ms: 5.2 in four
+		{time.Millisecond, 5, 25 * time.Millisecond},       // 7ms: 2.8 in four, under half of the 10
+	} {
+		b := []bucket{{key: "k", values: v, lease: l, leased: 10}}
+		f := &leaseFlight{done: make(chan struct{}), sent: t0}
+		l.flight = f
+		ls.land(f, b, t0.Add(tc.rtt), nil)
+		if l.renewAt != tc.want || l.until.Sub(l.renewBy) != tc.by {
+			t.Errorf("10 lent, 100 requests a second, a call of %v (round trip now %v): renews at %d left and %v before the hold ends, want %d and %v",
+				tc.rtt, l.rtt, l.renewAt, l.until.Sub(l.renewBy), tc.want, tc.by)
+		}
+	}
+}
+
+// TestLeaseGrantsTheKeysRate: a call asks for what the key's requests on
+// this instance use within a hold at its rate, in whole requests, at
+// most max_tokens; nothing for a key seen once. The rate is measured over
+// windows of at least half a hold, weighed against the rate before by
+// the window's length in holds; within a window it is raised at once to
+// what the requests so far make over half a hold.
+func TestLeaseGrantsTheKeysRate(t *testing.T) {
+	ls := newLeases(&Lease{MaxTokens: 32, Hold: caddy.Duration(100 * time.Millisecond)}, time.Second)
+	t0 := time.Unix(1_000_000, 0)
+	for _, tc := range []struct {
+		rate      float64 // before; 0: unknown
+		seen      int64
+		window    time.Duration
+		requested int64
+		want      int64
+	}{
+		{0, 0, 0, 1, 0}, // seen once
+		{0, 1, time.Second, 1, 0},
+		{0, 1, 100 * time.Millisecond, 1, 1},
+		{0, 5, 100 * time.Millisecond, 1, 5},
+		{0, 5, 50 * time.Millisecond, 1, 10},
+		{0, 5, 50 * time.Millisecond, 3, 30},
+		{0, 5, 10 * time.Millisecond, 3, 32},
+		{0, 1000, time.Millisecond, 1, 32},
+		{100, 0, 10 * time.Millisecond, 1, 10}, // too short a window to tell: the rate stands
+		{100, 3, 10 * time.Millisecond, 1, 10}, // 3 in half a hold is less
+		{100, 8, 10 * time.Millisecond, 1, 16}, // 8 in half a hold is more: raised at once
+		{100, 0, 50 * time.Millisecond, 1, 6},  // 100 × e^-0.5: a moment ago still counts
+		{100, 1, time.Second, 1, 0},            // idle ten holds: about 1 a second
+		{100, 6, 100 * time.Millisecond, 1, 7}, // 100 × e^-1 + 60 × (1 - e^-1)
+	} {
+		l := &lease{seen: tc.seen, rate: tc.rate, rated: tc.rate > 0}
+		if tc.window > 0 {
+			l.since = t0.Add(-tc.window)
+		}
+		if got := ls.grant(l, t0, tc.requested); got != tc.want {
+			t.Errorf("rate %v, then %d requests of %d in %v: wants %d, want %d", tc.rate, tc.seen, tc.requested, tc.window, got, tc.want)
+		}
+		if restarted := l.seen == 0 && l.since.Equal(t0); restarted != (tc.window == 0 || tc.rate == 0 || tc.window >= 50*time.Millisecond) {
+			t.Errorf("window %v: restarted %v (%d seen since %v)", tc.window, restarted, l.seen, l.since)
+		}
+	}
+}
+
+// leasesSettled waits until no call of h's leases is in flight.
+func leasesSettled(t *testing.T, h *Handler) {
+	t.Helper()
+	eventually(t, 3*time.Second, "the lease calls landed", func() bool {
+		for i := range h.leases.shards {
+			s := &h.leases.shards[i]
+			s.mu.Lock()
+			for _, l := range s.byKey {
+				if l.flight != nil {
+					s.mu.Unlock()
+					return false
+				}
+			}
+			s.mu.Unlock()
+		}
+		return true
+	})
 }
 
 // ---- Against Redis, one instance
 
-// TestLeaseTakesExtraTokensInTheSameCall: a request that goes to Redis
-// also takes up to max_tokens for the lease, never more than half of what
-// the request leaves; a bucket that holds only the request's tokens
-// lends nothing, a short one denies and lends nothing. The stored bucket
-// says what was taken, the lease table what was leased, and the header
-// counts both.
-func TestLeaseTakesExtraTokensInTheSameCall(t *testing.T) {
-	srv := redistest.Start(t)
-	rdb := srv.Client(t)
-	for _, tc := range []struct {
-		cost    int
-		before  float64 // -1: no key, a full bucket of 100
-		leased  int64
-		after   float64
-		allowed bool
-	}{
-		{1, -1, 32, 67, true}, // 100 - 1 - 32
-		{1, 66, 32, 33, true},
-		{1, 50, 24, 25, true}, // floor(49 / 2)
-		{1, 10, 4, 5, true},   // floor(9 / 2)
-		{1, 3, 1, 1, true},
-		{1, 2, 0, 1, true},
-		{1, 1, 0, 0, true},
-		{1, 0.5, 0, 0.5, false},
-		{3, 10, 3, 4, true}, // floor(7 / 2)
-		{3, 4, 0, 1, true},
-		{3, 2.5, 0, 2.5, false},
-	} {
-		t.Run(fmt.Sprintf("cost %d of %v", tc.cost, tc.before), func(t *testing.T) {
-			h := leaseHandler(t, fmt.Sprintf("fill%d", tc.cost), fmt.Sprintf(
-				"replenish_rate %v\n\tburst_capacity 100\n\trequested_tokens %d\n\tlease 32 1s", leaseRate, tc.cost), srv.Addr)
-			scriptsLoaded(t, rdb)
-			client := fmt.Sprint("c", tc.before)
-			key := limitKey(t, h, "", client)
-			if tc.before >= 0 {
-				setBucket(t, rdb, key, tc.before)
-			}
-			var status int
-			var remaining string
-			if n := callsOf(t, rdb, func() { status, remaining, _ = hit(h, client) }); n != 1 {
-				t.Errorf("%d script calls, want 1", n)
-			}
-			if (status == 200) != tc.allowed {
-				t.Fatalf("status %d, want allowed %v", status, tc.allowed)
-			}
-			expectTokens(t, rdb, key, 100, tc.after, "after the request")
-			if got := leaseHeld(h, key); got != tc.leased {
-				t.Errorf("leased %d, want %d", got, tc.leased)
-			}
-			if want := fmt.Sprint(int64(tc.after) + tc.leased); tc.allowed && remaining != want {
-				t.Errorf("X-RateLimit-Remaining %q, want %s (Redis's %v + the lease's %d)", remaining, want, tc.after, tc.leased)
-			}
-		})
-	}
-}
-
 // TestLeaseDrainsTheBucketExactlyAndCountsDown: a bucket of 100 with
-// lease 32, one client on one instance: Redis lends 32, 32, 16, 8, 3, 1,
-// then nothing, as the bucket runs low; the requests between are
-// admitted without Redis; exactly 100 are admitted, with
-// X-RateLimit-Remaining 99 down to 0 as without a lease; the 101st is
+// lease 32, one client on one instance: exactly 100 are admitted, with
+// X-RateLimit-Remaining 99 down to 0 as without a lease, though most
+// never wait on Redis; the lease never holds more than 32; the 101st is
 // denied by Redis, the 102nd by the deny cache.
 func TestLeaseDrainsTheBucketExactlyAndCountsDown(t *testing.T) {
 	srv := redistest.Start(t)
@@ -458,98 +602,220 @@ func TestLeaseDrainsTheBucketExactlyAndCountsDown(t *testing.T) {
 	h := leaseHandler(t, "drain", fmt.Sprintf("replenish_rate %v\n\tburst_capacity 100\n\tlease 32 1s", leaseRate), srv.Addr)
 	scriptsLoaded(t, rdb)
 	key := limitKey(t, h, "", "d")
-	var toRedis []int
-	var lent []int64
-	for i := 1; i <= 102; i++ {
-		var status int
-		var remaining string
-		var header http.Header
-		n := callsOf(t, rdb, func() {
-			status, header = serve(context.Background(), h, "d")
-			remaining = header.Get("X-RateLimit-Remaining")
-		})
-		if n > 1 {
-			t.Fatalf("request %d: %d script calls", i, n)
-		}
-		if n == 1 {
-			toRedis = append(toRedis, i)
-			if status == 200 {
-				lent = append(lent, leaseHeld(h, key))
+	var most int64
+	asked := redisCalls(t, h)
+	calls := callsOf(t, rdb, func() {
+		for i := 1; i <= 102; i++ {
+			if i == 102 {
+				leasesSettled(t, h) // the 101st's denial is cached, not a renewal's
+			}
+			status, header := serve(context.Background(), h, "d")
+			remaining := header.Get("X-RateLimit-Remaining")
+			most = max(most, leaseHeld(h, key))
+			switch {
+			case i <= 100 && (status != 200 || remaining != fmt.Sprint(100-i)):
+				t.Fatalf("request %d: %d remaining %q, want 200 with %d", i, status, remaining, 100-i)
+			case i > 100 && (status != 429 || remaining != "0" || header.Get("Retry-After") == ""):
+				t.Fatalf("request %d: %d remaining %q Retry-After %q, want 429 with 0 and a Retry-After", i, status, remaining, header.Get("Retry-After"))
 			}
 		}
-		switch {
-		case i <= 100 && (status != 200 || remaining != fmt.Sprint(100-i)):
-			t.Fatalf("request %d: %d remaining %q, want 200 with %d", i, status, remaining, 100-i)
-		case i > 100 && (status != 429 || remaining != "0" || header.Get("Retry-After") == ""):
-			t.Fatalf("request %d: %d remaining %q Retry-After %q, want 429 with 0 and a Retry-After", i, status, remaining, header.Get("Retry-After"))
-		}
+	})
+	asked = redisCalls(t, h) - asked
+	t.Logf("102 requests: %d script calls, %d requests asked Redis themselves; the lease held at most %d", calls, asked, most)
+	if most > 32 {
+		t.Errorf("the lease held %d, more than max_tokens 32", most)
 	}
-	if want := []int{1, 34, 67, 84, 93, 97, 99, 100, 101}; fmt.Sprint(toRedis) != fmt.Sprint(want) {
-		t.Errorf("requests that asked Redis: %v, want %v", toRedis, want)
-	}
-	if want := []int64{32, 32, 16, 8, 3, 1, 0, 0}; fmt.Sprint(lent) != fmt.Sprint(want) {
-		t.Errorf("leases: %v, want %v", lent, want)
+	if calls > 25 || asked > 10 {
+		t.Errorf("%d script calls, %d requests asking Redis, for 102 requests: want the lease to spare most", calls, asked)
 	}
 	expectTokens(t, rdb, key, 100, 0, "after 100 admitted")
 }
 
-// TestLeaseAdmitsWithoutRedisWhileItHolds: lease 10 makes 11 requests
-// one script call; with several limits a request is admitted locally
-// only while every limit's lease holds its tokens, and a policy whose
-// second limit is too low to lend goes to Redis every time.
-func TestLeaseAdmitsWithoutRedisWhileItHolds(t *testing.T) {
+// TestLeaseRenewsAheadOfNeed: once a steady client's lease is lent, no
+// request of it asks Redis itself: renewals go in the background when
+// the lease falls to half of what the last call lent, and report what
+// was used. (Before, every request that found the lease spent asked
+// Redis, one in 33.)
+func TestLeaseRenewsAheadOfNeed(t *testing.T) {
 	srv := redistest.Start(t)
 	rdb := srv.Client(t)
-
-	t.Run("one limit", func(t *testing.T) {
-		h := leaseHandler(t, "local", fmt.Sprintf("replenish_rate %v\n\tburst_capacity 100\n\tlease 10 1s", leaseRate), srv.Addr)
-		scriptsLoaded(t, rdb)
-		if n := callsOf(t, rdb, func() {
-			for i := range 11 {
-				if status, remaining, _ := hit(h, "l"); status != 200 || remaining != fmt.Sprint(99-i) {
-					t.Fatalf("request %d: %d remaining %q, want 200 with %d", i+1, status, remaining, 99-i)
-				}
+	h := leaseHandler(t, "ahead", "replenish_rate 1000000\n\tburst_capacity 1000000\n\tlease 32 1s", srv.Addr)
+	scriptsLoaded(t, rdb)
+	key := limitKey(t, h, "", "s")
+	warmLease(t, h, "s", key)
+	asked := redisCalls(t, h)
+	var most int64
+	calls := callsOf(t, rdb, func() {
+		for i := range 300 {
+			if status, _, _ := hit(h, "s"); status != 200 {
+				t.Fatalf("request %d: %d", i+1, status)
 			}
-		}); n != 1 {
-			t.Errorf("11 requests with lease 10: %d script calls, want 1", n)
+			most = max(most, leaseHeld(h, key))
+			time.Sleep(time.Millisecond) // a steady client: the renewal has time to land
 		}
-		if n := callsOf(t, rdb, func() { hit(h, "l") }); n != 1 {
-			t.Errorf("the 12th request: %d script calls, want 1 (the lease is spent)", n)
-		}
+		leasesSettled(t, h)
 	})
+	asked = redisCalls(t, h) - asked
+	t.Logf("300 requests: %d renewals, %d requests asked Redis; the lease held at most %d", calls, asked, most)
+	if asked != 0 {
+		t.Errorf("%d of 300 requests asked Redis themselves; want none, with renewals ahead of need", asked)
+	}
+	if calls < 300/32 || calls > 300/8 {
+		t.Errorf("%d renewals for 300 requests with lease 32; want between %d and %d", calls, 300/32, 300/8)
+	}
+	if most > 32 {
+		t.Errorf("the lease held %d, more than max_tokens 32", most)
+	}
+}
 
-	t.Run("every limit must hold a lease", func(t *testing.T) {
-		h := leaseHandler(t, "localpol", fmt.Sprintf("lease 32 1s\n\tlimit a %v 100\n\tlimit b %v 20", leaseRate, leaseRate), srv.Addr)
-		scriptsLoaded(t, rdb)
-		a, b := limitKey(t, h, "a", "p"), limitKey(t, h, "b", "p")
-		// The first call: a leaves 99 and could lend 32, b leaves 19 and
-		// can lend 9; both lend for 9 requests (in lockstep: a lease
-		// admits only when every limit's does), which admit 9 more.
-		if n := callsOf(t, rdb, func() {
-			for i := range 10 {
-				if ans := servePolicy(h, "X-Key", "p"); ans.status != 200 || ans.result() != "allowed" {
-					t.Fatalf("request %d: %v", i+1, ans)
-				}
+// TestLeaseSizedToTheKeysRate: a key seen less than once per hold on an
+// instance is lent nothing, so it costs one script call per request (as
+// without lease), none given back; a key at about 5 requests per hold is
+// lent about 5 at a time, its lease holding at most that and half the
+// grant before, not max_tokens. (Before, each request of the first took
+// a lease of 32 and gave it back, two calls per request.)
+func TestLeaseSizedToTheKeysRate(t *testing.T) {
+	srv := redistest.Start(t)
+	rdb := srv.Client(t)
+	h := leaseHandler(t, "sized", "replenish_rate 1000\n\tburst_capacity 1000\n\tlease 32 100ms", srv.Addr)
+	scriptsLoaded(t, rdb)
+
+	rare := limitKey(t, h, "", "rare")
+	if n := callsOf(t, rdb, func() {
+		for i := range 4 {
+			if status, _, _ := hit(h, "rare"); status != 200 || leaseHeld(h, rare) != 0 {
+				t.Fatalf("rare request %d: %d, lease %d; want 200 and no lease", i+1, status, leaseHeld(h, rare))
 			}
-		}); n != 1 {
-			t.Errorf("10 requests: %d script calls, want 1", n)
+			time.Sleep(300 * time.Millisecond)
 		}
-		if la, lb := leaseHeld(h, a), leaseHeld(h, b); la != 0 || lb != 0 {
-			t.Errorf("after 10 requests a's lease holds %d, b's %d; want both spent", la, lb)
+	}); n != 4 {
+		t.Errorf("4 requests 300ms apart, hold 100ms: %d script calls, want 4 (nothing lent, nothing given back)", n)
+	}
+
+	steady := limitKey(t, h, "", "steady")
+	var most int64
+	for range 40 {
+		if status, _, _ := hit(h, "steady"); status != 200 {
+			t.Fatalf("status %d", status)
 		}
-		// Both leases are spent: the 11th asks Redis, and b, low now,
-		// lends for 4 requests, so a lends for 4 too.
-		if n := callsOf(t, rdb, func() { servePolicy(h, "X-Key", "p") }); n != 1 {
-			t.Errorf("the 11th request, the leases spent: %d script calls, want 1", n)
+		most = max(most, leaseHeld(h, steady))
+		time.Sleep(20 * time.Millisecond) // 50 a second: 5 per hold of 100ms
+	}
+	t.Logf("a key at 50 requests a second, hold 100ms: the lease held at most %d", most)
+	if most < 1 || most > 7 {
+		t.Errorf("a key at 50 requests a second, hold 100ms, lease 32: the lease held at most %d; want 1 to 7 (5 and half of 5)", most)
+	}
+}
+
+// TestLeaseSpikeOnAFullBucketIsAdmittedWithinTheBound: 64 concurrent
+// requests of one client on a full bucket of 100 with lease 8 1s are all
+// admitted: concurrent misses join the one call in flight for the bucket
+// and share its lease, which never holds more than 8. After a pause of
+// 0.9 s, a burst from several workers for 0.1 s; over the whole second,
+// and every window in it, admissions stay within burst + rate × T.
+// (Before, each concurrent miss took a lease of its own and 23 of the 64
+// were admitted; the lease then held 86 tokens, and the burst broke the
+// bound.)
+func TestLeaseSpikeOnAFullBucketIsAdmittedWithinTheBound(t *testing.T) {
+	srv := redistest.Start(t)
+	rdb := srv.Client(t)
+	const rate, burst = 100.0, 100
+	h := leaseHandler(t, "spike", fmt.Sprintf("replenish_rate %v\n\tburst_capacity %d\n\tlease 8 1s", rate, burst), srv.Addr)
+	scriptsLoaded(t, rdb)
+	key := limitKey(t, h, "", "hot")
+	var log admissionLog
+	send := func() bool {
+		start := log.now()
+		status, _, _ := hit(h, "hot")
+		if status == 200 {
+			log.add(start)
+		} else if status != 429 {
+			t.Errorf("status %d", status)
 		}
-		expectTokens(t, rdb, a, 100, 85, "a after the second call (90 - 1, lending 4)")
-		expectTokens(t, rdb, b, 100, 5, "b after the second call (10 - 1, lending 4)")
+		return status == 200
+	}
+
+	var admitted atomic.Int64
+	var wg sync.WaitGroup
+	ready := make(chan struct{})
+	calls := callsOf(t, rdb, func() {
+		for range 64 {
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				<-ready
+				if send() {
+					admitted.Add(1)
+				}
+			}()
+		}
+		close(ready)
+		wg.Wait()
 	})
+	held := leaseHeld(h, key)
+	t.Logf("the spike: %d of 64 admitted in %d script calls; the lease holds %d", admitted.Load(), calls, held)
+	if admitted.Load() != 64 {
+		t.Errorf("a spike of 64 on a full bucket of 100: %d admitted, want all", admitted.Load())
+	}
+	if calls >= 32 {
+		t.Errorf("a spike of 64: %d script calls; want concurrent misses to share calls", calls)
+	}
+	if held > 8 {
+		t.Errorf("the lease holds %d, more than max_tokens 8", held)
+	}
+
+	time.Sleep(900*time.Millisecond - time.Duration(log.now()))
+	stop := time.Now().Add(100 * time.Millisecond)
+	for range 8 {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for time.Now().Before(stop) {
+				send()
+			}
+		}()
+	}
+	wg.Wait()
+	windows, _ := log.check(t, burst, rate)
+	t.Logf("%d admitted over %v; %d windows checked against burst + rate × T", log.len(), time.Duration(log.now()).Round(time.Millisecond), windows)
+}
+
+// TestLeasePolicyLendsInLockstep: with several limits, a request is
+// admitted from leases only when every limit's lease holds its tokens,
+// so every bucket lends for as many requests as the scarcest can: a
+// client of a policy of 100 and 20 is admitted exactly 20, and once the
+// leases are back the bucket of 100 has lost only those 20.
+func TestLeasePolicyLendsInLockstep(t *testing.T) {
+	srv := redistest.Start(t)
+	rdb := srv.Client(t)
+	h := leaseHandler(t, "lockstep", fmt.Sprintf("lease 32 200ms\n\tlimit a %v 100\n\tlimit b %v 20", leaseRate, leaseRate), srv.Addr)
+	scriptsLoaded(t, rdb)
+	a, b := limitKey(t, h, "a", "p"), limitKey(t, h, "b", "p")
+	admitted := 0
+	for i := range 40 {
+		ans := servePolicy(h, "X-Key", "p")
+		if ans.status == 200 {
+			admitted++
+			continue
+		}
+		if ans.status != 429 || ans.limitName() != "b" {
+			t.Fatalf("request %d: %v; want 200, or 429 by b", i+1, ans)
+		}
+	}
+	if admitted != 20 {
+		t.Errorf("a policy of 100 and 20: %d admitted, want 20", admitted)
+	}
+	eventually(t, 2*time.Second, "the leases given back", func() bool {
+		_, n := leasesHeld(h)
+		return n == 0
+	})
+	leasesSettled(t, h)
+	expectTokens(t, rdb, a, 100, 80, "a, the leases back")
+	expectTokens(t, rdb, b, 100, 0, "b, the leases back")
 
 	t.Run("a limit too low to lend", func(t *testing.T) {
 		// b holds 2: its requests leave 1 and 0, and lend nothing.
 		h := leaseHandler(t, "localnone", fmt.Sprintf("lease 32 1s\n\tlimit a %v 100\n\tlimit b %v 2", leaseRate, leaseRate), srv.Addr)
-		scriptsLoaded(t, rdb)
 		b := limitKey(t, h, "b", "q")
 		for i := 1; i <= 3; i++ {
 			var ans policyAnswer
@@ -576,9 +842,6 @@ func TestLeaseAdmitsWithoutRedisWhileItHolds(t *testing.T) {
 // to Redis; limit a, of 100, must still admit the client's first 100
 // requests: one instance may not take a's last tokens into a lease that
 // cannot admit anything and then have Redis refuse the client on a.
-// (Before buckets lent in lockstep, a lent 32, 32, 16, 8, 3, 1 while b
-// lent nothing, and the 9th request got 429 by a, with 92 of a's tokens
-// in a lease no request could use.)
 func TestLeaseOfOneLimitDoesNotStarveAPolicy(t *testing.T) {
 	srv := redistest.Start(t)
 	rdb := srv.Client(t)
@@ -595,8 +858,9 @@ func TestLeaseOfOneLimitDoesNotStarveAPolicy(t *testing.T) {
 }
 
 // TestLeaseGivesBackWhenTheHoldEnds: when the hold ends the unused tokens
-// go back, exactly, capped at the burst; then, and for a lease past its
-// hold, the next request asks Redis.
+// go back, exactly; then the next request asks Redis. A give-back never
+// fills a bucket past its burst, even one that an instance without lease
+// refilled meanwhile (a rolling change).
 func TestLeaseGivesBackWhenTheHoldEnds(t *testing.T) {
 	srv := redistest.Start(t)
 	rdb := srv.Client(t)
@@ -606,92 +870,61 @@ func TestLeaseGivesBackWhenTheHoldEnds(t *testing.T) {
 
 	t.Run("exactly the unused tokens", func(t *testing.T) {
 		key := limitKey(t, h, "", "g")
-		if n := callsOf(t, rdb, func() {
-			for range 6 {
-				if status, _, _ := hit(h, "g"); status != 200 {
-					t.Fatalf("status %d", status)
-				}
+		warmed := warmLease(t, h, "g", key) // 100 - 2 - 32 in Redis
+		for range 4 {
+			if status, _, _ := hit(h, "g"); status != 200 {
+				t.Fatalf("status %d", status)
 			}
-		}); n != 1 {
-			t.Fatalf("6 requests with lease 32: %d script calls, want 1", n)
 		}
-		expectTokens(t, rdb, key, 100, 67, "while the lease holds")
+		expectTokens(t, rdb, key, 100, float64(100-warmed-32), "while the lease holds")
 		took := eventually(t, 2*time.Second, "the lease given back", func() bool {
 			tokens, _ := tokensNow(t, rdb, key, leaseRate, 100)
-			return tokens > 67+leaseSlack
+			return tokens > float64(100-warmed-32)+leaseSlack
 		})
-		// The 27 unused tokens, no more: 100 less the 6 admitted.
-		expectTokens(t, rdb, key, 100, 94, fmt.Sprintf("given back %v after the lease", took.Round(time.Millisecond)))
-		if tokens, n := leasesHeld(h); n != 0 {
-			t.Errorf("%d leases (%d tokens) left after the hold", n, tokens)
+		// The unused tokens, no more: 100 less the requests admitted.
+		expectTokens(t, rdb, key, 100, float64(100-warmed-4), fmt.Sprintf("given back %v after the lease", took.Round(time.Millisecond)))
+		if records := leaseRecords(t, rdb, key); records != nil {
+			t.Errorf("lease records after the give-back: %v", records)
 		}
 		var remaining string
-		if n := callsOf(t, rdb, func() { _, remaining, _ = hit(h, "g") }); n != 1 || remaining != "93" {
-			t.Errorf("the next request: %d script calls, remaining %q; want 1 call, 93", n, remaining)
+		if n := callsOf(t, rdb, func() { _, remaining, _ = hit(h, "g") }); n != 1 || remaining != fmt.Sprint(100-warmed-5) {
+			t.Errorf("the next request: %d script calls, remaining %q; want 1 call, %d", n, remaining, 100-warmed-5)
 		}
 	})
 
-	t.Run("capped at the burst", func(t *testing.T) {
+	t.Run("never past the burst", func(t *testing.T) {
 		key := limitKey(t, h, "", "cap")
-		hit(h, "cap")
-		if leaseHeld(h, key) != 32 {
-			t.Fatalf("leased %d, want 32", leaseHeld(h, key))
-		}
-		setBucket(t, rdb, key, 90) // as if other instances' tokens came back meanwhile
-		eventually(t, 2*time.Second, "the lease given back", func() bool {
-			tokens, _ := tokensNow(t, rdb, key, leaseRate, 100)
-			return tokens > 90+leaseSlack
-		})
+		warmLease(t, h, "cap", key)
+		setBucket(t, rdb, key, 90) // as an instance without lease would, refilling into the lease
+		eventually(t, 2*time.Second, "the lease given back", func() bool { return leaseRecords(t, rdb, key) == nil })
 		expectTokens(t, rdb, key, 100, 100, "90 given back 32")
-	})
-
-	t.Run("nothing admitted past the hold", func(t *testing.T) {
-		key := limitKey(t, h, "", "past")
-		hit(h, "past")
-		time.Sleep(hold + 20*time.Millisecond)
-		// A give-back of the old lease may come in the same moment: a
-		// script call too. From the lease, the request would leave 31 in
-		// it; from Redis it leases 32 anew, on top of the old lease's 32
-		// when that was not collected yet.
-		if n := callsOf(t, rdb, func() { hit(h, "past") }); n < 1 {
-			t.Errorf("a request past the hold: %d script calls, want it to ask Redis", n)
-		}
-		if held := leaseHeld(h, key); held != 32 && held != 64 {
-			t.Errorf("a request past the hold: the lease holds %d; want 32 (or 64), not 31 from the old lease", held)
-		}
 	})
 }
 
-// TestLeaseDenialsComeFromRedis: a lease lends whole requests' worth,
-// and one that is spent admits nothing: Redis decides, and a denial is
-// Redis's (with its remaining and Retry-After), then the deny cache's.
+// TestLeaseDenialsComeFromRedis: a spent lease admits nothing: Redis
+// decides, and a denial is Redis's (with its remaining and Retry-After),
+// then the deny cache's; leases lend whole requests' worth.
 func TestLeaseDenialsComeFromRedis(t *testing.T) {
 	srv := redistest.Start(t)
 	rdb := srv.Client(t)
 	h := leaseHandler(t, "deny", fmt.Sprintf("replenish_rate %v\n\tburst_capacity 100\n\trequested_tokens 3\n\tlease 10 1s", leaseRate), srv.Addr)
 	scriptsLoaded(t, rdb)
 	key := limitKey(t, h, "", "x")
-
-	// 97 left, 9 leased (three requests' worth of at most 10): three
-	// requests from the lease, then Redis: 88 - 3 = 85, 9 more leased.
-	var got []string
-	n := callsOf(t, rdb, func() {
-		for range 5 {
-			status, remaining, _ := hit(h, "x")
-			got = append(got, fmt.Sprint(status, " ", remaining))
-		}
-	})
-	if want := "[200 97 200 94 200 91 200 88 200 85]"; fmt.Sprint(got) != want || n != 2 {
-		t.Errorf("5 requests of 3 with lease 10: %v in %d script calls; want %s in 2", got, n, want)
+	warmLease(t, h, "x", key)
+	if held := leaseHeld(h, key); held != 9 {
+		t.Fatalf("lease 10 for requests of 3: holds %d, want 9", held)
 	}
-	if leaseHeld(h, key) != 9 {
-		t.Errorf("the lease holds %d, want 9", leaseHeld(h, key))
-	}
-
-	// The bucket runs short while the lease is spent: Redis denies.
+	// The bucket runs short: renewals lend nothing (half of 2 is not a
+	// request's worth), the lease is spent, and Redis denies.
 	setBucket(t, rdb, key, 2)
 	for range 3 {
-		hit(h, "x") // 9 -> 6 -> 3 -> 0
+		if status, _, _ := hit(h, "x"); status != 200 {
+			t.Fatalf("from the lease: %d", status)
+		}
+	}
+	leasesSettled(t, h)
+	if leaseHeld(h, key) != 0 {
+		t.Fatalf("the lease holds %d, want it spent", leaseHeld(h, key))
 	}
 	var status int
 	var header http.Header
@@ -704,9 +937,6 @@ func TestLeaseDenialsComeFromRedis(t *testing.T) {
 	if n := callsOf(t, rdb, func() { status, _ = serve(context.Background(), h, "x") }); n != 0 || status != 429 {
 		t.Errorf("again: %d in %d script calls; want 429 from the deny cache", status, n)
 	}
-	if leaseHeld(h, key) != 0 {
-		t.Errorf("the lease holds %d after the denials, want 0", leaseHeld(h, key))
-	}
 }
 
 // TestLeaseRemainingIsAnEstimate: a lease-admitted request's
@@ -715,9 +945,9 @@ func TestLeaseDenialsComeFromRedis(t *testing.T) {
 // it until this instance asks Redis again.
 func TestLeaseRemainingIsAnEstimate(t *testing.T) {
 	srv := redistest.Start(t)
-	limit := fmt.Sprintf("replenish_rate %v\n\tburst_capacity 100", leaseRate)
-	leasing := leaseHandler(t, "estimate", limit+"\n\tlease 32 1s", srv.Addr)
-	other := leaseHandler(t, "estimate", limit, srv.Addr) // another instance, without a lease
+	limit := fmt.Sprintf("replenish_rate %v\n\tburst_capacity 100\n\tlease 32 1s", leaseRate)
+	leasing := leaseHandler(t, "estimate", limit, srv.Addr)
+	other := leaseHandler(t, "estimate", limit, srv.Addr) // another instance
 	var got []string
 	add := func(h *Handler, n int) {
 		for range n {
@@ -725,18 +955,11 @@ func TestLeaseRemainingIsAnEstimate(t *testing.T) {
 			got = append(got, remaining)
 		}
 	}
-	add(leasing, 1) // Redis: 67, and 32 leased
-	add(other, 3)   // 66, 65, 64
-	add(leasing, 2) // the estimate: 67 + 31, 67 + 30
-	add(leasing, 30)
-	add(leasing, 1) // Redis again: 64 - 1 = 63, lending 31: 32 + 31
-	want := []string{"99", "66", "65", "64", "98", "97"}
-	for i := 30; i > 0; i-- {
-		want = append(want, fmt.Sprint(66+i))
-	}
-	want = append(want, "63")
-	if fmt.Sprint(got) != fmt.Sprint(want) {
-		t.Errorf("X-RateLimit-Remaining:\n%v\nwant\n%v", got, want)
+	add(leasing, 2) // Redis: 99, then 98 - 32 lent = 66, estimated 66 + 32
+	add(other, 2)   // Redis: 65, then 64 - 32 lent = 32, estimated 32 + 32
+	add(leasing, 2) // the estimate: 66 + 31, 66 + 30
+	if want := []string{"99", "98", "65", "64", "97", "96"}; fmt.Sprint(got) != fmt.Sprint(want) {
+		t.Errorf("X-RateLimit-Remaining: %v, want %v", got, want)
 	}
 }
 
@@ -746,7 +969,7 @@ func TestLeaseRemainingIsAnEstimate(t *testing.T) {
 func TestLeaseCleanupGivesBack(t *testing.T) {
 	srv := redistest.Start(t)
 	rdb := srv.Client(t)
-	h, err := parseTestCaddyfile(leaseDirective("cleanup", fmt.Sprintf("replenish_rate %v\n\tburst_capacity 100\n\tlease 32 200ms", leaseRate), srv.Addr))
+	h, err := parseTestCaddyfile(leaseDirective("cleanup", fmt.Sprintf("replenish_rate %v\n\tburst_capacity 100\n\tlease 32 1s", leaseRate), srv.Addr))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -757,23 +980,19 @@ func TestLeaseCleanupGivesBack(t *testing.T) {
 		t.Fatal(err)
 	}
 	key := limitKey(t, h, "", "c")
-	for range 4 {
-		hit(h, "c")
-	}
-	if leaseHeld(h, key) != 29 {
-		t.Fatalf("leased %d, want 32 - 3", leaseHeld(h, key))
-	}
+	warmed := warmLease(t, h, "c", key)
+	hit(h, "c")
+	hit(h, "c")
 	if err := h.Cleanup(); err != nil {
 		t.Fatal(err)
 	}
-	expectTokens(t, rdb, key, 100, 96, "right after Cleanup")
-
-	if status, remaining, _ := hit(h, "c"); status != 200 || remaining != "95" {
-		t.Errorf("a request after Cleanup: %d remaining %q, want 200 with 95", status, remaining)
+	expectTokens(t, rdb, key, 100, float64(100-warmed-2), "right after Cleanup")
+	if status, remaining, _ := hit(h, "c"); status != 200 || remaining != fmt.Sprint(100-warmed-3) {
+		t.Errorf("a request after Cleanup: %d remaining %q, want 200 with %d", status, remaining, 100-warmed-3)
 	}
-	time.Sleep(300 * time.Millisecond) // past the hold: anything leased would be due back
-	expectTokens(t, rdb, key, 100, 95, "a request after Cleanup")
-	if tokens, n := leasesHeld(h); n != 0 {
+	leasesSettled(t, h)
+	expectTokens(t, rdb, key, 100, float64(100-warmed-3), "a request after Cleanup")
+	if tokens, n := leasesHeld(h); n != 0 || leaseRecords(t, rdb, key) != nil {
 		t.Errorf("after Cleanup a request leased %d tokens (%d leases), which nothing gives back", tokens, n)
 	}
 }
@@ -806,64 +1025,252 @@ http://localhost:9080 {
 				t.Fatalf("request %d: %d remaining %q", i+1, resp.StatusCode, resp.Header.Get("X-RateLimit-Remaining"))
 			}
 		}
-	}); n != 1 {
-		t.Fatalf("4 requests with lease 32: %d script calls, want 1", n)
+	}); n != 2 {
+		t.Fatalf("4 requests with lease 32: %d script calls, want 2 (the second lends)", n)
 	}
-	expectTokens(t, rdb, key, 100, 67, "before the reload")
+	expectTokens(t, rdb, key, 100, 66, "before the reload")
 	forceReload(t, config)
 	if held := time.Since(start); held >= time.Second {
 		t.Fatalf("the reload came %v after the lease, past its 1s hold: cannot tell a reload's give-back from the hold's", held)
 	}
-	expectTokens(t, rdb, key, 100, 96, "right after the reload (the 28 unused tokens back)")
+	expectTokens(t, rdb, key, 100, 96, "right after the reload (the 30 unused tokens back)")
 	var resp *http.Response
 	if n := callsOf(t, rdb, func() { resp, _ = get(t, tester, "/", "r") }); n != 1 || resp.Header.Get("X-RateLimit-Remaining") != "95" {
 		t.Errorf("the new configuration's first request: %d script calls, remaining %q; want 1 and 95", n, resp.Header.Get("X-RateLimit-Remaining"))
 	}
 }
 
-// TestLeaseDroppedWhenRedisFails: after a Redis failure no request is
-// admitted from a lease taken before it: they follow on_error; once
-// Redis is back, the next request asks it and leases anew.
-func TestLeaseDroppedWhenRedisFails(t *testing.T) {
+// ---- Failures
+
+// TestLeaseOneFailingBucketLeavesOtherLeases: a Redis error on one
+// client's bucket (here the key holds a list, which the script cannot
+// read) fails that request only: another client's lease stays, and
+// keeps admitting without Redis. (Before, any error dropped every lease
+// of the handler: a client with burst 100 was refused after 40 requests
+// because another client's bucket failed.)
+func TestLeaseOneFailingBucketLeavesOtherLeases(t *testing.T) {
 	srv := redistest.Start(t)
-	h := leaseHandler(t, "drop", fmt.Sprintf("replenish_rate %v\n\tburst_capacity 100\n\tlease 32 1s", leaseRate), srv.Addr)
-	key := limitKey(t, h, "", "a")
-	for range 3 {
-		hit(h, "a")
-	}
-	if leaseHeld(h, key) != 30 {
-		t.Fatalf("leased %d, want 30", leaseHeld(h, key))
-	}
-	srv.Stop(t)
-	if status, remaining, _ := hit(h, "b"); status != 503 || remaining != "-1" {
-		t.Fatalf("another key, Redis down: %d remaining %q, want 503 with -1 (on_error deny)", status, remaining)
-	}
-	if tokens, n := leasesHeld(h); n != 0 {
-		t.Errorf("after the failure %d leases hold %d tokens; want all dropped", n, tokens)
-	}
-	if status, remaining, _ := hit(h, "a"); status != 503 || remaining != "-1" {
-		t.Errorf("the leased key after the failure: %d remaining %q, want 503 with -1 (on_error, not the old lease)", status, remaining)
-	}
-	srv.Restart(t)
 	rdb := srv.Client(t)
-	eventually(t, 3*time.Second, "Redis answers again", func() bool {
-		status, remaining, _ := hit(h, "a")
-		if status != 200 && status != 503 {
-			t.Fatalf("status %d", status)
-		}
-		return status == 200 && remaining == "99"
-	})
-	if n := scriptCalls(t, rdb); n < 1 {
-		t.Errorf("the restarted Redis served %d script calls", n)
+	h := leaseHandler(t, "onefails", fmt.Sprintf("replenish_rate %v\n\tburst_capacity 100\n\tlease 32 1s", leaseRate), srv.Addr)
+	scriptsLoaded(t, rdb)
+	good, bad := limitKey(t, h, "", "good"), limitKey(t, h, "", "bad")
+	warmLease(t, h, "good", good)
+	held := leaseHeld(h, good)
+	if err := rdb.LPush(context.Background(), bad, "not a bucket").Err(); err != nil {
+		t.Fatal(err)
 	}
-	// The restarted Redis kept nothing: a fresh lease of 32, not the old 30 on top.
-	expectTokens(t, rdb, key, 100, 67, "after Redis came back")
-	if leaseHeld(h, key) != 32 {
-		t.Errorf("leased %d after Redis came back, want a fresh 32", leaseHeld(h, key))
+	if status, remaining, _ := hit(h, "bad"); status != 503 || remaining != "-1" {
+		t.Fatalf("the failing bucket: %d remaining %q, want 503 with -1 (on_error deny)", status, remaining)
+	}
+	if n := callsOf(t, rdb, func() {
+		if status, _, _ := hit(h, "good"); status != 200 {
+			t.Errorf("the other client after the failure: %d, want 200", status)
+		}
+	}); n != 0 || leaseHeld(h, good) != held-1 {
+		t.Errorf("the other client after the failure: %d script calls, lease %d; want it admitted from its lease of %d", n, leaseHeld(h, good), held)
+	}
+}
+
+// TestLeaseUsedUntilItsHoldEndsWhileRedisIsDown: when Redis goes away and
+// the breaker opens, a lease keeps admitting until its hold ends (Redis
+// counts it that long, so the bound holds); then its client follows
+// on_error. (Before, the first failure dropped every lease.)
+func TestLeaseUsedUntilItsHoldEndsWhileRedisIsDown(t *testing.T) {
+	srv := redistest.Start(t)
+	const hold = time.Second
+	h := leaseHandler(t, "down", fmt.Sprintf("replenish_rate %v\n\tburst_capacity 1000\n\tlease 200 %v", leaseRate, hold), srv.Addr)
+	key := limitKey(t, h, "", "a")
+	warmLease(t, h, "a", key)
+	leasesSettled(t, h)
+	until := h.leases.get(key).until
+	srv.Stop(t)
+	for i := 0; !standaloneBreaker(h).isOpen(); i++ {
+		if status, _, _ := hit(h, fmt.Sprint("other", i)); status != 503 {
+			t.Fatalf("another client, Redis down: %d, want 503 (on_error deny)", status)
+		}
+		if i == 20 {
+			t.Fatal("the breaker did not open")
+		}
+	}
+	admitted := 0
+	for time.Until(until) > 50*time.Millisecond && leaseHeld(h, key) > 0 {
+		status, _, _ := hit(h, "a")
+		if status != 200 {
+			t.Fatalf("the leased client, %v before its hold ends, its lease holding %d: %d, want admitted from its lease",
+				time.Until(until), leaseHeld(h, key), status)
+		}
+		admitted++
+		time.Sleep(5 * time.Millisecond)
+	}
+	if admitted == 0 {
+		t.Fatal("nothing admitted from the lease while Redis was down")
+	}
+	time.Sleep(time.Until(until) + 10*time.Millisecond)
+	if status, remaining, _ := hit(h, "a"); status != 503 || remaining != "-1" {
+		t.Errorf("the leased client after its hold: %d remaining %q, want 503 with -1 (on_error)", status, remaining)
+	}
+	t.Logf("%d admitted from the lease while Redis was down", admitted)
+}
+
+// ---- The deny cache
+
+// TestLeaseGiveBackReachesAnotherInstancesDenyCache: in a zone with
+// lease, a cached denial lasts at most one hold, so tokens that another
+// instance gives back admit this instance's requests within a hold,
+// however long the wait Redis gave. (Before, the other instance kept
+// refusing for the whole wait, 100 s here, while Redis would admit.)
+func TestLeaseGiveBackReachesAnotherInstancesDenyCache(t *testing.T) {
+	srv := redistest.Start(t)
+	rdb := srv.Client(t)
+	const hold = 200 * time.Millisecond
+	body := fmt.Sprintf("replenish_rate 0.01\n\tburst_capacity 10\n\tlease 8 %v", hold)
+	y, x := leaseHandler(t, "denygive", body, srv.Addr), leaseHandler(t, "denygive", body, srv.Addr)
+	scriptsLoaded(t, rdb)
+	key := limitKey(t, y, "", "k")
+	warmLease(t, y, "k", key)
+	lent := leaseHeld(y, key)
+	// x drains what is left until Redis denies it, then its cache does.
+	for i := 0; ; i++ {
+		var status int
+		if n := callsOf(t, rdb, func() { status, _, _ = hit(x, "k") }); n > 0 && status == 429 {
+			break
+		}
+		if i == 20 {
+			t.Fatal("x was never denied by Redis")
+		}
+	}
+	leasesSettled(t, x)
+	var status int
+	var header http.Header
+	if n := callsOf(t, rdb, func() { status, header = serve(context.Background(), x, "k") }); n != 0 || status != 429 {
+		t.Fatalf("x again: %d in %d script calls; want a cached denial", status, n)
+	}
+	t.Logf("x denied with Retry-After %s while y holds a lease of %d", header.Get("Retry-After"), lent)
+	// y's hold ends: its lease goes back, and x is admitted within a hold.
+	eventually(t, 2*time.Second, "y's lease given back", func() bool { return leaseRecords(t, rdb, key)[y.leases.id].tokens == 0 })
+	back := time.Now()
+	eventually(t, 2*hold, "x admitted after y gave back", func() bool {
+		status, _, _ := hit(x, "k")
+		return status == 200
+	})
+	t.Logf("x admitted %v after y's give-back", time.Since(back).Round(time.Millisecond))
+}
+
+// TestLeaseDenyCacheLastsAtMostAHold: with lease, a denial is answered
+// from the cache until its wait or one hold, whichever comes first; the
+// cached answer still says the whole wait.
+func TestLeaseDenyCacheLastsAtMostAHold(t *testing.T) {
+	c := newDenyCache()
+	c.maxWait = 100 * time.Millisecond
+	v := limitValues{rate: 0.01, burst: 10, requested: 1}
+	t0 := time.Unix(1_000_000, 0)
+	c.put([]bucket{{key: "long", values: v, retryAfter: 100 * time.Second}, {key: "short", values: v, retryAfter: 50 * time.Millisecond}}, t0)
+	long := []bucket{{key: "long", values: v}}
+	if !c.answer(long, t0.Add(99*time.Millisecond)) || long[0].retryAfter < 99*time.Second {
+		t.Errorf("within the hold: %+v; want denied with the whole wait", long[0])
+	}
+	if c.answer([]bucket{{key: "long", values: v}}, t0.Add(100*time.Millisecond)) {
+		t.Error("a denial of 100 s cached past the hold of 100ms")
+	}
+	if c.answer([]bucket{{key: "short", values: v}}, t0.Add(50*time.Millisecond)) {
+		t.Error("a denial of 50ms cached past its wait")
 	}
 }
 
 // ---- The bound across instances
+
+// TestLeaseGiveBackNeverOverfills: a lease out while its bucket refills
+// does not let the bucket refill into it, so its give-back never leaves
+// the bucket fuller than it would have been: another instance draining
+// the bucket before and after the give-back is admitted at most burst +
+// rate × T. (Before, the bucket refilled to its burst under the lease,
+// and the give-back added the lease's unused tokens on top: 11 were
+// admitted within a few ms on a burst of 10.)
+func TestLeaseGiveBackNeverOverfills(t *testing.T) {
+	srv := redistest.Start(t)
+	rdb := srv.Client(t)
+	const rate, burst = 20.0, 20
+	body := fmt.Sprintf("replenish_rate %v\n\tburst_capacity %d\n\tlease 8 1s", rate, burst)
+	b := leaseHandler(t, "overfill", body, srv.Addr)
+	a, err := parseTestCaddyfile(leaseDirective("overfill", body, srv.Addr))
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := caddy.NewContext(caddy.Context{Context: context.Background()})
+	t.Cleanup(cancel)
+	if err := a.Provision(ctx); err != nil { // a's Cleanup is the test's: it gives back
+		t.Fatal(err)
+	}
+	scriptsLoaded(t, rdb)
+	key := limitKey(t, a, "", "k")
+	warmLease(t, a, "k", key)
+	lent := leaseHeld(a, key)
+	time.Sleep(600 * time.Millisecond) // the bucket would be full again: 20 - 2 - 8 tokens at 20 a second
+	var log admissionLog
+	drain := func() {
+		for range 30 {
+			start := log.now()
+			status, _, _ := hit(b, "k")
+			if status == 200 {
+				log.add(start)
+			}
+		}
+	}
+	drain()
+	first := log.len()
+	if err := a.Cleanup(); err != nil { // gives back what a's lease holds, unused
+		t.Fatal(err)
+	}
+	time.Sleep(60 * time.Millisecond) // past b's cached denial: a token's wait
+	drain()
+	t.Logf("b admitted %d before a gave back %d, %d after, in %v", first, lent, log.len()-first, time.Duration(log.now()).Round(time.Millisecond))
+	log.check(t, burst, rate)
+}
+
+// TestLeaseBoundWithLeasesOutOnThreeInstances: three instances hold
+// leases while the bucket refills in Redis; it refills only up to the
+// burst less what they hold, so the next interval, all three and Redis
+// admitting together, stays within burst + rate × T. (Before, the bucket
+// refilled to its burst under the leases: 135 admitted in 151 ms where
+// the bound was 115.)
+func TestLeaseBoundWithLeasesOutOnThreeInstances(t *testing.T) {
+	srv := redistest.Start(t)
+	rdb := srv.Client(t)
+	const rate, burst = 30.0, 30
+	body := fmt.Sprintf("replenish_rate %v\n\tburst_capacity %d\n\tlease 8 1s", rate, burst)
+	var hs []*Handler
+	for range 3 {
+		hs = append(hs, leaseHandler(t, "threeout", body, srv.Addr))
+	}
+	scriptsLoaded(t, rdb)
+	key := limitKey(t, hs[0], "", "k")
+	var log admissionLog
+	var lent int64
+	for _, h := range hs {
+		for range warmLease(t, h, "k", key) {
+			log.add(log.now())
+		}
+		lent += leaseHeld(h, key)
+	}
+	time.Sleep(850 * time.Millisecond) // the bucket would be full again; the leases hold a while yet
+	var wg sync.WaitGroup
+	stop := time.Now().Add(100 * time.Millisecond)
+	for w := range 12 {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for time.Now().Before(stop) {
+				start := log.now()
+				if status, _, _ := hit(hs[w%3], "k"); status == 200 {
+					log.add(start)
+				}
+			}
+		}()
+	}
+	wg.Wait()
+	windows, _ := log.check(t, burst, rate)
+	t.Logf("%d lent on three instances; %d admitted in all; %d windows checked", lent, log.len(), windows)
+}
 
 // TestLeaseBoundAcrossInstances: instances with leases hammer one key
 // together; they admit at most burst + rate*T, and once their holds
@@ -888,11 +1295,8 @@ func TestLeaseBoundAcrossInstances(t *testing.T) {
 			return status, remaining, nil
 		})
 		eventually(t, 2*time.Second, "every lease given back", func() bool {
-			_, n0 := leasesHeld(hs[0])
-			_, n1 := leasesHeld(hs[1])
-			return n0+n1 == 0
+			return leaseRecords(t, rdb, key) == nil
 		})
-		time.Sleep(200 * time.Millisecond) // the last give-back's call
 		expectBoundAndAccounted(t, "two handlers", rdb, key, rate, burst, r.admitted, r, t0)
 	})
 
@@ -924,7 +1328,9 @@ func TestLeaseBoundAcrossInstances(t *testing.T) {
 			status, remaining, _, err := caddyGet(client, urls[w%2], "hot")
 			return status, remaining, err
 		})
-		time.Sleep(500 * time.Millisecond) // the holds end, a tick gives back
+		eventually(t, 2*time.Second, "every lease given back", func() bool {
+			return leaseRecords(t, rdb, key) == nil
+		})
 		expectBoundAndAccounted(t, "two Caddy instances", rdb, key, rate, burst, r.admitted, r, t0)
 	})
 }
@@ -979,6 +1385,8 @@ func TestLeaseOnCluster(t *testing.T) {
 			_, n1 := leasesHeld(hs[1])
 			return n0+n1 == 0
 		})
+		leasesSettled(t, hs[0])
+		leasesSettled(t, hs[1])
 		time.Sleep(200 * time.Millisecond) // the last give-back's call
 		expectBoundAndAccounted(t, "tenant", masterOf(t, c, cc, clients, tenantKey), tenantKey, tenantRate, tenantBurst, r.admitted, r, t0)
 		for i := range nClients {
@@ -997,7 +1405,27 @@ func TestLeaseOnCluster(t *testing.T) {
 		}
 	})
 
-	t.Run("a refusal gives back the lease too", func(t *testing.T) {
+	t.Run("a key_prefix that would split a bucket from its lease record is refused", func(t *testing.T) {
+		h, err := parseTestCaddyfile(fmt.Sprintf("rate_limit %v 100 {\n\tlease 32\n\tredis %s {\n\t\tkey_prefix rl{\n\t}\n}", leaseRate, addrs))
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := tryProvision(t, h); err == nil || !strings.Contains(err.Error(), "lease with key_prefix 'rl{'") {
+			t.Errorf("key_prefix 'rl{' with lease on a Cluster: %v; want refused, naming lease and the key_prefix", err)
+		}
+		if err := h.Cleanup(); err != nil { // as Caddy cleans up after a failed Provision
+			t.Errorf("cleanup after the refusal: %v", err)
+		}
+		h, err = parseTestCaddyfile(fmt.Sprintf("rate_limit %v 100 {\n\tlease 32\n\tredis %s {\n\t\tkey_prefix {rl}:\n\t}\n}", leaseRate, addrs))
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := tryProvision(t, h); err != nil {
+			t.Errorf("key_prefix '{rl}:' (a hash tag) with lease on a Cluster: %v; want it loaded", err)
+		}
+	})
+
+	t.Run("a refusal gives back the request's tokens; the lease stays", func(t *testing.T) {
 		h := caddyfileHandler(t, fmt.Sprintf(`rate_limit {
 	zone cleasegive
 	key {http.request.header.X-Key}
@@ -1013,25 +1441,27 @@ func TestLeaseOnCluster(t *testing.T) {
 		scriptsLoaded(t, clients...)
 		clientKey := limitKey(t, h, "client", "g")
 		rdb := masterOf(t, c, cc, clients, clientKey)
-		// 1: the client leaves 99 and lends 32 (its slot group is a call
-		// of its own), the tenant leaves 1.
-		// 2: the tenant lent nothing, so Redis: the client leaves 66 and,
-		// its lease holding 32 already, lends nothing more (a lease that
-		// the policy cannot use does not grow); the tenant leaves 0.
+		// 1: the client leaves 99 (its slot group is a call of its own;
+		// its rate is not known yet, so it lends nothing), the tenant 1.
+		// 2: the client leaves 98 and lends 32: 66; the tenant leaves 0.
 		for i := 1; i <= 2; i++ {
 			if ans := servePolicy(h, "X-Key", "g", "X-Tenant", "t"); ans.status != 200 {
 				t.Fatalf("request %d: %v", i, ans)
 			}
 		}
 		expectTokens(t, rdb, clientKey, 100, 66, "the client's bucket after two requests")
-		// 3: the client leaves 65, then the tenant refuses: the 1 goes
-		// back.
+		// 3: the tenant's lease is empty, so Redis: the client leaves 65
+		// (its lease holds 32 already: nothing more), then the tenant
+		// refuses: the 1 goes back, the lease stays.
 		total := clusterScriptCalls(t, clients)
 		ans := servePolicy(h, "X-Key", "g", "X-Tenant", "t")
 		if got := clusterScriptCalls(t, clients) - total; ans.status != 429 || ans.limitName() != "tenant" || got != 3 {
-			t.Errorf("request 3: %v in %d script calls; want 429 by the tenant in 3 (take, take refused, give back)", ans, got)
+			t.Errorf("request 3: %v in %d script calls; want 429 by the tenant in 3 (take, take refused, refund)", ans, got)
 		}
 		expectTokens(t, rdb, clientKey, 100, 66, "the client's bucket after the tenant refused")
+		if held := leaseHeld(h, clientKey); held != 32 {
+			t.Errorf("the client's lease holds %d after the tenant refused, want its 32", held)
+		}
 		// Once the hold ends, the client's lease goes back too.
 		eventually(t, 3*time.Second, "the lease given back", func() bool {
 			tokens, _ := tokensNow(t, rdb, clientKey, leaseRate, 100)
@@ -1039,78 +1469,4 @@ func TestLeaseOnCluster(t *testing.T) {
 		})
 		expectTokens(t, rdb, clientKey, 100, 98, "the client's bucket after the hold")
 	})
-}
-
-// TestLeaseExpiredIsNotCarriedIntoANewHold: a lease whose hold ended but
-// that the give-back loop has not taken yet counts as empty for the next
-// request (which asks Redis for max_tokens), so what Redis lends then
-// must not be added to it: the old tokens go back with the next
-// give-back, and a lease never holds more than max_tokens. (Without the
-// loop running, as here, a client asking once per hold grew its lease by
-// max_tokens each time, valid for a fresh hold.)
-func TestLeaseExpiredIsNotCarriedIntoANewHold(t *testing.T) {
-	ls := newLeases(&Lease{MaxTokens: 32, Hold: caddy.Duration(100 * time.Millisecond)})
-	values := limitValues{rate: 1000, burst: 2000, requested: 1}
-	now := time.Now()
-	for cycle := range 10 {
-		buckets := []bucket{{key: "k", values: values}}
-		if ls.admit(now, buckets) {
-			t.Fatalf("cycle %d: admitted from a lease whose hold ended", cycle)
-		}
-		if got := buckets[0].leaseMax; got != "32" {
-			t.Fatalf("cycle %d: asks Redis to lend %v, want 32 (the expired lease counts as empty)", cycle, got)
-		}
-		buckets[0].leased, buckets[0].remaining = 32, 1000 // what Redis lent
-		if back := ls.grant(now, buckets); len(back) != 0 {
-			t.Fatalf("cycle %d: %d buckets to give back at once, want none", cycle, len(back))
-		}
-		if held := ls.shards[ls.shardIndex("k")].byKey["k"].tokens; held != 32 {
-			t.Fatalf("cycle %d: the lease holds %d, want 32 (max_tokens)", cycle, held)
-		}
-		now = now.Add(101 * time.Millisecond)
-	}
-	// The nine leases that expired unused go back with the next take.
-	var given int64
-	for _, b := range ls.take(now, false) {
-		n, err := strconv.ParseInt(b.args[2].(string), 10, 64)
-		if err != nil || b.key != "k" {
-			t.Fatalf("give-back %q of %v", b.key, b.args)
-		}
-		given += n
-	}
-	if given != 10*32 {
-		t.Errorf("given back %d tokens, want %d (ten leases of 32, all unused)", given, 10*32)
-	}
-}
-
-// TestLeaseBoundOverAnIntervalStartingWithALeaseOut: the bound the
-// README gives with leases. One request leases 8 of a bucket of 20; the
-// bucket in Redis refills to 20 while the lease is out; a burst that
-// follows is admitted the lease and the full bucket: no more than
-// burst_capacity + replenish_rate × T + max_tokens over the burst's T.
-func TestLeaseBoundOverAnIntervalStartingWithALeaseOut(t *testing.T) {
-	srv := redistest.Start(t)
-	rdb := srv.Client(t)
-	h := leaseHandler(t, "looser", "replenish_rate 20\n\tburst_capacity 20\n\tlease 8 1s", srv.Addr)
-	scriptsLoaded(t, rdb)
-	key := limitKey(t, h, "", "b")
-	if status, _, _ := hit(h, "b"); status != 200 {
-		t.Fatalf("first request: %d", status)
-	}
-	if got := leaseHeld(h, key); got != 8 {
-		t.Fatalf("leased %d, want 8 (min(8, half of the 19 left))", got)
-	}
-	time.Sleep(700 * time.Millisecond) // 11 refill to 20 in 550 ms; the lease holds for 1s
-	start := time.Now()
-	admitted := 0
-	for range 40 {
-		if status, _, _ := hit(h, "b"); status == 200 {
-			admitted++
-		}
-	}
-	elapsed := time.Since(start).Seconds()
-	if bound := 20 + 20*elapsed + 8; float64(admitted) > bound {
-		t.Errorf("admitted %d in %.3fs, above burst + rate × T + max_tokens = %.1f", admitted, elapsed, bound)
-	}
-	t.Logf("admitted %d in %.3fs: burst + rate × T = %.1f, plus the lease's 8", admitted, elapsed, 20+20*elapsed)
 }

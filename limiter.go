@@ -20,7 +20,8 @@ import (
 	"go.uber.org/zap"
 )
 
-// The scripts: check-and-take, give back, settle, and the admin API's read.
+// The scripts: check-and-take, give back, settle, the admin API's read,
+// and leases.
 var (
 	//go:embed script.lua
 	scriptSource string
@@ -30,10 +31,13 @@ var (
 	peekSource string
 	//go:embed settle.lua
 	settleSource string
+	//go:embed lease.lua
+	leaseSource string
 
 	takeScript     = newLuaScript(scriptSource)
 	giveBackScript = newLuaScript(giveBackSource)
 	settleScript   = newLuaScript(settleSource)
+	leaseScript    = newLuaScript(leaseSource)
 	scriptSHA      = takeScript.sha.(string)
 )
 
@@ -262,6 +266,7 @@ func (l *limiter) loadScript(within time.Duration) {
 	_ = l.client.ScriptLoad(ctx, scriptSource).Err()
 	_ = l.client.ScriptLoad(ctx, giveBackSource).Err()
 	_ = l.client.ScriptLoad(ctx, settleSource).Err()
+	_ = l.client.ScriptLoad(ctx, leaseSource).Err()
 }
 
 // lingerIdle is how long a released limiter must go without calls before
@@ -298,13 +303,10 @@ func (l *limiter) Destruct() error {
 // and fills in each bucket's answer. The answer comes within the timeout
 // from now. A call whose client has left (clientCtx done) by the time its
 // batch goes out is not sent, so it takes no tokens.
-// With leasing, an admitted request also borrows tokens for this
-// instance's next requests, at most each bucket's leaseMax; each
-// bucket's leased says how many.
-func (l *limiter) take(clientCtx context.Context, now time.Time, buckets []bucket, leasing bool) (allowed bool, err error) {
-	c, err := l.call(clientCtx, now, takeScript, buckets, leasing)
+func (l *limiter) take(clientCtx context.Context, now time.Time, buckets []bucket) (allowed bool, err error) {
+	c, err := l.call(clientCtx, now, takeScript, buckets)
 	if err == nil {
-		allowed, err = readTake(c.reply, buckets, leasing)
+		allowed, err = readTake(c.reply, buckets, false)
 	}
 	if c != nil {
 		c.release()
@@ -315,41 +317,51 @@ func (l *limiter) take(clientCtx context.Context, now time.Time, buckets []bucke
 // giveBack returns each bucket's requested tokens, which the request took
 // before a later group of its buckets refused.
 func (l *limiter) giveBack(clientCtx context.Context, now time.Time, buckets []bucket) error {
-	c, err := l.call(clientCtx, now, giveBackScript, buckets, false)
+	c, err := l.call(clientCtx, now, giveBackScript, buckets)
 	if c != nil {
 		c.release()
 	}
 	return err
 }
 
-// call runs a script over the buckets (their keys and arguments, then,
-// when leasing, each one's leaseMax) through the batcher and returns the
-// answered call, for the caller to read and release; nil when the
-// timeout ran out first (the worker releases it then).
-func (l *limiter) call(clientCtx context.Context, now time.Time, script *luaScript, buckets []bucket, leasing bool) (*call, error) {
+// call runs a script over the buckets (their keys and arguments) through
+// the batcher and returns the answered call, for the caller to read and
+// release; nil when the timeout ran out first (the worker releases it
+// then).
+func (l *limiter) call(clientCtx context.Context, now time.Time, script *luaScript, buckets []bucket) (*call, error) {
 	c := calls.Get().(*call)
 	for i := range buckets {
 		c.keys = append(c.keys, buckets[i].key)
 	}
+	c.command(script)
+	for i := range buckets {
+		c.args = append(c.args, buckets[i].args[:]...)
+	}
+	return l.send(clientCtx, now, c)
+}
+
+// command starts the call's arguments: the script by its SHA, and the
+// keys, all of which the caller appended to c.keys; its own arguments
+// follow.
+func (c *call) command(script *luaScript) {
 	var n any
-	if len(buckets) < len(keyCounts) {
-		n = keyCounts[len(buckets)]
+	if len(c.keys) < len(keyCounts) {
+		n = keyCounts[len(c.keys)]
 	} else {
-		n = strconv.Itoa(len(buckets))
+		n = strconv.Itoa(len(c.keys))
 	}
 	c.args = append(c.args, "evalsha", script.sha, n)
 	for i := range c.keys {
 		c.args = append(c.args, &c.keys[i]) // a *string costs no allocation; a string would (BenchmarkServeHTTPAllowed 17 -> 16)
 	}
-	for i := range buckets {
-		c.args = append(c.args, buckets[i].args[:]...)
-	}
-	if leasing {
-		for i := range buckets {
-			c.args = append(c.args, buckets[i].leaseMax)
-		}
-	}
 	c.script = script
+}
+
+// send queues a call made with command and its arguments, and waits for
+// its answer, which comes within the timeout from now. It returns the
+// answered call, for the caller to read and release; nil when the
+// timeout ran out first (the worker releases it then).
+func (l *limiter) send(clientCtx context.Context, now time.Time, c *call) (*call, error) {
 	c.clientCtx = clientCtx
 	if err := l.enqueue(c, now); err != nil {
 		return c, err

@@ -352,8 +352,9 @@ func (h *Handler) Provision(ctx caddy.Context) (err error) {
 		watchBreakers(h.Zone, h.limiter)
 	}
 	if h.Lease != nil {
-		h.leases = newLeases(h.Lease)
-		go h.leases.giveBackEvery(h.limiter)
+		if err := h.provisionLeases(redisConfig.KeyPrefix); err != nil {
+			return err
+		}
 	}
 	return nil
 }
@@ -565,26 +566,20 @@ func (h *Handler) check(clientCtx context.Context, buckets []bucket) (bool, erro
 		}
 		return allowed, err
 	}
-	leasing := h.leases != nil && !h.leases.closed.Load() // after Cleanup, no lease: nothing would give it back
-	if leasing && h.leases.admit(sent, buckets) {
-		return true, nil
-	}
-	if h.useDenyCache && h.denied.answer(buckets, sent) {
-		return false, nil
-	}
 	var allowed bool
 	var err error
-	if h.groups == nil {
-		allowed, err = h.limiter.take(clientCtx, sent, buckets, leasing)
-	} else {
-		allowed, err = h.takeGroups(clientCtx, sent, buckets, leasing)
-	}
-	if leasing && err == nil && allowed {
-		if back := h.leases.grant(sent, buckets); len(back) > 0 {
-			go h.leases.giveBack(h.limiter, back) // leased as Cleanup closed the leases
+	switch {
+	case h.leases != nil:
+		var asked bool
+		if allowed, asked, err = h.checkLeased(clientCtx, sent, buckets); !asked {
+			return allowed, err
 		}
-	} else if h.leases != nil && err != nil && clientCtx.Err() == nil {
-		h.leases.drop() // nothing to give them back to
+	case h.useDenyCache && h.denied.answer(buckets, sent):
+		return false, nil
+	case h.groups == nil:
+		allowed, err = h.limiter.take(clientCtx, sent, buckets)
+	default:
+		allowed, err = h.takeGroups(clientCtx, sent, buckets)
 	}
 	if h.metrics != nil && err != errBreakerOpen {
 		h.metrics.redisDuration.Observe(time.Since(sent).Seconds())

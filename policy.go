@@ -253,11 +253,11 @@ type bucket struct {
 	retryAfter time.Duration
 	// unknown: a denial from the deny cache says nothing of this bucket.
 	unknown bool
-	// leaseMax is the most tokens the bucket may lend this instance with
-	// the request (lease): what the lease may hold, less what it holds.
-	// leased is what it lent.
-	leaseMax any
-	leased   int64
+	// With lease (leasecall.go): the bucket's lease, what it held unused
+	// and the most it should hold when its call left, and what Redis
+	// counts as lent to it after the call.
+	lease              *lease
+	held, want, leased int64
 }
 
 // ownLimit is the handler's own limit when it has no `limits`.
@@ -563,7 +563,7 @@ func (h *Handler) giveBackGroups(clientCtx context.Context, taken []bucket) {
 // taken, capped at its burst, is never fuller than it would have been, so
 // the bound holds; a request that meets such a bucket meanwhile may be
 // refused, briefly, when it would otherwise fit.
-func (h *Handler) takeGroups(clientCtx context.Context, sent time.Time, buckets []bucket, leasing bool) (bool, error) {
+func (h *Handler) takeGroups(clientCtx context.Context, sent time.Time, buckets []bucket) (bool, error) {
 	var inline [maxInlineBuckets]bucket
 	var given [maxInlineBuckets]bucket
 	taken := given[:0]
@@ -577,30 +577,24 @@ func (h *Handler) takeGroups(clientCtx context.Context, sent time.Time, buckets 
 		if len(group) == 0 {
 			continue
 		}
-		allowed, err := h.limiter.take(clientCtx, sent, group, leasing)
+		allowed, err := h.limiter.take(clientCtx, sent, group)
 		j := 0
 		for i := range buckets {
 			if buckets[i].limit.group == g {
-				buckets[i].remaining, buckets[i].retryAfter, buckets[i].leased = group[j].remaining, group[j].retryAfter, group[j].leased
+				buckets[i].remaining, buckets[i].retryAfter = group[j].remaining, group[j].retryAfter
 				j++
 			} else if buckets[i].limit.group > g {
 				buckets[i].unknown = !allowed || err != nil
 			}
 		}
 		if err == nil && allowed {
-			for i := range group {
-				if group[i].leased > 0 { // should a later group refuse, what it leased goes back too
-					group[i].args[2] = strconv.FormatInt(group[i].values.requested+group[i].leased, 10)
-				}
-			}
 			taken = append(taken, group...)
 			continue
 		}
 		h.giveBackGroups(clientCtx, taken)
 		for i := range buckets {
 			if buckets[i].limit.group < g {
-				buckets[i].remaining += buckets[i].values.requested + buckets[i].leased
-				buckets[i].leased = 0
+				buckets[i].remaining += buckets[i].values.requested
 			}
 		}
 		return false, err

@@ -6,13 +6,6 @@
 -- ARGV[3i-2]   its replenish rate, tokens per second (may be fractional)
 -- ARGV[3i-1]   its burst capacity, whole tokens (at least 1)
 -- ARGV[3i]     its requested tokens, whole tokens (1..burst)
--- ARGV[3n+i]   (leases only) the most tokens bucket i may lend the caller
---              on top of the request, when admitted: never more than half
---              of what the request leaves, so a lease shrinks to nothing
---              as the bucket runs low and never takes its last tokens.
---              All buckets lend for the same number of further requests
---              (the fewest any of them can), as a lease admits a request
---              only when every bucket's lease holds its tokens
 --
 -- A bucket is one string "<tokens> <microseconds>": the tokens it held at
 -- that Redis time, below zero when a response cost more than it reserved
@@ -24,8 +17,8 @@
 --
 -- Returns {allowed (1|0), then for each bucket: remaining whole tokens
 -- (rounded down; 0 in debt), microseconds until it holds its requested
--- tokens again (rounded up; 0 when it holds them now); then, with
--- leases, the tokens lent from each bucket}.
+-- tokens again (rounded up; 0 when it holds them now)}. (Buckets with
+-- `lease` use lease.lua, which reads and writes them alike.)
 
 -- Redis time, not the caller's, so instances with skewed clocks agree.
 -- 1.7e15 microseconds is well inside a double's exact integers (2^53).
@@ -33,8 +26,7 @@ local time = redis.call('TIME')
 local now = tonumber(time[1]) * 1000000 + tonumber(time[2])
 
 local n = #KEYS
-local leasing = #ARGV > 3 * n
-local rate, burst, requested, tokens, rewound, lent, present = {}, {}, {}, {}, {}, {}, {}
+local rate, burst, requested, tokens, rewound, present = {}, {}, {}, {}, {}, {}
 local allowed = 1
 for i = 1, n do
   rate[i] = tonumber(ARGV[3 * i - 2])
@@ -59,23 +51,10 @@ for i = 1, n do
   end
 end
 
--- The further requests' worth every bucket can lend.
-local lend = 0
-if leasing and allowed == 1 then
-  lend = math.huge
-  for i = 1, n do
-    local left = tokens[i] - requested[i]
-    local can = math.min(tonumber(ARGV[3 * n + i]), math.floor(left / 2))
-    lend = math.min(lend, math.floor(can / requested[i]))
-  end
-  lend = math.max(0, lend)
-end
-
 local reply = {allowed}
 for i = 1, n do
-  lent[i] = lend * requested[i]
   if allowed == 1 then
-    tokens[i] = tokens[i] - requested[i] - lent[i]
+    tokens[i] = tokens[i] - requested[i]
   end
   -- The key lives as long as its missing tokens take to refill (at
   -- least 1 s), so an idle key lives no longer than needed.
@@ -99,10 +78,5 @@ for i = 1, n do
   end
   reply[2 * i] = math.max(0, math.floor(tokens[i]))
   reply[2 * i + 1] = wait
-end
-if leasing then
-  for i = 1, n do
-    reply[2 * n + 1 + i] = lent[i]
-  end
 end
 return reply

@@ -23,6 +23,7 @@
 #   lease@64      as allowed@64 with `lease 32`: most requests admitted
 #                 from tokens leased ahead, without waiting on Redis
 #   lease@256     as lease@64 with 256 connections
+#   memory@256    as memory@64 with 256 connections (the ceiling of lease@256)
 #   memfloor@256  as memfloor@64 with 256 connections
 #   nometrics@64  as allowed@64 with `metrics off` (what the metrics cost)
 #   charge@64     as allowed@64 with `charge header X-Cost`: every response
@@ -149,6 +150,7 @@ CASES=(
 	"mholt-denied@64 mholt-denied 429,200 -same-key"
 	"allowed@256 allowed 200 -"
 	"lease@256 lease 200 -"
+	"memory@256 memory 200 -"
 	"memfloor@256 memfloor 200 -"
 	"floor@256 floor 200 -"
 	"bare@256 bare 200 -"

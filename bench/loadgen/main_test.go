@@ -196,6 +196,31 @@ case=denied@64 round=2 requests=0 rps=0 server_cpu=50 reads=10 errors=2
 	}
 }
 
+func TestTableLeaseAgainstMemory(t *testing.T) {
+	// lease@N beside memory@N: the rounds' own req/s ratios (0.9, 0.95,
+	// 0.6: median 0.9), p99 differences (+1, +0.5, +3: +1) and ratios.
+	cases, err := readResults(strings.NewReader(`case=memory@64 round=1 requests=100 rps=100 p99_us=4000
+case=lease@64 round=1 requests=90 rps=90 p99_us=5000
+case=memory@64 round=2 requests=200 rps=200 p99_us=2000
+case=lease@64 round=2 requests=190 rps=190 p99_us=2500
+case=memory@64 round=3 requests=100 rps=100 p99_us=1000
+case=lease@64 round=3 requests=60 rps=60 p99_us=4000
+case=lease@256 round=1 requests=60 rps=60 p99_us=4000
+`), "0", "1")
+	if err != nil {
+		t.Fatal(err)
+	}
+	var b strings.Builder
+	writeTable(&b, cases, "0", "1", "1s", "3s")
+	_, versus, ok := strings.Cut(b.String(), "(lease against memory")
+	if !ok {
+		t.Fatalf("no lease against memory section in\n%s", b.String())
+	}
+	if want := "lease@64          0.900      +1.00ms        1.250\n"; !strings.Contains(versus, want) || strings.Contains(versus, "lease@256") {
+		t.Errorf("lease against memory:\n%s\nwant the line %q, and no lease@256 (no memory@256 ran)", versus, want)
+	}
+}
+
 // TestTableOutput compares the whole output for fixed lines with the
 // table as it was checked by hand (the columns up to p99 and from
 // vs bare64 on are what the awk program scripts/bench.sh used before

@@ -167,6 +167,32 @@ func writeTable(w io.Writer, cases []*benchCase, caddyCPU, loadCPU, warmup, dur 
  what other processes took of CPU %s / CPU %s meanwhile (well above 0: the figures are not clean);
  errors: transport errors + unexpected statuses, summed over rounds)
 `, rounds, warmup, dur, caddyCPU, loadCPU, caddyCPU, loadCPU)
+	writeVersus(w, cases, byName, "lease", "memory")
+}
+
+// writeVersus sets each <name>@<conns> beside <base>@<conns>, when both
+// ran: req/s ratio, p99 difference and p99 ratio, each the median of the
+// rounds' own (the lease targets are set against the in-process store).
+func writeVersus(w io.Writer, cases []*benchCase, byName map[string]*benchCase, name, base string) {
+	header := false
+	for _, c := range cases {
+		b := byName[base+"@"+c.conns]
+		if n, _, _ := strings.Cut(c.name, "@"); n != name || b == nil {
+			continue
+		}
+		if !header {
+			fmt.Fprintf(w, "\n%-12s %10s %12s %12s   (%s against %s, medians of the rounds' own figures)\n", "case", "vs "+base, "p99-"+base, "p99/"+base, name, base)
+			header = true
+		}
+		n := min(len(c.rounds), len(b.rounds))
+		rs := make([]float64, n)
+		for i := range n {
+			if b.rounds[i].p99ms != 0 {
+				rs[i] = c.rounds[i].p99ms / b.rounds[i].p99ms
+			}
+		}
+		fmt.Fprintf(w, "%-12s %10s %12s %12.3f\n", c.name, ratio(c, b), p99Above(c, b), median(rs))
+	}
 }
 
 // ratio is the median over the rounds of c's req/s over base's in the

@@ -1,0 +1,242 @@
+-- Token buckets that lend tokens to Caddy instances (`lease`), counting
+-- in Redis what each instance holds, so that a bucket never refills into
+-- lent tokens: tokens in the bucket plus tokens lent and unexpired never
+-- exceed the burst, and over any interval T a bucket admits at most
+-- burst + rate * T, wherever its tokens were spent.
+--
+-- KEYS[2i-1]   bucket i, stored as script.lua stores it: "<tokens> <µs>"
+-- KEYS[2i]     what bucket i has lent, in the same Cluster hash slot: one
+--              "<instance> <tokens> <expiry µs> <seq>" per lease, joined
+--              by ","; the key expires with its last lease
+-- ARGV[1]      what the call does:
+--                take    the caller's request waits: take its requested
+--                        tokens from every bucket, all or none; then, if
+--                        admitted, report and lend as renew does
+--                renew   report what the caller's lease still holds, and
+--                        lend it more
+--                give    give the lease back: its unused tokens return to
+--                        the bucket, and the bucket lends nothing to the
+--                        caller any more
+--                refund  return each bucket's requested tokens, taken by a
+--                        request that another slot group then refused
+-- ARGV[2]      the calling instance (letters and digits)
+-- ARGV[3]      the call's sequence number, increasing on that instance: a
+--              call older than the last one seen reports nothing (calls
+--              of one instance may overtake each other after a timeout)
+-- ARGV[4]      how long, in µs, a lease lives here after a call: the
+--              caller's hold plus a grace for its give-back to arrive.
+--              A lease that expires without a give-back (its instance
+--              died) counts as spent at its expiry.
+-- ARGV[5i..5i+4]  bucket i: replenish rate (tokens per second), burst
+--              capacity, requested tokens (whole), the tokens the
+--              caller's lease holds unused (as the call left), and the
+--              most tokens the caller's lease should hold after the call
+--
+-- Lending: never more than half of what the bucket holds after the
+-- request (a lease shrinks to nothing as the bucket runs low), and all of
+-- a call's buckets lend up to the same number of requests (the fewest
+-- any of them can reach): a request is admitted from leases only when
+-- every one of its buckets' leases holds its tokens.
+--
+-- Returns {allowed (1|0: take; else 1), then for each bucket: remaining
+-- whole tokens (rounded down), µs until it holds its requested tokens
+-- (rounded up; 0 when it holds them now); then for each bucket: the
+-- tokens it counts as lent to the caller after the call}.
+
+local time = redis.call('TIME')
+local now = tonumber(time[1]) * 1000000 + tonumber(time[2])
+
+local mode, me, seq, life = ARGV[1], ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4])
+local n = #KEYS / 2
+
+-- The leases of a bucket, soonest expiry first.
+local function readLeases(key)
+  local leases = {}
+  local text = redis.call('GET', key)
+  if text then
+    for id, tokens, expiry, s in string.gmatch(text, '(%w+) (%d+) (%d+) (%d+)') do
+      leases[#leases + 1] = {id = id, tokens = tonumber(tokens), expiry = tonumber(expiry), seq = tonumber(s)}
+    end
+  end
+  table.sort(leases, function(a, b) return a.expiry < b.expiry end)
+  return leases
+end
+
+-- What the leases that live past t hold.
+local function lentAt(leases, t)
+  local lent = 0
+  for _, l in ipairs(leases) do
+    if l.expiry > t then
+      lent = lent + l.tokens
+    end
+  end
+  return lent
+end
+
+-- Refills tokens from time from to time to at rate, up to the burst less
+-- what is lent; each lease that expires on the way raises that cap from
+-- its expiry on. Tokens above the cap (stored by an instance without
+-- lease) are kept, never refilled.
+local function refill(tokens, from, to, rate, burst, leases)
+  local lent = lentAt(leases, from)
+  local function grow(till)
+    local cap = burst - lent
+    if tokens < cap then
+      tokens = math.min(cap, tokens + (till - from) * rate / 1000000)
+    end
+    from = till
+  end
+  for _, l in ipairs(leases) do
+    if l.expiry > from and l.expiry <= to then
+      grow(l.expiry)
+      lent = lent - l.tokens
+    end
+  end
+  grow(to)
+  return tokens
+end
+
+-- µs from now until tokens reach need, by refill alone, as the leases
+-- (all unexpired) expire.
+local function waitFor(tokens, need, rate, burst, leases)
+  local lent, t = lentAt(leases, now), now
+  for _, l in ipairs(leases) do
+    if burst - lent >= need and tokens + (l.expiry - t) * rate / 1000000 >= need then
+      break
+    end
+    tokens = math.min(math.max(tokens, burst - lent), tokens + (l.expiry - t) * rate / 1000000)
+    lent, t = lent - l.tokens, l.expiry
+  end
+  return t - now + math.ceil((need - tokens) * 1000000 / rate)
+end
+
+local rate, burst, requested, held, want = {}, {}, {}, {}, {}
+local tokens, leases, own = {}, {}, {}
+local allowed, fresh = 1, true
+for i = 1, n do
+  local a = 4 + 5 * (i - 1)
+  rate[i], burst[i], requested[i] = tonumber(ARGV[a + 1]), tonumber(ARGV[a + 2]), tonumber(ARGV[a + 3])
+  held[i], want[i] = tonumber(ARGV[a + 4]), tonumber(ARGV[a + 5])
+  leases[i] = readLeases(KEYS[2 * i])
+  local state = redis.call('GET', KEYS[2 * i - 1])
+  local stored, at
+  if state then
+    stored, at = string.match(state, '^(%S+) (%d+)$')
+    stored, at = tonumber(stored), tonumber(at)
+  end
+  if stored and at then
+    -- A stored time ahead of now (a failover to a server whose clock is
+    -- behind) counts from now, as in script.lua.
+    tokens[i] = refill(stored, math.min(at, now), now, rate[i], burst[i], leases[i])
+  else
+    -- An absent bucket is full: up to what is lent.
+    tokens[i] = burst[i] - lentAt(leases[i], now)
+  end
+  -- Expired leases are spent; the caller's own is looked up.
+  local live = {}
+  for _, l in ipairs(leases[i]) do
+    if l.expiry > now then
+      live[#live + 1] = l
+      if l.id == me then
+        own[i] = l
+      end
+    end
+  end
+  leases[i] = live
+  if own[i] and own[i].seq >= seq then
+    fresh = false
+  end
+end
+
+-- The caller's report: its lease holds what it says, never more than
+-- counted here (what it used is spent, and leaves the lent total). A
+-- lease this bucket does not count (expired, or lost with the data)
+-- holds nothing: the reply tells the caller so.
+-- An answered report renews the lease's life here, as the caller renews
+-- its hold.
+if fresh and mode ~= 'refund' then
+  for i = 1, n do
+    if own[i] then
+      own[i].tokens, own[i].expiry, own[i].seq = math.min(held[i], own[i].tokens), now + life, seq
+      if mode == 'give' then
+        -- Up to the cap it frees: never past it, even if an instance
+        -- without lease refilled the bucket into lent tokens.
+        local cap = burst[i] - lentAt(leases[i], now) + own[i].tokens
+        if tokens[i] < cap then
+          tokens[i] = math.min(cap, tokens[i] + own[i].tokens)
+        end
+        own[i].tokens = 0
+      end
+    end
+  end
+end
+
+if mode == 'refund' then
+  for i = 1, n do
+    local cap = burst[i] - lentAt(leases[i], now)
+    if tokens[i] < cap then
+      tokens[i] = math.min(cap, tokens[i] + requested[i])
+    end
+  end
+elseif mode == 'take' then
+  for i = 1, n do
+    if tokens[i] < requested[i] then
+      allowed = 0
+    end
+  end
+  if allowed == 1 then
+    for i = 1, n do
+      tokens[i] = tokens[i] - requested[i]
+    end
+  end
+end
+
+-- Lend: every lease up to the same number of requests.
+if fresh and allowed == 1 and (mode == 'take' or mode == 'renew') then
+  local reach = math.huge
+  for i = 1, n do
+    local has = own[i] and own[i].tokens or 0
+    local can = math.min(math.max(0, want[i] - has), math.floor(tokens[i] / 2))
+    reach = math.min(reach, math.floor((has + math.max(0, can)) / requested[i]))
+  end
+  for i = 1, n do
+    local has = own[i] and own[i].tokens or 0
+    local lend = math.max(0, reach * requested[i] - has)
+    if lend > 0 or own[i] then
+      if not own[i] then
+        own[i] = {id = me, tokens = 0}
+        leases[i][#leases[i] + 1] = own[i]
+      end
+      tokens[i] = tokens[i] - lend
+      own[i].tokens, own[i].expiry, own[i].seq = own[i].tokens + lend, now + life, seq
+    end
+  end
+end
+
+local reply = {allowed}
+for i = 1, n do
+  local lent, last, text = 0, now, {}
+  for _, l in ipairs(leases[i]) do
+    if l.tokens > 0 then
+      text[#text + 1] = string.format('%s %d %d %d', l.id, l.tokens, l.expiry, l.seq)
+      lent, last = lent + l.tokens, math.max(last, l.expiry)
+    end
+  end
+  -- The bucket lives until it would be full with every lease expired;
+  -- what is lent lives as long as its last lease.
+  local ttl = math.max(1000, math.ceil((burst[i] - tokens[i]) * 1000 / rate[i]) + math.ceil((last - now) / 1000))
+  redis.call('SET', KEYS[2 * i - 1], string.format('%.17g %d', tokens[i], now), 'PX', ttl)
+  if #text > 0 then
+    redis.call('SET', KEYS[2 * i], table.concat(text, ','), 'PX', math.ceil((last - now) / 1000))
+  else
+    redis.call('DEL', KEYS[2 * i])
+  end
+  local wait = 0
+  if tokens[i] < requested[i] then
+    wait = waitFor(tokens[i], requested[i], rate[i], burst[i], leases[i])
+  end
+  reply[2 * i] = math.max(0, math.floor(tokens[i]))
+  reply[2 * i + 1] = wait
+  reply[2 * n + 1 + i] = own[i] and own[i].tokens or 0
+end
+return reply

@@ -1,0 +1,359 @@
+package ratelimit
+
+import (
+	"context"
+	"fmt"
+	"strings"
+	"sync"
+	"time"
+
+	"go.uber.org/zap"
+)
+
+// The calls of a handler with lease: a request whose leases fall short
+// takes its tokens with lease.lua (and is lent a lease); renewals go in
+// the background; give-backs every half hold. lease.go holds the leases.
+
+// The modes of lease.lua, boxed once.
+var (
+	leaseModeTake   any = "take"
+	leaseModeRenew  any = "renew"
+	leaseModeGive   any = "give"
+	leaseModeRefund any = "refund"
+)
+
+// checkLeased decides a request of a handler with lease: from its
+// buckets' leases when they hold its tokens; else, when a call for one
+// of its buckets is in flight, after that call, which it shares a
+// failure with; else from the deny cache; else with a call of its own,
+// which takes its tokens and lends its leases more (asked: the caller
+// records it as a Redis call).
+func (h *Handler) checkLeased(clientCtx context.Context, sent time.Time, buckets []bucket) (allowed, asked bool, err error) {
+	ls := h.leases
+	now, counted, lead := sent, false, false
+	for {
+		outcome, f := ls.acquire(now, buckets, &counted, lead)
+		switch {
+		case outcome == leaseAdmitted:
+			if f != nil {
+				go h.renewLeases(f)
+			}
+			return true, false, nil
+		case outcome == leaseWait:
+			select {
+			case <-f.done:
+			case <-clientCtx.Done():
+				return false, false, clientCtx.Err()
+			}
+			if f.err != nil {
+				return false, false, f.err
+			}
+			now, lead = time.Now(), false
+		case !lead:
+			if h.useDenyCache && h.denied.answer(buckets, sent) {
+				return false, false, nil
+			}
+			lead = true
+		default:
+			// A request that waited for a flight has its own timeout from
+			// now: the batch of its call ends at its earliest deadline.
+			allowed, err = h.leaseTake(clientCtx, now, f, buckets)
+			return allowed, true, err
+		}
+	}
+}
+
+// leaseTake is a request's own call, flight f: it takes the request's
+// tokens from every bucket, all or none, and lends the leases more. On a
+// Cluster where the buckets span several slot groups, each group is a
+// call, in order, and when one refuses or fails, the groups before it get
+// back the request's tokens (their leases stay).
+func (h *Handler) leaseTake(clientCtx context.Context, sent time.Time, f *leaseFlight, buckets []bucket) (allowed bool, err error) {
+	ls := h.leases
+	var back []bucket
+	if h.groups == nil {
+		allowed, err = ls.call(clientCtx, h.limiter, sent, leaseModeTake, buckets)
+		back = ls.land(f, buckets, time.Now(), err)
+	} else {
+		allowed, err, back = h.leaseTakeGroups(clientCtx, sent, f, buckets)
+	}
+	shared := err
+	if clientCtx.Err() != nil {
+		shared = nil // the leader's client left: the requests that waited ask again
+	}
+	ls.finish(f, buckets, shared)
+	if len(back) > 0 {
+		go h.giveBackLeases(back)
+	}
+	return allowed, err
+}
+
+// leaseTakeGroups is leaseTake over the slot groups of a Cluster.
+func (h *Handler) leaseTakeGroups(clientCtx context.Context, sent time.Time, f *leaseFlight, buckets []bucket) (allowed bool, err error, back []bucket) {
+	ls := h.leases
+	var inline, given [maxInlineBuckets]bucket
+	taken := given[:0]
+	ended := -1 // the group that refused or failed
+	for g := range h.groups {
+		group := groupOf(buckets, g, inline[:0])
+		if len(group) == 0 {
+			continue
+		}
+		allowed, err = ls.call(clientCtx, h.limiter, sent, leaseModeTake, group)
+		back = append(back, ls.land(f, group, time.Now(), err)...)
+		j := 0
+		for i := range buckets {
+			if buckets[i].limit.group == g {
+				buckets[i].remaining, buckets[i].retryAfter = group[j].remaining, group[j].retryAfter
+				j++
+			}
+		}
+		if err != nil || !allowed {
+			ended = g
+			break
+		}
+		taken = append(taken, group...)
+	}
+	if ended < 0 {
+		return true, nil, back
+	}
+	h.refundGroups(taken)
+	for i := range buckets {
+		switch g := buckets[i].limit.group; {
+		case g < ended:
+			buckets[i].remaining += buckets[i].values.requested // refunded
+		case g > ended:
+			buckets[i].unknown = true // never asked
+		}
+	}
+	return false, err, back
+}
+
+// groupOf appends to dst the buckets of slot group g, in order.
+func groupOf(buckets []bucket, g int, dst []bucket) []bucket {
+	for i := range buckets {
+		if buckets[i].limit.group == g {
+			dst = append(dst, buckets[i])
+		}
+	}
+	return dst
+}
+
+// refundGroups returns what a request took from earlier slot groups, a
+// call per group (one slot each), whether or not the client is still
+// there: the tokens must not stay taken. A failure is logged; those
+// buckets then stay short until they refill.
+func (h *Handler) refundGroups(taken []bucket) {
+	for start := 0; start < len(taken); {
+		end := start + 1
+		for end < len(taken) && taken[end].limit.group == taken[start].limit.group {
+			end++
+		}
+		if _, err := h.leases.call(context.Background(), h.limiter, time.Now(), leaseModeRefund, taken[start:end]); err != nil {
+			h.warnGiveBack(err)
+		}
+		start = end
+	}
+}
+
+// renewLeases sends renewal f in the background: it reports what the
+// leases hold and lends them up to what their rate wants.
+func (h *Handler) renewLeases(f *leaseFlight) {
+	ls := h.leases
+	// From when the call leaves, not when the request that started it
+	// came: on a busy instance this goroutine may start much later, and
+	// the call's timeout and the new hold count from its send.
+	f.sent = time.Now()
+	var err error
+	var back []bucket
+	if h.groups == nil {
+		_, err = ls.call(context.Background(), h.limiter, f.sent, leaseModeRenew, f.buckets)
+		back = ls.land(f, f.buckets, time.Now(), err)
+	} else {
+		var inline [maxInlineBuckets]bucket
+		for g := range h.groups {
+			group := groupOf(f.buckets, g, inline[:0])
+			if len(group) == 0 {
+				continue
+			}
+			_, gerr := ls.call(context.Background(), h.limiter, f.sent, leaseModeRenew, group)
+			back = append(back, ls.land(f, group, time.Now(), gerr)...)
+			if err == nil {
+				err = gerr
+			}
+		}
+	}
+	ls.finish(f, f.buckets, err)
+	if len(back) > 0 {
+		h.giveBackLeases(back)
+	}
+}
+
+// maxGiveBack bounds the buckets of one give-back call, which Redis runs
+// without serving anyone else.
+const maxGiveBack = 64
+
+// giveBackLeases gives leases back: in calls of up to maxGiveBack
+// buckets, or a bucket per call on a Cluster, where they may live on
+// different masters. This instance's cached denials of those buckets go:
+// the bucket may hold tokens again. What fails counts as spent once the
+// lease expires in Redis.
+func (h *Handler) giveBackLeases(back []bucket) {
+	size := maxGiveBack
+	if h.limiter.cluster != nil {
+		size = 1
+	}
+	for start := 0; start < len(back); start += size {
+		chunk := back[start:min(start+size, len(back))]
+		_, _ = h.leases.call(context.Background(), h.limiter, time.Now(), leaseModeGive, chunk)
+		keys := make([]string, len(chunk))
+		for i := range chunk {
+			keys[i] = chunk[i].key
+		}
+		h.denied.forget(keys...)
+	}
+}
+
+// giveBackEvery gives back, every half hold, the leases whose hold ended,
+// until stop; then all of them.
+func (h *Handler) giveBackEvery() {
+	ls := h.leases
+	defer close(ls.done)
+	tick := time.NewTicker(max(ls.hold/2, time.Millisecond)) // a hold of 1ns is valid; a ticker of 0 panics
+	defer tick.Stop()
+	for {
+		select {
+		case <-ls.stop:
+			h.giveBackLeases(ls.take(time.Now(), true))
+			return
+		case now := <-tick.C:
+			h.giveBackLeases(ls.take(now, false))
+		}
+	}
+}
+
+// close gives back what the leases hold and stops. From then on nothing
+// is lent (want), and what a call in flight lands goes back (land).
+func (ls *leases) close() {
+	ls.closed.Store(true)
+	close(ls.stop)
+	<-ls.done
+}
+
+// warnGiveBack logs a failed refund, throttled.
+func (h *Handler) warnGiveBack(err error) {
+	if ok, suppressed := h.redisWarns.allow(); ok {
+		h.logger.Warn("Redis failed while giving tokens back; those buckets stay short until they refill",
+			zap.String("zone", h.Zone), zap.Error(err), suppressedField(suppressed))
+	}
+}
+
+// call runs lease.lua in mode over the buckets (of one Cluster slot),
+// each with its lease's record, what the lease holds unused and the most
+// it should hold, and reads each bucket's answer: remaining, retryAfter
+// and leased, what Redis counts as lent to this instance now.
+func (ls *leases) call(clientCtx context.Context, l *limiter, sent time.Time, mode any, buckets []bucket) (allowed bool, err error) {
+	c := calls.Get().(*call)
+	for i := range buckets {
+		c.keys = append(c.keys, buckets[i].key, buckets[i].lease.record)
+	}
+	c.command(leaseScript)
+	c.args = append(c.args, mode, ls.idArg, ls.seq.Add(1), ls.lifeArg)
+	for i := range buckets {
+		b := &buckets[i]
+		c.args = append(c.args, b.args[0], b.args[1], b.args[2], b.held, b.want)
+	}
+	c, err = l.send(clientCtx, sent, c)
+	if err == nil {
+		allowed, err = readTake(c.reply, buckets, true)
+	}
+	if c != nil {
+		c.release()
+	}
+	return allowed, err
+}
+
+// leaseRecordSuffix follows a bucket's key in the key of its lease
+// record. No bucket key ends so: values escape '|', and limit names have
+// none.
+const leaseRecordSuffix = "|lease"
+
+// leaseRecordKey is the key of what the bucket at key has lent: in the
+// same Redis Cluster hash slot, so that one script reads both. A key with
+// a hash tag keeps it; one without gets a tag that hashes to its slot.
+func leaseRecordKey(key string) string {
+	if _, tagged := hashTag(key); tagged {
+		return key + leaseRecordSuffix
+	}
+	return key + leaseRecordSuffix + "{" + slotTags()[clusterSlot(key)] + "}"
+}
+
+// hashTag is the part of key that Redis Cluster hashes when it has a
+// hash tag: between the first '{' and the first '}' after it, if not
+// empty.
+func hashTag(key string) (string, bool) {
+	if s := strings.IndexByte(key, '{'); s >= 0 {
+		if e := strings.IndexByte(key[s+1:], '}'); e > 0 {
+			return key[s+1 : s+1+e], true
+		}
+	}
+	return key, false
+}
+
+// clusterSlot is the Redis Cluster hash slot of key.
+func clusterSlot(key string) int {
+	tag, _ := hashTag(key)
+	return int(crc16(tag) % clusterSlots)
+}
+
+const clusterSlots = 16384
+
+// crc16 is the CRC-16/XMODEM of s, as Redis Cluster computes it.
+func crc16(s string) uint16 {
+	var crc uint16
+	for i := 0; i < len(s); i++ {
+		crc ^= uint16(s[i]) << 8
+		for range 8 {
+			if crc&0x8000 != 0 {
+				crc = crc<<1 ^ 0x1021
+			} else {
+				crc <<= 1
+			}
+		}
+	}
+	return crc
+}
+
+// slotTags are, for each Cluster hash slot, the shortest string of
+// letters and digits that hashes to it (found once, in a few ms).
+var slotTags = sync.OnceValue(func() *[clusterSlots]string {
+	const alphabet = "0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
+	tags := new([clusterSlots]string)
+	missing := clusterSlots
+	for _, length := range []int{1, 2, 3, 4} {
+		var digits [4]int
+		buf := make([]byte, length)
+		for {
+			for i := range length {
+				buf[i] = alphabet[digits[i]]
+			}
+			if slot := crc16(string(buf)) % clusterSlots; tags[slot] == "" {
+				tags[slot] = string(buf)
+				if missing--; missing == 0 {
+					return tags
+				}
+			}
+			i := 0
+			for ; i < length; i++ {
+				if digits[i]++; digits[i] < len(alphabet) {
+					break
+				}
+				digits[i] = 0
+			}
+			if i == length {
+				break
+			}
+		}
+	}
+	panic(fmt.Sprintf("no tag for %d Cluster slots", missing)) // 62^4 strings cover every slot
+})

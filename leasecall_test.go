@@ -1,0 +1,366 @@
+package ratelimit
+
+// lease.lua against Redis, call by call, and the keys of lease records
+// (leasecall.go). The handler's use of them is in lease_test.go.
+
+import (
+	"context"
+	"fmt"
+	"math"
+	"strconv"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/caddy-redis/ratelimit/internal/redistest"
+	"github.com/redis/go-redis/v9"
+)
+
+// leaseArg is one bucket of a lease.lua call.
+type leaseArg struct {
+	key              string
+	rate             float64
+	burst, requested int64
+	held, want       int64
+}
+
+// leaseReply is what lease.lua answered, per bucket.
+type leaseReply struct {
+	allowed   bool
+	remaining []int64
+	wait      []time.Duration
+	lent      []int64
+}
+
+// evalLease runs lease.lua as instance id with call number seq, leases
+// living life, over the buckets.
+func evalLease(t *testing.T, rdb *redis.Client, mode, id string, seq int64, life time.Duration, bs ...leaseArg) leaseReply {
+	t.Helper()
+	var keys []string
+	args := []any{mode, id, seq, life.Microseconds()}
+	for _, b := range bs {
+		keys = append(keys, b.key, leaseRecordKey(b.key))
+		args = append(args, strconv.FormatFloat(b.rate, 'f', -1, 64), b.burst, b.requested, b.held, b.want)
+	}
+	v, err := rdb.Eval(context.Background(), leaseSource, keys, args...).Int64Slice()
+	if err != nil {
+		t.Fatalf("lease.lua %s: %v", mode, err)
+	}
+	n := len(bs)
+	if len(v) != 1+3*n {
+		t.Fatalf("lease.lua %s: reply %v", mode, v)
+	}
+	r := leaseReply{allowed: v[0] == 1}
+	for i := range n {
+		r.remaining = append(r.remaining, v[1+2*i])
+		r.wait = append(r.wait, time.Duration(v[2+2*i])*time.Microsecond)
+		r.lent = append(r.lent, v[1+2*n+i])
+	}
+	return r
+}
+
+// leaseRecord is one instance's lease as a bucket's record holds it.
+type leaseRecord struct {
+	tokens, seq int64
+	expiry      time.Time
+}
+
+// leaseRecords reads the lease record of the bucket at key, by instance.
+func leaseRecords(t *testing.T, rdb *redis.Client, key string) map[string]leaseRecord {
+	t.Helper()
+	text, err := rdb.Get(context.Background(), leaseRecordKey(key)).Result()
+	if err == redis.Nil {
+		return nil
+	}
+	if err != nil {
+		t.Fatal(err)
+	}
+	records := map[string]leaseRecord{}
+	for _, entry := range strings.Split(text, ",") {
+		var id string
+		var tokens, expiry, seq int64
+		if _, err := fmt.Sscanf(entry, "%s %d %d %d", &id, &tokens, &expiry, &seq); err != nil {
+			t.Fatalf("lease record %q: %v", text, err)
+		}
+		records[id] = leaseRecord{tokens, seq, time.UnixMicro(expiry)}
+	}
+	return records
+}
+
+// setLeaseRecord stores a bucket's lease record: id tokens expiry seq,
+// each expiry as an offset from Redis's now.
+func setLeaseRecord(t *testing.T, rdb *redis.Client, key string, now int64, leases ...string) {
+	t.Helper()
+	var entries []string
+	for _, l := range leases {
+		f := strings.Fields(l)
+		in, err := time.ParseDuration(f[2])
+		if len(f) != 4 || err != nil {
+			t.Fatalf("lease %q: want <id> <tokens> <expiry from now> <seq>", l)
+		}
+		entries = append(entries, fmt.Sprintf("%s %s %d %s", f[0], f[1], now+in.Microseconds(), f[3]))
+	}
+	if err := rdb.Set(context.Background(), leaseRecordKey(key), strings.Join(entries, ","), time.Minute).Err(); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// setBucketAt stores a bucket holding tokens at Redis time at (µs).
+func setBucketAt(t *testing.T, rdb *redis.Client, key string, tokens float64, at int64) {
+	t.Helper()
+	if err := rdb.Set(context.Background(), key, fmt.Sprintf("%.17g %d", tokens, at), time.Minute).Err(); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// TestLeaseScriptCountsWhatItLends: lease.lua lends at most what the
+// lease should hold less what it holds, and never more than half of what
+// the request leaves; the bucket counts what it lent, per instance, and
+// does not refill into it; a renewal's report frees what was used; a
+// give-back returns what is unused and ends the lease.
+func TestLeaseScriptCountsWhatItLends(t *testing.T) {
+	srv := redistest.Start(t)
+	rdb := srv.Client(t)
+	const life = time.Minute
+	// A thousandth of a token a second: every count below is exact,
+	// rounded down. The probe refills at a million a second: whatever
+	// the bucket may hold, it holds by the time the probe runs.
+	a := leaseArg{key: "rl:count", rate: 0.001, burst: 100, requested: 1}
+	probe := leaseArg{key: a.key, rate: 1e6, burst: 100, requested: 1}
+	held := func(what string) {
+		t.Helper()
+		if r := evalLease(t, rdb, "renew", "probe", time.Now().UnixNano(), life, probe); r.remaining[0] != mustAtoi(t, what) {
+			t.Fatalf("refilled as fast as can be: %d; want %s", r.remaining[0], what)
+		}
+	}
+
+	// The first take lends what the lease should hold: 8, from 99.
+	first := a
+	first.want = 8
+	r := evalLease(t, rdb, "take", "i1", 1, life, first)
+	if !r.allowed || r.remaining[0] != 91 || r.lent[0] != 8 || r.wait[0] != 0 {
+		t.Fatalf("take, want 8: %+v; want allowed, 91 left, 8 lent", r)
+	}
+	// Another instance's take, wanting 80: half of what is left.
+	other := a
+	other.want = 80
+	r = evalLease(t, rdb, "take", "i2", 1, life, other)
+	if !r.allowed || r.lent[0] != 45 || r.remaining[0] != 45 {
+		t.Fatalf("another instance wanting 80 of 90 left: %+v; want 45 lent, 45 left", r)
+	}
+	recs := leaseRecords(t, rdb, a.key)
+	if len(recs) != 2 || recs["i1"].tokens != 8 || recs["i2"].tokens != 45 {
+		t.Fatalf("records %+v; want i1 8, i2 45", recs)
+	}
+	// However fast it refills, with 53 lent the bucket holds 47.
+	held("47")
+
+	// i1 reports 3 unused of its 8: 5 were spent, the cap rises by 5. It
+	// wants 8 again: 5 more.
+	report := a
+	report.held, report.want = 3, 8
+	r = evalLease(t, rdb, "renew", "i1", 2, life, report)
+	if r.lent[0] != 8 || r.remaining[0] != 42 {
+		t.Fatalf("i1 reports 3, wants 8: %+v; want 8 counted (3 + 5), 47 - 5 = 42 left", r)
+	}
+	held("47") // 100 - 45 - 8
+
+	// i2 gives back 40 of its 45: they return, and its lease ends.
+	give := a
+	give.held = 40
+	r = evalLease(t, rdb, "give", "i2", 2, life, give)
+	if r.remaining[0] != 87 || r.lent[0] != 0 {
+		t.Fatalf("i2 gives back 40: %+v; want 87 left, none lent to i2", r)
+	}
+	if recs := leaseRecords(t, rdb, a.key); len(recs) != 1 || recs["i1"].tokens != 8 {
+		t.Fatalf("records after i2's give-back %+v; want only i1's 8", recs)
+	}
+	// A give-back of more than the lease counts returns only that.
+	give.held = 50
+	r = evalLease(t, rdb, "give", "i1", 3, life, give)
+	if r.remaining[0] != 95 || leaseRecords(t, rdb, a.key) != nil {
+		t.Fatalf("i1 gives back 50 of its 8: %d left, records %v; want 95, none", r.remaining[0], leaseRecords(t, rdb, a.key))
+	}
+	if err := rdb.Get(context.Background(), leaseRecordKey(a.key)).Err(); err != redis.Nil {
+		t.Errorf("the record key of a bucket that lends nothing: %v; want none", err)
+	}
+	held("100")
+}
+
+func mustAtoi(t *testing.T, s string) int64 {
+	t.Helper()
+	n, err := strconv.ParseInt(s, 10, 64)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return n
+}
+
+// TestLeaseScriptExpiredLeaseCountsAsSpentAtItsExpiry: a lease whose
+// instance never gave it back stops counting at its expiry, and the
+// bucket refills into it from then on, not from before.
+func TestLeaseScriptExpiredLeaseCountsAsSpentAtItsExpiry(t *testing.T) {
+	srv := redistest.Start(t)
+	rdb := srv.Client(t)
+	a := leaseArg{key: "rl:expired", rate: 100, burst: 100, requested: 1}
+	// A second ago the bucket was empty, with 40 lent until 0.2 s ago:
+	// it refilled to 60 in 0.6 s, stayed there until the lease expired,
+	// then refilled 0.2 s more: 80. (Counting the lease as spent from
+	// the start would make it 100.)
+	now := redisNow(t, rdb)
+	setBucketAt(t, rdb, a.key, 0, now-1_000_000)
+	setLeaseRecord(t, rdb, a.key, now, "dead 40 -200ms 7")
+	r := evalLease(t, rdb, "take", "i1", 1, time.Minute, a)
+	took := float64(redisNow(t, rdb)-now) / 1e6 * a.rate // refilled while the test ran
+	if got := float64(r.remaining[0]); got < 79-took-1 || got > 79+took {
+		t.Errorf("remaining %v; want 79 (80 less the request)", got)
+	}
+	if leaseRecords(t, rdb, a.key) != nil {
+		t.Errorf("the expired lease is still recorded: %v", leaseRecords(t, rdb, a.key))
+	}
+
+	// A missing bucket is full: up to what is lent.
+	b := leaseArg{key: "rl:missing", rate: 100, burst: 100, requested: 1}
+	setLeaseRecord(t, rdb, b.key, redisNow(t, rdb), "other 30 1m 1")
+	if r := evalLease(t, rdb, "take", "i1", 2, time.Minute, b); r.remaining[0] != 69 {
+		t.Errorf("a missing bucket with 30 lent: %d left after one; want 69", r.remaining[0])
+	}
+
+	// A denial's wait counts the refill that the leases hold back: empty,
+	// 10 lent of 10 for 0.5 s more, 10 tokens a second: 0.5 s until the
+	// cap lets any token in, then 0.1 s for one.
+	c := leaseArg{key: "rl:wait", rate: 10, burst: 10, requested: 1}
+	now = redisNow(t, rdb)
+	setBucketAt(t, rdb, c.key, 0, now)
+	setLeaseRecord(t, rdb, c.key, now, "other 10 500ms 1")
+	r = evalLease(t, rdb, "take", "i1", 3, time.Minute, c)
+	if r.allowed || r.wait[0] < 550*time.Millisecond || r.wait[0] > 600*time.Millisecond {
+		t.Errorf("empty, all lent for 0.5 s: %+v; want denied with a wait of about 0.6 s", r)
+	}
+}
+
+// TestLeaseScriptOrdersCalls: a call older than the last one Redis saw
+// from the instance reports nothing and lends nothing (calls may overtake
+// each other after a timeout); a lease Redis does not count holds nothing,
+// whatever the instance says; a give-back of an expired lease returns
+// nothing.
+func TestLeaseScriptOrdersCalls(t *testing.T) {
+	srv := redistest.Start(t)
+	rdb := srv.Client(t)
+	a := leaseArg{key: "rl:order", rate: 0.001, burst: 100, requested: 1, want: 10}
+	if r := evalLease(t, rdb, "take", "i1", 5, time.Minute, a); r.lent[0] != 10 || r.remaining[0] != 89 {
+		t.Fatalf("take: %+v", r)
+	}
+	// An older call: it still takes its request, but its report of 2
+	// held and its wish for 10 more are ignored.
+	stale := a
+	stale.held, stale.want = 2, 20
+	if r := evalLease(t, rdb, "take", "i1", 4, time.Minute, stale); !r.allowed || r.remaining[0] != 88 || r.lent[0] != 10 {
+		t.Errorf("an older take: %+v; want allowed, 88 left, i1 still counted 10", r)
+	}
+	if r := evalLease(t, rdb, "give", "i1", 3, time.Minute, stale); r.remaining[0] != 88 || leaseRecords(t, rdb, a.key)["i1"].tokens != 10 {
+		t.Errorf("an older give-back: %+v; want nothing returned, i1 still counted 10", r)
+	}
+	// A lease Redis lost (here: never had) holds nothing: i2 says it holds
+	// 7, and is told it holds what it is lent now.
+	lost := a
+	lost.held, lost.want = 7, 7
+	if r := evalLease(t, rdb, "renew", "i2", 1, time.Minute, lost); r.lent[0] != 7 || r.remaining[0] != 81 {
+		t.Errorf("a lost lease of 7 renewed to 7: %+v; want 7 lent anew from 88: 81 left", r)
+	}
+	// A lease whose life ended is spent: its give-back returns nothing.
+	short := leaseArg{key: "rl:short", rate: 0.001, burst: 100, requested: 1, want: 10}
+	evalLease(t, rdb, "take", "i1", 6, 50*time.Millisecond, short)
+	time.Sleep(100 * time.Millisecond)
+	short.held = 10
+	if r := evalLease(t, rdb, "give", "i1", 7, time.Minute, short); r.remaining[0] != 89 {
+		t.Errorf("a give-back after the lease expired: %d left; want 89 (its 10 spent)", r.remaining[0])
+	}
+}
+
+// TestLeaseScriptLendsInLockstep: all of a call's buckets lend up to the
+// same number of requests, the most the scarcest can reach with what its
+// lease holds; a bucket whose lease holds enough lends nothing.
+func TestLeaseScriptLendsInLockstep(t *testing.T) {
+	srv := redistest.Start(t)
+	rdb := srv.Client(t)
+	a := leaseArg{key: "{p}a", rate: 0.001, burst: 100, requested: 1, want: 32}
+	b := leaseArg{key: "{p}b", rate: 0.001, burst: 11, requested: 2, want: 32}
+	// b leaves 9 after a request of 2, can lend 4 (half): 2 requests.
+	r := evalLease(t, rdb, "take", "i1", 1, time.Minute, a, b)
+	if !r.allowed || fmt.Sprint(r.lent) != "[2 4]" || fmt.Sprint(r.remaining) != "[97 5]" {
+		t.Fatalf("take: %+v; want 2 and 4 lent (two requests), 97 and 5 left", r)
+	}
+	// a's lease holds 2, b's none: b can reach 1 request (2 of 5 / 2), so
+	// a lends nothing more.
+	a.held = 2
+	r = evalLease(t, rdb, "renew", "i1", 2, time.Minute, a, b)
+	if fmt.Sprint(r.lent) != "[2 2]" || fmt.Sprint(r.remaining) != "[97 3]" {
+		t.Errorf("renew with a holding 2, b none: %+v; want 2 and 2 counted, 97 and 3 left", r)
+	}
+}
+
+// TestLeaseScriptRefundStaysUnderTheCap: tokens given back to an earlier
+// slot group (refund) fill the bucket up to its burst less what it lent,
+// never past it.
+func TestLeaseScriptRefundStaysUnderTheCap(t *testing.T) {
+	srv := redistest.Start(t)
+	rdb := srv.Client(t)
+	a := leaseArg{key: "rl:refund", rate: 0.001, burst: 10, requested: 3}
+	now := redisNow(t, rdb)
+	setBucketAt(t, rdb, a.key, 5, now)
+	setLeaseRecord(t, rdb, a.key, now, "other 4 1m 1")
+	if r := evalLease(t, rdb, "refund", "i1", 1, time.Minute, a); r.remaining[0] != 6 || leaseRecords(t, rdb, a.key)["other"].tokens != 4 {
+		t.Errorf("refund of 3 to 5 with 4 lent of 10: %d left; want 6 (10 - 4), the lease untouched", r.remaining[0])
+	}
+}
+
+// TestLeaseScriptStateIsScriptLuas: a bucket lease.lua wrote reads as
+// script.lua stores it, and the other way round, so instances with and
+// without lease (during a rolling change) read each other's buckets.
+func TestLeaseScriptStateIsScriptLuas(t *testing.T) {
+	srv := redistest.Start(t)
+	rdb := srv.Client(t)
+	a := leaseArg{key: "rl:shared", rate: 0.001, burst: 100, requested: 1, want: 10}
+	evalLease(t, rdb, "take", "i1", 1, time.Minute, a)
+	b, err := parseBucket(rdb.Get(context.Background(), a.key))
+	if err != nil || math.Abs(b.tokens-89) > 0.01 {
+		t.Fatalf("the bucket lease.lua stored: %+v %v; want 89 tokens as script.lua stores them", b, err)
+	}
+	l := newTestLimiter(t, srv.Addr, time.Second)
+	if res := mustTake(t, l, a.key, limitArgs(a.rate, a.burst, 1)); res.Remaining != 88 {
+		t.Errorf("script.lua on lease.lua's bucket: %d left, want 88", res.Remaining)
+	}
+	if r := evalLease(t, rdb, "renew", "probe", 1, time.Minute, leaseArg{key: a.key, rate: a.rate, burst: a.burst, requested: 1}); r.remaining[0] != 88 {
+		t.Errorf("lease.lua on script.lua's bucket: %d left, want 88", r.remaining[0])
+	}
+}
+
+// TestLeaseRecordKeySharesTheBucketsSlot: a lease record lives in its
+// bucket's Redis Cluster hash slot, tagged or not; and the slot
+// function is Redis's (the examples of the Cluster specification).
+func TestLeaseRecordKeySharesTheBucketsSlot(t *testing.T) {
+	for key, slot := range map[string]int{"123456789": 0x31C3 % clusterSlots, "foo": 12182, "{user1000}.following": clusterSlot("user1000"), "foo{}{bar}": clusterSlot("foo{}{bar}")} {
+		if got := clusterSlot(key); got != slot {
+			t.Errorf("slot of %q: %d, want %d", key, got, slot)
+		}
+	}
+	if got := crc16("123456789"); got != 0x31C3 {
+		t.Errorf("crc16: %#x, want 0x31c3", got)
+	}
+	for i := range 20000 {
+		key := fmt.Sprintf("rate_limit:zone|tag|client%d", i)
+		if i%2 == 1 {
+			key = fmt.Sprintf("rate_limit:{zone|tag|client%d}|second", i)
+		}
+		record := leaseRecordKey(key)
+		if clusterSlot(record) != clusterSlot(key) || !strings.HasPrefix(record, key+leaseRecordSuffix) {
+			t.Fatalf("record %q of %q: slot %d, want %d", record, key, clusterSlot(record), clusterSlot(key))
+		}
+	}
+	for slot, tag := range slotTags() {
+		if clusterSlot(tag) != slot || len(tag) > 3 {
+			t.Fatalf("tag %q for slot %d: its slot is %d", tag, slot, clusterSlot(tag))
+		}
+	}
+}

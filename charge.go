@@ -434,6 +434,8 @@ func (h *Handler) settleResponse(cw *chargeWriter, err error, repl *caddy.Replac
 	case len(unsettled) == 0:
 	case store != nil:
 		h.settleInProcess(store, buckets, unsettled)
+	case h.leases != nil:
+		h.settleLeased(buckets, unsettled)
 	default:
 		h.settleInRedis(buckets, unsettled)
 	}

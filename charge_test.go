@@ -1914,3 +1914,57 @@ func TestSettlementsOfABatchShareOneScriptCall(t *testing.T) {
 	}
 	take.release()
 }
+
+// TestChargeWithLeaseSettlesUnderTheLeaseCap: a lending handler settles
+// what responses cost with lease.lua: tokens given back never fill the
+// bucket past its burst less what it lent (settle.lua, which knows
+// nothing of leases, filled it to the burst under the leases), and once
+// the lease went back the bucket holds exactly the burst less what the
+// responses cost.
+func TestChargeWithLeaseSettlesUnderTheLeaseCap(t *testing.T) {
+	srv := redistest.Start(t)
+	rdb := srv.Client(t)
+	up := startChargeUpstream(t)
+	c := startChargeCaddy(t, `
+http://127.0.0.1:{{http_port}} {
+	rate_limit {
+		zone leased
+		key {http.request.header.X-Key}
+		replenish_rate 0.001
+		burst_capacity 1000
+		requested_tokens 100
+		charge json usage.total_tokens
+		lease 300 1s
+		redis %[1]s
+	}
+	reverse_proxy %[2]s
+}
+`, srv.Addr, up.host())
+	key := adminBucketOf(t, c.admin, "leased", q("header.X-Key", "k")).StoredKey
+	spent, maxLent := 0, int64(0)
+	for i, usage := range []int{0, 0, 0, 0, 0, 0, 37, 250, 0, 0, 0} {
+		resp, _ := c.get(t, fmt.Sprintf("/?format=openai&usage=%d", usage), "X-Key", "k")
+		if resp.StatusCode != 200 {
+			t.Fatalf("request %d: %d, want 200", i+1, resp.StatusCode)
+		}
+		spent += usage
+		time.Sleep(50 * time.Millisecond) // its settlement lands
+		tokens, _ := tokensNow(t, rdb, key, 0.001, 1000)
+		lent := int64(0)
+		for _, l := range leaseRecords(t, rdb, key) {
+			lent += l.tokens
+		}
+		maxLent = max(maxLent, lent)
+		if tokens+float64(lent) > 1000.01 {
+			t.Fatalf("after request %d: the bucket holds %.2f with %d lent: more than its burst of 1000", i+1, tokens, lent)
+		}
+	}
+	if maxLent == 0 {
+		t.Fatal("no lease was ever lent: the test settled nothing under a lease")
+	}
+	eventually(t, 5*time.Second, "the lease given back", func() bool { return len(leaseRecords(t, rdb, key)) == 0 })
+	if tokens, _ := tokensNow(t, rdb, key, 0.001, 1000); math.Abs(tokens-float64(1000-spent)) > 0.05 {
+		t.Errorf("after the lease went back the bucket holds %.3f; want %d (1000 less what the responses cost)", tokens, 1000-spent)
+	}
+	t.Logf("most lent at once: %d tokens", maxLent)
+}

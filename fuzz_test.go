@@ -1,13 +1,11 @@
 package ratelimit
 
 import (
-	"context"
 	"strings"
 	"testing"
 
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
-	"github.com/redis/go-redis/v9"
 )
 
 // Fuzz tests; their seed corpora are in testdata/fuzz. `make test` runs
@@ -119,29 +117,30 @@ func checkKey(t *testing.T, template, prefix, key string) {
 	}
 }
 
-// FuzzParseReply: any reply, of any shape, is an answer or an error,
-// never a panic, and a malformed one is never read as a decision.
+// FuzzParseReply: any array of integers a script may answer (the
+// batcher reads replies as such: go-redis refuses any other shape) is an
+// answer or an error, never a panic, and a malformed one is never read
+// as a decision.
 func FuzzParseReply(f *testing.F) {
-	f.Add(uint8(3), int64(1), int64(4), int64(0), "")
-	f.Add(uint8(3), int64(0), int64(0), int64(500000), "")
-	f.Add(uint8(11), int64(1), int64(3), int64(0), "")
-	f.Add(uint8(2), int64(1), int64(1), int64(1), "x")
-	f.Add(uint8(7), int64(-1), int64(-5), int64(-1), "OK")
-	f.Add(uint8(27), int64(1), int64(4), int64(0), "") // two buckets, leasing
-	f.Fuzz(func(t *testing.T, shape uint8, a, b, c int64, s string) {
-		cmd := redis.NewCmd(context.Background())
+	f.Add(uint8(3), int64(1), int64(4), int64(0))
+	f.Add(uint8(3), int64(0), int64(0), int64(500000))
+	f.Add(uint8(11), int64(1), int64(3), int64(0))
+	f.Add(uint8(2), int64(1), int64(1), int64(1))
+	f.Add(uint8(7), int64(-1), int64(-5), int64(-1))
+	f.Add(uint8(27), int64(1), int64(4), int64(0)) // two buckets, leasing
+	f.Fuzz(func(t *testing.T, shape uint8, a, b, c int64) {
 		buckets := make([]bucket, 1+int(shape/8)%2) // one bucket, or two
 		leasing := shape&16 != 0                    // then each bucket also lent b tokens
+		var reply []int64
 		wellFormed := false
 		switch shape % 8 {
 		case 0:
-			cmd.SetVal(s)
 		case 1:
-			cmd.SetVal(a)
+			reply = []int64{a}
 		case 2:
-			cmd.SetVal([]any{a, b})
+			reply = []int64{a, b}
 		case 3:
-			reply := []any{a, b, c}
+			reply = []int64{a, b, c}
 			if len(buckets) == 2 {
 				reply = append(reply, b, c)
 			}
@@ -150,28 +149,23 @@ func FuzzParseReply(f *testing.F) {
 					reply = append(reply, b)
 				}
 			}
-			cmd.SetVal(reply)
 			wellFormed = (a == 0 || a == 1) && b >= 0 && c >= 0 && c <= maxRetryMicros
-		case 4:
-			cmd.SetVal([]any{s, b, c})
-		case 5:
-			cmd.SetVal([]any{a, b, c, s})
-		case 6:
-			cmd.SetVal([]any{a, []any{b}, c})
-		case 7:
-			cmd.SetVal(nil)
+		default:
+			reply = []int64{a, b, c, a, b, c, a}[:shape%8]
 		}
-		reply, err := readReply(cmd, nil)
-		var allowed bool
-		if err == nil {
-			allowed, err = readTake(reply, buckets, leasing)
+		allowed, err := readTake(reply, buckets, leasing)
+		if shape%8 > 3 {
+			wellFormed = err == nil // a length that happens to fit: judged below like any answer
 		}
 		if wellFormed != (err == nil) {
-			t.Fatalf("reply %#v: %v, error %v; well-formed %v", cmd.Val(), reply, err, wellFormed)
+			t.Fatalf("reply %v: error %v; well-formed %v", reply, err, wellFormed)
 		}
 		for _, bk := range buckets {
-			if err == nil && (allowed != (a == 1) || bk.remaining != b || bk.retryAfter.Microseconds() != c || leasing && bk.leased != b) {
-				t.Fatalf("reply %#v read as %v %+v", cmd.Val(), allowed, buckets)
+			if err == nil && shape%8 == 3 && (allowed != (a == 1) || bk.remaining != b || bk.retryAfter.Microseconds() != c || leasing && bk.leased != b) {
+				t.Fatalf("reply %v read as %v %+v", reply, allowed, buckets)
+			}
+			if err == nil && (bk.remaining < 0 || bk.retryAfter < 0 || bk.leased < 0) {
+				t.Fatalf("reply %v read as negative counts %+v", reply, buckets)
 			}
 		}
 	})

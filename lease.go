@@ -101,6 +101,10 @@ type lease struct {
 	// what was admitted from tokens since it left.
 	flight *leaseFlight
 	spent  int64
+	// reports counts the calls sent for the lease (from 1): each reports
+	// what it holds unused, and tokens admitted before it left are no
+	// longer counted in Redis as lent.
+	reports int64
 	// calm is when a renewal may start again after one failed: while the
 	// breaker is open, not one per admission.
 	calm time.Time
@@ -232,6 +236,7 @@ func (ls *leases) acquire(now time.Time, buckets []bucket, counted *bool, lead b
 			if l.flight != nil {
 				l.spent += b.values.requested
 			}
+			b.fromLease = l.reports
 			b.remaining, b.retryAfter = l.remaining+l.tokens, 0
 			renew = renew || now.After(l.calm) && (l.tokens <= l.renewAt || !now.Before(l.renewBy))
 		}
@@ -279,6 +284,7 @@ func (ls *leases) register(now time.Time, f *leaseFlight, buckets []bucket) {
 			ls.shards[ls.shardIndex(b.key)].byKey[b.key] = l
 		}
 		l.flight, l.spent = f, 0
+		l.reports++
 		b.lease, b.held = l, l.tokens
 		b.want = min(ls.max, l.tokens+ls.grant(l, now, b.values.requested))
 	}
@@ -403,4 +409,27 @@ func (ls *leases) take(now time.Time, everything bool) []bucket {
 		shard.mu.Unlock()
 	}
 	return back
+}
+
+// settle settles what a charged response cost (diff: cost less
+// reservation) in the lease of a bucket whose request it admitted, when
+// that lease is still held with the request's values and has reported
+// nothing since (so Redis still counts the request's tokens as lent): a
+// smaller cost gives the rest back to the lease it came from (tokens the
+// lease would hold had the request not taken them), a larger one takes
+// the rest from the lease when it holds it. It reports whether it
+// settled; otherwise the settlement goes to Redis.
+func (ls *leases) settle(b *bucket, diff int64, now time.Time) bool {
+	sh := &ls.shards[ls.shardIndex(b.key)]
+	sh.mu.Lock()
+	defer sh.mu.Unlock()
+	l := sh.byKey[b.key]
+	if l == nil || l.reports != b.fromLease || !l.counted || !now.Before(l.until) || l.values != b.values || l.tokens < diff || ls.closed.Load() {
+		return false
+	}
+	l.tokens -= diff
+	if l.flight != nil {
+		l.spent += diff // the call in flight reported the lease as it was: land counts this
+	}
+	return true
 }

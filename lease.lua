@@ -19,6 +19,12 @@
 --                        caller any more
 --                refund  return each bucket's requested tokens, taken by a
 --                        request that another slot group then refused
+--                settle  settle what responses cost (charge): take each
+--                        bucket's difference (its requested tokens here),
+--                        down to minus its max debt (its held tokens
+--                        here), or give it back (a negative difference)
+--                        up to what the leases leave; the reply's last
+--                        part is then the tokens forgiven past the debt
 -- ARGV[2]      the calling instance (letters and digits)
 -- ARGV[3]      the call's sequence number, increasing on that instance: a
 --              call older than the last one seen reports nothing (calls
@@ -41,7 +47,8 @@
 -- Returns {allowed (1|0: take; else 1), then for each bucket: remaining
 -- whole tokens (rounded down), µs until it holds its requested tokens
 -- (rounded up; 0 when it holds them now); then for each bucket: the
--- tokens it counts as lent to the caller after the call}.
+-- tokens it counts as lent to the caller after the call (settle: the
+-- tokens forgiven)}.
 
 local time = redis.call('TIME')
 local now = tonumber(time[1]) * 1000000 + tonumber(time[2])
@@ -111,7 +118,7 @@ local function waitFor(tokens, need, rate, burst, leases)
 end
 
 local rate, burst, requested, held, want = {}, {}, {}, {}, {}
-local tokens, leases, own = {}, {}, {}
+local tokens, leases, own, forgiven = {}, {}, {}, {}
 local allowed, fresh = 1, true
 for i = 1, n do
   local a = 4 + 5 * (i - 1)
@@ -154,7 +161,7 @@ end
 -- holds nothing: the reply tells the caller so.
 -- An answered report renews the lease's life here, as the caller renews
 -- its hold.
-if fresh and mode ~= 'refund' then
+if fresh and mode ~= 'refund' and mode ~= 'settle' then
   for i = 1, n do
     if own[i] then
       own[i].tokens, own[i].expiry, own[i].seq = math.min(held[i], own[i].tokens), now + life, seq
@@ -176,6 +183,23 @@ if mode == 'refund' then
     local cap = burst[i] - lentAt(leases[i], now)
     if tokens[i] < cap then
       tokens[i] = math.min(cap, tokens[i] + requested[i])
+    end
+  end
+elseif mode == 'settle' then
+  for i = 1, n do
+    local diff, maxDebt = requested[i], held[i]
+    forgiven[i] = 0
+    if diff < 0 then
+      local cap = burst[i] - lentAt(leases[i], now)
+      if tokens[i] < cap then
+        tokens[i] = math.min(cap, tokens[i] - diff)
+      end
+    else
+      local floor = math.min(tokens[i], -maxDebt)
+      if tokens[i] - diff < floor then
+        forgiven[i] = floor - (tokens[i] - diff)
+      end
+      tokens[i] = math.max(floor, tokens[i] - diff)
     end
   end
 elseif mode == 'take' then
@@ -232,11 +256,14 @@ for i = 1, n do
     redis.call('DEL', KEYS[2 * i])
   end
   local wait = 0
-  if tokens[i] < requested[i] then
+  if mode ~= 'settle' and tokens[i] < requested[i] then
     wait = waitFor(tokens[i], requested[i], rate[i], burst[i], leases[i])
   end
   reply[2 * i] = math.max(0, math.floor(tokens[i]))
   reply[2 * i + 1] = wait
   reply[2 * n + 1 + i] = own[i] and own[i].tokens or 0
+  if mode == 'settle' then
+    reply[2 * n + 1 + i] = math.floor(forgiven[i])
+  end
 end
 return reply

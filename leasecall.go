@@ -20,6 +20,7 @@ var (
 	leaseModeRenew  any = "renew"
 	leaseModeGive   any = "give"
 	leaseModeRefund any = "refund"
+	leaseModeSettle any = "settle"
 )
 
 // checkLeased decides a request of a handler with lease: from its
@@ -357,3 +358,60 @@ var slotTags = sync.OnceValue(func() *[clusterSlots]string {
 	}
 	panic(fmt.Sprintf("no tag for %d Cluster slots", missing)) // 62^4 strings cover every slot
 })
+
+// settleLeased settles the costs of a lending handler's responses
+// (charge.go) with lease.lua, in the background: a lending bucket refills
+// only up to what its leases leave, and settle.lua, which knows nothing
+// of leases, would refill and give back into lent tokens. One call per
+// bucket: a bucket and its lease record share a Cluster slot, two
+// buckets may not. A request admitted from a lease settles in that lease
+// when it can (leases.settle), without a call.
+func (h *Handler) settleLeased(buckets []bucket, items []settling) {
+	type settled struct {
+		limit                *limit
+		key, record          string
+		rate, burst, maxDebt any
+		cost, reserved, diff int64
+	}
+	parts := make([]settled, 0, len(items))
+	now := time.Now()
+	for _, it := range items {
+		b := &buckets[it.bucket]
+		if b.fromLease != 0 && h.leases.settle(b, it.diff, now) {
+			h.countCharged(b.limit, float64(it.cost), 0)
+			continue
+		}
+		parts = append(parts, settled{limit: b.limit, key: b.key, record: leaseRecordKey(b.key),
+			rate: b.args[0], burst: b.args[1], maxDebt: b.limit.charge.maxDebtArg(b),
+			cost: it.cost, reserved: b.values.requested, diff: it.diff})
+	}
+	if len(parts) == 0 {
+		return
+	}
+	go func() {
+		ls := h.leases
+		for _, p := range parts {
+			c := calls.Get().(*call)
+			c.keys = append(c.keys, p.key, p.record)
+			c.command(leaseScript)
+			c.args = append(c.args, leaseModeSettle, ls.idArg, ls.seq.Add(1), ls.lifeArg, p.rate, p.burst, diffArg(p.diff), p.maxDebt, 0)
+			c, err := h.limiter.send(context.Background(), time.Now(), c)
+			if err == nil && (len(c.reply) != 4 || c.reply[3] < 0) {
+				err = fmt.Errorf("unexpected settle reply %v", c.reply)
+			}
+			if err != nil {
+				h.countSettleFailure(nil, nil, err)
+				h.countCharged(p.limit, float64(p.reserved), 0)
+			} else {
+				forgiven := float64(c.reply[3])
+				h.countCharged(p.limit, float64(p.cost)-forgiven, forgiven)
+				if p.diff < 0 && h.useDenyCache {
+					h.denied.forget(p.key)
+				}
+			}
+			if c != nil {
+				c.release()
+			}
+		}
+	}()
+}

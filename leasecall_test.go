@@ -364,3 +364,33 @@ func TestLeaseRecordKeySharesTheBucketsSlot(t *testing.T) {
 		}
 	}
 }
+
+// TestLeaseScriptSettleStaysUnderTheCap: a charged response's settlement
+// on a lending bucket (settle) gives tokens back up to the burst less
+// what the bucket lent, never past it, and leaves the leases alone; a
+// larger cost takes into debt down to minus max_debt, and what it could
+// not take is answered as forgiven. settle.lua, which knows nothing of
+// leases, would fill this bucket to its burst.
+func TestLeaseScriptSettleStaysUnderTheCap(t *testing.T) {
+	srv := redistest.Start(t)
+	rdb := srv.Client(t)
+	a := leaseArg{key: "rl:settle", rate: 0.001, burst: 10}
+	now := redisNow(t, rdb)
+	setBucketAt(t, rdb, a.key, 5, now)
+	setLeaseRecord(t, rdb, a.key, now, "other 4 1m 1")
+	give := a
+	give.requested = -3 // the difference: the response cost 3 less than its reservation
+	if r := evalLease(t, rdb, "settle", "i1", 1, time.Minute, give); r.remaining[0] != 6 || leaseRecords(t, rdb, a.key)["other"].tokens != 4 {
+		t.Errorf("settling -3 on 5 with 4 lent of 10: %d left, lease %+v; want 6 (10 - 4), the lease untouched", r.remaining[0], leaseRecords(t, rdb, a.key))
+	}
+	take := a
+	take.requested, take.held = 9, 2 // a cost 9 above the reservation, max_debt 2
+	r := evalLease(t, rdb, "settle", "i1", 2, time.Minute, take)
+	b, err := parseBucket(rdb.Get(context.Background(), a.key))
+	if err != nil || math.Abs(b.tokens-(-2)) > 0.01 || r.remaining[0] != 0 || r.lent[0] != 1 {
+		t.Errorf("settling +9 on 6 with max_debt 2: bucket %+v (%v), remaining %d, forgiven %d; want -2 tokens, 0, 1 forgiven", b, err, r.remaining[0], r.lent[0])
+	}
+	if got := leaseRecords(t, rdb, a.key); len(got) != 1 || got["other"].tokens != 4 {
+		t.Errorf("the settlements changed the lease records: %+v", got)
+	}
+}

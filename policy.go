@@ -253,6 +253,10 @@ type bucket struct {
 	retryAfter time.Duration
 	// unknown: a denial from the deny cache says nothing of this bucket.
 	unknown bool
+	// fromLease is, when the request's tokens came from this instance's
+	// lease, the lease's reports at that time (see lease.reports); 0
+	// otherwise. A charged response settles there first (charge.go).
+	fromLease int64
 	// With lease (leasecall.go): the bucket's lease, what it held unused
 	// and the most it should hold when its call left, and what Redis
 	// counts as lent to it after the call.

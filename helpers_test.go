@@ -368,6 +368,10 @@ type redisProxy struct {
 	// close the connection instead of passing the reply back; the client
 	// cannot know whether its commands ran, as after a reset connection.
 	cutting atomic.Bool
+	// refusing: close connections before passing anything on, new ones
+	// and open ones at their next write: nothing reaches Redis, as from
+	// a host that died.
+	refusing atomic.Bool
 	// latency delays every chunk, each way, in nanoseconds.
 	latency atomic.Int64
 	// stalledUntil holds back every chunk due before it (Unix nanoseconds).
@@ -442,6 +446,9 @@ func (p *redisProxy) await(arrived time.Time) {
 
 func (p *redisProxy) serve(client net.Conn) {
 	defer client.Close()
+	if p.refusing.Load() {
+		return
+	}
 	gen := p.generation.Load()
 	server, err := net.Dial("tcp", p.target)
 	if err != nil {
@@ -472,6 +479,9 @@ func (p *redisProxy) serve(client net.Conn) {
 	buf := make([]byte, 64<<10)
 	for {
 		n, err := client.Read(buf)
+		if p.refusing.Load() {
+			return
+		}
 		if n > 0 && !silent() {
 			p.await(time.Now())
 			if _, werr := server.Write(buf[:n]); werr != nil {

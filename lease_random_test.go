@@ -214,14 +214,14 @@ func runSchedule(t *testing.T, rng *rand.Rand, zone, redisAddr string, s randomS
 	body := fmt.Sprintf("replenish_rate %v\n\tburst_capacity %d\n\trequested_tokens %d\n\tlease %d %v", s.rate, s.burst, s.cost, s.maxTokens, s.hold)
 	type instance struct {
 		h     *Handler
-		proxy *cuttingProxy
+		proxy *redisProxy
 		dead  atomic.Bool
 		seed  uint64
 		busy  []phase
 	}
 	instances := make([]*instance, s.instances)
 	for i := range instances {
-		p := startCuttingProxy(t, redisAddr)
+		p := startRedisProxy(t, redisAddr)
 		// Each a limiter of its own (its own proxy); timeouts short, so a
 		// cut costs a fraction of the run.
 		h := caddyfileHandler(t, fmt.Sprintf(`rate_limit {

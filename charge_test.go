@@ -21,7 +21,6 @@ import (
 	"strconv"
 	"strings"
 	"sync"
-	"sync/atomic"
 	"testing"
 	"time"
 
@@ -30,7 +29,6 @@ import (
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 	"github.com/redis/go-redis/v9"
-	"go.uber.org/zap"
 )
 
 // Settling what responses cost (charge.go, settle.lua): the arithmetic of
@@ -1508,26 +1506,7 @@ func BenchmarkServeHTTPCharged(b *testing.B) {
 			h := &Handler{Zone: "bench-charge", Key: "{http.request.header.X-Key}", ReplenishRate: "1e9", BurstCapacity: "1000000000",
 				Redis: &RedisConfig{Addresses: []string{srv.Addr}, Timeout: caddy.Duration(2 * time.Second)}}
 			c.charge(h)
-			provision(b, h)
-			observeLogs(h, zap.InfoLevel)
-			var next atomic.Int64
-			b.SetParallelism(32)
-			b.ReportAllocs()
-			cpu := processCPU()
-			b.ResetTimer()
-			b.RunParallel(func(pb *testing.PB) {
-				n := next.Add(1)
-				r, w := benchRequest(fmt.Sprintf("192.0.2.%d", n%250+1), "client-"+strconv.FormatInt(n, 10))
-				for pb.Next() {
-					w.h = freshHeader()
-					if err := h.ServeHTTP(w, r, costly); err != nil {
-						b.Errorf("goroutine %d: %v", n, err)
-						return
-					}
-				}
-			})
-			b.StopTimer()
-			b.ReportMetric(float64(processCPU()-cpu)/float64(b.N), "cpu-ns/op")
+			serveParallel(b, provision(b, h), costly)
 		})
 	}
 }

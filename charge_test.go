@@ -1349,8 +1349,10 @@ http://127.0.0.1:{{http_port}} {
 			key {http.request.header.X-Tenant}
 			charge header X-Cost
 		}
+		on_error deny
 		redis %[1]s {
 			cluster
+			timeout 2s
 		}
 	}
 	reverse_proxy %[2]s

@@ -1,0 +1,196 @@
+package ratelimit
+
+import (
+	"context"
+	"fmt"
+	"strconv"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/caddy-redis/ratelimit/internal/redistest"
+)
+
+// startOfPeriod waits until just after a boundary of `per <every>` (a
+// multiple of it from the epoch), so that a test's requests all fall in
+// one period that has most of its length left. It returns the period's
+// end.
+func startOfPeriod(t *testing.T, every time.Duration) time.Time {
+	t.Helper()
+	now := time.Now()
+	end := now.Truncate(every).Add(every)
+	if end.Sub(now) < every*3/4 {
+		time.Sleep(time.Until(end) + 20*time.Millisecond)
+		end = end.Add(every)
+	}
+	return end
+}
+
+// quotaHandler provisions a rate_limit directive whose %s is the Redis
+// address.
+func quotaHandler(t *testing.T, directive, addr string) *Handler {
+	t.Helper()
+	return caddyfileHandler(t, fmt.Sprintf(directive, addr))
+}
+
+func TestQuotaAdmitsExactlyCountPerPeriodThenDeniesWithRetryAfterToTheBoundary(t *testing.T) {
+	srv := redistest.Start(t)
+	h := quotaHandler(t, `rate_limit {
+	zone quota_exact
+	key {http.request.header.X-Key}
+	headers both
+	quota burst5 5 per 2s
+	redis %s
+}`, srv.Addr)
+	end := startOfPeriod(t, 2*time.Second)
+	for i := range 5 {
+		if status, hdr := serve(context.Background(), h, "a"); status != 200 {
+			t.Fatalf("request %d: %d, want 200 (%v)", i+1, status, hdr)
+		} else if got, want := hdr.Get("X-Ratelimit-Remaining"), strconv.Itoa(4-i); got != want {
+			t.Fatalf("request %d: X-RateLimit-Remaining %q, want %q", i+1, got, want)
+		}
+	}
+	status, hdr := serve(context.Background(), h, "a")
+	if status != 429 {
+		t.Fatalf("request 6: %d, want 429", status)
+	}
+	wantRetry := int64((time.Until(end) + time.Second - 1) / time.Second)
+	if got := hdr.Get("Retry-After"); got != strconv.FormatInt(wantRetry, 10) {
+		t.Errorf("Retry-After %q, want %d (the seconds to the boundary)", got, wantRetry)
+	}
+	if got := hdr.Get("Ratelimit-Policy"); got != `"quota_exact.burst5";q=5;w=2` {
+		t.Errorf("RateLimit-Policy %q", got)
+	}
+	if got, want := hdr.Get("Ratelimit"), fmt.Sprintf(`"quota_exact.burst5";r=0;t=%d`, wantRetry); got != want {
+		t.Errorf("RateLimit %q, want %q", got, want)
+	}
+	// Another client has its own quota.
+	if status, _ := serve(context.Background(), h, "b"); status != 200 {
+		t.Errorf("another client: %d, want 200", status)
+	}
+	// The next period renews it.
+	time.Sleep(time.Until(end) + 20*time.Millisecond)
+	for i := range 5 {
+		if status, _ := serve(context.Background(), h, "a"); status != 200 {
+			t.Fatalf("next period, request %d: %d, want 200", i+1, status)
+		}
+	}
+	if status, _ := serve(context.Background(), h, "a"); status != 429 {
+		t.Fatalf("next period, request 6: %d, want 429", status)
+	}
+}
+
+func TestQuotaAdmitsExactlyCountConcurrentlyAndAcrossInstances(t *testing.T) {
+	srv := redistest.Start(t)
+	const directive = `rate_limit {
+	zone quota_concurrent
+	key {http.request.header.X-Key}
+	quota q 40 per 2s
+	redis %s
+}`
+	instances := []*Handler{quotaHandler(t, directive, srv.Addr), quotaHandler(t, directive, srv.Addr)}
+	startOfPeriod(t, 2*time.Second)
+	var admitted atomic.Int64
+	var wg sync.WaitGroup
+	for g := range 8 {
+		wg.Go(func() {
+			for range 10 {
+				if status, _ := serve(context.Background(), instances[g%2], "c"); status == 200 {
+					admitted.Add(1)
+				}
+			}
+		})
+	}
+	wg.Wait()
+	if got := admitted.Load(); got != 40 {
+		t.Errorf("admitted %d of 80 in one period, want exactly 40", got)
+	}
+}
+
+func TestQuotaAndRateLimitAreAllOrNothing(t *testing.T) {
+	srv := redistest.Start(t)
+	h := quotaHandler(t, `rate_limit {
+	zone quota_aon
+	key {http.request.header.X-Key}
+	limit slow 0.01 3
+	quota daily 5 per day
+	redis %s
+}`, srv.Addr)
+	rdb := srv.Client(t)
+	quotaKey := limitKey(t, h, "daily", "a")
+	// The rate limit refuses the 4th: the quota must not count it.
+	for range 3 {
+		if status, _ := serve(context.Background(), h, "a"); status != 200 {
+			t.Fatalf("%d, want 200", status)
+		}
+	}
+	for range 3 {
+		if status, _ := serve(context.Background(), h, "a"); status != 429 {
+			t.Fatalf("%d, want 429", status)
+		}
+	}
+	if used := quotaUsedIn(t, rdb.Get(context.Background(), quotaKey).Val()); used != 3 {
+		t.Fatalf("quota used %d after 3 admitted and 3 refused by the rate limit, want 3", used)
+	}
+	// The quota refuses: the rate limit must not lose a token.
+	h2 := quotaHandler(t, `rate_limit {
+	zone quota_aon2
+	key {http.request.header.X-Key}
+	limit slow 0.01 10
+	quota daily 2 per day
+	redis %s
+}`, srv.Addr)
+	for range 2 {
+		if status, _ := serve(context.Background(), h2, "b"); status != 200 {
+			t.Fatalf("%d, want 200", status)
+		}
+	}
+	bucketKey := limitKey(t, h2, "slow", "b")
+	before, _ := strconv.ParseFloat(strings.Fields(rdb.Get(context.Background(), bucketKey).Val())[0], 64)
+	for range 3 {
+		if status, _ := serve(context.Background(), h2, "b"); status != 429 {
+			t.Fatalf("%d, want 429", status)
+		}
+	}
+	after, _ := strconv.ParseFloat(strings.Fields(rdb.Get(context.Background(), bucketKey).Val())[0], 64)
+	if after != before {
+		t.Errorf("the rate limit's bucket went from %v to %v tokens over requests the quota refused, want unchanged", before, after)
+	}
+}
+
+// quotaUsedIn is the tokens used that a quota's stored state says.
+func quotaUsedIn(t *testing.T, state string) int64 {
+	t.Helper()
+	fields := strings.Fields(state)
+	if len(fields) != 2 {
+		t.Fatalf("quota state %q, want '<used> <start>'", state)
+	}
+	n, err := strconv.ParseInt(fields[0], 10, 64)
+	if err != nil {
+		t.Fatalf("quota state %q: %v", state, err)
+	}
+	return n
+}
+
+func TestQuotaKeyExpiresShortlyAfterItsPeriod(t *testing.T) {
+	srv := redistest.Start(t)
+	h := quotaHandler(t, `rate_limit {
+	zone quota_expiry
+	key {http.request.header.X-Key}
+	quota q 5 per 2s
+	redis %s
+}`, srv.Addr)
+	rdb := srv.Client(t)
+	end := startOfPeriod(t, 2*time.Second)
+	if status, _ := serve(context.Background(), h, "a"); status != 200 {
+		t.Fatalf("%d, want 200", status)
+	}
+	key := limitKey(t, h, "q", "a")
+	ttl := rdb.PTTL(context.Background(), key).Val()
+	want := time.Until(end) + quotaKeySlack
+	if ttl <= 0 || ttl > want+50*time.Millisecond || ttl < want-200*time.Millisecond {
+		t.Errorf("TTL %v, want about %v (the period's end and a second)", ttl, want)
+	}
+}

@@ -194,3 +194,68 @@ func TestQuotaKeyExpiresShortlyAfterItsPeriod(t *testing.T) {
 		t.Errorf("TTL %v, want about %v (the period's end and a second)", ttl, want)
 	}
 }
+
+func TestQuotaLoadErrorsNameTheValue(t *testing.T) {
+	for _, c := range []struct {
+		name, block string
+		json        Quota
+		want        string
+	}{
+		{"unknown zone", "quota m 100 per month {\n\ttime_zone Mars/Olympus\n}",
+			Quota{Name: "m", Count: "100", Per: "month", TimeZone: "Mars/Olympus"}, "time_zone 'Mars/Olympus' is not in the IANA time zone database"},
+		{"month_day 0", "quota m 100 per month {\n\tmonth_day 0\n}",
+			Quota{Name: "m", Count: "100", Per: "month", MonthDay: -1}, "month_day '"},
+		{"month_day 29", "quota m 100 per month {\n\tmonth_day 29\n}",
+			Quota{Name: "m", Count: "100", Per: "month", MonthDay: 29}, "month_day '29': want the day of the month a period starts on, 1 to 28"},
+		{"period below a second", "quota m 100 per 500ms",
+			Quota{Name: "m", Count: "100", Per: "500ms"}, "per '500ms' is shorter than a second"},
+		{"period not a period", "quota m 100 per fortnight",
+			Quota{Name: "m", Count: "100", Per: "fortnight"}, "per 'fortnight': want minute, hour, day, week, month, year, or a duration"},
+		{"count 0", "quota m 0 per day",
+			Quota{Name: "m", Count: "0", Per: "day"}, "count '0' must be at least 1"},
+		{"count negative", "quota m -5 per day",
+			Quota{Name: "m", Count: "-5", Per: "day"}, "count '-5' must be at least 1"},
+		{"count not a number", "quota m lots per day",
+			Quota{Name: "m", Count: "lots", Per: "day"}, "count 'lots' is not a whole number"},
+		{"cost above count", "quota m 5 per day {\n\trequested_tokens 6\n}",
+			Quota{Name: "m", Count: "5", Per: "day", RequestedTokens: "6"}, "requested_tokens '6' is more than count '5'"},
+		{"time_zone with a duration", "quota m 5 per 6h {\n\ttime_zone Europe/Berlin\n}",
+			Quota{Name: "m", Count: "5", Per: "6h", TimeZone: "Europe/Berlin"}, "time_zone 'Europe/Berlin' with per '6h'"},
+		{"week_starts", "quota m 5 per week {\n\tweek_starts friday\n}",
+			Quota{Name: "m", Count: "5", Per: "week", WeekStarts: "friday"}, "week_starts 'friday': want monday (the default) or sunday"},
+		{"name taken by a limit", "quota second 5 per day",
+			Quota{Name: "second", Count: "5", Per: "day"}, "quota 'second': the name is given twice"},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			_, err := parseTestCaddyfile("rate_limit {\n\tlimit second 10 20\n\t" + strings.ReplaceAll(c.block, "\n", "\n\t") + "\n}")
+			if err == nil || !strings.Contains(err.Error(), c.want) {
+				t.Errorf("Caddyfile: error %v, want one containing %q", err, c.want)
+			}
+			if c.json.MonthDay < 0 { // JSON's 0 is the default
+				return
+			}
+			h := offline(&Handler{Limits: []Limit{{Name: "second", ReplenishRate: "10", BurstCapacity: "20"}}, Quotas: []Quota{c.json}})
+			if err := tryProvision(t, h); err == nil || !strings.Contains(err.Error(), c.want) {
+				t.Errorf("JSON: error %v, want one containing %q", err, c.want)
+			}
+		})
+	}
+}
+
+func TestQuotaWithLeaseRefusedAtLoad(t *testing.T) {
+	h := offline(&Handler{ReplenishRate: "10", Quotas: []Quota{{Name: "m", Count: "5", Per: "day"}}, Lease: &Lease{MaxTokens: 4}})
+	if err := tryProvision(t, h); err == nil || !strings.Contains(err.Error(), "lease with quotas") {
+		t.Errorf("error %v, want one refusing lease with quotas", err)
+	}
+}
+
+func TestQuotaOnlyHandlerHasNoLimitOfItsOwn(t *testing.T) {
+	h := provision(t, offline(&Handler{Quotas: []Quota{{Name: "m", Count: "5", Per: "day"}}}))
+	if len(h.limits) != 1 || h.limits[0].quota == nil {
+		t.Fatalf("limits %v, want the quota alone", h.limits)
+	}
+	h = provision(t, offline(&Handler{ReplenishRate: "10", Quotas: []Quota{{Name: "m", Count: "5", Per: "day"}}}))
+	if len(h.limits) != 2 || h.limits[0].quota != nil || h.limits[1].quota == nil {
+		t.Fatalf("limits %v, want the handler's own limit and the quota", h.limits)
+	}
+}

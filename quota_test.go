@@ -3,6 +3,7 @@ package ratelimit
 import (
 	"context"
 	"fmt"
+	"net/http"
 	"strconv"
 	"strings"
 	"sync"
@@ -11,6 +12,8 @@ import (
 	"time"
 
 	"github.com/caddy-redis/ratelimit/internal/redistest"
+	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
+	"go.uber.org/zap/zapcore"
 )
 
 // startOfPeriod waits until just after a boundary of `per <every>` (a
@@ -32,7 +35,9 @@ func startOfPeriod(t *testing.T, every time.Duration) time.Time {
 // address.
 func quotaHandler(t *testing.T, directive, addr string) *Handler {
 	t.Helper()
-	return caddyfileHandler(t, fmt.Sprintf(directive, addr))
+	h := caddyfileHandler(t, fmt.Sprintf(directive, addr))
+	observeLogs(h, zapcore.InfoLevel) // no line per decision
+	return h
 }
 
 func TestQuotaAdmitsExactlyCountPerPeriodThenDeniesWithRetryAfterToTheBoundary(t *testing.T) {
@@ -257,5 +262,84 @@ func TestQuotaOnlyHandlerHasNoLimitOfItsOwn(t *testing.T) {
 	h = provision(t, offline(&Handler{ReplenishRate: "10", Quotas: []Quota{{Name: "m", Count: "5", Per: "day"}}}))
 	if len(h.limits) != 2 || h.limits[0].quota != nil || h.limits[1].quota == nil {
 		t.Fatalf("limits %v, want the handler's own limit and the quota", h.limits)
+	}
+}
+
+// expectQuotaPeriod sends count requests for key, all admitted, then one
+// refused with Retry-After the seconds to end.
+func expectQuotaPeriod(t *testing.T, h *Handler, key string, count int, end time.Time) {
+	t.Helper()
+	for i := range count {
+		if status, hdr := serve(context.Background(), h, key); status != 200 {
+			t.Fatalf("request %d: %d, want 200 (%v)", i+1, status, hdr)
+		}
+	}
+	status, hdr := serve(context.Background(), h, key)
+	want := int64((time.Until(end) + time.Second - 1) / time.Second)
+	if status != 429 || hdr.Get("Retry-After") != strconv.FormatInt(want, 10) {
+		t.Fatalf("request %d: %d Retry-After %q, want 429 with %d (the seconds to the boundary)", count+1, status, hdr.Get("Retry-After"), want)
+	}
+}
+
+func TestQuotaStoreMemoryAdmitsCountPerPeriodAndRenews(t *testing.T) {
+	h := provision(t, &Handler{Zone: "quota_mem", Key: "{http.request.header.X-Key}", Store: storeMemory, Headers: headersBoth,
+		Limits: []Limit{{Name: "second", ReplenishRate: "100", BurstCapacity: "100"}},
+		Quotas: []Quota{{Name: "q", Count: "3", Per: "2s"}}})
+	observeLogs(h, zapcore.InfoLevel)
+	end := startOfPeriod(t, 2*time.Second)
+	expectQuotaPeriod(t, h, "a", 3, end)
+	// The refusals took nothing from the limit: 100 - 3 admitted.
+	if _, hdr := serve(context.Background(), h, "a"); hdr.Get("Ratelimit") == "" || !strings.Contains(hdr.Get("Ratelimit"), `"quota_mem.second";r=97`) {
+		t.Errorf("RateLimit %q, want the limit at 97 (refusals by the quota take nothing from it)", hdr.Get("Ratelimit"))
+	}
+	time.Sleep(time.Until(end) + 20*time.Millisecond)
+	expectQuotaPeriod(t, h, "a", 3, end.Add(2*time.Second))
+}
+
+func TestQuotaOnErrorLocalDecidesWhileRedisFails(t *testing.T) {
+	h := localHandler(t, "rate_limit {\n\tzone quota_local\n\tkey {http.request.header.X-Key}\n\tquota q 3 per 2s\n\ton_error local\n}")
+	observeLogs(h, zapcore.ErrorLevel)
+	end := startOfPeriod(t, 2*time.Second)
+	expectQuotaPeriod(t, h, "a", 3, end)
+	if n := storedBuckets(t, h.local); n != 1 {
+		t.Errorf("the local buckets hold %d, want the quota's", n)
+	}
+}
+
+func TestQuotaChargedByTheResponseCountsTheCost(t *testing.T) {
+	costly := caddyhttp.HandlerFunc(func(w http.ResponseWriter, r *http.Request) error {
+		w.Header().Set("X-Cost", "4")
+		w.WriteHeader(http.StatusOK)
+		return nil
+	})
+	srv := redistest.Start(t)
+	for _, store := range []string{storeRedis, storeMemory} {
+		t.Run(store, func(t *testing.T) {
+			h := &Handler{Zone: "quota_charge_" + store, Key: "{http.request.header.X-Key}", Store: store,
+				Quotas: []Quota{{Name: "q", Count: "10", Per: "day", Charge: &Charge{Header: "X-Cost"}}}}
+			if store == storeRedis {
+				h.Redis = &RedisConfig{Addresses: []string{srv.Addr}}
+			}
+			provision(t, h)
+			observeLogs(h, zapcore.InfoLevel)
+			send := func(want int) {
+				t.Helper()
+				r, w := newRequest("192.0.2.1", "a")
+				if status := statusOf(h.ServeHTTP(w, r, costly), w.Code); status != want {
+					t.Fatalf("%d, want %d", status, want)
+				}
+			}
+			// Each response costs 4 against a reservation of 1: after three
+			// the quota used 12 of 10 (a response may cross it), and refuses.
+			for i := range 3 {
+				send(200)
+				want := float64(4 * (i + 1))
+				eventually(t, 2*time.Second, fmt.Sprintf("used %v", want), func() bool {
+					view, err := h.peekBucket(context.Background(), policyBuckets(t, h, "X-Key", "a")["q"])
+					return err == nil && 10-view.tokens == want
+				})
+			}
+			send(429)
+		})
 	}
 }

@@ -3,6 +3,7 @@ package ratelimit
 import (
 	"context"
 	"fmt"
+	"math"
 	"net/http"
 	"strconv"
 	"strings"
@@ -342,4 +343,88 @@ func TestQuotaChargedByTheResponseCountsTheCost(t *testing.T) {
 			send(429)
 		})
 	}
+}
+
+// adminQuotaBucket is a quota's entry of GET /rate_limit/zones/<zone>/buckets.
+type adminQuotaBucket struct {
+	adminBucket
+	Quota *struct {
+		Per         string  `json:"per"`
+		Count       int64   `json:"count"`
+		Used        int64   `json:"used"`
+		Remaining   int64   `json:"remaining"`
+		PeriodStart string  `json:"period_start"`
+		ResetsAt    string  `json:"resets_at"`
+		ResetsIn    float64 `json:"resets_in"`
+	} `json:"quota"`
+}
+
+// quotaPlanSite has a daily quota in America/New_York whose count is the
+// client's plan, from map, beside a rate limit.
+const quotaPlanSite = `
+http://localhost:9080 {
+	map {http.request.header.X-Plan} {plan_daily} {
+		pro 5
+		default 2
+	}
+	rate_limit {
+		zone quota_plan
+		key {http.request.header.X-Key}
+		headers both
+		limit second 100 100
+		quota day {plan_daily} per day {
+			time_zone America/New_York
+		}
+		redis %s
+	}
+	respond "ok"
+}`
+
+func TestQuotaThroughCaddyPlanFromMapAdminViewAndReset(t *testing.T) {
+	srv := redistest.Start(t)
+	tester := loadCaddyfile(t, nil, caddyGlobals+fmt.Sprintf(quotaPlanSite, srv.Addr))
+	client := tester.Client
+	ny, _ := time.LoadLocation("America/New_York")
+	now := time.Now().In(ny)
+	midnight := time.Date(now.Year(), now.Month(), now.Day()+1, 0, 0, 0, 0, ny)
+
+	// The default plan: 2 a day; pro: 5.
+	expectAdmitted(t, client, caddytestSite, "1", "X-Key", "free")
+	expectAdmitted(t, client, caddytestSite, "0", "X-Key", "free")
+	resp, _ := send(t, client, caddytestSite, "X-Key", "free")
+	retry, _ := strconv.ParseInt(resp.Header.Get("Retry-After"), 10, 64)
+	if want := int64(time.Until(midnight).Seconds()); resp.StatusCode != 429 || retry < want || retry > want+2 {
+		t.Fatalf("third request of the free plan: %d Retry-After %d, want 429 with about %d (the seconds to midnight in New York)",
+			resp.StatusCode, retry, want)
+	}
+	if got, want := resp.Header.Get("Ratelimit-Policy"), fmt.Sprintf(`"quota_plan.second";q=100;w=1, "quota_plan.day";q=2;w=%d`,
+		midnight.Unix()-time.Date(now.Year(), now.Month(), now.Day(), 0, 0, 0, 0, ny).Unix()); got != want {
+		t.Errorf("RateLimit-Policy %q, want %q", got, want)
+	}
+	for i := 4; i >= 0; i-- {
+		expectAdmitted(t, client, caddytestSite, strconv.Itoa(i), "X-Key", "paying", "X-Plan", "pro")
+	}
+	expectDenied(t, client, caddytestSite, "X-Key", "paying", "X-Plan", "pro")
+
+	// The admin API: the quota's usage, what is left and when it renews.
+	var got adminBucketsOfQuota
+	adminJSON(t, caddytestAdmin, http.MethodGet, bucketsPath("quota_plan", q("header.X-Key", "free", "plan_daily", "2")), &got)
+	if len(got.Buckets) != 2 || got.Buckets[1].Quota == nil {
+		t.Fatalf("buckets %+v, want the limit's and the quota's", got.Buckets)
+	}
+	qb := got.Buckets[1]
+	if qb.Limit != "day" || qb.Quota.Per != "day" || qb.Quota.Count != 2 || qb.Quota.Used != 2 || qb.Quota.Remaining != 0 ||
+		qb.Quota.ResetsAt != midnight.Format(time.RFC3339) || math.Abs(qb.Quota.ResetsIn-time.Until(midnight).Seconds()) > 2 || qb.Tokens != "0" {
+		t.Errorf("the quota as the admin API shows it: %+v %+v, want day, 2 used of 2, renewing at %s", qb.adminBucket, *qb.Quota, midnight.Format(time.RFC3339))
+	}
+	// DELETE renews it now.
+	if reset := resetBuckets(t, caddytestAdmin, "quota_plan", q("header.X-Key", "free", "plan_daily", "2")); len(reset) != 2 {
+		t.Errorf("reset %q, want the limit's key and the quota's", reset)
+	}
+	expectAdmitted(t, client, caddytestSite, "1", "X-Key", "free")
+}
+
+type adminBucketsOfQuota struct {
+	Zone    string             `json:"zone"`
+	Buckets []adminQuotaBucket `json:"buckets"`
 }

@@ -64,6 +64,7 @@ func parseCaddyfile(h httpcaddyfile.Helper) (caddyhttp.MiddlewareHandler, error)
 //			charge_status    <code|class>...
 //			max_debt         <tokens>
 //		}
+//		reset_jitter     <duration>
 //		deny_empty_key   true|false
 //		empty_key_status <http status>
 //		status_code      <http status>
@@ -128,6 +129,8 @@ func (h *Handler) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 			err = h.unmarshalLimit(d)
 		case "quota":
 			err = h.unmarshalQuota(d)
+		case "reset_jitter":
+			err = value(func(v string) error { return setDuration(&h.ResetJitter, sub, v) })
 		case "deny_empty_key":
 			err = value(func(v string) error { return setBool(&h.DenyEmptyKey, sub, v) })
 		case "include_headers":

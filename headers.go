@@ -25,6 +25,9 @@ const (
 // each response gets slices of its own (see headerValues).
 type rateLimitHeaders struct {
 	spring, ietf bool
+	// resetJitter spreads a quota's Retry-After past its boundary
+	// (reset_jitter; 0 when off).
+	resetJitter time.Duration
 	limits       []limitHeaders // by limit index
 	// policy is RateLimit-Policy when every limit applies with its fixed
 	// values ("" when some limit has placeholders).
@@ -121,7 +124,11 @@ func (rh *rateLimitHeaders) set(hdr http.Header, buckets []bucket, described int
 	}
 	v := new(headerValues)
 	if denied {
-		v.put(hdr, "Retry-After", countText(ceilSeconds(retryAfter(buckets))))
+		wait := retryAfter(buckets)
+		if rh.resetJitter > 0 {
+			wait = jitteredRetryAfter(buckets, rh.resetJitter)
+		}
+		v.put(hdr, "Retry-After", countText(ceilSeconds(wait)))
 	}
 	if rh.spring {
 		b := &buckets[described]

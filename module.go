@@ -138,6 +138,12 @@ type Handler struct {
 	// `burst_capacity`.
 	Quotas []Quota `json:"quotas,omitempty"`
 
+	// ResetJitter spreads the Retry-After of a quota's refusals over this
+	// long past the quota's boundary, a share for each client (by its
+	// key), so that the clients of a quota do not all come back in the
+	// second it renews. Off (0) by default; only with quotas.
+	ResetJitter caddy.Duration `json:"reset_jitter,omitempty"`
+
 	// Charge says where the real cost of a response comes from, for every
 	// limit (a limit may have its own): a response header, numbers in a
 	// JSON body or an event stream, or a placeholder (see Charge).
@@ -306,6 +312,7 @@ func (h *Handler) Provision(ctx caddy.Context) (err error) {
 		style = headersNone
 	}
 	h.headers = newRateLimitHeaders(style, h.limits)
+	h.headers.resetJitter = time.Duration(h.ResetJitter)
 	h.zoneValue = h.Zone
 	h.denied = newDenyCache()
 	h.useDenyCache = true

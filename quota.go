@@ -8,6 +8,7 @@ package ratelimit
 
 import (
 	"fmt"
+	"hash/fnv"
 	"math"
 	"strconv"
 	"sync/atomic"
@@ -220,6 +221,9 @@ func quotaArgs(v limitValues) [3]any {
 // calls it at the end of the directive, Validate for JSON. names holds
 // the limits' names, which quotas share.
 func (h *Handler) checkQuotas(names map[string]bool) error {
+	if h.ResetJitter < 0 || h.ResetJitter > 0 && len(h.Quotas) == 0 {
+		return fmt.Errorf("reset_jitter '%v': spreads the Retry-After of quotas past their boundary; use a positive duration with quotas, or remove it", time.Duration(h.ResetJitter))
+	}
 	if len(h.Quotas) > 0 && h.Lease != nil {
 		return fmt.Errorf("lease with quotas: a lease takes tokens ahead for this instance, which a quota would count as used; remove lease, or the quotas")
 	}
@@ -336,4 +340,28 @@ func quotaView(l *limit, b bucket, view bucketView, now time.Time) *quotaInfo {
 		ResetsAt:    time.UnixMicro(end).In(loc).Format(time.RFC3339),
 		ResetsIn:    float64(end-now.UnixMicro()) / 1e6,
 	}
+}
+
+// jitteredRetryAfter is retryAfter with reset_jitter: a quota that
+// refuses until its boundary says to come back up to jitter later, so
+// that its clients do not all return in the boundary's second (the herd
+// the IETF draft warns of). Each client's share of the jitter follows
+// from its key, the same on every instance and every refusal, so a
+// client is told one time, and the clients of a quota spread evenly.
+func jitteredRetryAfter(buckets []bucket, jitter time.Duration) time.Duration {
+	var wait time.Duration
+	for i := range buckets {
+		b := &buckets[i]
+		if b.unknown {
+			continue
+		}
+		w := b.retryAfter
+		if b.quota != nil && w > 0 {
+			h := fnv.New64a()
+			h.Write([]byte(b.key))
+			w += time.Duration(h.Sum64() % uint64(jitter))
+		}
+		wait = max(wait, w)
+	}
+	return wait
 }

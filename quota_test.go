@@ -428,3 +428,37 @@ type adminBucketsOfQuota struct {
 	Zone    string             `json:"zone"`
 	Buckets []adminQuotaBucket `json:"buckets"`
 }
+
+func TestQuotaResetJitterSpreadsRetryAfterPerClient(t *testing.T) {
+	srv := redistest.Start(t)
+	h := quotaHandler(t, `rate_limit {
+	zone quota_jitter
+	key {http.request.header.X-Key}
+	quota q 1 per 2s
+	reset_jitter 1h
+	redis %s
+}`, srv.Addr)
+	end := startOfPeriod(t, 2*time.Second)
+	seen := map[int64]bool{}
+	for i := range 8 {
+		key := fmt.Sprintf("client-%d", i)
+		serve(context.Background(), h, key)
+		status, hdr := serve(context.Background(), h, key)
+		retry, _ := strconv.ParseInt(hdr.Get("Retry-After"), 10, 64)
+		toBoundary := int64((time.Until(end) + time.Second - 1) / time.Second)
+		if status != 429 || retry < toBoundary || retry > toBoundary+3600 {
+			t.Fatalf("%s: %d Retry-After %d, want 429 with %d to %d s (the boundary, then up to an hour)", key, status, retry, toBoundary, toBoundary+3600)
+		}
+		_, again := serve(context.Background(), h, key)
+		if r2, _ := strconv.ParseInt(again.Get("Retry-After"), 10, 64); r2 < retry-1 || r2 > retry {
+			t.Errorf("%s: Retry-After %d, then %d: want one time per client", key, retry, r2)
+		}
+		seen[retry/60] = true
+	}
+	if len(seen) < 4 {
+		t.Errorf("8 clients were told %d distinct minutes to come back, want them spread over the hour", len(seen))
+	}
+	if _, err := parseTestCaddyfile("rate_limit 10 20 {\n\treset_jitter 1m\n}"); err == nil || !strings.Contains(err.Error(), "reset_jitter '1m0s'") {
+		t.Errorf("reset_jitter without quotas: %v, want it refused", err)
+	}
+}

@@ -14,6 +14,8 @@ import (
 
 	"github.com/caddy-redis/ratelimit/internal/redistest"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
+	"github.com/prometheus/client_golang/prometheus"
+	dto "github.com/prometheus/client_model/go"
 	"go.uber.org/zap/zapcore"
 )
 
@@ -461,4 +463,53 @@ func TestQuotaResetJitterSpreadsRetryAfterPerClient(t *testing.T) {
 	if _, err := parseTestCaddyfile("rate_limit 10 20 {\n\treset_jitter 1m\n}"); err == nil || !strings.Contains(err.Error(), "reset_jitter '1m0s'") {
 		t.Errorf("reset_jitter without quotas: %v, want it refused", err)
 	}
+}
+
+func TestQuotaShadowModeLetsARefusalPassAndTakesNothing(t *testing.T) {
+	srv := redistest.Start(t)
+	h := quotaHandler(t, `rate_limit {
+	zone quota_shadow
+	key {http.request.header.X-Key}
+	quota q 2 per day
+	shadow
+	redis %s
+}`, srv.Addr)
+	for i, want := range []string{"allowed", "allowed", "shadow_denied", "shadow_denied"} {
+		a := servePolicy(h, "X-Key", "a")
+		if a.status != 200 || a.result() != want || want == "shadow_denied" && a.limitName() != "q" {
+			t.Fatalf("request %d: %v result %s limit %s, want 200 %s q", i+1, a, a.result(), a.limitName(), want)
+		}
+	}
+	if used := quotaUsedIn(t, srv.Client(t).Get(context.Background(), limitKey(t, h, "q", "a")).Val()); used != 2 {
+		t.Errorf("used %d after 2 admitted and 2 shadow refusals, want 2", used)
+	}
+}
+
+func TestQuotaMetricsCountItsDecisionsUnderItsName(t *testing.T) {
+	srv := redistest.Start(t)
+	h := quotaHandler(t, `rate_limit {
+	zone quota_metrics
+	key {http.request.header.X-Key}
+	limit second 100 100
+	quota q 1 per day
+	redis %s
+}`, srv.Addr)
+	denied := collectors.requests.WithLabelValues("quota_metrics", "denied", "q")
+	before := counterValue(t, denied)
+	servePolicy(h, "X-Key", "a")
+	if a := servePolicy(h, "X-Key", "a"); a.status != 429 {
+		t.Fatalf("second request: %v, want 429", a)
+	}
+	if got := counterValue(t, denied) - before; got != 1 {
+		t.Errorf("caddy_rate_limit_requests_total{zone=quota_metrics,result=denied,limit=q} rose by %v, want 1", got)
+	}
+}
+
+func counterValue(t *testing.T, c prometheus.Counter) float64 {
+	t.Helper()
+	var m dto.Metric
+	if err := c.Write(&m); err != nil {
+		t.Fatal(err)
+	}
+	return m.GetCounter().GetValue()
 }

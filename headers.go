@@ -28,7 +28,7 @@ type rateLimitHeaders struct {
 	// resetJitter spreads a quota's Retry-After past its boundary
 	// (reset_jitter; 0 when off).
 	resetJitter time.Duration
-	limits       []limitHeaders // by limit index
+	limits      []limitHeaders // by limit index
 	// policy is RateLimit-Policy when every limit applies with its fixed
 	// values ("" when some limit has placeholders).
 	policy string

@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"math"
 	"net/http"
+	"os"
 	"strconv"
 	"strings"
 	"sync"
@@ -513,3 +514,58 @@ func counterValue(t *testing.T, c prometheus.Counter) float64 {
 	}
 	return m.GetCounter().GetValue()
 }
+
+// readmeQuotaExample is the Caddyfile block of the README's Quotas
+// section, as written: a map and a rate_limit directive.
+func readmeQuotaExample(t *testing.T) string {
+	t.Helper()
+	raw, err := os.ReadFile("README.md")
+	if err != nil {
+		t.Fatal(err)
+	}
+	_, section, ok := strings.Cut(string(raw), "\n## Quotas\n")
+	if !ok {
+		t.Fatal("README.md has no Quotas section")
+	}
+	_, block, ok := strings.Cut(section, "```caddyfile\n")
+	if !ok {
+		t.Fatal("the Quotas section has no caddyfile block")
+	}
+	block, _, _ = strings.Cut(block, "```")
+	if !strings.Contains(block, "\nrate_limit /api/* {") || !strings.HasSuffix(block, "}\n") {
+		t.Fatalf("the Quotas example is not a map and a rate_limit directive:\n%s", block)
+	}
+	return block
+}
+
+// TestQuotaReadmeExampleRunsAsWritten: the README's monthly plan beside
+// its rate limit, with only `headers ietf` and a `redis` line added,
+// lists the limit and both quotas in RateLimit-Policy, the month as long
+// as this month is in Berlin and the day's count from the plan.
+func TestQuotaReadmeExampleRunsAsWritten(t *testing.T) {
+	srv := redistest.Start(t)
+	example := strings.TrimSuffix(readmeQuotaExample(t), "}\n") + "\theaders ietf\n\tredis %[1]s\n}\n"
+	tester := serveCaddyfile(t, "\nhttp://localhost:9080 {\n"+example+"respond \"ok\"\n}\n", srv.Addr)
+	berlin, _ := time.LoadLocation("Europe/Berlin")
+	now := time.Now().In(berlin)
+	month := time.Date(now.Year(), now.Month()+1, 1, 0, 0, 0, 0, berlin).Sub(time.Date(now.Year(), now.Month(), 1, 0, 0, 0, 0, berlin))
+	utc := time.Now().UTC()
+	day := time.Date(utc.Year(), utc.Month(), utc.Day()+1, 0, 0, 0, 0, time.UTC).Sub(time.Date(utc.Year(), utc.Month(), utc.Day(), 0, 0, 0, 0, time.UTC))
+	for _, c := range []struct{ plan, daily string }{{"", "1000"}, {"pro", "100000"}} {
+		resp, _, err := getHeaders(tester.Client, caddytestSite+"/api/x", "X-API-Key", "k-"+c.plan, "X-Plan", c.plan)
+		if err != nil {
+			t.Fatal(err)
+		}
+		want := fmt.Sprintf(`"api.second";q=20;w=2, "api.month";q=1000000;w=%d, "api.day";q=%s;w=%d`, int64(month.Seconds()), c.daily, int64(day.Seconds()))
+		if got := resp.Header.Get("Ratelimit-Policy"); resp.StatusCode != 200 || got != want {
+			t.Errorf("plan %q: %d RateLimit-Policy %q, want 200 with %q", c.plan, resp.StatusCode, got, want)
+		}
+		if got := resp.Header.Get("Ratelimit"); !strings.Contains(got, `"api.month";r=999999;t=`) || !strings.Contains(got, `"api.day";r=`+strconv.FormatInt(mustAtoi(t, c.daily)-1, 10)+";t=") {
+			t.Errorf("plan %q: RateLimit %q, want the month at 999999 and the day at its count less one", c.plan, got)
+		}
+	}
+	if resp, _, _ := getHeaders(tester.Client, caddytestSite+"/other"); resp.StatusCode != 200 || resp.Header.Get("Ratelimit") != "" {
+		t.Errorf("/other: %d, RateLimit %q; want 200, not limited", resp.StatusCode, resp.Header.Get("Ratelimit"))
+	}
+}
+

@@ -568,4 +568,3 @@ func TestQuotaReadmeExampleRunsAsWritten(t *testing.T) {
 		t.Errorf("/other: %d, RateLimit %q; want 200, not limited", resp.StatusCode, resp.Header.Get("Ratelimit"))
 	}
 }
-

@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"math"
+	"math/rand/v2"
 	"net/http"
 	"os"
 	"strconv"
@@ -566,5 +567,100 @@ func TestQuotaReadmeExampleRunsAsWritten(t *testing.T) {
 	}
 	if resp, _, _ := getHeaders(tester.Client, caddytestSite+"/other"); resp.StatusCode != 200 || resp.Header.Get("Ratelimit") != "" {
 		t.Errorf("/other: %d, RateLimit %q; want 200, not limited", resp.StatusCode, resp.Header.Get("Ratelimit"))
+	}
+}
+
+// testQuotaPeriod is a quota period with the bounds given (Unix
+// microseconds), boxed as quota.at boxes them.
+func testQuotaPeriod(bounds periodBounds) *quotaPeriod {
+	p := &quotaPeriod{bounds: bounds}
+	for i, b := range bounds {
+		p.args[i] = strconv.FormatInt(b, 10)
+	}
+	return p
+}
+
+// TestQuotaScriptPicksThePeriodByRedisTime: Caddy's clock may be off
+// from Redis's; the script counts in the period that holds Redis time,
+// among the three Caddy passed, and refuses until that period's end.
+func TestQuotaScriptPicksThePeriodByRedisTime(t *testing.T) {
+	srv := redistest.Start(t)
+	l := newTestLimiter(t, srv.Addr, 2*time.Second)
+	rdb := srv.Client(t)
+	redisNow := redisMicros(t, rdb)
+	const minute = int64(60_000_000)
+	values := limitValues{burst: 2, requested: 1}
+	for _, c := range []struct {
+		name   string
+		bounds periodBounds // Redis time is about 30 s into the period at index start
+		start  int
+	}{
+		{"Caddy behind: Redis in the next period", periodBounds{-2, -1, 0, 1}, 2},
+		{"in step", periodBounds{-1, 0, 1, 2}, 1},
+		{"Caddy ahead: Redis in the previous period", periodBounds{0, 1, 2, 3}, 0},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			var bounds periodBounds
+			for i, k := range c.bounds {
+				bounds[i] = redisNow - minute/2 + k*minute
+			}
+			key := "quota-pick-" + strconv.Itoa(c.start)
+			take := func() (bool, bucket) {
+				b := []bucket{{key: key, values: values, args: quotaArgs(values), quota: testQuotaPeriod(bounds)}}
+				allowed, err := l.take(context.Background(), time.Now(), b)
+				if err != nil {
+					t.Fatal(err)
+				}
+				return allowed, b[0]
+			}
+			take()
+			take()
+			allowed, b := take()
+			start, end := bounds[c.start], bounds[c.start+1]
+			if allowed || b.remaining != 0 {
+				t.Fatalf("third take of 2: allowed %v remaining %d, want refused with 0", allowed, b.remaining)
+			}
+			if wait := b.retryAfter.Microseconds(); wait > end-redisNow || wait < end-redisMicros(t, rdb) {
+				t.Errorf("wait %d µs, want the time to the end of the period Redis time is in (%d µs)", wait, end-redisNow)
+			}
+			state := rdb.Get(context.Background(), key).Val()
+			if state != fmt.Sprintf("2 %d", start) {
+				t.Errorf("state %q, want 2 used in the period starting %d", state, start)
+			}
+		})
+	}
+}
+
+// TestQuotaScriptAgreesWithMemoryStore: random takes against a quota in
+// Redis and in the memory store, with the same bounds, answer the same.
+func TestQuotaScriptAgreesWithMemoryStore(t *testing.T) {
+	srv := redistest.Start(t)
+	l := newTestLimiter(t, srv.Addr, 2*time.Second)
+	mem := newMemoryStore("quota-agree", "", "")
+	mem.maxKeys.Store(100)
+	t.Cleanup(func() { _ = mem.Destruct() })
+	redisNow := redisMicros(t, srv.Client(t))
+	const hour = int64(3_600_000_000)
+	bounds := periodBounds{redisNow - 2*hour, redisNow - hour, redisNow + hour, redisNow + 2*hour}
+	p := testQuotaPeriod(bounds)
+	rng := rand.New(rand.NewPCG(1, 2))
+	for i := range 200 {
+		v := limitValues{burst: 20, requested: 1 + rng.Int64N(4)}
+		key := "agree-" + strconv.Itoa(rng.IntN(3))
+		rb := []bucket{{key: key, values: v, args: quotaArgs(v), quota: p}}
+		mb := []bucket{{key: key, values: v, args: quotaArgs(v), quota: p}}
+		ra, err := l.take(context.Background(), time.Now(), rb)
+		if err != nil {
+			t.Fatal(err)
+		}
+		ma, err := mem.take(time.Now(), mb)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if ra != ma || rb[0].remaining != mb[0].remaining || (rb[0].retryAfter == 0) != (mb[0].retryAfter == 0) ||
+			(rb[0].retryAfter-mb[0].retryAfter).Abs() > time.Second {
+			t.Fatalf("take %d (%s, %d): Redis %v %d %v, memory %v %d %v", i, key, v.requested,
+				ra, rb[0].remaining, rb[0].retryAfter, ma, mb[0].remaining, mb[0].retryAfter)
+		}
 	}
 }

@@ -664,3 +664,54 @@ func TestQuotaScriptAgreesWithMemoryStore(t *testing.T) {
 		}
 	}
 }
+
+// TestQuotaOnClusterGivesBackWhenALaterSlotGroupRefuses: on a Cluster, a
+// quota shares the slot of the limits with its key template; when a limit
+// of another template (a later slot group) refuses, the quota gets back
+// what the request took from it.
+func TestQuotaOnClusterGivesBackWhenALaterSlotGroupRefuses(t *testing.T) {
+	c := redistest.StartCluster(t, 3, 0)
+	cc := c.Client(t)
+	h := quotaHandler(t, `rate_limit {
+	zone quota_cluster
+	key {http.request.header.X-Key}
+	limit second 100 100
+	limit tenant 0.01 2 {
+		key {http.request.header.X-Tenant}
+	}
+	quota q 5 per day
+	redis %s {
+		cluster
+		timeout 2s
+	}
+}`, c.Masters[0].Addr)
+	if len(h.groups) != 2 {
+		t.Fatalf("%d slot groups, want 2 (the client's limit and quota; the tenant's limit)", len(h.groups))
+	}
+	quotaKey := limitKey(t, h, "q", "a")
+	used := func() int64 { return quotaUsedIn(t, cc.Get(context.Background(), quotaKey).Val()) }
+	expect := func(want int, tenant string) {
+		t.Helper()
+		if a := servePolicy(h, "X-Key", "a", "X-Tenant", tenant); a.status != want {
+			t.Fatalf("tenant %s: %v, want %d", tenant, a, want)
+		}
+	}
+	expect(200, "t1")
+	expect(200, "t1")
+	for range 3 {
+		expect(429, "t1") // the tenant refuses, after the client's group took
+	}
+	if got := used(); got != 2 {
+		t.Fatalf("quota used %d after 2 admitted and 3 refused by the tenant, want 2 (given back)", got)
+	}
+	expect(200, "t2")
+	expect(200, "t2")
+	expect(200, "t3")
+	expect(429, "t4") // the quota refuses: nothing taken from tenant t4, whose group comes later
+	if got := used(); got != 5 {
+		t.Errorf("quota used %d, want 5", got)
+	}
+	if n := cc.Exists(context.Background(), limitKey(t, h, "tenant", "t4")).Val(); n != 0 {
+		t.Errorf("tenant t4's bucket was written by a request the quota refused")
+	}
+}

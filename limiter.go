@@ -472,8 +472,9 @@ func (l *limiter) reset(ctx context.Context, keys []string) error {
 
 // maxRetryMicros bounds the wait a reply may give: no bucket takes longer
 // than a year to fill (limitValues.check), nor to pay back its debt
-// (maxDebtFor).
-const maxRetryMicros = 2 * maxFillSeconds * 1_000_000
+// (maxDebtFor); no quota's period is longer than maxPeriod, and the
+// script counts at most to the end of the period after Caddy's.
+const maxRetryMicros = max(2*maxFillSeconds*1_000_000, 2*int64(maxPeriod/time.Microsecond))
 
 // readTake reads the check-and-take reply, {allowed, then per bucket:
 // remaining, microseconds until it holds its requested tokens; with

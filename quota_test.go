@@ -715,3 +715,22 @@ func TestQuotaOnClusterGivesBackWhenALaterSlotGroupRefuses(t *testing.T) {
 		t.Errorf("tenant t4's bucket was written by a request the quota refused")
 	}
 }
+
+// TestQuotaOfTenYearsRefusesWithItsWait: the longest period a quota may
+// have is a wait the limiter reads as an answer, not as a broken reply.
+func TestQuotaOfTenYearsRefusesWithItsWait(t *testing.T) {
+	srv := redistest.Start(t)
+	h := quotaHandler(t, `rate_limit {
+	zone quota_decade
+	key {http.request.header.X-Key}
+	quota q 1 per 3650d
+	on_error allow
+	redis %s
+}`, srv.Addr)
+	serve(context.Background(), h, "a")
+	status, hdr := serve(context.Background(), h, "a")
+	retry, _ := strconv.ParseInt(hdr.Get("Retry-After"), 10, 64)
+	if status != 429 || retry <= 0 || retry > 3650*86400 {
+		t.Errorf("%d Retry-After %q, want 429 with up to ten years", status, hdr.Get("Retry-After"))
+	}
+}

@@ -421,6 +421,20 @@ func TestQuotaThroughCaddyPlanFromMapAdminViewAndReset(t *testing.T) {
 		qb.Quota.ResetsAt != midnight.Format(time.RFC3339) || math.Abs(qb.Quota.ResetsIn-time.Until(midnight).Seconds()) > 2 || qb.Tokens != "0" {
 		t.Errorf("the quota as the admin API shows it: %+v %+v, want day, 2 used of 2, renewing at %s", qb.adminBucket, *qb.Quota, midnight.Format(time.RFC3339))
 	}
+	// The zone lists the quota with its count and period.
+	var zones []struct {
+		Zone   string `json:"zone"`
+		Store  string `json:"store"`
+		Limits []struct {
+			adminLimit
+			Count Param  `json:"count"`
+			Per   string `json:"per"`
+		} `json:"limits"`
+	}
+	adminJSON(t, caddytestAdmin, http.MethodGet, "/rate_limit/zones", &zones)
+	if len(zones) != 1 || len(zones[0].Limits) != 2 || zones[0].Limits[1].Name != "day" || zones[0].Limits[1].Count != "{plan_daily}" || zones[0].Limits[1].Per != "day" {
+		t.Errorf("zones %+v, want quota_plan with the limit and the quota day of {plan_daily} per day", zones)
+	}
 	// DELETE renews it now.
 	if reset := resetBuckets(t, caddytestAdmin, "quota_plan", q("header.X-Key", "free", "plan_daily", "2")); len(reset) != 2 {
 		t.Errorf("reset %q, want the limit's key and the quota's", reset)
@@ -732,5 +746,32 @@ func TestQuotaOfTenYearsRefusesWithItsWait(t *testing.T) {
 	retry, _ := strconv.ParseInt(hdr.Get("Retry-After"), 10, 64)
 	if status != 429 || retry <= 0 || retry > 3650*86400 {
 		t.Errorf("%d Retry-After %q, want 429 with up to ten years", status, hdr.Get("Retry-After"))
+	}
+}
+
+func TestQuotaCountFromRequestUnlimitedExemptsAndInvalidRefuses(t *testing.T) {
+	srv := redistest.Start(t)
+	h := quotaHandler(t, `rate_limit {
+	zone quota_count_header
+	key {http.request.header.X-Key}
+	quota q {http.request.header.X-Count} per day
+	redis %s
+}`, srv.Addr)
+	for _, c := range []struct {
+		count, result string
+		status        int
+	}{
+		{"unlimited", "exempt", 200},
+		{"unlimited", "exempt", 200},
+		{"abc", "invalid", 500},
+		{"0", "invalid", 500},
+		{"1", "allowed", 200},
+		{"1", "denied", 429},
+		{"2", "allowed", 200}, // a larger plan has room for one more
+		{"2", "denied", 429},
+	} {
+		if a := servePolicy(h, "X-Key", "a", "X-Count", c.count); a.status != c.status || a.result() != c.result {
+			t.Fatalf("count %s: %v result %s, want %d %s", c.count, a, a.result(), c.status, c.result)
+		}
 	}
 }

@@ -379,7 +379,7 @@ func (v limitValues) scriptArgs() [3]any {
 
 // checkLimits judges the limits as configured, before provisioning: the
 // parser calls it at the end of the directive, Validate for JSON.
-func (h *Handler) checkLimits() (err error) {
+func (h *Handler) checkLimits() error {
 	if err := checkPrefixes(h.IPv4Prefix, h.IPv6Prefix); err != nil {
 		return err
 	}
@@ -387,11 +387,6 @@ func (h *Handler) checkLimits() (err error) {
 		return err
 	}
 	seen := map[string]bool{}
-	defer func() {
-		if err == nil {
-			err = h.checkQuotas(seen)
-		}
-	}()
 	for _, l := range h.Limits {
 		if err := checkLimitName(l.Name); err != nil {
 			return err
@@ -412,7 +407,7 @@ func (h *Handler) checkLimits() (err error) {
 			return fmt.Errorf("limit %s: %w", l.Name, err)
 		}
 	}
-	return nil
+	return h.checkQuotas(seen) // quotas share the limits' names
 }
 
 // checkValues judges a limit's rate, burst and cost: each fixed one

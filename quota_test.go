@@ -94,13 +94,20 @@ func TestQuotaAdmitsExactlyCountPerPeriodThenDeniesWithRetryAfterToTheBoundary(t
 
 func TestQuotaAdmitsExactlyCountConcurrentlyAndAcrossInstances(t *testing.T) {
 	srv := redistest.Start(t)
+	// Two handlers of one zone with Redis clients of their own (their
+	// timeouts differ), as two Caddy instances have.
 	const directive = `rate_limit {
 	zone quota_concurrent
 	key {http.request.header.X-Key}
 	quota q 40 per 2s
-	redis %s
+	redis %s {
+		timeout %s
+	}
 }`
-	instances := []*Handler{quotaHandler(t, directive, srv.Addr), quotaHandler(t, directive, srv.Addr)}
+	instances := []*Handler{quotaHandler(t, fmt.Sprintf(directive, "%s", "2s"), srv.Addr), quotaHandler(t, fmt.Sprintf(directive, "%s", "3s"), srv.Addr)}
+	if instances[0].limiter == instances[1].limiter {
+		t.Fatal("the two handlers share a Redis client")
+	}
 	startOfPeriod(t, 2*time.Second)
 	var admitted atomic.Int64
 	var wg sync.WaitGroup

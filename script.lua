@@ -44,12 +44,15 @@ local now = tonumber(time[1]) * 1000000 + tonumber(time[2])
 
 local n = #KEYS
 local rate, burst, requested, tokens, rewound, present = {}, {}, {}, {}, {}, {}
-local quota, qstart, qend = {}, {}, {} -- quotas: their period; tokens[i] is what they used
+local quota, qstart, qend -- quotas' periods (tokens[i] is what they used); made for the first quota only
 local allowed = 1
 local a = 1 -- ARGV index of key i's first argument
 for i = 1, n do
   local state = redis.call('GET', KEYS[i])
   if ARGV[a] == 'q' then
+    if not quota then
+      quota, qstart, qend = {}, {}, {}
+    end
     quota[i] = true
     burst[i] = tonumber(ARGV[a + 1]) -- the count
     requested[i] = tonumber(ARGV[a + 2])
@@ -99,7 +102,7 @@ end
 
 local reply = {allowed}
 for i = 1, n do
-  if quota[i] then
+  if quota and quota[i] then
     if allowed == 1 then
       tokens[i] = tokens[i] + requested[i]
       -- The key is of no use once its period ended (Redis time picks the

@@ -259,6 +259,21 @@ func TestQuotaLoadErrorsNameTheValue(t *testing.T) {
 	}
 }
 
+func TestQuotaCaddyfileRefusesWhatAQuotaDoesNotTake(t *testing.T) {
+	for _, c := range []struct{ input, want string }{
+		{"rate_limit {\n\tquota m 5 per day {\n\t\treplenish_rate 10\n\t}\n}", "unrecognized quota m subdirective 'replenish_rate'"},
+		{"rate_limit {\n\tquota m 5 per day {\n\t\tburst_capacity 10\n\t}\n}", "unrecognized quota m subdirective 'burst_capacity'"},
+		{"rate_limit {\n\tquota m 5 day\n}", "quota: want <name> <count> per <period>"},
+		{"rate_limit {\n\tquota m 5 per day\n\tquota m 6 per month\n}", "quota 'm' is given twice"},
+		{"rate_limit {\n\tquota m 5 per day {\n\t\ttime_zone UTC\n\t\ttime_zone UTC\n\t}\n}", "quota m: subdirective 'time_zone' is given twice"},
+		{"rate_limit {\n\tquota m 5 per day {\n\t\tmonth_day 3\n\t}\n}", "month_day '3' with per 'day'"},
+	} {
+		if _, err := parseTestCaddyfile(c.input); err == nil || !strings.Contains(err.Error(), c.want) {
+			t.Errorf("%q: error %v, want one containing %q", c.input, err, c.want)
+		}
+	}
+}
+
 func TestQuotaWithLeaseRefusedAtLoad(t *testing.T) {
 	h := offline(&Handler{ReplenishRate: "10", Quotas: []Quota{{Name: "m", Count: "5", Per: "day"}}, Lease: &Lease{MaxTokens: 4}})
 	if err := tryProvision(t, h); err == nil || !strings.Contains(err.Error(), "lease with quotas") {

@@ -44,104 +44,117 @@ local now = tonumber(time[1]) * 1000000 + tonumber(time[2])
 
 local n = #KEYS
 local rate, burst, requested, tokens, rewound, present = {}, {}, {}, {}, {}, {}
-local quota, qstart, qend -- quotas' periods (tokens[i] is what they used); made for the first quota only
 local allowed = 1
-local a = 1 -- ARGV index of key i's first argument
-for i = 1, n do
-  local state = redis.call('GET', KEYS[i])
-  if ARGV[a] == 'q' then
-    if not quota then
-      quota, qstart, qend = {}, {}, {}
-    end
-    quota[i] = true
-    burst[i] = tonumber(ARGV[a + 1]) -- the count
-    requested[i] = tonumber(ARGV[a + 2])
-    local b0, b1, b2, b3 = tonumber(ARGV[a + 3]), tonumber(ARGV[a + 4]), tonumber(ARGV[a + 5]), tonumber(ARGV[a + 6])
-    a = a + 7
-    -- Redis time picks the period; Caddy's clock may be a little off.
-    if now < b1 then
-      qstart[i], qend[i] = b0, b1
-    elseif now < b2 then
-      qstart[i], qend[i] = b1, b2
-    else
-      qstart[i], qend[i] = b2, b3
-    end
-    tokens[i] = 0
-    if state then
-      local used, at = string.match(state, '^(%S+) (%d+)$')
-      if tonumber(at) == qstart[i] and tonumber(used) then
-        tokens[i] = tonumber(used)
-      end
-    end
-    if tokens[i] + requested[i] > burst[i] then
-      allowed = 0
-    end
+local a = 1 -- the index of the key's first argument
+-- quota (issue 22): its period's start and end by key (qstart, qend);
+-- tokens[i] is what it used, burst[i] its count. Made for the first
+-- quota of a call only.
+local quota, qstart, qend
+-- checkQuota reads key i's quota, as the period Redis time is in counts
+-- it, and whether it has room for the request.
+local function checkQuota(i)
+  if not quota then
+    quota, qstart, qend = {}, {}, {}
+  end
+  quota[i] = true
+  burst[i] = tonumber(ARGV[a + 1])
+  requested[i] = tonumber(ARGV[a + 2])
+  local b0, b1, b2, b3 = tonumber(ARGV[a + 3]), tonumber(ARGV[a + 4]), tonumber(ARGV[a + 5]), tonumber(ARGV[a + 6])
+  a = a + 7
+  -- Redis time picks the period; Caddy's clock may be a little off.
+  if now < b1 then
+    qstart[i], qend[i] = b0, b1
+  elseif now < b2 then
+    qstart[i], qend[i] = b1, b2
   else
-    rate[i] = tonumber(ARGV[a])
-    burst[i] = tonumber(ARGV[a + 1])
-    requested[i] = tonumber(ARGV[a + 2])
-    a = a + 3
-    tokens[i] = burst[i]
-    if state then
-      local stored, at = string.match(state, '^(%S+) (%d+)$')
-      stored, at = tonumber(stored), tonumber(at)
-      if stored and at then
-        present[i] = true
-        -- After a failover to a server whose clock is behind, the stored
-        -- time can lie ahead: count from now instead, and store now (below),
-        -- or the bucket would not refill until the clock caught up.
-        rewound[i] = at > now
-        tokens[i] = math.min(burst[i], stored + math.max(0, now - at) * rate[i] / 1000000)
-      end
+    qstart[i], qend[i] = b2, b3
+  end
+  tokens[i] = 0
+  local state = redis.call('GET', KEYS[i])
+  if state then
+    local used, at = string.match(state, '^(%S+) (%d+)$')
+    if tonumber(at) == qstart[i] and tonumber(used) then
+      tokens[i] = tonumber(used)
     end
-    if tokens[i] < requested[i] then
-      allowed = 0
+  end
+  if tokens[i] + requested[i] > burst[i] then
+    allowed = 0
+  end
+end
+-- takeQuota takes what checkQuota found room for, and answers the
+-- quota's remaining tokens and wait.
+local function takeQuota(i)
+  if allowed == 1 then
+    tokens[i] = tokens[i] + requested[i]
+    -- The key is of no use once its period ended (Redis time picks the
+    -- period); a second of slack, and never in the past.
+    local expires = math.floor(math.max(qend[i], now) / 1000) + 1000
+    redis.call('SET', KEYS[i], string.format('%.17g %d', tokens[i], qstart[i]), 'PXAT', expires)
+  end
+  local wait = 0
+  if tokens[i] + requested[i] > burst[i] then
+    wait = math.max(1, qend[i] - now)
+  end
+  return math.max(0, math.floor(burst[i] - tokens[i])), wait
+end
+for i = 1, n do
+  if ARGV[a] == 'q' then
+    checkQuota(i)
+  else
+  rate[i] = tonumber(ARGV[a])
+  burst[i] = tonumber(ARGV[a + 1])
+  requested[i] = tonumber(ARGV[a + 2])
+  a = a + 3
+  tokens[i] = burst[i]
+  local state = redis.call('GET', KEYS[i])
+  if state then
+    local stored, at = string.match(state, '^(%S+) (%d+)$')
+    stored, at = tonumber(stored), tonumber(at)
+    if stored and at then
+      present[i] = true
+      -- After a failover to a server whose clock is behind, the stored
+      -- time can lie ahead: count from now instead, and store now (below),
+      -- or the bucket would not refill until the clock caught up.
+      rewound[i] = at > now
+      tokens[i] = math.min(burst[i], stored + math.max(0, now - at) * rate[i] / 1000000)
     end
+  end
+  if tokens[i] < requested[i] then
+    allowed = 0
+  end
   end
 end
 
 local reply = {allowed}
 for i = 1, n do
   if quota and quota[i] then
-    if allowed == 1 then
-      tokens[i] = tokens[i] + requested[i]
-      -- The key is of no use once its period ended (Redis time picks the
-      -- period); a second of slack, and never in the past.
-      local expires = math.floor(math.max(qend[i], now) / 1000) + 1000
-      redis.call('SET', KEYS[i], string.format('%.17g %d', tokens[i], qstart[i]), 'PXAT', expires)
-    end
-    local wait = 0
-    if tokens[i] + requested[i] > burst[i] then
-      wait = math.max(1, qend[i] - now)
-    end
-    reply[2 * i] = math.max(0, math.floor(burst[i] - tokens[i]))
-    reply[2 * i + 1] = wait
+    reply[2 * i], reply[2 * i + 1] = takeQuota(i)
   else
-    if allowed == 1 then
-      tokens[i] = tokens[i] - requested[i]
+  if allowed == 1 then
+    tokens[i] = tokens[i] - requested[i]
+  end
+  -- The key lives as long as its missing tokens take to refill (at
+  -- least 1 s), so an idle key lives no longer than needed.
+  local fill = math.ceil((burst[i] - tokens[i]) * 1000 / rate[i])
+  if allowed == 1 or rewound[i] then
+    redis.call('SET', KEYS[i], string.format('%.17g %d', tokens[i], now), 'PX', math.max(1000, fill))
+  elseif present[i] then
+    -- A denial stores nothing, but the key's expiry was set at the values
+    -- of the request that wrote it: after a move to a slower plan it would
+    -- expire, and read full, before the bucket refilled at the rate now
+    -- in force. Then it lives until then. (1 ms of slack for the TTL's
+    -- rounding: at unchanged values a denial writes nothing.)
+    local pttl = redis.call('PTTL', KEYS[i])
+    if pttl >= 0 and pttl + 1 < fill then
+      redis.call('PEXPIRE', KEYS[i], math.max(1000, fill))
     end
-    -- The key lives as long as its missing tokens take to refill (at
-    -- least 1 s), so an idle key lives no longer than needed.
-    local fill = math.ceil((burst[i] - tokens[i]) * 1000 / rate[i])
-    if allowed == 1 or rewound[i] then
-      redis.call('SET', KEYS[i], string.format('%.17g %d', tokens[i], now), 'PX', math.max(1000, fill))
-    elseif present[i] then
-      -- A denial stores nothing, but the key's expiry was set at the values
-      -- of the request that wrote it: after a move to a slower plan it would
-      -- expire, and read full, before the bucket refilled at the rate now
-      -- in force. Then it lives until then. (1 ms of slack for the TTL's
-      -- rounding: at unchanged values a denial writes nothing.)
-      local pttl = redis.call('PTTL', KEYS[i])
-      if pttl >= 0 and pttl + 1 < fill then
-        redis.call('PEXPIRE', KEYS[i], math.max(1000, fill))
-      end
-    end
-    local wait = 0
-    if tokens[i] < requested[i] then
-      wait = math.ceil((requested[i] - tokens[i]) * 1000000 / rate[i])
-    end
-    reply[2 * i] = math.max(0, math.floor(tokens[i]))
-    reply[2 * i + 1] = wait
+  end
+  local wait = 0
+  if tokens[i] < requested[i] then
+    wait = math.ceil((requested[i] - tokens[i]) * 1000000 / rate[i])
+  end
+  reply[2 * i] = math.max(0, math.floor(tokens[i]))
+  reply[2 * i + 1] = wait
   end
 end
 return reply

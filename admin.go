@@ -142,6 +142,9 @@ type limitInfo struct {
 	RequestedTokens Param  `json:"requested_tokens"`
 	IPv4Prefix      int    `json:"ipv4_prefix"`
 	IPv6Prefix      int    `json:"ipv6_prefix"`
+	// A quota's count (in place of the rate and burst) and period.
+	Count Param  `json:"count,omitempty"`
+	Per   string `json:"per,omitempty"`
 }
 
 func listZones() []zoneInfo {
@@ -162,7 +165,13 @@ func listZones() []zoneInfo {
 		for _, l := range limits {
 			li := limitInfo{Name: l.name, Key: l.keyText, ReplenishRate: l.rate, BurstCapacity: l.burst,
 				RequestedTokens: l.cost, IPv4Prefix: l.template.ipv4Bits, IPv6Prefix: l.template.ipv6Bits}
-			if l.fixed && !l.exempt { // with the defaults filled in
+			if l.quota != nil {
+				li.Count, li.Per, li.ReplenishRate, li.BurstCapacity = l.burst, l.quota.per, "", ""
+			}
+			if l.fixed && !l.exempt && l.quota != nil {
+				li.Count = Param(strconv.FormatInt(l.values.burst, 10))
+				li.RequestedTokens = Param(strconv.FormatInt(l.values.requested, 10))
+			} else if l.fixed && !l.exempt { // with the defaults filled in
 				li.ReplenishRate = floatParam(l.values.rate)
 				li.BurstCapacity = Param(strconv.FormatInt(l.values.burst, 10))
 				li.RequestedTokens = Param(strconv.FormatInt(l.values.requested, 10))
@@ -193,6 +202,23 @@ type bucketInfo struct {
 	// when it would be full again (0 when there is no key: it is full).
 	RetryAfter float64 `json:"retry_after"`
 	ExpiresIn  float64 `json:"expires_in"`
+	// Quota is a quota's usage in its current period (Tokens is what is
+	// left of it); nil for a token bucket.
+	Quota *quotaInfo `json:"quota,omitempty"`
+}
+
+// quotaInfo is a client's quota in its current period: its count, what
+// it used (past the count when responses cost more than they reserved)
+// and what is left, when the period started and when it renews (RFC
+// 3339, in the quota's time zone), and the seconds until then.
+type quotaInfo struct {
+	Per         string  `json:"per"`
+	Count       int64   `json:"count"`
+	Used        int64   `json:"used"`
+	Remaining   int64   `json:"remaining"`
+	PeriodStart string  `json:"period_start"`
+	ResetsAt    string  `json:"resets_at"`
+	ResetsIn    float64 `json:"resets_in"`
 }
 
 // adminTimeout bounds the Redis calls of one admin request.
@@ -227,6 +253,9 @@ func serveBuckets(w http.ResponseWriter, r *http.Request, zone string) error {
 		}
 		info := bucketInfo{Limit: l.name, Key: b.clientKey(), StoredKey: b.key,
 			ReplenishRate: b.values.rate, BurstCapacity: b.values.burst, RequestedTokens: b.values.requested}
+		if b.quota != nil {
+			info.BurstCapacity = 0 // its count is in Quota
+		}
 		if r.Method == http.MethodDelete {
 			if err := h.resetBucket(ctx, b.key); err != nil {
 				return caddy.APIError{HTTPStatus: http.StatusServiceUnavailable, Err: fmt.Errorf("resetting %s: %w", b.key, err)}
@@ -240,6 +269,9 @@ func serveBuckets(w http.ResponseWriter, r *http.Request, zone string) error {
 		}
 		info.Tokens = strconv.FormatFloat(math.Round(view.tokens*1e6)/1e6, 'f', -1, 64) // to the millionth
 		info.RetryAfter, info.ExpiresIn = view.wait.Seconds(), view.expiresIn.Seconds()
+		if b.quota != nil {
+			info.Quota = quotaView(l, b, view, time.Now())
+		}
 		infos = append(infos, info)
 	}
 	if r.Method == http.MethodDelete {
@@ -257,7 +289,7 @@ func serveBuckets(w http.ResponseWriter, r *http.Request, zone string) error {
 // peekBucket reads a bucket where its handler keeps it.
 func (h *Handler) peekBucket(ctx context.Context, b bucket) (bucketView, error) {
 	if h.memory != nil {
-		return h.memory.peek(time.Now(), b.key, b.values), nil
+		return h.memory.peek(time.Now(), b), nil
 	}
 	views, err := h.limiter.peek(ctx, []bucket{b})
 	if err != nil {
@@ -373,7 +405,12 @@ func clientBuckets(limits []*limit, query url.Values) (map[*limit]bucket, map[*l
 		if key == "" {
 			return nil, nil, fmt.Errorf("a placeholder of key '%s' is empty", l.keyText)
 		}
-		buckets[l] = bucket{limit: l, key: key, values: values, args: values.scriptArgs()}
+		buckets[l] = bucket{limit: l, key: key, values: values, args: l.scriptArgs(values)}
+		if l.quota != nil {
+			b := buckets[l]
+			b.quota = l.quota.at(time.Now(), l)
+			buckets[l] = b
+		}
 	}
 	for name := range given {
 		if !used[name] {

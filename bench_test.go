@@ -164,6 +164,31 @@ func BenchmarkServeHTTPAllowed(b *testing.B) {
 	serveFresh(b, "192.0.2.1", "client-1", http.StatusOK, serveHandler(h))
 }
 
+// BenchmarkServeHTTPQuota is BenchmarkServeHTTPAllowed with a monthly
+// quota in Europe/Berlin beside the limit (make bench's quota@64): one
+// script call over a bucket and a quota.
+func BenchmarkServeHTTPQuota(b *testing.B) {
+	srv := redistest.Start(b)
+	h := benchHandler(b, srv, "bench-quota", 1e9, 1_000_000_000, func(h *Handler) {
+		h.Limits = []Limit{{Name: "second"}}
+		h.Quotas = []Quota{{Name: "month", Count: "1000000000000", Per: "month", TimeZone: "Europe/Berlin"}}
+	})
+	serveOne(b, h, "192.0.2.1", "client-1", http.StatusOK)
+	serveFresh(b, "192.0.2.1", "client-1", http.StatusOK, serveHandler(h))
+}
+
+// BenchmarkServeHTTPQuotaMemory is BenchmarkServeHTTPQuota with store
+// memory.
+func BenchmarkServeHTTPQuotaMemory(b *testing.B) {
+	h := provision(b, &Handler{
+		Zone: "bench-quota-memory", Key: "{http.request.header.X-Key}", Store: storeMemory,
+		Limits: []Limit{{Name: "second", ReplenishRate: "1000000000", BurstCapacity: "1000000000"}},
+		Quotas: []Quota{{Name: "month", Count: "1000000000000", Per: "month", TimeZone: "Europe/Berlin"}},
+	})
+	observeLogs(h, zap.InfoLevel)
+	serveFresh(b, "192.0.2.1", "client-1", http.StatusOK, serveHandler(h))
+}
+
 // BenchmarkServeHTTPMemory is BenchmarkServeHTTPAllowed with store memory:
 // no Redis at all.
 func BenchmarkServeHTTPMemory(b *testing.B) {

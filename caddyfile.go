@@ -52,6 +52,19 @@ func parseCaddyfile(h httpcaddyfile.Helper) (caddyhttp.MiddlewareHandler, error)
 //			charge_status    <code|class>...
 //			max_debt         <tokens>
 //		}
+//		quota <name> <count> per <period> {
+//			key              <template with placeholders>
+//			requested_tokens <integer>
+//			ipv4_prefix      <bits>
+//			ipv6_prefix      <bits>
+//			time_zone        <IANA zone>
+//			month_day        <1-28>
+//			week_starts      monday|sunday
+//			charge           header <name> | json <path>... | placeholder <{placeholder}>
+//			charge_status    <code|class>...
+//			max_debt         <tokens>
+//		}
+//		reset_jitter     <duration>
 //		deny_empty_key   true|false
 //		empty_key_status <http status>
 //		status_code      <http status>
@@ -88,7 +101,9 @@ func parseCaddyfile(h httpcaddyfile.Helper) (caddyhttp.MiddlewareHandler, error)
 //	}
 //
 // The inline arguments set the subdirectives of the same names. Each
-// subdirective may be given once; `limit` once per name. A rate, burst or
+// subdirective may be given once; `limit` and `quota` once per name. A
+// quota's period is minute, hour, day, week, month, year or a duration
+// (6h). A rate, burst, count or
 // cost may be placeholders, resolved per request (a rate of `unlimited`
 // exempts the request from that limit).
 func (h *Handler) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
@@ -101,7 +116,7 @@ func (h *Handler) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 	}
 	for nesting := d.Nesting(); d.NextBlock(nesting); {
 		sub := d.Val()
-		if seen[sub] && sub != "limit" {
+		if seen[sub] && sub != "limit" && sub != "quota" {
 			return d.Errf("subdirective '%s' is given twice", sub)
 		}
 		seen[sub] = true
@@ -112,6 +127,10 @@ func (h *Handler) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 			err = value(func(v string) error { h.Zone = v; return checkZone(v) })
 		case "limit":
 			err = h.unmarshalLimit(d)
+		case "quota":
+			err = h.unmarshalQuota(d)
+		case "reset_jitter":
+			err = value(func(v string) error { return setDuration(&h.ResetJitter, sub, v) })
 		case "deny_empty_key":
 			err = value(func(v string) error { return setBool(&h.DenyEmptyKey, sub, v) })
 		case "include_headers":
@@ -233,6 +252,86 @@ func (h *Handler) unmarshalLimit(d *caddyfile.Dispenser) error {
 		}
 	}
 	h.Limits = append(h.Limits, l)
+	return nil
+}
+
+// unmarshalQuota parses `quota <name> <count> per <period> [{ ... }]`.
+func (h *Handler) unmarshalQuota(d *caddyfile.Dispenser) error {
+	args := d.RemainingArgs()
+	if len(args) != 4 || args[2] != "per" {
+		return d.Errf("quota: want <name> <count> per <period>, like 'quota monthly 1000000 per month', got '%s'", strings.Join(args, " "))
+	}
+	q := Quota{Name: args[0], Count: Param(args[1]), Per: args[3]}
+	if err := checkLimitName(q.Name); err != nil {
+		return d.WrapErr(fmt.Errorf("quota: %w", err))
+	}
+	for _, other := range h.Quotas {
+		if other.Name == q.Name {
+			return d.Errf("quota '%s' is given twice: limit and quota names must be unique in a handler", q.Name)
+		}
+	}
+	block := "quota " + q.Name
+	inBlock := func(err error) error {
+		if err != nil {
+			err = fmt.Errorf("%s: %w", block, err)
+		}
+		return err
+	}
+	if err := inBlock(checkQuotaValues(q.Count, "")); err != nil {
+		return d.WrapErr(err)
+	}
+	if err := inBlock(checkPer(q.Per)); err != nil {
+		return d.WrapErr(err)
+	}
+	var unusedRate, unusedBurst Param
+	fields := limitFields{&q.Key, &unusedRate, &unusedBurst, &q.RequestedTokens, &q.IPv4Prefix, &q.IPv6Prefix,
+		&q.Charge, &q.ChargeStatus, &q.MaxDebt}
+	seen := map[string]bool{}
+	for nesting := d.Nesting(); d.NextBlock(nesting); {
+		sub := d.Val()
+		if seen[sub] {
+			return d.Errf("%s: subdirective '%s' is given twice", block, sub)
+		}
+		seen[sub] = true
+		var err error
+		known := true
+		switch sub {
+		case "time_zone":
+			err = oneValue(d, block, func(v string) error {
+				q.TimeZone = v
+				_, err := loadTimeZone(q.Per, v)
+				return inBlock(err)
+			})
+		case "month_day":
+			err = oneValue(d, block, func(v string) error {
+				n, err := strconv.Atoi(v)
+				if err != nil {
+					return inBlock(fmt.Errorf("month_day '%s': %s", v, wantMonthDay))
+				}
+				q.MonthDay = n
+				if n == 0 {
+					return inBlock(fmt.Errorf("month_day '0': %s", wantMonthDay))
+				}
+				return inBlock(checkMonthDay(q.Per, n))
+			})
+		case "week_starts":
+			err = oneValue(d, block, func(v string) error {
+				q.WeekStarts = v
+				return inBlock(checkWeekStarts(q.Per, v))
+			})
+		case "replenish_rate", "burst_capacity":
+			known = false
+		default:
+			known, err = fields.set(d, block, sub)
+		}
+		if !known {
+			return d.Errf("unrecognized %s subdirective '%s' (a quota takes key, requested_tokens, ipv4_prefix, ipv6_prefix, time_zone, month_day, week_starts, charge, charge_status and max_debt)", block, sub)
+		}
+		if err != nil {
+			return err
+		}
+	}
+	h.Quotas = append(h.Quotas, q)
 	return nil
 }
 

@@ -185,26 +185,27 @@ func (h *Handler) checkCharging() error {
 			return err
 		}
 	}
-	configs, named := h.Limits, len(h.Limits) > 0
-	if !named {
-		configs = ownLimit
-	}
+	configs, named := h.limitConfigs()
+	quotas := len(configs) - len(h.Quotas)
 	paths, headers := map[string]bool{}, map[string]bool{}
 	charges, readsBody := false, false
-	for _, c := range configs {
+	for i, c := range configs {
 		err := errors.Join(checkCharge(c.Charge), checkChargeStatus(c.ChargeStatus), checkMaxDebt(c.MaxDebt))
 		charge, statuses, maxDebt := h.chargeOf(c)
 		if err == nil && maxDebt != nil && charge == nil && statuses == nil {
 			err = fmt.Errorf("max_debt '%d': nothing can run into debt without charge or charge_status; add one, or remove max_debt", *maxDebt)
 		}
-		if err == nil && maxDebt != nil {
+		if err == nil && maxDebt != nil && i < quotas { // a quota's debt is paid back at its boundary
 			if rate, perr := parseRate(string(or(unset(c.ReplenishRate), unset(h.ReplenishRate)))); perr == nil && float64(*maxDebt)/rate > maxFillSeconds {
 				err = fmt.Errorf("max_debt '%d': a debt that large takes more than a year to pay back at replenish_rate '%v'; lower it to at most %d",
 					*maxDebt, rate, int64(rate*maxFillSeconds))
 			}
 		}
 		if err != nil {
-			if named {
+			switch {
+			case i >= quotas:
+				return fmt.Errorf("quota %s: %w", c.Name, err)
+			case named:
 				return fmt.Errorf("limit %s: %w", c.Name, err)
 			}
 			return err
@@ -278,10 +279,7 @@ type charging struct {
 // setUpCharging makes each limit's charge rule and the handler's
 // charging, when some limit charges (h.charging stays nil otherwise).
 func (h *Handler) setUpCharging() error {
-	configs := h.Limits
-	if len(configs) == 0 {
-		configs = ownLimit
-	}
+	configs, _ := h.limitConfigs()
 	c := &charging{maxBody: h.MaxBody, warns: &logThrottle{every: 10 * time.Second}}
 	if c.maxBody == 0 {
 		c.maxBody = defaultMaxBody
@@ -335,6 +333,9 @@ func (r *chargeRule) maxDebtFor(v limitValues) int64 {
 	debt := r.maxDebt
 	if debt < 0 {
 		debt = v.burst
+	}
+	if v.rate == 0 { // a quota (no limit that charges has no rate otherwise): the debt ends with its period
+		return debt
 	}
 	return min(debt, int64(v.rate*maxFillSeconds))
 }
@@ -574,6 +575,14 @@ func (h *Handler) settleInProcess(s *memoryStore, buckets []bucket, items []sett
 		shard := s.shardIndex(keys[i])
 		stored := s.shards[shard].buckets[keys[i]]
 		state, ok := held(stored)
+		if b.quota != nil {
+			if ok && state.expires > t { // else its period is over, or it was reset: nothing to settle
+				var forgiven float64
+				*stored, forgiven = settleQuotaUse(state, b.values, it.diff, b.limit.charge.maxDebtFor(b.values))
+				h.countCharged(b.limit, float64(it.cost)-forgiven, forgiven)
+			}
+			continue
+		}
 		current, at := currentState(state, ok, t, b.values)
 		after, forgiven := settleBucket(current, at, b.values, it.diff, b.limit.charge.maxDebtFor(b.values))
 		switch {

@@ -35,6 +35,7 @@ type denyCache struct {
 type denial struct {
 	until, ask time.Time
 	values     limitValues
+	remaining  int64 // a quota's, which does not change until its period ends
 }
 
 func newDenyCache() *denyCache {
@@ -64,6 +65,10 @@ func (c *denyCache) answer(buckets []bucket, now time.Time) bool {
 			continue
 		}
 		b.retryAfter = d.until.Sub(now)
+		if b.quota != nil {
+			b.remaining = d.remaining
+			continue
+		}
 		tokens := float64(b.values.requested) - b.retryAfter.Seconds()*b.values.rate
 		b.remaining = max(0, int64(math.Floor(tokens)))
 	}
@@ -84,7 +89,7 @@ func (c *denyCache) put(buckets []bucket, sent time.Time) {
 		if len(c.entries) >= denyCacheSize {
 			c.makeRoom(sent)
 		}
-		d := denial{until: sent.Add(b.retryAfter - time.Microsecond), values: b.values}
+		d := denial{until: sent.Add(b.retryAfter - time.Microsecond), values: b.values, remaining: b.remaining}
 		d.ask = d.until
 		if c.maxWait > 0 && b.retryAfter > c.maxWait {
 			d.ask = sent.Add(c.maxWait)

@@ -4,30 +4,55 @@
 -- never fuller than it would have been had they not been taken.
 --
 -- KEYS[i]      bucket i (only the buckets given: no key is built here)
--- ARGV[3i-2]   its replenish rate, tokens per second
--- ARGV[3i-1]   its burst capacity, whole tokens
--- ARGV[3i]     the tokens to give back, whole tokens
+-- ARGV         read per key as script.lua reads them, the requested
+--              tokens being the tokens to give back: a token bucket's
+--              rate, burst and tokens (3), or a quota's "q", count,
+--              tokens and four boundaries (7)
 --
 -- Buckets are stored as script.lua stores them; a missing (expired)
--- bucket is full and stays so. Returns {buckets written}.
+-- bucket is full and stays so. A quota gets its tokens back in the period
+-- Redis time picks, if it counts that one (not below nothing used).
+-- Returns {buckets written}.
 
 local time = redis.call('TIME')
 local now = tonumber(time[1]) * 1000000 + tonumber(time[2])
 
 local written = 0
+local a = 1
 for i = 1, #KEYS do
-  local rate = tonumber(ARGV[3 * i - 2])
-  local burst = tonumber(ARGV[3 * i - 1])
-  local given = tonumber(ARGV[3 * i])
   local state = redis.call('GET', KEYS[i])
-  if state then
-    local stored, at = string.match(state, '^(%S+) (%d+)$')
-    stored, at = tonumber(stored), tonumber(at)
-    if stored and at then
-      local tokens = math.min(burst, stored + math.max(0, now - at) * rate / 1000000 + given)
-      local ttl = math.max(1000, math.ceil((burst - tokens) * 1000 / rate))
-      redis.call('SET', KEYS[i], string.format('%.17g %d', tokens, now), 'PX', ttl)
-      written = written + 1
+  if ARGV[a] == 'q' then
+    local given = tonumber(ARGV[a + 2])
+    local b0, b1, b2, b3 = tonumber(ARGV[a + 3]), tonumber(ARGV[a + 4]), tonumber(ARGV[a + 5]), tonumber(ARGV[a + 6])
+    a = a + 7
+    local start = b1
+    if now < b1 then
+      start = b0
+    elseif now >= b2 then
+      start = b2
+    end
+    if state then
+      local used, at = string.match(state, '^(%S+) (%d+)$')
+      used, at = tonumber(used), tonumber(at)
+      if used and at == start then
+        redis.call('SET', KEYS[i], string.format('%.17g %d', math.max(0, used - given), at), 'KEEPTTL')
+        written = written + 1
+      end
+    end
+  else
+    local rate = tonumber(ARGV[a])
+    local burst = tonumber(ARGV[a + 1])
+    local given = tonumber(ARGV[a + 2])
+    a = a + 3
+    if state then
+      local stored, at = string.match(state, '^(%S+) (%d+)$')
+      stored, at = tonumber(stored), tonumber(at)
+      if stored and at then
+        local tokens = math.min(burst, stored + math.max(0, now - at) * rate / 1000000 + given)
+        local ttl = math.max(1000, math.ceil((burst - tokens) * 1000 / rate))
+        redis.call('SET', KEYS[i], string.format('%.17g %d', tokens, now), 'PX', ttl)
+        written = written + 1
+      end
     end
   end
 end

@@ -25,7 +25,10 @@ const (
 // each response gets slices of its own (see headerValues).
 type rateLimitHeaders struct {
 	spring, ietf bool
-	limits       []limitHeaders // by limit index
+	// resetJitter spreads a quota's Retry-After past its boundary
+	// (reset_jitter; 0 when off).
+	resetJitter time.Duration
+	limits      []limitHeaders // by limit index
 	// policy is RateLimit-Policy when every limit applies with its fixed
 	// values ("" when some limit has placeholders).
 	policy string
@@ -81,6 +84,11 @@ func newRateLimitHeaders(style string, limits []*limit) rateLimitHeaders {
 	for i, l := range limits {
 		lh := &rh.limits[i]
 		lh.quoted = strconv.Quote(l.ietfName)
+		if l.quota != nil { // its items change with its period: quotaPeriod has them
+			lh.burst = strconv.FormatInt(l.values.burst, 10)
+			lh.requested = strconv.FormatInt(l.values.requested, 10)
+			continue
+		}
 		if l.fixed && !l.exempt {
 			lh.rate = strconv.FormatFloat(l.values.rate, 'f', -1, 64)
 			lh.burst = strconv.FormatInt(l.values.burst, 10)
@@ -116,12 +124,18 @@ func (rh *rateLimitHeaders) set(hdr http.Header, buckets []bucket, described int
 	}
 	v := new(headerValues)
 	if denied {
-		v.put(hdr, "Retry-After", countText(ceilSeconds(retryAfter(buckets))))
+		wait := retryAfter(buckets)
+		if rh.resetJitter > 0 {
+			wait = jitteredRetryAfter(buckets, rh.resetJitter)
+		}
+		v.put(hdr, "Retry-After", countText(ceilSeconds(wait)))
 	}
 	if rh.spring {
 		b := &buckets[described]
 		v.put(hdr, "X-Ratelimit-Remaining", v.count(b.remaining))
-		if lh := &rh.limits[b.limit.index]; b.limit.fixed {
+		if lh := &rh.limits[b.limit.index]; b.quota != nil {
+			setQuotaSpring(hdr, v, b, lh)
+		} else if b.limit.fixed {
 			v.put(hdr, "X-Ratelimit-Replenish-Rate", lh.rate)
 			v.put(hdr, "X-Ratelimit-Burst-Capacity", lh.burst)
 			v.put(hdr, "X-Ratelimit-Requested-Tokens", lh.requested)
@@ -154,7 +168,9 @@ func (rh *rateLimitHeaders) setIETF(hdr http.Header, v *headerValues, buckets []
 		if i > 0 {
 			policy = append(policy, ", "...)
 		}
-		if rh.policy == "" {
+		if b.quota != nil {
+			policy = appendQuotaPolicy(policy, lh, b)
+		} else if rh.policy == "" {
 			policy = append(policy, policyItem(lh.quoted, b.values)...)
 		} else {
 			policy = append(policy, lh.policy...)
@@ -170,7 +186,11 @@ func (rh *rateLimitHeaders) setIETF(hdr http.Header, v *headerValues, buckets []
 		state = append(state, ";r="...)
 		state = strconv.AppendInt(state, b.remaining, 10)
 		state = append(state, ";t="...)
-		state = strconv.AppendInt(state, ceilSeconds(b.retryAfter), 10)
+		if b.quota != nil { // its reset: the end of its period
+			state = strconv.AppendInt(state, ceilSeconds(max(b.retryAfter, b.quota.untilEnd(time.Now()))), 10)
+		} else {
+			state = strconv.AppendInt(state, ceilSeconds(b.retryAfter), 10)
+		}
 	}
 	if items > 0 {
 		v.put(hdr, "Ratelimit", string(state))
@@ -211,4 +231,30 @@ func countText(n int64) string {
 // ceilSeconds rounds a duration up to whole seconds.
 func ceilSeconds(d time.Duration) int64 {
 	return int64((d + time.Second - 1) / time.Second)
+}
+
+// Quotas' headers (quota.go): their RateLimit-Policy items and X-RateLimit
+// replenish rates change with the length of their period, so they come
+// from the period (formatted once per period at a fixed count).
+
+// appendQuotaPolicy appends a quota's RateLimit-Policy item.
+func appendQuotaPolicy(policy []byte, lh *limitHeaders, b *bucket) []byte {
+	if b.quota.policy != "" && b.limit.fixed {
+		return append(policy, b.quota.policy...)
+	}
+	return append(policy, quotaPolicyItem(lh.quoted, b.values.burst, b.quota.window())...)
+}
+
+// setQuotaSpring writes the X-RateLimit values of a quota: its count as
+// the burst capacity, spread over its period as the replenish rate.
+func setQuotaSpring(hdr http.Header, v *headerValues, b *bucket, lh *limitHeaders) {
+	if b.limit.fixed {
+		v.put(hdr, "X-Ratelimit-Replenish-Rate", b.quota.rate)
+		v.put(hdr, "X-Ratelimit-Burst-Capacity", lh.burst)
+		v.put(hdr, "X-Ratelimit-Requested-Tokens", lh.requested)
+		return
+	}
+	v.put(hdr, "X-Ratelimit-Replenish-Rate", quotaRate(b.values.burst, b.quota.window()))
+	v.put(hdr, "X-Ratelimit-Burst-Capacity", countText(b.values.burst))
+	v.put(hdr, "X-Ratelimit-Requested-Tokens", countText(b.values.requested))
 }

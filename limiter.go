@@ -336,6 +336,9 @@ func (l *limiter) call(clientCtx context.Context, now time.Time, script *luaScri
 	c.command(script)
 	for i := range buckets {
 		c.args = append(c.args, buckets[i].args[:]...)
+		if q := buckets[i].quota; q != nil {
+			c.args = append(c.args, q.args[:]...)
+		}
 	}
 	return l.send(clientCtx, now, c)
 }
@@ -434,15 +437,18 @@ func (l *limiter) peek(ctx context.Context, buckets []bucket) ([]bucketView, err
 // says it has no such command, then with EVAL, which runs the script (it
 // writes nothing) as well.
 func (l *limiter) peekOne(ctx context.Context, b bucket) ([]any, error) {
-	keys := []string{b.key}
+	keys, args := []string{b.key}, b.args[:]
+	if b.quota != nil {
+		args = append(args[:3:3], b.quota.args[:]...)
+	}
 	if !l.noEvalRO.Load() {
-		reply, err := l.client.EvalRO(ctx, peekSource, keys, b.args[:]...).Slice()
+		reply, err := l.client.EvalRO(ctx, peekSource, keys, args...).Slice()
 		if err == nil || !isUnknownCommand(err) {
 			return reply, err
 		}
 		l.noEvalRO.Store(true)
 	}
-	return l.client.Eval(ctx, peekSource, keys, b.args[:]...).Slice()
+	return l.client.Eval(ctx, peekSource, keys, args...).Slice()
 }
 
 // isUnknownCommand says whether Redis refused a command it does not
@@ -466,8 +472,9 @@ func (l *limiter) reset(ctx context.Context, keys []string) error {
 
 // maxRetryMicros bounds the wait a reply may give: no bucket takes longer
 // than a year to fill (limitValues.check), nor to pay back its debt
-// (maxDebtFor).
-const maxRetryMicros = 2 * maxFillSeconds * 1_000_000
+// (maxDebtFor); no quota's period is longer than maxPeriod, and the
+// script counts at most to the end of the period after Caddy's.
+const maxRetryMicros = max(2*maxFillSeconds*1_000_000, 2*int64(maxPeriod/time.Microsecond))
 
 // readTake reads the check-and-take reply, {allowed, then per bucket:
 // remaining, microseconds until it holds its requested tokens; with

@@ -169,6 +169,10 @@ func (s *memoryStore) take(now time.Time, buckets []bucket) (bool, error) {
 		}
 		states = append(states, state)
 		st, ok := held(state)
+		if b.quota != nil {
+			allowed = allowed && quotaHolds(st, ok, now, t, b)
+			continue
+		}
 		current, at := currentState(st, ok, t, b.values)
 		allowed = allowed && refill(current, at, b.values) >= float64(b.values.requested)
 	}
@@ -187,7 +191,14 @@ func (s *memoryStore) take(now time.Time, buckets []bucket) (bool, error) {
 	for i := range buckets {
 		b := &buckets[i]
 		state, ok := held(states[i])
-		after, store, remaining, wait := settle(state, ok, t, b.values, allowed)
+		var after memoryBucket
+		var store bool
+		var remaining, wait int64
+		if b.quota != nil {
+			after, store, remaining, wait = settleQuota(state, ok, now, t, b, allowed)
+		} else {
+			after, store, remaining, wait = settle(state, ok, t, b.values, allowed)
+		}
 		if store {
 			s.put(shards[i], keys[i], states[i], after)
 		}
@@ -296,8 +307,8 @@ func extendOnDenial(state, after memoryBucket, t int64, v limitValues) memoryBuc
 }
 
 // peek reads a bucket without changing it, for the admin API.
-func (s *memoryStore) peek(now time.Time, key string, v limitValues) bucketView {
-	key = s.storedKey(key)
+func (s *memoryStore) peek(now time.Time, b bucket) bucketView {
+	key, v := s.storedKey(b.key), b.values
 	sh := s.shard(key)
 	sh.mu.Lock()
 	var state memoryBucket
@@ -307,6 +318,9 @@ func (s *memoryStore) peek(now time.Time, key string, v limitValues) bucketView 
 	}
 	sh.mu.Unlock()
 	t := memoryNow(now)
+	if b.quota != nil {
+		return peekQuota(state, stored != nil, now, t, b)
+	}
 	if stored == nil || state.expires <= t {
 		return bucketView{tokens: float64(v.burst)}
 	}

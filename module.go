@@ -130,6 +130,20 @@ type Handler struct {
 	// handler is one limit of the fields above.
 	Limits []Limit `json:"limits,omitempty"`
 
+	// Quotas are fixed-period quotas decided with the limits, all or
+	// nothing: at most a count of tokens per minute, hour, day, week,
+	// month or year in a time zone, or per duration, renewed at the
+	// boundary (see Quota). A handler with quotas and no `limits` has a
+	// limit of its own only when it sets `replenish_rate` or
+	// `burst_capacity`.
+	Quotas []Quota `json:"quotas,omitempty"`
+
+	// ResetJitter spreads the Retry-After of a quota's refusals over this
+	// long past the quota's boundary, a share for each client (by its
+	// key), so that the clients of a quota do not all come back in the
+	// second it renews. Off (0) by default; only with quotas.
+	ResetJitter caddy.Duration `json:"reset_jitter,omitempty"`
+
 	// Charge says where the real cost of a response comes from, for every
 	// limit (a limit may have its own): a response header, numbers in a
 	// JSON body or an event stream, or a placeholder (see Charge).
@@ -237,6 +251,7 @@ type Handler struct {
 	groups       [][]*limit // on Cluster, limits by hash slot, when they span several
 	useDenyCache bool       // see takeGroups
 	perRequest   bool       // some limit's values come from the request
+	quotas       bool       // some limit is a quota: requests read the clock for its period
 	denyEmpty    bool
 	failOpen     bool
 	headers      rateLimitHeaders
@@ -297,11 +312,13 @@ func (h *Handler) Provision(ctx caddy.Context) (err error) {
 		style = headersNone
 	}
 	h.headers = newRateLimitHeaders(style, h.limits)
+	h.headers.resetJitter = time.Duration(h.ResetJitter)
 	h.zoneValue = h.Zone
 	h.denied = newDenyCache()
 	h.useDenyCache = true
 	for _, l := range h.limits {
 		h.perRequest = h.perRequest || !l.fixed
+		h.quotas = h.quotas || l.quota != nil
 	}
 	h.redisWarns = &logThrottle{every: 10 * time.Second}
 	h.fullWarns = &logThrottle{every: 10 * time.Second}

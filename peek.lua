@@ -2,12 +2,13 @@
 -- client's buckets. Run with EVAL_RO, so it also works on a replica.
 --
 -- KEYS[i]      bucket i (only the buckets given: no key is built here)
--- ARGV[3i-2]   its replenish rate, tokens per second
--- ARGV[3i-1]   its burst capacity, whole tokens
--- ARGV[3i]     its requested tokens, whole tokens
+-- ARGV         read per key as script.lua reads them: a token bucket's
+--              rate, burst and requested tokens (3), or a quota's "q",
+--              count, requested tokens and four boundaries (7)
 --
 -- Buckets are read as script.lua stores them; a missing (expired) one is
--- full. Returns for each bucket: the tokens it holds now, as a string
+-- full; a quota holds its count less what it used in the period Redis
+-- time picks. Returns for each bucket: the tokens it holds now, as a string
 -- (with their fraction), the microseconds until it holds its requested
 -- tokens (0 when it does now), and the milliseconds until its key expires
 -- (-2 when there is no key).
@@ -16,22 +17,49 @@ local time = redis.call('TIME')
 local now = tonumber(time[1]) * 1000000 + tonumber(time[2])
 
 local reply = {}
+local a = 1
 for i = 1, #KEYS do
-  local rate = tonumber(ARGV[3 * i - 2])
-  local burst = tonumber(ARGV[3 * i - 1])
-  local requested = tonumber(ARGV[3 * i])
-  local tokens = burst
   local state = redis.call('GET', KEYS[i])
-  if state then
-    local stored, at = string.match(state, '^(%S+) (%d+)$')
-    stored, at = tonumber(stored), tonumber(at)
-    if stored and at then
-      tokens = math.min(burst, stored + math.max(0, now - at) * rate / 1000000)
+  local tokens, wait
+  if ARGV[a] == 'q' then
+    local count = tonumber(ARGV[a + 1])
+    local requested = tonumber(ARGV[a + 2])
+    local b0, b1, b2, b3 = tonumber(ARGV[a + 3]), tonumber(ARGV[a + 4]), tonumber(ARGV[a + 5]), tonumber(ARGV[a + 6])
+    a = a + 7
+    local start, stop = b1, b2
+    if now < b1 then
+      start, stop = b0, b1
+    elseif now >= b2 then
+      start, stop = b2, b3
     end
-  end
-  local wait = 0
-  if tokens < requested then
-    wait = math.ceil((requested - tokens) * 1000000 / rate)
+    local used = 0
+    if state then
+      local u, at = string.match(state, '^(%S+) (%d+)$')
+      if tonumber(at) == start and tonumber(u) then
+        used = tonumber(u)
+      end
+    end
+    tokens, wait = count - used, 0
+    if used + requested > count then
+      wait = math.max(1, stop - now)
+    end
+  else
+    local rate = tonumber(ARGV[a])
+    local burst = tonumber(ARGV[a + 1])
+    local requested = tonumber(ARGV[a + 2])
+    a = a + 3
+    tokens = burst
+    if state then
+      local stored, at = string.match(state, '^(%S+) (%d+)$')
+      stored, at = tonumber(stored), tonumber(at)
+      if stored and at then
+        tokens = math.min(burst, stored + math.max(0, now - at) * rate / 1000000)
+      end
+    end
+    wait = 0
+    if tokens < requested then
+      wait = math.ceil((requested - tokens) * 1000000 / rate)
+    end
   end
   reply[3 * i - 2] = string.format('%.17g', tokens)
   reply[3 * i - 1] = wait

@@ -237,6 +237,10 @@ type limit struct {
 	// charge is how the response charges it (charge.go); nil when
 	// requested_tokens is its cost.
 	charge *chargeRule
+
+	// quota is its period when it is a quota (quota.go), nil for a token
+	// bucket; its values' burst is then the quota's count.
+	quota *quota
 }
 
 // bucket is one limit's bucket for one request, and Redis's answer.
@@ -262,17 +266,40 @@ type bucket struct {
 	// counts as lent to it after the call.
 	lease              *lease
 	held, want, leased int64
+	// quota is the period of a quota's bucket (quota.go), whose bounds
+	// follow args in the script call; nil for a token bucket.
+	quota *quotaPeriod
 }
 
 // ownLimit is the handler's own limit when it has no `limits`.
 var ownLimit = []Limit{{}}
 
-// buildLimits makes the handler's limits from its config.
-func (h *Handler) buildLimits(keyPrefix string) ([]*limit, error) {
-	configs, named := h.Limits, len(h.Limits) > 0
-	if !named {
+// hasOwnLimit says whether the handler's own fields make a limit: when
+// it has no `limits`, and, with quotas, a rate or burst of its own.
+func (h *Handler) hasOwnLimit() bool {
+	return len(h.Limits) == 0 && (len(h.Quotas) == 0 || h.ReplenishRate != "" || h.BurstCapacity != "")
+}
+
+// limitConfigs are the handler's limits as configured: its `limits`, or
+// its own limit (named says which), then its quotas as limits.
+func (h *Handler) limitConfigs() (configs []Limit, named bool) {
+	configs, named = h.Limits, len(h.Limits) > 0
+	if h.hasOwnLimit() {
 		configs = ownLimit
 	}
+	if len(h.Quotas) > 0 {
+		configs = append(configs[:len(configs):len(configs)], make([]Limit, 0, len(h.Quotas))...)
+		for _, q := range h.Quotas {
+			configs = append(configs, q.asLimit())
+		}
+	}
+	return configs, named
+}
+
+// buildLimits makes the handler's limits from its config.
+func (h *Handler) buildLimits(keyPrefix string) ([]*limit, error) {
+	configs, named := h.limitConfigs()
+	quotas := len(configs) - len(h.Quotas) // the index of the first quota
 	groups := map[string]int{}
 	limits := make([]*limit, len(configs))
 	for i, c := range configs {
@@ -280,6 +307,13 @@ func (h *Handler) buildLimits(keyPrefix string) ([]*limit, error) {
 			index: i, name: c.Name, nameValue: c.Name, ietfName: h.Zone,
 			rate: or(unset(c.ReplenishRate), unset(h.ReplenishRate)), burst: or(c.BurstCapacity, h.BurstCapacity),
 			cost: or(unset(c.RequestedTokens), unset(h.RequestedTokens)),
+		}
+		if i >= quotas { // the count is the quota's own; there is no rate
+			var err error
+			if l.quota, err = newQuota(h.Quotas[i-quotas]); err != nil {
+				return nil, fmt.Errorf("quota %s: %w", c.Name, err)
+			}
+			l.rate, l.burst = "", c.BurstCapacity
 		}
 		key := or(c.Key, h.Key)
 		l.keyText = key
@@ -290,7 +324,7 @@ func (h *Handler) buildLimits(keyPrefix string) ([]*limit, error) {
 		l.template.ipv4Bits = *cmp.Or(c.IPv4Prefix, h.IPv4Prefix, new(32))
 		l.template.ipv6Bits = *cmp.Or(c.IPv6Prefix, h.IPv6Prefix, new(64))
 		prefix := bucketPrefix(keyPrefix, h.Zone, key)
-		if named {
+		if named || l.quota != nil {
 			// Limits with one key template share a hash tag: their
 			// buckets live in one Cluster slot, for one script call.
 			l.ietfName = h.Zone + "." + c.Name
@@ -300,16 +334,19 @@ func (h *Handler) buildLimits(keyPrefix string) ([]*limit, error) {
 			l.keyPrefix = prefix
 		}
 		group := fmt.Sprintf("%s/%d/%d", key, l.template.ipv4Bits, l.template.ipv6Bits)
+		if !named && l.quota != nil && h.hasOwnLimit() {
+			group = "quota " + group // not the own limit's slot, whose key has no hash tag
+		}
 		if _, ok := groups[group]; !ok {
 			groups[group] = len(groups)
 		}
 		l.group = groups[group]
 		l.fixed = !l.rate.perRequest() && !l.burst.perRequest() && !l.cost.perRequest()
 		if l.fixed {
-			if l.values, l.exempt, err = resolveValues(string(l.rate), string(l.burst), string(l.cost)); err != nil {
+			if l.values, l.exempt, err = l.resolveValues(string(l.rate), string(l.burst), string(l.cost)); err != nil {
 				return nil, err
 			}
-			l.args, l.burstValue = l.values.scriptArgs(), l.values.burst
+			l.args, l.burstValue = l.scriptArgs(l.values), l.values.burst
 		}
 		limits[i] = l
 	}
@@ -318,6 +355,22 @@ func (h *Handler) buildLimits(keyPrefix string) ([]*limit, error) {
 
 // or is the first of its values that is set.
 func or[T ~string](values ...T) T { return cmp.Or(values...) }
+
+// resolveValues is resolveValues, or resolveQuotaValues for a quota.
+func (l *limit) resolveValues(rate, burst, requested string) (limitValues, bool, error) {
+	if l.quota != nil {
+		return resolveQuotaValues(burst, requested)
+	}
+	return resolveValues(rate, burst, requested)
+}
+
+// scriptArgs are the limit's values as the script takes them.
+func (l *limit) scriptArgs(v limitValues) [3]any {
+	if l.quota != nil {
+		return quotaArgs(v)
+	}
+	return v.scriptArgs()
+}
 
 // scriptArgs are the values as the script takes them.
 func (v limitValues) scriptArgs() [3]any {
@@ -334,7 +387,7 @@ func (h *Handler) checkLimits() error {
 	if err := checkPrefixes(h.IPv4Prefix, h.IPv6Prefix); err != nil {
 		return err
 	}
-	if err := checkValues(h.ReplenishRate, h.BurstCapacity, h.RequestedTokens, len(h.Limits) == 0); err != nil {
+	if err := checkValues(h.ReplenishRate, h.BurstCapacity, h.RequestedTokens, h.hasOwnLimit()); err != nil {
 		return err
 	}
 	seen := map[string]bool{}
@@ -358,7 +411,7 @@ func (h *Handler) checkLimits() error {
 			return fmt.Errorf("limit %s: %w", l.Name, err)
 		}
 	}
-	return nil
+	return h.checkQuotas(seen) // quotas share the limits' names
 }
 
 // checkValues judges a limit's rate, burst and cost: each fixed one
@@ -437,6 +490,10 @@ func (h *Handler) asksRedis() bool {
 func (h *Handler) resolveBuckets(r *http.Request, repl *caddy.Replacer, buckets []bucket) (_ []bucket, skipped decision, err error) {
 	skipped = decisionEmptyKey
 	rv := requestValues{r: r, repl: repl} // one pass over the request's placeholders, for every limit
+	var now time.Time
+	if h.quotas {
+		now = time.Now()
+	}
 	for _, l := range h.limits {
 		values, args, exempt := l.values, l.args, l.exempt
 		if !l.fixed {
@@ -447,7 +504,7 @@ func (h *Handler) resolveBuckets(r *http.Request, repl *caddy.Replacer, buckets 
 				return nil, skipped, err
 			}
 			if !exempt {
-				args = values.scriptArgs()
+				args = l.scriptArgs(values)
 			}
 		}
 		if exempt {
@@ -462,6 +519,9 @@ func (h *Handler) resolveBuckets(r *http.Request, repl *caddy.Replacer, buckets 
 			continue
 		}
 		buckets = append(buckets, bucket{limit: l, key: key, values: values, args: args})
+		if l.quota != nil {
+			buckets[len(buckets)-1].quota = l.quota.at(now, l)
+		}
 	}
 	return buckets, skipped, nil
 }
@@ -477,10 +537,13 @@ func (l *limit) resolve(repl *caddy.Replacer) (limitValues, bool, error) {
 	}{{"replenish_rate", l.rate}, {"burst_capacity", l.burst}, {"requested_tokens", l.cost}} {
 		text[i] = repl.ReplaceAll(string(p.value), "")
 		if text[i] == "" && p.value != "" {
+			if l.quota != nil && p.name == "burst_capacity" {
+				p.name = "count"
+			}
 			return limitValues{}, false, badValue(p.name, string(p.value), "resolved to nothing for this request")
 		}
 	}
-	return resolveValues(text[0], text[1], text[2])
+	return l.resolveValues(text[0], text[1], text[2])
 }
 
 // blockedBucket is the index of a bucket that holds nothing (burst 0,

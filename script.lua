@@ -1,11 +1,21 @@
--- Token buckets, checked and taken together in one atomic step: a
--- request is admitted only if every bucket holds the tokens it asks, and
--- then all are taken; otherwise none is.
+-- Token buckets and quotas, checked and taken together in one atomic
+-- step: a request is admitted only if every bucket and quota holds the
+-- tokens it asks, and then all are taken; otherwise none is.
 --
--- KEYS[i]      bucket i (only the buckets given: no key is built here)
--- ARGV[3i-2]   its replenish rate, tokens per second (may be fractional)
--- ARGV[3i-1]   its burst capacity, whole tokens (at least 1)
--- ARGV[3i]     its requested tokens, whole tokens (1..burst)
+-- KEYS[i]      limit i (only the keys given: no key is built here)
+-- ARGV         read per key, in order, led by the key's first argument:
+--   a token bucket (3 arguments):
+--     its replenish rate, tokens per second (may be fractional)
+--     its burst capacity, whole tokens (at least 1)
+--     its requested tokens, whole tokens (1..burst)
+--   a quota (7 arguments, quota.go):
+--     "q"
+--     its count, whole tokens per period (at least 1)
+--     its requested tokens, whole tokens (1..count)
+--     four consecutive period boundaries b0 < b1 < b2 < b3, Unix
+--     microseconds, computed by Caddy around its clock: the period is
+--     [b1, b2) by Caddy's clock; the script picks [b0, b1), [b1, b2) or
+--     [b2, b3) by Redis time.
 --
 -- A bucket is one string "<tokens> <microseconds>": the tokens it held at
 -- that Redis time, below zero when a response cost more than it reserved
@@ -15,10 +25,17 @@
 -- they need longer); an expired bucket reads as full, which is what it
 -- would be.
 --
--- Returns {allowed (1|0), then for each bucket: remaining whole tokens
--- (rounded down; 0 in debt), microseconds until it holds its requested
--- tokens again (rounded up; 0 when it holds them now)}. (Buckets with
--- `lease` use lease.lua, which reads and writes them alike.)
+-- A quota is one string "<used> <period start, microseconds>": the tokens
+-- taken in the period that starts then (more than the count when
+-- responses cost more than they reserved: settle.lua). A state of
+-- another period reads as nothing used. Its key expires a second after
+-- its period ends.
+--
+-- Returns {allowed (1|0), then for each key: remaining whole tokens
+-- (rounded down; 0 in debt or past the count), microseconds until it
+-- holds its requested tokens again (rounded up; 0 when it holds them now;
+-- for a quota, until its period ends)}. (Buckets with `lease` use
+-- lease.lua, which reads and writes them alike.)
 
 -- Redis time, not the caller's, so instances with skewed clocks agree.
 -- 1.7e15 microseconds is well inside a double's exact integers (2^53).
@@ -28,10 +45,66 @@ local now = tonumber(time[1]) * 1000000 + tonumber(time[2])
 local n = #KEYS
 local rate, burst, requested, tokens, rewound, present = {}, {}, {}, {}, {}, {}
 local allowed = 1
+local a = 1 -- the index of the key's first argument
+-- quota (issue 22): its period's start and end by key (qstart, qend);
+-- tokens[i] is what it used, burst[i] its count. Made for the first
+-- quota of a call only.
+local quota, qstart, qend
+-- checkQuota reads key i's quota, as the period Redis time is in counts
+-- it, and whether it has room for the request.
+local function checkQuota(i)
+  if not quota then
+    quota, qstart, qend = {}, {}, {}
+  end
+  quota[i] = true
+  burst[i] = tonumber(ARGV[a + 1])
+  requested[i] = tonumber(ARGV[a + 2])
+  local b0, b1, b2, b3 = tonumber(ARGV[a + 3]), tonumber(ARGV[a + 4]), tonumber(ARGV[a + 5]), tonumber(ARGV[a + 6])
+  a = a + 7
+  -- Redis time picks the period; Caddy's clock may be a little off.
+  if now < b1 then
+    qstart[i], qend[i] = b0, b1
+  elseif now < b2 then
+    qstart[i], qend[i] = b1, b2
+  else
+    qstart[i], qend[i] = b2, b3
+  end
+  tokens[i] = 0
+  local state = redis.call('GET', KEYS[i])
+  if state then
+    local used, at = string.match(state, '^(%S+) (%d+)$')
+    if tonumber(at) == qstart[i] and tonumber(used) then
+      tokens[i] = tonumber(used)
+    end
+  end
+  if tokens[i] + requested[i] > burst[i] then
+    allowed = 0
+  end
+end
+-- takeQuota takes what checkQuota found room for, and answers the
+-- quota's remaining tokens and wait.
+local function takeQuota(i)
+  if allowed == 1 then
+    tokens[i] = tokens[i] + requested[i]
+    -- The key is of no use once its period ended (Redis time picks the
+    -- period); a second of slack, and never in the past.
+    local expires = math.floor(math.max(qend[i], now) / 1000) + 1000
+    redis.call('SET', KEYS[i], string.format('%.17g %d', tokens[i], qstart[i]), 'PXAT', expires)
+  end
+  local wait = 0
+  if tokens[i] + requested[i] > burst[i] then
+    wait = math.max(1, qend[i] - now)
+  end
+  return math.max(0, math.floor(burst[i] - tokens[i])), wait
+end
 for i = 1, n do
-  rate[i] = tonumber(ARGV[3 * i - 2])
-  burst[i] = tonumber(ARGV[3 * i - 1])
-  requested[i] = tonumber(ARGV[3 * i])
+  if ARGV[a] == 'q' then
+    checkQuota(i)
+  else
+  rate[i] = tonumber(ARGV[a])
+  burst[i] = tonumber(ARGV[a + 1])
+  requested[i] = tonumber(ARGV[a + 2])
+  a = a + 3
   tokens[i] = burst[i]
   local state = redis.call('GET', KEYS[i])
   if state then
@@ -49,10 +122,14 @@ for i = 1, n do
   if tokens[i] < requested[i] then
     allowed = 0
   end
+  end
 end
 
 local reply = {allowed}
 for i = 1, n do
+  if quota and quota[i] then
+    reply[2 * i], reply[2 * i + 1] = takeQuota(i)
+  else
   if allowed == 1 then
     tokens[i] = tokens[i] - requested[i]
   end
@@ -78,5 +155,6 @@ for i = 1, n do
   end
   reply[2 * i] = math.max(0, math.floor(tokens[i]))
   reply[2 * i + 1] = wait
+  end
 end
 return reply

@@ -19,6 +19,9 @@
 #   allowed@64    rate_limit, always allowed, one bucket per connection
 #   multi@64      as allowed@64 with a policy of three limits on one key
 #                 template (one script call over three buckets per request)
+#   quota@64      as allowed@64 with one limit and one monthly quota in
+#                 Europe/Berlin on one key template (one script call over a
+#                 bucket and a quota per request; compare with multi@64)
 #   memory@64     as allowed@64 with store memory: no Redis at all
 #   lease@64      as allowed@64 with `lease 32`: most requests admitted
 #                 from tokens leased ahead, without waiting on Redis
@@ -140,6 +143,7 @@ CASES=(
 	"memfloor@64 memfloor 200 -"
 	"allowed@64 allowed 200 -"
 	"multi@64 multi 200 -"
+	"quota@64 quota 200 -"
 	"memory@64 memory 200 -"
 	"lease@64 lease 200 -"
 	"mholt@64 mholt 200 -"

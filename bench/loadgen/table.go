@@ -217,7 +217,7 @@ func ratio(c, base *benchCase) string {
 // process, floor for the others.
 func floorOf(name string) string {
 	switch base, _, _ := strings.Cut(name, "@"); base {
-	case "multi":
+	case "multi", "quota":
 		return "floor3"
 	case "memory", "lease":
 		return "memfloor"

@@ -1,0 +1,367 @@
+package ratelimit
+
+// Quotas: a count of tokens per calendar period (per day, per month in a
+// time zone), renewed at the boundary, decided with the token buckets in
+// the same script call. A quota is a limit (policy.go) with a quota rule:
+// this file holds its values, its script arguments, its arithmetic in
+// the memory store, its header items and its admin view.
+
+import (
+	"fmt"
+	"hash/fnv"
+	"math"
+	"strconv"
+	"sync/atomic"
+	"time"
+)
+
+// Quota is a fixed-period quota of a policy: at most Count tokens per
+// period, renewed at the period's boundary (not refilled over time, as a
+// limit's bucket is). A request is admitted only if every limit and
+// every quota of its handler holds the tokens it asks; then all are
+// taken, else none.
+type Quota struct {
+	// Name names the quota as a limit's name does (headers, placeholders,
+	// metrics, Redis keys): letters, digits, `-` and `_`, unique among
+	// the handler's limits and quotas. Required.
+	Name string `json:"name,omitempty"`
+
+	// Count is the most tokens a client may take per period: a whole
+	// number of at least 1, or placeholders resolved per request (a plan
+	// from `map`); `unlimited` exempts the request. Required.
+	Count Param `json:"count,omitempty"`
+
+	// Per is the period: `minute`, `hour`, `day`, `week`, `month`,
+	// `year`, or a duration of whole seconds (`6h`, `90m`, 1s to 3650d),
+	// counted in multiples of it from the Unix epoch. Required.
+	Per string `json:"per,omitempty"`
+
+	// TimeZone is the IANA zone whose calendar places the named periods
+	// (`Europe/Berlin`): days of 23 or 25 hours when its clocks change.
+	// Not with a duration. Default: `UTC`.
+	TimeZone string `json:"time_zone,omitempty"`
+
+	// MonthDay is the day a monthly period starts on, 1 to 28. Default: 1.
+	MonthDay int `json:"month_day,omitempty"`
+
+	// WeekStarts is the day a weekly period starts on: `monday` (the
+	// default) or `sunday`.
+	WeekStarts string `json:"week_starts,omitempty"`
+
+	// Key, RequestedTokens, IPv4Prefix and IPv6Prefix are as a limit's,
+	// and default to the handler's values.
+	Key             string `json:"key,omitempty"`
+	RequestedTokens Param  `json:"requested_tokens,omitempty"`
+	IPv4Prefix      *int   `json:"ipv4_prefix,omitempty"`
+	IPv6Prefix      *int   `json:"ipv6_prefix,omitempty"`
+
+	// Charge, ChargeStatus and MaxDebt are as a limit's, and default to
+	// the handler's: a charged quota counts what responses cost, and may
+	// run past Count by the response that crossed it (up to MaxDebt).
+	Charge       *Charge `json:"charge,omitempty"`
+	ChargeStatus []int   `json:"charge_status,omitempty"`
+	MaxDebt      *int64  `json:"max_debt,omitempty"`
+}
+
+// asLimit is the quota as the limit it is built into: count in the
+// burst's place, no rate.
+func (q Quota) asLimit() Limit {
+	return Limit{Name: q.Name, Key: q.Key, BurstCapacity: q.Count, RequestedTokens: q.RequestedTokens,
+		IPv4Prefix: q.IPv4Prefix, IPv6Prefix: q.IPv6Prefix, Charge: q.Charge, ChargeStatus: q.ChargeStatus, MaxDebt: q.MaxDebt}
+}
+
+// quotaKeySlack is how long a quota's key outlives its period: the
+// period is picked by Redis time, so the key is of no use after its end.
+const quotaKeySlack = time.Second
+
+// quota is a limit's quota rule: its period, and the current period's
+// script arguments.
+type quota struct {
+	per     string
+	period  *period
+	current atomic.Pointer[quotaPeriod]
+}
+
+// quotaPeriod is one period of a quota as requests use it: computed and
+// boxed once per period (and quota), so requests do no time zone
+// arithmetic and box nothing (see period.bounds).
+type quotaPeriod struct {
+	bounds periodBounds // [1] to [2] is the period, Caddy's clock
+	args   [4]any       // the bounds as script arguments
+	// policy is the RateLimit-Policy item and rate the X-RateLimit
+	// replenish rate, at the fixed count ("" when the count has
+	// placeholders).
+	policy, rate string
+}
+
+// newQuota reads a quota's period; its error is newPeriod's.
+func newQuota(q Quota) (*quota, error) {
+	p, err := newPeriod(q.Per, q.TimeZone, q.MonthDay, q.WeekStarts)
+	if err != nil {
+		return nil, err
+	}
+	return &quota{per: q.Per, period: p}, nil
+}
+
+// at is the period of l's quota at now, from the cache while now is in it.
+func (q *quota) at(now time.Time, l *limit) *quotaPeriod {
+	us := now.UnixMicro()
+	if p := q.current.Load(); p != nil && p.bounds[1] <= us && us < p.bounds[2] {
+		return p
+	}
+	p := &quotaPeriod{bounds: q.period.bounds(now)}
+	for i, b := range p.bounds {
+		p.args[i] = strconv.FormatInt(b, 10)
+	}
+	if l.fixed && !l.exempt {
+		p.policy = quotaPolicyItem(strconv.Quote(l.ietfName), l.values.burst, p.window())
+		p.rate = quotaRate(l.values.burst, p.window())
+	}
+	q.current.Store(p)
+	return p
+}
+
+// window is the period's length in seconds (a calendar period's varies).
+func (p *quotaPeriod) window() int64 { return (p.bounds[2] - p.bounds[1]) / 1_000_000 }
+
+// span is the period that holds us (Unix microseconds): the one before,
+// this one or the next, as the script picks it by Redis time.
+func (p *quotaPeriod) span(us int64) (start, end int64) {
+	switch b := &p.bounds; {
+	case us < b[1]:
+		return b[0], b[1]
+	case us < b[2]:
+		return b[1], b[2]
+	default:
+		return b[2], b[3]
+	}
+}
+
+// untilEnd is the time from now to the end of the period (RateLimit's t
+// for a quota that holds).
+func (p *quotaPeriod) untilEnd(now time.Time) time.Duration {
+	return time.Duration(p.bounds[2]-now.UnixMicro()) * time.Microsecond
+}
+
+// quotaPolicyItem is a quota's RateLimit-Policy item: q its count, w its
+// period's length in seconds.
+func quotaPolicyItem(quoted string, count, window int64) string {
+	return fmt.Sprintf("%s;q=%d;w=%d", quoted, count, window)
+}
+
+// quotaRate is a quota as X-RateLimit-Replenish-Rate says it: its count
+// spread over its period, in tokens per second.
+func quotaRate(count, window int64) string {
+	return strconv.FormatFloat(float64(count)/float64(max(window, 1)), 'f', -1, 64)
+}
+
+// resolveQuotaValues parses a quota's count and cost as written
+// (placeholders replaced): the count in a limitValues' burst, no rate.
+// An empty cost is 1. isUnlimited says the count is `unlimited`.
+func resolveQuotaValues(count, requested string) (v limitValues, isUnlimited bool, err error) {
+	if count == unlimited {
+		return v, true, nil
+	}
+	if v.burst, err = strconv.ParseInt(count, 10, 64); err != nil {
+		return v, false, badValue("count", count, "is not a whole number")
+	}
+	v.requested = 1
+	if requested != "" {
+		if v.requested, err = strconv.ParseInt(requested, 10, 64); err != nil {
+			return v, false, badValue("requested_tokens", requested, "is not a whole number")
+		}
+	}
+	return v, false, v.checkQuota()
+}
+
+// checkQuota judges a quota's count and cost together.
+func (v limitValues) checkQuota() error {
+	count, requested := strconv.FormatInt(v.burst, 10), strconv.FormatInt(v.requested, 10)
+	switch {
+	case v.burst < 1:
+		return badValue("count", count, "must be at least 1 (a quota of nothing would deny every request; use burst_capacity 0 for that)")
+	case v.burst > maxExactTokens:
+		return badValue("count", count, "is above 2^53, where the script's numbers stop being exact; lower it")
+	case v.requested < 1:
+		return badValue("requested_tokens", requested, "must be at least 1")
+	case v.requested > v.burst:
+		return badValue("requested_tokens", requested, fmt.Sprintf("is more than count '%d': no request could ever be admitted", v.burst))
+	}
+	return nil
+}
+
+// checkQuotaValues judges a quota's count and cost as configured: what
+// is fixed, alone and together; placeholders are judged per request.
+func checkQuotaValues(count, cost Param) error {
+	fixedCount, fixedCost := !count.perRequest() && count != unlimited, !cost.perRequest()
+	switch {
+	case count == "":
+		return fmt.Errorf("count is required: the most tokens per period, like 1000")
+	case fixedCount && fixedCost:
+		_, _, err := resolveQuotaValues(string(count), string(cost))
+		return err
+	case fixedCount:
+		_, _, err := resolveQuotaValues(string(count), "")
+		return err
+	case fixedCost && cost != "":
+		if n, err := strconv.ParseInt(string(cost), 10, 64); err != nil || n < 1 {
+			return badValue("requested_tokens", string(cost), "is not a whole number of at least 1")
+		}
+	}
+	return nil
+}
+
+// quotaArgs are a quota's values as the script takes them, before the
+// period's bounds: "q", count, requested.
+func quotaArgs(v limitValues) [3]any {
+	return [3]any{"q", strconv.FormatInt(v.burst, 10), strconv.FormatInt(v.requested, 10)}
+}
+
+// checkQuotas judges the handler's quotas as configured: the parser
+// calls it at the end of the directive, Validate for JSON. names holds
+// the limits' names, which quotas share.
+func (h *Handler) checkQuotas(names map[string]bool) error {
+	if h.ResetJitter < 0 || h.ResetJitter > 0 && len(h.Quotas) == 0 {
+		return fmt.Errorf("reset_jitter '%v': spreads the Retry-After of quotas past their boundary; use a positive duration with quotas, or remove it", time.Duration(h.ResetJitter))
+	}
+	if len(h.Quotas) > 0 && h.Lease != nil {
+		return fmt.Errorf("lease with quotas: a lease takes tokens ahead for this instance, which a quota would count as used; remove lease, or the quotas")
+	}
+	for _, q := range h.Quotas {
+		if err := checkLimitName(q.Name); err != nil {
+			return fmt.Errorf("quota: %w", err)
+		}
+		if names[q.Name] {
+			return fmt.Errorf("quota '%s': the name is given twice: limit and quota names must be unique in a handler", q.Name)
+		}
+		names[q.Name] = true
+		err := checkPrefixes(q.IPv4Prefix, q.IPv6Prefix)
+		if err == nil && q.Key != "" {
+			_, err = parseKeyTemplate(q.Key)
+		}
+		if err == nil && q.Per == "" {
+			err = fmt.Errorf("per is required: %s", wantPer)
+		}
+		if err == nil {
+			_, err = newPeriod(q.Per, q.TimeZone, q.MonthDay, q.WeekStarts)
+		}
+		if err == nil {
+			err = checkQuotaValues(q.Count, or(unset(q.RequestedTokens), unset(h.RequestedTokens)))
+		}
+		if err != nil {
+			return fmt.Errorf("quota %s: %w", q.Name, err)
+		}
+	}
+	return nil
+}
+
+// The memory store's quota: a memoryBucket holds the tokens used (in
+// tokens) in the period that starts at `at` (Unix microseconds, not the
+// store's clock), and expires, on the store's clock, shortly after the
+// period ends. Every step is the script's.
+
+// quotaUsed is what a held quota used in the period starting at start:
+// nothing when it is absent, expired, or counts another period.
+func quotaUsed(state memoryBucket, ok bool, t, start int64) float64 {
+	if !ok || state.expires <= t || state.at != start {
+		return 0
+	}
+	return state.tokens
+}
+
+// takeQuota is the script's quota at Unix time wall (t on the store's
+// clock), in the period from start to end: take the requested tokens when
+// take says so and they fit, and answer what is left and the
+// microseconds until the period ends when they do not fit.
+func takeQuota(used float64, start, end, wall, t int64, v limitValues, take bool) (after memoryBucket, took bool, remaining, wait int64) {
+	requested, count := float64(v.requested), float64(v.burst)
+	if take && used+requested <= count {
+		used += requested
+		took = true
+	}
+	if used+requested > count {
+		wait = end - wall
+	}
+	expires := t + max(0, end-wall) + int64(quotaKeySlack/time.Microsecond)
+	return memoryBucket{tokens: used, at: start, expires: expires}, took, max(0, int64(math.Floor(count-used))), wait
+}
+
+// settleQuota is a quota's part of a memory store take at now (t on the
+// store's clock), once the request is known to be allowed or not (see
+// settle for buckets). A denial stores nothing.
+func settleQuota(state memoryBucket, ok bool, now time.Time, t int64, b *bucket, allowed bool) (after memoryBucket, store bool, remaining, wait int64) {
+	wall := now.UnixMicro()
+	start, end := b.quota.span(wall)
+	after, _, remaining, wait = takeQuota(quotaUsed(state, ok, t, start), start, end, wall, t, b.values, allowed)
+	return after, allowed, remaining, wait
+}
+
+// quotaHolds says whether a held quota has room for the request at now.
+func quotaHolds(state memoryBucket, ok bool, now time.Time, t int64, b *bucket) bool {
+	start, _ := b.quota.span(now.UnixMicro())
+	return quotaUsed(state, ok, t, start)+float64(b.values.requested) <= float64(b.values.burst)
+}
+
+// peekQuota is a held quota as the admin API shows it: tokens is what
+// is left of the count.
+func peekQuota(state memoryBucket, ok bool, now time.Time, t int64, b bucket) bucketView {
+	wall := now.UnixMicro()
+	start, end := b.quota.span(wall)
+	used := quotaUsed(state, ok, t, start)
+	_, _, _, wait := takeQuota(used, start, end, wall, t, b.values, false)
+	view := bucketView{tokens: float64(b.values.burst) - used, wait: time.Duration(wait) * time.Microsecond}
+	if ok && state.expires > t {
+		view.expiresIn = time.Duration(state.expires-t) * time.Microsecond
+	}
+	return view
+}
+
+// settleQuotaUse is settle.lua's quota: take diff more (up to count +
+// maxDebt, beyond which it is forgiven, never lowering what was used) or
+// give -diff back (down to nothing), in the period the quota counts.
+func settleQuotaUse(state memoryBucket, v limitValues, diff, maxDebt int64) (after memoryBucket, forgiven float64) {
+	used := state.tokens
+	left := math.Max(0, used+float64(diff))
+	if ceiling := math.Max(used, float64(v.burst+maxDebt)); left > ceiling {
+		forgiven, left = left-ceiling, ceiling
+	}
+	state.tokens = left
+	return state, forgiven
+}
+
+// quotaView is a quota's admin view at now, from what it holds (view).
+func quotaView(l *limit, b bucket, view bucketView, now time.Time) *quotaInfo {
+	start, end := b.quota.span(now.UnixMicro())
+	loc := l.quota.period.loc
+	left := int64(math.Floor(view.tokens))
+	return &quotaInfo{
+		Per: l.quota.per, Count: b.values.burst, Used: b.values.burst - left, Remaining: max(0, left),
+		PeriodStart: time.UnixMicro(start).In(loc).Format(time.RFC3339),
+		ResetsAt:    time.UnixMicro(end).In(loc).Format(time.RFC3339),
+		ResetsIn:    float64(end-now.UnixMicro()) / 1e6,
+	}
+}
+
+// jitteredRetryAfter is retryAfter with reset_jitter: a quota that
+// refuses until its boundary says to come back up to jitter later, so
+// that its clients do not all return in the boundary's second (the herd
+// the IETF draft warns of). Each client's share of the jitter follows
+// from its key, the same on every instance and every refusal, so a
+// client is told one time, and the clients of a quota spread evenly.
+func jitteredRetryAfter(buckets []bucket, jitter time.Duration) time.Duration {
+	var wait time.Duration
+	for i := range buckets {
+		b := &buckets[i]
+		if b.unknown {
+			continue
+		}
+		w := b.retryAfter
+		if b.quota != nil && w > 0 {
+			h := fnv.New64a()
+			h.Write([]byte(b.key))
+			w += time.Duration(h.Sum64() % uint64(jitter))
+		}
+		wait = max(wait, w)
+	}
+	return wait
+}

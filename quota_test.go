@@ -1,0 +1,799 @@
+package ratelimit
+
+import (
+	"context"
+	"fmt"
+	"math"
+	"math/rand/v2"
+	"net/http"
+	"os"
+	"strconv"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/caddy-redis/ratelimit/internal/redistest"
+	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
+	"github.com/prometheus/client_golang/prometheus"
+	dto "github.com/prometheus/client_model/go"
+	"go.uber.org/zap/zapcore"
+)
+
+// startOfPeriod waits until just after a boundary of `per <every>` (a
+// multiple of it from the epoch), so that a test's requests all fall in
+// one period that has most of its length left. It returns the period's
+// end.
+func startOfPeriod(t *testing.T, every time.Duration) time.Time {
+	t.Helper()
+	now := time.Now()
+	end := now.Truncate(every).Add(every)
+	if end.Sub(now) < every*3/4 {
+		time.Sleep(time.Until(end) + 20*time.Millisecond)
+		end = end.Add(every)
+	}
+	return end
+}
+
+// quotaHandler provisions a rate_limit directive whose %s is the Redis
+// address.
+func quotaHandler(t *testing.T, directive, addr string) *Handler {
+	t.Helper()
+	h := caddyfileHandler(t, fmt.Sprintf(directive, addr))
+	observeLogs(h, zapcore.InfoLevel) // no line per decision
+	return h
+}
+
+func TestQuotaAdmitsExactlyCountPerPeriodThenDeniesWithRetryAfterToTheBoundary(t *testing.T) {
+	srv := redistest.Start(t)
+	h := quotaHandler(t, `rate_limit {
+	zone quota_exact
+	key {http.request.header.X-Key}
+	headers both
+	quota burst5 5 per 2s
+	redis %s
+}`, srv.Addr)
+	end := startOfPeriod(t, 2*time.Second)
+	for i := range 5 {
+		if status, hdr := serve(context.Background(), h, "a"); status != 200 {
+			t.Fatalf("request %d: %d, want 200 (%v)", i+1, status, hdr)
+		} else if got, want := hdr.Get("X-Ratelimit-Remaining"), strconv.Itoa(4-i); got != want {
+			t.Fatalf("request %d: X-RateLimit-Remaining %q, want %q", i+1, got, want)
+		}
+	}
+	status, hdr := serve(context.Background(), h, "a")
+	if status != 429 {
+		t.Fatalf("request 6: %d, want 429", status)
+	}
+	wantRetry := int64((time.Until(end) + time.Second - 1) / time.Second)
+	if got := hdr.Get("Retry-After"); got != strconv.FormatInt(wantRetry, 10) {
+		t.Errorf("Retry-After %q, want %d (the seconds to the boundary)", got, wantRetry)
+	}
+	if got := hdr.Get("Ratelimit-Policy"); got != `"quota_exact.burst5";q=5;w=2` {
+		t.Errorf("RateLimit-Policy %q", got)
+	}
+	if got, want := hdr.Get("Ratelimit"), fmt.Sprintf(`"quota_exact.burst5";r=0;t=%d`, wantRetry); got != want {
+		t.Errorf("RateLimit %q, want %q", got, want)
+	}
+	// Another client has its own quota.
+	if status, _ := serve(context.Background(), h, "b"); status != 200 {
+		t.Errorf("another client: %d, want 200", status)
+	}
+	// The next period renews it.
+	time.Sleep(time.Until(end) + 20*time.Millisecond)
+	for i := range 5 {
+		if status, _ := serve(context.Background(), h, "a"); status != 200 {
+			t.Fatalf("next period, request %d: %d, want 200", i+1, status)
+		}
+	}
+	if status, _ := serve(context.Background(), h, "a"); status != 429 {
+		t.Fatalf("next period, request 6: %d, want 429", status)
+	}
+}
+
+func TestQuotaAdmitsExactlyCountConcurrentlyAndAcrossInstances(t *testing.T) {
+	srv := redistest.Start(t)
+	// Two handlers of one zone with Redis clients of their own (their
+	// timeouts differ), as two Caddy instances have.
+	const directive = `rate_limit {
+	zone quota_concurrent
+	key {http.request.header.X-Key}
+	quota q 40 per 2s
+	redis %s {
+		timeout %s
+	}
+}`
+	instances := []*Handler{quotaHandler(t, fmt.Sprintf(directive, "%s", "2s"), srv.Addr), quotaHandler(t, fmt.Sprintf(directive, "%s", "3s"), srv.Addr)}
+	if instances[0].limiter == instances[1].limiter {
+		t.Fatal("the two handlers share a Redis client")
+	}
+	startOfPeriod(t, 2*time.Second)
+	var admitted atomic.Int64
+	var wg sync.WaitGroup
+	for g := range 8 {
+		wg.Go(func() {
+			for range 10 {
+				if status, _ := serve(context.Background(), instances[g%2], "c"); status == 200 {
+					admitted.Add(1)
+				}
+			}
+		})
+	}
+	wg.Wait()
+	if got := admitted.Load(); got != 40 {
+		t.Errorf("admitted %d of 80 in one period, want exactly 40", got)
+	}
+}
+
+func TestQuotaAndRateLimitAreAllOrNothing(t *testing.T) {
+	srv := redistest.Start(t)
+	h := quotaHandler(t, `rate_limit {
+	zone quota_aon
+	key {http.request.header.X-Key}
+	limit slow 0.01 3
+	quota daily 5 per day
+	redis %s
+}`, srv.Addr)
+	rdb := srv.Client(t)
+	quotaKey := limitKey(t, h, "daily", "a")
+	// The rate limit refuses the 4th: the quota must not count it.
+	for range 3 {
+		if status, _ := serve(context.Background(), h, "a"); status != 200 {
+			t.Fatalf("%d, want 200", status)
+		}
+	}
+	for range 3 {
+		if status, _ := serve(context.Background(), h, "a"); status != 429 {
+			t.Fatalf("%d, want 429", status)
+		}
+	}
+	if used := quotaUsedIn(t, rdb.Get(context.Background(), quotaKey).Val()); used != 3 {
+		t.Fatalf("quota used %d after 3 admitted and 3 refused by the rate limit, want 3", used)
+	}
+	// The quota refuses: the rate limit must not lose a token.
+	h2 := quotaHandler(t, `rate_limit {
+	zone quota_aon2
+	key {http.request.header.X-Key}
+	limit slow 0.01 10
+	quota daily 2 per day
+	redis %s
+}`, srv.Addr)
+	for range 2 {
+		if status, _ := serve(context.Background(), h2, "b"); status != 200 {
+			t.Fatalf("%d, want 200", status)
+		}
+	}
+	bucketKey := limitKey(t, h2, "slow", "b")
+	before, _ := strconv.ParseFloat(strings.Fields(rdb.Get(context.Background(), bucketKey).Val())[0], 64)
+	for range 3 {
+		if status, _ := serve(context.Background(), h2, "b"); status != 429 {
+			t.Fatalf("%d, want 429", status)
+		}
+	}
+	after, _ := strconv.ParseFloat(strings.Fields(rdb.Get(context.Background(), bucketKey).Val())[0], 64)
+	if after != before {
+		t.Errorf("the rate limit's bucket went from %v to %v tokens over requests the quota refused, want unchanged", before, after)
+	}
+}
+
+// quotaUsedIn is the tokens used that a quota's stored state says.
+func quotaUsedIn(t *testing.T, state string) int64 {
+	t.Helper()
+	fields := strings.Fields(state)
+	if len(fields) != 2 {
+		t.Fatalf("quota state %q, want '<used> <start>'", state)
+	}
+	n, err := strconv.ParseInt(fields[0], 10, 64)
+	if err != nil {
+		t.Fatalf("quota state %q: %v", state, err)
+	}
+	return n
+}
+
+func TestQuotaKeyExpiresShortlyAfterItsPeriod(t *testing.T) {
+	srv := redistest.Start(t)
+	h := quotaHandler(t, `rate_limit {
+	zone quota_expiry
+	key {http.request.header.X-Key}
+	quota q 5 per 2s
+	redis %s
+}`, srv.Addr)
+	rdb := srv.Client(t)
+	end := startOfPeriod(t, 2*time.Second)
+	if status, _ := serve(context.Background(), h, "a"); status != 200 {
+		t.Fatalf("%d, want 200", status)
+	}
+	key := limitKey(t, h, "q", "a")
+	ttl := rdb.PTTL(context.Background(), key).Val()
+	want := time.Until(end) + quotaKeySlack
+	if ttl <= 0 || ttl > want+50*time.Millisecond || ttl < want-200*time.Millisecond {
+		t.Errorf("TTL %v, want about %v (the period's end and a second)", ttl, want)
+	}
+}
+
+func TestQuotaLoadErrorsNameTheValue(t *testing.T) {
+	for _, c := range []struct {
+		name, block string
+		json        Quota
+		want        string
+	}{
+		{"unknown zone", "quota m 100 per month {\n\ttime_zone Mars/Olympus\n}",
+			Quota{Name: "m", Count: "100", Per: "month", TimeZone: "Mars/Olympus"}, "time_zone 'Mars/Olympus' is not in the IANA time zone database"},
+		{"month_day 0", "quota m 100 per month {\n\tmonth_day 0\n}",
+			Quota{Name: "m", Count: "100", Per: "month", MonthDay: -1}, "month_day '"},
+		{"month_day 29", "quota m 100 per month {\n\tmonth_day 29\n}",
+			Quota{Name: "m", Count: "100", Per: "month", MonthDay: 29}, "month_day '29': want the day of the month a period starts on, 1 to 28"},
+		{"period below a second", "quota m 100 per 500ms",
+			Quota{Name: "m", Count: "100", Per: "500ms"}, "per '500ms' is shorter than a second"},
+		{"period not a period", "quota m 100 per fortnight",
+			Quota{Name: "m", Count: "100", Per: "fortnight"}, "per 'fortnight': want minute, hour, day, week, month, year, or a duration"},
+		{"count 0", "quota m 0 per day",
+			Quota{Name: "m", Count: "0", Per: "day"}, "count '0' must be at least 1"},
+		{"count negative", "quota m -5 per day",
+			Quota{Name: "m", Count: "-5", Per: "day"}, "count '-5' must be at least 1"},
+		{"count not a number", "quota m lots per day",
+			Quota{Name: "m", Count: "lots", Per: "day"}, "count 'lots' is not a whole number"},
+		{"cost above count", "quota m 5 per day {\n\trequested_tokens 6\n}",
+			Quota{Name: "m", Count: "5", Per: "day", RequestedTokens: "6"}, "requested_tokens '6' is more than count '5'"},
+		{"time_zone with a duration", "quota m 5 per 6h {\n\ttime_zone Europe/Berlin\n}",
+			Quota{Name: "m", Count: "5", Per: "6h", TimeZone: "Europe/Berlin"}, "time_zone 'Europe/Berlin' with per '6h'"},
+		{"week_starts", "quota m 5 per week {\n\tweek_starts friday\n}",
+			Quota{Name: "m", Count: "5", Per: "week", WeekStarts: "friday"}, "week_starts 'friday': want monday (the default) or sunday"},
+		{"name taken by a limit", "quota second 5 per day",
+			Quota{Name: "second", Count: "5", Per: "day"}, "quota 'second': the name is given twice"},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			_, err := parseTestCaddyfile("rate_limit {\n\tlimit second 10 20\n\t" + strings.ReplaceAll(c.block, "\n", "\n\t") + "\n}")
+			if err == nil || !strings.Contains(err.Error(), c.want) {
+				t.Errorf("Caddyfile: error %v, want one containing %q", err, c.want)
+			}
+			if c.json.MonthDay < 0 { // JSON's 0 is the default
+				return
+			}
+			h := offline(&Handler{Limits: []Limit{{Name: "second", ReplenishRate: "10", BurstCapacity: "20"}}, Quotas: []Quota{c.json}})
+			if err := tryProvision(t, h); err == nil || !strings.Contains(err.Error(), c.want) {
+				t.Errorf("JSON: error %v, want one containing %q", err, c.want)
+			}
+		})
+	}
+}
+
+func TestQuotaCaddyfileRefusesWhatAQuotaDoesNotTake(t *testing.T) {
+	for _, c := range []struct{ input, want string }{
+		{"rate_limit {\n\tquota m 5 per day {\n\t\treplenish_rate 10\n\t}\n}", "unrecognized quota m subdirective 'replenish_rate'"},
+		{"rate_limit {\n\tquota m 5 per day {\n\t\tburst_capacity 10\n\t}\n}", "unrecognized quota m subdirective 'burst_capacity'"},
+		{"rate_limit {\n\tquota m 5 day\n}", "quota: want <name> <count> per <period>"},
+		{"rate_limit {\n\tquota m 5 per day\n\tquota m 6 per month\n}", "quota 'm' is given twice"},
+		{"rate_limit {\n\tquota m 5 per day {\n\t\ttime_zone UTC\n\t\ttime_zone UTC\n\t}\n}", "quota m: subdirective 'time_zone' is given twice"},
+		{"rate_limit {\n\tquota m 5 per day {\n\t\tmonth_day 3\n\t}\n}", "month_day '3' with per 'day'"},
+	} {
+		if _, err := parseTestCaddyfile(c.input); err == nil || !strings.Contains(err.Error(), c.want) {
+			t.Errorf("%q: error %v, want one containing %q", c.input, err, c.want)
+		}
+	}
+}
+
+func TestQuotaWithLeaseRefusedAtLoad(t *testing.T) {
+	h := offline(&Handler{ReplenishRate: "10", Quotas: []Quota{{Name: "m", Count: "5", Per: "day"}}, Lease: &Lease{MaxTokens: 4}})
+	if err := tryProvision(t, h); err == nil || !strings.Contains(err.Error(), "lease with quotas") {
+		t.Errorf("error %v, want one refusing lease with quotas", err)
+	}
+}
+
+func TestQuotaOnlyHandlerHasNoLimitOfItsOwn(t *testing.T) {
+	h := provision(t, offline(&Handler{Quotas: []Quota{{Name: "m", Count: "5", Per: "day"}}}))
+	if len(h.limits) != 1 || h.limits[0].quota == nil {
+		t.Fatalf("limits %v, want the quota alone", h.limits)
+	}
+	h = provision(t, offline(&Handler{ReplenishRate: "10", Quotas: []Quota{{Name: "m", Count: "5", Per: "day"}}}))
+	if len(h.limits) != 2 || h.limits[0].quota != nil || h.limits[1].quota == nil {
+		t.Fatalf("limits %v, want the handler's own limit and the quota", h.limits)
+	}
+}
+
+// expectQuotaPeriod sends count requests for key, all admitted, then one
+// refused with Retry-After the seconds to end.
+func expectQuotaPeriod(t *testing.T, h *Handler, key string, count int, end time.Time) {
+	t.Helper()
+	for i := range count {
+		if status, hdr := serve(context.Background(), h, key); status != 200 {
+			t.Fatalf("request %d: %d, want 200 (%v)", i+1, status, hdr)
+		}
+	}
+	status, hdr := serve(context.Background(), h, key)
+	want := int64((time.Until(end) + time.Second - 1) / time.Second)
+	if status != 429 || hdr.Get("Retry-After") != strconv.FormatInt(want, 10) {
+		t.Fatalf("request %d: %d Retry-After %q, want 429 with %d (the seconds to the boundary)", count+1, status, hdr.Get("Retry-After"), want)
+	}
+}
+
+func TestQuotaStoreMemoryAdmitsCountPerPeriodAndRenews(t *testing.T) {
+	h := provision(t, &Handler{Zone: "quota_mem", Key: "{http.request.header.X-Key}", Store: storeMemory, Headers: headersBoth,
+		Limits: []Limit{{Name: "second", ReplenishRate: "100", BurstCapacity: "100"}},
+		Quotas: []Quota{{Name: "q", Count: "3", Per: "2s"}}})
+	observeLogs(h, zapcore.InfoLevel)
+	end := startOfPeriod(t, 2*time.Second)
+	expectQuotaPeriod(t, h, "a", 3, end)
+	// The refusals took nothing from the limit: 100 - 3 admitted.
+	if _, hdr := serve(context.Background(), h, "a"); hdr.Get("Ratelimit") == "" || !strings.Contains(hdr.Get("Ratelimit"), `"quota_mem.second";r=97`) {
+		t.Errorf("RateLimit %q, want the limit at 97 (refusals by the quota take nothing from it)", hdr.Get("Ratelimit"))
+	}
+	time.Sleep(time.Until(end) + 20*time.Millisecond)
+	expectQuotaPeriod(t, h, "a", 3, end.Add(2*time.Second))
+}
+
+func TestQuotaOnErrorLocalDecidesWhileRedisFails(t *testing.T) {
+	h := localHandler(t, "rate_limit {\n\tzone quota_local\n\tkey {http.request.header.X-Key}\n\tquota q 3 per 2s\n\ton_error local\n}")
+	observeLogs(h, zapcore.ErrorLevel)
+	end := startOfPeriod(t, 2*time.Second)
+	expectQuotaPeriod(t, h, "a", 3, end)
+	if n := storedBuckets(t, h.local); n != 1 {
+		t.Errorf("the local buckets hold %d, want the quota's", n)
+	}
+}
+
+func TestQuotaChargedByTheResponseCountsTheCost(t *testing.T) {
+	costly := caddyhttp.HandlerFunc(func(w http.ResponseWriter, r *http.Request) error {
+		w.Header().Set("X-Cost", "4")
+		w.WriteHeader(http.StatusOK)
+		return nil
+	})
+	srv := redistest.Start(t)
+	for _, store := range []string{storeRedis, storeMemory} {
+		t.Run(store, func(t *testing.T) {
+			h := &Handler{Zone: "quota_charge_" + store, Key: "{http.request.header.X-Key}", Store: store,
+				Quotas: []Quota{{Name: "q", Count: "10", Per: "day", Charge: &Charge{Header: "X-Cost"}}}}
+			if store == storeRedis {
+				h.Redis = &RedisConfig{Addresses: []string{srv.Addr}}
+			}
+			provision(t, h)
+			observeLogs(h, zapcore.InfoLevel)
+			send := func(want int) {
+				t.Helper()
+				r, w := newRequest("192.0.2.1", "a")
+				if status := statusOf(h.ServeHTTP(w, r, costly), w.Code); status != want {
+					t.Fatalf("%d, want %d", status, want)
+				}
+			}
+			// Each response costs 4 against a reservation of 1: after three
+			// the quota used 12 of 10 (a response may cross it), and refuses.
+			for i := range 3 {
+				send(200)
+				want := float64(4 * (i + 1))
+				eventually(t, 2*time.Second, fmt.Sprintf("used %v", want), func() bool {
+					view, err := h.peekBucket(context.Background(), policyBuckets(t, h, "X-Key", "a")["q"])
+					return err == nil && 10-view.tokens == want
+				})
+			}
+			send(429)
+		})
+	}
+}
+
+// adminQuotaBucket is a quota's entry of GET /rate_limit/zones/<zone>/buckets.
+type adminQuotaBucket struct {
+	adminBucket
+	Quota *struct {
+		Per         string  `json:"per"`
+		Count       int64   `json:"count"`
+		Used        int64   `json:"used"`
+		Remaining   int64   `json:"remaining"`
+		PeriodStart string  `json:"period_start"`
+		ResetsAt    string  `json:"resets_at"`
+		ResetsIn    float64 `json:"resets_in"`
+	} `json:"quota"`
+}
+
+// quotaPlanSite has a daily quota in America/New_York whose count is the
+// client's plan, from map, beside a rate limit.
+const quotaPlanSite = `
+http://localhost:9080 {
+	map {http.request.header.X-Plan} {plan_daily} {
+		pro 5
+		default 2
+	}
+	rate_limit {
+		zone quota_plan
+		key {http.request.header.X-Key}
+		headers both
+		limit second 100 100
+		quota day {plan_daily} per day {
+			time_zone America/New_York
+		}
+		redis %s
+	}
+	respond "ok"
+}`
+
+func TestQuotaThroughCaddyPlanFromMapAdminViewAndReset(t *testing.T) {
+	srv := redistest.Start(t)
+	tester := loadCaddyfile(t, nil, caddyGlobals+fmt.Sprintf(quotaPlanSite, srv.Addr))
+	client := tester.Client
+	ny, _ := time.LoadLocation("America/New_York")
+	now := time.Now().In(ny)
+	midnight := time.Date(now.Year(), now.Month(), now.Day()+1, 0, 0, 0, 0, ny)
+
+	// The default plan: 2 a day; pro: 5.
+	expectAdmitted(t, client, caddytestSite, "1", "X-Key", "free")
+	expectAdmitted(t, client, caddytestSite, "0", "X-Key", "free")
+	resp, _ := send(t, client, caddytestSite, "X-Key", "free")
+	retry, _ := strconv.ParseInt(resp.Header.Get("Retry-After"), 10, 64)
+	if want := int64(time.Until(midnight).Seconds()); resp.StatusCode != 429 || retry < want || retry > want+2 {
+		t.Fatalf("third request of the free plan: %d Retry-After %d, want 429 with about %d (the seconds to midnight in New York)",
+			resp.StatusCode, retry, want)
+	}
+	if got, want := resp.Header.Get("Ratelimit-Policy"), fmt.Sprintf(`"quota_plan.second";q=100;w=1, "quota_plan.day";q=2;w=%d`,
+		midnight.Unix()-time.Date(now.Year(), now.Month(), now.Day(), 0, 0, 0, 0, ny).Unix()); got != want {
+		t.Errorf("RateLimit-Policy %q, want %q", got, want)
+	}
+	for i := 4; i >= 0; i-- {
+		expectAdmitted(t, client, caddytestSite, strconv.Itoa(i), "X-Key", "paying", "X-Plan", "pro")
+	}
+	expectDenied(t, client, caddytestSite, "X-Key", "paying", "X-Plan", "pro")
+
+	// The admin API: the quota's usage, what is left and when it renews.
+	var got adminBucketsOfQuota
+	adminJSON(t, caddytestAdmin, http.MethodGet, bucketsPath("quota_plan", q("header.X-Key", "free", "plan_daily", "2")), &got)
+	if len(got.Buckets) != 2 || got.Buckets[1].Quota == nil {
+		t.Fatalf("buckets %+v, want the limit's and the quota's", got.Buckets)
+	}
+	qb := got.Buckets[1]
+	if qb.Limit != "day" || qb.Quota.Per != "day" || qb.Quota.Count != 2 || qb.Quota.Used != 2 || qb.Quota.Remaining != 0 ||
+		qb.Quota.ResetsAt != midnight.Format(time.RFC3339) || math.Abs(qb.Quota.ResetsIn-time.Until(midnight).Seconds()) > 2 || qb.Tokens != "0" {
+		t.Errorf("the quota as the admin API shows it: %+v %+v, want day, 2 used of 2, renewing at %s", qb.adminBucket, *qb.Quota, midnight.Format(time.RFC3339))
+	}
+	// The zone lists the quota with its count and period.
+	var zones []struct {
+		Zone   string `json:"zone"`
+		Store  string `json:"store"`
+		Limits []struct {
+			adminLimit
+			Count Param  `json:"count"`
+			Per   string `json:"per"`
+		} `json:"limits"`
+	}
+	adminJSON(t, caddytestAdmin, http.MethodGet, "/rate_limit/zones", &zones)
+	if len(zones) != 1 || len(zones[0].Limits) != 2 || zones[0].Limits[1].Name != "day" || zones[0].Limits[1].Count != "{plan_daily}" || zones[0].Limits[1].Per != "day" {
+		t.Errorf("zones %+v, want quota_plan with the limit and the quota day of {plan_daily} per day", zones)
+	}
+	// DELETE renews it now.
+	if reset := resetBuckets(t, caddytestAdmin, "quota_plan", q("header.X-Key", "free", "plan_daily", "2")); len(reset) != 2 {
+		t.Errorf("reset %q, want the limit's key and the quota's", reset)
+	}
+	expectAdmitted(t, client, caddytestSite, "1", "X-Key", "free")
+}
+
+type adminBucketsOfQuota struct {
+	Zone    string             `json:"zone"`
+	Buckets []adminQuotaBucket `json:"buckets"`
+}
+
+func TestQuotaResetJitterSpreadsRetryAfterPerClient(t *testing.T) {
+	srv := redistest.Start(t)
+	h := quotaHandler(t, `rate_limit {
+	zone quota_jitter
+	key {http.request.header.X-Key}
+	quota q 1 per 2s
+	reset_jitter 1h
+	redis %s
+}`, srv.Addr)
+	end := startOfPeriod(t, 2*time.Second)
+	seen := map[int64]bool{}
+	for i := range 8 {
+		key := fmt.Sprintf("client-%d", i)
+		serve(context.Background(), h, key)
+		status, hdr := serve(context.Background(), h, key)
+		retry, _ := strconv.ParseInt(hdr.Get("Retry-After"), 10, 64)
+		toBoundary := int64((time.Until(end) + time.Second - 1) / time.Second)
+		if status != 429 || retry < toBoundary || retry > toBoundary+3600 {
+			t.Fatalf("%s: %d Retry-After %d, want 429 with %d to %d s (the boundary, then up to an hour)", key, status, retry, toBoundary, toBoundary+3600)
+		}
+		_, again := serve(context.Background(), h, key)
+		if r2, _ := strconv.ParseInt(again.Get("Retry-After"), 10, 64); r2 < retry-1 || r2 > retry {
+			t.Errorf("%s: Retry-After %d, then %d: want one time per client", key, retry, r2)
+		}
+		seen[retry/60] = true
+	}
+	if len(seen) < 4 {
+		t.Errorf("8 clients were told %d distinct minutes to come back, want them spread over the hour", len(seen))
+	}
+	if _, err := parseTestCaddyfile("rate_limit 10 20 {\n\treset_jitter 1m\n}"); err == nil || !strings.Contains(err.Error(), "reset_jitter '1m0s'") {
+		t.Errorf("reset_jitter without quotas: %v, want it refused", err)
+	}
+}
+
+func TestQuotaShadowModeLetsARefusalPassAndTakesNothing(t *testing.T) {
+	srv := redistest.Start(t)
+	h := quotaHandler(t, `rate_limit {
+	zone quota_shadow
+	key {http.request.header.X-Key}
+	quota q 2 per day
+	shadow
+	redis %s
+}`, srv.Addr)
+	for i, want := range []string{"allowed", "allowed", "shadow_denied", "shadow_denied"} {
+		a := servePolicy(h, "X-Key", "a")
+		if a.status != 200 || a.result() != want || want == "shadow_denied" && a.limitName() != "q" {
+			t.Fatalf("request %d: %v result %s limit %s, want 200 %s q", i+1, a, a.result(), a.limitName(), want)
+		}
+	}
+	if used := quotaUsedIn(t, srv.Client(t).Get(context.Background(), limitKey(t, h, "q", "a")).Val()); used != 2 {
+		t.Errorf("used %d after 2 admitted and 2 shadow refusals, want 2", used)
+	}
+}
+
+func TestQuotaMetricsCountItsDecisionsUnderItsName(t *testing.T) {
+	srv := redistest.Start(t)
+	h := quotaHandler(t, `rate_limit {
+	zone quota_metrics
+	key {http.request.header.X-Key}
+	limit second 100 100
+	quota q 1 per day
+	redis %s
+}`, srv.Addr)
+	denied := collectors.requests.WithLabelValues("quota_metrics", "denied", "q")
+	before := counterValue(t, denied)
+	servePolicy(h, "X-Key", "a")
+	if a := servePolicy(h, "X-Key", "a"); a.status != 429 {
+		t.Fatalf("second request: %v, want 429", a)
+	}
+	if got := counterValue(t, denied) - before; got != 1 {
+		t.Errorf("caddy_rate_limit_requests_total{zone=quota_metrics,result=denied,limit=q} rose by %v, want 1", got)
+	}
+}
+
+func counterValue(t *testing.T, c prometheus.Counter) float64 {
+	t.Helper()
+	var m dto.Metric
+	if err := c.Write(&m); err != nil {
+		t.Fatal(err)
+	}
+	return m.GetCounter().GetValue()
+}
+
+// readmeQuotaExample is the Caddyfile block of the README's Quotas
+// section, as written: a map and a rate_limit directive.
+func readmeQuotaExample(t *testing.T) string {
+	t.Helper()
+	raw, err := os.ReadFile("README.md")
+	if err != nil {
+		t.Fatal(err)
+	}
+	_, section, ok := strings.Cut(string(raw), "\n## Quotas\n")
+	if !ok {
+		t.Fatal("README.md has no Quotas section")
+	}
+	_, block, ok := strings.Cut(section, "```caddyfile\n")
+	if !ok {
+		t.Fatal("the Quotas section has no caddyfile block")
+	}
+	block, _, _ = strings.Cut(block, "```")
+	if !strings.Contains(block, "\nrate_limit /api/* {") || !strings.HasSuffix(block, "}\n") {
+		t.Fatalf("the Quotas example is not a map and a rate_limit directive:\n%s", block)
+	}
+	return block
+}
+
+// TestQuotaReadmeExampleRunsAsWritten: the README's monthly plan beside
+// its rate limit, with only `headers ietf` and a `redis` line added,
+// lists the limit and both quotas in RateLimit-Policy, the month as long
+// as this month is in Berlin and the day's count from the plan.
+func TestQuotaReadmeExampleRunsAsWritten(t *testing.T) {
+	srv := redistest.Start(t)
+	example := strings.TrimSuffix(readmeQuotaExample(t), "}\n") + "\theaders ietf\n\tredis %[1]s\n}\n"
+	tester := serveCaddyfile(t, "\nhttp://localhost:9080 {\n"+example+"respond \"ok\"\n}\n", srv.Addr)
+	berlin, _ := time.LoadLocation("Europe/Berlin")
+	now := time.Now().In(berlin)
+	month := time.Date(now.Year(), now.Month()+1, 1, 0, 0, 0, 0, berlin).Sub(time.Date(now.Year(), now.Month(), 1, 0, 0, 0, 0, berlin))
+	utc := time.Now().UTC()
+	day := time.Date(utc.Year(), utc.Month(), utc.Day()+1, 0, 0, 0, 0, time.UTC).Sub(time.Date(utc.Year(), utc.Month(), utc.Day(), 0, 0, 0, 0, time.UTC))
+	for _, c := range []struct{ plan, daily string }{{"", "1000"}, {"pro", "100000"}} {
+		resp, _, err := getHeaders(tester.Client, caddytestSite+"/api/x", "X-API-Key", "k-"+c.plan, "X-Plan", c.plan)
+		if err != nil {
+			t.Fatal(err)
+		}
+		want := fmt.Sprintf(`"api.second";q=20;w=2, "api.month";q=1000000;w=%d, "api.day";q=%s;w=%d`, int64(month.Seconds()), c.daily, int64(day.Seconds()))
+		if got := resp.Header.Get("Ratelimit-Policy"); resp.StatusCode != 200 || got != want {
+			t.Errorf("plan %q: %d RateLimit-Policy %q, want 200 with %q", c.plan, resp.StatusCode, got, want)
+		}
+		if got := resp.Header.Get("Ratelimit"); !strings.Contains(got, `"api.month";r=999999;t=`) || !strings.Contains(got, `"api.day";r=`+strconv.FormatInt(mustAtoi(t, c.daily)-1, 10)+";t=") {
+			t.Errorf("plan %q: RateLimit %q, want the month at 999999 and the day at its count less one", c.plan, got)
+		}
+	}
+	if resp, _, _ := getHeaders(tester.Client, caddytestSite+"/other"); resp.StatusCode != 200 || resp.Header.Get("Ratelimit") != "" {
+		t.Errorf("/other: %d, RateLimit %q; want 200, not limited", resp.StatusCode, resp.Header.Get("Ratelimit"))
+	}
+}
+
+// testQuotaPeriod is a quota period with the bounds given (Unix
+// microseconds), boxed as quota.at boxes them.
+func testQuotaPeriod(bounds periodBounds) *quotaPeriod {
+	p := &quotaPeriod{bounds: bounds}
+	for i, b := range bounds {
+		p.args[i] = strconv.FormatInt(b, 10)
+	}
+	return p
+}
+
+// TestQuotaScriptPicksThePeriodByRedisTime: Caddy's clock may be off
+// from Redis's; the script counts in the period that holds Redis time,
+// among the three Caddy passed, and refuses until that period's end.
+func TestQuotaScriptPicksThePeriodByRedisTime(t *testing.T) {
+	srv := redistest.Start(t)
+	l := newTestLimiter(t, srv.Addr, 2*time.Second)
+	rdb := srv.Client(t)
+	redisNow := redisMicros(t, rdb)
+	const minute = int64(60_000_000)
+	values := limitValues{burst: 2, requested: 1}
+	for _, c := range []struct {
+		name   string
+		bounds periodBounds // Redis time is about 30 s into the period at index start
+		start  int
+	}{
+		{"Caddy behind: Redis in the next period", periodBounds{-2, -1, 0, 1}, 2},
+		{"in step", periodBounds{-1, 0, 1, 2}, 1},
+		{"Caddy ahead: Redis in the previous period", periodBounds{0, 1, 2, 3}, 0},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			var bounds periodBounds
+			for i, k := range c.bounds {
+				bounds[i] = redisNow - minute/2 + k*minute
+			}
+			key := "quota-pick-" + strconv.Itoa(c.start)
+			take := func() (bool, bucket) {
+				b := []bucket{{key: key, values: values, args: quotaArgs(values), quota: testQuotaPeriod(bounds)}}
+				allowed, err := l.take(context.Background(), time.Now(), b)
+				if err != nil {
+					t.Fatal(err)
+				}
+				return allowed, b[0]
+			}
+			take()
+			take()
+			allowed, b := take()
+			start, end := bounds[c.start], bounds[c.start+1]
+			if allowed || b.remaining != 0 {
+				t.Fatalf("third take of 2: allowed %v remaining %d, want refused with 0", allowed, b.remaining)
+			}
+			if wait := b.retryAfter.Microseconds(); wait > end-redisNow || wait < end-redisMicros(t, rdb) {
+				t.Errorf("wait %d µs, want the time to the end of the period Redis time is in (%d µs)", wait, end-redisNow)
+			}
+			state := rdb.Get(context.Background(), key).Val()
+			if state != fmt.Sprintf("2 %d", start) {
+				t.Errorf("state %q, want 2 used in the period starting %d", state, start)
+			}
+		})
+	}
+}
+
+// TestQuotaScriptAgreesWithMemoryStore: random takes against a quota in
+// Redis and in the memory store, with the same bounds, answer the same.
+func TestQuotaScriptAgreesWithMemoryStore(t *testing.T) {
+	srv := redistest.Start(t)
+	l := newTestLimiter(t, srv.Addr, 2*time.Second)
+	mem := newMemoryStore("quota-agree", "", "")
+	mem.maxKeys.Store(100)
+	t.Cleanup(func() { _ = mem.Destruct() })
+	redisNow := redisMicros(t, srv.Client(t))
+	const hour = int64(3_600_000_000)
+	bounds := periodBounds{redisNow - 2*hour, redisNow - hour, redisNow + hour, redisNow + 2*hour}
+	p := testQuotaPeriod(bounds)
+	rng := rand.New(rand.NewPCG(1, 2))
+	for i := range 200 {
+		v := limitValues{burst: 20, requested: 1 + rng.Int64N(4)}
+		key := "agree-" + strconv.Itoa(rng.IntN(3))
+		rb := []bucket{{key: key, values: v, args: quotaArgs(v), quota: p}}
+		mb := []bucket{{key: key, values: v, args: quotaArgs(v), quota: p}}
+		ra, err := l.take(context.Background(), time.Now(), rb)
+		if err != nil {
+			t.Fatal(err)
+		}
+		ma, err := mem.take(time.Now(), mb)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if ra != ma || rb[0].remaining != mb[0].remaining || (rb[0].retryAfter == 0) != (mb[0].retryAfter == 0) ||
+			(rb[0].retryAfter-mb[0].retryAfter).Abs() > time.Second {
+			t.Fatalf("take %d (%s, %d): Redis %v %d %v, memory %v %d %v", i, key, v.requested,
+				ra, rb[0].remaining, rb[0].retryAfter, ma, mb[0].remaining, mb[0].retryAfter)
+		}
+	}
+}
+
+// TestQuotaOnClusterGivesBackWhenALaterSlotGroupRefuses: on a Cluster, a
+// quota shares the slot of the limits with its key template; when a limit
+// of another template (a later slot group) refuses, the quota gets back
+// what the request took from it.
+func TestQuotaOnClusterGivesBackWhenALaterSlotGroupRefuses(t *testing.T) {
+	c := redistest.StartCluster(t, 3, 0)
+	cc := c.Client(t)
+	h := quotaHandler(t, `rate_limit {
+	zone quota_cluster
+	key {http.request.header.X-Key}
+	limit second 100 100
+	limit tenant 0.01 2 {
+		key {http.request.header.X-Tenant}
+	}
+	quota q 5 per day
+	redis %s {
+		cluster
+		timeout 2s
+	}
+}`, c.Masters[0].Addr)
+	if len(h.groups) != 2 {
+		t.Fatalf("%d slot groups, want 2 (the client's limit and quota; the tenant's limit)", len(h.groups))
+	}
+	quotaKey := limitKey(t, h, "q", "a")
+	used := func() int64 { return quotaUsedIn(t, cc.Get(context.Background(), quotaKey).Val()) }
+	expect := func(want int, tenant string) {
+		t.Helper()
+		if a := servePolicy(h, "X-Key", "a", "X-Tenant", tenant); a.status != want {
+			t.Fatalf("tenant %s: %v, want %d", tenant, a, want)
+		}
+	}
+	expect(200, "t1")
+	expect(200, "t1")
+	for range 3 {
+		expect(429, "t1") // the tenant refuses, after the client's group took
+	}
+	if got := used(); got != 2 {
+		t.Fatalf("quota used %d after 2 admitted and 3 refused by the tenant, want 2 (given back)", got)
+	}
+	expect(200, "t2")
+	expect(200, "t2")
+	expect(200, "t3")
+	expect(429, "t4") // the quota refuses: nothing taken from tenant t4, whose group comes later
+	if got := used(); got != 5 {
+		t.Errorf("quota used %d, want 5", got)
+	}
+	if n := cc.Exists(context.Background(), limitKey(t, h, "tenant", "t4")).Val(); n != 0 {
+		t.Errorf("tenant t4's bucket was written by a request the quota refused")
+	}
+}
+
+// TestQuotaOfTenYearsRefusesWithItsWait: the longest period a quota may
+// have is a wait the limiter reads as an answer, not as a broken reply.
+func TestQuotaOfTenYearsRefusesWithItsWait(t *testing.T) {
+	srv := redistest.Start(t)
+	h := quotaHandler(t, `rate_limit {
+	zone quota_decade
+	key {http.request.header.X-Key}
+	quota q 1 per 3650d
+	on_error allow
+	redis %s
+}`, srv.Addr)
+	serve(context.Background(), h, "a")
+	status, hdr := serve(context.Background(), h, "a")
+	retry, _ := strconv.ParseInt(hdr.Get("Retry-After"), 10, 64)
+	if status != 429 || retry <= 0 || retry > 3650*86400 {
+		t.Errorf("%d Retry-After %q, want 429 with up to ten years", status, hdr.Get("Retry-After"))
+	}
+}
+
+func TestQuotaCountFromRequestUnlimitedExemptsAndInvalidRefuses(t *testing.T) {
+	srv := redistest.Start(t)
+	h := quotaHandler(t, `rate_limit {
+	zone quota_count_header
+	key {http.request.header.X-Key}
+	quota q {http.request.header.X-Count} per day
+	redis %s
+}`, srv.Addr)
+	for _, c := range []struct {
+		count, result string
+		status        int
+	}{
+		{"unlimited", "exempt", 200},
+		{"unlimited", "exempt", 200},
+		{"abc", "invalid", 500},
+		{"0", "invalid", 500},
+		{"1", "allowed", 200},
+		{"1", "denied", 429},
+		{"2", "allowed", 200}, // a larger plan has room for one more
+		{"2", "denied", 429},
+	} {
+		if a := servePolicy(h, "X-Key", "a", "X-Count", c.count); a.status != c.status || a.result() != c.result {
+			t.Fatalf("count %s: %v result %s, want %d %s", c.count, a, a.result(), c.status, c.result)
+		}
+	}
+}

@@ -1867,6 +1867,7 @@ func TestSettlementsOfABatchShareOneScriptCall(t *testing.T) {
 	if len(send) != 2 || send[0] != take || len(send[1].keys) != 4 {
 		t.Fatalf("merged into %d calls, want the take and one settlement of 4 buckets", len(send))
 	}
+	scriptsLoaded(t, rdb) // the limiter loads them in the background; this pipeline sends by SHA only
 	before := commandCalls(t, rdb)["evalsha"]
 	for _, c := range send {
 		c.breaker = l.breakers.get(l.node)

@@ -14,6 +14,7 @@ import (
 	"encoding/json"
 	"fmt"
 	"net/http"
+	"slices"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -151,8 +152,8 @@ func scriptsLoaded(t *testing.T, rdbs ...*redis.Client) {
 	t.Helper()
 	eventually(t, 5*time.Second, "the scripts loaded", func() bool {
 		for _, rdb := range rdbs {
-			loaded, err := rdb.ScriptExists(context.Background(), scriptSHA, giveBackScript.sha.(string), leaseScript.sha.(string)).Result()
-			if err != nil || !loaded[0] || !loaded[1] || !loaded[2] {
+			loaded, err := rdb.ScriptExists(context.Background(), scriptSHA, giveBackScript.sha.(string), leaseScript.sha.(string), settleScript.sha.(string)).Result()
+			if err != nil || slices.Contains(loaded, false) {
 				return false
 			}
 		}

@@ -86,6 +86,9 @@ func newRateLimitHeaders(style string, limits []*limit) rateLimitHeaders {
 			lh.burst = strconv.FormatInt(l.values.burst, 10)
 			lh.requested = strconv.FormatInt(l.values.requested, 10)
 			lh.policy = policyItem(lh.quoted, l.values)
+			if l.slots != nil {
+				lh.policy = slotPolicyItem(lh.quoted, l.values) // concurrent.go
+			}
 			items = append(items, lh.policy)
 		}
 	}
@@ -154,7 +157,9 @@ func (rh *rateLimitHeaders) setIETF(hdr http.Header, v *headerValues, buckets []
 		if i > 0 {
 			policy = append(policy, ", "...)
 		}
-		if rh.policy == "" {
+		if rh.policy == "" && b.limit.slots != nil {
+			policy = append(policy, slotPolicyItem(lh.quoted, b.values)...)
+		} else if rh.policy == "" {
 			policy = append(policy, policyItem(lh.quoted, b.values)...)
 		} else {
 			policy = append(policy, lh.policy...)

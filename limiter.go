@@ -267,6 +267,7 @@ func (l *limiter) loadScript(within time.Duration) {
 	_ = l.client.ScriptLoad(ctx, giveBackSource).Err()
 	_ = l.client.ScriptLoad(ctx, settleSource).Err()
 	_ = l.client.ScriptLoad(ctx, leaseSource).Err()
+	_ = l.client.ScriptLoad(ctx, concurrentSource).Err()
 }
 
 // lingerIdle is how long a released limiter must go without calls before
@@ -336,6 +337,9 @@ func (l *limiter) call(clientCtx context.Context, now time.Time, script *luaScri
 	c.command(script)
 	for i := range buckets {
 		c.args = append(c.args, buckets[i].args[:]...)
+		if slots := buckets[i].limit.slots; slots != nil {
+			c.args = append(c.args, slots.holdArg) // "c", n, slot id, hold (concurrent.go)
+		}
 	}
 	return l.send(clientCtx, now, c)
 }

@@ -130,6 +130,12 @@ type Handler struct {
 	// handler is one limit of the fields above.
 	Limits []Limit `json:"limits,omitempty"`
 
+	// Concurrent are concurrency limits: at most a number of requests of
+	// a key in flight at once, across instances, taken together with the
+	// other limits (see Concurrent). A handler with concurrent limits and
+	// neither `limits` nor a rate or burst of its own has only those.
+	Concurrent []Concurrent `json:"concurrent,omitempty"`
+
 	// Charge says where the real cost of a response comes from, for every
 	// limit (a limit may have its own): a response header, numbers in a
 	// JSON body or an event stream, or a placeholder (see Charge).
@@ -514,7 +520,7 @@ func (h *Handler) decideLocally(w http.ResponseWriter, r *http.Request, next cad
 	for i := range buckets {
 		buckets[i].unknown = false // a Cluster group that failed left them so; every bucket answers here
 	}
-	allowed, err := h.local.take(time.Now(), buckets)
+	allowed, err := h.local.takeInProcess(time.Now(), buckets)
 	if err != nil { // full: as on_error allow
 		buckets[0].remaining = -1
 		h.headers.set(w.Header(), buckets[:1], 0, false)
@@ -542,6 +548,14 @@ func (h *Handler) answer(w http.ResponseWriter, r *http.Request, next caddyhttp.
 		h.record(repl, refused, buckets, described)
 		return false, reject(w, r, h.errDenied)
 	}
+	if allowed && len(h.Concurrent) > 0 && firstSlot(buckets) < len(buckets) {
+		// Served from here: the slots go back when the response has ended.
+		store := h.memory
+		if admitted == decisionErrorLocalAllowed {
+			store = h.local
+		}
+		return false, h.serveHolding(w, r, next, repl, buckets, store, admitted == decisionErrorLocalAllowed)
+	}
 	if allowed && h.charging != nil {
 		// Served from here, not from ServeHTTP: settling the charge needs
 		// the buckets once the response is done.
@@ -560,7 +574,7 @@ var errEmptyKey = errors.New("empty key")
 func (h *Handler) check(clientCtx context.Context, buckets []bucket) (bool, error) {
 	sent := time.Now()
 	if h.memory != nil {
-		allowed, err := h.memory.take(sent, buckets)
+		allowed, err := h.memory.takeInProcess(sent, buckets)
 		if err != nil {
 			h.warnFull()
 		}
@@ -586,6 +600,7 @@ func (h *Handler) check(clientCtx context.Context, buckets []bucket) (bool, erro
 	}
 	switch err.(type) {
 	case nil:
+		slotsAnswered(buckets, allowed) // concurrent.go
 		switch {
 		case !h.useDenyCache:
 		case !allowed:
@@ -732,6 +747,9 @@ func (h *Handler) derivedZone() string {
 	}
 	for _, l := range h.Limits {
 		text = fmt.Appendf(text, "\x00%s\x00%s\x00%s\x00%s", l.Name, l.Key, l.ReplenishRate, l.BurstCapacity)
+	}
+	for _, c := range h.Concurrent {
+		text = fmt.Appendf(text, "\x00c\x00%s\x00%s\x00%s", c.Name, c.Key, c.Slots)
 	}
 	sum := sha256.Sum256(text)
 	return "auto-" + hex.EncodeToString(sum[:6])

@@ -237,6 +237,10 @@ type limit struct {
 	// charge is how the response charges it (charge.go); nil when
 	// requested_tokens is its cost.
 	charge *chargeRule
+
+	// slots makes it a concurrent limit (concurrent.go): its values are
+	// n as the burst and one slot per request; nil for a token bucket.
+	slots *slotRule
 }
 
 // bucket is one limit's bucket for one request, and Redis's answer.
@@ -266,7 +270,7 @@ var ownLimit = []Limit{{}}
 // buildLimits makes the handler's limits from its config.
 func (h *Handler) buildLimits(keyPrefix string) ([]*limit, error) {
 	configs, named := h.Limits, len(h.Limits) > 0
-	if !named {
+	if !named && !h.concurrentOnly() {
 		configs = ownLimit
 	}
 	groups := map[string]int{}
@@ -296,6 +300,9 @@ func (h *Handler) buildLimits(keyPrefix string) ([]*limit, error) {
 			l.keyPrefix = prefix
 		}
 		group := fmt.Sprintf("%s/%d/%d", key, l.template.ipv4Bits, l.template.ipv6Bits)
+		if !named {
+			group = "\x00own" // no hash tag: a slot of its own, apart from concurrent limits' keys
+		}
 		if _, ok := groups[group]; !ok {
 			groups[group] = len(groups)
 		}
@@ -309,7 +316,18 @@ func (h *Handler) buildLimits(keyPrefix string) ([]*limit, error) {
 		}
 		limits[i] = l
 	}
-	return limits, nil
+	// Concurrent limits last: a request's slots follow its buckets.
+	concurrent, err := h.buildConcurrent(keyPrefix, len(limits), groups)
+	if err != nil {
+		return nil, err
+	}
+	return append(limits, concurrent...), nil
+}
+
+// concurrentOnly says whether the handler has concurrent limits and no
+// token bucket: no `limits`, and neither a rate nor a burst of its own.
+func (h *Handler) concurrentOnly() bool {
+	return len(h.Concurrent) > 0 && len(h.Limits) == 0 && unset(h.ReplenishRate) == "" && h.BurstCapacity == ""
 }
 
 // or is the first of its values that is set.
@@ -330,7 +348,10 @@ func (h *Handler) checkLimits() error {
 	if err := checkPrefixes(h.IPv4Prefix, h.IPv6Prefix); err != nil {
 		return err
 	}
-	if err := checkValues(h.ReplenishRate, h.BurstCapacity, h.RequestedTokens, len(h.Limits) == 0); err != nil {
+	if err := h.checkConcurrent(); err != nil {
+		return err
+	}
+	if err := checkValues(h.ReplenishRate, h.BurstCapacity, h.RequestedTokens, len(h.Limits) == 0 && !h.concurrentOnly()); err != nil {
 		return err
 	}
 	seen := map[string]bool{}
@@ -433,6 +454,7 @@ func (h *Handler) asksRedis() bool {
 func (h *Handler) resolveBuckets(r *http.Request, repl *caddy.Replacer, buckets []bucket) (_ []bucket, skipped decision, err error) {
 	skipped = decisionEmptyKey
 	rv := requestValues{r: r, repl: repl} // one pass over the request's placeholders, for every limit
+	var slotID any                        // the request's, for every concurrent limit
 	for _, l := range h.limits {
 		values, args, exempt := l.values, l.args, l.exempt
 		if !l.fixed {
@@ -442,9 +464,15 @@ func (h *Handler) resolveBuckets(r *http.Request, repl *caddy.Replacer, buckets 
 				}
 				return nil, skipped, err
 			}
-			if !exempt {
+			if !exempt && l.slots == nil {
 				args = values.scriptArgs()
 			}
+		}
+		if l.slots != nil && !exempt {
+			if slotID == nil {
+				slotID = newSlotID()
+			}
+			args = slotArgs(l, values, slotID)
 		}
 		if exempt {
 			skipped = decisionExempt
@@ -466,6 +494,13 @@ func (h *Handler) resolveBuckets(r *http.Request, repl *caddy.Replacer, buckets 
 // value the config sets that resolves to nothing is an error, not the
 // default: a fallback belongs in the config (`map`'s `default`).
 func (l *limit) resolve(repl *caddy.Replacer) (limitValues, bool, error) {
+	if l.slots != nil {
+		n := repl.ReplaceAll(string(l.burst), "")
+		if n == "" {
+			return limitValues{}, false, badValue("slots", string(l.burst), "resolved to nothing for this request")
+		}
+		return resolveSlots(n)
+	}
 	var text [3]string
 	for i, p := range [3]struct {
 		name  string
@@ -541,6 +576,7 @@ func slotGroups(limits []*limit) [][]*limit {
 // buckets then stay short until they refill.
 func (h *Handler) giveBackGroups(clientCtx context.Context, taken []bucket) {
 	ctx := context.WithoutCancel(clientCtx)
+	taken = h.releaseTaken(taken) // slots of concurrent limits (concurrent.go)
 	for start := 0; start < len(taken); {
 		end := start + 1
 		for end < len(taken) && taken[end].limit.group == taken[start].limit.group {

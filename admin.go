@@ -142,6 +142,9 @@ type limitInfo struct {
 	RequestedTokens Param  `json:"requested_tokens"`
 	IPv4Prefix      int    `json:"ipv4_prefix"`
 	IPv6Prefix      int    `json:"ipv6_prefix"`
+	// A concurrent limit's slots and hold (concurrent.go).
+	Slots Param  `json:"slots,omitempty"`
+	Hold  string `json:"hold,omitempty"`
 }
 
 func listZones() []zoneInfo {
@@ -162,7 +165,10 @@ func listZones() []zoneInfo {
 		for _, l := range limits {
 			li := limitInfo{Name: l.name, Key: l.keyText, ReplenishRate: l.rate, BurstCapacity: l.burst,
 				RequestedTokens: l.cost, IPv4Prefix: l.template.ipv4Bits, IPv6Prefix: l.template.ipv6Bits}
-			if l.fixed && !l.exempt { // with the defaults filled in
+			if l.slots != nil {
+				li = limitInfo{Name: l.name, Key: l.keyText, Slots: l.burst, Hold: l.slots.hold.String(),
+					IPv4Prefix: l.template.ipv4Bits, IPv6Prefix: l.template.ipv6Bits}
+			} else if l.fixed && !l.exempt { // with the defaults filled in
 				li.ReplenishRate = floatParam(l.values.rate)
 				li.BurstCapacity = Param(strconv.FormatInt(l.values.burst, 10))
 				li.RequestedTokens = Param(strconv.FormatInt(l.values.requested, 10))
@@ -192,6 +198,12 @@ type bucketInfo struct {
 	// (0 when it does now); ExpiresIn the seconds until its key expires,
 	// when it would be full again (0 when there is no key: it is full).
 	RetryAfter float64 `json:"retry_after"`
+	// A concurrent limit's: its slots, how many are held now, and when
+	// each held slot expires unless renewed, in seconds, soonest first
+	// (Redis only; in-process slots do not expire).
+	Slots      *int64    `json:"slots,omitempty"`
+	InUse      *int64    `json:"in_use,omitempty"`
+	SlotExpiry []float64 `json:"slot_expires_in,omitempty"`
 	ExpiresIn  float64 `json:"expires_in"`
 }
 
@@ -227,6 +239,18 @@ func serveBuckets(w http.ResponseWriter, r *http.Request, zone string) error {
 		}
 		info := bucketInfo{Limit: l.name, Key: b.clientKey(), StoredKey: b.key,
 			ReplenishRate: b.values.rate, BurstCapacity: b.values.burst, RequestedTokens: b.values.requested}
+		if l.slots != nil && r.Method == http.MethodGet { // concurrent.go
+			view, err := h.peekSlots(ctx, b)
+			if err != nil {
+				return caddy.APIError{HTTPStatus: http.StatusServiceUnavailable, Err: fmt.Errorf("reading %s: %w", b.key, err)}
+			}
+			info = bucketInfo{Limit: l.name, Key: b.clientKey(), StoredKey: b.key, Slots: &b.values.burst, InUse: &view.inUse}
+			for _, d := range view.expiries {
+				info.SlotExpiry = append(info.SlotExpiry, d.Seconds())
+			}
+			infos = append(infos, info)
+			continue
+		}
 		if r.Method == http.MethodDelete {
 			if err := h.resetBucket(ctx, b.key); err != nil {
 				return caddy.APIError{HTTPStatus: http.StatusServiceUnavailable, Err: fmt.Errorf("resetting %s: %w", b.key, err)}
@@ -271,9 +295,11 @@ func (h *Handler) peekBucket(ctx context.Context, b bucket) (bucketView, error) 
 func (h *Handler) resetBucket(ctx context.Context, key string) error {
 	if h.local != nil {
 		h.local.reset([]string{key})
+		h.local.resetSlots([]string{key})
 	}
 	if h.memory != nil {
 		h.memory.reset([]string{key})
+		h.memory.resetSlots([]string{key})
 		return nil
 	}
 	if h.limiter == nil {

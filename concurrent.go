@@ -480,7 +480,7 @@ func (s *slotHold) release() {
 		}
 		return
 	}
-	s.send(releaseArg, nil)
+	s.send(releaseArg)
 }
 
 // renew renews the slots in Redis, in the timer's goroutine, and sets the
@@ -492,7 +492,7 @@ func (s *slotHold) renew() {
 	if released {
 		return
 	}
-	s.send(renewArg, make(chan *call, 1))
+	s.send(renewArg)
 	s.mu.Lock()
 	if !s.released {
 		s.renewal.Reset(s.every)
@@ -501,13 +501,14 @@ func (s *slotHold) renew() {
 }
 
 // send runs concurrent.lua over the held slots through the batcher, one
-// call per Cluster hash slot group. A release (answered nil) is not
-// waited for: its answer is read in the batcher's worker; a renewal
-// waits, in its timer's goroutine. Either is sent at most once; a
-// release lost to a failure expires with its hold.
-func (s *slotHold) send(op any, answered chan *call) {
+// call per Cluster hash slot group, and waits for the answer, within the
+// timeout. A release is waited for so that the slot is free in Redis
+// before the response ends: a client that sends its requests one after
+// another must not find its own previous request's slot still taken. A
+// call is sent at most once; a release lost to a failure expires with its
+// hold.
+func (s *slotHold) send(op any) {
 	h := s.h
-	now := time.Now()
 	for start := 0; start < len(s.keys); {
 		end := start + 1
 		for end < len(s.keys) && s.limits[end].group == s.limits[start].group {
@@ -520,38 +521,29 @@ func (s *slotHold) send(op any, answered chan *call) {
 		for _, l := range s.limits[start:end] {
 			c.args = append(c.args, s.id, l.slots.holdArg)
 		}
-		c.clientCtx = context.Background() // sent even when the client has left
-		c.then = slotAnswer{h: h, op: op, answered: answered}
-		if err := h.limiter.enqueue(c, now); err != nil {
-			c.err = err
-			c.then.takeAnswer(c)
-		}
-		if answered != nil {
-			<-answered
+		// Sent even when the client has left.
+		c, err := h.limiter.send(context.Background(), time.Now(), c)
+		h.slotsAnswered(op, c, err)
+		if c != nil {
+			c.release()
 		}
 		start = end
 	}
 }
 
-// slotAnswer reads what Redis answered to a renewal or release, in the
-// batcher's worker.
-type slotAnswer struct {
-	h        *Handler
-	op       any
-	answered chan *call
-}
-
-func (a slotAnswer) takeAnswer(c *call) {
-	h := a.h
+// slotsAnswered logs what went wrong with a renewal or release: a
+// failure as a warning (throttled), a slot that was gone at its renewal
+// at debug level.
+func (h *Handler) slotsAnswered(op any, c *call, err error) {
 	switch {
-	case c.err != nil:
-		if c.err != errBreakerOpen {
+	case err != nil:
+		if err != errBreakerOpen {
 			if ok, suppressed := h.redisWarns.allow(); ok {
 				h.logger.Warn("Redis failed while renewing or releasing concurrency slots; a slot not released expires with its hold",
-					zap.String("zone", h.Zone), zap.Any("op", a.op), zap.Error(c.err), suppressedField(suppressed))
+					zap.String("zone", h.Zone), zap.Any("op", op), zap.Error(err), suppressedField(suppressed))
 			}
 		}
-	case a.op == renewArg:
+	case op == renewArg:
 		for _, renewed := range c.reply {
 			if renewed == 0 {
 				if ce := h.logger.Check(zap.DebugLevel, "a concurrency slot had expired, or was freed by the admin API, before its renewal; it is not renewed"); ce != nil {
@@ -560,10 +552,6 @@ func (a slotAnswer) takeAnswer(c *call) {
 				break
 			}
 		}
-	}
-	c.release()
-	if a.answered != nil {
-		a.answered <- nil
 	}
 }
 
@@ -588,7 +576,7 @@ func (h *Handler) releaseTaken(taken []bucket) []bucket {
 		hold.limits = append(hold.limits, b.limit)
 	}
 	hold.released = true
-	hold.send(releaseArg, nil)
+	hold.send(releaseArg)
 	return tokens
 }
 

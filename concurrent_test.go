@@ -341,7 +341,7 @@ func TestConcurrentAdminShowsSlotsAndDeleteFreesThem(t *testing.T) {
 	defer func() { close(hd.letGo); <-done }()
 
 	admin := func(method string) map[string]any {
-		r := httptest.NewRequest(method, "/rate_limit/zones/adminslots/buckets?X-Key=k", nil)
+		r := httptest.NewRequest(method, "/rate_limit/zones/adminslots/buckets?header.X-Key=k", nil)
 		w := httptest.NewRecorder()
 		if err := serveAdmin(w, r); err != nil {
 			t.Fatalf("%s: %v", method, err)
@@ -497,9 +497,6 @@ func TestConcurrentSlotsOfKilledInstanceFreeWithinHoldNotBefore(t *testing.T) {
 	}
 	eventually(t, 5*time.Second, "two requests held upstream", func() bool { return up.now.Load() == 2 })
 	time.Sleep(hold) // their slots renewed at least once
-	if status, _ := mustGet(t, client, survivor.URL, "probe"); status != 200 {
-		t.Fatalf("another key on the survivor: %d, want 200", status)
-	}
 	if !doomed.Kill() {
 		t.Fatal("the instance did not die of SIGKILL")
 	}

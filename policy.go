@@ -530,6 +530,9 @@ func blockedBucket(buckets []bucket) int {
 // longest wait, else the one with the fewest requests left; the first
 // such on ties.
 func describe(buckets []bucket, allowed bool) int {
+	if k := firstSlot(buckets); allowed && k > 0 {
+		buckets = buckets[:k] // admitted: the token buckets, not the slots (concurrent.go)
+	}
 	pick := -1
 	for i := range buckets {
 		b := &buckets[i]

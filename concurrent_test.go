@@ -405,7 +405,8 @@ http://127.0.0.1:{{http_port}} {
 type countingUpstream struct {
 	now, most atomic.Int64
 	delay     time.Duration
-	release   chan struct{} // when set, requests wait for it instead
+	release   chan struct{} // while hold is set, requests wait for it instead
+	hold      atomic.Bool
 }
 
 func (u *countingUpstream) ServeHTTP(w http.ResponseWriter, r *http.Request) {
@@ -417,7 +418,7 @@ func (u *countingUpstream) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 			break
 		}
 	}
-	if u.release != nil {
+	if u.hold.Load() {
 		select {
 		case <-u.release:
 		case <-r.Context().Done():
@@ -485,6 +486,7 @@ func TestConcurrentBurstAcrossInstancesNeverHoldsMoreThanSlots(t *testing.T) {
 func TestConcurrentSlotsOfKilledInstanceFreeWithinHoldNotBefore(t *testing.T) {
 	srv := redistest.Start(t)
 	up := &countingUpstream{release: make(chan struct{})}
+	up.hold.Store(true)
 	upstream := httptest.NewServer(up)
 	defer upstream.Close()
 	defer close(up.release)
@@ -501,6 +503,7 @@ func TestConcurrentSlotsOfKilledInstanceFreeWithinHoldNotBefore(t *testing.T) {
 		t.Fatal("the instance did not die of SIGKILL")
 	}
 	killed := time.Now()
+	up.hold.Store(false) // from now on the upstream answers at once
 	// Renewed every hold/3, so each slot has at least 2/3 of a hold left
 	// at the kill: refused until then.
 	for time.Since(killed) < hold*2/3-200*time.Millisecond {

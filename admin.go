@@ -204,7 +204,7 @@ type bucketInfo struct {
 	Slots      *int64    `json:"slots,omitempty"`
 	InUse      *int64    `json:"in_use,omitempty"`
 	SlotExpiry []float64 `json:"slot_expires_in,omitempty"`
-	ExpiresIn  float64 `json:"expires_in"`
+	ExpiresIn  float64   `json:"expires_in"`
 }
 
 // adminTimeout bounds the Redis calls of one admin request.

@@ -407,6 +407,10 @@ type slotHold struct {
 	limits []*limit
 	gens   []uint64 // in-process: each slot's generation
 	every  time.Duration
+	// Room for the slices, so a hold is one allocation.
+	inlineKeys   [maxInlineBuckets]string
+	inlineLimits [maxInlineBuckets]*limit
+	inlineGens   [maxInlineBuckets]uint64
 
 	mu       sync.Mutex
 	released bool
@@ -433,8 +437,8 @@ func (h *Handler) serveHolding(w http.ResponseWriter, r *http.Request, next cadd
 // renewal and counts them in the in_flight gauge.
 func (h *Handler) holdSlots(buckets []bucket, store *memoryStore) *slotHold {
 	k := firstSlot(buckets)
-	n := len(buckets) - k
-	hold := &slotHold{h: h, store: store, keys: make([]string, 0, n), limits: make([]*limit, 0, n)}
+	hold := &slotHold{h: h, store: store}
+	hold.keys, hold.limits, hold.gens = hold.inlineKeys[:0], hold.inlineLimits[:0], hold.inlineGens[:0]
 	for i := k; i < len(buckets); i++ {
 		b := &buckets[i]
 		hold.id = b.args[2]

@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"net/http"
 	"net/http/httptest"
+	"os"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -525,4 +526,115 @@ func TestConcurrentSlotsOfKilledInstanceFreeWithinHoldNotBefore(t *testing.T) {
 		time.Sleep(50 * time.Millisecond)
 	}
 	t.Logf("slots of the killed instance free %v after SIGKILL (hold %v)", freed.Round(time.Millisecond), hold)
+}
+
+// readmeConcurrencyExample is the Caddyfile of the README's Concurrency
+// section.
+func readmeConcurrencyExample(t *testing.T) string {
+	t.Helper()
+	raw, err := os.ReadFile("README.md")
+	if err != nil {
+		t.Fatal(err)
+	}
+	_, section, ok := strings.Cut(string(raw), "\n## Concurrency\n")
+	if !ok {
+		t.Fatal(`README.md has no "Concurrency" section`)
+	}
+	_, block, ok := strings.Cut(section, "```caddyfile\n")
+	if !ok {
+		t.Fatal("the section has no caddyfile block")
+	}
+	block, _, _ = strings.Cut(block, "```")
+	if !strings.HasPrefix(block, "llm.example.com {") || !strings.Contains(block, "reverse_proxy localhost:8000\n") {
+		t.Fatalf("the example is not the site expected:\n%s", block)
+	}
+	return block
+}
+
+// TestConcurrentReadmeExampleRunsAsWritten: the README's Caddyfile, with
+// its site address, its upstream and a redis line replaced, holds at
+// most 4 generations of one API key in flight, refuses the rest with
+// Retry-After 1, and lets another key have its own 4.
+func TestConcurrentReadmeExampleRunsAsWritten(t *testing.T) {
+	srv := redistest.Start(t)
+	up := &countingUpstream{release: make(chan struct{})}
+	up.hold.Store(true)
+	upstream := httptest.NewServer(up)
+	defer upstream.Close()
+	site := strings.Replace(readmeConcurrencyExample(t), "llm.example.com {", "http://127.0.0.1:{{http_port}} {", 1)
+	site = strings.Replace(site, "reverse_proxy localhost:8000", "reverse_proxy "+strings.TrimPrefix(upstream.URL, "http://"), 1)
+	site = strings.Replace(site, "\t\tlimit requests", "\t\tredis "+srv.Addr+"\n\t\tlimit requests", 1)
+	inst := caddyproc.Start(t, caddyproc.Caddyfile(site))
+	client := caddyClient(t)
+	get := func(key string) *http.Response {
+		req, _ := http.NewRequest(http.MethodGet, inst.URL+"/v1/chat/completions", nil)
+		req.Header.Set("Authorization", key)
+		resp, err := client.Do(req)
+		if err != nil {
+			t.Errorf("GET: %v", err)
+			return nil
+		}
+		resp.Body.Close()
+		return resp
+	}
+	var wg sync.WaitGroup
+	for range 4 {
+		wg.Add(1)
+		go func() { defer wg.Done(); get("Bearer sk-1") }()
+	}
+	eventually(t, 5*time.Second, "4 generations upstream", func() bool { return up.now.Load() == 4 })
+	resp := get("Bearer sk-1")
+	if resp == nil || resp.StatusCode != 429 || resp.Header.Get("Retry-After") != "1" {
+		t.Fatalf("a fifth generation: %v, want 429 with Retry-After 1", resp)
+	}
+	wg.Add(1)
+	go func() { defer wg.Done(); get("Bearer sk-2") }()
+	eventually(t, 5*time.Second, "another key's generation upstream", func() bool { return up.now.Load() == 5 })
+	close(up.release)
+	wg.Wait()
+	if resp := get("Bearer sk-1"); resp == nil || resp.StatusCode != 200 {
+		t.Fatalf("after the generations ended: %v, want 200", resp)
+	}
+}
+
+func TestConcurrentShadowModeNeverRefusesAndHoldsNoSlotItWouldRefuse(t *testing.T) {
+	srv := redistest.Start(t)
+	h := concurrentHandler(t, srv, `key {http.request.header.X-Key}
+		shadow
+		concurrent gen 1`)
+	hd := newHolder()
+	done := startHeld(t, context.Background(), h, hd, "k")
+	second := startHeld(t, context.Background(), h, hd, "k") // would be refused: passes
+	rdb := srv.Client(t)
+	if n := rdb.ZCard(context.Background(), slotKey(t, h, "gen", "k")).Val(); n != 1 {
+		t.Errorf("%d slots held with one admitted and one shadow-denied request, want 1", n)
+	}
+	close(hd.letGo)
+	if s1, s2 := <-done, <-second; s1 != 200 || s2 != 200 {
+		t.Fatalf("statuses %d, %d; want 200 in shadow mode", s1, s2)
+	}
+	eventually(t, time.Second, "the slot released", func() bool {
+		return rdb.ZCard(context.Background(), slotKey(t, h, "gen", "k")).Val() == 0
+	})
+}
+
+func TestConcurrentChargedResponseReleasesItsSlotAfterSettling(t *testing.T) {
+	srv := redistest.Start(t)
+	h := concurrentHandler(t, srv, `key {http.request.header.X-Key}
+		limit requests 1000 1000 {
+			charge_status 2xx
+		}
+		concurrent gen 1`)
+	hd := newHolder()
+	done := startHeld(t, context.Background(), h, hd, "k")
+	if status, _ := serve(context.Background(), h, "k"); status != 429 {
+		t.Fatalf("with the slot held on the charged path: %d, want 429", status)
+	}
+	close(hd.letGo)
+	if status := <-done; status != 200 {
+		t.Fatalf("the charged request: %d", status)
+	}
+	if status, _ := serve(context.Background(), h, "k"); status != 200 {
+		t.Fatalf("after the charged response ended: %d, want 200 (the slot released)", status)
+	}
 }

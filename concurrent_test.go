@@ -16,6 +16,7 @@ import (
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 	dto "github.com/prometheus/client_model/go"
+	"github.com/redis/go-redis/v9"
 
 	"github.com/caddy-redis/ratelimit/internal/caddyproc"
 	"github.com/caddy-redis/ratelimit/internal/redistest"
@@ -636,5 +637,95 @@ func TestConcurrentChargedResponseReleasesItsSlotAfterSettling(t *testing.T) {
 	}
 	if status, _ := serve(context.Background(), h, "k"); status != 200 {
 		t.Fatalf("after the charged response ended: %d, want 200 (the slot released)", status)
+	}
+}
+
+// On a Cluster, a concurrent limit's slots live in the hash slot of its
+// key template's group; when a later group refuses, the slots an earlier
+// group took are released, as tokens are given back.
+func TestConcurrentOnClusterAllOrNothingAcrossGroups(t *testing.T) {
+	c := redistest.StartCluster(t, 3, 0)
+	addrs := strings.Join(c.Addrs, " ")
+	ctx := context.Background()
+	cc := redis.NewClusterClient(&redis.ClusterOptions{Addrs: c.Addrs})
+	defer cc.Close()
+
+	t.Run("the handler's own rate and a concurrent limit", func(t *testing.T) {
+		h := caddyfileHandler(t, fmt.Sprintf(`rate_limit 0.001 3 {
+	zone cown
+	key {http.request.header.X-Key}
+	concurrent gen 1
+	redis %s {
+		timeout 2s
+	}
+}`, addrs))
+		hd := newHolder()
+		done := startHeld(t, ctx, h, hd, "k")
+		for range 3 {
+			if status, _ := serve(ctx, h, "k"); status != 429 {
+				t.Fatalf("with the slot held: %d, want 429", status)
+			}
+		}
+		close(hd.letGo)
+		<-done
+		status, header := serve(ctx, h, "k")
+		if status != 200 || header.Get("X-RateLimit-Remaining") != "1" {
+			t.Fatalf("after the release: %d with %s tokens left, want 200 with 1 (refused requests' tokens given back)",
+				status, header.Get("X-RateLimit-Remaining"))
+		}
+	})
+
+	t.Run("a later group refuses: the slot goes back", func(t *testing.T) {
+		h := caddyfileHandler(t, fmt.Sprintf(`rate_limit {
+	zone cgroups
+	key {http.request.header.X-Key}
+	limit a 1000 1000
+	limit tenant 0.001 1 {
+		key {http.request.method}
+	}
+	concurrent gen 5
+	redis %s {
+		timeout 2s
+	}
+}`, addrs))
+		if status, _ := serve(ctx, h, "k"); status != 200 {
+			t.Fatalf("first request: %d, want 200", status)
+		}
+		slots := slotKey(t, h, "gen", "k")
+		for range 3 {
+			if status, _ := serve(ctx, h, "k"); status != 429 {
+				t.Fatalf("with the tenant's token spent: %d, want 429", status)
+			}
+			if n := cc.ZCard(ctx, slots).Val(); n != 0 {
+				t.Fatalf("%d slot(s) held after the tenant group refused, want 0", n)
+			}
+		}
+	})
+}
+
+// Slots from a placeholder, per request (plans): here the key itself
+// says how many, so "2" has two and "unlimited" is exempt.
+func TestConcurrentSlotsFromPlaceholderPerRequest(t *testing.T) {
+	srv := redistest.Start(t)
+	h := concurrentHandler(t, srv, `key {http.request.header.X-Key}
+		concurrent gen {http.request.header.X-Key}`)
+	hd := newHolder()
+	ctx := context.Background()
+	a, b := startHeld(t, ctx, h, hd, "2"), startHeld(t, ctx, h, hd, "2")
+	if status, _ := serve(ctx, h, "2"); status != 429 {
+		t.Fatalf("a third with 2 slots: %d, want 429", status)
+	}
+	var exempt []<-chan int
+	for range 3 {
+		exempt = append(exempt, startHeld(t, ctx, h, hd, "unlimited"))
+	}
+	if status, _ := serve(ctx, h, "x"); status != 500 {
+		t.Errorf("slots 'x' from the request: %d, want 500 (a config mistake, no slot taken)", status)
+	}
+	close(hd.letGo)
+	for _, done := range append(exempt, a, b) {
+		if status := <-done; status != 200 {
+			t.Errorf("held request: %d, want 200", status)
+		}
 	}
 }

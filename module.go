@@ -37,7 +37,9 @@ func init() {
 // a second and 1,000 an hour, per client and per tenant): it is admitted
 // only if every one holds its tokens, and then all are taken. Rates,
 // bursts and costs may come from placeholders per request (plans, costly
-// endpoints). Denied requests get a `Retry-After` header, and every
+// endpoints). With `concurrent`, at most a number of requests of a key
+// are in flight at once, across instances: a request holds a slot until
+// its response has ended. Denied requests get a `Retry-After` header, and every
 // response whose buckets were consulted carries the headers that
 // `headers` selects:
 //
@@ -47,7 +49,7 @@ func init() {
 // `X-RateLimit-Replenish-Rate` | tokens added per second
 // `X-RateLimit-Burst-Capacity` | most tokens the bucket holds
 // `X-RateLimit-Requested-Tokens` | tokens each request takes
-// `RateLimit-Policy` | IETF draft-10: `"<zone>";q=<burst>;w=<seconds to fill>`, an item per limit (`"<zone>.<name>"`)
+// `RateLimit-Policy` | IETF draft-10: `"<zone>";q=<burst>;w=<seconds to fill>`, an item per limit (`"<zone>.<name>"`); a concurrent limit's is `"<zone>.<name>";q=<slots>;qu="concurrent-requests"`
 // `RateLimit` | IETF draft-10: `"<zone>";r=<remaining>;t=<seconds until a request fits>`, an item per limit
 //
 // With several limits, the `X-RateLimit-*` set describes the limit that
@@ -75,7 +77,9 @@ func init() {
 // breaker in `caddy_rate_limit_breaker_open`. Limits that charge by the
 // response count tokens in `caddy_rate_limit_charged_total` and
 // `caddy_rate_limit_forgiven_total`, and settlements lost to Redis
-// failures in `caddy_rate_limit_settle_failures_total`.
+// failures in `caddy_rate_limit_settle_failures_total`. Concurrent
+// limits report the slots this instance holds in
+// `caddy_rate_limit_in_flight`.
 type Handler struct {
 	// Zone names the space of buckets: letters, digits, `-`, `_`, `.` and
 	// `:`. Handlers with the same zone and key template share buckets,

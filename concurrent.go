@@ -484,7 +484,104 @@ func (s *slotHold) release() {
 		}
 		return
 	}
-	s.send(releaseArg)
+	s.sendRelease()
+}
+
+// sendRelease queues the release of slots in Redis, one call per Cluster
+// hash slot group, before the response ends, and does not wait for it:
+// the batcher's worker reads the answer. The limiter counts it pending
+// per key until then, so that a request of the same client refused
+// meanwhile for that key waits for it and asks again (awaitReleases): a
+// client that sends its requests one after another never finds its own
+// previous slot still taken. Sent at most once; a release lost to a
+// failure expires with its hold.
+func (s *slotHold) sendRelease() {
+	h := s.h
+	now := time.Now()
+	for start := 0; start < len(s.keys); {
+		end := start + 1
+		for end < len(s.keys) && s.limits[end].group == s.limits[start].group {
+			end++
+		}
+		c := calls.Get().(*call)
+		c.keys = append(c.keys, s.keys[start:end]...)
+		c.command(concurrentScript)
+		c.args = append(c.args, releaseArg)
+		for _, l := range s.limits[start:end] {
+			c.args = append(c.args, s.id, l.slots.holdArg)
+		}
+		h.limiter.releases.add(c.keys, 1)
+		c.clientCtx, c.then = context.Background(), releaseAnswer{h} // sent even when the client has left
+		if err := h.limiter.enqueue(c, now); err != nil {
+			c.err = err
+			c.then.takeAnswer(c)
+		}
+		start = end
+	}
+}
+
+// releaseAnswer reads the answer to a release, in the batcher's worker.
+type releaseAnswer struct{ h *Handler }
+
+func (a releaseAnswer) takeAnswer(c *call) {
+	a.h.limiter.releases.add(c.keys, -1)
+	a.h.slotsAnswered(releaseArg, c, c.err)
+	c.release()
+}
+
+// pendingReleases counts the releases queued and not yet answered, by
+// slot key.
+type pendingReleases struct {
+	mu   sync.Mutex
+	keys map[string]int
+}
+
+func (p *pendingReleases) add(keys []string, n int) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.keys == nil {
+		p.keys = make(map[string]int)
+	}
+	for _, key := range keys {
+		if p.keys[key] += n; p.keys[key] <= 0 {
+			delete(p.keys, key)
+		}
+	}
+}
+
+// pending says whether a release of any of the buckets' slot keys is
+// pending.
+func (p *pendingReleases) pending(buckets []bucket) bool {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	for i := firstSlot(buckets); i < len(buckets); i++ {
+		if p.keys[buckets[i].key] > 0 {
+			return true
+		}
+	}
+	return false
+}
+
+// awaitReleases waits, after a refusal by a full concurrent limit of a
+// request sent while a release of one of its keys was on its way (and
+// may have reached Redis after it), until the releases of its keys are
+// answered, at most until the deadline; it says whether the request
+// should ask again.
+func (l *limiter) awaitReleases(buckets []bucket, deadline time.Time) bool {
+	full := false
+	for i := firstSlot(buckets); i < len(buckets); i++ {
+		full = full || buckets[i].remaining == 0
+	}
+	if !full {
+		return false
+	}
+	for l.releases.pending(buckets) {
+		if time.Now().After(deadline) {
+			return false
+		}
+		time.Sleep(100 * time.Microsecond)
+	}
+	return true
 }
 
 // renew renews the slots in Redis, in the timer's goroutine, and sets the

@@ -117,6 +117,10 @@ type limiter struct {
 	// lastReload throttles cluster slot reloads after network errors.
 	lastReload atomic.Int64
 
+	// releases are the releases of concurrent limits' slots on their way
+	// to Redis (concurrent.go).
+	releases pendingReleases
+
 	// noEvalRO: the server answered that it knows no EVAL_RO (Redis
 	// before 7), so the admin API's reads use EVAL of the same script.
 	noEvalRO atomic.Bool

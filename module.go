@@ -595,7 +595,11 @@ func (h *Handler) check(clientCtx context.Context, buckets []bucket) (bool, erro
 	case h.useDenyCache && h.denied.answer(buckets, sent):
 		return false, nil
 	case h.groups == nil:
+		releasing := len(h.Concurrent) > 0 && h.limiter.releases.pending(buckets) // concurrent.go
 		allowed, err = h.limiter.take(clientCtx, sent, buckets)
+		if releasing && err == nil && !allowed && h.limiter.awaitReleases(buckets, sent.Add(h.limiter.timeout/2)) {
+			allowed, err = h.limiter.take(clientCtx, sent, buckets) // a slot of this key was on its way back
+		}
 	default:
 		allowed, err = h.takeGroups(clientCtx, sent, buckets)
 	}

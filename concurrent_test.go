@@ -729,3 +729,37 @@ func TestConcurrentSlotsFromPlaceholderPerRequest(t *testing.T) {
 		}
 	}
 }
+
+// Releases that meet in one batch go out as one script call
+// (mergeReleases); each frees its own slot.
+func TestConcurrentReleasesMergedInABatchFreeEachSlot(t *testing.T) {
+	srv := redistest.Start(t)
+	h := concurrentHandler(t, srv, `key {http.request.header.X-Key}
+		concurrent gen 1`)
+	hd := newHolder()
+	ctx := context.Background()
+	var done []<-chan int
+	for i := range 40 {
+		done = append(done, startHeld(t, ctx, h, hd, fmt.Sprint("k", i)))
+	}
+	close(hd.letGo) // 40 releases at once
+	for _, d := range done {
+		if status := <-d; status != 200 {
+			t.Fatalf("held request: %d", status)
+		}
+	}
+	rdb := srv.Client(t)
+	eventually(t, 2*time.Second, "every slot free", func() bool {
+		for i := range 40 {
+			if rdb.ZCard(ctx, slotKey(t, h, "gen", fmt.Sprint("k", i))).Val() != 0 {
+				return false
+			}
+		}
+		return true
+	})
+	for i := range 40 {
+		if status, _ := serve(ctx, h, fmt.Sprint("k", i)); status != 200 {
+			t.Fatalf("key k%d after the releases: %d, want 200", i, status)
+		}
+	}
+}

@@ -594,14 +594,12 @@ func (h *Handler) check(clientCtx context.Context, buckets []bucket) (bool, erro
 		}
 	case h.useDenyCache && h.denied.answer(buckets, sent):
 		return false, nil
-	case h.groups == nil:
-		releasing := len(h.Concurrent) > 0 && h.limiter.releases.pending(buckets) // concurrent.go
-		allowed, err = h.limiter.take(clientCtx, sent, buckets)
-		if releasing && err == nil && !allowed && h.limiter.awaitReleases(buckets, sent.Add(h.limiter.timeout/2)) {
-			allowed, err = h.limiter.take(clientCtx, sent, buckets) // a slot of this key was on its way back
-		}
 	default:
-		allowed, err = h.takeGroups(clientCtx, sent, buckets)
+		releasing := len(h.Concurrent) > 0 && h.limiter.releases.pending(buckets) // concurrent.go
+		allowed, err = h.takeAll(clientCtx, sent, buckets)
+		if releasing && err == nil && !allowed && h.limiter.awaitReleases(buckets, sent.Add(h.limiter.timeout/2)) {
+			allowed, err = h.takeAll(clientCtx, sent, buckets) // a slot of this key was on its way back
+		}
 	}
 	if h.metrics != nil && err != errBreakerOpen {
 		h.metrics.redisDuration.Observe(time.Since(sent).Seconds())
@@ -636,6 +634,15 @@ func (h *Handler) check(clientCtx context.Context, buckets []bucket) (bool, erro
 		h.warnRedisFailed(err)
 	}
 	return allowed, err
+}
+
+// takeAll takes a request's buckets in Redis: in one call, or on a
+// Cluster whose hash slots they span, a call per slot group.
+func (h *Handler) takeAll(clientCtx context.Context, sent time.Time, buckets []bucket) (bool, error) {
+	if h.groups == nil {
+		return h.limiter.take(clientCtx, sent, buckets)
+	}
+	return h.takeGroups(clientCtx, sent, buckets)
 }
 
 // The warnings of check, throttled, each in a function of its own: their

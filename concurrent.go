@@ -9,6 +9,7 @@ package ratelimit
 // instance that dies loses its slots within a hold.
 
 import (
+	"cmp"
 	"context"
 	_ "embed"
 	"encoding/hex"
@@ -178,8 +179,8 @@ func (h *Handler) buildConcurrent(keyPrefix string, first int, groups map[string
 		if err != nil {
 			return nil, err
 		}
-		template.ipv4Bits = *cmpOr(c.IPv4Prefix, h.IPv4Prefix, new(32))
-		template.ipv6Bits = *cmpOr(c.IPv6Prefix, h.IPv6Prefix, new(64))
+		template.ipv4Bits = *cmp.Or(c.IPv4Prefix, h.IPv4Prefix, new(32))
+		template.ipv6Bits = *cmp.Or(c.IPv6Prefix, h.IPv6Prefix, new(64))
 		prefix := bucketPrefix(keyPrefix, h.Zone, key)
 		hold := time.Duration(c.Hold)
 		if hold == 0 {
@@ -213,16 +214,6 @@ func (h *Handler) buildConcurrent(keyPrefix string, first int, groups map[string
 		limits = append(limits, l)
 	}
 	return limits, nil
-}
-
-// cmpOr is cmp.Or for prefixes (policy.go imports cmp; kept apart here).
-func cmpOr(values ...*int) *int {
-	for _, v := range values {
-		if v != nil {
-			return v
-		}
-	}
-	return nil
 }
 
 // slotArgs are a concurrent bucket's script arguments for a request:
@@ -260,7 +251,7 @@ func newSlotID() any {
 // follow its token buckets (buildLimits puts the concurrent limits last).
 func firstSlot(buckets []bucket) int {
 	for i := range buckets {
-		if buckets[i].limit.slots != nil {
+		if l := buckets[i].limit; l != nil && l.slots != nil {
 			return i
 		}
 	}

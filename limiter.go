@@ -341,8 +341,8 @@ func (l *limiter) call(clientCtx context.Context, now time.Time, script *luaScri
 	c.command(script)
 	for i := range buckets {
 		c.args = append(c.args, buckets[i].args[:]...)
-		if slots := buckets[i].limit.slots; slots != nil {
-			c.args = append(c.args, slots.holdArg) // "c", n, slot id, hold (concurrent.go)
+		if l := buckets[i].limit; l != nil && l.slots != nil {
+			c.args = append(c.args, l.slots.holdArg) // "c", n, slot id, hold (concurrent.go)
 		}
 	}
 	return l.send(clientCtx, now, c)

@@ -145,6 +145,9 @@ type limitInfo struct {
 	// A quota's count (in place of the rate and burst) and period.
 	Count Param  `json:"count,omitempty"`
 	Per   string `json:"per,omitempty"`
+	// A concurrent limit's slots and hold (concurrent.go).
+	Slots Param  `json:"slots,omitempty"`
+	Hold  string `json:"hold,omitempty"`
 }
 
 func listZones() []zoneInfo {
@@ -168,7 +171,10 @@ func listZones() []zoneInfo {
 			if l.quota != nil {
 				li.Count, li.Per, li.ReplenishRate, li.BurstCapacity = l.burst, l.quota.per, "", ""
 			}
-			if l.fixed && !l.exempt && l.quota != nil {
+			if l.slots != nil {
+				li = limitInfo{Name: l.name, Key: l.keyText, Slots: l.burst, Hold: l.slots.hold.String(),
+					IPv4Prefix: l.template.ipv4Bits, IPv6Prefix: l.template.ipv6Bits}
+			} else if l.fixed && !l.exempt && l.quota != nil {
 				li.Count = Param(strconv.FormatInt(l.values.burst, 10))
 				li.RequestedTokens = Param(strconv.FormatInt(l.values.requested, 10))
 			} else if l.fixed && !l.exempt { // with the defaults filled in
@@ -205,6 +211,12 @@ type bucketInfo struct {
 	// Quota is a quota's usage in its current period (Tokens is what is
 	// left of it); nil for a token bucket.
 	Quota *quotaInfo `json:"quota,omitempty"`
+	// A concurrent limit's: its slots, how many are held now, and when
+	// each held slot expires unless renewed, in seconds, soonest first
+	// (Redis only; in-process slots do not expire).
+	Slots      *int64    `json:"slots,omitempty"`
+	InUse      *int64    `json:"in_use,omitempty"`
+	SlotExpiry []float64 `json:"slot_expires_in,omitempty"`
 }
 
 // quotaInfo is a client's quota in its current period: its count, what
@@ -256,6 +268,18 @@ func serveBuckets(w http.ResponseWriter, r *http.Request, zone string) error {
 		if b.quota != nil {
 			info.BurstCapacity = 0 // its count is in Quota
 		}
+		if l.slots != nil && r.Method == http.MethodGet { // concurrent.go
+			view, err := h.peekSlots(ctx, b)
+			if err != nil {
+				return caddy.APIError{HTTPStatus: http.StatusServiceUnavailable, Err: fmt.Errorf("reading %s: %w", b.key, err)}
+			}
+			info = bucketInfo{Limit: l.name, Key: b.clientKey(), StoredKey: b.key, Slots: &b.values.burst, InUse: &view.inUse}
+			for _, d := range view.expiries {
+				info.SlotExpiry = append(info.SlotExpiry, d.Seconds())
+			}
+			infos = append(infos, info)
+			continue
+		}
 		if r.Method == http.MethodDelete {
 			if err := h.resetBucket(ctx, b.key); err != nil {
 				return caddy.APIError{HTTPStatus: http.StatusServiceUnavailable, Err: fmt.Errorf("resetting %s: %w", b.key, err)}
@@ -303,9 +327,11 @@ func (h *Handler) peekBucket(ctx context.Context, b bucket) (bucketView, error) 
 func (h *Handler) resetBucket(ctx context.Context, key string) error {
 	if h.local != nil {
 		h.local.reset([]string{key})
+		h.local.resetSlots([]string{key})
 	}
 	if h.memory != nil {
 		h.memory.reset([]string{key})
+		h.memory.resetSlots([]string{key})
 		return nil
 	}
 	if h.limiter == nil {

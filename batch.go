@@ -221,6 +221,7 @@ func (l *limiter) sendBatch(worker int, batch []*call) {
 	}
 
 	send = l.mergeSettlements(send) // charge.go
+	send = l.mergeReleases(send)    // concurrent.go
 	sent := time.Now()
 	cmds := l.pipeline(ctx, send, false)
 	for _, cmd := range cmds {

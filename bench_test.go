@@ -200,6 +200,18 @@ func BenchmarkServeHTTPMemory(b *testing.B) {
 	serveFresh(b, "192.0.2.1", "client-1", http.StatusOK, serveHandler(h))
 }
 
+// BenchmarkServeHTTPConcurrent is BenchmarkServeHTTPAllowed with
+// `concurrent gen 1000` on the same key: a slot taken with the tokens,
+// and released before the request returns (issue 23).
+func BenchmarkServeHTTPConcurrent(b *testing.B) {
+	srv := redistest.Start(b)
+	h := benchHandler(b, srv, "bench-concurrent", 1e9, 1_000_000_000, func(h *Handler) {
+		h.Concurrent = []Concurrent{{Name: "gen", Slots: "1000"}}
+	})
+	serveOne(b, h, "192.0.2.1", "client-1", http.StatusOK)
+	serveFresh(b, "192.0.2.1", "client-1", http.StatusOK, serveHandler(h))
+}
+
 // BenchmarkServeHTTPLease is BenchmarkServeHTTPAllowed with `lease 32`:
 // most requests are admitted from the lease, without Redis.
 func BenchmarkServeHTTPLease(b *testing.B) {

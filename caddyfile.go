@@ -65,6 +65,13 @@ func parseCaddyfile(h httpcaddyfile.Helper) (caddyhttp.MiddlewareHandler, error)
 //			max_debt         <tokens>
 //		}
 //		reset_jitter     <duration>
+//		concurrent <name> <slots> {
+//			key              <template with placeholders>
+//			ipv4_prefix      <bits>
+//			ipv6_prefix      <bits>
+//			hold             <duration>
+//			retry_after      <seconds>
+//		}
 //		deny_empty_key   true|false
 //		empty_key_status <http status>
 //		status_code      <http status>
@@ -101,9 +108,9 @@ func parseCaddyfile(h httpcaddyfile.Helper) (caddyhttp.MiddlewareHandler, error)
 //	}
 //
 // The inline arguments set the subdirectives of the same names. Each
-// subdirective may be given once; `limit` and `quota` once per name. A
-// quota's period is minute, hour, day, week, month, year or a duration
-// (6h). A rate, burst, count or
+// subdirective may be given once; `limit`, `quota` and `concurrent`
+// once per name. A quota's period is minute, hour, day, week, month,
+// year or a duration (6h). A rate, burst, count, slots or
 // cost may be placeholders, resolved per request (a rate of `unlimited`
 // exempts the request from that limit).
 func (h *Handler) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
@@ -116,7 +123,7 @@ func (h *Handler) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 	}
 	for nesting := d.Nesting(); d.NextBlock(nesting); {
 		sub := d.Val()
-		if seen[sub] && sub != "limit" && sub != "quota" {
+		if seen[sub] && sub != "limit" && sub != "quota" && sub != "concurrent" {
 			return d.Errf("subdirective '%s' is given twice", sub)
 		}
 		seen[sub] = true
@@ -131,6 +138,8 @@ func (h *Handler) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 			err = h.unmarshalQuota(d)
 		case "reset_jitter":
 			err = value(func(v string) error { return setDuration(&h.ResetJitter, sub, v) })
+		case "concurrent":
+			err = h.unmarshalConcurrent(d)
 		case "deny_empty_key":
 			err = value(func(v string) error { return setBool(&h.DenyEmptyKey, sub, v) })
 		case "include_headers":
@@ -332,6 +341,66 @@ func (h *Handler) unmarshalQuota(d *caddyfile.Dispenser) error {
 		}
 	}
 	h.Quotas = append(h.Quotas, q)
+	return nil
+}
+
+// unmarshalConcurrent parses one concurrent limit; the dispenser is on
+// "concurrent":
+//
+//	concurrent <name> <slots> {
+//		key         <template>
+//		ipv4_prefix <bits>
+//		ipv6_prefix <bits>
+//		hold        <duration>
+//		retry_after <seconds>
+//	}
+func (h *Handler) unmarshalConcurrent(d *caddyfile.Dispenser) error {
+	args := d.RemainingArgs()
+	if len(args) != 2 {
+		return d.Errf("concurrent: want <name> <slots>, got %d argument(s): '%s'", len(args), strings.Join(args, " "))
+	}
+	c := Concurrent{Name: args[0], Slots: Param(args[1])}
+	if err := checkLimitName(c.Name); err != nil {
+		return d.WrapErr(fmt.Errorf("concurrent: %w", err))
+	}
+	for _, other := range h.Concurrent {
+		if other.Name == c.Name {
+			return d.Errf("concurrent '%s' is given twice: limit names must be unique in a handler", c.Name)
+		}
+	}
+	block := "concurrent " + c.Name
+	seen := map[string]bool{}
+	for nesting := d.Nesting(); d.NextBlock(nesting); {
+		sub := d.Val()
+		if seen[sub] {
+			return d.Errf("%s: subdirective '%s' is given twice", block, sub)
+		}
+		seen[sub] = true
+		var err error
+		switch sub {
+		case "key":
+			err = oneValue(d, block, func(v string) error { c.Key = v; _, err := parseKeyTemplate(v); return err })
+		case "ipv4_prefix":
+			err = oneValue(d, block, func(v string) error { return setPrefix(&c.IPv4Prefix, sub, v, 32) })
+		case "ipv6_prefix":
+			err = oneValue(d, block, func(v string) error { return setPrefix(&c.IPv6Prefix, sub, v, 128) })
+		case "hold":
+			err = oneValue(d, block, func(v string) error { return setDuration(&c.Hold, sub, v) })
+		case "retry_after":
+			err = oneValue(d, block, func(v string) error {
+				return setCount(&c.RetryAfter, sub, v, 1, fmt.Sprintf("want whole seconds from 1 to %d", maxSlotRetry))
+			})
+		default:
+			return d.Errf("unrecognized %s subdirective '%s' (a concurrent limit takes key, ipv4_prefix, ipv6_prefix, hold and retry_after)", block, sub)
+		}
+		if err != nil {
+			return err
+		}
+	}
+	if err := checkConcurrentValues(c); err != nil {
+		return d.WrapErr(fmt.Errorf("%s: %w", block, err))
+	}
+	h.Concurrent = append(h.Concurrent, c)
 	return nil
 }
 

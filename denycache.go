@@ -83,7 +83,7 @@ func (c *denyCache) put(buckets []bucket, sent time.Time) {
 	defer c.mu.Unlock()
 	for i := range buckets {
 		b := &buckets[i]
-		if b.retryAfter <= 0 {
+		if b.retryAfter <= 0 || b.limit != nil && b.limit.slots != nil { // slots come back by release, not by time
 			continue
 		}
 		if len(c.entries) >= denyCacheSize {

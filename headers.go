@@ -94,6 +94,9 @@ func newRateLimitHeaders(style string, limits []*limit) rateLimitHeaders {
 			lh.burst = strconv.FormatInt(l.values.burst, 10)
 			lh.requested = strconv.FormatInt(l.values.requested, 10)
 			lh.policy = policyItem(lh.quoted, l.values)
+			if l.slots != nil {
+				lh.policy = slotPolicyItem(lh.quoted, l.values) // concurrent.go
+			}
 			items = append(items, lh.policy)
 		}
 	}
@@ -170,6 +173,8 @@ func (rh *rateLimitHeaders) setIETF(hdr http.Header, v *headerValues, buckets []
 		}
 		if b.quota != nil {
 			policy = appendQuotaPolicy(policy, lh, b)
+		} else if rh.policy == "" && b.limit.slots != nil {
+			policy = append(policy, slotPolicyItem(lh.quoted, b.values)...)
 		} else if rh.policy == "" {
 			policy = append(policy, policyItem(lh.quoted, b.values)...)
 		} else {

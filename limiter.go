@@ -117,6 +117,10 @@ type limiter struct {
 	// lastReload throttles cluster slot reloads after network errors.
 	lastReload atomic.Int64
 
+	// releases are the releases of concurrent limits' slots on their way
+	// to Redis (concurrent.go).
+	releases pendingReleases
+
 	// noEvalRO: the server answered that it knows no EVAL_RO (Redis
 	// before 7), so the admin API's reads use EVAL of the same script.
 	noEvalRO atomic.Bool
@@ -267,6 +271,7 @@ func (l *limiter) loadScript(within time.Duration) {
 	_ = l.client.ScriptLoad(ctx, giveBackSource).Err()
 	_ = l.client.ScriptLoad(ctx, settleSource).Err()
 	_ = l.client.ScriptLoad(ctx, leaseSource).Err()
+	_ = l.client.ScriptLoad(ctx, concurrentSource).Err()
 }
 
 // lingerIdle is how long a released limiter must go without calls before
@@ -338,6 +343,8 @@ func (l *limiter) call(clientCtx context.Context, now time.Time, script *luaScri
 		c.args = append(c.args, buckets[i].args[:]...)
 		if q := buckets[i].quota; q != nil {
 			c.args = append(c.args, q.args[:]...)
+		} else if l := buckets[i].limit; l != nil && l.slots != nil {
+			c.args = append(c.args, l.slots.holdArg) // "c", n, slot id, hold (concurrent.go)
 		}
 	}
 	return l.send(clientCtx, now, c)

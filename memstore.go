@@ -30,6 +30,8 @@ type memoryStore struct {
 	// prefix and the zone are the store's, see memoryStoreName), which it
 	// does not hold: see storedKey.
 	plainPrefix, namedPrefix string
+	// slots are the in-process slots of concurrent limits (concurrent.go).
+	slots slotCounts
 }
 
 // memoryShards spreads the buckets so that requests on different keys

@@ -17,6 +17,8 @@ var collectors = struct {
 	breakerOpen   *breakerCollector
 	// Charging (charge.go): tokens charged and forgiven, settlements lost.
 	charged, forgiven, settleFailures *prometheus.CounterVec
+	// Concurrent limits (concurrent.go): this instance's slots held.
+	inFlight *prometheus.GaugeVec
 }{}
 
 // zoneMetrics are one zone's series, looked up once at provision time so
@@ -31,6 +33,8 @@ type zoneMetrics struct {
 	// By limit index, for the limits that charge by the response.
 	charged, forgiven []prometheus.Counter
 	settleFailures    prometheus.Counter
+	// inFlight by limit index, for concurrent limits (nil for others).
+	inFlight []prometheus.Gauge
 }
 
 func newZoneMetrics(registry prometheus.Registerer, zone string, limits []*limit) (*zoneMetrics, error) {
@@ -63,15 +67,25 @@ func newZoneMetrics(registry prometheus.Registerer, zone string, limits []*limit
 			Namespace: ns, Subsystem: sub, Name: "settle_failures_total",
 			Help: "Settlements of responses' costs lost to a failure (their reservations stand; none is sent again), by zone.",
 		}, []string{"zone"})
+		collectors.inFlight = prometheus.NewGaugeVec(prometheus.GaugeOpts{
+			Namespace: ns, Subsystem: sub, Name: "in_flight",
+			Help: "Slots of concurrent limits that this instance's requests hold now, by zone and limit.",
+		}, []string{"zone", "limit"})
 	})
 	for _, c := range []prometheus.Collector{collectors.requests, collectors.redisDuration, collectors.breakerOpen,
-		collectors.charged, collectors.forgiven, collectors.settleFailures} {
+		collectors.charged, collectors.forgiven, collectors.settleFailures, collectors.inFlight} {
 		if err := registry.Register(c); err != nil && !errors.As(err, &prometheus.AlreadyRegisteredError{}) {
 			return nil, err
 		}
 	}
 	m := &zoneMetrics{redisDuration: collectors.redisDuration.WithLabelValues(zone)}
 	m.charged, m.forgiven, m.settleFailures = chargeCounters(zone, limits)
+	m.inFlight = make([]prometheus.Gauge, len(limits))
+	for i, l := range limits {
+		if l.slots != nil {
+			m.inFlight[i] = collectors.inFlight.WithLabelValues(zone, l.name)
+		}
+	}
 	for d := range numDecisions {
 		m.requests[d] = []prometheus.Counter{collectors.requests.WithLabelValues(zone, d.String(), "")}
 		if d != decisionDenied && d != decisionShadowDenied && d != decisionErrorLocalDenied {

@@ -37,7 +37,9 @@ func init() {
 // a second and 1,000 an hour, per client and per tenant): it is admitted
 // only if every one holds its tokens, and then all are taken. Rates,
 // bursts and costs may come from placeholders per request (plans, costly
-// endpoints). Denied requests get a `Retry-After` header, and every
+// endpoints). With `concurrent`, at most a number of requests of a key
+// are in flight at once, across instances: a request holds a slot until
+// its response has ended. Denied requests get a `Retry-After` header, and every
 // response whose buckets were consulted carries the headers that
 // `headers` selects:
 //
@@ -47,7 +49,7 @@ func init() {
 // `X-RateLimit-Replenish-Rate` | tokens added per second
 // `X-RateLimit-Burst-Capacity` | most tokens the bucket holds
 // `X-RateLimit-Requested-Tokens` | tokens each request takes
-// `RateLimit-Policy` | IETF draft-10: `"<zone>";q=<burst>;w=<seconds to fill>`, an item per limit (`"<zone>.<name>"`)
+// `RateLimit-Policy` | IETF draft-10: `"<zone>";q=<burst>;w=<seconds to fill>`, an item per limit (`"<zone>.<name>"`); a concurrent limit's is `"<zone>.<name>";q=<slots>;qu="concurrent-requests"`
 // `RateLimit` | IETF draft-10: `"<zone>";r=<remaining>;t=<seconds until a request fits>`, an item per limit
 //
 // With several limits, the `X-RateLimit-*` set describes the limit that
@@ -75,7 +77,9 @@ func init() {
 // breaker in `caddy_rate_limit_breaker_open`. Limits that charge by the
 // response count tokens in `caddy_rate_limit_charged_total` and
 // `caddy_rate_limit_forgiven_total`, and settlements lost to Redis
-// failures in `caddy_rate_limit_settle_failures_total`.
+// failures in `caddy_rate_limit_settle_failures_total`. Concurrent
+// limits report the slots this instance holds in
+// `caddy_rate_limit_in_flight`.
 type Handler struct {
 	// Zone names the space of buckets: letters, digits, `-`, `_`, `.` and
 	// `:`. Handlers with the same zone and key template share buckets,
@@ -143,6 +147,12 @@ type Handler struct {
 	// key), so that the clients of a quota do not all come back in the
 	// second it renews. Off (0) by default; only with quotas.
 	ResetJitter caddy.Duration `json:"reset_jitter,omitempty"`
+
+	// Concurrent are concurrency limits: at most a number of requests of
+	// a key in flight at once, across instances, taken together with the
+	// other limits (see Concurrent). A handler with concurrent limits and
+	// neither `limits` nor a rate or burst of its own has only those.
+	Concurrent []Concurrent `json:"concurrent,omitempty"`
 
 	// Charge says where the real cost of a response comes from, for every
 	// limit (a limit may have its own): a response header, numbers in a
@@ -531,7 +541,7 @@ func (h *Handler) decideLocally(w http.ResponseWriter, r *http.Request, next cad
 	for i := range buckets {
 		buckets[i].unknown = false // a Cluster group that failed left them so; every bucket answers here
 	}
-	allowed, err := h.local.take(time.Now(), buckets)
+	allowed, err := h.local.takeInProcess(time.Now(), buckets)
 	if err != nil { // full: as on_error allow
 		buckets[0].remaining = -1
 		h.headers.set(w.Header(), buckets[:1], 0, false)
@@ -559,6 +569,14 @@ func (h *Handler) answer(w http.ResponseWriter, r *http.Request, next caddyhttp.
 		h.record(repl, refused, buckets, described)
 		return false, reject(w, r, h.errDenied)
 	}
+	if allowed && len(h.Concurrent) > 0 && firstSlot(buckets) < len(buckets) {
+		// Served from here: the slots go back when the response has ended.
+		store := h.memory
+		if admitted == decisionErrorLocalAllowed {
+			store = h.local
+		}
+		return false, h.serveHolding(w, r, next, repl, buckets, store, admitted == decisionErrorLocalAllowed)
+	}
 	if allowed && h.charging != nil {
 		// Served from here, not from ServeHTTP: settling the charge needs
 		// the buckets once the response is done.
@@ -577,7 +595,7 @@ var errEmptyKey = errors.New("empty key")
 func (h *Handler) check(clientCtx context.Context, buckets []bucket) (bool, error) {
 	sent := time.Now()
 	if h.memory != nil {
-		allowed, err := h.memory.take(sent, buckets)
+		allowed, err := h.memory.takeInProcess(sent, buckets)
 		if err != nil {
 			h.warnFull()
 		}
@@ -593,16 +611,19 @@ func (h *Handler) check(clientCtx context.Context, buckets []bucket) (bool, erro
 		}
 	case h.useDenyCache && h.denied.answer(buckets, sent):
 		return false, nil
-	case h.groups == nil:
-		allowed, err = h.limiter.take(clientCtx, sent, buckets)
 	default:
-		allowed, err = h.takeGroups(clientCtx, sent, buckets)
+		releasing := len(h.Concurrent) > 0 && h.limiter.releases.pending(buckets) // concurrent.go
+		allowed, err = h.takeAll(clientCtx, sent, buckets)
+		if releasing && err == nil && !allowed && h.limiter.awaitReleases(buckets, sent.Add(h.limiter.timeout/2)) {
+			allowed, err = h.takeAll(clientCtx, sent, buckets) // a slot of this key was on its way back
+		}
 	}
 	if h.metrics != nil && err != errBreakerOpen {
 		h.metrics.redisDuration.Observe(time.Since(sent).Seconds())
 	}
 	switch err.(type) {
 	case nil:
+		slotsAnswered(buckets, allowed) // concurrent.go
 		switch {
 		case !h.useDenyCache:
 		case !allowed:
@@ -630,6 +651,15 @@ func (h *Handler) check(clientCtx context.Context, buckets []bucket) (bool, erro
 		h.warnRedisFailed(err)
 	}
 	return allowed, err
+}
+
+// takeAll takes a request's buckets in Redis: in one call, or on a
+// Cluster whose hash slots they span, a call per slot group.
+func (h *Handler) takeAll(clientCtx context.Context, sent time.Time, buckets []bucket) (bool, error) {
+	if h.groups == nil {
+		return h.limiter.take(clientCtx, sent, buckets)
+	}
+	return h.takeGroups(clientCtx, sent, buckets)
 }
 
 // The warnings of check, throttled, each in a function of its own: their
@@ -749,6 +779,9 @@ func (h *Handler) derivedZone() string {
 	}
 	for _, l := range h.Limits {
 		text = fmt.Appendf(text, "\x00%s\x00%s\x00%s\x00%s", l.Name, l.Key, l.ReplenishRate, l.BurstCapacity)
+	}
+	for _, c := range h.Concurrent {
+		text = fmt.Appendf(text, "\x00c\x00%s\x00%s\x00%s", c.Name, c.Key, c.Slots)
 	}
 	sum := sha256.Sum256(text)
 	return "auto-" + hex.EncodeToString(sum[:6])

@@ -241,6 +241,10 @@ type limit struct {
 	// quota is its period when it is a quota (quota.go), nil for a token
 	// bucket; its values' burst is then the quota's count.
 	quota *quota
+
+	// slots makes it a concurrent limit (concurrent.go): its values are
+	// n as the burst and one slot per request; nil for a token bucket.
+	slots *slotRule
 }
 
 // bucket is one limit's bucket for one request, and Redis's answer.
@@ -275,9 +279,10 @@ type bucket struct {
 var ownLimit = []Limit{{}}
 
 // hasOwnLimit says whether the handler's own fields make a limit: when
-// it has no `limits`, and, with quotas, a rate or burst of its own.
+// it has no `limits`, and, with quotas or concurrent limits, a rate or
+// burst of its own.
 func (h *Handler) hasOwnLimit() bool {
-	return len(h.Limits) == 0 && (len(h.Quotas) == 0 || h.ReplenishRate != "" || h.BurstCapacity != "")
+	return len(h.Limits) == 0 && (len(h.Quotas) == 0 && len(h.Concurrent) == 0 || unset(h.ReplenishRate) != "" || h.BurstCapacity != "")
 }
 
 // limitConfigs are the handler's limits as configured: its `limits`, or
@@ -334,8 +339,8 @@ func (h *Handler) buildLimits(keyPrefix string) ([]*limit, error) {
 			l.keyPrefix = prefix
 		}
 		group := fmt.Sprintf("%s/%d/%d", key, l.template.ipv4Bits, l.template.ipv6Bits)
-		if !named && l.quota != nil && h.hasOwnLimit() {
-			group = "quota " + group // not the own limit's slot, whose key has no hash tag
+		if !named && l.quota == nil {
+			group = "\x00own" // the own limit's key has no hash tag: a slot of its own
 		}
 		if _, ok := groups[group]; !ok {
 			groups[group] = len(groups)
@@ -350,7 +355,12 @@ func (h *Handler) buildLimits(keyPrefix string) ([]*limit, error) {
 		}
 		limits[i] = l
 	}
-	return limits, nil
+	// Concurrent limits last: a request's slots follow its buckets.
+	concurrent, err := h.buildConcurrent(keyPrefix, len(limits), groups)
+	if err != nil {
+		return nil, err
+	}
+	return append(limits, concurrent...), nil
 }
 
 // or is the first of its values that is set.
@@ -385,6 +395,9 @@ func (v limitValues) scriptArgs() [3]any {
 // parser calls it at the end of the directive, Validate for JSON.
 func (h *Handler) checkLimits() error {
 	if err := checkPrefixes(h.IPv4Prefix, h.IPv6Prefix); err != nil {
+		return err
+	}
+	if err := h.checkConcurrent(); err != nil {
 		return err
 	}
 	if err := checkValues(h.ReplenishRate, h.BurstCapacity, h.RequestedTokens, h.hasOwnLimit()); err != nil {
@@ -494,6 +507,7 @@ func (h *Handler) resolveBuckets(r *http.Request, repl *caddy.Replacer, buckets 
 	if h.quotas {
 		now = time.Now()
 	}
+	var slotID any // the request's, for every concurrent limit
 	for _, l := range h.limits {
 		values, args, exempt := l.values, l.args, l.exempt
 		if !l.fixed {
@@ -503,9 +517,15 @@ func (h *Handler) resolveBuckets(r *http.Request, repl *caddy.Replacer, buckets 
 				}
 				return nil, skipped, err
 			}
-			if !exempt {
+			if !exempt && l.slots == nil {
 				args = l.scriptArgs(values)
 			}
+		}
+		if l.slots != nil && !exempt {
+			if slotID == nil {
+				slotID = newSlotID()
+			}
+			args = slotArgs(l, values, slotID)
 		}
 		if exempt {
 			skipped = decisionExempt
@@ -530,6 +550,13 @@ func (h *Handler) resolveBuckets(r *http.Request, repl *caddy.Replacer, buckets 
 // value the config sets that resolves to nothing is an error, not the
 // default: a fallback belongs in the config (`map`'s `default`).
 func (l *limit) resolve(repl *caddy.Replacer) (limitValues, bool, error) {
+	if l.slots != nil {
+		n := repl.ReplaceAll(string(l.burst), "")
+		if n == "" {
+			return limitValues{}, false, badValue("slots", string(l.burst), "resolved to nothing for this request")
+		}
+		return resolveSlots(n)
+	}
 	var text [3]string
 	for i, p := range [3]struct {
 		name  string
@@ -562,6 +589,9 @@ func blockedBucket(buckets []bucket) int {
 // longest wait, else the one with the fewest requests left; the first
 // such on ties.
 func describe(buckets []bucket, allowed bool) int {
+	if k := firstSlot(buckets); allowed && k > 0 {
+		buckets = buckets[:k] // admitted: the token buckets, not the slots (concurrent.go)
+	}
 	pick := -1
 	for i := range buckets {
 		b := &buckets[i]
@@ -608,6 +638,7 @@ func slotGroups(limits []*limit) [][]*limit {
 // buckets then stay short until they refill.
 func (h *Handler) giveBackGroups(clientCtx context.Context, taken []bucket) {
 	ctx := context.WithoutCancel(clientCtx)
+	taken = h.releaseTaken(taken) // slots of concurrent limits (concurrent.go)
 	for start := 0; start < len(taken); {
 		end := start + 1
 		for end < len(taken) && taken[end].limit.group == taken[start].limit.group {

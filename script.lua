@@ -1,6 +1,7 @@
--- Token buckets and quotas, checked and taken together in one atomic
--- step: a request is admitted only if every bucket and quota holds the
--- tokens it asks, and then all are taken; otherwise none is.
+-- Token buckets, quotas and concurrent limits' slots, checked and taken
+-- together in one atomic step: a request is admitted only if every
+-- bucket and quota holds the tokens it asks and every concurrent limit a
+-- free slot, and then all are taken; otherwise none is.
 --
 -- KEYS[i]      limit i (only the keys given: no key is built here)
 -- ARGV         read per key, in order, led by the key's first argument:
@@ -16,6 +17,11 @@
 --     microseconds, computed by Caddy around its clock: the period is
 --     [b1, b2) by Caddy's clock; the script picks [b0, b1), [b1, b2) or
 --     [b2, b3) by Redis time.
+--   a concurrent limit (4 arguments, concurrent.go):
+--     "c"
+--     its slots n (at least 1)
+--     the request's slot id
+--     the slot's hold, microseconds
 --
 -- A bucket is one string "<tokens> <microseconds>": the tokens it held at
 -- that Redis time, below zero when a response cost more than it reserved
@@ -31,10 +37,17 @@
 -- another period reads as nothing used. Its key expires a second after
 -- its period ends.
 --
+-- A concurrent limit is a sorted set of slots: member the slot id of the
+-- request that holds it, score its expiry in Redis time (microseconds).
+-- Expired slots are free; a request that holds its slot renews it
+-- (concurrent.lua) and releases it when its response ended. The key lives
+-- until its latest slot expires.
+--
 -- Returns {allowed (1|0), then for each key: remaining whole tokens
--- (rounded down; 0 in debt or past the count), microseconds until it
--- holds its requested tokens again (rounded up; 0 when it holds them now;
--- for a quota, until its period ends)}. (Buckets with `lease` use
+-- (rounded down; 0 in debt or past the count) or free slots, microseconds
+-- until it holds its requested tokens again (rounded up; 0 when it holds
+-- them now; for a quota, until its period ends; always 0 for slots, which
+-- come back by release, not by time)}. (Buckets with `lease` use
 -- lease.lua, which reads and writes them alike.)
 
 -- Redis time, not the caller's, so instances with skewed clocks agree.
@@ -97,10 +110,41 @@ local function takeQuota(i)
   end
   return math.max(0, math.floor(burst[i] - tokens[i])), wait
 end
-for i = 1, n do
-  if ARGV[a] == 'q' then
-    checkQuota(i)
-  else
+-- concurrent (issue 23): slots, hold and slot id by key; used is the
+-- slots held now. Made for the first concurrent limit of a call only.
+local slots, hold, slot, used
+local function checkSlots(i)
+  if not slots then
+    slots, hold, slot, used = {}, {}, {}, {}
+  end
+  slots[i] = tonumber(ARGV[a + 1])
+  slot[i] = ARGV[a + 2]
+  hold[i] = tonumber(ARGV[a + 3])
+  a = a + 4
+  redis.call('ZREMRANGEBYSCORE', KEYS[i], '-inf', now) -- expired slots are free
+  used[i] = redis.call('ZCARD', KEYS[i])
+  if used[i] >= slots[i] then
+    allowed = 0
+  end
+end
+-- takeSlot takes the slot checkSlots found free, and answers the free
+-- slots left (and no wait: slots come back by release).
+local function takeSlot(i)
+  if allowed == 1 then
+    local expires = now + hold[i]
+    redis.call('ZADD', KEYS[i], expires, slot[i])
+    local ms = math.ceil(hold[i] / 1000)
+    if redis.call('PTTL', KEYS[i]) < ms then
+      redis.call('PEXPIRE', KEYS[i], ms)
+    end
+    used[i] = used[i] + 1
+  end
+  return math.max(0, slots[i] - used[i]), 0
+end
+
+-- A token bucket: checkBucket refills key i by the time elapsed and
+-- checks it holds the request's tokens.
+local function checkBucket(i)
   rate[i] = tonumber(ARGV[a])
   burst[i] = tonumber(ARGV[a + 1])
   requested[i] = tonumber(ARGV[a + 2])
@@ -122,14 +166,10 @@ for i = 1, n do
   if tokens[i] < requested[i] then
     allowed = 0
   end
-  end
 end
-
-local reply = {allowed}
-for i = 1, n do
-  if quota and quota[i] then
-    reply[2 * i], reply[2 * i + 1] = takeQuota(i)
-  else
+-- takeBucket takes the request's tokens when all keys held theirs, and
+-- answers the bucket's remaining tokens and wait.
+local function takeBucket(i)
   if allowed == 1 then
     tokens[i] = tokens[i] - requested[i]
   end
@@ -153,8 +193,28 @@ for i = 1, n do
   if tokens[i] < requested[i] then
     wait = math.ceil((requested[i] - tokens[i]) * 1000000 / rate[i])
   end
-  reply[2 * i] = math.max(0, math.floor(tokens[i]))
-  reply[2 * i + 1] = wait
+  return math.max(0, math.floor(tokens[i])), wait
+end
+
+-- Check every key, then take from all of them or from none.
+for i = 1, n do
+  local kind = ARGV[a]
+  if kind == 'q' then
+    checkQuota(i)
+  elseif kind == 'c' then
+    checkSlots(i)
+  else
+    checkBucket(i)
+  end
+end
+local reply = {allowed}
+for i = 1, n do
+  if quota and quota[i] then
+    reply[2 * i], reply[2 * i + 1] = takeQuota(i)
+  elseif slots and slots[i] then
+    reply[2 * i], reply[2 * i + 1] = takeSlot(i)
+  else
+    reply[2 * i], reply[2 * i + 1] = takeBucket(i)
   end
 end
 return reply

@@ -340,5 +340,9 @@ func raceReports(log string) string {
 	return b.String()
 }
 
+// Kill sends SIGKILL, as a crash would end Caddy: no cleanup runs. It
+// reports whether the process is gone within the stop timeout.
+func (inst *Instance) Kill() bool { return inst.proc.Kill(stopTimeout) }
+
 // LogTail returns the last n lines of Caddy's log.
 func (inst *Instance) LogTail(n int) string { return testproc.LogTail(inst.LogFile, n) }

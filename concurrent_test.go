@@ -1,0 +1,765 @@
+package ratelimit
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"net/http"
+	"net/http/httptest"
+	"os"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/caddyserver/caddy/v2"
+	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
+	dto "github.com/prometheus/client_model/go"
+	"github.com/redis/go-redis/v9"
+
+	"github.com/caddy-redis/ratelimit/internal/caddyproc"
+	"github.com/caddy-redis/ratelimit/internal/redistest"
+)
+
+// ---- In-process handlers on a real Redis
+
+// holder is a next handler whose requests stay in flight until let go:
+// entered receives once each has been admitted.
+type holder struct {
+	entered chan struct{}
+	letGo   chan struct{}
+}
+
+func newHolder() *holder {
+	return &holder{entered: make(chan struct{}, 100), letGo: make(chan struct{})}
+}
+
+func (hd *holder) ServeHTTP(w http.ResponseWriter, r *http.Request) error {
+	hd.entered <- struct{}{}
+	select {
+	case <-hd.letGo:
+	case <-r.Context().Done():
+		return r.Context().Err()
+	}
+	w.WriteHeader(http.StatusOK)
+	return nil
+}
+
+// startHeld sends a request through h to hd and waits until it is
+// admitted; done receives its status once it ended.
+func startHeld(t *testing.T, ctx context.Context, h *Handler, hd *holder, key string) <-chan int {
+	t.Helper()
+	done := make(chan int, 1)
+	go func() {
+		r, w := newRequest("192.0.2.1", key)
+		r = r.WithContext(mergeCancel(r.Context(), ctx))
+		err := h.ServeHTTP(w, r, hd)
+		done <- statusOf(err, w.Code)
+	}()
+	select {
+	case <-hd.entered:
+	case status := <-done:
+		t.Fatalf("the held request was answered %d, want it admitted and held", status)
+	case <-time.After(5 * time.Second):
+		t.Fatal("the held request was not admitted within 5s")
+	}
+	return done
+}
+
+// concurrentHandler provisions a rate_limit directive against srv, with
+// `redis <addr>` appended to its block.
+func concurrentHandler(t *testing.T, srv *redistest.Server, block string) *Handler {
+	t.Helper()
+	return caddyfileHandler(t, fmt.Sprintf("rate_limit {\n%s\nredis %s\n}", block, srv.Addr))
+}
+
+// slotKey is the Redis key of the concurrent limit name for key, as h
+// builds it.
+func slotKey(t *testing.T, h *Handler, name, key string) string {
+	t.Helper()
+	for _, l := range h.limits {
+		if l.slots != nil && l.name == name {
+			r, _ := newRequest("192.0.2.1", key)
+			rv := requestValues{r: r, repl: r.Context().Value(caddy.ReplacerCtxKey).(*caddy.Replacer)}
+			return l.template.key(&rv, l.keyPrefix, l.keySuffix)
+		}
+	}
+	t.Fatalf("no concurrent limit %s", name)
+	return ""
+}
+
+func TestConcurrentRefusesWhenSlotsTakenAndFreesOnRelease(t *testing.T) {
+	srv := redistest.Start(t)
+	h := concurrentHandler(t, srv, `key {http.request.header.X-Key}
+		headers both
+		concurrent gen 2 {
+			retry_after 7
+		}`)
+	hd := newHolder()
+	ctx := context.Background()
+	first, second := startHeld(t, ctx, h, hd, "k"), startHeld(t, ctx, h, hd, "k")
+
+	r, w := newRequest("192.0.2.1", "k")
+	status := statusOf(h.ServeHTTP(w, r, okHandler), w.Code)
+	if status != 429 {
+		t.Fatalf("third request with both slots taken: %d, want 429", status)
+	}
+	if got := w.Header().Get("Retry-After"); got != "7" {
+		t.Errorf("Retry-After %q, want retry_after 7", got)
+	}
+	if got, want := w.Header().Get("RateLimit-Policy"), `"`+h.Zone+`.gen";q=2;qu="concurrent-requests"`; got != want {
+		t.Errorf("RateLimit-Policy %q, want %q", got, want)
+	}
+	if got := w.Header().Get("RateLimit"); !strings.Contains(got, ";r=0;t=7") {
+		t.Errorf("RateLimit %q, want r=0 (no free slot) and t=7", got)
+	}
+	// Another key has slots of its own.
+	if status, _ := serve(ctx, h, "other"); status != 200 {
+		t.Errorf("another key: %d, want 200", status)
+	}
+	close(hd.letGo)
+	if s1, s2 := <-first, <-second; s1 != 200 || s2 != 200 {
+		t.Fatalf("held requests answered %d, %d; want 200", s1, s2)
+	}
+	// Released as the responses ended: no wait for a hold, and no cached
+	// denial stands in the way.
+	status, header := serve(ctx, h, "k")
+	if status != 200 {
+		t.Fatalf("after the releases: %d, want 200 (a full concurrent limit must not be cached as a denial)", status)
+	}
+	if got := header.Get("RateLimit"); !strings.Contains(got, ";r=1;t=0") {
+		t.Errorf("RateLimit %q, want r=1 free slot while this one ran", got)
+	}
+	rdb := srv.Client(t)
+	eventually(t, 2*time.Second, "every slot released in Redis", func() bool {
+		n, _ := rdb.ZCard(context.Background(), slotKey(t, h, "gen", "k")).Result()
+		return n == 0
+	})
+}
+
+func TestConcurrentSlotOutlivesHoldWhileItsRequestRuns(t *testing.T) {
+	srv := redistest.Start(t)
+	h := concurrentHandler(t, srv, `key {http.request.header.X-Key}
+		concurrent gen 1 {
+			hold 1s
+		}`)
+	hd := newHolder()
+	done := startHeld(t, context.Background(), h, hd, "k")
+	// Three holds long: renewed every third of one, the slot is never
+	// handed out to another request.
+	deadline := time.Now().Add(3 * time.Second)
+	tries := 0
+	for time.Now().Before(deadline) {
+		if status, _ := serve(context.Background(), h, "k"); status != 429 {
+			t.Fatalf("after %v of a 1s hold, another request got %d: the running request's slot was handed out twice",
+				time.Since(deadline.Add(-3*time.Second)).Round(time.Millisecond), status)
+		}
+		tries++
+		time.Sleep(50 * time.Millisecond)
+	}
+	close(hd.letGo)
+	if status := <-done; status != 200 {
+		t.Fatalf("the long request: %d, want 200", status)
+	}
+	if status, _ := serve(context.Background(), h, "k"); status != 200 {
+		t.Fatalf("after the long request ended: %d, want 200", status)
+	}
+	t.Logf("%d requests over three holds, all refused while the slot was held", tries)
+}
+
+func TestConcurrentRenewalNeverBringsBackAnExpiredSlot(t *testing.T) {
+	srv := redistest.Start(t)
+	rdb := srv.Client(t)
+	ctx := context.Background()
+	const key = "{t}|gen|slots"
+	take := func(id string) []any {
+		v, err := rdb.Eval(ctx, scriptSource, []string{key}, "c", "1", id, "1000000").Slice()
+		if err != nil {
+			t.Fatal(err)
+		}
+		return v
+	}
+	if v := take("a"); v[0] != int64(1) {
+		t.Fatalf("first take %v, want admitted", v)
+	}
+	if v := take("b"); v[0] != int64(0) {
+		t.Fatalf("second take with the slot held %v, want refused", v)
+	}
+	time.Sleep(1100 * time.Millisecond) // a's slot expires
+	if v := take("b"); v[0] != int64(1) {
+		t.Fatalf("take after a's slot expired %v, want admitted", v)
+	}
+	renewed, err := rdb.Eval(ctx, concurrentSource, []string{key}, "renew", "a", "1000000").Slice()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if renewed[0] != int64(0) {
+		t.Errorf("renewal of the expired slot a answered %v, want 0 (not renewed)", renewed)
+	}
+	members, _ := rdb.ZRange(ctx, key, 0, -1).Result()
+	if len(members) != 1 || members[0] != "b" {
+		t.Errorf("slots %v after renewing the expired a, want only b", members)
+	}
+	// b's renewal works; its release frees the slot; a second release is
+	// a no-op.
+	if v, _ := rdb.Eval(ctx, concurrentSource, []string{key}, "renew", "b", "1000000").Slice(); v[0] != int64(1) {
+		t.Errorf("renewal of b answered %v, want 1", v)
+	}
+	for i, want := range []int64{1, 0} {
+		if v, _ := rdb.Eval(ctx, concurrentSource, []string{key}, "release", "b", "1000000").Slice(); v[0] != want {
+			t.Errorf("release %d of b answered %v, want %d", i+1, v, want)
+		}
+	}
+}
+
+func TestConcurrentClientThatLeavesFreesItsSlotAtOnce(t *testing.T) {
+	srv := redistest.Start(t)
+	h := concurrentHandler(t, srv, `key {http.request.header.X-Key}
+		concurrent gen 1 {
+			hold 30s
+		}`)
+	hd := newHolder()
+	ctx, cancel := context.WithCancel(context.Background())
+	done := startHeld(t, ctx, h, hd, "k")
+	cancel()
+	<-done
+	left := time.Now()
+	took := eventually(t, 2*time.Second, "the slot free after the client left", func() bool {
+		status, _ := serve(context.Background(), h, "k")
+		return status == 200
+	})
+	t.Logf("slot free %v after the client left (hold 30s)", time.Since(left).Round(time.Millisecond))
+	if took > time.Second {
+		t.Errorf("the slot took %v to come back, want at once (well within the 30s hold)", took)
+	}
+}
+
+func TestConcurrentPanicInLaterHandlerFreesTheSlot(t *testing.T) {
+	srv := redistest.Start(t)
+	h := concurrentHandler(t, srv, `key {http.request.header.X-Key}
+		concurrent gen 1 {
+			hold 30s
+		}`)
+	panicking := caddyhttp.HandlerFunc(func(http.ResponseWriter, *http.Request) error { panic(http.ErrAbortHandler) })
+	func() {
+		defer func() {
+			if recover() == nil {
+				t.Error("the later handler's panic did not come through")
+			}
+		}()
+		r, w := newRequest("192.0.2.1", "k")
+		_ = h.ServeHTTP(w, r, panicking)
+	}()
+	eventually(t, time.Second, "the slot free after the panic", func() bool {
+		status, _ := serve(context.Background(), h, "k")
+		return status == 200
+	})
+}
+
+func TestConcurrentWithTokenLimitIsAllOrNothing(t *testing.T) {
+	srv := redistest.Start(t)
+	rdb := srv.Client(t)
+	ctx := context.Background()
+	h := concurrentHandler(t, srv, `key {http.request.header.X-Key}
+		limit requests 0.001 3
+		concurrent gen 1`)
+	hd := newHolder()
+	done := startHeld(t, ctx, h, hd, "k") // 1 token, the slot
+
+	// Refused by the slot: it takes no token.
+	for range 3 {
+		if status, _ := serve(ctx, h, "k"); status != 429 {
+			t.Fatalf("with the slot held: %d, want 429", status)
+		}
+	}
+	close(hd.letGo)
+	<-done
+	status, header := serve(ctx, h, "k") // the second token
+	if status != 200 || header.Get("X-RateLimit-Remaining") != "1" {
+		t.Fatalf("after the release: %d with %s tokens left, want 200 with 1: a request the slot refused took tokens",
+			status, header.Get("X-RateLimit-Remaining"))
+	}
+	if status, _ := serve(ctx, h, "k"); status != 200 { // the third
+		t.Fatalf("third token: %d, want 200", status)
+	}
+	// Refused by the tokens: it takes no slot.
+	slots := slotKey(t, h, "gen", "k")
+	eventually(t, time.Second, "slots released", func() bool { return rdb.ZCard(ctx, slots).Val() == 0 })
+	for range 3 {
+		if status, _ := serve(ctx, h, "k"); status != 429 {
+			t.Fatalf("with no token left: %d, want 429", status)
+		}
+		if n := rdb.ZCard(ctx, slots).Val(); n != 0 {
+			t.Fatalf("a request the token limit refused holds %d slot(s), want 0", n)
+		}
+	}
+}
+
+func TestConcurrentStoreMemoryAndOnErrorLocal(t *testing.T) {
+	for _, tc := range []struct{ name, block string }{
+		{"store memory", "store memory"},
+		{"on_error local", "on_error local\nredis " + deadRedis},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			h := caddyfileHandler(t, fmt.Sprintf(`rate_limit {
+				key {http.request.header.X-Key}
+				limit requests 1000 1000
+				concurrent gen 2
+				metrics on
+				%s
+			}`, tc.block))
+			hd := newHolder()
+			ctx := context.Background()
+			a, b := startHeld(t, ctx, h, hd, "k"), startHeld(t, ctx, h, hd, "k")
+			if got := gaugeValue(t, h.metrics.inFlight[1]); got != 2 {
+				t.Errorf("in_flight %v with two held, want 2", got)
+			}
+			if status, _ := serve(ctx, h, "k"); status != 429 {
+				t.Fatalf("third in flight: %d, want 429", status)
+			}
+			close(hd.letGo)
+			<-a
+			<-b
+			if got := gaugeValue(t, h.metrics.inFlight[1]); got != 0 {
+				t.Errorf("in_flight %v after both ended, want 0", got)
+			}
+			if status, _ := serve(ctx, h, "k"); status != 200 {
+				t.Fatalf("after the releases: %d, want 200", status)
+			}
+		})
+	}
+}
+
+func TestConcurrentAdminShowsSlotsAndDeleteFreesThem(t *testing.T) {
+	srv := redistest.Start(t)
+	h := concurrentHandler(t, srv, `zone adminslots
+		key {http.request.header.X-Key}
+		concurrent gen 1 {
+			hold 10s
+		}`)
+	hd := newHolder()
+	done := startHeld(t, context.Background(), h, hd, "k")
+	defer func() { close(hd.letGo); <-done }()
+
+	admin := func(method string) map[string]any {
+		r := httptest.NewRequest(method, "/rate_limit/zones/adminslots/buckets?header.X-Key=k", nil)
+		w := httptest.NewRecorder()
+		if err := serveAdmin(w, r); err != nil {
+			t.Fatalf("%s: %v", method, err)
+		}
+		var v map[string]any
+		if err := json.Unmarshal(w.Body.Bytes(), &v); err != nil {
+			t.Fatalf("%s: %v in %s", method, err, w.Body)
+		}
+		return v
+	}
+	got := admin(http.MethodGet)
+	b := got["buckets"].([]any)[0].(map[string]any)
+	if b["in_use"] != 1.0 || b["slots"] != 1.0 {
+		t.Fatalf("admin GET %v, want slots 1, in_use 1", got)
+	}
+	if exp := b["slot_expires_in"].([]any); len(exp) != 1 || exp[0].(float64) <= 0 || exp[0].(float64) > 10 {
+		t.Errorf("slot_expires_in %v, want one expiry within the 10s hold", exp)
+	}
+	if status, _ := serve(context.Background(), h, "k"); status != 429 {
+		t.Fatalf("with the slot held: %d, want 429", status)
+	}
+	admin(http.MethodDelete)
+	if status, _ := serve(context.Background(), h, "k"); status != 200 {
+		t.Fatalf("after DELETE: %d, want 200 (the slot freed)", status)
+	}
+}
+
+// gaugeValue reads a gauge.
+func gaugeValue(t *testing.T, g interface{ Write(*dto.Metric) error }) float64 {
+	t.Helper()
+	var m dto.Metric
+	if err := g.Write(&m); err != nil {
+		t.Fatal(err)
+	}
+	return m.GetGauge().GetValue()
+}
+
+// ---- Real Caddy processes
+
+// concurrentSite proxies to the test's upstream, with concurrent 4 on
+// one key across instances.
+const concurrentSite = `
+http://127.0.0.1:{{http_port}} {
+	rate_limit {
+		zone conc
+		key {http.request.header.X-Key}
+		on_error deny
+		concurrent gen %d {
+			hold %s
+		}
+		redis {
+			address %s
+			timeout 1s
+		}
+	}
+	reverse_proxy %s
+}`
+
+// countingUpstream answers after a delay and records the most requests
+// it held at once.
+type countingUpstream struct {
+	now, most atomic.Int64
+	delay     time.Duration
+	release   chan struct{} // while hold is set, requests wait for it instead
+	hold      atomic.Bool
+}
+
+func (u *countingUpstream) ServeHTTP(w http.ResponseWriter, r *http.Request) {
+	n := u.now.Add(1)
+	defer u.now.Add(-1)
+	for {
+		most := u.most.Load()
+		if n <= most || u.most.CompareAndSwap(most, n) {
+			break
+		}
+	}
+	if u.hold.Load() {
+		select {
+		case <-u.release:
+		case <-r.Context().Done():
+		}
+	} else {
+		time.Sleep(u.delay)
+	}
+	_, _ = w.Write([]byte("ok"))
+}
+
+func TestConcurrentBurstAcrossInstancesNeverHoldsMoreThanSlots(t *testing.T) {
+	srv := redistest.Start(t)
+	up := &countingUpstream{delay: 150 * time.Millisecond}
+	upstream := httptest.NewServer(up)
+	defer upstream.Close()
+	site := caddyproc.Caddyfile(fmt.Sprintf(concurrentSite, 4, "2s", srv.Addr, strings.TrimPrefix(upstream.URL, "http://")))
+	var urls []string
+	for range 3 {
+		urls = append(urls, caddyproc.Start(t, site).URL)
+	}
+	client := caddyClient(t)
+	for _, u := range urls {
+		mustGet(t, client, u, "warm")
+	}
+	up.most.Store(0)
+
+	var ok, refused, other atomic.Int64
+	var wg sync.WaitGroup
+	start := make(chan struct{})
+	for i := range 100 {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			<-start
+			status, _, _, err := caddyGet(client, urls[i%3], "one")
+			switch {
+			case err != nil:
+				other.Add(1)
+				t.Errorf("request %d: %v", i, err)
+			case status == 200:
+				ok.Add(1)
+			case status == 429:
+				refused.Add(1)
+			default:
+				other.Add(1)
+				t.Errorf("request %d: %d, want 200 or 429", i, status)
+			}
+		}()
+	}
+	close(start)
+	wg.Wait()
+	t.Logf("100 concurrent requests over 3 instances, concurrent 4: %d answered 200, %d 429, %d other; upstream held at most %d at once",
+		ok.Load(), refused.Load(), other.Load(), up.most.Load())
+	if most := up.most.Load(); most > 4 {
+		t.Errorf("the upstream held %d requests at once, more than concurrent 4", most)
+	}
+	if ok.Load()+refused.Load() != 100 {
+		t.Errorf("%d of 100 answered 200 or 429", ok.Load()+refused.Load())
+	}
+	if ok.Load() < 4 {
+		t.Errorf("only %d admitted, want at least the 4 slots' worth", ok.Load())
+	}
+}
+
+func TestConcurrentSlotsOfKilledInstanceFreeWithinHoldNotBefore(t *testing.T) {
+	srv := redistest.Start(t)
+	up := &countingUpstream{release: make(chan struct{})}
+	up.hold.Store(true)
+	upstream := httptest.NewServer(up)
+	defer upstream.Close()
+	defer close(up.release)
+	const hold = 2 * time.Second
+	site := caddyproc.Caddyfile(fmt.Sprintf(concurrentSite, 2, hold, srv.Addr, strings.TrimPrefix(upstream.URL, "http://")))
+	doomed, survivor := caddyproc.Start(t, site), caddyproc.Start(t, site)
+	client := caddyClient(t)
+	for range 2 {
+		go func() { _, _, _, _ = caddyGet(client, doomed.URL, "one") }()
+	}
+	eventually(t, 5*time.Second, "two requests held upstream", func() bool { return up.now.Load() == 2 })
+	time.Sleep(hold) // their slots renewed at least once
+	if !doomed.Kill() {
+		t.Fatal("the instance did not die of SIGKILL")
+	}
+	killed := time.Now()
+	up.hold.Store(false) // from now on the upstream answers at once
+	// Renewed every hold/3, so each slot has at least 2/3 of a hold left
+	// at the kill: refused until then.
+	for time.Since(killed) < hold*2/3-200*time.Millisecond {
+		if status, _ := mustGet(t, client, survivor.URL, "one"); status != 429 {
+			t.Fatalf("%v after the kill: %d, want 429 (the dead instance's slots live out their hold)", time.Since(killed), status)
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+	var freed time.Duration
+	for {
+		status, _ := mustGet(t, client, survivor.URL, "one")
+		if status == 200 {
+			freed = time.Since(killed)
+			break
+		}
+		if time.Since(killed) > hold+500*time.Millisecond {
+			t.Fatalf("the dead instance's slots still held %v after the kill, more than the %v hold", time.Since(killed), hold)
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+	t.Logf("slots of the killed instance free %v after SIGKILL (hold %v)", freed.Round(time.Millisecond), hold)
+}
+
+// readmeConcurrencyExample is the Caddyfile of the README's Concurrency
+// section.
+func readmeConcurrencyExample(t *testing.T) string {
+	t.Helper()
+	raw, err := os.ReadFile("README.md")
+	if err != nil {
+		t.Fatal(err)
+	}
+	_, section, ok := strings.Cut(string(raw), "\n## Concurrency\n")
+	if !ok {
+		t.Fatal(`README.md has no "Concurrency" section`)
+	}
+	_, block, ok := strings.Cut(section, "```caddyfile\n")
+	if !ok {
+		t.Fatal("the section has no caddyfile block")
+	}
+	block, _, _ = strings.Cut(block, "```")
+	if !strings.HasPrefix(block, "llm.example.com {") || !strings.Contains(block, "reverse_proxy localhost:8000\n") {
+		t.Fatalf("the example is not the site expected:\n%s", block)
+	}
+	return block
+}
+
+// TestConcurrentReadmeExampleRunsAsWritten: the README's Caddyfile, with
+// its site address, its upstream and a redis line replaced, holds at
+// most 4 generations of one API key in flight, refuses the rest with
+// Retry-After 1, and lets another key have its own 4.
+func TestConcurrentReadmeExampleRunsAsWritten(t *testing.T) {
+	srv := redistest.Start(t)
+	up := &countingUpstream{release: make(chan struct{})}
+	up.hold.Store(true)
+	upstream := httptest.NewServer(up)
+	defer upstream.Close()
+	site := strings.Replace(readmeConcurrencyExample(t), "llm.example.com {", "http://127.0.0.1:{{http_port}} {", 1)
+	site = strings.Replace(site, "reverse_proxy localhost:8000", "reverse_proxy "+strings.TrimPrefix(upstream.URL, "http://"), 1)
+	site = strings.Replace(site, "\t\tlimit requests", "\t\tredis "+srv.Addr+"\n\t\tlimit requests", 1)
+	inst := caddyproc.Start(t, caddyproc.Caddyfile(site))
+	client := caddyClient(t)
+	get := func(key string) *http.Response {
+		req, _ := http.NewRequest(http.MethodGet, inst.URL+"/v1/chat/completions", nil)
+		req.Header.Set("Authorization", key)
+		resp, err := client.Do(req)
+		if err != nil {
+			t.Errorf("GET: %v", err)
+			return nil
+		}
+		resp.Body.Close()
+		return resp
+	}
+	var wg sync.WaitGroup
+	for range 4 {
+		wg.Add(1)
+		go func() { defer wg.Done(); get("Bearer sk-1") }()
+	}
+	eventually(t, 5*time.Second, "4 generations upstream", func() bool { return up.now.Load() == 4 })
+	resp := get("Bearer sk-1")
+	if resp == nil || resp.StatusCode != 429 || resp.Header.Get("Retry-After") != "1" {
+		t.Fatalf("a fifth generation: %v, want 429 with Retry-After 1", resp)
+	}
+	wg.Add(1)
+	go func() { defer wg.Done(); get("Bearer sk-2") }()
+	eventually(t, 5*time.Second, "another key's generation upstream", func() bool { return up.now.Load() == 5 })
+	close(up.release)
+	wg.Wait()
+	if resp := get("Bearer sk-1"); resp == nil || resp.StatusCode != 200 {
+		t.Fatalf("after the generations ended: %v, want 200", resp)
+	}
+}
+
+func TestConcurrentShadowModeNeverRefusesAndHoldsNoSlotItWouldRefuse(t *testing.T) {
+	srv := redistest.Start(t)
+	h := concurrentHandler(t, srv, `key {http.request.header.X-Key}
+		shadow
+		concurrent gen 1`)
+	hd := newHolder()
+	done := startHeld(t, context.Background(), h, hd, "k")
+	second := startHeld(t, context.Background(), h, hd, "k") // would be refused: passes
+	rdb := srv.Client(t)
+	if n := rdb.ZCard(context.Background(), slotKey(t, h, "gen", "k")).Val(); n != 1 {
+		t.Errorf("%d slots held with one admitted and one shadow-denied request, want 1", n)
+	}
+	close(hd.letGo)
+	if s1, s2 := <-done, <-second; s1 != 200 || s2 != 200 {
+		t.Fatalf("statuses %d, %d; want 200 in shadow mode", s1, s2)
+	}
+	eventually(t, time.Second, "the slot released", func() bool {
+		return rdb.ZCard(context.Background(), slotKey(t, h, "gen", "k")).Val() == 0
+	})
+}
+
+func TestConcurrentChargedResponseReleasesItsSlotAfterSettling(t *testing.T) {
+	srv := redistest.Start(t)
+	h := concurrentHandler(t, srv, `key {http.request.header.X-Key}
+		limit requests 1000 1000 {
+			charge_status 2xx
+		}
+		concurrent gen 1`)
+	hd := newHolder()
+	done := startHeld(t, context.Background(), h, hd, "k")
+	if status, _ := serve(context.Background(), h, "k"); status != 429 {
+		t.Fatalf("with the slot held on the charged path: %d, want 429", status)
+	}
+	close(hd.letGo)
+	if status := <-done; status != 200 {
+		t.Fatalf("the charged request: %d", status)
+	}
+	if status, _ := serve(context.Background(), h, "k"); status != 200 {
+		t.Fatalf("after the charged response ended: %d, want 200 (the slot released)", status)
+	}
+}
+
+// On a Cluster, a concurrent limit's slots live in the hash slot of its
+// key template's group; when a later group refuses, the slots an earlier
+// group took are released, as tokens are given back.
+func TestConcurrentOnClusterAllOrNothingAcrossGroups(t *testing.T) {
+	c := redistest.StartCluster(t, 3, 0)
+	addrs := strings.Join(c.Addrs, " ")
+	ctx := context.Background()
+	cc := redis.NewClusterClient(&redis.ClusterOptions{Addrs: c.Addrs})
+	defer cc.Close()
+
+	t.Run("the handler's own rate and a concurrent limit", func(t *testing.T) {
+		h := caddyfileHandler(t, fmt.Sprintf(`rate_limit 0.001 3 {
+	zone cown
+	key {http.request.header.X-Key}
+	concurrent gen 1
+	redis %s {
+		timeout 2s
+	}
+}`, addrs))
+		hd := newHolder()
+		done := startHeld(t, ctx, h, hd, "k")
+		for range 3 {
+			if status, _ := serve(ctx, h, "k"); status != 429 {
+				t.Fatalf("with the slot held: %d, want 429", status)
+			}
+		}
+		close(hd.letGo)
+		<-done
+		status, header := serve(ctx, h, "k")
+		if status != 200 || header.Get("X-RateLimit-Remaining") != "1" {
+			t.Fatalf("after the release: %d with %s tokens left, want 200 with 1 (refused requests' tokens given back)",
+				status, header.Get("X-RateLimit-Remaining"))
+		}
+	})
+
+	t.Run("a later group refuses: the slot goes back", func(t *testing.T) {
+		h := caddyfileHandler(t, fmt.Sprintf(`rate_limit {
+	zone cgroups
+	key {http.request.header.X-Key}
+	limit a 1000 1000
+	limit tenant 0.001 1 {
+		key {http.request.method}
+	}
+	concurrent gen 5
+	redis %s {
+		timeout 2s
+	}
+}`, addrs))
+		if status, _ := serve(ctx, h, "k"); status != 200 {
+			t.Fatalf("first request: %d, want 200", status)
+		}
+		slots := slotKey(t, h, "gen", "k")
+		for range 3 {
+			if status, _ := serve(ctx, h, "k"); status != 429 {
+				t.Fatalf("with the tenant's token spent: %d, want 429", status)
+			}
+			if n := cc.ZCard(ctx, slots).Val(); n != 0 {
+				t.Fatalf("%d slot(s) held after the tenant group refused, want 0", n)
+			}
+		}
+	})
+}
+
+// Slots from a placeholder, per request (plans): here the key itself
+// says how many, so "2" has two and "unlimited" is exempt.
+func TestConcurrentSlotsFromPlaceholderPerRequest(t *testing.T) {
+	srv := redistest.Start(t)
+	h := concurrentHandler(t, srv, `key {http.request.header.X-Key}
+		concurrent gen {http.request.header.X-Key}`)
+	hd := newHolder()
+	ctx := context.Background()
+	a, b := startHeld(t, ctx, h, hd, "2"), startHeld(t, ctx, h, hd, "2")
+	if status, _ := serve(ctx, h, "2"); status != 429 {
+		t.Fatalf("a third with 2 slots: %d, want 429", status)
+	}
+	var exempt []<-chan int
+	for range 3 {
+		exempt = append(exempt, startHeld(t, ctx, h, hd, "unlimited"))
+	}
+	if status, _ := serve(ctx, h, "x"); status != 500 {
+		t.Errorf("slots 'x' from the request: %d, want 500 (a config mistake, no slot taken)", status)
+	}
+	close(hd.letGo)
+	for _, done := range append(exempt, a, b) {
+		if status := <-done; status != 200 {
+			t.Errorf("held request: %d, want 200", status)
+		}
+	}
+}
+
+// Releases that meet in one batch go out as one script call
+// (mergeReleases); each frees its own slot.
+func TestConcurrentReleasesMergedInABatchFreeEachSlot(t *testing.T) {
+	srv := redistest.Start(t)
+	h := concurrentHandler(t, srv, `key {http.request.header.X-Key}
+		concurrent gen 1`)
+	hd := newHolder()
+	ctx := context.Background()
+	var done []<-chan int
+	for i := range 40 {
+		done = append(done, startHeld(t, ctx, h, hd, fmt.Sprint("k", i)))
+	}
+	close(hd.letGo) // 40 releases at once
+	for _, d := range done {
+		if status := <-d; status != 200 {
+			t.Fatalf("held request: %d", status)
+		}
+	}
+	rdb := srv.Client(t)
+	eventually(t, 2*time.Second, "every slot free", func() bool {
+		for i := range 40 {
+			if rdb.ZCard(ctx, slotKey(t, h, "gen", fmt.Sprint("k", i))).Val() != 0 {
+				return false
+			}
+		}
+		return true
+	})
+	for i := range 40 {
+		if status, _ := serve(ctx, h, fmt.Sprint("k", i)); status != 200 {
+			t.Fatalf("key k%d after the releases: %d, want 200", i, status)
+		}
+	}
+}

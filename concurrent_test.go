@@ -763,3 +763,54 @@ func TestConcurrentReleasesMergedInABatchFreeEachSlot(t *testing.T) {
 		}
 	}
 }
+
+// TestConcurrentAndQuotaAreAllOrNothing: a quota and a concurrent limit
+// decided in one script call: a request the full slot refuses uses none
+// of the quota, and one the used-up quota refuses takes no slot.
+func TestConcurrentAndQuotaAreAllOrNothing(t *testing.T) {
+	srv := redistest.Start(t)
+	rdb := srv.Client(t)
+	ctx := context.Background()
+	h := concurrentHandler(t, srv, `key {http.request.header.X-Key}
+		quota day 3 per day
+		concurrent gen 1`)
+	quotaKey, slots := limitKey(t, h, "day", "k"), slotKey(t, h, "gen", "k")
+	used := func() string {
+		state, err := rdb.Get(ctx, quotaKey).Result()
+		if err != nil {
+			t.Fatalf("reading the quota: %v", err)
+		}
+		return strings.Fields(state)[0]
+	}
+	hd := newHolder()
+	done := startHeld(t, ctx, h, hd, "k") // 1 of the quota, the slot
+	for range 3 {
+		if status, _ := serve(ctx, h, "k"); status != 429 {
+			t.Fatalf("with the slot held: %d, want 429", status)
+		}
+	}
+	if u := used(); u != "1" {
+		t.Fatalf("the quota used %s after the slot refused 3 requests, want 1: a refused request used it", u)
+	}
+	close(hd.letGo)
+	<-done
+	eventually(t, time.Second, "the slot released", func() bool { return rdb.ZCard(ctx, slots).Val() == 0 })
+	for i := range 2 {
+		if status, _ := serve(ctx, h, "k"); status != 200 {
+			t.Fatalf("request %d of the quota's 3: %d, want 200", i+2, status)
+		}
+	}
+	eventually(t, time.Second, "the slots released", func() bool { return rdb.ZCard(ctx, slots).Val() == 0 })
+	for range 3 {
+		status, header := serve(ctx, h, "k")
+		if status != 429 || header.Get("Retry-After") == "1" {
+			t.Fatalf("with the quota used up: %d, Retry-After %q; want 429 until the day's end", status, header.Get("Retry-After"))
+		}
+		if n := rdb.ZCard(ctx, slots).Val(); n != 0 {
+			t.Fatalf("a request the quota refused holds %d slot(s), want 0", n)
+		}
+	}
+	if u := used(); u != "3" {
+		t.Errorf("the quota used %s, want 3", u)
+	}
+}

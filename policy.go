@@ -3,11 +3,8 @@ package ratelimit
 import (
 	"bytes"
 	"cmp"
-	"context"
 	"encoding/json"
-	"errors"
 	"fmt"
-	"math"
 	"net/http"
 	"regexp"
 	"strconv"
@@ -15,7 +12,6 @@ import (
 	"time"
 
 	"github.com/caddyserver/caddy/v2"
-	"go.uber.org/zap"
 )
 
 // Limit is one token bucket of a policy. A request is admitted only if
@@ -101,33 +97,6 @@ func checkLimitName(name string) error {
 	return nil
 }
 
-// Bounds of a limit: token counts stay exact in the script's doubles,
-// and an empty bucket fills within a year.
-const (
-	maxExactTokens = 1 << 53
-	maxFillSeconds = 365 * 86400
-)
-
-// parseRate reads tokens per second: a number (`10`, `0.5`) or a count
-// per duration (`100/1m`, `5000/1h`).
-func parseRate(s string) (float64, error) {
-	count, per, found := strings.Cut(s, "/")
-	n, err := strconv.ParseFloat(count, 64)
-	if err != nil || !(n > 0) || n > 1e15 {
-		return 0, fmt.Errorf("%s, or <count>/<duration> like 100/1m", wantRate)
-	}
-	if !found {
-		return n, nil
-	}
-	d, err := caddy.ParseDuration(per)
-	if err != nil || d <= 0 {
-		return 0, errors.New("the duration after '/' must be positive, like 1s, 1m or 1h")
-	}
-	return n / d.Seconds(), nil
-}
-
-const wantRate = "want a positive number of tokens per second"
-
 // limitValues are one limit's rate, burst and cost, resolved.
 type limitValues struct {
 	rate      float64
@@ -154,65 +123,6 @@ func badValue(param, value, reason string) *paramError {
 		sep = ""
 	}
 	return &paramError{param, fmt.Sprintf("%s '%s'%s%s", param, cutValue(value), sep, reason)}
-}
-
-// resolveValues parses a limit's values as written (placeholders already
-// replaced) and judges them together. An empty burst or cost stands for
-// its default. unlimited says the rate is `unlimited`: the limit does not
-// apply.
-func resolveValues(rate, burst, requested string) (v limitValues, isUnlimited bool, err error) {
-	if rate == unlimited {
-		return v, true, nil
-	}
-	if rate == "" && burst != "0" {
-		return v, false, &paramError{"replenish_rate", "replenish_rate is required (or burst_capacity 0 to block every request)"}
-	}
-	if rate != "" {
-		if v.rate, err = parseRate(rate); err != nil {
-			return v, false, badValue("replenish_rate", rate, ": "+err.Error())
-		}
-	}
-	v.burst = int64(math.Ceil(v.rate))
-	if burst != "" {
-		if v.burst, err = strconv.ParseInt(burst, 10, 64); err != nil {
-			return v, false, badValue("burst_capacity", burst, "is not a whole number")
-		}
-	}
-	v.requested = 1
-	if requested != "" {
-		if v.requested, err = strconv.ParseInt(requested, 10, 64); err != nil {
-			return v, false, badValue("requested_tokens", requested, "is not a whole number")
-		}
-	}
-	return v, false, v.check()
-}
-
-// check judges a limit's values together; its messages name each value
-// and say what would fix it.
-func (v limitValues) check() error {
-	rate, burst := strconv.FormatFloat(v.rate, 'g', -1, 64), strconv.FormatInt(v.burst, 10)
-	requested := strconv.FormatInt(v.requested, 10)
-	switch {
-	case v.burst < 0:
-		return badValue("burst_capacity", burst, "must not be negative")
-	case v.burst == 0:
-		return nil // blocks everything; rate and cost do not matter
-	case !(v.rate > 0) || math.IsInf(v.rate, 0):
-		return badValue("replenish_rate", rate, ": "+wantRate)
-	case float64(v.burst) < v.rate:
-		return badValue("burst_capacity", burst, fmt.Sprintf("is smaller than replenish_rate '%s': the bucket could never hold one second's refill, "+
-			"so clients would be held below the configured rate; raise burst_capacity to at least %v", rate, math.Ceil(v.rate)))
-	case v.burst > maxExactTokens:
-		return badValue("burst_capacity", burst, "is above 2^53, where the script's numbers stop being exact; lower it")
-	case float64(v.burst)/v.rate > maxFillSeconds:
-		return badValue("replenish_rate", rate, fmt.Sprintf("is so small that an empty bucket of %d tokens would take %.3g days to fill "+
-			"(more than a year, past what Retry-After can say); raise it to at least %v", v.burst, float64(v.burst)/v.rate/86400, float64(v.burst)/maxFillSeconds))
-	case v.requested < 1:
-		return badValue("requested_tokens", requested, "must be at least 1")
-	case v.requested > v.burst:
-		return badValue("requested_tokens", requested, fmt.Sprintf("is more than burst_capacity '%d': no request could ever be admitted", v.burst))
-	}
-	return nil
 }
 
 // limit is one limit of a handler, ready for requests.
@@ -382,15 +292,6 @@ func (l *limit) scriptArgs(v limitValues) [3]any {
 	return v.scriptArgs()
 }
 
-// scriptArgs are the values as the script takes them.
-func (v limitValues) scriptArgs() [3]any {
-	return [3]any{
-		strconv.FormatFloat(v.rate, 'f', -1, 64),
-		strconv.FormatInt(v.burst, 10),
-		strconv.FormatInt(v.requested, 10),
-	}
-}
-
 // checkLimits judges the limits as configured, before provisioning: the
 // parser calls it at the end of the directive, Validate for JSON.
 func (h *Handler) checkLimits() error {
@@ -425,46 +326,6 @@ func (h *Handler) checkLimits() error {
 		}
 	}
 	return h.checkQuotas(seen) // quotas share the limits' names
-}
-
-// checkValues judges a limit's rate, burst and cost: each fixed one
-// alone, and, when together is set, the fixed ones together (all three;
-// or rate and burst, or burst and cost, when the third is a placeholder).
-// What has placeholders is judged per request.
-func checkValues(rate, burst, cost Param, together bool) error {
-	rate, cost = unset(rate), unset(cost)
-	if together && !rate.perRequest() && !burst.perRequest() && !cost.perRequest() {
-		_, _, err := resolveValues(string(rate), string(burst), string(cost))
-		return err
-	}
-	v := limitValues{requested: 1}
-	fixedRate := !rate.perRequest() && rate != "" && rate != unlimited
-	fixedBurst := !burst.perRequest() && burst != "" && burst != unlimited
-	fixedCost := !cost.perRequest() && cost != ""
-	var err error
-	if fixedRate {
-		if v.rate, err = parseRate(string(rate)); err != nil {
-			return badValue("replenish_rate", string(rate), ": "+err.Error())
-		}
-	}
-	if fixedBurst {
-		if v.burst, err = strconv.ParseInt(string(burst), 10, 64); err != nil || v.burst < 0 || v.burst > maxExactTokens {
-			return badValue("burst_capacity", string(burst), "is not a whole number from 0 to 2^53")
-		}
-	}
-	if fixedCost {
-		if v.requested, err = strconv.ParseInt(string(cost), 10, 64); err != nil || v.requested < 1 {
-			return badValue("requested_tokens", string(cost), "is not a whole number of at least 1")
-		}
-	}
-	switch {
-	case !together || !fixedBurst || v.burst == 0:
-	case fixedRate:
-		return v.check() // with the cost too, if it is fixed
-	case fixedCost && v.requested > v.burst:
-		return badValue("requested_tokens", string(cost), fmt.Sprintf("is more than burst_capacity '%d': no request could ever be admitted", v.burst))
-	}
-	return nil
 }
 
 // unset is a rate or cost as JSON means it: 0 stands for unset.
@@ -617,85 +478,4 @@ func retryAfter(buckets []bucket) time.Duration {
 		}
 	}
 	return wait
-}
-
-// slotGroups splits the limits by Cluster hash slot, in the order their
-// key templates first appear.
-func slotGroups(limits []*limit) [][]*limit {
-	var groups [][]*limit
-	for _, l := range limits {
-		if l.group == len(groups) {
-			groups = append(groups, nil)
-		}
-		groups[l.group] = append(groups[l.group], l)
-	}
-	return groups
-}
-
-// giveBackGroups returns what a request took from earlier slot groups, a
-// script call per group (one slot each), whether or not the client is
-// still there: the tokens must not stay taken. A failure is logged; those
-// buckets then stay short until they refill.
-func (h *Handler) giveBackGroups(clientCtx context.Context, taken []bucket) {
-	ctx := context.WithoutCancel(clientCtx)
-	taken = h.releaseTaken(taken) // slots of concurrent limits (concurrent.go)
-	for start := 0; start < len(taken); {
-		end := start + 1
-		for end < len(taken) && taken[end].limit.group == taken[start].limit.group {
-			end++
-		}
-		if err := h.limiter.giveBack(ctx, time.Now(), taken[start:end]); err != nil {
-			if ok, suppressed := h.redisWarns.allow(); ok {
-				h.logger.Warn("Redis failed while giving tokens back; those buckets stay short until they refill",
-					zap.String("zone", h.Zone), zap.Error(err), suppressedField(suppressed))
-			}
-		}
-		start = end
-	}
-}
-
-// takeGroups takes a request's buckets on a Cluster whose hash slots they
-// span: one slot group after another, in a fixed order, each group all
-// or nothing in one script call. When a later group refuses or fails,
-// the earlier groups get their tokens back. A bucket given back what was
-// taken, capped at its burst, is never fuller than it would have been, so
-// the bound holds; a request that meets such a bucket meanwhile may be
-// refused, briefly, when it would otherwise fit.
-func (h *Handler) takeGroups(clientCtx context.Context, sent time.Time, buckets []bucket) (bool, error) {
-	var inline [maxInlineBuckets]bucket
-	var given [maxInlineBuckets]bucket
-	taken := given[:0]
-	for g := range h.groups {
-		group := inline[:0]
-		for i := range buckets {
-			if buckets[i].limit.group == g {
-				group = append(group, buckets[i])
-			}
-		}
-		if len(group) == 0 {
-			continue
-		}
-		allowed, err := h.limiter.take(clientCtx, sent, group)
-		j := 0
-		for i := range buckets {
-			if buckets[i].limit.group == g {
-				buckets[i].remaining, buckets[i].retryAfter = group[j].remaining, group[j].retryAfter
-				j++
-			} else if buckets[i].limit.group > g {
-				buckets[i].unknown = !allowed || err != nil
-			}
-		}
-		if err == nil && allowed {
-			taken = append(taken, group...)
-			continue
-		}
-		h.giveBackGroups(clientCtx, taken)
-		for i := range buckets {
-			if buckets[i].limit.group < g {
-				buckets[i].remaining += buckets[i].values.requested
-			}
-		}
-		return false, err
-	}
-	return true, nil
 }

@@ -1,0 +1,95 @@
+package ratelimit
+
+import (
+	"context"
+	"time"
+
+	"go.uber.org/zap"
+)
+
+// Cluster slot groups: on a Redis Cluster, the limits of one key
+// template share a hash tag, so their keys live in one slot and go in
+// one script call; a request whose limits span several groups takes them
+// in order, and gives back what earlier groups took when a later one
+// refuses.
+
+// slotGroups splits the limits by Cluster hash slot, in the order their
+// key templates first appear.
+func slotGroups(limits []*limit) [][]*limit {
+	var groups [][]*limit
+	for _, l := range limits {
+		if l.group == len(groups) {
+			groups = append(groups, nil)
+		}
+		groups[l.group] = append(groups[l.group], l)
+	}
+	return groups
+}
+
+// giveBackGroups returns what a request took from earlier slot groups, a
+// script call per group (one slot each), whether or not the client is
+// still there: the tokens must not stay taken. A failure is logged; those
+// buckets then stay short until they refill.
+func (h *Handler) giveBackGroups(clientCtx context.Context, taken []bucket) {
+	ctx := context.WithoutCancel(clientCtx)
+	taken = h.releaseTaken(taken) // slots of concurrent limits (concurrent.go)
+	for start := 0; start < len(taken); {
+		end := start + 1
+		for end < len(taken) && taken[end].limit.group == taken[start].limit.group {
+			end++
+		}
+		if err := h.limiter.giveBack(ctx, time.Now(), taken[start:end]); err != nil {
+			if ok, suppressed := h.redisWarns.allow(); ok {
+				h.logger.Warn("Redis failed while giving tokens back; those buckets stay short until they refill",
+					zap.String("zone", h.Zone), zap.Error(err), suppressedField(suppressed))
+			}
+		}
+		start = end
+	}
+}
+
+// takeGroups takes a request's buckets on a Cluster whose hash slots they
+// span: one slot group after another, in a fixed order, each group all
+// or nothing in one script call. When a later group refuses or fails,
+// the earlier groups get their tokens back. A bucket given back what was
+// taken, capped at its burst, is never fuller than it would have been, so
+// the bound holds; a request that meets such a bucket meanwhile may be
+// refused, briefly, when it would otherwise fit.
+func (h *Handler) takeGroups(clientCtx context.Context, sent time.Time, buckets []bucket) (bool, error) {
+	var inline [maxInlineBuckets]bucket
+	var given [maxInlineBuckets]bucket
+	taken := given[:0]
+	for g := range h.groups {
+		group := inline[:0]
+		for i := range buckets {
+			if buckets[i].limit.group == g {
+				group = append(group, buckets[i])
+			}
+		}
+		if len(group) == 0 {
+			continue
+		}
+		allowed, err := h.limiter.take(clientCtx, sent, group)
+		j := 0
+		for i := range buckets {
+			if buckets[i].limit.group == g {
+				buckets[i].remaining, buckets[i].retryAfter = group[j].remaining, group[j].retryAfter
+				j++
+			} else if buckets[i].limit.group > g {
+				buckets[i].unknown = !allowed || err != nil
+			}
+		}
+		if err == nil && allowed {
+			taken = append(taken, group...)
+			continue
+		}
+		h.giveBackGroups(clientCtx, taken)
+		for i := range buckets {
+			if buckets[i].limit.group < g {
+				buckets[i].remaining += buckets[i].values.requested
+			}
+		}
+		return false, err
+	}
+	return true, nil
+}

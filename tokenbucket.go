@@ -1,0 +1,151 @@
+package ratelimit
+
+import (
+	"errors"
+	"fmt"
+	"math"
+	"strconv"
+	"strings"
+
+	"github.com/caddyserver/caddy/v2"
+)
+
+// The token bucket, the kind of limit of `limit` and of a handler's own
+// rate: its values (rate, burst, cost), their judgment and its script
+// arguments. Its arithmetic is script.lua's checkBucket and takeBucket,
+// and memstore.go's in the process.
+
+// Bounds of a limit: token counts stay exact in the script's doubles,
+// and an empty bucket fills within a year.
+const (
+	maxExactTokens = 1 << 53
+	maxFillSeconds = 365 * 86400
+)
+
+// parseRate reads tokens per second: a number (`10`, `0.5`) or a count
+// per duration (`100/1m`, `5000/1h`).
+func parseRate(s string) (float64, error) {
+	count, per, found := strings.Cut(s, "/")
+	n, err := strconv.ParseFloat(count, 64)
+	if err != nil || !(n > 0) || n > 1e15 {
+		return 0, fmt.Errorf("%s, or <count>/<duration> like 100/1m", wantRate)
+	}
+	if !found {
+		return n, nil
+	}
+	d, err := caddy.ParseDuration(per)
+	if err != nil || d <= 0 {
+		return 0, errors.New("the duration after '/' must be positive, like 1s, 1m or 1h")
+	}
+	return n / d.Seconds(), nil
+}
+
+const wantRate = "want a positive number of tokens per second"
+
+// resolveValues parses a limit's values as written (placeholders already
+// replaced) and judges them together. An empty burst or cost stands for
+// its default. unlimited says the rate is `unlimited`: the limit does not
+// apply.
+func resolveValues(rate, burst, requested string) (v limitValues, isUnlimited bool, err error) {
+	if rate == unlimited {
+		return v, true, nil
+	}
+	if rate == "" && burst != "0" {
+		return v, false, &paramError{"replenish_rate", "replenish_rate is required (or burst_capacity 0 to block every request)"}
+	}
+	if rate != "" {
+		if v.rate, err = parseRate(rate); err != nil {
+			return v, false, badValue("replenish_rate", rate, ": "+err.Error())
+		}
+	}
+	v.burst = int64(math.Ceil(v.rate))
+	if burst != "" {
+		if v.burst, err = strconv.ParseInt(burst, 10, 64); err != nil {
+			return v, false, badValue("burst_capacity", burst, "is not a whole number")
+		}
+	}
+	v.requested = 1
+	if requested != "" {
+		if v.requested, err = strconv.ParseInt(requested, 10, 64); err != nil {
+			return v, false, badValue("requested_tokens", requested, "is not a whole number")
+		}
+	}
+	return v, false, v.check()
+}
+
+// check judges a limit's values together; its messages name each value
+// and say what would fix it.
+func (v limitValues) check() error {
+	rate, burst := strconv.FormatFloat(v.rate, 'g', -1, 64), strconv.FormatInt(v.burst, 10)
+	requested := strconv.FormatInt(v.requested, 10)
+	switch {
+	case v.burst < 0:
+		return badValue("burst_capacity", burst, "must not be negative")
+	case v.burst == 0:
+		return nil // blocks everything; rate and cost do not matter
+	case !(v.rate > 0) || math.IsInf(v.rate, 0):
+		return badValue("replenish_rate", rate, ": "+wantRate)
+	case float64(v.burst) < v.rate:
+		return badValue("burst_capacity", burst, fmt.Sprintf("is smaller than replenish_rate '%s': the bucket could never hold one second's refill, "+
+			"so clients would be held below the configured rate; raise burst_capacity to at least %v", rate, math.Ceil(v.rate)))
+	case v.burst > maxExactTokens:
+		return badValue("burst_capacity", burst, "is above 2^53, where the script's numbers stop being exact; lower it")
+	case float64(v.burst)/v.rate > maxFillSeconds:
+		return badValue("replenish_rate", rate, fmt.Sprintf("is so small that an empty bucket of %d tokens would take %.3g days to fill "+
+			"(more than a year, past what Retry-After can say); raise it to at least %v", v.burst, float64(v.burst)/v.rate/86400, float64(v.burst)/maxFillSeconds))
+	case v.requested < 1:
+		return badValue("requested_tokens", requested, "must be at least 1")
+	case v.requested > v.burst:
+		return badValue("requested_tokens", requested, fmt.Sprintf("is more than burst_capacity '%d': no request could ever be admitted", v.burst))
+	}
+	return nil
+}
+
+// scriptArgs are the values as the script takes them.
+func (v limitValues) scriptArgs() [3]any {
+	return [3]any{
+		strconv.FormatFloat(v.rate, 'f', -1, 64),
+		strconv.FormatInt(v.burst, 10),
+		strconv.FormatInt(v.requested, 10),
+	}
+}
+
+// checkValues judges a limit's rate, burst and cost: each fixed one
+// alone, and, when together is set, the fixed ones together (all three;
+// or rate and burst, or burst and cost, when the third is a placeholder).
+// What has placeholders is judged per request.
+func checkValues(rate, burst, cost Param, together bool) error {
+	rate, cost = unset(rate), unset(cost)
+	if together && !rate.perRequest() && !burst.perRequest() && !cost.perRequest() {
+		_, _, err := resolveValues(string(rate), string(burst), string(cost))
+		return err
+	}
+	v := limitValues{requested: 1}
+	fixedRate := !rate.perRequest() && rate != "" && rate != unlimited
+	fixedBurst := !burst.perRequest() && burst != "" && burst != unlimited
+	fixedCost := !cost.perRequest() && cost != ""
+	var err error
+	if fixedRate {
+		if v.rate, err = parseRate(string(rate)); err != nil {
+			return badValue("replenish_rate", string(rate), ": "+err.Error())
+		}
+	}
+	if fixedBurst {
+		if v.burst, err = strconv.ParseInt(string(burst), 10, 64); err != nil || v.burst < 0 || v.burst > maxExactTokens {
+			return badValue("burst_capacity", string(burst), "is not a whole number from 0 to 2^53")
+		}
+	}
+	if fixedCost {
+		if v.requested, err = strconv.ParseInt(string(cost), 10, 64); err != nil || v.requested < 1 {
+			return badValue("requested_tokens", string(cost), "is not a whole number of at least 1")
+		}
+	}
+	switch {
+	case !together || !fixedBurst || v.burst == 0:
+	case fixedRate:
+		return v.check() // with the cost too, if it is fixed
+	case fixedCost && v.requested > v.burst:
+		return badValue("requested_tokens", string(cost), fmt.Sprintf("is more than burst_capacity '%d': no request could ever be admitted", v.burst))
+	}
+	return nil
+}

@@ -20,6 +20,7 @@ func FuzzUnmarshalCaddyfile(f *testing.F) {
 	f.Add("rate_limit {\n\tzone api\n\tkey {http.request.header.X-API-Key}\n\treplenish_rate 100/1m\n\tburst_capacity 100\n}")
 	f.Add("rate_limit 1 1 {\n\tredis h1:6379 h2:6379 {\n\t\tmaster_name m\n\t\ttls {\n\t\t\tcert c\n\t\t\tkey k\n\t\t}\n\t}\n}")
 	f.Add("rate_limit 1 10 {\n\tcharge json usage.total_tokens\n\tmax_debt 5\n\tmax_body 1MiB\n\tlimit t {\n\t\tcharge_status 4xx\n\t}\n}")
+	f.Add("rate_limit {\n\tlimit requests 60/1m 60\n\tconcurrent gen 4 {\n\t\thold 30s\n\t\tretry_after 2\n\t\tkey {http.request.header.A}\n\t}\n}")
 	f.Fuzz(func(t *testing.T, input string) {
 		tokens, err := caddyfile.Tokenize([]byte(input), "Fuzzfile")
 		if err != nil || len(tokens) == 0 {

@@ -14,7 +14,6 @@ import (
 	"net/http"
 	"net/http/httptest"
 	"net/url"
-	"os"
 	"path/filepath"
 	"reflect"
 	"slices"
@@ -1519,19 +1518,7 @@ var costTwo = []string{"2"}
 // for LLM APIs" section.
 func readmeLLMExample(t *testing.T) string {
 	t.Helper()
-	raw, err := os.ReadFile("README.md")
-	if err != nil {
-		t.Fatal(err)
-	}
-	_, section, ok := strings.Cut(string(raw), "\n## Token budgets for LLM APIs\n")
-	if !ok {
-		t.Fatal(`README.md has no "Token budgets for LLM APIs" section`)
-	}
-	_, block, ok := strings.Cut(section, "```caddyfile\n")
-	if !ok {
-		t.Fatal("the section has no caddyfile block")
-	}
-	block, _, _ = strings.Cut(block, "```")
+	block := readmeExample(t, "Token budgets for LLM APIs")
 	if !strings.HasPrefix(block, "llm.example.com {") || !strings.Contains(block, "reverse_proxy localhost:8000\n") {
 		t.Fatalf("the example is not the site expected:\n%s", block)
 	}

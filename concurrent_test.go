@@ -6,7 +6,6 @@ import (
 	"fmt"
 	"net/http"
 	"net/http/httptest"
-	"os"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -533,19 +532,7 @@ func TestConcurrentSlotsOfKilledInstanceFreeWithinHoldNotBefore(t *testing.T) {
 // section.
 func readmeConcurrencyExample(t *testing.T) string {
 	t.Helper()
-	raw, err := os.ReadFile("README.md")
-	if err != nil {
-		t.Fatal(err)
-	}
-	_, section, ok := strings.Cut(string(raw), "\n## Concurrency\n")
-	if !ok {
-		t.Fatal(`README.md has no "Concurrency" section`)
-	}
-	_, block, ok := strings.Cut(section, "```caddyfile\n")
-	if !ok {
-		t.Fatal("the section has no caddyfile block")
-	}
-	block, _, _ = strings.Cut(block, "```")
+	block := readmeExample(t, "Concurrency")
 	if !strings.HasPrefix(block, "llm.example.com {") || !strings.Contains(block, "reverse_proxy localhost:8000\n") {
 		t.Fatalf("the example is not the site expected:\n%s", block)
 	}

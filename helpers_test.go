@@ -21,6 +21,7 @@ import (
 	"net/http"
 	"net/http/httptest"
 	"net/url"
+	"os"
 	"strconv"
 	"strings"
 	"sync"
@@ -740,4 +741,24 @@ func forceReload(t *testing.T, caddyfile string) {
 	if resp.StatusCode != http.StatusOK {
 		t.Fatalf("reload: status %d", resp.StatusCode)
 	}
+}
+
+// readmeExample is the first Caddyfile block of the README's section
+// titled title (a "## " heading), as written.
+func readmeExample(t *testing.T, title string) string {
+	t.Helper()
+	raw, err := os.ReadFile("README.md")
+	if err != nil {
+		t.Fatal(err)
+	}
+	_, section, ok := strings.Cut(string(raw), "\n## "+title+"\n")
+	if !ok {
+		t.Fatalf("README.md has no %q section", title)
+	}
+	_, block, ok := strings.Cut(section, "```caddyfile\n")
+	if !ok {
+		t.Fatalf("the %q section has no caddyfile block", title)
+	}
+	block, _, _ = strings.Cut(block, "```")
+	return block
 }

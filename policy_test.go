@@ -11,7 +11,6 @@ import (
 	"math"
 	"net/http"
 	"net/http/httptest"
-	"os"
 	"strconv"
 	"strings"
 	"sync"
@@ -1196,19 +1195,7 @@ func TestPolicyRateLimitPolicyListsEveryLimitOnACachedDenial(t *testing.T) {
 // Policies section, as written.
 func readmePolicyExample(t *testing.T) string {
 	t.Helper()
-	raw, err := os.ReadFile("README.md")
-	if err != nil {
-		t.Fatal(err)
-	}
-	_, section, ok := strings.Cut(string(raw), "\n## Policies\n")
-	if !ok {
-		t.Fatal("README.md has no Policies section")
-	}
-	_, block, ok := strings.Cut(section, "```caddyfile\n")
-	if !ok {
-		t.Fatal("the Policies section has no caddyfile block")
-	}
-	block, _, _ = strings.Cut(block, "```")
+	block := readmeExample(t, "Policies")
 	if !strings.HasPrefix(block, "rate_limit /api/* {") || !strings.HasSuffix(block, "}\n") {
 		t.Fatalf("the Policies example is not a rate_limit directive:\n%s", block)
 	}

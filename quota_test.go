@@ -6,7 +6,6 @@ import (
 	"math"
 	"math/rand/v2"
 	"net/http"
-	"os"
 	"strconv"
 	"strings"
 	"sync"
@@ -556,19 +555,7 @@ func counterValue(t *testing.T, c prometheus.Counter) float64 {
 // section, as written: a map and a rate_limit directive.
 func readmeQuotaExample(t *testing.T) string {
 	t.Helper()
-	raw, err := os.ReadFile("README.md")
-	if err != nil {
-		t.Fatal(err)
-	}
-	_, section, ok := strings.Cut(string(raw), "\n## Quotas\n")
-	if !ok {
-		t.Fatal("README.md has no Quotas section")
-	}
-	_, block, ok := strings.Cut(section, "```caddyfile\n")
-	if !ok {
-		t.Fatal("the Quotas section has no caddyfile block")
-	}
-	block, _, _ = strings.Cut(block, "```")
+	block := readmeExample(t, "Quotas")
 	if !strings.Contains(block, "\nrate_limit /api/* {") || !strings.HasSuffix(block, "}\n") {
 		t.Fatalf("the Quotas example is not a map and a rate_limit directive:\n%s", block)
 	}

@@ -220,8 +220,8 @@ func (l *limiter) sendBatch(worker int, batch []*call) {
 		return
 	}
 
-	send = l.mergeSettlements(send) // charge.go
-	send = l.mergeReleases(send)    // concurrent.go
+	send = l.merge(send, settlements) // charge.go
+	send = l.merge(send, releases)    // concurrent.go
 	sent := time.Now()
 	cmds := l.pipeline(ctx, send, false)
 	for _, cmd := range cmds {
@@ -426,4 +426,84 @@ func (c batchContext) Err() error {
 	default:
 		return nil
 	}
+}
+
+// mergedKind is a kind of call that the batcher joins into one script
+// call per batch, on one Redis server (not a Cluster, where the keys of
+// one call must share a slot): its script answers each key on its own,
+// so one call does for all of them what one call each would, at less
+// cost to Redis and this instance. Each call gets its part of the
+// answer; the node's breaker counts them as one call.
+type mergedKind struct {
+	name   string // in the error of a reply too short for its parts
+	script *luaScript
+	lead   []any // the script's own arguments, before the keys' ones
+	width  int   // values of the reply per key
+	is     func(c *call) bool
+}
+
+// merge joins the calls of kind in send into one, when there are two or
+// more.
+func (l *limiter) merge(send []*call, kind *mergedKind) []*call {
+	if l.cluster != nil {
+		return send
+	}
+	n := 0
+	for _, c := range send {
+		if kind.is(c) {
+			n++
+		}
+	}
+	if n < 2 {
+		return send
+	}
+	merge := mergedCalls.Get().(*mergedCall)
+	merge.kind = kind
+	m := calls.Get().(*call)
+	kept := send[:0]
+	for _, c := range send {
+		if !kind.is(c) {
+			kept = append(kept, c)
+			continue
+		}
+		merge.parts = append(merge.parts, c)
+		m.keys = append(m.keys, c.keys...)
+	}
+	m.command(kind.script)
+	m.args = append(m.args, kind.lead...)
+	for _, c := range merge.parts {
+		m.args = append(m.args, c.args[3+len(c.keys)+len(kind.lead):]...) // after evalsha, sha, count, keys and lead
+	}
+	first := merge.parts[0]
+	m.clientCtx, m.breaker, m.deadline, m.then = first.clientCtx, first.breaker, first.deadline, merge
+	return append(kept, m)
+}
+
+// mergedCall is the calls that one merged call sends (pooled).
+type mergedCall struct {
+	kind  *mergedKind
+	parts []*call
+}
+
+var mergedCalls = sync.Pool{New: func() any { return new(mergedCall) }}
+
+// takeAnswer hands each call its part of the merged call's answer.
+func (m *mergedCall) takeAnswer(c *call) {
+	off := 0
+	for _, p := range m.parts {
+		n := m.kind.width * len(p.keys)
+		switch p.err = c.err; {
+		case c.err != nil:
+		case off+n > len(c.reply):
+			p.err = fmt.Errorf("unexpected %s reply %v", m.kind.name, c.reply)
+		default:
+			p.reply = append(p.reply[:0], c.reply[off:off+n]...)
+		}
+		off += n
+		p.answer()
+	}
+	c.release()
+	clear(m.parts)
+	m.kind, m.parts = nil, m.parts[:0]
+	mergedCalls.Put(m)
 }

@@ -732,75 +732,12 @@ func (s *settleCall) takeAnswer(c *call) {
 	settleCalls.Put(s)
 }
 
-// mergeSettlements joins the settlement calls of a batch into one script
-// call, on one Redis server (not a Cluster, where the keys of one call
-// must share a slot): settle.lua settles each bucket on its own, so one
-// call does for all of them what one call each would, at less cost to
-// Redis and this instance (make bench, charge@64: scripts/req 2.00 ->
+// settlements are merged per batch (limiter.merge): settle.lua settles
+// each bucket on its own (make bench, charge@64: scripts/req 2.00 ->
 // 1.05, Redis µs per request 15.6 -> 13.6; BenchmarkServeHTTPCharged 15
-// -> 13 allocs). Each settlement gets its part of the answer; the
-// node's breaker counts them as one call.
-func (l *limiter) mergeSettlements(send []*call) []*call {
-	if l.cluster != nil {
-		return send
-	}
-	n := 0
-	for _, c := range send {
-		if c.script == settleScript && c.then != nil {
-			n++
-		}
-	}
-	if n < 2 {
-		return send
-	}
-	merge := settleMerges.Get().(*settleMerge)
-	m := calls.Get().(*call)
-	kept := send[:0]
-	for _, c := range send {
-		if c.script != settleScript || c.then == nil {
-			kept = append(kept, c)
-			continue
-		}
-		merge.parts = append(merge.parts, c)
-		m.keys = append(m.keys, c.keys...)
-	}
-	m.args = append(m.args, "evalsha", settleScript.sha, keyCountArg(len(m.keys)))
-	for i := range m.keys {
-		m.args = append(m.args, &m.keys[i])
-	}
-	for _, c := range merge.parts {
-		m.args = append(m.args, c.args[3+len(c.keys):]...)
-	}
-	first := merge.parts[0]
-	m.script, m.clientCtx, m.breaker, m.deadline, m.then = settleScript, first.clientCtx, first.breaker, first.deadline, merge
-	return append(kept, m)
-}
-
-// settleMerge is the settlements that one merged call sends (pooled).
-type settleMerge struct{ parts []*call }
-
-var settleMerges = sync.Pool{New: func() any { return new(settleMerge) }}
-
-// takeAnswer hands each settlement its part of the merged call's answer.
-func (m *settleMerge) takeAnswer(c *call) {
-	off := 0
-	for _, p := range m.parts {
-		n := 2 * len(p.keys)
-		switch p.err = c.err; {
-		case c.err != nil:
-		case off+n > len(c.reply):
-			p.err = fmt.Errorf("unexpected settle reply %v", c.reply)
-		default:
-			p.reply = append(p.reply[:0], c.reply[off:off+n]...)
-		}
-		off += n
-		p.answer()
-	}
-	c.release()
-	clear(m.parts)
-	m.parts = m.parts[:0]
-	settleMerges.Put(m)
-}
+// -> 13 allocs).
+var settlements = &mergedKind{name: "settle", script: settleScript, width: 2,
+	is: func(c *call) bool { return c.script == settleScript && c.then != nil }}
 
 // errUnsettled is a bucket that settle.lua could not settle.
 var errUnsettled = errors.New("a bucket was not settled: its key holds another type, or Redis refused the write")

@@ -1820,7 +1820,7 @@ func (a *answerRecorder) takeAnswer(c *call) {
 }
 
 // TestSettlementsOfABatchShareOneScriptCall: the settlement calls that
-// one batch sends go to Redis as one call (mergeSettlements), and each
+// one batch sends go to Redis as one call (limiter.merge), and each
 // gets the answer for its own buckets; other calls go as they are.
 func TestSettlementsOfABatchShareOneScriptCall(t *testing.T) {
 	srv := redistest.Start(t)
@@ -1850,7 +1850,7 @@ func TestSettlementsOfABatchShareOneScriptCall(t *testing.T) {
 	take := newTestCall("m:take", args, time.Now().Add(time.Second))
 	batch := []*call{settle(&a, map[string]int64{"m:a": 30, "m:b": -5}), take, settle(&bad, map[string]int64{"m:bad": 3}),
 		settle(&b, map[string]int64{"m:c": 200})}
-	send := l.mergeSettlements(batch)
+	send := l.merge(batch, settlements)
 	if len(send) != 2 || send[0] != take || len(send[1].keys) != 4 {
 		t.Fatalf("merged into %d calls, want the take and one settlement of 4 buckets", len(send))
 	}

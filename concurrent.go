@@ -490,17 +490,8 @@ func (s *slotHold) sendRelease() {
 	h := s.h
 	now := time.Now()
 	for start := 0; start < len(s.keys); {
-		end := start + 1
-		for end < len(s.keys) && s.limits[end].group == s.limits[start].group {
-			end++
-		}
-		c := calls.Get().(*call)
-		c.keys = append(c.keys, s.keys[start:end]...)
-		c.command(concurrentScript)
-		c.args = append(c.args, releaseArg)
-		for _, l := range s.limits[start:end] {
-			c.args = append(c.args, s.id, l.slots.holdArg)
-		}
+		end := s.groupEnd(start)
+		c := s.call(releaseArg, start, end)
 		h.limiter.releases.add(c.keys, 1)
 		c.clientCtx, c.then = context.Background(), releaseAnswer{h} // sent even when the client has left
 		if err := h.limiter.enqueue(c, now); err != nil {
@@ -509,6 +500,29 @@ func (s *slotHold) sendRelease() {
 		}
 		start = end
 	}
+}
+
+// groupEnd is the end of the Cluster slot group of held slots that
+// starts at start (the slots of one group are consecutive).
+func (s *slotHold) groupEnd(start int) int {
+	end := start + 1
+	for end < len(s.keys) && s.limits[end].group == s.limits[start].group {
+		end++
+	}
+	return end
+}
+
+// call is concurrent.lua's call of op over the held slots start to end,
+// of one Cluster slot group.
+func (s *slotHold) call(op any, start, end int) *call {
+	c := calls.Get().(*call)
+	c.keys = append(c.keys, s.keys[start:end]...)
+	c.command(concurrentScript)
+	c.args = append(c.args, op)
+	for _, l := range s.limits[start:end] {
+		c.args = append(c.args, s.id, l.slots.holdArg)
+	}
+	return c
 }
 
 // releaseAnswer reads the answer to a release, in the batcher's worker.
@@ -602,17 +616,8 @@ func (s *slotHold) renew() {
 func (s *slotHold) send(op any) {
 	h := s.h
 	for start := 0; start < len(s.keys); {
-		end := start + 1
-		for end < len(s.keys) && s.limits[end].group == s.limits[start].group {
-			end++
-		}
-		c := calls.Get().(*call)
-		c.keys = append(c.keys, s.keys[start:end]...)
-		c.command(concurrentScript)
-		c.args = append(c.args, op)
-		for _, l := range s.limits[start:end] {
-			c.args = append(c.args, s.id, l.slots.holdArg)
-		}
+		end := s.groupEnd(start)
+		c := s.call(op, start, end)
 		// Sent even when the client has left.
 		c, err := h.limiter.send(context.Background(), time.Now(), c)
 		h.slotsAnswered(op, c, err)
@@ -709,73 +714,12 @@ for i = 2, #scores, 2 do
 end
 return left`
 
-// mergeReleases joins the releases of a batch into one script call, on
-// one Redis server (not a Cluster, where the keys of one call must share
-// a slot), as mergeSettlements does for settlements: concurrent.lua
-// releases each slot on its own, so one call does for all what one call
-// each would, at less cost to this instance and Redis. Each release gets
-// its part of the answer.
-func (l *limiter) mergeReleases(send []*call) []*call {
-	if l.cluster != nil {
-		return send
-	}
-	n := 0
-	for _, c := range send {
-		if isRelease(c) {
-			n++
-		}
-	}
-	if n < 2 {
-		return send
-	}
-	merge := releaseMerges.Get().(*releaseMerge)
-	m := calls.Get().(*call)
-	kept := send[:0]
-	for _, c := range send {
-		if !isRelease(c) {
-			kept = append(kept, c)
-			continue
-		}
-		merge.parts = append(merge.parts, c)
-		m.keys = append(m.keys, c.keys...)
-	}
-	m.command(concurrentScript)
-	m.args = append(m.args, releaseArg)
-	for _, c := range merge.parts {
-		m.args = append(m.args, c.args[4+len(c.keys):]...) // after evalsha, sha, count, keys and the op
-	}
-	first := merge.parts[0]
-	m.clientCtx, m.breaker, m.deadline, m.then = first.clientCtx, first.breaker, first.deadline, merge
-	return append(kept, m)
-}
+// releases are merged per batch (limiter.merge): concurrent.lua releases
+// each slot on its own (make bench, concurrent@64: scripts/req 2.00 ->
+// 1.06).
+var releases = &mergedKind{name: "release", script: concurrentScript, lead: []any{releaseArg}, width: 1, is: isRelease}
 
 func isRelease(c *call) bool {
 	_, ok := c.then.(releaseAnswer)
 	return ok && c.script == concurrentScript
-}
-
-// releaseMerge is the releases that one merged call sends (pooled).
-type releaseMerge struct{ parts []*call }
-
-var releaseMerges = sync.Pool{New: func() any { return new(releaseMerge) }}
-
-// takeAnswer hands each release its part of the merged call's answer.
-func (m *releaseMerge) takeAnswer(c *call) {
-	off := 0
-	for _, p := range m.parts {
-		n := len(p.keys)
-		switch p.err = c.err; {
-		case c.err != nil:
-		case off+n > len(c.reply):
-			p.err = fmt.Errorf("unexpected release reply %v", c.reply)
-		default:
-			p.reply = append(p.reply[:0], c.reply[off:off+n]...)
-		}
-		off += n
-		p.answer()
-	}
-	c.release()
-	clear(m.parts)
-	m.parts = m.parts[:0]
-	releaseMerges.Put(m)
 }

@@ -121,8 +121,14 @@ func TestConcurrentRefusesWhenSlotsTakenAndFreesOnRelease(t *testing.T) {
 	if s1, s2 := <-first, <-second; s1 != 200 || s2 != 200 {
 		t.Fatalf("held requests answered %d, %d; want 200", s1, s2)
 	}
-	// Released as the responses ended: no wait for a hold, and no cached
-	// denial stands in the way.
+	// Released as the responses ended (the releases travel on their own,
+	// in the next pipeline): no wait for a hold, and no cached denial
+	// stands in the way.
+	rdb := srv.Client(t)
+	eventually(t, 2*time.Second, "both slots released in Redis", func() bool {
+		n, _ := rdb.ZCard(context.Background(), slotKey(t, h, "gen", "k")).Result()
+		return n == 0
+	})
 	status, header := serve(ctx, h, "k")
 	if status != 200 {
 		t.Fatalf("after the releases: %d, want 200 (a full concurrent limit must not be cached as a denial)", status)
@@ -130,7 +136,6 @@ func TestConcurrentRefusesWhenSlotsTakenAndFreesOnRelease(t *testing.T) {
 	if got := header.Get("RateLimit"); !strings.Contains(got, ";r=1;t=0") {
 		t.Errorf("RateLimit %q, want r=1 free slot while this one ran", got)
 	}
-	rdb := srv.Client(t)
 	eventually(t, 2*time.Second, "every slot released in Redis", func() bool {
 		n, _ := rdb.ZCard(context.Background(), slotKey(t, h, "gen", "k")).Result()
 		return n == 0

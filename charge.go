@@ -576,7 +576,9 @@ func (h *Handler) settleInProcess(s *memoryStore, buckets []bucket, items []sett
 		stored := s.shards[shard].buckets[keys[i]]
 		state, ok := held(stored)
 		if b.quota != nil {
-			if ok && state.expires > t { // else its period is over, or it was reset: nothing to settle
+			// Else its period is over, or it was reset, or it counts a later
+			// period than the one the reservation was taken in: nothing to settle.
+			if ok && state.expires > t && state.at == b.quota.bounds[1] {
 				var forgiven float64
 				*stored, forgiven = settleQuotaUse(state, b.values, it.diff, b.limit.charge.maxDebtFor(b.values))
 				h.countCharged(b.limit, float64(it.cost)-forgiven, forgiven)
@@ -656,7 +658,11 @@ func (h *Handler) settleInRedis(buckets []bucket, items []settling) {
 		}
 		for _, it := range group {
 			b := &buckets[it.bucket]
-			c.args = append(c.args, b.args[0], b.args[1], diffArg(it.diff), b.limit.charge.maxDebtArg(b))
+			kind := b.args[0]
+			if b.quota != nil {
+				kind = b.quota.settleKind // settled only in the period it reserved in
+			}
+			c.args = append(c.args, kind, b.args[1], diffArg(it.diff), b.limit.charge.maxDebtArg(b))
 			s.items = append(s.items, settlement{limit: b.limit, cost: it.cost, reserved: b.values.requested, diff: it.diff})
 		}
 		c.script, c.clientCtx, c.then = settleScript, context.Background(), s // sent even when the client has left

@@ -88,6 +88,10 @@ type quota struct {
 type quotaPeriod struct {
 	bounds periodBounds // [1] to [2] is the period, Caddy's clock
 	args   [4]any       // the bounds as script arguments
+	// settleKind is settle.lua's first argument for this period's
+	// reservations: "q" and the period's start, so that a response that
+	// ends in a later period settles nothing there.
+	settleKind any
 	// policy is the RateLimit-Policy item and rate the X-RateLimit
 	// replenish rate, at the fixed count ("" when the count has
 	// placeholders).
@@ -113,6 +117,7 @@ func (q *quota) at(now time.Time, l *limit) *quotaPeriod {
 	for i, b := range p.bounds {
 		p.args[i] = strconv.FormatInt(b, 10)
 	}
+	p.settleKind = "q" + strconv.FormatInt(p.bounds[1], 10)
 	if l.fixed && !l.exempt {
 		p.policy = quotaPolicyItem(strconv.Quote(l.ietfName), l.values.burst, p.window())
 		p.rate = quotaRate(l.values.burst, p.window())

@@ -13,12 +13,14 @@
 -- ARGV[4i]     its max debt, whole tokens (0 or more): a take leaves the
 --              bucket no lower than minus this, and never raises it
 --
--- A quota (quota.go) comes as "q", its count, the difference and its max
+-- A quota (quota.go) comes as "q<start>" (the start, Unix microseconds,
+-- of the period its reservation was taken in), its count, the difference and its max
 -- debt: a take adds to what it used, even past the count, up to count +
 -- max_debt (beyond that it is forgiven, and it never lowers what is
 -- used); a give-back takes from what it used, down to nothing. It is
--- settled in the period its key counts, with the key's expiry; a quota
--- without a key (its period over, or reset) has nothing to settle.
+-- settled in the period its key counts, with the key's expiry, when that
+-- is the reservation's period; a quota without a key (its period over, or
+-- reset) or counting a later period has nothing to settle.
 --
 -- Buckets are read and stored as script.lua stores them, negative tokens
 -- included (debt); a missing (expired) bucket is full. A written key
@@ -35,7 +37,7 @@ local time = redis.call('TIME')
 local now = tonumber(time[1]) * 1000000 + tonumber(time[2])
 
 -- settleQuota is a quota's settlement: its reply pair.
-local function settleQuota(key, count, diff, maxDebt)
+local function settleQuota(key, start, count, diff, maxDebt)
   local state = redis.pcall('GET', key)
   if type(state) == 'table' then
     return -1, 0
@@ -45,7 +47,7 @@ local function settleQuota(key, count, diff, maxDebt)
   end
   local used, at = string.match(state, '^(%S+) (%d+)$')
   used = tonumber(used)
-  if not used then
+  if not used or tonumber(at) ~= start then -- another period than the reservation's
     return 0, 0
   end
   local left, forgiven = math.max(0, used + diff), 0
@@ -63,8 +65,10 @@ end
 
 local reply = {}
 for i = 1, #KEYS do
-  if ARGV[4 * i - 3] == 'q' then
-    reply[2 * i - 1], reply[2 * i] = settleQuota(KEYS[i], tonumber(ARGV[4 * i - 2]), tonumber(ARGV[4 * i - 1]), tonumber(ARGV[4 * i]))
+  local kind = ARGV[4 * i - 3]
+  if string.sub(kind, 1, 1) == 'q' then
+    reply[2 * i - 1], reply[2 * i] = settleQuota(KEYS[i], tonumber(string.sub(kind, 2)), tonumber(ARGV[4 * i - 2]),
+      tonumber(ARGV[4 * i - 1]), tonumber(ARGV[4 * i]))
   else
     local rate = tonumber(ARGV[4 * i - 3])
     local burst = tonumber(ARGV[4 * i - 2])

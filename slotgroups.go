@@ -86,7 +86,10 @@ func (h *Handler) takeGroups(clientCtx context.Context, sent time.Time, buckets 
 		h.giveBackGroups(clientCtx, taken)
 		for i := range buckets {
 			if buckets[i].limit.group < g {
+				// Given back: it holds the request's tokens again, so its
+				// wait after the take is no reason to come back later.
 				buckets[i].remaining += buckets[i].values.requested
+				buckets[i].retryAfter = 0
 			}
 		}
 		return false, err

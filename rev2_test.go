@@ -2,6 +2,7 @@ package ratelimit
 
 import (
 	"net/http"
+	"strings"
 	"testing"
 	"time"
 
@@ -98,5 +99,23 @@ func TestClusterGivenBackGroupDoesNotSetRetryAfter(t *testing.T) {
 	}
 	if got := a.header.Get("Retry-After"); got != "1" {
 		t.Errorf("Retry-After %q, want \"1\" (the tenant's wait; client b's token was given back)", got)
+	}
+}
+
+// A concurrent limit and a quota of one name would share metrics series,
+// RateLimit-Policy names and admin entries: refused at load, as a
+// concurrent limit named like a limit is, from the Caddyfile and JSON.
+func TestConcurrentNamedLikeAQuotaRefusedAtLoad(t *testing.T) {
+	for _, input := range []string{
+		"rate_limit {\n\tquota gen 5 per day\n\tconcurrent gen 2\n}",
+		"rate_limit {\n\tconcurrent gen 2\n\tquota gen 5 per day\n}",
+	} {
+		if _, err := parseTestCaddyfile(input); err == nil || !strings.Contains(err.Error(), "gen") {
+			t.Errorf("%q: %v, want an error naming 'gen'", input, err)
+		}
+	}
+	h := &Handler{Quotas: []Quota{{Name: "gen", Count: "5", Per: "day"}}, Concurrent: []Concurrent{{Name: "gen", Slots: "2"}}}
+	if err := h.checkLimits(); err == nil || !strings.Contains(err.Error(), "gen") {
+		t.Errorf("JSON: %v, want an error naming 'gen'", err)
 	}
 }

@@ -102,6 +102,9 @@ func (h *Handler) checkConcurrent() error {
 	for _, l := range h.Limits {
 		seen[l.Name] = true
 	}
+	for _, q := range h.Quotas {
+		seen[q.Name] = true
+	}
 	for _, c := range h.Concurrent {
 		if err := checkLimitName(c.Name); err != nil {
 			return fmt.Errorf("concurrent: %w", err)

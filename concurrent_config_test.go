@@ -131,3 +131,21 @@ func mustParse(t *testing.T, input string) *Handler {
 	}
 	return h
 }
+
+// A concurrent limit and a quota of one name would share metrics series,
+// RateLimit-Policy names and admin entries: refused at load, as a
+// concurrent limit named like a limit is, from the Caddyfile and JSON.
+func TestConcurrentNamedLikeAQuotaRefusedAtLoad(t *testing.T) {
+	for _, input := range []string{
+		"rate_limit {\n\tquota gen 5 per day\n\tconcurrent gen 2\n}",
+		"rate_limit {\n\tconcurrent gen 2\n\tquota gen 5 per day\n}",
+	} {
+		if _, err := parseTestCaddyfile(input); err == nil || !strings.Contains(err.Error(), "gen") {
+			t.Errorf("%q: %v, want an error naming 'gen'", input, err)
+		}
+	}
+	h := &Handler{Quotas: []Quota{{Name: "gen", Count: "5", Per: "day"}}, Concurrent: []Concurrent{{Name: "gen", Slots: "2"}}}
+	if err := h.checkLimits(); err == nil || !strings.Contains(err.Error(), "gen") {
+		t.Errorf("JSON: %v, want an error naming 'gen'", err)
+	}
+}

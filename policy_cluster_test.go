@@ -323,3 +323,39 @@ func testClusterGiveBackHappensEvenWhenTheClientLeft(t *testing.T, c *redistest.
 			"the tokens its refused request took were not given back", keys[1], tokens)
 	}
 }
+
+// On a Cluster, a request refused by a later slot group gets back what an
+// earlier group took: that group's bucket then holds its tokens again, so
+// it neither sets Retry-After (its wait after the take) nor is the bucket
+// the headers describe as refusing.
+func TestClusterGivenBackGroupDoesNotSetRetryAfter(t *testing.T) {
+	c := redistest.StartCluster(t, 3, 0)
+	h := quotaHandler(t, `rate_limit {
+	zone giveback_retry
+	key {http.request.header.X-Key}
+	headers both
+	limit client 0.0166 1
+	limit tenant 1 1 {
+		key {http.request.header.X-Tenant}
+	}
+	redis %s {
+		cluster
+		timeout 2s
+	}
+}`, c.Masters[0].Addr)
+	if len(h.groups) != 2 {
+		t.Fatalf("%d slot groups, want 2", len(h.groups))
+	}
+	if a := servePolicy(h, "X-Key", "a", "X-Tenant", "t1"); a.status != 200 {
+		t.Fatalf("first request: %d", a.status)
+	}
+	// Client b's bucket takes its one token (a minute to refill), then
+	// tenant t1 refuses (a second to refill): b gets its token back.
+	a := servePolicy(h, "X-Key", "b", "X-Tenant", "t1")
+	if a.status != 429 {
+		t.Fatalf("second request: %d, want 429 from the tenant", a.status)
+	}
+	if got := a.header.Get("Retry-After"); got != "1" {
+		t.Errorf("Retry-After %q, want \"1\" (the tenant's wait; client b's token was given back)", got)
+	}
+}

@@ -784,3 +784,58 @@ func TestQuotaCountFromRequestUnlimitedExemptsAndInvalidRefuses(t *testing.T) {
 		}
 	}
 }
+
+// A charged quota's refund belongs to the period its reservation was
+// taken in: a response that began in one period and ends in the next,
+// costing less than it reserved, must not give the next period tokens it
+// never took, or that period admits more than its count.
+func TestQuotaRefundOfAResponseFromThePreviousPeriodDoesNotRaiseTheNextPeriod(t *testing.T) {
+	srv := redistest.Start(t)
+	for _, store := range []string{storeRedis, storeMemory} {
+		t.Run(store, func(t *testing.T) {
+			h := &Handler{Zone: "quota_cross_" + store, Key: "{http.request.header.X-Key}", Store: store,
+				Quotas: []Quota{{Name: "q", Count: "5", Per: "2s", RequestedTokens: "5", Charge: &Charge{Header: "X-Cost"}}}}
+			if store == storeRedis {
+				h.Redis = &RedisConfig{Addresses: []string{srv.Addr}}
+			}
+			provision(t, h)
+			observeLogs(h, zapcore.InfoLevel)
+			letGo := make(chan struct{})
+			entered := make(chan struct{}, 1)
+			held := http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+				entered <- struct{}{}
+				<-letGo
+				w.Header().Set("X-Cost", "0") // cost nothing: all 5 reserved come back
+				w.WriteHeader(http.StatusOK)
+			})
+			full := http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+				w.Header().Set("X-Cost", "5")
+				w.WriteHeader(http.StatusOK)
+			})
+			send := func(next http.HandlerFunc) int {
+				r, w := newRequest("192.0.2.1", "a")
+				return statusOf(h.ServeHTTP(w, r, caddyhttp.HandlerFunc(func(w http.ResponseWriter, r *http.Request) error { next(w, r); return nil })), w.Code)
+			}
+			end := startOfPeriod(t, 2*time.Second)
+			done := make(chan int, 1)
+			go func() { done <- send(held) }() // period P: reserves the 5
+			<-entered
+			time.Sleep(time.Until(end) + 50*time.Millisecond) // period P+1
+			if status := send(full); status != 200 {
+				t.Fatalf("first request of the new period: %d, want 200", status)
+			}
+			close(letGo) // P's response ends in P+1, costing 0
+			if status := <-done; status != 200 {
+				t.Fatalf("held request: %d", status)
+			}
+			time.Sleep(200 * time.Millisecond) // the settlement lands
+			if time.Now().After(end.Add(1500 * time.Millisecond)) {
+				t.Skip("too slow to stay in one period")
+			}
+			if status := send(full); status != 429 {
+				t.Fatalf("the new period already admitted its count of 5, yet another request got %d, want 429: "+
+					"the previous period's refund was given to this one", status)
+			}
+		})
+	}
+}

@@ -326,7 +326,11 @@ func (r *roundTrips) estimate() time.Duration {
 // run there), and a call whose connection never opened may be dialed
 // again. Every script the batcher sends answers an array of integers,
 // which an IntSliceCmd reads as they come, where a Cmd boxes each one
-// into a []any (BenchmarkServeHTTPAllowed 12 -> 10 allocs).
+// into a []any (BenchmarkServeHTTPAllowed 12 -> 10 allocs). An error
+// reply (a key of another type) fails its own call only; a reply of
+// another shape, which none of our scripts gives, would also fail the
+// calls after it in the pipeline, and go-redis drops that connection
+// (TestScriptReplyOfAnotherShapeFailsItsCall).
 type onceCmd struct{ *redis.IntSliceCmd }
 
 func (onceCmd) NoRetry() bool { return true }

@@ -1,6 +1,7 @@
 package ratelimit
 
 import (
+	"context"
 	"fmt"
 	"strconv"
 	"sync"
@@ -139,5 +140,57 @@ func TestFailedBatchCountsOnceTowardBreaker(t *testing.T) {
 	if n := b.failures.Load(); n != 1 || b.isOpen() {
 		t.Fatalf("one failed batch of %d calls: %d failures counted, breaker open %v; want 1 failure, closed",
 			len(batch), n, b.isOpen())
+	}
+}
+
+// TestScriptReplyOfAnotherShapeFailsItsCall: the batcher reads replies as
+// arrays of integers. An error reply (a key of another type) fails its
+// own call only. A reply of another shape (a string, a nested array, a
+// string among the integers: no script of ours answers so) fails its
+// call and never reads as a decision; go-redis then fails the calls
+// after it in that pipeline and drops the connection, so the next batch
+// reads its own replies, in step.
+func TestScriptReplyOfAnotherShapeFailsItsCall(t *testing.T) {
+	srv := redistest.Start(t)
+	l := newTestLimiter(t, srv.Addr, 2*time.Second)
+	deadline := time.Now().Add(2 * time.Second)
+	newCall := func(key, body string) *call {
+		c := newTestCall(key, limitArgs(1, 10, 1), deadline)
+		if body != "" {
+			c.script = newLuaScript(body)
+		}
+		c.breaker = l.breakers.get(l.node)
+		return c
+	}
+	expectAdmitted := func(what string, c *call) {
+		t.Helper()
+		if c.err != nil {
+			t.Fatalf("%s: %v", what, c.err)
+		}
+		b := []bucket{{}}
+		if allowed, err := readTake(c.reply, b, false); err != nil || !allowed || b[0].remaining != 9 {
+			t.Fatalf("%s: read %v as %v (%+v), %v; want admitted with 9 left", what, c.reply, allowed, b, err)
+		}
+	}
+	// ("with the sources": nothing is cached in this server.)
+	failing, good := newCall("shape:error", "return redis.error_reply('WRONGTYPE boom')"), newCall("shape:good0", "")
+	l.pipeline(context.Background(), []*call{failing, good}, true)
+	if failing.err == nil {
+		t.Errorf("an error reply answered %v without an error", failing.reply)
+	}
+	expectAdmitted("the call batched after an error reply", good)
+
+	for i, body := range []string{"return 'OK'", "return {1, {2}, 3}", "return {1, 'x', 0}"} {
+		bad, after := newCall(fmt.Sprint("shape:bad", i), body), newCall(fmt.Sprint("shape:after", i), "")
+		l.pipeline(context.Background(), []*call{bad, after}, true)
+		if bad.err == nil {
+			t.Errorf("script %q: answered %v without an error", body, bad.reply)
+		}
+		if after.err == nil {
+			expectAdmitted("the call batched after "+body, after)
+		}
+		next := newCall(fmt.Sprint("shape:next", i), "")
+		l.pipeline(context.Background(), []*call{next}, true)
+		expectAdmitted("the next batch after "+body, next)
 	}
 }

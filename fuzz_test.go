@@ -154,10 +154,18 @@ func FuzzParseReply(f *testing.F) {
 		default:
 			reply = []int64{a, b, c, a, b, c, a}[:shape%8]
 		}
-		allowed, err := readTake(reply, buckets, leasing)
-		if shape%8 > 3 {
-			wellFormed = err == nil // a length that happens to fit: judged below like any answer
+		if shape%8 > 3 { // another length: well formed only if it fits the buckets, each value in range
+			n := len(buckets)
+			want := 1 + 2*n
+			if leasing {
+				want += n
+			}
+			wellFormed = len(reply) == want && (a == 0 || a == 1)
+			for i := 0; wellFormed && i < n; i++ {
+				wellFormed = reply[1+2*i] >= 0 && reply[2+2*i] >= 0 && reply[2+2*i] <= maxRetryMicros && (!leasing || reply[1+2*n+i] >= 0)
+			}
 		}
+		allowed, err := readTake(reply, buckets, leasing)
 		if wellFormed != (err == nil) {
 			t.Fatalf("reply %v: error %v; well-formed %v", reply, err, wellFormed)
 		}

@@ -137,11 +137,13 @@ var errNoAnswer = fmt.Errorf("no answer from Redis within the timeout: %w", cont
 // already queued (never waiting for more), and sends them together.
 func (l *limiter) work(worker int) {
 	defer l.workers.Done()
-	batch := make([]*call, 0, maxBatch)
+	batch := make([]*call, 0, maxBatch+1)
 	for {
 		select {
 		case c := <-l.queue:
 			batch = append(batch[:0], c)
+		case <-l.wake: // releases queued (concurrent.go)
+			batch = batch[:0]
 		case <-l.stop:
 			// Nothing enters the queue any more; answer what is left.
 			for {
@@ -163,7 +165,22 @@ func (l *limiter) work(worker int) {
 				break more
 			}
 		}
-		l.sendBatch(worker, batch)
+		// Queued releases go first: a slot given back before a take of its
+		// key in the same batch is free for it.
+		if c, more := l.releaseCall(time.Now()); c != nil {
+			batch = append(batch, nil)
+			copy(batch[1:], batch)
+			batch[0] = c
+			if more {
+				select {
+				case l.wake <- struct{}{}:
+				default:
+				}
+			}
+		}
+		if len(batch) > 0 {
+			l.sendBatch(worker, batch)
+		}
 		clear(batch)
 	}
 }
@@ -221,7 +238,6 @@ func (l *limiter) sendBatch(worker int, batch []*call) {
 	}
 
 	send = l.merge(send, settlements) // charge.go
-	send = l.merge(send, releases)    // concurrent.go
 	sent := time.Now()
 	cmds := l.pipeline(ctx, send, false)
 	for _, cmd := range cmds {

@@ -20,6 +20,7 @@ import (
 	"net"
 	"net/http"
 	"strconv"
+	"strings"
 	"sync/atomic"
 	"syscall"
 	"testing"
@@ -28,6 +29,7 @@ import (
 	"github.com/caddy-redis/ratelimit/internal/redistest"
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
+	"github.com/redis/go-redis/v9"
 	"go.uber.org/zap"
 )
 
@@ -210,6 +212,24 @@ func BenchmarkServeHTTPConcurrent(b *testing.B) {
 	})
 	serveOne(b, h, "192.0.2.1", "client-1", http.StatusOK)
 	serveFresh(b, "192.0.2.1", "client-1", http.StatusOK, serveHandler(h))
+}
+
+// BenchmarkServeHTTPConcurrentParallel is BenchmarkServeHTTPConcurrent
+// with many clients at once, beside the same without the concurrent
+// limit: takes and releases go out in shared pipelines, as under load
+// (make bench's concurrent@64), and cpu-ns/op is this process's share.
+func BenchmarkServeHTTPConcurrentParallel(b *testing.B) {
+	for _, slots := range []bool{false, true} {
+		b.Run(fmt.Sprintf("slots=%v", slots), func(b *testing.B) {
+			srv := redistest.Start(b)
+			h := benchHandler(b, srv, "bench-concurrent", 1e9, 1_000_000_000, func(h *Handler) {
+				if slots {
+					h.Concurrent = []Concurrent{{Name: "gen", Slots: "1000"}}
+				}
+			})
+			serveParallel(b, h, okHandler)
+		})
+	}
 }
 
 // BenchmarkServeHTTPLease is BenchmarkServeHTTPAllowed with `lease 32`:
@@ -500,5 +520,82 @@ func BenchmarkLeaseCall(b *testing.B) {
 		if _, err := h.leases.call(context.Background(), h.limiter, time.Now(), leaseModeRenew, buckets); err != nil {
 			b.Fatal(err)
 		}
+	}
+}
+
+// BenchmarkScriptsRedisCPU is what Redis spends per request on the
+// scripts alone, as make bench's allowed@64 and concurrent@64 send them:
+// batches of 16 takes over 64 keys and, with slots, at the head of each
+// batch one release of the previous batch's slots. redis-us/op is
+// Redis's CPU per request (INFO cpu); -v logs its command statistics.
+func BenchmarkScriptsRedisCPU(b *testing.B) {
+	for _, slots := range []bool{false, true} {
+		b.Run(fmt.Sprintf("slots=%v", slots), func(b *testing.B) {
+			srv := redistest.Start(b)
+			ctx := context.Background()
+			rdb := redis.NewClient(&redis.Options{Addr: srv.Addr})
+			defer rdb.Close()
+			for _, s := range []*luaScript{takeScript, concurrentScript} {
+				if err := rdb.ScriptLoad(ctx, s.source).Err(); err != nil {
+					b.Fatal(err)
+				}
+			}
+			const batch, keys = 16, 64
+			var prev []any
+			counter := 0
+			cpu := func() float64 {
+				info := rdb.Info(ctx, "cpu").Val()
+				var total float64
+				for _, line := range strings.Split(info, "\r\n") {
+					if k, v, ok := strings.Cut(line, ":"); ok && (k == "used_cpu_user" || k == "used_cpu_sys") {
+						f, _ := strconv.ParseFloat(v, 64)
+						total += f
+					}
+				}
+				return total
+			}
+			rdb.ConfigResetStat(ctx)
+			start := cpu()
+			b.ResetTimer()
+			for done := 0; done < b.N; done += batch {
+				pipe := rdb.Pipeline()
+				if prev != nil {
+					pipe.EvalSha(ctx, concurrentScript.sha.(string), prev[0].([]string), append([]any{"release"}, prev[1:]...)...)
+				}
+				var rel []any
+				var relKeys []string
+				for i := range batch {
+					k := (done + i) % keys
+					bucket := "rate_limit:b|" + strconv.Itoa(k)
+					args := []any{"1000000000", "1000000000", "1"}
+					ks := []string{bucket}
+					if slots {
+						counter++
+						id := "0123456789abcdef:" + strconv.FormatInt(int64(counter), 36)
+						ks = append(ks, "rate_limit:{b|"+strconv.Itoa(k)+"}|gen|slots")
+						args = append(args, "c", "1000", id, "30000000")
+						relKeys = append(relKeys, ks[1])
+						rel = append(rel, id)
+					}
+					pipe.EvalSha(ctx, takeScript.sha.(string), ks, args...)
+				}
+				if _, err := pipe.Exec(ctx); err != nil {
+					b.Fatal(err)
+				}
+				prev = nil
+				if slots {
+					prev = append([]any{relKeys}, rel...)
+				}
+			}
+			b.StopTimer()
+			b.ReportMetric((cpu()-start)*1e6/float64(b.N), "redis-us/op")
+			if testing.Verbose() {
+				for _, line := range strings.Split(rdb.Info(ctx, "commandstats").Val(), "\r\n") {
+					if strings.HasPrefix(line, "cmdstat_") {
+						b.Log(line)
+					}
+				}
+			}
+		})
 	}
 }

@@ -117,9 +117,14 @@ type limiter struct {
 	// lastReload throttles cluster slot reloads after network errors.
 	lastReload atomic.Int64
 
-	// releases are the releases of concurrent limits' slots on their way
-	// to Redis (concurrent.go).
-	releases pendingReleases
+	// releases counts the releases of concurrent limits' slots on their
+	// way to Redis; releaseQueue holds those not sent yet, and wake tells
+	// a worker of them (concurrent.go).
+	releases     pendingReleases
+	releaseQueue releaseQueue
+	wake         chan struct{}
+	// renewals renew the slots of requests in flight (concurrent.go).
+	renewals slotRenewals
 
 	// noEvalRO: the server answered that it knows no EVAL_RO (Redis
 	// before 7), so the admin API's reads use EVAL of the same script.
@@ -179,6 +184,7 @@ func newLimiter(c RedisConfig, files tlsFiles) (*limiter, error) {
 		timeout:   time.Duration(c.Timeout),
 		queue:     make(chan *call, queueLength),
 		stop:      make(chan struct{}),
+		wake:      make(chan struct{}, 1),
 		watchers:  make(map[limiterWatcher]struct{}),
 		resets:    c.KeyPrefix + "reset",
 		keyPrefix: c.KeyPrefix,

@@ -121,8 +121,14 @@ local function checkSlots(i)
   slot[i] = ARGV[a + 2]
   hold[i] = tonumber(ARGV[a + 3])
   a = a + 4
-  redis.call('ZREMRANGEBYSCORE', KEYS[i], '-inf', now) -- expired slots are free
+  -- An empty set has nothing to purge, and a new one gets its expiry
+  -- without asking its TTL (takeSlot): most sets are empty between the
+  -- requests of a key (BenchmarkScriptsRedisCPU, slots: 16.7 -> 15.4 µs
+  -- of Redis's CPU per request).
   used[i] = redis.call('ZCARD', KEYS[i])
+  if used[i] > 0 then -- expired slots are free
+    used[i] = used[i] - redis.call('ZREMRANGEBYSCORE', KEYS[i], '-inf', now)
+  end
   if used[i] >= slots[i] then
     allowed = 0
   end
@@ -133,8 +139,10 @@ local function takeSlot(i)
   if allowed == 1 then
     local expires = now + hold[i]
     redis.call('ZADD', KEYS[i], expires, slot[i])
+    -- The set lives until its latest slot expires: a set that held no
+    -- slot is new, and has no expiry yet.
     local ms = math.ceil(hold[i] / 1000)
-    if redis.call('PTTL', KEYS[i]) < ms then
+    if used[i] == 0 or redis.call('PTTL', KEYS[i]) < ms then
       redis.call('PEXPIRE', KEYS[i], ms)
     end
     used[i] = used[i] + 1

@@ -806,3 +806,37 @@ func TestConcurrentAndQuotaAreAllOrNothing(t *testing.T) {
 		t.Errorf("the quota used %s, want 3", u)
 	}
 }
+
+// A config unloaded while its requests still run keeps its limiter until
+// no call has come for lingerIdle: a release is such a call, so the
+// release of a request that ends later than lingerIdle after the last
+// take, but within lingerIdle of another release, still reaches Redis
+// (the release queue did not count as calls: the limiter closed under
+// the second release, whose slot stayed taken for its whole hold).
+func TestConcurrentReleasesKeepAnUnloadedLimiterOpenForRequestsStillEnding(t *testing.T) {
+	srv := redistest.Start(t)
+	rdb := srv.Client(t)
+	ctx := context.Background()
+	first, second := newHolder(), newHolder()
+	var firstDone, secondDone <-chan int
+	var firstKey, secondKey string
+	var admitted time.Time
+	t.Run("old config", func(t *testing.T) {
+		h := concurrentHandler(t, srv, `key {http.request.header.X-Key}
+			concurrent gen 1`)
+		firstKey, secondKey = slotKey(t, h, "gen", "a"), slotKey(t, h, "gen", "b")
+		firstDone = startHeld(t, ctx, h, first, "a")
+		secondDone = startHeld(t, ctx, h, second, "b")
+		admitted = time.Now()
+	}) // unloaded here; its two requests go on
+	time.Sleep(time.Until(admitted.Add(lingerIdle * 7 / 10)))
+	close(first.letGo)
+	<-firstDone
+	time.Sleep(time.Until(admitted.Add(lingerIdle * 14 / 10)))
+	close(second.letGo)
+	<-secondDone
+	eventually(t, time.Second, "the first request's slot released", func() bool { return rdb.Exists(ctx, firstKey).Val() == 0 })
+	eventually(t, time.Second, "the second request's slot released, 0.7s after the first release", func() bool {
+		return rdb.Exists(ctx, secondKey).Val() == 0
+	})
+}

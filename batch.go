@@ -145,15 +145,22 @@ func (l *limiter) work(worker int) {
 		case <-l.wake: // releases queued (concurrent.go)
 			batch = batch[:0]
 		case <-l.stop:
-			// Nothing enters the queue any more; answer what is left.
+			// Nothing enters the queue, nor the releases' queue, any more;
+			// answer what is left.
 			for {
 				select {
 				case c := <-l.queue:
 					c.err = errLimiterClosed
 					c.answer()
+					continue
 				default:
+				}
+				c, _ := l.releaseCall(time.Now())
+				if c == nil {
 					return
 				}
+				c.err = errLimiterClosed
+				c.answer()
 			}
 		}
 	more:

@@ -501,10 +501,9 @@ func (s *slotHold) sendRelease() {
 	l := s.h.limiter
 	l.releases.add(s.keys, 1)
 	if l.cluster == nil {
-		l.releaseQueue.add(s)
-		select { // wakes a worker, unless one is woken already
-		case l.wake <- struct{}{}:
-		default:
+		if err := l.queueRelease(s); err != nil {
+			l.releases.add(s.keys, -1)
+			s.h.slotsAnswered(releaseArg, nil, err)
 		}
 		return
 	}
@@ -568,6 +567,33 @@ type releaseQueue struct {
 	keys     []string
 	ids      []any      // per key: the slot id
 	handlers []*Handler // per key: whose log tells of a failure
+}
+
+// queueRelease queues the release of a hold's slots and wakes a worker,
+// unless the limiter has closed. A release is a call as the queue's are
+// (enqueue): it keeps an unloaded config's limiter open for lingerIdle,
+// for the releases of its requests still ending, and every release
+// queued before the limiter closed is answered.
+func (l *limiter) queueRelease(s *slotHold) error {
+	l.lastCall.Store(time.Now().UnixNano())
+	l.closing.RLock()
+	defer l.closing.RUnlock()
+	if l.closed {
+		return errLimiterClosed
+	}
+	l.releaseQueue.add(s)
+	select { // wakes a worker, unless one is woken already
+	case l.wake <- struct{}{}:
+	default:
+	}
+	return nil
+}
+
+// queued says whether releases wait to be sent.
+func (q *releaseQueue) queued() bool {
+	q.mu.Lock()
+	defer q.mu.Unlock()
+	return len(q.keys) > 0
 }
 
 // maxReleasesPerCall bounds one release call, so that a burst of ended

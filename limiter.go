@@ -295,7 +295,7 @@ func (l *limiter) Destruct() error {
 		tick := time.NewTicker(lingerIdle / 4)
 		defer tick.Stop()
 		for range tick.C {
-			if time.Since(time.Unix(0, l.lastCall.Load())) >= lingerIdle && len(l.queue) == 0 {
+			if time.Since(time.Unix(0, l.lastCall.Load())) >= lingerIdle && len(l.queue) == 0 && !l.releaseQueue.queued() {
 				break
 			}
 		}

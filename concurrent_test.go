@@ -16,6 +16,7 @@ import (
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 	dto "github.com/prometheus/client_model/go"
 	"github.com/redis/go-redis/v9"
+	"go.uber.org/zap/zapcore"
 
 	"github.com/caddy-redis/ratelimit/internal/caddyproc"
 	"github.com/caddy-redis/ratelimit/internal/redistest"
@@ -839,4 +840,38 @@ func TestConcurrentReleasesKeepAnUnloadedLimiterOpenForRequestsStillEnding(t *te
 	eventually(t, time.Second, "the second request's slot released, 0.7s after the first release", func() bool {
 		return rdb.Exists(ctx, secondKey).Val() == 0
 	})
+}
+
+// A request of an unloaded config that ends after its limiter closed: its
+// release is answered (a warning; the slot expires with its hold), and
+// counts as pending no more, rather than waiting in a queue that no
+// worker reads any more.
+func TestConcurrentReleaseAfterTheLimiterClosedIsNotLeftPending(t *testing.T) {
+	srv := redistest.Start(t)
+	ctx := context.Background()
+	hd := newHolder()
+	var done <-chan int
+	var h *Handler
+	t.Run("old config", func(t *testing.T) {
+		h = concurrentHandler(t, srv, `key {http.request.header.X-Key}
+			concurrent gen 1`)
+		done = startHeld(t, ctx, h, hd, "k")
+	})
+	logs := observeLogs(h, zapcore.WarnLevel)
+	l := h.limiter
+	eventually(t, 5*time.Second, "the unloaded limiter closed", func() bool {
+		l.closing.RLock()
+		defer l.closing.RUnlock()
+		return l.closed
+	})
+	close(hd.letGo)
+	<-done
+	for i := range l.releases.counts {
+		if n := l.releases.counts[i].Load(); n != 0 {
+			t.Fatalf("pending releases count %d is %d after the release met a closed limiter, want 0", i, n)
+		}
+	}
+	if n := countLogs(logs, "releasing concurrency slots"); n != 1 {
+		t.Errorf("%d warnings of the lost release, want 1", n)
+	}
 }

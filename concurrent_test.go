@@ -173,6 +173,41 @@ func TestConcurrentSlotOutlivesHoldWhileItsRequestRuns(t *testing.T) {
 	t.Logf("%d requests over three holds, all refused while the slot was held", tries)
 }
 
+// A request renews its slot every third of its hold at the latest (the
+// README), so that the slot never has less than two thirds of a hold
+// left: with hold 1s, more than 2/3s less a round trip's slack. The
+// renewal ticker renewed a hold on the first tick after a third of it, up
+// to a sixth of a hold late: half a hold left.
+func TestConcurrentSlotRenewedEveryThirdOfItsHoldAtTheLatest(t *testing.T) {
+	srv := redistest.Start(t)
+	rdb := srv.Client(t)
+	ctx := context.Background()
+	const hold = time.Second
+	h := concurrentHandler(t, srv, `key {http.request.header.X-Key}
+		concurrent gen 1 {
+			hold 1s
+		}`)
+	key := slotKey(t, h, "gen", "k")
+	hd := newHolder()
+	done := startHeld(t, ctx, h, hd, "k")
+	least := hold
+	for start := time.Now(); time.Since(start) < 3*hold; time.Sleep(5 * time.Millisecond) {
+		left, err := rdb.Eval(ctx, peekSlotsSource, []string{key}).Int64Slice()
+		if err != nil || len(left) != 1 {
+			t.Fatalf("the held slot: %v, %v", left, err)
+		}
+		least = min(least, time.Duration(left[0])*time.Microsecond)
+	}
+	close(hd.letGo)
+	if status := <-done; status != 200 {
+		t.Fatalf("the long request: %d, want 200", status)
+	}
+	t.Logf("least time left to the slot over three holds: %v", least)
+	if least < hold*2/3-70*time.Millisecond {
+		t.Fatalf("the slot had only %v of its %v hold left: not renewed every third of the hold", least, hold)
+	}
+}
+
 func TestConcurrentRenewalNeverBringsBackAnExpiredSlot(t *testing.T) {
 	srv := redistest.Start(t)
 	rdb := srv.Client(t)

@@ -738,8 +738,10 @@ type slotRenewals struct {
 }
 
 // renewTick is how often the renewals look for holds due: a hold renews
-// within a sixth of the shortest hold after a third of its own, well
-// before it expires.
+// on the last tick before a third of its own has passed since its last
+// renewal (or take), so every third of it at the latest, and at most a
+// sixth of the shortest hold early: a slot always has two thirds of its
+// hold left, less a round trip.
 const renewTick = minSlotHold / 6
 
 // add puts a hold that took its slots now in the ring, and starts the
@@ -769,8 +771,9 @@ func (r *slotRenewals) remove(s *slotHold) {
 }
 
 // renewSlots renews, every renewTick until the limiter stops, each hold
-// whose last renewal (or take) is a third of its hold ago, each in a
-// goroutine of its own: their calls go out together, coalesced.
+// whose last renewal (or take) will be a third of its hold ago before
+// the next tick, each in a goroutine of its own: their calls go out
+// together, coalesced.
 func (r *slotRenewals) renewSlots(stop <-chan struct{}) {
 	ticker := time.NewTicker(renewTick)
 	defer ticker.Stop()
@@ -782,7 +785,7 @@ func (r *slotRenewals) renewSlots(stop <-chan struct{}) {
 		case now := <-ticker.C:
 			r.mu.Lock()
 			for s := r.ring.next; s != &r.ring; s = s.next {
-				if now.Sub(s.renewedAt) >= s.every {
+				if now.Sub(s.renewedAt)+renewTick > s.every {
 					s.renewedAt = now
 					due = append(due, s)
 				}

@@ -23,6 +23,7 @@ import (
 	"sync"
 	"sync/atomic"
 	"time"
+	"unsafe"
 
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
@@ -244,12 +245,21 @@ var instanceID = func() string {
 
 var slotCounter atomic.Uint64
 
+// slotID is a slot id and the room for its text: boxed as &text, it is
+// one allocation where a string in an interface is two
+// (BenchmarkServeHTTPConcurrentParallel 12 -> 11 allocs).
+type slotID struct {
+	text string
+	room [32]byte // instanceID (16), ':', the count in base 36 (at most 13)
+}
+
 // newSlotID is a slot id no other request of any instance has.
 func newSlotID() any {
-	var buf [40]byte
-	text := append(append(buf[:0], instanceID...), ':')
+	id := new(slotID)
+	text := append(append(id.room[:0], instanceID...), ':')
 	text = strconv.AppendUint(text, slotCounter.Add(1), 36)
-	return string(text)
+	id.text = unsafe.String(&text[0], len(text)) // id.room is not written again
+	return &id.text
 }
 
 // firstSlot is the index of a request's first concurrent bucket: they

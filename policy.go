@@ -368,7 +368,7 @@ func (h *Handler) resolveBuckets(r *http.Request, repl *caddy.Replacer, buckets 
 	if h.quotas {
 		now = time.Now()
 	}
-	var slotID any // the request's, for every concurrent limit
+	var slot any // the request's slot id, for every concurrent limit
 	for _, l := range h.limits {
 		values, args, exempt := l.values, l.args, l.exempt
 		if !l.fixed {
@@ -383,10 +383,10 @@ func (h *Handler) resolveBuckets(r *http.Request, repl *caddy.Replacer, buckets 
 			}
 		}
 		if l.slots != nil && !exempt {
-			if slotID == nil {
-				slotID = newSlotID()
+			if slot == nil {
+				slot = newSlotID()
 			}
-			args = slotArgs(l, values, slotID)
+			args = slotArgs(l, values, slot)
 		}
 		if exempt {
 			skipped = decisionExempt

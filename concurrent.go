@@ -606,10 +606,10 @@ func (q *releaseQueue) queued() bool {
 	return len(q.keys) > 0
 }
 
-// maxReleasesPerCall bounds one release call, so that a burst of ended
-// responses does not hold Redis in one script for long; the rest go in
-// the next batch.
-const maxReleasesPerCall = 512
+// maxSlotsPerCall bounds one call of releases or renewals, so that a
+// burst of ended responses (or of long requests) does not hold Redis in
+// one script for long; the rest go in the next call.
+const maxSlotsPerCall = 512
 
 func (q *releaseQueue) add(s *slotHold) {
 	q.mu.Lock()
@@ -621,14 +621,14 @@ func (q *releaseQueue) add(s *slotHold) {
 	}
 }
 
-// releaseCall takes queued releases, at most maxReleasesPerCall, as one
+// releaseCall takes queued releases, at most maxSlotsPerCall, as one
 // call of concurrent.lua; nil when none are queued. more says some are
 // left.
 func (l *limiter) releaseCall(now time.Time) (c *call, more bool) {
 	q := &l.releaseQueue
 	q.mu.Lock()
 	defer q.mu.Unlock()
-	n := min(len(q.keys), maxReleasesPerCall)
+	n := min(len(q.keys), maxSlotsPerCall)
 	if n == 0 {
 		return nil, false
 	}
@@ -636,8 +636,8 @@ func (l *limiter) releaseCall(now time.Time) (c *call, more bool) {
 	c.keys = append(c.keys, q.keys[:n]...)
 	c.command(concurrentScript)
 	c.args = append(append(c.args, releaseArg), q.ids[:n]...)
-	answer := releaseBatches.Get().(*releaseBatch)
-	answer.limiter = l
+	answer := slotBatches.Get().(*slotBatch)
+	answer.limiter, answer.op = l, releaseArg
 	answer.handlers = append(answer.handlers, q.handlers[:n]...)
 	left := copy(q.keys, q.keys[n:])
 	copy(q.ids, q.ids[n:])
@@ -650,26 +650,34 @@ func (l *limiter) releaseCall(now time.Time) (c *call, more bool) {
 	return c, left > 0
 }
 
-// releaseBatch reads the answer to a call of queued releases, in the
-// worker: a failure is told once by each handler whose slots it held.
-type releaseBatch struct {
+// slotBatch reads the answer to a call of releases or renewals of many
+// requests' slots, in the worker: a failure is told once by each handler
+// whose slots it held, as is a slot found gone at its renewal.
+type slotBatch struct {
 	limiter  *limiter
-	handlers []*Handler
+	op       any        // releaseArg or renewArg
+	handlers []*Handler // per key
 }
 
-var releaseBatches = sync.Pool{New: func() any { return new(releaseBatch) }}
+var slotBatches = sync.Pool{New: func() any { return new(slotBatch) }}
 
-func (b *releaseBatch) takeAnswer(c *call) {
-	b.limiter.releases.add(c.keys, -1)
+func (b *slotBatch) takeAnswer(c *call) {
+	if b.op == releaseArg {
+		b.limiter.releases.add(c.keys, -1)
+	}
 	for i, h := range b.handlers {
-		if c.err != nil && !slices.Contains(b.handlers[:i], h) {
-			h.slotsAnswered(releaseArg, c, c.err)
+		told := slices.Contains(b.handlers[:i], h)
+		switch {
+		case c.err != nil && !told:
+			h.slotsAnswered(b.op, c, c.err)
+		case c.err == nil && b.op == renewArg && i < len(c.reply) && c.reply[i] == 0:
+			h.slotGone()
 		}
 	}
 	c.release()
 	clear(b.handlers)
-	b.limiter, b.handlers = nil, b.handlers[:0]
-	releaseBatches.Put(b)
+	b.limiter, b.op, b.handlers = nil, nil, b.handlers[:0]
+	slotBatches.Put(b)
 }
 
 // pendingReleases counts the releases queued and not yet answered, by a
@@ -725,7 +733,7 @@ func (l *limiter) awaitReleases(buckets []bucket, deadline time.Time) bool {
 	return true
 }
 
-// renew renews the slots in Redis, in a goroutine of its own, unless
+// renew renews the slots on a Cluster, in a goroutine of its own, unless
 // they were released.
 func (s *slotHold) renew() {
 	s.mu.Lock()
@@ -759,7 +767,7 @@ const renewTick = minSlotHold / 6
 func (r *slotRenewals) add(s *slotHold) {
 	r.start.Do(func() {
 		r.ring.prev, r.ring.next = &r.ring, &r.ring
-		go r.renewSlots(s.h.limiter.stop)
+		go r.renewSlots(s.h.limiter)
 	})
 	now := time.Now()
 	r.mu.Lock()
@@ -784,13 +792,13 @@ func (r *slotRenewals) remove(s *slotHold) {
 // whose last renewal (or take) will be a third of its hold ago before
 // the next tick, each in a goroutine of its own: their calls go out
 // together, coalesced.
-func (r *slotRenewals) renewSlots(stop <-chan struct{}) {
+func (r *slotRenewals) renewSlots(l *limiter) {
 	ticker := time.NewTicker(renewTick)
 	defer ticker.Stop()
 	var due []*slotHold
 	for {
 		select {
-		case <-stop:
+		case <-l.stop:
 			return
 		case now := <-ticker.C:
 			r.mu.Lock()
@@ -801,12 +809,61 @@ func (r *slotRenewals) renewSlots(stop <-chan struct{}) {
 				}
 			}
 			r.mu.Unlock()
-			for _, s := range due {
-				go s.renew()
+			if l.cluster != nil {
+				for _, s := range due {
+					go s.renew() // one call per Cluster hash slot group
+				}
+			} else {
+				l.renewTogether(due, now)
 			}
 			clear(due)
 			due = due[:0]
 		}
+	}
+}
+
+// renewTogether sends the renewals of holds due on one Redis server in
+// calls of at most maxSlotsPerCall slots, which a worker answers: holds
+// taken within one tick are due on the same tick, and a burst of long
+// requests renews in a few calls, where a call each filled the queue
+// (TestConcurrentBurstOfLongRequestsRenewsEverySlot).
+func (l *limiter) renewTogether(due []*slotHold, now time.Time) {
+	var c *call
+	var answer *slotBatch
+	var args []any
+	send := func() {
+		c.command(concurrentScript)
+		c.args = append(append(c.args, renewArg), args...)
+		c.clientCtx, c.then = context.Background(), answer
+		if err := l.enqueue(c, now); err != nil {
+			c.err = err
+			answer.takeAnswer(c)
+		}
+		c, args = nil, args[:0]
+	}
+	for _, s := range due {
+		s.mu.Lock()
+		released := s.released
+		s.mu.Unlock()
+		if released {
+			continue
+		}
+		for i, key := range s.keys {
+			if c == nil {
+				c = calls.Get().(*call)
+				answer = slotBatches.Get().(*slotBatch)
+				answer.limiter, answer.op = l, renewArg
+			}
+			c.keys = append(c.keys, key)
+			args = append(args, s.id, s.limits[i].slots.holdArg)
+			answer.handlers = append(answer.handlers, s.h)
+			if len(c.keys) == maxSlotsPerCall {
+				send()
+			}
+		}
+	}
+	if c != nil {
+		send()
 	}
 }
 
@@ -844,15 +901,15 @@ func (h *Handler) slotsAnswered(op any, c *call, err error) {
 					zap.String("zone", h.Zone), zap.Any("op", op), zap.Error(err), suppressedField(suppressed))
 			}
 		}
-	case op == renewArg:
-		for _, renewed := range c.reply {
-			if renewed == 0 {
-				if ce := h.logger.Check(zap.DebugLevel, "a concurrency slot had expired, or was freed by the admin API, before its renewal; it is not renewed"); ce != nil {
-					ce.Write(zap.String("zone", h.Zone))
-				}
-				break
-			}
-		}
+	case op == renewArg && slices.Contains(c.reply, 0):
+		h.slotGone()
+	}
+}
+
+// slotGone tells, at debug level, of a slot gone at its renewal.
+func (h *Handler) slotGone() {
+	if ce := h.logger.Check(zap.DebugLevel, "a concurrency slot had expired, or was freed by the admin API, before its renewal; it is not renewed"); ce != nil {
+		ce.Write(zap.String("zone", h.Zone))
 	}
 }
 

@@ -910,3 +910,58 @@ func TestConcurrentReleaseAfterTheLimiterClosedIsNotLeftPending(t *testing.T) {
 		t.Errorf("%d warnings of the lost release, want 1", n)
 	}
 }
+
+func TestConcurrentBurstOfLongRequestsRenewsEverySlot(t *testing.T) {
+	srv := redistest.Start(t)
+	rdb := srv.Client(t)
+	ctx := context.Background()
+	h := concurrentHandler(t, srv, `key {http.request.header.X-Key}
+		concurrent gen 10000 {
+			hold 1s
+		}`)
+	logs := observeLogs(h, zapcore.WarnLevel)
+	l := h.limits[len(h.limits)-1]
+	key := slotKey(t, h, "gen", "k")
+	// More slots than the batcher's queue holds calls, taken within one
+	// tick of the renewals: all of them are due on the same tick.
+	const n = queueLength + 1000
+	ids := make([]string, n)
+	pipe := rdb.Pipeline()
+	for i := range ids {
+		ids[i] = fmt.Sprintf("burst:%d", i)
+		pipe.Eval(ctx, scriptSource, []string{key}, "c", "10000", ids[i], "1000000")
+	}
+	if _, err := pipe.Exec(ctx); err != nil {
+		t.Fatal(err)
+	}
+	holds := make([]*slotHold, n)
+	for i := range ids {
+		buckets := []bucket{{limit: l, key: key, args: [3]any{kindConcurrentArg, "10000", &ids[i]}}}
+		holds[i] = h.holdSlots(buckets, nil)
+	}
+	time.Sleep(2200 * time.Millisecond) // two holds and more: every slot renewed twice or it expired
+	left, err := rdb.Eval(ctx, peekSlotsSource, []string{key}).Int64Slice()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(left) != n {
+		t.Errorf("%d of %d slots live after two holds of their requests, want all renewed", len(left), n)
+	}
+	if got := countLogs(logs, "Redis failed while renewing"); got > 0 {
+		t.Errorf("%d renewal failures logged, want none", got)
+	}
+	for _, hold := range holds {
+		hold.release()
+	}
+	deadline := time.Now().Add(5 * time.Second)
+	for {
+		left, err = rdb.Eval(ctx, peekSlotsSource, []string{key}).Int64Slice()
+		if err == nil && len(left) == 0 {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("%d slots still held 5s after every request released its own (%v)", len(left), err)
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+}

@@ -246,19 +246,15 @@ func (h *Handler) unmarshalLimit(d *caddyfile.Dispenser) error {
 	if err := fields.inline(d, seen, block, args[1:]); err != nil {
 		return err
 	}
-	for nesting := d.Nesting(); d.NextBlock(nesting); {
-		sub := d.Val()
-		if seen[sub] {
-			return d.Errf("%s: subdirective '%s' is given twice", block, sub)
-		}
-		seen[sub] = true
+	err := blockSubdirectives(d, block, seen, func(sub string) error {
 		known, err := fields.set(d, block, sub)
 		if !known {
 			return d.Errf("unrecognized %s subdirective '%s' (a limit takes key, replenish_rate, burst_capacity, requested_tokens, ipv4_prefix, ipv6_prefix, charge, charge_status and max_debt)", block, sub)
 		}
-		if err != nil {
-			return err
-		}
+		return err
+	})
+	if err != nil {
+		return err
 	}
 	h.Limits = append(h.Limits, l)
 	return nil
@@ -295,13 +291,7 @@ func (h *Handler) unmarshalQuota(d *caddyfile.Dispenser) error {
 	var unusedRate, unusedBurst Param
 	fields := limitFields{&q.Key, &unusedRate, &unusedBurst, &q.RequestedTokens, &q.IPv4Prefix, &q.IPv6Prefix,
 		&q.Charge, &q.ChargeStatus, &q.MaxDebt}
-	seen := map[string]bool{}
-	for nesting := d.Nesting(); d.NextBlock(nesting); {
-		sub := d.Val()
-		if seen[sub] {
-			return d.Errf("%s: subdirective '%s' is given twice", block, sub)
-		}
-		seen[sub] = true
+	err := blockSubdirectives(d, block, map[string]bool{}, func(sub string) error {
 		var err error
 		known := true
 		switch sub {
@@ -336,9 +326,10 @@ func (h *Handler) unmarshalQuota(d *caddyfile.Dispenser) error {
 		if !known {
 			return d.Errf("unrecognized %s subdirective '%s' (a quota takes key, requested_tokens, ipv4_prefix, ipv6_prefix, time_zone, month_day, week_starts, charge, charge_status and max_debt)", block, sub)
 		}
-		if err != nil {
-			return err
-		}
+		return err
+	})
+	if err != nil {
+		return err
 	}
 	h.Quotas = append(h.Quotas, q)
 	return nil
@@ -369,38 +360,47 @@ func (h *Handler) unmarshalConcurrent(d *caddyfile.Dispenser) error {
 		}
 	}
 	block := "concurrent " + c.Name
-	seen := map[string]bool{}
+	err := blockSubdirectives(d, block, map[string]bool{}, func(sub string) error {
+		switch sub {
+		case "key":
+			return oneValue(d, block, func(v string) error { c.Key = v; _, err := parseKeyTemplate(v); return err })
+		case "ipv4_prefix":
+			return oneValue(d, block, func(v string) error { return setPrefix(&c.IPv4Prefix, sub, v, 32) })
+		case "ipv6_prefix":
+			return oneValue(d, block, func(v string) error { return setPrefix(&c.IPv6Prefix, sub, v, 128) })
+		case "hold":
+			return oneValue(d, block, func(v string) error { return setDuration(&c.Hold, sub, v) })
+		case "retry_after":
+			return oneValue(d, block, func(v string) error {
+				return setCount(&c.RetryAfter, sub, v, 1, fmt.Sprintf("want whole seconds from 1 to %d", maxSlotRetry))
+			})
+		}
+		return d.Errf("unrecognized %s subdirective '%s' (a concurrent limit takes key, ipv4_prefix, ipv6_prefix, hold and retry_after)", block, sub)
+	})
+	if err != nil {
+		return err
+	}
+	if err := checkConcurrentValues(c); err != nil {
+		return d.WrapErr(fmt.Errorf("%s: %w", block, err))
+	}
+	h.Concurrent = append(h.Concurrent, c)
+	return nil
+}
+
+// blockSubdirectives calls each for every subdirective of the block the
+// dispenser is on (a limit's, a quota's, a concurrent limit's), and
+// refuses one given twice; seen holds those given already (inline).
+func blockSubdirectives(d *caddyfile.Dispenser, block string, seen map[string]bool, each func(sub string) error) error {
 	for nesting := d.Nesting(); d.NextBlock(nesting); {
 		sub := d.Val()
 		if seen[sub] {
 			return d.Errf("%s: subdirective '%s' is given twice", block, sub)
 		}
 		seen[sub] = true
-		var err error
-		switch sub {
-		case "key":
-			err = oneValue(d, block, func(v string) error { c.Key = v; _, err := parseKeyTemplate(v); return err })
-		case "ipv4_prefix":
-			err = oneValue(d, block, func(v string) error { return setPrefix(&c.IPv4Prefix, sub, v, 32) })
-		case "ipv6_prefix":
-			err = oneValue(d, block, func(v string) error { return setPrefix(&c.IPv6Prefix, sub, v, 128) })
-		case "hold":
-			err = oneValue(d, block, func(v string) error { return setDuration(&c.Hold, sub, v) })
-		case "retry_after":
-			err = oneValue(d, block, func(v string) error {
-				return setCount(&c.RetryAfter, sub, v, 1, fmt.Sprintf("want whole seconds from 1 to %d", maxSlotRetry))
-			})
-		default:
-			return d.Errf("unrecognized %s subdirective '%s' (a concurrent limit takes key, ipv4_prefix, ipv6_prefix, hold and retry_after)", block, sub)
-		}
-		if err != nil {
+		if err := each(sub); err != nil {
 			return err
 		}
 	}
-	if err := checkConcurrentValues(c); err != nil {
-		return d.WrapErr(fmt.Errorf("%s: %w", block, err))
-	}
-	h.Concurrent = append(h.Concurrent, c)
 	return nil
 }
 

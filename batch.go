@@ -179,10 +179,7 @@ func (l *limiter) work(worker int) {
 			copy(batch[1:], batch)
 			batch[0] = c
 			if more {
-				select {
-				case l.wake <- struct{}{}:
-				default:
-				}
+				l.wakeWorker()
 			}
 		}
 		if len(batch) > 0 {

@@ -592,11 +592,17 @@ func (l *limiter) queueRelease(s *slotHold) error {
 		return errLimiterClosed
 	}
 	l.releaseQueue.add(s)
-	select { // wakes a worker, unless one is woken already
+	l.wakeWorker()
+	return nil
+}
+
+// wakeWorker wakes a worker for queued releases, unless one is woken
+// already.
+func (l *limiter) wakeWorker() {
+	select {
 	case l.wake <- struct{}{}:
 	default:
 	}
-	return nil
 }
 
 // queued says whether releases wait to be sent.
@@ -632,13 +638,7 @@ func (l *limiter) releaseCall(now time.Time) (c *call, more bool) {
 	if n == 0 {
 		return nil, false
 	}
-	c = calls.Get().(*call)
-	c.keys = append(c.keys, q.keys[:n]...)
-	c.command(concurrentScript)
-	c.args = append(append(c.args, releaseArg), q.ids[:n]...)
-	answer := slotBatches.Get().(*slotBatch)
-	answer.limiter, answer.op = l, releaseArg
-	answer.handlers = append(answer.handlers, q.handlers[:n]...)
+	c = l.slotsCall(releaseArg, q.keys[:n], q.ids[:n], q.handlers[:n], now)
 	left := copy(q.keys, q.keys[n:])
 	copy(q.ids, q.ids[n:])
 	copy(q.handlers, q.handlers[n:])
@@ -646,13 +646,28 @@ func (l *limiter) releaseCall(now time.Time) (c *call, more bool) {
 	clear(q.ids[left:])
 	clear(q.handlers[left:])
 	q.keys, q.ids, q.handlers = q.keys[:left], q.ids[:left], q.handlers[:left]
-	c.clientCtx, c.deadline, c.then = context.Background(), now.Add(l.timeout), answer
 	return c, left > 0
+}
+
+// slotsCall is one call of concurrent.lua's op over the slots of many
+// requests on one Redis server (keys, and their arguments in the
+// script's order), which a slotBatch answers in the worker; handlers
+// are whose slot each key is. It copies what it is given.
+func (l *limiter) slotsCall(op any, keys []string, args []any, handlers []*Handler, now time.Time) *call {
+	c := calls.Get().(*call)
+	c.keys = append(c.keys, keys...)
+	c.command(concurrentScript)
+	c.args = append(append(c.args, op), args...)
+	answer := slotBatches.Get().(*slotBatch)
+	answer.limiter, answer.op = l, op
+	answer.handlers = append(answer.handlers, handlers...)
+	c.clientCtx, c.deadline, c.then = context.Background(), now.Add(l.timeout), answer
+	return c
 }
 
 // slotBatch reads the answer to a call of releases or renewals of many
 // requests' slots, in the worker: a failure is told once by each handler
-// whose slots it held, as is a slot found gone at its renewal.
+// whose slots it held, a slot found gone at its renewal by its own.
 type slotBatch struct {
 	limiter  *limiter
 	op       any        // releaseArg or renewArg
@@ -666,11 +681,12 @@ func (b *slotBatch) takeAnswer(c *call) {
 		b.limiter.releases.add(c.keys, -1)
 	}
 	for i, h := range b.handlers {
-		told := slices.Contains(b.handlers[:i], h)
 		switch {
-		case c.err != nil && !told:
-			h.slotsAnswered(b.op, c, c.err)
-		case c.err == nil && b.op == renewArg && i < len(c.reply) && c.reply[i] == 0:
+		case c.err != nil:
+			if !slices.Contains(b.handlers[:i], h) {
+				h.slotsAnswered(b.op, c, c.err)
+			}
+		case b.op == renewArg && i < len(c.reply) && c.reply[i] == 0:
 			h.slotGone()
 		}
 	}
@@ -828,18 +844,16 @@ func (r *slotRenewals) renewSlots(l *limiter) {
 // requests renews in a few calls, where a call each filled the queue
 // (TestConcurrentBurstOfLongRequestsRenewsEverySlot).
 func (l *limiter) renewTogether(due []*slotHold, now time.Time) {
-	var c *call
-	var answer *slotBatch
+	var keys []string
 	var args []any
+	var handlers []*Handler
 	send := func() {
-		c.command(concurrentScript)
-		c.args = append(append(c.args, renewArg), args...)
-		c.clientCtx, c.then = context.Background(), answer
+		c := l.slotsCall(renewArg, keys, args, handlers, now)
 		if err := l.enqueue(c, now); err != nil {
 			c.err = err
-			answer.takeAnswer(c)
+			c.then.takeAnswer(c)
 		}
-		c, args = nil, args[:0]
+		keys, args, handlers = keys[:0], args[:0], handlers[:0]
 	}
 	for _, s := range due {
 		s.mu.Lock()
@@ -849,20 +863,15 @@ func (l *limiter) renewTogether(due []*slotHold, now time.Time) {
 			continue
 		}
 		for i, key := range s.keys {
-			if c == nil {
-				c = calls.Get().(*call)
-				answer = slotBatches.Get().(*slotBatch)
-				answer.limiter, answer.op = l, renewArg
-			}
-			c.keys = append(c.keys, key)
+			keys = append(keys, key)
 			args = append(args, s.id, s.limits[i].slots.holdArg)
-			answer.handlers = append(answer.handlers, s.h)
-			if len(c.keys) == maxSlotsPerCall {
+			handlers = append(handlers, s.h)
+			if len(keys) == maxSlotsPerCall {
 				send()
 			}
 		}
 	}
-	if c != nil {
+	if len(keys) > 0 {
 		send()
 	}
 }

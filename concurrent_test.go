@@ -17,6 +17,7 @@ import (
 	dto "github.com/prometheus/client_model/go"
 	"github.com/redis/go-redis/v9"
 	"go.uber.org/zap/zapcore"
+	"go.uber.org/zap/zaptest/observer"
 
 	"github.com/caddy-redis/ratelimit/internal/caddyproc"
 	"github.com/caddy-redis/ratelimit/internal/redistest"
@@ -963,5 +964,45 @@ func TestConcurrentBurstOfLongRequestsRenewsEverySlot(t *testing.T) {
 			t.Fatalf("%d slots still held 5s after every request released its own (%v)", len(left), err)
 		}
 		time.Sleep(20 * time.Millisecond)
+	}
+}
+
+func TestConcurrentReleasesLostToRedisAreToldByEachZoneAndNotLeftPending(t *testing.T) {
+	srv := redistest.Start(t)
+	ctx := context.Background()
+	zones := []*Handler{
+		concurrentHandler(t, srv, "zone lost-a\nkey {http.request.header.X-Key}\nconcurrent gen 10"),
+		concurrentHandler(t, srv, "zone lost-b\nkey {http.request.header.X-Key}\nconcurrent gen 10"),
+	}
+	l := zones[0].limiter
+	if zones[1].limiter != l {
+		t.Fatal("two zones on the same redis settings do not share a limiter")
+	}
+	var logs []*observer.ObservedLogs
+	var held []<-chan int
+	hd := newHolder()
+	for _, h := range zones {
+		logs = append(logs, observeLogs(h, zapcore.WarnLevel))
+		for _, key := range []string{"k1", "k2", "k3"} {
+			held = append(held, startHeld(t, ctx, h, hd, key))
+		}
+	}
+	srv.Kill(t) // the releases of all six fail, in one call or a few
+	close(hd.letGo)
+	for _, done := range held {
+		<-done
+	}
+	eventually(t, 5*time.Second, "every pending release answered", func() bool {
+		for i := range l.releases.counts {
+			if l.releases.counts[i].Load() != 0 {
+				return false
+			}
+		}
+		return true
+	})
+	for i, h := range zones {
+		if n := countLogs(logs[i], "releasing concurrency slots"); n != 1 {
+			t.Errorf("zone %s: %d warnings of its lost releases, want 1", h.Zone, n)
+		}
 	}
 }

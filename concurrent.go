@@ -98,16 +98,9 @@ var (
 
 // checkConcurrent judges the handler's concurrent limits as configured:
 // the parser calls it at the end of the directive, Validate for JSON.
-// names are the token limits' names, which a concurrent limit must not
-// take.
-func (h *Handler) checkConcurrent() error {
-	seen := map[string]bool{}
-	for _, l := range h.Limits {
-		seen[l.Name] = true
-	}
-	for _, q := range h.Quotas {
-		seen[q.Name] = true
-	}
+// seen holds the limits' and quotas' names, which a concurrent limit
+// must not take.
+func (h *Handler) checkConcurrent(seen map[string]bool) error {
 	for _, c := range h.Concurrent {
 		if err := checkLimitName(c.Name); err != nil {
 			return fmt.Errorf("concurrent: %w", err)

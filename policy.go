@@ -298,9 +298,6 @@ func (h *Handler) checkLimits() error {
 	if err := checkPrefixes(h.IPv4Prefix, h.IPv6Prefix); err != nil {
 		return err
 	}
-	if err := h.checkConcurrent(); err != nil {
-		return err
-	}
 	if err := checkValues(h.ReplenishRate, h.BurstCapacity, h.RequestedTokens, h.hasOwnLimit()); err != nil {
 		return err
 	}
@@ -325,7 +322,11 @@ func (h *Handler) checkLimits() error {
 			return fmt.Errorf("limit %s: %w", l.Name, err)
 		}
 	}
-	return h.checkQuotas(seen) // quotas share the limits' names
+	// Quotas and concurrent limits share the limits' names.
+	if err := h.checkQuotas(seen); err != nil {
+		return err
+	}
+	return h.checkConcurrent(seen)
 }
 
 // unset is a rate or cost as JSON means it: 0 stands for unset.

@@ -65,6 +65,11 @@
 # config holds a ring of a million events (24 MB), which makes its GC run
 # several times less often than the others'; a GOGC of several hundred
 # puts every case in that regime, so that ratios show per-request work.
+# BENCH_BASELINE=<git revision or caddy-bench binary> also runs every
+# case of this plugin on the build of that revision (built once into
+# bin/caddy-bench-<commit>), right after the same case on this build, as
+# "<name>.base@<conns>"; the table then sets each case beside its twin:
+# the one measurement a change that must not cost speed needs.
 # BENCH_PROFILE=<dir> adds one more 64-connection run of the Caddyfile
 # BENCH_PROFILE_CASE names (allowed; or memory, denied, charge, ...) with
 # Caddy's admin endpoint on, saves a 5 s CPU profile and allocation
@@ -84,6 +89,7 @@ caddy_bin="$REPO_ROOT/bin/caddy-bench"
 mholt_bin="$REPO_ROOT/bin/caddy-mholt"
 PROFILE_CASE="${BENCH_PROFILE_CASE:-allowed}"
 GOGC_CADDY="${BENCH_GOGC:-100}"
+baseline_bin=""
 
 bench_start=$SECONDS
 [[ -x "$caddy_bin" ]] || die "$caddy_bin not found; run: make bench"
@@ -107,6 +113,24 @@ cleanup() {
 }
 trap cleanup EXIT
 trap 'exit 130' INT TERM
+
+# --- baseline build ------------------------------------------------------------
+if [[ -n "${BENCH_BASELINE:-}" ]]; then
+	if [[ -f "$BENCH_BASELINE" && -x "$BENCH_BASELINE" ]]; then
+		baseline_bin="$(cd "$(dirname "$BENCH_BASELINE")" && pwd)/$(basename "$BENCH_BASELINE")"
+	else
+		commit="$(git -C "$REPO_ROOT" rev-parse --short=12 --verify "$BENCH_BASELINE^{commit}" 2>/dev/null)" ||
+			die "BENCH_BASELINE: '$BENCH_BASELINE' is neither an executable nor a git revision of this repository"
+		baseline_bin="$REPO_ROOT/bin/caddy-bench-$commit"
+		if [[ ! -x "$baseline_bin" ]]; then
+			log "building the baseline $commit into $baseline_bin"
+			git -C "$REPO_ROOT" worktree add --detach --quiet "$work/baseline" "$commit"
+			(cd "$work/baseline" && XCADDY_QUIET=1 bash scripts/build-caddy.sh "$baseline_bin" bench/floor) ||
+				{ git -C "$REPO_ROOT" worktree remove --force "$work/baseline"; die "building the baseline $commit failed"; }
+			git -C "$REPO_ROOT" worktree remove --force "$work/baseline"
+		fi
+	fi
+fi
 
 log "building the load generator"
 (cd "$REPO_ROOT" && go build -o "$work/loadgen" ./bench/loadgen)
@@ -173,8 +197,24 @@ if [[ -n "${BENCH_CASES:-}" ]]; then
 	CASES=("${selected[@]}")
 fi
 
-start_caddy() { # caddyfile-name [admin-address] -> sets caddy_pid, caddy_port
-	local conf="$REPO_ROOT/bench/$1.caddyfile" bin="$caddy_bin"
+# With a baseline, each case of this plugin runs twice a round: on this
+# build, then on the baseline's (bare, the measuring sticks and the peer
+# are the same in both, so they run once).
+if [[ -n "$baseline_bin" ]]; then
+	twinned=()
+	for c in "${CASES[@]}"; do
+		twinned+=("$c")
+		read -r name conf rest <<<"$c"
+		case "${name%@*}" in
+		bare | floor | floor3 | memfloor | mholt | mholt-denied) ;;
+		*) twinned+=("${name%@*}.base@${name#*@} $conf $rest") ;;
+		esac
+	done
+	CASES=("${twinned[@]}")
+fi
+
+start_caddy() { # caddyfile-name [admin-address [binary]] -> sets caddy_pid, caddy_port
+	local conf="$REPO_ROOT/bench/$1.caddyfile" bin="${3:-$caddy_bin}"
 	[[ "$1" != mholt* ]] || bin="$mholt_bin"
 	caddy_port="$("$LOADGEN" freeport)"
 	mkdir -p "$work/home"
@@ -196,7 +236,9 @@ for ((round = 1; round <= ROUNDS; round++)); do
 		read -r name conf expect flags <<<"$c"
 		conns="${name#*@}"
 		[[ "$flags" == - ]] && flags=""
-		start_caddy "$conf"
+		bin="$caddy_bin"
+		[[ "$name" != *.base@* ]] || bin="$baseline_bin"
+		start_caddy "$conf" off "$bin"
 		# shellcheck disable=SC2086
 		if ! out="$(GOMAXPROCS=1 taskset -c "$LOAD_CPU" "$LOADGEN" run -addr "127.0.0.1:$caddy_port" \
 			-c "$conns" -warmup "$WARMUP" -d "$DURATION" -expect "$expect" -redis "$REDIS_ADDR" -pid "$caddy_pid" -cpus "$CADDY_CPU,$LOAD_CPU" $flags)"; then

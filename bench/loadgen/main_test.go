@@ -221,6 +221,33 @@ case=lease@256 round=1 requests=60 rps=60 p99_us=4000
 	}
 }
 
+func TestTableAgainstBaseline(t *testing.T) {
+	// allowed@64 beside allowed.base@64 (the baseline build): the rounds'
+	// own req/s ratios (1.1, 0.9, 0.95: median 0.95) and each build's CPU
+	// per request; cases without a twin get no line.
+	cases, err := readResults(strings.NewReader(`case=allowed@64 round=1 requests=110 rps=110 server_cpu=55 redis_cpu=11 scripts=110
+case=allowed.base@64 round=1 requests=100 rps=100 server_cpu=50 redis_cpu=10 scripts=100
+case=allowed@64 round=2 requests=90 rps=90 server_cpu=45 redis_cpu=9 scripts=90
+case=allowed.base@64 round=2 requests=100 rps=100 server_cpu=50 redis_cpu=10 scripts=100
+case=allowed@64 round=3 requests=95 rps=95 server_cpu=47.5 redis_cpu=9.5 scripts=95
+case=allowed.base@64 round=3 requests=100 rps=100 server_cpu=60 redis_cpu=10 scripts=200
+case=memory@64 round=1 requests=100 rps=100
+`), "0", "1")
+	if err != nil {
+		t.Fatal(err)
+	}
+	var b strings.Builder
+	writeTable(&b, cases, "0", "1", "1s", "3s")
+	_, versus, ok := strings.Cut(b.String(), "(this build against the baseline build")
+	if !ok {
+		t.Fatalf("no baseline section in\n%s", b.String())
+	}
+	want := "allowed@64         0.950    5000.0    5000.0    1000.0    1000.0       1.000       1.000\n"
+	if !strings.Contains(versus, want) || strings.Contains(versus, "memory@64") || strings.Contains(versus, "allowed.base@64 ") {
+		t.Errorf("against the baseline:\n%s\nwant the line %q, and no line for memory@64 (no twin) or the twin itself", versus, want)
+	}
+}
+
 // TestTableOutput compares the whole output for fixed lines with the
 // table as it was checked by hand (the columns up to p99 and from
 // vs bare64 on are what the awk program scripts/bench.sh used before

@@ -168,6 +168,42 @@ func writeTable(w io.Writer, cases []*benchCase, caddyCPU, loadCPU, warmup, dur 
  errors: transport errors + unexpected statuses, summed over rounds)
 `, rounds, warmup, dur, caddyCPU, loadCPU, caddyCPU, loadCPU)
 	writeVersus(w, cases, byName, "lease", "memory")
+	writeBaseline(w, cases, byName)
+}
+
+// baselineSuffix marks a case run on the baseline build (BENCH_BASELINE):
+// "<name>.base@<conns>" is "<name>@<conns>" on the build before a change.
+const baselineSuffix = ".base"
+
+// writeBaseline sets each case beside its run on the baseline build, when
+// both ran: req/s ratio (median of the rounds' own), then Caddy's and
+// Redis's CPU per request and script calls per request of each.
+func writeBaseline(w io.Writer, cases []*benchCase, byName map[string]*benchCase) {
+	header := false
+	for _, c := range cases {
+		name, conns, _ := strings.Cut(c.name, "@")
+		b := byName[name+baselineSuffix+"@"+conns]
+		if strings.HasSuffix(name, baselineSuffix) || b == nil {
+			continue
+		}
+		if !header {
+			fmt.Fprintf(w, "\n%-15s %8s %9s %9s %9s %9s %11s %11s   (this build against the baseline build, medians of the rounds' own figures)\n",
+				"case", "vs base", "caddy-us", "base-us", "redis-us", "base-us", "scripts/req", "base")
+			header = true
+		}
+		med := func(c *benchCase, field func(roundFigures) float64) float64 {
+			vs := make([]float64, len(c.rounds))
+			for i, r := range c.rounds {
+				vs[i] = field(r)
+			}
+			return median(vs)
+		}
+		caddyUS := func(r roundFigures) float64 { return r.caddyUSPerReq }
+		redisUS := func(r roundFigures) float64 { return r.redisUSPerReq }
+		scripts := func(r roundFigures) float64 { return r.scriptsPerReq }
+		fmt.Fprintf(w, "%-15s %8s %9.1f %9.1f %9.1f %9.1f %11.3f %11.3f\n", c.name, ratio(c, b),
+			med(c, caddyUS), med(b, caddyUS), med(c, redisUS), med(b, redisUS), med(c, scripts), med(b, scripts))
+	}
 }
 
 // writeVersus sets each <name>@<conns> beside <base>@<conns>, when both

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"slices"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -138,55 +139,142 @@ var errNoAnswer = fmt.Errorf("no answer from Redis within the timeout: %w", cont
 func (l *limiter) work(worker int) {
 	defer l.workers.Done()
 	batch := make([]*call, 0, maxBatch+1)
+	var released []*call
 	for {
-		select {
-		case c := <-l.queue:
-			batch = append(batch[:0], c)
-		case <-l.wake: // releases queued (concurrent.go)
-			batch = batch[:0]
-		case <-l.stop:
-			// Nothing enters the queue, nor the releases' queue, any more;
-			// answer what is left.
-			for {
-				select {
-				case c := <-l.queue:
-					c.err = errLimiterClosed
-					c.answer()
-					continue
-				default:
-				}
-				c, _ := l.releaseCall(time.Now())
-				if c == nil {
-					return
-				}
-				c.err = errLimiterClosed
-				c.answer()
-			}
-		}
-	more:
-		for len(batch) < maxBatch {
-			select {
-			case c := <-l.queue:
-				batch = append(batch, c)
-			default:
-				break more
-			}
-		}
-		// Queued releases go first: a slot given back before a take of its
-		// key in the same batch is free for it.
-		if c, more := l.releaseCall(time.Now()); c != nil {
-			batch = append(batch, nil)
-			copy(batch[1:], batch)
-			batch[0] = c
-			if more {
-				l.wakeWorker()
-			}
+		var ok bool
+		if batch, released, ok = l.takeBatch(worker, batch[:0], released[:0]); !ok {
+			return
 		}
 		if len(batch) > 0 {
 			l.sendBatch(worker, batch)
 		}
+		l.order.landed(worker)
 		clear(batch)
 	}
+}
+
+// takeBatch waits for a call, or for releases or renewals queued, and
+// takes the batch that it starts, in order with the other worker's
+// batches (batchOrder); false once the limiter stops. released is room
+// for the calls of queued releases.
+func (l *limiter) takeBatch(worker int, batch, released []*call) (_, _ []*call, ok bool) {
+	o := &l.order
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	clear(o.settles[worker]) // its last batch has landed
+	o.settles[worker] = o.settles[worker][:0]
+	select {
+	case c := <-l.queue:
+		batch = append(batch, c)
+	case <-l.wake: // releases or renewals queued (concurrent.go)
+	case <-l.stop:
+		// Nothing enters the queue, nor the releases' queue, any more;
+		// answer what is left.
+		for {
+			select {
+			case c := <-l.queue:
+				c.err = errLimiterClosed
+				c.answer()
+				continue
+			default:
+			}
+			now := time.Now()
+			left, _ := l.releaseQueue.calls(l, releaseArg, now, batch[:0])
+			left, _ = l.renewQueue.calls(l, renewArg, now, left)
+			if len(left) == 0 {
+				return batch, released, false
+			}
+			for _, c := range left {
+				c.err = errLimiterClosed
+				c.answer()
+			}
+			clear(left)
+		}
+	}
+more:
+	for len(batch) < maxBatch {
+		select {
+		case c := <-l.queue:
+			batch = append(batch, c)
+		default:
+			break more
+		}
+	}
+	// Queued releases go first: a slot given back before a take of its
+	// key in the same batch is free for it. Queued renewals go last;
+	// each at most maxSlotsPerCall slots a batch.
+	now := time.Now()
+	var moreReleased, moreRenewed bool
+	if released, moreReleased = l.releaseQueue.calls(l, releaseArg, now, released); len(released) > 0 {
+		batch = slices.Insert(batch, 0, released...)
+		clear(released)
+	}
+	batch, moreRenewed = l.renewQueue.calls(l, renewArg, now, batch)
+	if moreReleased || moreRenewed {
+		l.wakeWorker()
+	}
+	o.take(worker, batch)
+	return batch, released, true
+}
+
+// batchOrder keeps settlements ahead of the calls queued after them
+// across the two workers. A settlement is queued before its response
+// ends, so the client's next request is queued after it, and must see
+// it in Redis; but the workers' pipelines go on two connections, and a
+// later one may reach Redis first. So a worker takes its batch from the
+// queue holding mu: each batch is then queued wholly after the other
+// worker's last. A batch that holds a call of a bucket that the other
+// worker's batch in flight settles waits until that batch is answered.
+// Batches without such a call go at once, as before.
+type batchOrder struct {
+	mu sync.Mutex
+	// settles are the keys that each worker's last batch settles (read
+	// and written under mu); flying is held by a worker while that batch
+	// is in flight.
+	settles [pipelinesInFlight][]string
+	flying  [pipelinesInFlight]sync.Mutex
+	holding [pipelinesInFlight]bool // by the worker itself
+}
+
+// take notes the settlements of the worker's new batch, and waits for
+// the other worker's batch in flight when it settles a bucket of this
+// one. Called under mu.
+func (o *batchOrder) take(worker int, batch []*call) {
+	for _, c := range batch {
+		if settlements.is(c) {
+			o.settles[worker] = append(o.settles[worker], c.keys...)
+		}
+	}
+	if len(o.settles[worker]) > 0 {
+		o.flying[worker].Lock()
+		o.holding[worker] = true
+	}
+	for other, settled := range o.settles {
+		if other != worker && len(settled) > 0 && anyKeyOf(batch, settled) {
+			o.flying[other].Lock() // until that batch has landed
+			o.flying[other].Unlock()
+		}
+	}
+}
+
+// landed says that the worker's batch is answered.
+func (o *batchOrder) landed(worker int) {
+	if o.holding[worker] {
+		o.holding[worker] = false
+		o.flying[worker].Unlock()
+	}
+}
+
+// anyKeyOf says whether a call of batch has one of keys.
+func anyKeyOf(batch []*call, keys []string) bool {
+	for _, c := range batch {
+		for _, k := range c.keys {
+			if slices.Contains(keys, k) {
+				return true
+			}
+		}
+	}
+	return false
 }
 
 // sendBatch sends one batch and answers every call with its own result
@@ -466,41 +554,58 @@ type mergedKind struct {
 	is     func(c *call) bool
 }
 
-// merge joins the calls of kind in send into one, when there are two or
-// more.
+// merge joins the calls of kind in send into one where the first of them
+// stands, without changing what any call sees: a call of kind joins only
+// when no call between the first and it has one of its keys (it then
+// runs before those calls, which it does not touch); else it starts
+// another merged call where it stands. Their parts keep their order.
 func (l *limiter) merge(send []*call, kind *mergedKind) []*call {
 	if l.cluster != nil {
 		return send
 	}
-	n := 0
+	out := send[:0] // never longer than what has been read of send
+	first := -1     // where the open merged call stands in out
+	var open *mergedCall
 	for _, c := range send {
-		if kind.is(c) {
-			n++
-		}
-	}
-	if n < 2 {
-		return send
-	}
-	merge := mergedCalls.Get().(*mergedCall)
-	merge.kind = kind
-	m := calls.Get().(*call)
-	kept := send[:0]
-	for _, c := range send {
-		if !kind.is(c) {
-			kept = append(kept, c)
+		switch {
+		case !kind.is(c):
+			out = append(out, c)
+			continue
+		case first >= 0 && !anyKeyOf(out[first+1:], c.keys):
+			if open == nil {
+				open = mergedCalls.Get().(*mergedCall)
+				open.parts = append(open.parts, out[first])
+			}
+			open.parts = append(open.parts, c)
 			continue
 		}
-		merge.parts = append(merge.parts, c)
-		m.keys = append(m.keys, c.keys...)
+		if open != nil {
+			out[first], open = open.call(kind), nil
+		}
+		first = len(out)
+		out = append(out, c)
 	}
-	m.command(kind.script)
-	m.args = append(m.args, kind.lead...)
-	for _, c := range merge.parts {
-		m.args = append(m.args, c.args[3+len(c.keys)+len(kind.lead):]...) // after evalsha, sha, count, keys and lead
+	if open != nil {
+		out[first] = open.call(kind)
 	}
-	first := merge.parts[0]
-	m.clientCtx, m.breaker, m.deadline, m.then = first.clientCtx, first.breaker, first.deadline, merge
-	return append(kept, m)
+	return out
+}
+
+// call is the one call that sends the parts.
+func (m *mergedCall) call(kind *mergedKind) *call {
+	m.kind = kind
+	c := calls.Get().(*call)
+	for _, p := range m.parts {
+		c.keys = append(c.keys, p.keys...)
+	}
+	c.command(kind.script)
+	c.args = append(c.args, kind.lead...)
+	for _, p := range m.parts {
+		c.args = append(c.args, p.args[3+len(p.keys)+len(kind.lead):]...) // after evalsha, sha, count, keys and lead
+	}
+	first := m.parts[0]
+	c.clientCtx, c.breaker, c.deadline, c.then = first.clientCtx, first.breaker, first.deadline, m
+	return c
 }
 
 // mergedCall is the calls that one merged call sends (pooled).

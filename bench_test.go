@@ -26,6 +26,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/caddy-redis/ratelimit/internal/calendar"
 	"github.com/caddy-redis/ratelimit/internal/redistest"
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
@@ -517,7 +518,7 @@ func BenchmarkLeaseCall(b *testing.B) {
 	buckets := []bucket{{key: "rate_limit:bench-leasecall|k", values: values, args: values.scriptArgs(), lease: l, held: 0, want: 0}}
 	b.ReportAllocs()
 	for b.Loop() {
-		if _, err := h.leases.call(context.Background(), h.limiter, time.Now(), leaseModeRenew, buckets); err != nil {
+		if _, err := h.leases.call(context.Background(), h.limiter, time.Now(), leaseModeRenew, h.leases.seq.Add(1), buckets); err != nil {
 			b.Fatal(err)
 		}
 	}
@@ -526,11 +527,17 @@ func BenchmarkLeaseCall(b *testing.B) {
 // BenchmarkScriptsRedisCPU is what Redis spends per request on the
 // scripts alone, as make bench's allowed@64 and concurrent@64 send them:
 // batches of 16 takes over 64 keys and, with slots, at the head of each
-// batch one release of the previous batch's slots. redis-us/op is
-// Redis's CPU per request (INFO cpu); -v logs its command statistics.
+// batch one release of the previous batch's slots; quota: a daily quota
+// beside each bucket. redis-us/op is Redis's CPU per request (INFO cpu);
+// -v logs its command statistics.
 func BenchmarkScriptsRedisCPU(b *testing.B) {
-	for _, slots := range []bool{false, true} {
-		b.Run(fmt.Sprintf("slots=%v", slots), func(b *testing.B) {
+	day, err := calendar.New("day", "", 0, "")
+	if err != nil {
+		b.Fatal(err)
+	}
+	for _, kind := range []string{"slots=false", "slots=true", "quota"} {
+		slots := kind == "slots=true"
+		b.Run(kind, func(b *testing.B) {
 			srv := redistest.Start(b)
 			ctx := context.Background()
 			rdb := redis.NewClient(&redis.Options{Addr: srv.Addr})
@@ -576,6 +583,11 @@ func BenchmarkScriptsRedisCPU(b *testing.B) {
 						args = append(args, "c", "1000", id, "30000000")
 						relKeys = append(relKeys, ks[1])
 						rel = append(rel, id)
+					}
+					if kind == "quota" {
+						bounds := day.Bounds(time.Now())
+						ks = append(ks, "rate_limit:{b|"+strconv.Itoa(k)+"}|day")
+						args = append(args, "q", "1000000000", "1", bounds[0], bounds[1], bounds[2], bounds[3])
 					}
 					pipe.EvalSha(ctx, takeScript.sha.(string), ks, args...)
 				}

@@ -8,6 +8,7 @@ import (
 	"strconv"
 	"strings"
 
+	"github.com/caddy-redis/ratelimit/internal/calendar"
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
 	"github.com/caddyserver/caddy/v2/caddyconfig/httpcaddyfile"
@@ -37,7 +38,7 @@ func parseCaddyfile(h httpcaddyfile.Helper) (caddyhttp.MiddlewareHandler, error)
 //		requested_tokens <integer>
 //		ipv4_prefix      <bits>
 //		ipv6_prefix      <bits>
-//		charge           header <name> | json <path>... | placeholder <{placeholder}>
+//		charge           header <name> | json <path>... | json { <field> <path>... } | placeholder <{placeholder}>
 //		charge_status    <code|class>...
 //		max_debt         <tokens>
 //		max_body         <size>
@@ -48,7 +49,7 @@ func parseCaddyfile(h httpcaddyfile.Helper) (caddyhttp.MiddlewareHandler, error)
 //			requested_tokens <integer>
 //			ipv4_prefix      <bits>
 //			ipv6_prefix      <bits>
-//			charge           header <name> | json <path>... | placeholder <{placeholder}>
+//			charge           header <name> | json <path>... | json { <field> <path>... } | placeholder <{placeholder}>
 //			charge_status    <code|class>...
 //			max_debt         <tokens>
 //		}
@@ -60,7 +61,7 @@ func parseCaddyfile(h httpcaddyfile.Helper) (caddyhttp.MiddlewareHandler, error)
 //			time_zone        <IANA zone>
 //			month_day        <1-28>
 //			week_starts      monday|sunday
-//			charge           header <name> | json <path>... | placeholder <{placeholder}>
+//			charge           header <name> | json <path>... | json { <field> <path>... } | placeholder <{placeholder}>
 //			charge_status    <code|class>...
 //			max_debt         <tokens>
 //		}
@@ -222,7 +223,7 @@ func (h *Handler) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 //		requested_tokens <integer>
 //		ipv4_prefix      <bits>
 //		ipv6_prefix      <bits>
-//		charge           header <name> | json <path>... | placeholder <{placeholder}>
+//		charge           header <name> | json <path>... | json { <field> <path>... } | placeholder <{placeholder}>
 //		charge_status    <code|class>...
 //		max_debt         <tokens>
 //	}
@@ -285,7 +286,7 @@ func (h *Handler) unmarshalQuota(d *caddyfile.Dispenser) error {
 	if err := inBlock(checkQuotaValues(q.Count, "")); err != nil {
 		return d.WrapErr(err)
 	}
-	if err := inBlock(checkPer(q.Per)); err != nil {
+	if err := inBlock(calendar.CheckPer(q.Per)); err != nil {
 		return d.WrapErr(err)
 	}
 	var unusedRate, unusedBurst Param
@@ -298,25 +299,24 @@ func (h *Handler) unmarshalQuota(d *caddyfile.Dispenser) error {
 		case "time_zone":
 			err = oneValue(d, block, func(v string) error {
 				q.TimeZone = v
-				_, err := loadTimeZone(q.Per, v)
-				return inBlock(err)
+				return inBlock(calendar.CheckTimeZone(q.Per, v))
 			})
 		case "month_day":
 			err = oneValue(d, block, func(v string) error {
 				n, err := strconv.Atoi(v)
 				if err != nil {
-					return inBlock(fmt.Errorf("month_day '%s': %s", v, wantMonthDay))
+					return inBlock(fmt.Errorf("month_day '%s': %s", v, calendar.WantMonthDay))
 				}
 				q.MonthDay = n
 				if n == 0 {
-					return inBlock(fmt.Errorf("month_day '0': %s", wantMonthDay))
+					return inBlock(fmt.Errorf("month_day '0': %s", calendar.WantMonthDay))
 				}
-				return inBlock(checkMonthDay(q.Per, n))
+				return inBlock(calendar.CheckMonthDay(q.Per, n))
 			})
 		case "week_starts":
 			err = oneValue(d, block, func(v string) error {
 				q.WeekStarts = v
-				return inBlock(checkWeekStarts(q.Per, v))
+				return inBlock(calendar.CheckWeekStarts(q.Per, v))
 			})
 		case "replenish_rate", "burst_capacity":
 			known = false
@@ -480,7 +480,10 @@ func (f limitFields) set(d *caddyfile.Dispenser, block, sub string) (known bool,
 		args := d.RemainingArgs()
 		var err error
 		if sub == "charge" {
-			*f.charge, err = parseCharge(args)
+			var fields map[string][]string
+			if fields, err = chargeFields(d); err == nil {
+				*f.charge, err = parseCharge(args, fields)
+			}
 		} else {
 			*f.chargeStatus, err = parseChargeStatuses(args)
 		}
@@ -509,10 +512,19 @@ func (f limitFields) set(d *caddyfile.Dispenser, block, sub string) (known bool,
 	return false, nil
 }
 
-// parseCharge reads `charge header <name>`, `charge json <path>...` or
-// `charge placeholder <{placeholder}>` (args after the subdirective).
-func parseCharge(args []string) (*Charge, error) {
-	const want = "charge: want header <name>, json <path>... or placeholder <{placeholder}>"
+// parseCharge reads `charge header <name>`, `charge json <path>...`,
+// `charge json { <field> <path>... }` or `charge placeholder
+// <{placeholder}>`: args after the subdirective, and the fields of its
+// block.
+func parseCharge(args []string, fields map[string][]string) (*Charge, error) {
+	const want = "charge: want header <name>, json <path>..., json { <field> <path>... } or placeholder <{placeholder}>"
+	if fields != nil {
+		if len(args) != 1 || args[0] != "json" {
+			return nil, fmt.Errorf("%s, got '%s' with a block (only json takes one)", want, strings.Join(args, " "))
+		}
+		c := &Charge{JSONFields: fields}
+		return c, checkCharge(c)
+	}
 	if len(args) < 2 {
 		return nil, fmt.Errorf("%s, got '%s'", want, strings.Join(args, " "))
 	}
@@ -530,6 +542,26 @@ func parseCharge(args []string) (*Charge, error) {
 		return nil, fmt.Errorf("%s, got '%s'", want, strings.Join(args, " "))
 	}
 	return c, checkCharge(c)
+}
+
+// chargeFields reads the block of `charge json { ... }`, if there is one:
+// a field per line, its name and its paths.
+func chargeFields(d *caddyfile.Dispenser) (map[string][]string, error) {
+	var fields map[string][]string
+	for nesting := d.Nesting(); d.NextBlock(nesting); {
+		name, paths := d.Val(), d.RemainingArgs()
+		if _, twice := fields[name]; twice {
+			return nil, fmt.Errorf("charge json field '%s' is given twice: a field lists all its paths on one line", name)
+		}
+		if len(paths) == 0 {
+			return nil, fmt.Errorf("charge json field '%s': want <field> <path>..., such as input usage.input_tokens message.usage.input_tokens", name)
+		}
+		if fields == nil {
+			fields = map[string][]string{}
+		}
+		fields[name] = paths
+	}
+	return fields, nil
 }
 
 // parseChargeStatuses reads `charge_status <code|class>...`.

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"maps"
 	"math"
 	"net/http"
 	"slices"
@@ -31,39 +32,53 @@ import (
 // Charge says where the real cost of a response comes from: exactly one
 // of its fields is set. A cost that cannot be read (a missing header, not
 // a number, a negative number, no usage in the body) keeps the
-// reservation.
+// reservation. A response cut short (the client left, or the handler
+// aborted it) costs its reservation, or what it reported if more.
 type Charge struct {
 	// Header names a response header whose value is the cost, in tokens
 	// (a fraction is rounded up), such as `X-Cost`, read as the response
-	// is written. At most 4 different headers in a handler.
+	// is written, or a trailer of that name, read at its end (a cost known
+	// only once a stream ends), which comes first. At most 4 different
+	// headers in a handler.
 	Header string `json:"header,omitempty"`
 
 	// JSON lists paths of numbers in the response body, summed: keys
 	// separated by `.`, an array element by its index
-	// (`usage.total_tokens`, `choices.0.n`). A JSON body is read up to
-	// `max_body`. In an event stream (`text/event-stream`) each path
-	// takes the last value seen in any event's `data:` JSON, and in
-	// newline-delimited JSON (`application/x-ndjson`, `application/jsonl`)
-	// in any line; these are summed at the end. A path not found counts
-	// 0; when none is found, the cost cannot be read. At most 16 paths in
-	// a handler, of at most 8 keys each.
+	// (`usage.total_tokens`, `choices.0.n`). A JSON body is read to its
+	// end, or to `max_body` when set. In an event stream
+	// (`text/event-stream`) each path takes the last value seen in any
+	// event's `data:` JSON, and in newline-delimited JSON
+	// (`application/x-ndjson`, `application/jsonl`) in any line (the last
+	// one with or without its newline), of any size; these are summed at
+	// the end. A path not found counts 0; when none is found, the cost
+	// cannot be read. At most 16 paths in a handler, of at most 8 keys
+	// each.
 	JSON []string `json:"json,omitempty"`
 
+	// JSONFields reads the body as JSON does, by fields: each name (any,
+	// such as `input`) lists the paths where its number may be, and its
+	// value is the last number found at any of them, in the order the
+	// body gives them; the fields are summed. So an API whose JSON answers
+	// and streams report the same count at different paths, or repeat a
+	// cumulative count in several events, is charged it once either way:
+	// Anthropic's `input` at `usage.input_tokens` and
+	// `message.usage.input_tokens`. A path belongs to one field. Set
+	// either JSON or JSONFields, not both.
+	JSONFields map[string][]string `json:"json_fields,omitempty"`
+
 	// Placeholder is read once the response is written, such as
-	// `{http.reverse_proxy.upstream.duration_ms}` to charge the upstream's
-	// time (a fraction is rounded up).
+	// `{http.reverse_proxy.duration_ms}` to charge the upstream's time,
+	// which `reverse_proxy` sets however the response ends (a fraction is
+	// rounded up). Unset or empty, the cost cannot be read.
 	Placeholder string `json:"placeholder,omitempty"`
 }
 
-// Bounds of what a body scan holds: the paths of a handler, their keys,
-// an event of a stream (or a line of JSON lines), and the default of
-// max_body.
+// Bounds of what a body scan holds: the paths of a handler and their
+// keys.
 const (
 	maxCostHeaders  = 4
 	maxScanPaths    = 16
 	maxPathKeys     = 8
-	maxEventBytes   = 64 << 10
-	defaultMaxBody  = 1 << 20
 	chargeValueShow = 64 // bytes of a cost value a warning quotes
 )
 
@@ -73,14 +88,14 @@ func checkCharge(c *Charge) error {
 		return nil
 	}
 	kinds := 0
-	for _, set := range []bool{c.Header != "", len(c.JSON) > 0, c.Placeholder != ""} {
+	for _, set := range []bool{c.Header != "", len(c.JSON) > 0, len(c.JSONFields) > 0, c.Placeholder != ""} {
 		if set {
 			kinds++
 		}
 	}
 	switch {
 	case kinds != 1:
-		return errors.New("charge: want exactly one source: header <name>, json <path>..., or placeholder <{placeholder}>")
+		return errors.New("charge: want exactly one source: header <name>, json <path>..., json { <field> <path>... } (json_fields), or placeholder <{placeholder}>")
 	case c.Header != "" && !isHeaderName(c.Header):
 		return fmt.Errorf("charge header '%s': not a header name", c.Header)
 	case c.Placeholder != "" && !strings.Contains(c.Placeholder, "{"):
@@ -91,7 +106,38 @@ func checkCharge(c *Charge) error {
 			return err
 		}
 	}
+	fieldOf := map[string]string{}
+	for _, name := range slices.Sorted(maps.Keys(c.JSONFields)) {
+		paths := c.JSONFields[name]
+		if name == "" || len(paths) == 0 {
+			return fmt.Errorf("charge json field '%s': want a name and one or more paths, such as input usage.input_tokens message.usage.input_tokens", name)
+		}
+		for _, p := range paths {
+			if err := checkJSONPath(p); err != nil {
+				return err
+			}
+			if other, ok := fieldOf[p]; ok && other != name {
+				return fmt.Errorf("charge json field '%s': path '%s' is in field '%s' too; a number counts in one field, remove it from one", name, p, other)
+			}
+			fieldOf[p] = name
+		}
+	}
 	return nil
+}
+
+// jsonFields are a charge's JSON paths by field, a field per path of JSON
+// (a path given twice counts once), in a fixed order.
+func (c *Charge) jsonFields() [][]string {
+	var fields [][]string
+	for i, p := range c.JSON {
+		if !slices.Contains(c.JSON[:i], p) {
+			fields = append(fields, []string{p})
+		}
+	}
+	for _, name := range slices.Sorted(maps.Keys(c.JSONFields)) {
+		fields = append(fields, c.JSONFields[name])
+	}
+	return fields
 }
 
 // isHeaderName says whether s is a header field name: a token of
@@ -152,7 +198,7 @@ func checkMaxDebt(n *int64) error {
 	return nil
 }
 
-// checkMaxBody judges max_body: in JSON 0 stands for the default.
+// checkMaxBody judges max_body: in JSON 0 stands for no bound.
 func checkMaxBody(n int64) error {
 	if n < 0 {
 		return fmt.Errorf("max_body '%d': want a size in bytes, 1 or more", n)
@@ -212,9 +258,11 @@ func (h *Handler) checkCharging() error {
 		}
 		charges = charges || charge != nil || statuses != nil
 		if charge != nil {
-			for _, p := range charge.JSON {
-				paths[p] = true
-				readsBody = true
+			for _, field := range charge.jsonFields() {
+				for _, p := range field {
+					paths[p] = true
+					readsBody = true
+				}
 			}
 			if charge.Header != "" {
 				headers[http.CanonicalHeaderKey(charge.Header)] = true
@@ -252,9 +300,11 @@ func (h *Handler) chargeOf(c Limit) (*Charge, []int, *int64) {
 
 // chargeRule is how one limit charges, ready for requests.
 type chargeRule struct {
-	header      string // canonical, for charge header
-	headerIndex int    // its index in the handler's charging.headers
-	paths       uint16 // for charge json: bits of the handler's scan paths
+	header      string   // canonical, for charge header
+	trailer     string   // http.TrailerPrefix and header: an undeclared trailer's key
+	headerIndex int      // its index in the handler's charging.headers
+	paths       uint16   // for charge json: bits of the handler's scan paths
+	fields      []uint16 // the bits of each field (of each path of JSON)
 	placeholder string
 	statuses    []int // empty: every status
 	// maxDebt is max_debt; -1 when it is the bucket's burst. maxArg is it
@@ -269,9 +319,9 @@ type chargeRule struct {
 // charging is what a handler needs to charge responses, when some limit
 // charges.
 type charging struct {
-	headers []string  // every cost header its limits read, canonical
-	paths   scanPaths // every JSON path its limits read
-	maxBody int64
+	headers []string     // every cost header its limits read, canonical
+	paths   scanPaths    // every JSON path its limits read
+	maxBody int64        // the most bytes of a body a scan reads; 0: all
 	first   *limit       // its first charging limit, which {http.rate_limit.charged} shows
 	warns   *logThrottle // costs that could not be read: a line per 10 s
 }
@@ -281,9 +331,6 @@ type charging struct {
 func (h *Handler) setUpCharging() error {
 	configs, _ := h.limitConfigs()
 	c := &charging{maxBody: h.MaxBody, warns: &logThrottle{every: 10 * time.Second}}
-	if c.maxBody == 0 {
-		c.maxBody = defaultMaxBody
-	}
 	for i, config := range configs {
 		charge, statuses, maxDebt := h.chargeOf(config)
 		if charge == nil && statuses == nil {
@@ -300,6 +347,7 @@ func (h *Handler) setUpCharging() error {
 		if charge != nil {
 			if charge.Header != "" {
 				rule.header = http.CanonicalHeaderKey(charge.Header)
+				rule.trailer = http.TrailerPrefix + rule.header
 				rule.headerIndex = slices.Index(c.headers, rule.header)
 				if rule.headerIndex < 0 {
 					rule.headerIndex = len(c.headers)
@@ -307,12 +355,17 @@ func (h *Handler) setUpCharging() error {
 				}
 			}
 			rule.placeholder = charge.Placeholder
-			for _, p := range charge.JSON {
-				bit, err := c.paths.add(p)
-				if err != nil {
-					return err
+			for _, field := range charge.jsonFields() {
+				var bits uint16
+				for _, p := range field {
+					bit, err := c.paths.add(p)
+					if err != nil {
+						return err
+					}
+					bits |= bit
 				}
-				rule.paths |= bit
+				rule.paths |= bits
+				rule.fields = append(rule.fields, bits)
 			}
 		}
 		l.charge = rule
@@ -367,12 +420,12 @@ func (h *Handler) serveCharged(w http.ResponseWriter, r *http.Request, next cadd
 	served := false
 	defer func() {
 		if !served { // a handler that aborts the response panics (reverse_proxy, when the client left mid-stream)
-			h.settleResponse(cw, errAborted, repl, buckets, local)
+			h.settleResponse(cw.end(errAborted, r.Context().Err() != nil), cw, repl, buckets, local)
 		}
 	}()
 	err := next.ServeHTTP(cw, r)
 	served = true
-	h.settleResponse(cw, err, repl, buckets, local)
+	h.settleResponse(cw.end(err, r.Context().Err() != nil), cw, repl, buckets, local)
 	return err
 }
 
@@ -392,8 +445,7 @@ type settling struct {
 // its response cost, sets the placeholders, and settles the differences
 // from the reservations: in the process at once, or in Redis after the
 // response (off the request path: nothing waits for it).
-func (h *Handler) settleResponse(cw *chargeWriter, err error, repl *caddy.Replacer, buckets []bucket, local bool) {
-	status := cw.finalStatus(err)
+func (h *Handler) settleResponse(end responseEnd, cw *chargeWriter, repl *caddy.Replacer, buckets []bucket, local bool) {
 	var inline [maxInlineBuckets]settling
 	items := inline[:0]
 	for i := range buckets {
@@ -403,10 +455,13 @@ func (h *Handler) settleResponse(cw *chargeWriter, err error, repl *caddy.Replac
 			continue
 		}
 		reserved := b.values.requested
-		cost, why := rule.costOf(status, cw, repl, reserved)
-		if why != "" {
+		cost, why := rule.costOf(end, cw, repl, reserved)
+		switch {
+		case why != "":
 			h.warnChargeMissing(b.limit, why)
 			repl.Set("http.rate_limit.result", resultChargeMissing)
+		case rule.paths != 0 && cw.scan.stopped:
+			h.warnScanStopped(b.limit)
 		}
 		if b.limit == h.charging.first {
 			repl.Set("http.rate_limit.charged", cost)
@@ -442,25 +497,24 @@ func (h *Handler) settleResponse(cw *chargeWriter, err error, repl *caddy.Replac
 	}
 }
 
-// costOf is what a response with status costs a limit whose reservation
-// was reserved: nothing when its status is not charged, else what the
-// source says, or the reservation without a source. why says why the
-// source could not be read (the reservation is the cost then).
-func (r *chargeRule) costOf(status int, cw *chargeWriter, repl *caddy.Replacer, reserved int64) (cost int64, why string) {
-	if len(r.statuses) > 0 {
-		charged := false
-		for _, s := range r.statuses {
-			charged = charged || caddyhttp.StatusCodeMatches(status, s)
-		}
-		if !charged {
-			return 0, ""
-		}
+// costOf is what a response that ended so costs a limit whose
+// reservation was reserved: nothing when it answered a status not
+// charged, else what the source says, or the reservation without a
+// source. why says why the source could not be read (the reservation is
+// the cost then). A response cut short costs at least its reservation:
+// a client must not pay less by leaving.
+func (r *chargeRule) costOf(end responseEnd, cw *chargeWriter, repl *caddy.Replacer, reserved int64) (cost int64, why string) {
+	if end.status != 0 && !r.charges(end.status) {
+		return 0, ""
 	}
 	switch {
+	case end.status == http.StatusSwitchingProtocols && r.paths != 0:
+		return reserved, "" // an upgraded connection has no body to read
 	case r.header != "":
 		value, ok := cw.costHeader(r)
 		if !ok {
-			return reserved, "no " + r.header + " header"
+			cost, why = reserved, "no "+r.header+" header"
+			break
 		}
 		cost, why = parseCost(value)
 		if why != "" {
@@ -473,17 +527,35 @@ func (r *chargeRule) costOf(status int, cw *chargeWriter, repl *caddy.Replacer, 
 		}
 	case r.paths != 0:
 		var sum float64
-		sum, why = cw.scanned(r.paths)
+		sum, why = cw.scanned(r.fields...)
 		if why == "" {
 			cost = ceilTokens(sum)
 		}
 	default:
 		return reserved, ""
 	}
-	if why != "" {
+	switch {
+	case end.cutShort && (why != "" || cost < reserved):
+		return reserved, "" // what it reported so far, if more
+	case why != "":
 		return reserved, why
 	}
 	return cost, ""
+}
+
+// charges says whether a response that answered status is charged: every
+// status without charge_status. An upgrade (101, a WebSocket) is the
+// success of its request: a 2xx class charges it, as 101 and 1xx do.
+func (r *chargeRule) charges(status int) bool {
+	if len(r.statuses) == 0 {
+		return true
+	}
+	for _, s := range r.statuses {
+		if caddyhttp.StatusCodeMatches(status, s) || status == http.StatusSwitchingProtocols && s == 2 {
+			return true
+		}
+	}
+	return false
 }
 
 // parseCost reads a cost: a number of tokens, not negative, rounded up.
@@ -520,6 +592,19 @@ func (h *Handler) warnChargeMissing(l *limit, why string) {
 			fields = append(fields, zap.String("limit", l.name))
 		}
 		h.logger.Warn("the cost of a response could not be read; it is charged its reservation", fields...)
+	}
+}
+
+// warnScanStopped logs, throttled with warnChargeMissing, that a
+// response's cost was read from the part of its body before max_body.
+func (h *Handler) warnScanStopped(l *limit) {
+	if ok, suppressed := h.charging.warns.allow(); ok {
+		fields := []zap.Field{zap.String("zone", h.Zone), suppressedField(suppressed),
+			zap.String("reason", fmt.Sprintf("the body is larger than max_body (%d bytes), the most of a response the scan reads", h.charging.maxBody))}
+		if l.name != "" {
+			fields = append(fields, zap.String("limit", l.name))
+		}
+		h.logger.Warn("a response is charged what the first max_body bytes of its body report; what came after was not read", fields...)
 	}
 }
 
@@ -576,12 +661,15 @@ func (h *Handler) settleInProcess(s *memoryStore, buckets []bucket, items []sett
 		stored := s.shards[shard].buckets[keys[i]]
 		state, ok := held(stored)
 		if b.quota != nil {
-			// Else its period is over, or it was reset, or it counts a later
-			// period than the one the reservation was taken in: nothing to settle.
-			if ok && state.expires > t && state.at == b.quota.bounds[1] {
+			if ok && state.expires > t && state.at == b.quota.bounds[b.quotaShift+1] {
 				var forgiven float64
 				*stored, forgiven = settleQuotaUse(state, b.values, it.diff, b.limit.charge.maxDebtFor(b.values))
 				h.countCharged(b.limit, float64(it.cost)-forgiven, forgiven)
+			} else {
+				// Its period is over, or it was reset, or it counts another
+				// period than the reservation's: nothing to settle, and the
+				// reservation is what it charged.
+				h.countCharged(b.limit, float64(b.values.requested), 0)
 			}
 			continue
 		}
@@ -660,7 +748,7 @@ func (h *Handler) settleInRedis(buckets []bucket, items []settling) {
 			b := &buckets[it.bucket]
 			kind := b.args[0]
 			if b.quota != nil {
-				kind = b.quota.settleKind // settled only in the period it reserved in
+				kind = b.quota.settleKinds[b.quotaShift+1] // settled only in the period it reserved in
 			}
 			c.args = append(c.args, kind, b.args[1], diffArg(it.diff), b.limit.charge.maxDebtArg(b))
 			s.items = append(s.items, settlement{limit: b.limit, cost: it.cost, reserved: b.values.requested, diff: it.diff})
@@ -714,8 +802,11 @@ func (s *settleCall) takeAnswer(c *call) {
 	} else {
 		gaveBack, unsettled := false, false
 		for i, it := range s.items {
-			if c.reply[2*i] < 0 { // its key holds another type, or the write was refused
-				unsettled = true
+			if r := c.reply[2*i]; r < 0 {
+				// -2: a quota whose reservation's period is no longer
+				// counted, with nothing to settle; else its key holds
+				// another type, or the write was refused.
+				unsettled = unsettled || r != -2
 				h.countCharged(it.limit, float64(it.reserved), 0)
 				continue
 			}

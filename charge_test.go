@@ -5,6 +5,8 @@ import (
 	"cmp"
 	"compress/gzip"
 	"context"
+	"encoding/json"
+	"errors"
 	"fmt"
 	"io"
 	"maps"
@@ -14,6 +16,7 @@ import (
 	"net/http"
 	"net/http/httptest"
 	"net/url"
+	"os"
 	"path/filepath"
 	"reflect"
 	"slices"
@@ -229,10 +232,20 @@ func TestSettleScriptAgreesWithMemoryStore(t *testing.T) {
 // says in its query what to answer:
 //
 //	format=openai     a chat completion (JSON), or with stream=1 its event
-//	                  stream, usage=N its usage.total_tokens (none without)
+//	                  stream, usage=N its usage.total_tokens (none without);
+//	                  logprobs=N gives the JSON answer the logprobs of N
+//	                  tokens (about 90 bytes each) before its usage, or
+//	                  after it with early=1
+//	format=responses  a stream of OpenAI's Responses API, whose
+//	                  response.completed event repeats the text=N bytes
+//	                  of output before its usage (usage=N)
 //	format=anthropic  a message (JSON), or with stream=1 its event stream:
-//	                  in=N input and out=N output tokens
-//	format=ollama     Ollama's native stream (JSON lines): in=N, out=N
+//	                  in=N input and out=N output tokens; with delta_in=1
+//	                  message_delta carries the cumulative input tokens as
+//	                  well as the output tokens, as the API does now
+//	format=ollama     Ollama's native stream (JSON lines): in=N, out=N;
+//	                  ct=<Content-Type> instead of application/x-ndjson,
+//	                  nonl=1 without a newline after the last line
 //	format=raw        ct=<Content-Type> and body=<text> as given
 //	format=big        size=N bytes of pseudo-random data (seed=S)
 //	format=paced      an OpenAI event stream of chunks=N chunks and a
@@ -240,20 +253,27 @@ func TestSettleScriptAgreesWithMemoryStore(t *testing.T) {
 //	                  acknowledged the one before on acks (late says when
 //	                  it did not within 5 s)
 //
-// and for any of them cost=<text> as the X-Cost header and status=N as
+//	format=upgrade    101 Switching Protocols (a WebSocket), then echoes
+//	                  what the client sends until it closes
+//
+// and for any of them cost=<text> as the X-Cost header (with
+// trailer=declared, as a trailer named in the Trailer header; with
+// trailer=undeclared, as a trailer named nowhere before) and status=N as
 // the status. hold=1 holds the response until release is closed or the
 // request is canceled (the client left), after the first event of a
-// stream.
+// stream; wait=1 holds it so before anything is written, and says so on
+// waiting.
 type chargeUpstream struct {
 	*httptest.Server
 	release  chan struct{}
+	waiting  chan string // the formats of requests held before their headers
 	canceled chan string // the formats of held requests canceled
 	acks     chan int
 	late     chan string
 }
 
 func startChargeUpstream(t *testing.T) *chargeUpstream {
-	u := &chargeUpstream{release: make(chan struct{}), canceled: make(chan string, 16),
+	u := &chargeUpstream{release: make(chan struct{}), waiting: make(chan string, 16), canceled: make(chan string, 16),
 		acks: make(chan int), late: make(chan string, 64)}
 	u.Server = httptest.NewServer(http.HandlerFunc(u.serve))
 	t.Cleanup(u.Close)
@@ -266,7 +286,23 @@ func (u *chargeUpstream) host() string { return strings.TrimPrefix(u.URL, "http:
 func (u *chargeUpstream) serve(w http.ResponseWriter, r *http.Request) {
 	q := r.URL.Query()
 	num := func(name string) int { n, _ := strconv.Atoi(q.Get(name)); return n }
-	if cost := q.Get("cost"); cost != "" {
+	if q.Get("wait") == "1" {
+		u.waiting <- q.Get("format")
+		select {
+		case <-u.release:
+		case <-r.Context().Done():
+			u.canceled <- q.Get("format")
+			return
+		}
+	}
+	switch cost := q.Get("cost"); {
+	case cost == "":
+	case q.Get("trailer") == "declared":
+		w.Header().Set("Trailer", "X-Cost")
+		defer w.Header().Set("X-Cost", cost)
+	case q.Get("trailer") == "undeclared":
+		defer w.Header().Set(http.TrailerPrefix+"X-Cost", cost)
+	default:
 		w.Header().Set("X-Cost", cost)
 	}
 	status := cmp.Or(num("status"), http.StatusOK)
@@ -280,7 +316,19 @@ func (u *chargeUpstream) serve(w http.ResponseWriter, r *http.Request) {
 		}
 		if !stream {
 			w.Header().Set("Content-Type", "application/json")
-			events = []string{fmt.Sprintf(`{"id":"chatcmpl-1","object":"chat.completion","choices":[{"index":0,"message":{"role":"assistant","content":"Hello!"},"finish_reason":"stop"}],"usage":%s}`, cmp.Or(usage, "null"))}
+			var logprobs strings.Builder
+			for i := range num("logprobs") {
+				if i > 0 {
+					logprobs.WriteByte(',')
+				}
+				fmt.Fprintf(&logprobs, `{"token":"tok%05d","logprob":-0.0123,"bytes":[116,111,107],"top_logprobs":[]}`, i)
+			}
+			choices := fmt.Sprintf(`"choices":[{"index":0,"message":{"role":"assistant","content":"Hello!"},"logprobs":{"content":[%s]},"finish_reason":"stop"}]`, logprobs.String())
+			usage = `"usage":` + cmp.Or(usage, "null")
+			if q.Get("early") == "1" {
+				choices, usage = usage, choices
+			}
+			events = []string{fmt.Sprintf(`{"id":"chatcmpl-1","object":"chat.completion",%s,%s}`, choices, usage)}
 			break
 		}
 		w.Header().Set("Content-Type", "text/event-stream")
@@ -291,26 +339,49 @@ func (u *chargeUpstream) serve(w http.ResponseWriter, r *http.Request) {
 			events = append(events, fmt.Sprintf("data: {\"id\":\"chatcmpl-1\",\"object\":\"chat.completion.chunk\",\"choices\":[],\"usage\":%s}\n\n", usage))
 		}
 		events = append(events, "data: [DONE]\n\n")
+	case "responses":
+		text, _ := json.Marshal(strings.Repeat("word ", num("text")/5))
+		in := num("usage") / 3
+		w.Header().Set("Content-Type", "text/event-stream")
+		events = []string{
+			"event: response.created\ndata: {\"type\":\"response.created\",\"sequence_number\":0,\"response\":{\"id\":\"resp_1\",\"object\":\"response\",\"status\":\"in_progress\",\"output\":[],\"usage\":null}}\n\n",
+			fmt.Sprintf("event: response.output_text.delta\ndata: {\"type\":\"response.output_text.delta\",\"sequence_number\":1,\"item_id\":\"msg_1\",\"output_index\":0,\"content_index\":0,\"delta\":%s}\n\n", text),
+			fmt.Sprintf("event: response.completed\ndata: {\"type\":\"response.completed\",\"sequence_number\":2,\"response\":{\"id\":\"resp_1\",\"object\":\"response\",\"status\":\"completed\","+
+				"\"output\":[{\"id\":\"msg_1\",\"type\":\"message\",\"status\":\"completed\",\"role\":\"assistant\",\"content\":[{\"type\":\"output_text\",\"text\":%s,\"annotations\":[]}]}],"+
+				"\"usage\":{\"input_tokens\":%d,\"input_tokens_details\":{\"cached_tokens\":0},\"output_tokens\":%d,\"output_tokens_details\":{\"reasoning_tokens\":0},\"total_tokens\":%d}}}\n\n",
+				text, in, num("usage")-in, num("usage")),
+		}
 	case "anthropic":
+		// As the Messages API answers: usage counts cache reads and writes
+		// apart from input_tokens.
 		if !stream {
 			w.Header().Set("Content-Type", "application/json")
-			events = []string{fmt.Sprintf(`{"id":"msg_1","type":"message","content":[{"type":"text","text":"Hi"}],"usage":{"input_tokens":%d,"output_tokens":%d}}`, num("in"), num("out"))}
+			events = []string{fmt.Sprintf(`{"id":"msg_1","type":"message","role":"assistant","model":"claude-sonnet-4-5","content":[{"type":"text","text":"Hi"}],"stop_reason":"end_turn","stop_sequence":null,`+
+				`"usage":{"input_tokens":%d,"cache_creation_input_tokens":0,"cache_read_input_tokens":0,"output_tokens":%d,"service_tier":"standard"}}`, num("in"), num("out"))}
 			break
+		}
+		deltaUsage := fmt.Sprintf(`{"output_tokens":%d}`, num("out"))
+		if q.Get("delta_in") == "1" { // cumulative, as message_delta reports them now
+			deltaUsage = fmt.Sprintf(`{"input_tokens":%d,"cache_creation_input_tokens":0,"cache_read_input_tokens":0,"output_tokens":%d}`, num("in"), num("out"))
 		}
 		w.Header().Set("Content-Type", "text/event-stream")
 		events = []string{
-			fmt.Sprintf("event: message_start\ndata: {\"type\":\"message_start\",\"message\":{\"id\":\"msg_1\",\"usage\":{\"input_tokens\":%d,\"output_tokens\":1}}}\n\n", num("in")),
+			fmt.Sprintf("event: message_start\ndata: {\"type\":\"message_start\",\"message\":{\"id\":\"msg_1\",\"type\":\"message\",\"role\":\"assistant\",\"model\":\"claude-sonnet-4-5\",\"content\":[],\"stop_reason\":null,\"stop_sequence\":null,"+
+				"\"usage\":{\"input_tokens\":%d,\"cache_creation_input_tokens\":0,\"cache_read_input_tokens\":0,\"output_tokens\":1,\"service_tier\":\"standard\"}}}\n\n", num("in")),
+			"event: content_block_start\ndata: {\"type\":\"content_block_start\",\"index\":0,\"content_block\":{\"type\":\"text\",\"text\":\"\"}}\n\n",
 			"event: content_block_delta\ndata: {\"type\":\"content_block_delta\",\"index\":0,\"delta\":{\"type\":\"text_delta\",\"text\":\"Hi\"}}\n\n",
 			"event: ping\ndata: {\"type\": \"ping\"}\n\n",
-			fmt.Sprintf("event: message_delta\ndata: {\"type\":\"message_delta\",\"delta\":{\"stop_reason\":\"end_turn\"},\"usage\":{\"output_tokens\":%d}}\n\n", num("out")),
+			"event: content_block_stop\ndata: {\"type\":\"content_block_stop\",\"index\":0}\n\n",
+			fmt.Sprintf("event: message_delta\ndata: {\"type\":\"message_delta\",\"delta\":{\"stop_reason\":\"end_turn\",\"stop_sequence\":null},\"usage\":%s}\n\n", deltaUsage),
 			"event: message_stop\ndata: {\"type\":\"message_stop\"}\n\n",
 		}
 	case "ollama":
-		w.Header().Set("Content-Type", "application/x-ndjson")
-		events = []string{
-			"{\"model\":\"m\",\"message\":{\"role\":\"assistant\",\"content\":\"Hi\"},\"done\":false}\n",
-			fmt.Sprintf("{\"model\":\"m\",\"message\":{\"role\":\"assistant\",\"content\":\"\"},\"done\":true,\"prompt_eval_count\":%d,\"eval_count\":%d}\n", num("in"), num("out")),
+		w.Header().Set("Content-Type", cmp.Or(q.Get("ct"), "application/x-ndjson"))
+		last := fmt.Sprintf("{\"model\":\"m\",\"message\":{\"role\":\"assistant\",\"content\":\"\"},\"done\":true,\"prompt_eval_count\":%d,\"eval_count\":%d}\n", num("in"), num("out"))
+		if q.Get("nonl") == "1" {
+			last = strings.TrimSuffix(last, "\n")
 		}
+		events = []string{"{\"model\":\"m\",\"message\":{\"role\":\"assistant\",\"content\":\"Hi\"},\"done\":false}\n", last}
 	case "raw":
 		w.Header().Set("Content-Type", q.Get("ct"))
 		events = []string{q.Get("body")}
@@ -336,6 +407,18 @@ func (u *chargeUpstream) serve(w http.ResponseWriter, r *http.Request) {
 			}
 		}
 		_, _ = io.WriteString(w, "data: [DONE]\n\n")
+		return
+	case "upgrade":
+		conn, rw, err := http.NewResponseController(w).Hijack()
+		if err != nil {
+			http.Error(w, err.Error(), http.StatusInternalServerError)
+			return
+		}
+		defer conn.Close()
+		_, _ = rw.WriteString("HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n\r\n")
+		if rw.Flush() == nil {
+			_, _ = io.Copy(conn, rw)
+		}
 		return
 	case "big":
 		w.Header().Set("Content-Type", "application/json")
@@ -415,8 +498,8 @@ func (c *chargeCaddy) awaitLimitTokens(t *testing.T, zone string, query url.Valu
 	t.Helper()
 	start := time.Now()
 	for got := c.limitTokens(t, zone, query, limit); got < want || got > want+slack; got = c.limitTokens(t, zone, query, limit) {
-		if time.Since(start) > 3*time.Second {
-			t.Fatalf("the %s bucket %q of %v holds %v, not %v (+%v), after 3 s", zone, limit, query, got, want, slack)
+		if time.Since(start) > 10*time.Second {
+			t.Fatalf("the %s bucket %q of %v holds %v, not %v (+%v), after 10 s", zone, limit, query, got, want, slack)
 		}
 		time.Sleep(20 * time.Millisecond)
 	}
@@ -444,6 +527,15 @@ http://127.0.0.1:{{http_port}} {
 		burst_capacity 1000
 		requested_tokens 100
 		charge json usage.input_tokens message.usage.input_tokens usage.output_tokens
+		redis %[1]s
+	}
+	rate_limit /responses {
+		zone responses
+		key {http.request.header.X-Key}
+		replenish_rate 0.001
+		burst_capacity 1000
+		requested_tokens 100
+		charge json response.usage.total_tokens
 		redis %[1]s
 	}
 	rate_limit /ollama {
@@ -503,6 +595,178 @@ func TestChargeUsageFromJSONAndStreamsExactly(t *testing.T) {
 				c.awaitTokens(t, tc.zone, key, tokens, 0.05)
 			}
 		})
+	}
+}
+
+// TestChargeStreamedEventOfAnySizeIsRead: OpenAI's Responses API ends a
+// stream with response.completed, whose data repeats the whole output
+// text before its usage; an answer of any length is charged that usage,
+// the event's size is no reason to stop reading it.
+func TestChargeStreamedEventOfAnySizeIsRead(t *testing.T) {
+	srv := redistest.Start(t)
+	up := startChargeUpstream(t)
+	c := startChargeCaddy(t, llmSites, srv.Addr, up.host())
+	tokens := 1000.0
+	for _, text := range []int{1000, 86 << 10, 1 << 20} {
+		key := fmt.Sprintf("text-%d", text)
+		resp, body := c.get(t, fmt.Sprintf("/responses?format=responses&text=%d&usage=%d", text, 321), "X-Key", key)
+		if resp.StatusCode != 200 || !strings.Contains(body, "event: response.completed") || len(body) < 2*text {
+			t.Fatalf("a %d-byte answer: %d with %d bytes, want 200 with the stream", text, resp.StatusCode, len(body))
+		}
+		c.awaitTokens(t, "responses", key, tokens-321, 0.05)
+	}
+}
+
+// TestChargeLastJSONLineWithoutNewlineIsRead: JSON Lines allows the last
+// line without a newline, and that line carries the usage (Ollama's
+// done: true); it is read at the end of the body, in
+// application/x-ndjson and application/jsonl alike.
+func TestChargeLastJSONLineWithoutNewlineIsRead(t *testing.T) {
+	srv := redistest.Start(t)
+	up := startChargeUpstream(t)
+	c := startChargeCaddy(t, llmSites, srv.Addr, up.host())
+	for _, ct := range []string{"application/x-ndjson", "application/jsonl"} {
+		resp, body := c.get(t, "/ollama?format=ollama&in=26&out=290&nonl=1&ct="+url.QueryEscape(ct), "X-Key", ct)
+		if resp.StatusCode != 200 || !strings.HasSuffix(body, `"eval_count":290}`) || resp.Header.Get("Content-Type") != ct {
+			t.Fatalf("%s: %d, %s %q; want 200 with the lines, the last without a newline", ct, resp.StatusCode, resp.Header.Get("Content-Type"), body)
+		}
+		c.awaitTokens(t, "ollama", ct, 1000-316, 0.05)
+	}
+}
+
+// TestChargeJSONBodyOverOneMiBIsChargedItsUsage: a client that inflates
+// its answer past 1 MiB (logprobs of many tokens) is charged the usage
+// that the answer reports at its end, not the reservation.
+func TestChargeJSONBodyOverOneMiBIsChargedItsUsage(t *testing.T) {
+	srv := redistest.Start(t)
+	up := startChargeUpstream(t)
+	c := startChargeCaddy(t, llmSites, srv.Addr, up.host())
+	resp, body := c.get(t, "/openai?format=openai&logprobs=28000&usage=777", "X-Key", "inflated")
+	if resp.StatusCode != 200 || len(body) < 2<<20 || !strings.HasSuffix(body, `"total_tokens":777}}`) {
+		t.Fatalf("%d with %d bytes, want 200 with a body over 2 MiB", resp.StatusCode, len(body))
+	}
+	c.awaitTokens(t, "openai", "inflated", 1000-777, 0.05)
+}
+
+// TestChargeMaxBodyStopsTheScanAndChargesWhatWasRead: max_body bounds the
+// bytes one response's scan reads (its CPU). Past it, the usage already
+// read is charged, with a warning that names the bound; a body whose
+// usage comes after it is charged its reservation (result
+// charge_missing), the reason naming max_body.
+func TestChargeMaxBodyStopsTheScanAndChargesWhatWasRead(t *testing.T) {
+	srv := redistest.Start(t)
+	up := startChargeUpstream(t)
+	c := startChargeCaddy(t, `
+http://127.0.0.1:{{http_port}} {
+	rate_limit {
+		zone bounded
+		key {http.request.header.X-Key}
+		replenish_rate 0.001
+		burst_capacity 1000
+		requested_tokens 100
+		charge json usage.total_tokens
+		max_body 64KiB
+		redis %[1]s
+	}
+	reverse_proxy %[2]s
+}
+`, srv.Addr, up.host())
+	for _, tc := range []struct {
+		name, query string
+		want        float64
+	}{
+		{"usage read before the bound", "early=1", 1000 - 321},
+		{"usage after the bound", "", 1000 - 100},
+	} {
+		resp, body := c.get(t, "/?format=openai&logprobs=2000&usage=321&"+tc.query, "X-Key", tc.name)
+		if resp.StatusCode != 200 || len(body) < 128<<10 {
+			t.Fatalf("%s: %d with %d bytes, want 200 with the whole body", tc.name, resp.StatusCode, len(body))
+		}
+		c.awaitTokens(t, "bounded", tc.name, tc.want, 0.05)
+	}
+	eventually(t, 3*time.Second, "a warning that names max_body", func() bool {
+		for _, l := range logLines(t, c.LogFile) {
+			if reason, _ := l["reason"].(string); strings.Contains(reason, "max_body (65536 bytes)") {
+				t.Logf("%s: %s", l["msg"], reason)
+				return true
+			}
+		}
+		return false
+	})
+}
+
+// TestChargeCostSentAsTrailerIsRead: a stream's cost, known only at its
+// end, comes as an HTTP trailer; reverse_proxy forwards it to the client,
+// and `charge header` charges it, whether the upstream declared it in
+// Trailer or not.
+func TestChargeCostSentAsTrailerIsRead(t *testing.T) {
+	srv := redistest.Start(t)
+	up := startChargeUpstream(t)
+	c := startChargeCaddy(t, `
+http://127.0.0.1:{{http_port}} {
+	rate_limit {
+		zone trailer
+		key {http.request.header.X-Key}
+		replenish_rate 0.001
+		burst_capacity 1000
+		requested_tokens 100
+		charge header X-Cost
+		redis %[1]s
+	}
+	reverse_proxy %[2]s
+}
+`, srv.Addr, up.host())
+	for _, form := range []string{"declared", "undeclared"} {
+		resp, body := c.get(t, "/?format=openai&stream=1&usage=5&cost=42&trailer="+form, "X-Key", form)
+		if resp.StatusCode != 200 || !strings.Contains(body, "data: [DONE]") || resp.Header.Get("X-Cost") != "" || resp.Trailer.Get("X-Cost") != "42" {
+			t.Fatalf("%s: %d, X-Cost header %q, trailer %q; want 200 with the stream and the trailer X-Cost: 42",
+				form, resp.StatusCode, resp.Header.Get("X-Cost"), resp.Trailer.Get("X-Cost"))
+		}
+		c.awaitTokens(t, "trailer", form, 1000-42, 0.05)
+	}
+}
+
+// anthropicFields charges what Anthropic's Messages API reports, as the
+// README says: a field per kind of token, each the last number found at
+// any of its paths, the JSON answer's or the stream's.
+const anthropicFields = `charge json {
+			input usage.input_tokens message.usage.input_tokens
+			output usage.output_tokens message.usage.output_tokens
+		}`
+
+// TestChargeAnthropicJSONAndStreamsChargedTheSame: one /v1/messages route
+// answers a JSON message or a stream, as the client asks; with a field
+// per kind of token each shape is charged the same real cost, input plus
+// output tokens: the JSON answer (usage.*), a stream whose message_start
+// reports the input and message_delta the output, and a stream whose
+// message_delta also repeats the cumulative input (counted once).
+func TestChargeAnthropicJSONAndStreamsChargedTheSame(t *testing.T) {
+	srv := redistest.Start(t)
+	up := startChargeUpstream(t)
+	c := startChargeCaddy(t, `
+http://127.0.0.1:{{http_port}} {
+	rate_limit {
+		zone messages
+		key {http.request.header.X-Key}
+		replenish_rate 0.01
+		burst_capacity 100000
+		requested_tokens 4000
+		`+anthropicFields+`
+		redis %[1]s
+	}
+	reverse_proxy %[2]s
+}
+`, srv.Addr, up.host())
+	for _, tc := range []struct{ name, query, bodyHas string }{
+		{"a JSON answer", "", `"output_tokens":12`},
+		{"a stream", "&stream=1", "event: message_stop"},
+		{"a stream with cumulative input in message_delta", "&stream=1&delta_in=1", `"input_tokens":50000,"cache_creation_input_tokens":0,"cache_read_input_tokens":0,"output_tokens":12}}`},
+	} {
+		resp, body := c.get(t, "/v1/messages?format=anthropic&in=50000&out=12"+tc.query, "X-Key", tc.name)
+		if resp.StatusCode != 200 || !strings.Contains(body, tc.bodyHas) {
+			t.Fatalf("%s: %d %q, want 200 with the upstream's answer", tc.name, resp.StatusCode, body)
+		}
+		c.awaitTokens(t, "messages", tc.name, 100_000-50_012, 0.5) // 0.01 tokens/s refill
 	}
 }
 
@@ -600,7 +864,9 @@ http://127.0.0.1:{{http_port}} {
 		replenish_rate 5/1h
 		burst_capacity 5
 		charge_status 401
-		redis %[1]s
+		redis %[1]s {
+			timeout 2s # under load a 100 ms take may fail, and a login so admitted settles nothing
+		}
 	}
 	basic_auth {
 		alice `+loginHash+`
@@ -710,24 +976,28 @@ func TestChargeStreamReachesTheClientChunkByChunk(t *testing.T) {
 	c.awaitTokens(t, "openai", "paced", 1000-77, 0.05)
 }
 
-// TestChargeClientLeavingMidStreamIsChargedWhatTheStreamReported: a
-// client that leaves mid-stream is charged what the stream reported so
-// far (Anthropic's input tokens, in its first event), or, when it
-// reported nothing yet (OpenAI's usage comes last), the reservation.
-func TestChargeClientLeavingMidStreamIsChargedWhatTheStreamReported(t *testing.T) {
+// TestChargeClientLeavingMidStreamKeepsItsReservationOrWhatTheStreamReported:
+// a client that leaves mid-stream is charged its reservation, or what the
+// stream reported so far when that is more (Anthropic's input tokens, in
+// its first event); when it reported nothing yet (OpenAI's usage comes
+// last), the reservation. It no longer pays less than the reservation by
+// leaving once a small count came.
+func TestChargeClientLeavingMidStreamKeepsItsReservationOrWhatTheStreamReported(t *testing.T) {
 	srv := redistest.Start(t)
 	up := startChargeUpstream(t)
 	c := startChargeCaddy(t, llmSites, srv.Addr, up.host())
-	for _, tc := range []struct {
+	for i, tc := range []struct {
 		zone, query, firstEvent string
 		want                    float64
 	}{
-		{"anthropic", "format=anthropic&stream=1&in=40&out=500&hold=1", "message_start", 1000 - 40},
+		{"anthropic", "format=anthropic&stream=1&in=400&out=500&hold=1", "message_start", 1000 - 400},
+		{"anthropic", "format=anthropic&stream=1&in=40&out=500&hold=1", "message_start", 1000 - 100},
 		{"openai", "format=openai&stream=1&usage=300&hold=1", "chat.completion.chunk", 1000 - 100},
 	} {
+		key := fmt.Sprint("leaver", i)
 		ctx, cancel := context.WithCancel(context.Background())
 		req, _ := http.NewRequestWithContext(ctx, http.MethodGet, c.URL+"/"+tc.zone+"?"+tc.query, nil)
-		req.Header.Set("X-Key", "leaver")
+		req.Header.Set("X-Key", key)
 		resp, err := c.client.Do(req)
 		if err != nil {
 			t.Fatal(err)
@@ -749,13 +1019,13 @@ func TestChargeClientLeavingMidStreamIsChargedWhatTheStreamReported(t *testing.T
 		case <-time.After(5 * time.Second):
 			t.Fatalf("%s: the upstream request was not canceled when the client left", tc.zone)
 		}
-		c.awaitTokens(t, tc.zone, "leaver", tc.want, 0.05)
+		c.awaitTokens(t, tc.zone, key, tc.want, 0.05)
 	}
 }
 
 // TestChargeLargeBodyPassesThroughUntouched: a 10 MiB body reaches the
-// client byte for byte through a limiter that scans JSON bodies; past
-// max_body the scan stops and the reservation is the cost.
+// client byte for byte through a limiter that scans JSON bodies; it is
+// not JSON, so the reservation is the cost.
 func TestChargeLargeBodyPassesThroughUntouched(t *testing.T) {
 	srv := redistest.Start(t)
 	up := startChargeUpstream(t)
@@ -1398,6 +1668,12 @@ func TestChargeCaddyfileParsesEveryForm(t *testing.T) {
 			Handler{ReplenishRate: "10", BurstCapacity: "20", Charge: &Charge{Placeholder: "{http.reverse_proxy.upstream.duration_ms}"}}},
 		{"charge_status alone", "rate_limit 10 20 {\n\tcharge_status 401 403\n\tmax_body 65536\n\tcharge json n\n}",
 			Handler{ReplenishRate: "10", BurstCapacity: "20", ChargeStatus: []int{401, 403}, MaxBody: 65536, Charge: &Charge{JSON: []string{"n"}}}},
+		{"JSON fields", "rate_limit 10 20 {\n\tcharge json {\n\t\tinput usage.input_tokens message.usage.input_tokens\n\t\toutput usage.output_tokens\n\t}\n\tmax_body 1MiB\n}",
+			Handler{ReplenishRate: "10", BurstCapacity: "20", MaxBody: 1 << 20, Charge: &Charge{JSONFields: map[string][]string{
+				"input": {"usage.input_tokens", "message.usage.input_tokens"}, "output": {"usage.output_tokens"}}}}},
+		{"JSON fields in a limit", "rate_limit {\n\tlimit tokens 1000 100000 1000 {\n\t\tcharge json {\n\t\t\tn a b\n\t\t}\n\t\tcharge_status 2xx\n\t}\n}",
+			Handler{Limits: []Limit{{Name: "tokens", ReplenishRate: "1000", BurstCapacity: "100000", RequestedTokens: "1000",
+				Charge: &Charge{JSONFields: map[string][]string{"n": {"a", "b"}}}, ChargeStatus: []int{2}}}}},
 		{"in a limit", "rate_limit {\n\tlimit requests 1 60\n\tlimit tokens 1000 100000 1000 {\n\t\tcharge json usage.total_tokens\n\t\tcharge_status 2xx\n\t\tmax_debt 50000\n\t}\n}",
 			Handler{Limits: []Limit{{Name: "requests", ReplenishRate: "1", BurstCapacity: "60"},
 				{Name: "tokens", ReplenishRate: "1000", BurstCapacity: "100000", RequestedTokens: "1000",
@@ -1420,7 +1696,15 @@ func TestChargeConfigMistakesNameTheSubdirectiveAndValue(t *testing.T) {
 		paths += fmt.Sprintf(" p%d", i)
 	}
 	for _, tc := range []struct{ input, want string }{
-		{"charge", "charge: want header <name>, json <path>... or placeholder"},
+		{"charge", "charge: want header <name>, json <path>..., json { <field> <path>... } or placeholder"},
+		{"charge json {\n\t}", "charge: want header <name>, json <path>..., json { <field> <path>... } or placeholder <{placeholder}>, got 'json'"},
+		{"charge json a {\n\t\tn b\n\t}", "got 'json a' with a block (only json takes one)"},
+		{"charge header X-Cost {\n\t\tn b\n\t}", "got 'header X-Cost' with a block"},
+		{"charge json {\n\t\tinput\n\t}", "charge json field 'input': want <field> <path>..., such as input usage.input_tokens"},
+		{"charge json {\n\t\tinput a\n\t\tinput b\n\t}", "charge json field 'input' is given twice"},
+		{"charge json {\n\t\tinput a b\n\t\toutput c b\n\t}", "charge json field 'output': path 'b' is in field 'input' too"},
+		{"charge json {\n\t\tinput a..b\n\t}", "charge json 'a..b': want keys separated by '.'"},
+		{"limit a 1 1 {\n\t\tcharge json {\n\t\t\tinput\n\t\t}\n\t}", "limit a: charge json field 'input': want <field> <path>..."},
 		{"charge header", "charge: want header <name>"},
 		{"charge header A B", "got 'header A B'"},
 		{"charge cookie X", "got 'cookie X'"},
@@ -1461,6 +1745,9 @@ func TestChargeJSONConfigJudgedByValidate(t *testing.T) {
 	}{
 		{Handler{ReplenishRate: "1", Charge: &Charge{Header: "X-Cost", JSON: []string{"n"}}}, "charge: want exactly one source"},
 		{Handler{ReplenishRate: "1", Charge: &Charge{}}, "charge: want exactly one source"},
+		{Handler{ReplenishRate: "1", Charge: &Charge{JSON: []string{"n"}, JSONFields: map[string][]string{"m": {"m"}}}}, "charge: want exactly one source"},
+		{Handler{ReplenishRate: "1", Charge: &Charge{JSONFields: map[string][]string{"m": nil}}}, "charge json field 'm': want a name and one or more paths"},
+		{Handler{ReplenishRate: "1", Charge: &Charge{JSONFields: map[string][]string{"a": {"x", "y"}, "b": {"y"}}}}, "charge json field 'b': path 'y' is in field 'a' too"},
 		{Handler{ReplenishRate: "1", ChargeStatus: []int{0}}, "charge_status '0'"},
 		{Handler{ReplenishRate: "1", MaxDebt: ptr(int64(3))}, "max_debt '3': nothing can run into debt"},
 		{Handler{ReplenishRate: "1", MaxBody: -1, Charge: &Charge{JSON: []string{"n"}}}, "max_body '-1'"},
@@ -1482,6 +1769,18 @@ func TestChargeJSONConfigJudgedByValidate(t *testing.T) {
 	}
 	if r := h.limits[1].charge; r == nil || r.maxDebt != 7 || r.paths != 1 || r.chargedKey != "http.rate_limit.charged.tokens" {
 		t.Errorf("limit tokens: %+v, want its JSON path and max_debt 7", r)
+	}
+	// A path of JSON given twice counts once; a field sums nothing: its
+	// paths are one number.
+	h = offline(&Handler{ReplenishRate: "10", Limits: []Limit{
+		{Name: "twice", Charge: &Charge{JSON: []string{"n", "m", "n"}}},
+		{Name: "fields", Charge: &Charge{JSONFields: map[string][]string{"b": {"m", "k"}, "a": {"n"}}}}}})
+	provision(t, h)
+	if r := h.limits[0].charge; !slices.Equal(r.fields, []uint16{1, 2}) {
+		t.Errorf("limit twice: fields %v, want [1 2]: n and m once each", r.fields)
+	}
+	if r := h.limits[1].charge; !slices.Equal(r.fields, []uint16{1, 2 | 4}) || r.paths != 7 {
+		t.Errorf("limit fields: fields %v, paths %b; want [1 6] (a: n; b: m or k) and 111", r.fields, r.paths)
 	}
 }
 
@@ -1539,13 +1838,8 @@ func readmeLLMExample(t *testing.T) string {
 func TestChargeReadmeExampleRunsAsWritten(t *testing.T) {
 	srv := redistest.Start(t)
 	up := startChargeUpstream(t)
-	site := strings.Replace(readmeLLMExample(t), "llm.example.com {", "http://127.0.0.1:{{http_port}} {", 1)
-	site = strings.Replace(site, "reverse_proxy localhost:8000", "reverse_proxy %[2]s", 1)
-	site = strings.Replace(site, "\t\tlimit requests", "\t\tredis %[1]s\n\t\tlimit requests", 1)
-	c := startChargeCaddy(t, site, srv.Addr, up.host())
-	charged := func() float64 {
-		return scrapeMetricsAt(t, c.admin).samples[chargeSeries("charged_total", "llm", "tokens")]
-	}
+	c := startReadmeLLMCaddy(t, srv.Addr, up)
+	charged := func() float64 { return c.chargedTokens(t) }
 	for _, tc := range []struct {
 		name, query string
 		status      int
@@ -1577,6 +1871,215 @@ func TestChargeReadmeExampleRunsAsWritten(t *testing.T) {
 	}
 	if resp, _ := c.get(t, "/v1/chat/completions?format=openai&usage=1", "Authorization", "Bearer sk-2"); resp.StatusCode != 200 {
 		t.Fatalf("another key: %d, want 200", resp.StatusCode)
+	}
+}
+
+// startReadmeLLMCaddy serves the README's LLM Caddyfile, with its site
+// address, its upstream and a redis line replaced.
+func startReadmeLLMCaddy(t *testing.T, redisAddr string, up *chargeUpstream) *chargeCaddy {
+	t.Helper()
+	site := strings.Replace(readmeLLMExample(t), "llm.example.com {", "http://127.0.0.1:{{http_port}} {", 1)
+	site = strings.Replace(site, "reverse_proxy localhost:8000", "reverse_proxy %[2]s", 1)
+	site = strings.Replace(site, "\t\tlimit requests", "\t\tredis %[1]s\n\t\tlimit requests", 1)
+	return startChargeCaddy(t, site, redisAddr, up.host())
+}
+
+// chargedTokens is what the README example's tokens limit charged.
+func (c *chargeCaddy) chargedTokens(t *testing.T) float64 {
+	return scrapeMetricsAt(t, c.admin).samples[chargeSeries("charged_total", "llm", "tokens")]
+}
+
+// awaitCharged waits until the README example's tokens limit charged
+// want since before.
+func (c *chargeCaddy) awaitCharged(t *testing.T, what string, before, want float64) {
+	t.Helper()
+	deadline := time.Now().Add(3 * time.Second)
+	for got := c.chargedTokens(t) - before; got != want; got = c.chargedTokens(t) - before {
+		if time.Now().After(deadline) {
+			t.Fatalf("%s: charged %v, want %v", what, got, want)
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+}
+
+// TestChargeReadmeExampleChargesAClientThatLeavesAndAnUpgrade: under the
+// README's `charge_status 2xx`, a client that leaves before the answer's
+// headers (reverse_proxy records 499 for it) is charged its reservation:
+// it kept the LLM busy, and must not be refunded for leaving just before
+// the answer came (it was refunded in full). A WebSocket (101) is the
+// success of an upgrade: charged its reservation (it was charged
+// nothing). An answer of another status is still refunded
+// (TestChargeReadmeExampleRunsAsWritten).
+func TestChargeReadmeExampleChargesAClientThatLeavesAndAnUpgrade(t *testing.T) {
+	srv := redistest.Start(t)
+	up := startChargeUpstream(t)
+	c := startReadmeLLMCaddy(t, srv.Addr, up)
+
+	before := c.chargedTokens(t)
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	req, _ := http.NewRequestWithContext(ctx, http.MethodGet, c.URL+"/v1/chat/completions?format=openai&usage=350&wait=1", nil)
+	req.Header.Set("Authorization", "Bearer leaver")
+	done := make(chan error, 1)
+	go func() {
+		resp, err := c.client.Do(req)
+		if err == nil {
+			resp.Body.Close()
+			err = fmt.Errorf("answered %d", resp.StatusCode)
+		}
+		done <- err
+	}()
+	select {
+	case <-up.waiting:
+	case <-time.After(5 * time.Second):
+		t.Fatal("the request did not reach the upstream")
+	}
+	cancel() // the client leaves before the answer
+	if err := <-done; !errors.Is(err, context.Canceled) {
+		t.Fatalf("the request: %v, want it canceled", err)
+	}
+	select {
+	case <-up.canceled:
+	case <-time.After(5 * time.Second):
+		t.Fatal("the upstream request was not canceled when the client left")
+	}
+	c.awaitCharged(t, "a client that left before the answer", before, 2000)
+
+	before = c.chargedTokens(t)
+	conn, err := net.Dial("tcp", strings.TrimPrefix(c.URL, "http://"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close()
+	_ = conn.SetDeadline(time.Now().Add(10 * time.Second))
+	fmt.Fprintf(conn, "GET /v1/realtime?format=upgrade HTTP/1.1\r\nHost: %s\r\nAuthorization: Bearer ws\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n\r\n",
+		strings.TrimPrefix(c.URL, "http://"))
+	br := bufio.NewReader(conn)
+	resp, err := http.ReadResponse(br, nil)
+	if err != nil || resp.StatusCode != http.StatusSwitchingProtocols {
+		t.Fatalf("the upgrade: %v %v, want 101", resp, err)
+	}
+	echo := make([]byte, 4)
+	if _, err := conn.Write([]byte("ping")); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := io.ReadFull(br, echo); err != nil || string(echo) != "ping" {
+		t.Fatalf("the upgraded connection echoed %q %v, want ping", echo, err)
+	}
+	conn.Close()
+	c.awaitCharged(t, "a WebSocket", before, 2000)
+}
+
+// TestChargeUpstreamTimeOfTheReadmeChargesAClientThatLeaves: the
+// placeholder that the README gives to charge upstream time is set
+// however the response ends: a client that holds a stream open and then
+// leaves is charged the time it held, not its reservation.
+// {http.reverse_proxy.upstream.duration_ms}, the README's before, is set
+// only when a response completes: unset, it charged the reservation.
+func TestChargeUpstreamTimeOfTheReadmeChargesAClientThatLeaves(t *testing.T) {
+	raw, err := os.ReadFile("README.md")
+	if err != nil {
+		t.Fatal(err)
+	}
+	_, row, _ := strings.Cut(string(raw), "| `placeholder {...}` |")
+	row, _, _ = strings.Cut(row, "\n")
+	_, placeholder, _ := strings.Cut(row, "such as `")
+	placeholder, _, _ = strings.Cut(placeholder, "` to charge upstream time")
+	if !strings.HasPrefix(placeholder, "{http.") {
+		t.Fatalf("the README's charge table gives no placeholder to charge upstream time: %q", row)
+	}
+	srv := redistest.Start(t)
+	up := startChargeUpstream(t)
+	c := startChargeCaddy(t, `
+http://127.0.0.1:{{http_port}} {
+	rate_limit {
+		zone upstreamtime
+		key {http.request.header.X-Key}
+		replenish_rate 0.001
+		burst_capacity 10000
+		requested_tokens 10
+		charge placeholder `+placeholder+`
+		redis %[1]s
+	}
+	reverse_proxy %[2]s
+}
+`, srv.Addr, up.host())
+	const held = 500 * time.Millisecond
+	start := time.Now()
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	req, _ := http.NewRequestWithContext(ctx, http.MethodGet, c.URL+"/?format=openai&stream=1&usage=5&hold=1", nil)
+	req.Header.Set("X-Key", "holder")
+	resp, err := c.client.Do(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := bufio.NewReader(resp.Body).ReadString('\n'); err != nil {
+		t.Fatalf("reading the first event: %v", err)
+	}
+	time.Sleep(held)
+	cancel() // the client leaves
+	resp.Body.Close()
+	select {
+	case <-up.canceled:
+	case <-time.After(5 * time.Second):
+		t.Fatal("the upstream request was not canceled when the client left")
+	}
+	// The settlement lands at once; a cost of the reservation settles
+	// nothing, so wait a while for more.
+	tokens := c.tokensOf(t, "upstreamtime", "holder")
+	for deadline := time.Now().Add(3 * time.Second); tokens > 10000-10-0.5 && time.Now().Before(deadline); {
+		time.Sleep(20 * time.Millisecond)
+		tokens = c.tokensOf(t, "upstreamtime", "holder")
+	}
+	if cost, most := 10000-tokens, float64(time.Since(start).Milliseconds()+1); cost < float64(held.Milliseconds()) || cost > most {
+		t.Fatalf("%s charged %.0f for a stream held %v and left, want at least %v and at most the %v ms since the request",
+			placeholder, cost, held, held.Milliseconds(), most)
+	}
+}
+
+// TestChargeReadmeAnthropicExampleRunsAsWritten: the README's Caddyfile
+// for Anthropic's Messages API, with its site address, its upstream and a
+// redis line replaced, charges a JSON answer, a stream and a current
+// stream (whose message_delta repeats the input) the same real cost, and
+// an upstream failure nothing.
+func TestChargeReadmeAnthropicExampleRunsAsWritten(t *testing.T) {
+	raw, err := os.ReadFile("README.md")
+	if err != nil {
+		t.Fatal(err)
+	}
+	_, section, _ := strings.Cut(string(raw), "\n### Anthropic's Messages API\n")
+	_, block, _ := strings.Cut(section, "```caddyfile\n")
+	block, _, _ = strings.Cut(block, "```")
+	upstream := "reverse_proxy https://api.anthropic.com {\n\t\theader_up Host {upstream_hostport}\n\t}"
+	if !strings.HasPrefix(block, "api.example.com {") || !strings.Contains(block, upstream) {
+		t.Fatalf("the README's Anthropic example is not the site expected:\n%s", block)
+	}
+	site := strings.Replace(block, "api.example.com {", "http://127.0.0.1:{{http_port}} {", 1)
+	site = strings.Replace(site, upstream, "reverse_proxy %[2]s", 1)
+	site = strings.Replace(site, "\t\tlimit requests", "\t\tredis %[1]s\n\t\tlimit requests", 1)
+	srv := redistest.Start(t)
+	up := startChargeUpstream(t)
+	c := startChargeCaddy(t, site, srv.Addr, up.host())
+	charged := func() float64 {
+		return scrapeMetricsAt(t, c.admin).samples[chargeSeries("charged_total", "anthropic", "tokens")]
+	}
+	for _, tc := range []struct {
+		name, query string
+		status      int
+		charged     float64
+	}{
+		{"a JSON answer", "", 200, 50_012},
+		{"a stream", "&stream=1", 200, 50_012},
+		{"a current stream", "&stream=1&delta_in=1", 200, 50_012},
+		{"an upstream failure", "&status=529", 529, 0},
+	} {
+		before := charged()
+		resp, _ := c.get(t, "/v1/messages?format=anthropic&in=50000&out=12"+tc.query, "X-Api-Key", "sk-ant-1")
+		if resp.StatusCode != tc.status {
+			t.Fatalf("%s: %d, want %d", tc.name, resp.StatusCode, tc.status)
+		}
+		eventually(t, 3*time.Second, tc.name+" charged", func() bool { return charged()-before == tc.charged })
 	}
 }
 
@@ -1825,8 +2328,28 @@ func (a *answerRecorder) takeAnswer(c *call) {
 	c.release()
 }
 
+// newSettleCall is a settlement call of the buckets in diffs (each
+// with args, a max debt of 5, and its difference), as settleInRedis
+// queues it, whose answer rec takes.
+func newSettleCall(rec answerTaker, args [3]any, diffs map[string]int64) *call {
+	c := calls.Get().(*call)
+	keys := slices.Sorted(maps.Keys(diffs))
+	c.keys = append(c.keys, keys...)
+	c.args = append(c.args, "evalsha", settleScript.sha, keyCountArg(len(keys)))
+	for i := range c.keys {
+		c.args = append(c.args, &c.keys[i])
+	}
+	for _, k := range keys {
+		c.args = append(c.args, args[0], args[1], diffArg(diffs[k]), "5")
+	}
+	c.script, c.clientCtx, c.then = settleScript, context.Background(), rec
+	return c
+}
+
 // TestSettlementsOfABatchShareOneScriptCall: the settlement calls that
-// one batch sends go to Redis as one call (limiter.merge), and each
+// one batch sends go to Redis as one call (limiter.merge), where the
+// first of them stood (not after every other call of the batch, where a
+// take of a bucket queued after its settlement did not see it), and each
 // gets the answer for its own buckets; other calls go as they are.
 func TestSettlementsOfABatchShareOneScriptCall(t *testing.T) {
 	srv := redistest.Start(t)
@@ -1834,20 +2357,7 @@ func TestSettlementsOfABatchShareOneScriptCall(t *testing.T) {
 	l := newTestLimiter(t, srv.Addr, 2*time.Second)
 	v := limitValues{rate: 0.001, burst: 100, requested: 10}
 	args := v.scriptArgs()
-	settle := func(rec *answerRecorder, diffs map[string]int64) *call {
-		c := calls.Get().(*call)
-		keys := slices.Sorted(maps.Keys(diffs))
-		c.keys = append(c.keys, keys...)
-		c.args = append(c.args, "evalsha", settleScript.sha, keyCountArg(len(keys)))
-		for i := range c.keys {
-			c.args = append(c.args, &c.keys[i])
-		}
-		for _, k := range keys {
-			c.args = append(c.args, args[0], args[1], diffArg(diffs[k]), "5")
-		}
-		c.script, c.clientCtx, c.then = settleScript, context.Background(), rec
-		return c
-	}
+	settle := func(rec *answerRecorder, diffs map[string]int64) *call { return newSettleCall(rec, args, diffs) }
 	// m:bad holds a list: its settlement fails, and only its own.
 	if err := rdb.LPush(context.Background(), "m:bad", "x").Err(); err != nil {
 		t.Fatal(err)
@@ -1857,8 +2367,8 @@ func TestSettlementsOfABatchShareOneScriptCall(t *testing.T) {
 	batch := []*call{settle(&a, map[string]int64{"m:a": 30, "m:b": -5}), take, settle(&bad, map[string]int64{"m:bad": 3}),
 		settle(&b, map[string]int64{"m:c": 200})}
 	send := l.merge(batch, settlements)
-	if len(send) != 2 || send[0] != take || len(send[1].keys) != 4 {
-		t.Fatalf("merged into %d calls, want the take and one settlement of 4 buckets", len(send))
+	if len(send) != 2 || len(send[0].keys) != 4 || send[1] != take {
+		t.Fatalf("merged into %d calls, want one settlement of 4 buckets where the first stood, then the take", len(send))
 	}
 	scriptsLoaded(t, rdb) // the limiter loads them in the background; this pipeline sends by SHA only
 	before := commandCalls(t, rdb)["evalsha"]
@@ -1888,6 +2398,140 @@ func TestSettlementsOfABatchShareOneScriptCall(t *testing.T) {
 		t.Errorf("m:b, full and given back tokens, was written")
 	}
 	take.release()
+}
+
+// TestMergedSettlementsNeverPassACallOfTheirBucket: a batch queued as
+// a refund of x, a take of x, a refund of y, a debt of x and a take of
+// y. The refunds of x and y go as one call where x's stood, so each take
+// sees the refund queued before it; the debt of x, queued after the take
+// of x, goes after it, on its own. Merged after every other call, both
+// takes were refused as if nothing had been refunded.
+func TestMergedSettlementsNeverPassACallOfTheirBucket(t *testing.T) {
+	srv := redistest.Start(t)
+	rdb := srv.Client(t)
+	l := newTestLimiter(t, srv.Addr, 2*time.Second)
+	args := limitArgs(0.001, 100, 60)
+	for _, key := range []string{"o:x", "o:y"} {
+		mustTake(t, l, key, args) // 40 left
+	}
+	var refunds, debt answerRecorder
+	deadline := time.Now().Add(time.Second)
+	takeX, takeY := newTestCall("o:x", args, deadline), newTestCall("o:y", args, deadline)
+	refundX, refundY := newSettleCall(&refunds, args, map[string]int64{"o:x": -50}), newSettleCall(&refunds, args, map[string]int64{"o:y": -50})
+	debtX := newSettleCall(&debt, args, map[string]int64{"o:x": 30})
+	send := l.merge([]*call{refundX, takeX, refundY, debtX, takeY}, settlements)
+	if len(send) != 4 || len(send[0].keys) != 2 || send[1] != takeX || send[2] != debtX || send[3] != takeY {
+		t.Errorf("merged into %d calls, want the refunds of x and y where x's stood, the take of x, the debt of x, the take of y", len(send))
+	}
+	scriptsLoaded(t, rdb)
+	for _, c := range send {
+		c.breaker = l.breakers.get(l.node)
+	}
+	l.pipeline(context.Background(), send, false)
+	for _, c := range send {
+		c.answer()
+	}
+	for _, take := range []*call{takeX, takeY} {
+		<-take.done
+		b := []bucket{{}}
+		if allowed, err := readTake(take.reply, b, false); err != nil || !allowed || b[0].remaining != 30 {
+			t.Errorf("the take of %s after its refund: %v, %v with %d left; want admitted with 90 - 60 = 30 left", take.keys[0], allowed, err, b[0].remaining)
+		}
+		take.release()
+	}
+	if st, err := parseBucket(rdb.Get(context.Background(), "o:x")); err != nil || math.Abs(st.tokens) > 0.01 {
+		t.Errorf("o:x holds %+v %v, want 30 - 30 = 0: the debt after the take", st, err)
+	}
+}
+
+// TestChargeNextRequestSeesTheSettlementOfTheLast: a settlement is
+// queued before its response ends, so the client's next request sees it,
+// however busy the batcher: 200 clients at once each send a request and,
+// as soon as its response is read, a second one. Where the first cost
+// less than its reservation, the second is admitted from the refund and
+// its headers count it; where it cost more, the second meets the debt
+// and is refused. Before, a settlement merged with others went after
+// every other call of its batch, and one taken by the other worker could
+// leave after the next request: a false 429 after a refund, an admission
+// before a debt.
+func TestChargeNextRequestSeesTheSettlementOfTheLast(t *testing.T) {
+	srv := redistest.Start(t)
+	up := startChargeUpstream(t)
+	c := startChargeCaddy(t, `
+http://127.0.0.1:{{http_port}} {
+	rate_limit /refund {
+		zone refund
+		key {http.request.header.X-Key}
+		replenish_rate 0.001
+		burst_capacity 150
+		requested_tokens 100
+		charge header X-Cost
+		redis %[1]s {
+			timeout 5s
+		}
+	}
+	rate_limit /debt {
+		zone debt
+		key {http.request.header.X-Key}
+		replenish_rate 0.001
+		burst_capacity 1000
+		requested_tokens 100
+		charge header X-Cost
+		redis %[1]s {
+			timeout 5s
+		}
+	}
+	reverse_proxy %[2]s
+}
+`, srv.Addr, up.host())
+	const clients = 200
+	for round := range 5 {
+		var wg sync.WaitGroup
+		failures := make(chan string, clients)
+		for i := range clients {
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				key := fmt.Sprintf("r%d-%d", round, i)
+				// Refund: 150 - 100 = 50, the response costs 10: 140, and the
+				// next reservation leaves 40. Debt: 1000 - 100 = 900, the
+				// response costs 950: 50, short of the next reservation.
+				path, cost := "/refund", 10
+				expect := []struct {
+					status    int
+					remaining string
+				}{{200, "50"}, {200, "40"}}
+				if i%2 == 1 {
+					path, cost = "/debt", 950
+					expect[0].remaining, expect[1].status, expect[1].remaining = "900", 429, "50"
+				}
+				url := fmt.Sprintf("%s%s?format=raw&ct=text/plain&body=ok&cost=%d", c.URL, path, cost)
+				for n, want := range expect {
+					resp, _, err := getHeaders(c.client, url, "X-Key", key)
+					if err != nil {
+						failures <- fmt.Sprintf("%s %s request %d: %v", path, key, n+1, err)
+						return
+					}
+					if got := resp.Header.Get("X-RateLimit-Remaining"); resp.StatusCode != want.status || got != want.remaining {
+						failures <- fmt.Sprintf("%s %s request %d: %d with %s remaining (Retry-After %q), want %d with %s",
+							path, key, n+1, resp.StatusCode, got, resp.Header.Get("Retry-After"), want.status, want.remaining)
+						return
+					}
+				}
+			}()
+		}
+		wg.Wait()
+		close(failures)
+		n := 0
+		for f := range failures {
+			if n++; n <= 5 {
+				t.Error(f)
+			}
+		}
+		if n > 0 {
+			t.Fatalf("round %d: %d of %d clients' second requests did not see their first's settlement", round+1, n, clients)
+		}
+	}
 }
 
 // TestChargeWithLeaseSettlesUnderTheLeaseCap: a lending handler settles

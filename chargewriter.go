@@ -26,9 +26,12 @@ type chargeWriter struct {
 	scan     *bodyScanner // for charge json; nil otherwise
 	// costHeaders are the charging.headers as the response was written:
 	// a handler around this one may remove them from the map later
-	// (`header -X-Cost`, deferred to its own WriteHeader).
+	// (`header -X-Cost`, deferred to its own WriteHeader). declared says
+	// which of them the Trailer header named then: their values at the
+	// end are trailers.
 	costHeaders [maxCostHeaders]string
 	hasHeader   [maxCostHeaders]bool
+	declared    [maxCostHeaders]bool
 }
 
 func newChargeWriter(w http.ResponseWriter, c *charging) *chargeWriter {
@@ -55,6 +58,15 @@ func (cw *chargeWriter) begin(status int) {
 	for i, name := range cw.charging.headers {
 		if values := h[name]; len(values) > 0 {
 			cw.costHeaders[i], cw.hasHeader[i] = values[0], true
+		}
+	}
+	for _, v := range h["Trailer"] {
+		for v != "" {
+			var name string
+			name, v, _ = strings.Cut(v, ",")
+			for i, cost := range cw.charging.headers {
+				cw.declared[i] = cw.declared[i] || strings.EqualFold(cost, strings.TrimSpace(name))
+			}
 		}
 	}
 	if cw.scan != nil {
@@ -96,51 +108,98 @@ func (cw *chargeWriter) FlushError() error {
 	return http.NewResponseController(cw.ResponseWriter).Flush() //nolint:bodyclose
 }
 
-// finalStatus is the response's status: as written, else that of the
-// handler's error (Caddy's error handling writes it later), else the 200
-// that an empty response gets.
-func (cw *chargeWriter) finalStatus(err error) int {
-	if cw.status != 0 {
-		return cw.status
-	}
-	if err != nil {
-		var he caddyhttp.HandlerError
-		if errors.As(err, &he) && he.StatusCode != 0 {
-			return he.StatusCode
+// responseEnd is how a response ended, which decides what it is charged.
+type responseEnd struct {
+	// status is what the response answered: the status written, else
+	// that of the handler's error, else the 200 of an empty response. 0
+	// when nothing answered: the client left first (reverse_proxy records
+	// 499 then, and no upstream answers that), or the handler aborted.
+	status int
+	// cutShort: the response did not end as its handler meant, for the
+	// client left (the handler answered 499, or failed once it had left)
+	// or the handler aborted it (reverse_proxy, when a stream broke off).
+	cutShort bool
+}
+
+// statusClientClosed is the status Caddy records for a client that left
+// before its answer (nginx's "client closed request").
+const statusClientClosed = 499
+
+// end is how the response ended, given the handler's error and whether
+// the client had left by then.
+func (cw *chargeWriter) end(err error, clientLeft bool) responseEnd {
+	end := responseEnd{status: cw.status, cutShort: err == errAborted || err != nil && clientLeft}
+	if end.status == 0 && !end.cutShort {
+		end.status = http.StatusOK
+		if err != nil {
+			end.status = http.StatusInternalServerError
+			var he caddyhttp.HandlerError
+			if errors.As(err, &he) && he.StatusCode != 0 {
+				end.status = he.StatusCode
+			}
 		}
-		return http.StatusInternalServerError
 	}
-	return http.StatusOK
+	if end.status == statusClientClosed {
+		end.status, end.cutShort = 0, true
+	}
+	return end
 }
 
-// costHeader is the rule's cost header as the response was written (or
-// as it is, when nothing was written).
+// costHeader is the rule's cost: its trailer, known at the end of the
+// response, else its header as the response was written (or as it is,
+// when nothing was written). reverse_proxy puts a trailer in the header
+// map once the body is copied: under http.TrailerPrefix, or under its
+// name when the upstream declared it, after any header of that name.
 func (cw *chargeWriter) costHeader(r *chargeRule) (string, bool) {
-	if cw.status != 0 {
-		return cw.costHeaders[r.headerIndex], cw.hasHeader[r.headerIndex]
+	h := cw.Header()
+	if values := h[r.trailer]; len(values) > 0 {
+		return values[len(values)-1], true
 	}
-	if values := cw.Header()[r.header]; len(values) > 0 {
-		return values[0], true
+	if cw.status == 0 {
+		if values := h[r.header]; len(values) > 0 {
+			return values[0], true
+		}
+		return "", false
 	}
-	return "", false
+	if values := h[r.header]; cw.declared[r.headerIndex] && len(values) > 0 {
+		return values[len(values)-1], true
+	}
+	return cw.costHeaders[r.headerIndex], cw.hasHeader[r.headerIndex]
 }
 
-// scanned is the sum of the values the body gave for the paths in mask,
-// or why there is none.
-func (cw *chargeWriter) scanned(mask uint16) (float64, string) {
+// scanned is the cost the body gave for fields (each the bits of its
+// paths): a field's value is the last number found at any of its paths,
+// and the fields are summed; or why there is none.
+func (cw *chargeWriter) scanned(fields ...uint16) (float64, string) {
 	s := cw.scan
 	s.finish()
+	var all uint16
+	for _, f := range fields {
+		all |= f
+	}
 	switch {
 	case s.failed != "":
 		return 0, s.failed
-	case s.negative&mask != 0:
-		return 0, "a number at " + s.doc.paths.names(s.negative&mask) + " is negative"
-	case s.found&mask == 0:
-		return 0, "no number at " + s.doc.paths.names(mask) + " in the body"
+	case s.found&all == 0 && s.stopped:
+		return 0, fmt.Sprintf("no number at %s before max_body (%d bytes), where the scan stops", s.doc.paths.names(all), s.maxBody)
+	case s.found&all == 0:
+		return 0, "no number at " + s.doc.paths.names(all) + " in the body"
 	}
 	var sum float64
-	for m := s.found & mask; m != 0; m &= m - 1 {
-		sum += s.values[bits.TrailingZeros16(m)]
+	for _, f := range fields {
+		last := -1
+		for m := s.found & f; m != 0; m &= m - 1 {
+			if p := bits.TrailingZeros16(m); last < 0 || s.order[p] > s.order[last] {
+				last = p
+			}
+		}
+		switch {
+		case last < 0: // counts 0
+		case s.negative>>last&1 == 1:
+			return 0, "a number at " + s.doc.paths.text[last] + " is negative"
+		default:
+			sum += s.values[last]
+		}
 	}
 	return sum, ""
 }
@@ -206,14 +265,17 @@ const (
 
 // bodyScanner reads the values at the scan paths from a body as it
 // streams by, holding nothing of it but the state of the JSON being read.
-// A JSON body counts up to maxBody bytes. An event stream counts the JSON
-// of each event's `data:` lines, and JSON lines each line; an event or
-// line counts once it is complete, up to maxEventBytes, and each path
-// keeps the last value any of them gave.
+// A JSON body counts as far as it was read. An event stream counts the
+// JSON of each event's `data:` lines, and JSON lines each line; an event
+// or line counts once it is complete, whatever its size (only the JSON's
+// state is held), and each path keeps the last value any of them gave.
+// maxBody, when set, bounds the bytes read, and so the CPU a response
+// spends here: the scan stops there, and its values are what it read.
 type bodyScanner struct {
 	mode    scanMode
-	maxBody int64
-	read    int64  // bytes of the body (JSON), or of the current event or line
+	maxBody int64  // 0: no bound
+	read    int64  // bytes of the body read
+	stopped bool   // the body went past maxBody: the scan stopped there
 	failed  string // why the body cannot give a cost at all
 	done    bool   // finish ran
 
@@ -221,13 +283,14 @@ type bodyScanner struct {
 	found    uint16      // paths with a value
 	negative uint16      // paths whose last value was negative
 	values   [maxScanPaths]float64
+	order    [maxScanPaths]uint32 // when each value came: the later, the larger
+	seq      uint32               // the numbers kept so far
 
 	// Event streams and JSON lines: where in a line the scan is.
 	line      lineState
 	field     int  // bytes of the field name matched against "data"; -1: another field
 	cr        bool // the last byte was '\r' (a '\n' after it ends nothing more)
 	dataLines int  // data lines in the current event
-	over      bool // the current event or line is larger than maxEventBytes
 }
 
 type lineState uint8
@@ -257,20 +320,18 @@ func (s *bodyScanner) begin(h http.Header) {
 	s.doc.reset()
 }
 
-// write scans the next bytes of the body.
+// write scans the next bytes of the body, up to maxBody.
 func (s *bodyScanner) write(p []byte) {
-	if s.failed != "" || s.done {
+	if s.failed != "" || s.done || s.stopped {
 		return
 	}
-	switch s.mode {
-	case scanJSON:
-		if s.read+int64(len(p)) > s.maxBody {
-			s.failed = fmt.Sprintf("the body is larger than max_body (%d bytes)", s.maxBody)
-			return
-		}
-		s.read += int64(len(p))
+	if s.maxBody > 0 && int64(len(p)) > s.maxBody-s.read {
+		p, s.stopped = p[:s.maxBody-s.read], true
+	}
+	s.read += int64(len(p))
+	if s.mode == scanJSON {
 		s.doc.feed(p)
-	default:
+	} else {
 		s.writeLines(p)
 	}
 }
@@ -314,12 +375,10 @@ func (s *bodyScanner) writeLines(p []byte) {
 			default:
 				s.field = -1
 			}
-			s.count(1)
 			i++
 		case lineDataStart:
 			s.line = lineData
 			if c == ' ' {
-				s.count(1)
 				i++
 			}
 		case lineData, lineSkip:
@@ -327,8 +386,7 @@ func (s *bodyScanner) writeLines(p []byte) {
 			if end < 0 {
 				end = len(p) - i
 			}
-			s.count(end)
-			if s.line == lineData && !s.over {
+			if s.line == lineData {
 				s.doc.feed(p[i : i+end])
 			}
 			i += end
@@ -336,17 +394,10 @@ func (s *bodyScanner) writeLines(p []byte) {
 	}
 }
 
-// count counts n bytes of the current event or line.
-func (s *bodyScanner) count(n int) {
-	if s.read += int64(n); s.read > maxEventBytes {
-		s.over = true
-	}
-}
-
 // startData starts a data line of the current event: the lines of an
 // event's data are joined with "\n", as a client reads them.
 func (s *bodyScanner) startData() {
-	if s.dataLines > 0 && !s.over {
+	if s.dataLines > 0 {
 		s.doc.feed(newline)
 	}
 	s.dataLines++
@@ -373,11 +424,11 @@ func (s *bodyScanner) endLine() {
 // endDocument keeps the values of a complete event (with data) or JSON
 // line, and starts the next.
 func (s *bodyScanner) endDocument() {
-	if (s.mode == scanLines || s.dataLines > 0) && !s.over && s.doc.end() {
+	if (s.mode == scanLines || s.dataLines > 0) && s.doc.end() {
 		s.keep()
 	}
 	s.doc.reset()
-	s.read, s.over, s.dataLines = 0, false, 0
+	s.dataLines = 0
 }
 
 // keep takes the document's values as the last seen at their paths.
@@ -385,23 +436,31 @@ func (s *bodyScanner) keep() {
 	d := &s.doc
 	for m := d.found; m != 0; m &= m - 1 {
 		i := bits.TrailingZeros16(m)
-		s.values[i] = d.values[i]
+		s.values[i], s.order[i] = d.values[i], s.seq+d.order[i]
 	}
+	s.seq += d.seq
 	s.found |= d.found
 	s.negative = s.negative&^d.found | d.negative
 }
 
 // finish ends the scan: a JSON body's values are what it gave, however
 // far it got (a client may have left); a stream's are those of its
-// complete events or lines.
+// complete events or lines. JSON Lines allows the last line without a
+// newline (it carries Ollama's usage): it counts when its JSON is
+// complete, and the scan did not stop in it. An event stream's last
+// event without its blank line does not, as a client drops it.
 func (s *bodyScanner) finish() {
 	if s.done {
 		return
 	}
 	s.done = true
-	if s.failed == "" && s.mode == scanJSON {
+	switch {
+	case s.failed != "":
+	case s.mode == scanJSON:
 		s.doc.end()
 		s.keep()
+	case s.mode == scanLines && s.line == lineData && !s.stopped:
+		s.endDocument()
 	}
 }
 
@@ -425,6 +484,8 @@ type jsonScanner struct {
 	numLen int                     // -1: too long to be a cost
 	found  uint16                  // paths that had a number
 	values [maxScanPaths]float64   // their last numbers
+	order  [maxScanPaths]uint32    // when each came: seq then
+	seq    uint32                  // the numbers at paths so far
 	// negative: paths whose last number was negative.
 	negative uint16
 }
@@ -450,7 +511,7 @@ const (
 const maxDepth = 64
 
 func (d *jsonScanner) reset() {
-	d.state, d.depth, d.arrays, d.found, d.negative = jValue, 0, 0, 0, 0
+	d.state, d.depth, d.arrays, d.found, d.negative, d.seq = jValue, 0, 0, 0, 0, 0
 	d.value = 1<<d.paths.n - 1
 }
 
@@ -704,9 +765,10 @@ func (d *jsonScanner) match(b byte) {
 func (d *jsonScanner) endNumber() {
 	if d.numLen > 0 {
 		if v, err := strconv.ParseFloat(string(d.num[:d.numLen]), 64); err == nil {
+			d.seq++
 			for m := d.value & d.paths.exact[d.depth]; m != 0; m &= m - 1 {
 				p := bits.TrailingZeros16(m)
-				d.values[p] = v
+				d.values[p], d.order[p] = v, d.seq
 				d.found |= 1 << p
 				if v < 0 {
 					d.negative |= 1 << p

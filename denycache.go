@@ -1,6 +1,7 @@
 package ratelimit
 
 import (
+	"hash/maphash"
 	"math"
 	"sync"
 	"time"
@@ -27,7 +28,19 @@ type denyCache struct {
 	// maxWait, when set, is the longest a denial is cached (with lease,
 	// a hold: tokens given back may return sooner than by refill).
 	maxWait time.Duration
+	// forgotten is when a denial of a key of each share (by hash) was
+	// last forgotten, and forgottenAll when all were: a denial of a call
+	// sent before then may be of the bucket before what made it go (a
+	// refund that landed while the call was in flight), and is not put.
+	forgotten    [forgetShares]time.Time
+	forgottenAll time.Time
+	seed         maphash.Seed
 }
+
+// forgetShares is how many shares of keys forgotten notes a time for:
+// forgetting a key also keeps the denials of its share's other keys
+// that were sent before from the cache, which costs each a Redis call.
+const forgetShares = 64
 
 // denial is until when a bucket cannot hold the tokens a request asks,
 // for requests with these values: another rate, burst or cost asks Redis.
@@ -39,7 +52,7 @@ type denial struct {
 }
 
 func newDenyCache() *denyCache {
-	return &denyCache{entries: make(map[string]denial)}
+	return &denyCache{entries: make(map[string]denial), seed: maphash.MakeSeed()}
 }
 
 // answer denies a request at now when one of its buckets is known to be
@@ -76,14 +89,20 @@ func (c *denyCache) answer(buckets []bucket, now time.Time) bool {
 }
 
 // put records Redis's denial of a request sent at sent: each bucket that
-// was short stays so for its wait. The script rounds waits up to the
-// microsecond, hence one taken off.
+// was short stays so for its wait, unless it was forgotten since. The
+// script rounds waits up to the microsecond, hence one taken off.
 func (c *denyCache) put(buckets []bucket, sent time.Time) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
+	if !c.forgottenAll.Before(sent) {
+		return
+	}
 	for i := range buckets {
 		b := &buckets[i]
 		if b.retryAfter <= 0 || b.limit != nil && b.limit.slots != nil { // slots come back by release, not by time
+			continue
+		}
+		if !c.forgotten[c.share(b.key)].Before(sent) {
 			continue
 		}
 		if len(c.entries) >= denyCacheSize {
@@ -100,20 +119,29 @@ func (c *denyCache) put(buckets []bucket, sent time.Time) {
 
 // forget drops what the cache knows of the buckets at keys.
 func (c *denyCache) forget(keys ...string) {
+	now := time.Now()
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	for _, key := range keys {
 		delete(c.entries, key)
+		c.forgotten[c.share(key)] = now
 	}
+}
+
+// share is the share of forgotten that key falls in.
+func (c *denyCache) share(key string) int {
+	return int(maphash.String(c.seed, key) % forgetShares)
 }
 
 // forgetAll drops everything the cache knows; a new map rather than
 // clear, which would hold the lock while it walks up to denyCacheSize
 // entries.
 func (c *denyCache) forgetAll() {
+	now := time.Now()
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	c.entries = make(map[string]denial)
+	c.forgottenAll = now
 }
 
 // makeRoom drops the expired entries among a sample of 32, or, when none

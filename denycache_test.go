@@ -178,7 +178,7 @@ func TestDenyCacheReportsTheBucketAsItIsNow(t *testing.T) {
 	rdb := srv.Client(t)
 	// Each request costs the whole burst: after one, the bucket refills
 	// for 2 s, and a denial is cached for that long.
-	h := caddyfileHandler(t, fmt.Sprintf("rate_limit 2 4 4 {\n\tzone present\n\tkey {http.request.header.X-Key}\n\theaders both\n\tredis %s {\n\t\ttimeout 1s\n\t}\n}", srv.Addr))
+	h := caddyfileHandler(t, fmt.Sprintf("rate_limit 2 4 4 {\n\tzone present\n\tkey {http.request.header.X-Key}\n\theaders both\n\tredis %s {\n\t\ttimeout 5s\n\t}\n}", srv.Addr))
 	send := func() http.Header {
 		_, header := serve(context.Background(), h, "k")
 		return header
@@ -221,4 +221,30 @@ func cachedUntil(c *denyCache, key string, now time.Time) (time.Time, bool) {
 		return time.Time{}, false
 	}
 	return d.until, true
+}
+
+// TestDenyCacheKeepsNoDenialSentBeforeItsBucketWasForgotten: a refund
+// that lands while a request's call is in flight drops the bucket's
+// cached denial; the denial Redis then gives that call, which may be of
+// the bucket before the refund, is not cached (it was, with the whole
+// wait: the next request refused from the cache while the bucket held
+// its tokens again). A denial of a call sent after the refund is cached.
+func TestDenyCacheKeepsNoDenialSentBeforeItsBucketWasForgotten(t *testing.T) {
+	c := newDenyCache()
+	sent := time.Now()
+	c.forget("k") // the refund's answer, while the call is in flight
+	putDenial(c, "k", sent, 5000*time.Second)
+	if until, ok := cachedUntil(c, "k", time.Now()); ok {
+		t.Fatalf("a denial sent before its bucket's refund landed is cached until %v", until)
+	}
+	putDenial(c, "k", time.Now(), 5000*time.Second)
+	if _, ok := cachedUntil(c, "k", time.Now()); !ok {
+		t.Fatal("a denial sent after the refund landed is not cached")
+	}
+	sent = time.Now()
+	c.forgetAll() // resets may have been missed
+	putDenial(c, "k", sent, 5000*time.Second)
+	if until, ok := cachedUntil(c, "k", time.Now()); ok {
+		t.Fatalf("a denial sent before every denial was forgotten is cached until %v", until)
+	}
 }

@@ -18,8 +18,11 @@ import (
 )
 
 // stallBound is how long a request may take while Redis does not answer
-// within the 100ms timeout: generous, for -race on two cores.
-const stallBound = 400 * time.Millisecond
+// within the 100ms timeout: what tells a timeout that holds from one that
+// does not (the request would then wait out the 2 s stall, or forever on
+// a blackhole), with room for a bad moment of a loaded two-core machine
+// under -race.
+const stallBound = time.Second
 
 // openBreaker sends requests to a Redis that does not answer until the
 // breaker opens, then checks that requests skip Redis. Every request is
@@ -42,22 +45,30 @@ func openBreaker(t *testing.T, h *Handler) {
 	if !opened {
 		t.Fatalf("breaker still closed after 10 failed requests (failures %d)", standaloneBreaker(h).failures.Load())
 	}
-	// The next probe is breakerCooldown (500ms) away: these skip Redis.
+	// The next probe is breakerCooldown (500ms) away: these skip Redis,
+	// but for one probe per cooldown that passes meanwhile (on a loaded
+	// machine, 20 requests can take longer than one). The Redis step
+	// counts the requests that asked Redis.
+	asked, start := redisCalls(t, h), time.Now()
 	for i := 1; i <= 20; i++ {
-		status, remaining, took := hit(h, "stalled")
+		status, remaining, _ := hit(h, "stalled")
 		if status != 200 || remaining != "-1" {
 			t.Fatalf("request %d with the breaker open: %d remaining %q, want 200 with -1", i, status, remaining)
 		}
-		if took > 50*time.Millisecond {
-			t.Errorf("request %d with the breaker open took %v; it should not wait for Redis", i, took)
-		}
+	}
+	elapsed := time.Since(start)
+	if n, probes := redisCalls(t, h)-asked, uint64(elapsed/breakerCooldown)+1; n > probes {
+		t.Errorf("%d of 20 requests with the breaker open asked Redis in %v, want at most %d (a probe per cooldown)", n, elapsed, probes)
 	}
 }
 
+// stallDirective has the default timeout, which stallBound is made for.
 const stallDirective = `rate_limit 0.01 2 {
 	zone %s
 	key {http.request.header.X-Key}
-	redis %s
+	redis %s {
+		timeout 100ms
+	}
 }`
 
 func TestRedisStallOpensAndClosesBreaker(t *testing.T) {
@@ -97,7 +108,7 @@ func TestRedisStallOpensAndClosesBreaker(t *testing.T) {
 			}
 		}
 	}
-	took := eventually(t, 2*time.Second, "limiting resumes after the stall", func() bool {
+	took := eventually(t, 5*time.Second, "limiting resumes after the stall", func() bool {
 		status, remaining, _ := hit(h, "after")
 		return status == 200 && remaining != "-1"
 	})
@@ -148,7 +159,7 @@ func TestCanceledRequestsDoNotTripBreaker(t *testing.T) {
 	addr := redistest.StartBlackhole(t)
 	// A timeout far longer than the clients wait, so that they are gone
 	// before it ends even on a loaded machine.
-	const timeout = 300 * time.Millisecond
+	const timeout = 2 * time.Second
 	h := caddyfileHandler(t, fmt.Sprintf("rate_limit 0.01 2 {\n\tzone canceled\n\tkey {http.request.header.X-Key}\n\tredis %s {\n\t\ttimeout %v\n\t}\n}", addr, timeout))
 	logs := observeLogs(h, zap.DebugLevel)
 
@@ -164,7 +175,7 @@ func TestCanceledRequestsDoNotTripBreaker(t *testing.T) {
 				t.Errorf("canceled request %d: %d remaining %q, want 499 (client gone)", i, status, remaining)
 			}
 			if took > timeout+stallBound {
-				t.Errorf("canceled request %d took %v", i, took)
+				t.Errorf("canceled request %d took %v, more than its %v timeout", i, took, timeout)
 			}
 		}()
 	}
@@ -212,7 +223,7 @@ func TestRedisRestartAndFlushesKeepLimiting(t *testing.T) {
 	}
 	srv.Restart(t)
 	probes := 0
-	took := eventually(t, 3*time.Second, "limiting resumes after the restart", func() bool {
+	took := eventually(t, 10*time.Second, "limiting resumes after the restart", func() bool {
 		probes++
 		status, remaining := mustGet(t, client, inst.URL, fmt.Sprint("probe", probes))
 		if status >= 500 {
@@ -355,6 +366,7 @@ http://localhost:9080 {
 }`, srv.Addr))
 	startup := len(logLines(t, logPath))
 	srv.Stop(t)
+	start := time.Now()
 	for i := range 1000 {
 		if resp, _ := get(t, tester, "/", "k"+strconv.Itoa(i%10)); resp.StatusCode != http.StatusServiceUnavailable {
 			t.Fatalf("request %d during the outage: %d, want 503", i, resp.StatusCode)
@@ -366,8 +378,12 @@ http://localhost:9080 {
 			loud = append(loud, fmt.Sprint(line["logger"], ": ", line["msg"]))
 		}
 	}
-	if len(loud) > 5 {
-		t.Fatalf("%d lines at warn or above for 1000 requests during an outage, want a handful:\n%s", len(loud), strings.Join(loud, "\n"))
+	// A handful: the breaker's line, and a line per 10 s of each throttled
+	// warning (Redis failed, overload), however long a loaded machine
+	// takes for the requests.
+	if most := 5 + 2*int(time.Since(start)/(10*time.Second)); len(loud) > most {
+		t.Fatalf("%d lines at warn or above for 1000 requests during an outage in %v, want at most %d:\n%s",
+			len(loud), time.Since(start).Round(time.Millisecond), most, strings.Join(loud, "\n"))
 	}
 	t.Logf("%d lines at warn or above: %v", len(loud), loud)
 }

@@ -25,10 +25,7 @@ const (
 // each response gets slices of its own (see headerValues).
 type rateLimitHeaders struct {
 	spring, ietf bool
-	// resetJitter spreads a quota's Retry-After past its boundary
-	// (reset_jitter; 0 when off).
-	resetJitter time.Duration
-	limits      []limitHeaders // by limit index
+	limits       []limitHeaders // by limit index
 	// policy is RateLimit-Policy when every limit applies with its fixed
 	// values ("" when some limit has placeholders).
 	policy string
@@ -127,11 +124,7 @@ func (rh *rateLimitHeaders) set(hdr http.Header, buckets []bucket, described int
 	}
 	v := new(headerValues)
 	if denied {
-		wait := retryAfter(buckets)
-		if rh.resetJitter > 0 {
-			wait = jitteredRetryAfter(buckets, rh.resetJitter)
-		}
-		v.put(hdr, "Retry-After", countText(ceilSeconds(wait)))
+		v.put(hdr, "Retry-After", countText(ceilSeconds(retryAfter(buckets))))
 	}
 	if rh.spring {
 		b := &buckets[described]
@@ -191,8 +184,8 @@ func (rh *rateLimitHeaders) setIETF(hdr http.Header, v *headerValues, buckets []
 		state = append(state, ";r="...)
 		state = strconv.AppendInt(state, b.remaining, 10)
 		state = append(state, ";t="...)
-		if b.quota != nil { // its reset: the end of its period
-			state = strconv.AppendInt(state, ceilSeconds(max(b.retryAfter, b.quota.untilEnd(time.Now()))), 10)
+		if b.quota != nil { // its reset: the end of the period it counted in
+			state = strconv.AppendInt(state, ceilSeconds(max(b.retryAfter, b.quota.untilEnd(time.Now(), b.quotaShift))), 10)
 		} else {
 			state = strconv.AppendInt(state, ceilSeconds(b.retryAfter), 10)
 		}

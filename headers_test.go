@@ -162,7 +162,7 @@ http://localhost:9080 {
 	}
 }`)
 	plain := func(key string) (remaining int, err error) {
-		resp, _, err := getKey(tester.Client, "http://localhost:9080/plain", key)
+		resp, _, err := getKey(tester.Client, caddytestSite+"/plain", key)
 		if err != nil {
 			return 0, err
 		}
@@ -182,7 +182,7 @@ http://localhost:9080 {
 	// /edited's remaining counts pass 4 (edited to "four") and its fixed
 	// values are edited on every response ...
 	for i := range 6 {
-		resp, _, err := getKey(tester.Client, "http://localhost:9080/edited", "amy")
+		resp, _, err := getKey(tester.Client, caddytestSite+"/edited", "amy")
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -210,7 +210,7 @@ http://localhost:9080 {
 			for i := range 50 {
 				var err error
 				if g%2 == 0 {
-					_, _, err = getKey(tester.Client, "http://localhost:9080/edited", fmt.Sprint("e", g, "-", i))
+					_, _, err = getKey(tester.Client, caddytestSite+"/edited", fmt.Sprint("e", g, "-", i))
 				} else {
 					_, err = plain(fmt.Sprint("p", g, "-", i))
 				}

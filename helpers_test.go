@@ -15,6 +15,7 @@ package ratelimit
 import (
 	"bytes"
 	"context"
+	"encoding/json"
 	"fmt"
 	"io"
 	"net"
@@ -42,6 +43,60 @@ import (
 	"go.uber.org/zap/zaptest/observer"
 )
 
+// ---- The Redis timeout of the tests
+
+// testRedisTimeout is the Redis timeout of every handler that the tests
+// provision, load into caddytest or run in a Caddy process, whose config
+// sets none. On a loaded two-core machine under -race a round trip can
+// take longer than the 100 ms default, and its request then follows
+// on_error, where a test asserts what Redis decided. A test of what
+// happens when Redis is slow sets its own timeout.
+const testRedisTimeout = 5 * time.Second
+
+func init() {
+	caddyproc.Rewrite = withTestRedisTimeout
+	caddytest.Default.AdminPort = caddytestPorts.admin
+}
+
+// withTestRedisTimeout gives each `redis` directive of a Caddyfile that
+// sets no timeout testRedisTimeout: `redis <addr>` gets a block, and a
+// block without a `timeout` line gets one.
+func withTestRedisTimeout(caddyfile string) string {
+	lines := strings.Split(caddyfile, "\n")
+	out := make([]string, 0, len(lines))
+	timeout := "timeout " + testRedisTimeout.String()
+	for i, line := range lines {
+		fields := strings.Fields(line)
+		if len(fields) == 0 || fields[0] != "redis" {
+			out = append(out, line)
+			continue
+		}
+		indent := line[:len(line)-len(strings.TrimLeft(line, " \t"))]
+		if fields[len(fields)-1] != "{" {
+			out = append(out, strings.TrimRight(line, " \t")+" {", indent+"\t"+timeout, indent+"}")
+			continue
+		}
+		out = append(out, line)
+		set := false
+		for depth, j := 1, i+1; j < len(lines) && depth > 0; j++ {
+			f := strings.Fields(lines[j])
+			switch {
+			case len(f) == 0:
+			case f[0] == "}":
+				depth--
+			case f[len(f)-1] == "{":
+				depth++
+			case depth == 1 && f[0] == "timeout":
+				set = true
+			}
+		}
+		if !set {
+			out = append(out, indent+"\t"+timeout)
+		}
+	}
+	return strings.Join(out, "\n")
+}
+
 // ---- Handlers
 
 // parseTestCaddyfile unmarshals one rate_limit directive into a Handler.
@@ -53,9 +108,13 @@ func parseTestCaddyfile(input string) (*Handler, error) {
 
 // tryProvision provisions and validates h as Caddy would and returns the
 // error. A provisioned handler is cleaned up after the test; an error of
-// its Cleanup fails the test.
+// its Cleanup fails the test. A Redis config without a timeout gets
+// testRedisTimeout.
 func tryProvision(tb testing.TB, h *Handler) error {
 	tb.Helper()
+	if h.Redis != nil && h.Redis.Timeout == 0 {
+		h.Redis.Timeout = caddy.Duration(testRedisTimeout)
+	}
 	ctx, cancel := caddy.NewContext(caddy.Context{Context: context.Background()})
 	tb.Cleanup(cancel)
 	if err := h.Provision(ctx); err != nil {
@@ -518,6 +577,31 @@ func (p *redisProxy) drainThenCut(client, server net.Conn, buf []byte) {
 
 // ---- Caddy in this process (caddytest)
 
+// caddytest runs one Caddy in the test process. With caddytest's fixed
+// ports (admin 2999, HTTP 9080, HTTPS 9443), two test binaries on one
+// machine (two builds, or a build and someone's tests) would share it:
+// caddytest loads its configs into whatever answers on the admin port,
+// another binary's Caddy included, and Caddy listens with SO_REUSEPORT,
+// so both binaries' Caddys bind 9080 and each gets some of the other's
+// requests. So this binary's Caddy has ports of its own: the tests write
+// the fixed ones, which caddytestConfig replaces in every config loaded;
+// caddytestAdmin and caddytestSite name the real ones.
+var caddytestPorts = func() (p struct{ admin, http, https int }) {
+	ports, err := testproc.FreePorts(3)
+	if err != nil {
+		panic(err)
+	}
+	p.admin, p.http, p.https = ports[0], ports[1], ports[2]
+	return p
+}()
+
+var (
+	// caddytestAdmin is the admin endpoint of caddytest's Caddy.
+	caddytestAdmin = fmt.Sprintf("http://localhost:%d", caddytestPorts.admin)
+	// caddytestSite is the site of caddytest's Caddy.
+	caddytestSite = fmt.Sprintf("http://localhost:%d", caddytestPorts.http)
+)
+
 // caddyGlobals is the start of every Caddyfile served by caddytest.
 const caddyGlobals = `{
 	skip_install_trust
@@ -528,20 +612,89 @@ const caddyGlobals = `{
 }
 `
 
+// caddytestConfig is a config for caddytest's Caddy: its fixed ports
+// replaced by this binary's (caddytestPorts), and its rate_limit
+// handlers given testRedisTimeout where they set no timeout.
+func caddytestConfig(config, adapter string) string {
+	admin, plain, tls := strconv.Itoa(caddytestPorts.admin), strconv.Itoa(caddytestPorts.http), strconv.Itoa(caddytestPorts.https)
+	config = strings.NewReplacer(
+		":2999", ":"+admin,
+		":9080", ":"+plain, "http_port 9080", "http_port "+plain, `"http_port": 9080`, `"http_port": `+plain,
+		":9443", ":"+tls, "https_port 9443", "https_port "+tls, `"https_port": 9443`, `"https_port": `+tls,
+	).Replace(config)
+	if adapter == "json" {
+		return withTestRedisTimeoutJSON(config)
+	}
+	return withTestRedisTimeout(config)
+}
+
+// withTestRedisTimeoutJSON is withTestRedisTimeout for a JSON config:
+// each rate_limit handler's redis object without a timeout gets one.
+// Text that is not JSON is returned as it is, for Caddy to refuse.
+func withTestRedisTimeoutJSON(config string) string {
+	var v any
+	if err := json.Unmarshal([]byte(config), &v); err != nil {
+		return config
+	}
+	var walk func(any)
+	walk = func(v any) {
+		switch v := v.(type) {
+		case map[string]any:
+			if redis, ok := v["redis"].(map[string]any); ok && v["handler"] == "rate_limit" && redis["timeout"] == nil {
+				redis["timeout"] = testRedisTimeout.String()
+			}
+			for _, e := range v {
+				walk(e)
+			}
+		case []any:
+			for _, e := range v {
+				walk(e)
+			}
+		}
+	}
+	walk(v)
+	out, err := json.Marshal(v)
+	if err != nil {
+		return config
+	}
+	return string(out)
+}
+
+// caddytestListeners are the sockets caddytest's Caddy listens on now,
+// to wait for their end after a config load (see testproc.ListenersOn).
+func caddytestListeners() testproc.Listeners {
+	l, _ := testproc.ListenersOn(caddytestPorts.http, caddytestPorts.https)
+	return l
+}
+
+// awaitOldListenersClosed waits after a config load until the sockets
+// of the config before (old) have closed: a request sent then meets the
+// new config only, never the old one nor a socket closing under it.
+func awaitOldListenersClosed(t *testing.T, old testproc.Listeners) {
+	t.Helper()
+	if err := old.AwaitClosed(10*time.Second, caddytestPorts.http, caddytestPorts.https); err != nil {
+		t.Fatalf("caddytest: %v", err)
+	}
+}
+
 // loadConfig (re)loads a whole config, with the "caddyfile" or "json"
-// adapter, into the in-process Caddy that caddytest runs, starting it
-// when tester is nil: the one way tests get it, which skips the test
-// under -short.
+// adapter, into the in-process Caddy that caddytest runs (caddytestConfig
+// of it), starting it when tester is nil: the one way tests get it,
+// which skips the test under -short. Every load replaces the config
+// before, the previous test's too: loadConfig returns once that config
+// stopped listening.
 func loadConfig(t *testing.T, tester *caddytest.Tester, config, adapter string) *caddytest.Tester {
 	t.Helper()
 	if tester == nil {
 		testproc.SkipShort(t, "Caddy (caddytest)")
 		tester = caddytest.NewTester(t)
 	}
-	tester.InitServer(config, adapter)
+	old := caddytestListeners()
+	tester.InitServer(caddytestConfig(config, adapter), adapter)
 	if t.Failed() {
 		t.FailNow()
 	}
+	awaitOldListenersClosed(t, old)
 	return tester
 }
 
@@ -590,7 +743,7 @@ func getHeaders(client *http.Client, url string, headers ...string) (*http.Respo
 // header and returns the response with its body read.
 func get(t *testing.T, tester *caddytest.Tester, path, key string) (*http.Response, string) {
 	t.Helper()
-	resp, body, err := getKey(tester.Client, "http://localhost:9080"+path, key)
+	resp, body, err := getKey(tester.Client, caddytestSite+path, key)
 	if err != nil {
 		t.Fatalf("GET %s: %v", path, err)
 	}
@@ -726,11 +879,12 @@ func parseBucket(state *redis.StringCmd) (scriptBucket, error) {
 // unchanged, as `caddy reload --force` does.
 func forceReload(t *testing.T, caddyfile string) {
 	t.Helper()
-	cfg, _, err := caddyconfig.GetAdapter("caddyfile").Adapt([]byte(caddyfile), nil)
+	cfg, _, err := caddyconfig.GetAdapter("caddyfile").Adapt([]byte(caddytestConfig(caddyfile, "caddyfile")), nil)
 	if err != nil {
 		t.Fatalf("adapting: %v", err)
 	}
-	req, _ := http.NewRequest(http.MethodPost, "http://localhost:2999/load", bytes.NewReader(cfg))
+	old := caddytestListeners()
+	req, _ := http.NewRequest(http.MethodPost, caddytestAdmin+"/load", bytes.NewReader(cfg))
 	req.Header.Set("Content-Type", "application/json")
 	req.Header.Set("Cache-Control", "must-revalidate")
 	resp, err := http.DefaultClient.Do(req)
@@ -741,6 +895,7 @@ func forceReload(t *testing.T, caddyfile string) {
 	if resp.StatusCode != http.StatusOK {
 		t.Fatalf("reload: status %d", resp.StatusCode)
 	}
+	awaitOldListenersClosed(t, old)
 }
 
 // readmeExample is the first Caddyfile block of the README's section

@@ -23,7 +23,7 @@ http://127.0.0.1:{{http_port}} {
 		on_error deny
 		redis {
 			address %s
-			timeout 1s
+			timeout 5s
 		}
 	}
 	respond "ok"

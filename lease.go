@@ -218,7 +218,10 @@ func (ls *leases) acquire(now time.Time, buckets []bucket, counted *bool, lead b
 		if found = true; !*counted {
 			l.seen++
 		}
-		if !now.Before(l.until) || l.values != b.values || l.tokens < b.values.requested {
+		// !counted: picked for a give-back, which may hand back the tokens
+		// it keeps (see take), though a request sent before the hold
+		// ended comes here now.
+		if !l.counted || !now.Before(l.until) || l.values != b.values || l.tokens < b.values.requested {
 			admit = false
 			if l.flight != nil {
 				wait = l.flight
@@ -356,7 +359,7 @@ func (ls *leases) land(f *leaseFlight, buckets []bucket, now time.Time, err erro
 		}
 		l.spent = 0
 		if closed && l.counted {
-			back = append(back, ls.giveBackBucket(b.key, l))
+			back = append(back, ls.giveBackBucket(b.key, l, false))
 		}
 	}
 	return back
@@ -378,20 +381,35 @@ func (ls *leases) finish(f *leaseFlight, buckets []bucket, err error) {
 }
 
 // giveBackBucket is the bucket at key, to which lease l gives back what
-// it holds. Redis stops counting l; so does this instance. The caller
-// holds the bucket's shard locked.
-func (ls *leases) giveBackBucket(key string, l *lease) bucket {
+// it holds. Redis stops counting l; so does this instance. l keeps its
+// tokens until its next call when keep is set (see take), else they go
+// at once. The caller holds the bucket's shard locked.
+func (ls *leases) giveBackBucket(key string, l *lease, keep bool) bucket {
 	b := bucket{key: key, values: l.values, args: l.values.scriptArgs(), lease: l, held: l.tokens}
-	l.tokens, l.counted = 0, false
+	l.counted = false
+	if !keep {
+		l.tokens = 0
+	}
 	return b
 }
 
 // take returns the leases to give back by now: those whose hold ended
-// (all of them, with everything) and that have no call in flight. The
-// history of a lease a hold past its end is forgotten too, and with
-// everything every lease.
-func (ls *leases) take(now time.Time, everything bool) []bucket {
-	var back []bucket
+// (all of them, with everything) and that have no call in flight, and
+// the sequence number their give-back carries. The history of a lease a
+// hold past its end is forgotten too, and with everything every lease.
+//
+// The number is taken before any lease is picked: a request may take a
+// new lease on a picked bucket before the give-back, sent in chunks,
+// reaches Redis. That take comes later, so Redis judges the give-back
+// older and leaves the new lease counted, where a give-back numbered
+// when it left would erase its count while this instance spends it. A
+// lease picked keeps its tokens (its hold is over: it admits from none)
+// and that take reports them: Redis, which counts them until the
+// give-back lands, carries them into the new lease, where dropping them
+// here would have the take report them used and lose them. Picked with
+// everything (at close), a lease may be within its hold, and drops them.
+func (ls *leases) take(now time.Time, everything bool) (back []bucket, seq int64) {
+	seq = ls.seq.Add(1)
 	for i := range ls.shards {
 		shard := &ls.shards[i]
 		shard.mu.Lock()
@@ -400,7 +418,7 @@ func (ls *leases) take(now time.Time, everything bool) []bucket {
 				continue
 			}
 			if l.counted {
-				back = append(back, ls.giveBackBucket(key, l))
+				back = append(back, ls.giveBackBucket(key, l, !everything))
 			}
 			if everything || !now.Before(l.until.Add(ls.hold)) {
 				delete(shard.byKey, key)
@@ -408,7 +426,7 @@ func (ls *leases) take(now time.Time, everything bool) []bucket {
 		}
 		shard.mu.Unlock()
 	}
-	return back
+	return back, seq
 }
 
 // settle settles what a charged response cost (diff: cost less

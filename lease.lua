@@ -28,7 +28,11 @@
 -- ARGV[2]      the calling instance (letters and digits)
 -- ARGV[3]      the call's sequence number, increasing on that instance: a
 --              call older than the last one seen reports nothing (calls
---              of one instance may overtake each other after a timeout)
+--              of one instance may overtake each other after a timeout);
+--              a give-back, numbered when its leases were picked, is
+--              judged bucket by bucket: it leaves a bucket that a later
+--              call reached (a new lease taken before it arrived) as
+--              that call left it, and gives back the others
 -- ARGV[4]      how long, in µs, a lease lives here after a call: the
 --              caller's hold plus a grace for its give-back to arrive.
 --              A lease that expires without a give-back (its instance
@@ -118,7 +122,7 @@ local function waitFor(tokens, need, rate, burst, leases)
 end
 
 local rate, burst, requested, held, want = {}, {}, {}, {}, {}
-local tokens, leases, own, forgiven = {}, {}, {}, {}
+local tokens, leases, own, forgiven, stale = {}, {}, {}, {}, {}
 local allowed, fresh = 1, true
 for i = 1, n do
   local a = 4 + 5 * (i - 1)
@@ -151,7 +155,7 @@ for i = 1, n do
   end
   leases[i] = live
   if own[i] and own[i].seq >= seq then
-    fresh = false
+    stale[i], fresh = true, false
   end
 end
 
@@ -160,10 +164,11 @@ end
 -- lease this bucket does not count (expired, or lost with the data)
 -- holds nothing: the reply tells the caller so.
 -- An answered report renews the lease's life here, as the caller renews
--- its hold.
-if fresh and mode ~= 'refund' and mode ~= 'settle' then
+-- its hold. A give-back reports bucket by bucket (see ARGV[3]); a take or
+-- renewal, which lends to all its buckets in lockstep, all or nothing.
+if (fresh or mode == 'give') and mode ~= 'refund' and mode ~= 'settle' then
   for i = 1, n do
-    if own[i] then
+    if own[i] and not stale[i] then
       own[i].tokens, own[i].expiry, own[i].seq = math.min(held[i], own[i].tokens), now + life, seq
       if mode == 'give' then
         -- Up to the cap it frees: never past it, even if an instance

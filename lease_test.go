@@ -39,17 +39,16 @@ const (
 )
 
 // leaseDirective limits X-Key in zone with the body's subdirectives (the
-// limit and its lease) on the Redis at addr. on_error deny: a Redis
-// failure is a 503, never an admission that would blur a count.
+// limit and its lease) on the Redis at addr, with the tests' timeout.
+// on_error deny: a Redis failure is a 503, never an admission that would
+// blur a count.
 func leaseDirective(zone, body, addr string) string {
 	return fmt.Sprintf(`rate_limit {
 	zone %s
 	key {http.request.header.X-Key}
 	on_error deny
 	%s
-	redis %s {
-		timeout 2s
-	}
+	redis %s
 }`, zone, body, addr)
 }
 
@@ -468,21 +467,27 @@ func TestLeaseTable(t *testing.T) {
 	}
 
 	// Nothing goes back within the hold, or while a call is in flight.
-	if back := ls.take(t2.Add(hold-time.Nanosecond), false); len(back) != 0 {
+	if back, _ := ls.take(t2.Add(hold-time.Nanosecond), false); len(back) != 0 {
 		t.Errorf("gave back %+v before the hold ended", back)
 	}
 	inFlight := ask(v, "a")
 	_, inFlightF := acq(t2.Add(hold), inFlight, false, true)
-	if back := ls.take(t2.Add(hold), false); len(back) != 0 {
+	if back, _ := ls.take(t2.Add(hold), false); len(back) != 0 {
 		t.Errorf("gave back %+v while a call was in flight", back)
 	}
 	ls.land(inFlightF, inFlight, t2.Add(hold), errBreakerOpen)
 	ls.finish(inFlightF, inFlight, errBreakerOpen)
-	back := ls.take(t2.Add(hold), false)
-	if len(back) != 1 || back[0].key != "a" || back[0].held != 2 || held("a") != 0 || ls.get("a").counted {
+	back, _ := ls.take(t2.Add(hold), false)
+	if len(back) != 1 || back[0].key != "a" || back[0].held != 2 || ls.get("a").counted {
 		t.Fatalf("at the end of the hold gave back %+v; want bucket a, its 2", back)
 	}
-	if ls.get("a") == nil || ls.take(t2.Add(2*hold), false) != nil || ls.get("a") != nil {
+	// Kept for the lease's next call to report (its hold is over: none is
+	// admitted from them).
+	if o, _ := acq(t2.Add(hold), ask(v, "a"), true, false); o != leaseMiss || held("a") != 2 {
+		t.Errorf("after the give-back was picked: %v, a holds %d; want a miss, the 2 kept", o, held("a"))
+	}
+	kept := ls.get("a") != nil
+	if back, _ := ls.take(t2.Add(2*hold), false); !kept || back != nil || ls.get("a") != nil {
 		t.Error("a lease given back is forgotten at once, or never")
 	}
 
@@ -862,45 +867,155 @@ func TestLeaseOfOneLimitDoesNotStarveAPolicy(t *testing.T) {
 // TestLeaseGivesBackWhenTheHoldEnds: when the hold ends the unused tokens
 // go back, exactly; then the next request asks Redis. A give-back never
 // fills a bucket past its burst, even one that an instance without lease
-// refilled meanwhile (a rolling change).
+// refilled meanwhile (a rolling change). What the lease holds is whatever
+// Redis counts: sized to the key's rate, it is smaller when a loaded
+// machine held the warming requests apart.
 func TestLeaseGivesBackWhenTheHoldEnds(t *testing.T) {
 	srv := redistest.Start(t)
 	rdb := srv.Client(t)
-	const hold = 200 * time.Millisecond
+	const hold = time.Second
 	h := leaseHandler(t, "giveback", fmt.Sprintf("replenish_rate %v\n\tburst_capacity 100\n\tlease 32 %v", leaseRate, hold), srv.Addr)
 	scriptsLoaded(t, rdb)
 
 	t.Run("exactly the unused tokens", func(t *testing.T) {
 		key := limitKey(t, h, "", "g")
-		warmed := warmLease(t, h, "g", key) // 100 - 2 - 32 in Redis
+		admitted := warmLease(t, h, "g", key)
 		for range 4 {
 			if status, _, _ := hit(h, "g"); status != 200 {
 				t.Fatalf("status %d", status)
 			}
+			admitted++
 		}
-		expectTokens(t, rdb, key, 100, float64(100-warmed-32), "while the lease holds")
-		took := eventually(t, 2*time.Second, "the lease given back", func() bool {
-			tokens, _ := tokensNow(t, rdb, key, leaseRate, 100)
-			return tokens > float64(100-warmed-32)+leaseSlack
-		})
+		// Whatever a renewal changed meanwhile: the bucket holds what was
+		// neither admitted nor left in the lease.
+		leasesSettled(t, h)
+		unused := leaseHeld(h, key)
+		expectTokens(t, rdb, key, 100, float64(100-admitted)-float64(unused), fmt.Sprintf("while the lease holds %d", unused))
+		took := eventually(t, 3*time.Second, "the lease given back", func() bool { return leaseRecords(t, rdb, key) == nil })
 		// The unused tokens, no more: 100 less the requests admitted.
-		expectTokens(t, rdb, key, 100, float64(100-warmed-4), fmt.Sprintf("given back %v after the lease", took.Round(time.Millisecond)))
-		if records := leaseRecords(t, rdb, key); records != nil {
-			t.Errorf("lease records after the give-back: %v", records)
-		}
+		expectTokens(t, rdb, key, 100, float64(100-admitted), fmt.Sprintf("given back %v after the lease", took.Round(time.Millisecond)))
 		var remaining string
-		if n := callsOf(t, rdb, func() { _, remaining, _ = hit(h, "g") }); n != 1 || remaining != fmt.Sprint(100-warmed-5) {
-			t.Errorf("the next request: %d script calls, remaining %q; want 1 call, %d", n, remaining, 100-warmed-5)
+		if n := callsOf(t, rdb, func() { _, remaining, _ = hit(h, "g") }); n != 1 || remaining != fmt.Sprint(100-admitted-1) {
+			t.Errorf("the next request: %d script calls, remaining %q; want 1 call, %d", n, remaining, 100-admitted-1)
 		}
 	})
 
 	t.Run("never past the burst", func(t *testing.T) {
 		key := limitKey(t, h, "", "cap")
 		warmLease(t, h, "cap", key)
-		setBucket(t, rdb, key, 90) // as an instance without lease would, refilling into the lease
-		eventually(t, 2*time.Second, "the lease given back", func() bool { return leaseRecords(t, rdb, key) == nil })
-		expectTokens(t, rdb, key, 100, 100, "90 given back 32")
+		lent := leaseHeld(h, key)
+		if lent < 2 {
+			t.Fatalf("the lease holds %d: nothing to give back past the burst", lent)
+		}
+		// As an instance without lease would, refilling into the lease:
+		// the bucket and the lease hold more than the burst.
+		setBucket(t, rdb, key, float64(100-lent/2))
+		eventually(t, 3*time.Second, "the lease given back", func() bool { return leaseRecords(t, rdb, key) == nil })
+		expectTokens(t, rdb, key, 100, 100, fmt.Sprintf("%d given back %d", 100-lent/2, lent))
 	})
+}
+
+// TestLeaseGiveBackLandingAfterANewerTakeKeepsItsLease: the give-back
+// loop picks the leases whose hold ended, then sends their give-backs a
+// chunk at a time, a round trip each; a request of a picked key in
+// between takes a new lease. The give-back, landing after that take,
+// leaves the new lease counted in Redis, so the bucket never refills
+// into it: two instances draining it right after admit at most burst +
+// rate × T. (Before, the give-back went with a later sequence number
+// than the take, passed as fresh, and set what Redis counted as lent to
+// the instance to 0 while the instance spent its new lease.)
+func TestLeaseGiveBackLandingAfterANewerTakeKeepsItsLease(t *testing.T) {
+	srv := redistest.Start(t)
+	rdb := srv.Client(t)
+	const rate, burst = 100.0, 100
+	body := fmt.Sprintf("replenish_rate %v\n\tburst_capacity %d\n\tlease 32 1s", rate, burst)
+	h := leaseHandler(t, "givebackorder", body, srv.Addr)
+	other := leaseHandler(t, "givebackorder", body, srv.Addr)
+	scriptsLoaded(t, rdb)
+	key := limitKey(t, h, "", "k")
+	var log admissionLog
+	for range warmLease(t, h, "k", key) {
+		log.add(log.now())
+	}
+	// The loop's pick at the end of the hold, made now: the loop itself
+	// picks the lease half a hold after its end at the latest, so the
+	// test's give-back leaves when the test says.
+	sh := &h.leases.shards[h.leases.shardIndex(key)]
+	sh.mu.Lock()
+	until := sh.byKey[key].until
+	sh.mu.Unlock()
+	back, seq := h.leases.take(until, false)
+	if len(back) != 1 {
+		t.Fatalf("picked %d leases to give back, want the one on %s", len(back), key)
+	}
+	start := log.now()
+	if status, _, _ := hit(h, "k"); status != 200 {
+		t.Fatalf("the request after the pick: %d", status)
+	}
+	log.add(start)
+	lent := leaseHeld(h, key)
+	if lent == 0 {
+		t.Fatal("the request after the pick was lent nothing: no lease for the give-back to erase")
+	}
+	h.giveBackLeases(back, seq)
+	if counted := leaseRecords(t, rdb, key)[h.leases.id].tokens; counted < lent {
+		t.Errorf("after the give-back Redis counts %d tokens lent to the instance, which holds %d", counted, lent)
+	}
+	// The bucket refills meanwhile, up to what Redis counts as lent; then
+	// both instances drain it, the first from its lease too, within the
+	// new lease's hold.
+	time.Sleep(400 * time.Millisecond)
+	var wg sync.WaitGroup
+	stop := time.Now().Add(150 * time.Millisecond)
+	for w := range 8 {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for time.Now().Before(stop) {
+				start := log.now()
+				if status, _, _ := hit([]*Handler{h, other}[w%2], "k"); status == 200 {
+					log.add(start)
+				}
+			}
+		}()
+	}
+	wg.Wait()
+	windows, tightest := log.check(t, burst, rate)
+	t.Logf("%d lent to the new lease; %d admitted in all; %d windows checked, the tightest %.1f over its bound", lent, log.len(), windows, tightest)
+}
+
+// TestLeaseGiveBackPickedBeforeANewTakeLosesNoToken: a lease picked for a
+// give-back, then a new take of its bucket before the give-back lands:
+// the tokens the old lease left unused are neither spent nor lost. The
+// bucket, what the instance's lease holds and what was admitted make
+// the burst (the refill is a thousandth of a token a second), and once
+// the lease went back, the bucket holds all but what was admitted.
+// (Before, the take reported the picked lease as holding nothing, so
+// Redis counted its tokens as used, and the give-back, older than the
+// take, returned none of them: 32 of 100 lost.)
+func TestLeaseGiveBackPickedBeforeANewTakeLosesNoToken(t *testing.T) {
+	srv := redistest.Start(t)
+	rdb := srv.Client(t)
+	h := leaseHandler(t, "givebackloss", fmt.Sprintf("replenish_rate %v\n\tburst_capacity 100\n\tlease 32 1s", leaseRate), srv.Addr)
+	scriptsLoaded(t, rdb)
+	key := limitKey(t, h, "", "k")
+	admitted := warmLease(t, h, "k", key)
+	sh := &h.leases.shards[h.leases.shardIndex(key)]
+	sh.mu.Lock()
+	until := sh.byKey[key].until
+	sh.mu.Unlock()
+	back, seq := h.leases.take(until, false) // the give-back loop's pick, ahead of time
+	if status, _, _ := hit(h, "k"); status != 200 {
+		t.Fatalf("the request after the pick: %d", status)
+	}
+	admitted++
+	h.giveBackLeases(back, seq)
+	leasesSettled(t, h)
+	unused := leaseHeld(h, key)
+	expectTokens(t, rdb, key, 100, float64(100-admitted)-float64(unused),
+		fmt.Sprintf("after the give-back, %d admitted, the lease holding %d", admitted, unused))
+	eventually(t, 3*time.Second, "the lease given back", func() bool { return leaseRecords(t, rdb, key) == nil })
+	expectTokens(t, rdb, key, 100, float64(100-admitted), fmt.Sprintf("once the lease went back, %d admitted", admitted))
 }
 
 // TestLeaseDenialsComeFromRedis: a spent lease admits nothing: Redis
@@ -1034,12 +1149,21 @@ http://localhost:9080 {
 	}); n != 2 {
 		t.Fatalf("4 requests with lease 32: %d script calls, want 2 (the second lends)", n)
 	}
-	expectTokens(t, rdb, key, 100, 66, "before the reload")
+	// What the second request lent, 32 unless a loaded machine held the
+	// first two apart (the lease is sized to the key's rate).
+	var lent int64
+	for _, r := range leaseRecords(t, rdb, key) {
+		lent += r.tokens
+	}
+	if lent == 0 {
+		t.Fatal("nothing lent before the reload")
+	}
+	expectTokens(t, rdb, key, 100, float64(98-lent), fmt.Sprintf("before the reload, %d lent", lent))
 	forceReload(t, config)
 	if held := time.Since(start); held >= time.Second {
 		t.Fatalf("the reload came %v after the lease, past its 1s hold: cannot tell a reload's give-back from the hold's", held)
 	}
-	expectTokens(t, rdb, key, 100, 96, "right after the reload (the 30 unused tokens back)")
+	expectTokens(t, rdb, key, 100, 96, "right after the reload (the unused tokens back)")
 	var resp *http.Response
 	if n := callsOf(t, rdb, func() { resp, _ = get(t, tester, "/", "r") }); n != 1 || resp.Header.Get("X-RateLimit-Remaining") != "95" {
 		t.Errorf("the new configuration's first request: %d script calls, remaining %q; want 1 and 95", n, resp.Header.Get("X-RateLimit-Remaining"))
@@ -1315,15 +1439,13 @@ func TestLeaseBoundAcrossInstances(t *testing.T) {
 		burst_capacity %d
 		lease 16 100ms
 		on_error deny
-		redis %s {
-			timeout 1s
-		}
+		redis %s
 	}
 	respond "ok"
 }`
 		loadCaddyfile(t, nil, caddyGlobals+"http://localhost:9080 {"+fmt.Sprintf(site, rate, burst, srv.Addr))
 		inst := caddyproc.Start(t, caddyproc.Caddyfile("http://127.0.0.1:{{http_port}} {"+fmt.Sprintf(site, rate, burst, srv.Addr)))
-		urls := []string{"http://localhost:9080/", inst.URL}
+		urls := []string{caddytestSite + "/", inst.URL}
 		client := caddyClient(t)
 		for _, u := range urls { // warm the connections up on another key
 			mustGet(t, client, u, "warm")
@@ -1449,30 +1571,30 @@ func TestLeaseOnCluster(t *testing.T) {
 		rdb := masterOf(t, c, cc, clients, clientKey)
 		// 1: the client leaves 99 (its slot group is a call of its own;
 		// its rate is not known yet, so it lends nothing), the tenant 1.
-		// 2: the client leaves 98 and lends 32: 66; the tenant leaves 0.
+		// 2: the client leaves 98 and lends what its rate wants (32,
+		// unless a loaded machine held the requests apart); the tenant
+		// leaves 0.
 		for i := 1; i <= 2; i++ {
 			if ans := servePolicy(h, "X-Key", "g", "X-Tenant", "t"); ans.status != 200 {
 				t.Fatalf("request %d: %v", i, ans)
 			}
 		}
-		expectTokens(t, rdb, clientKey, 100, 66, "the client's bucket after two requests")
-		// 3: the tenant's lease is empty, so Redis: the client leaves 65
-		// (its lease holds 32 already: nothing more), then the tenant
+		lent := leaseHeld(h, clientKey)
+		expectTokens(t, rdb, clientKey, 100, float64(98-lent), fmt.Sprintf("the client's bucket after two requests, %d lent", lent))
+		// 3: the tenant's lease is empty, so Redis: the client takes 1
+		// (and tops its lease up to what its rate wants), then the tenant
 		// refuses: the 1 goes back, the lease stays.
 		total := clusterScriptCalls(t, clients)
 		ans := servePolicy(h, "X-Key", "g", "X-Tenant", "t")
 		if got := clusterScriptCalls(t, clients) - total; ans.status != 429 || ans.limitName() != "tenant" || got != 3 {
 			t.Errorf("request 3: %v in %d script calls; want 429 by the tenant in 3 (take, take refused, refund)", ans, got)
 		}
-		expectTokens(t, rdb, clientKey, 100, 66, "the client's bucket after the tenant refused")
-		if held := leaseHeld(h, clientKey); held != 32 {
-			t.Errorf("the client's lease holds %d after the tenant refused, want its 32", held)
+		if lent = leaseHeld(h, clientKey); lent == 0 {
+			t.Error("the client's lease holds nothing after the tenant refused, want it kept")
 		}
+		expectTokens(t, rdb, clientKey, 100, float64(98-lent), fmt.Sprintf("the client's bucket after the tenant refused, %d lent", lent))
 		// Once the hold ends, the client's lease goes back too.
-		eventually(t, 3*time.Second, "the lease given back", func() bool {
-			tokens, _ := tokensNow(t, rdb, clientKey, leaseRate, 100)
-			return tokens > 66+leaseSlack
-		})
+		eventually(t, 3*time.Second, "the lease given back", func() bool { return leaseRecords(t, rdb, clientKey) == nil })
 		expectTokens(t, rdb, clientKey, 100, 98, "the client's bucket after the hold")
 	})
 }

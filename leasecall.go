@@ -73,7 +73,7 @@ func (h *Handler) leaseTake(clientCtx context.Context, sent time.Time, f *leaseF
 	ls := h.leases
 	var back []bucket
 	if h.groups == nil {
-		allowed, err = ls.call(clientCtx, h.limiter, sent, leaseModeTake, buckets)
+		allowed, err = ls.call(clientCtx, h.limiter, sent, leaseModeTake, ls.seq.Add(1), buckets)
 		back = ls.land(f, buckets, time.Now(), err)
 	} else {
 		allowed, err, back = h.leaseTakeGroups(clientCtx, sent, f, buckets)
@@ -82,9 +82,10 @@ func (h *Handler) leaseTake(clientCtx context.Context, sent time.Time, f *leaseF
 	if clientCtx.Err() != nil {
 		shared = nil // the leader's client left: the requests that waited ask again
 	}
+	seq := giveBackSeq(ls, back)
 	ls.finish(f, buckets, shared)
 	if len(back) > 0 {
-		go h.giveBackLeases(back)
+		go h.giveBackLeases(back, seq)
 	}
 	return allowed, err
 }
@@ -100,7 +101,7 @@ func (h *Handler) leaseTakeGroups(clientCtx context.Context, sent time.Time, f *
 		if len(group) == 0 {
 			continue
 		}
-		allowed, err = ls.call(clientCtx, h.limiter, sent, leaseModeTake, group)
+		allowed, err = ls.call(clientCtx, h.limiter, sent, leaseModeTake, ls.seq.Add(1), group)
 		back = append(back, ls.land(f, group, time.Now(), err)...)
 		j := 0
 		for i := range buckets {
@@ -150,7 +151,7 @@ func (h *Handler) refundGroups(taken []bucket) {
 		for end < len(taken) && taken[end].limit.group == taken[start].limit.group {
 			end++
 		}
-		if _, err := h.leases.call(context.Background(), h.limiter, time.Now(), leaseModeRefund, taken[start:end]); err != nil {
+		if _, err := h.leases.call(context.Background(), h.limiter, time.Now(), leaseModeRefund, h.leases.seq.Add(1), taken[start:end]); err != nil {
 			h.warnGiveBack(err)
 		}
 		start = end
@@ -168,7 +169,7 @@ func (h *Handler) renewLeases(f *leaseFlight) {
 	var err error
 	var back []bucket
 	if h.groups == nil {
-		_, err = ls.call(context.Background(), h.limiter, f.sent, leaseModeRenew, f.buckets)
+		_, err = ls.call(context.Background(), h.limiter, f.sent, leaseModeRenew, ls.seq.Add(1), f.buckets)
 		back = ls.land(f, f.buckets, time.Now(), err)
 	} else {
 		var inline [maxInlineBuckets]bucket
@@ -177,17 +178,29 @@ func (h *Handler) renewLeases(f *leaseFlight) {
 			if len(group) == 0 {
 				continue
 			}
-			_, gerr := ls.call(context.Background(), h.limiter, f.sent, leaseModeRenew, group)
+			_, gerr := ls.call(context.Background(), h.limiter, f.sent, leaseModeRenew, ls.seq.Add(1), group)
 			back = append(back, ls.land(f, group, time.Now(), gerr)...)
 			if err == nil {
 				err = gerr
 			}
 		}
 	}
+	seq := giveBackSeq(ls, back)
 	ls.finish(f, f.buckets, err)
 	if len(back) > 0 {
-		h.giveBackLeases(back)
+		h.giveBackLeases(back, seq)
 	}
+}
+
+// giveBackSeq is the sequence number of the give-back of what a flight's
+// calls landed after the leases closed (land), or 0 when there is none;
+// taken before the flight finishes, while no other call of its buckets
+// can start: later calls of those buckets come after it (see take).
+func giveBackSeq(ls *leases, back []bucket) int64 {
+	if len(back) == 0 {
+		return 0
+	}
+	return ls.seq.Add(1)
 }
 
 // maxGiveBack bounds the buckets of one give-back call, which Redis runs
@@ -196,17 +209,18 @@ const maxGiveBack = 64
 
 // giveBackLeases gives leases back: in calls of up to maxGiveBack
 // buckets, or a bucket per call on a Cluster, where they may live on
-// different masters. This instance's cached denials of those buckets go:
-// the bucket may hold tokens again. What fails counts as spent once the
-// lease expires in Redis.
-func (h *Handler) giveBackLeases(back []bucket) {
+// different masters, each call with sequence number seq, taken when the
+// leases were picked (see take). This instance's cached denials of those
+// buckets go: the bucket may hold tokens again. What fails counts as
+// spent once the lease expires in Redis.
+func (h *Handler) giveBackLeases(back []bucket, seq int64) {
 	size := maxGiveBack
 	if h.limiter.cluster != nil {
 		size = 1
 	}
 	for start := 0; start < len(back); start += size {
 		chunk := back[start:min(start+size, len(back))]
-		_, _ = h.leases.call(context.Background(), h.limiter, time.Now(), leaseModeGive, chunk)
+		_, _ = h.leases.call(context.Background(), h.limiter, time.Now(), leaseModeGive, seq, chunk)
 		keys := make([]string, len(chunk))
 		for i := range chunk {
 			keys[i] = chunk[i].key
@@ -251,15 +265,17 @@ func (h *Handler) warnGiveBack(err error) {
 
 // call runs lease.lua in mode over the buckets (of one Cluster slot),
 // each with its lease's record, what the lease holds unused and the most
-// it should hold, and reads each bucket's answer: remaining, retryAfter
-// and leased, what Redis counts as lent to this instance now.
-func (ls *leases) call(clientCtx context.Context, l *limiter, sent time.Time, mode any, buckets []bucket) (allowed bool, err error) {
+// it should hold, as call seq of this instance (ls.seq.Add(1) as it
+// leaves, but for a give-back), and reads each bucket's answer:
+// remaining, retryAfter and leased, what Redis counts as lent to this
+// instance now.
+func (ls *leases) call(clientCtx context.Context, l *limiter, sent time.Time, mode any, seq int64, buckets []bucket) (allowed bool, err error) {
 	c := calls.Get().(*call)
 	for i := range buckets {
 		c.keys = append(c.keys, buckets[i].key, buckets[i].lease.record)
 	}
 	c.command(leaseScript)
-	c.args = append(c.args, mode, ls.idArg, ls.seq.Add(1), ls.lifeArg)
+	c.args = append(c.args, mode, ls.idArg, seq, ls.lifeArg)
 	for i := range buckets {
 		b := &buckets[i]
 		c.args = append(c.args, b.args[0], b.args[1], b.args[2], b.held, b.want)

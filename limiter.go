@@ -91,6 +91,7 @@ type limiter struct {
 	stop    chan struct{}
 	workers sync.WaitGroup
 	timers  [pipelinesInFlight]*batchTimer // one per worker
+	order   batchOrder                     // keeps settlements ahead of the calls queued after them
 
 	breakers nodeBreakers
 	// rtt estimates how long a pipeline takes now (batch.go).
@@ -118,10 +119,12 @@ type limiter struct {
 	lastReload atomic.Int64
 
 	// releases counts the releases of concurrent limits' slots on their
-	// way to Redis; releaseQueue holds those not sent yet, and wake tells
-	// a worker of them (concurrent.go).
+	// way to Redis; releaseQueue and renewQueue hold the releases and
+	// renewals not sent yet, and wake tells a worker of them
+	// (concurrent.go).
 	releases     pendingReleases
-	releaseQueue releaseQueue
+	releaseQueue slotQueue
+	renewQueue   slotQueue
 	wake         chan struct{}
 	// renewals renew the slots of requests in flight (concurrent.go).
 	renewals slotRenewals
@@ -288,14 +291,18 @@ const lingerIdle = time.Second
 // errLimiterClosed answers calls that arrive after the limiter closed.
 var errLimiterClosed = errors.New("the Redis client of an unloaded config is closed")
 
-// Destruct closes the limiter once its last requests are done: when no
-// call has come for lingerIdle. It returns at once.
+// Destruct closes the limiter once its last requests are done: when none
+// holds a concurrency slot (their renewals and releases need it, however
+// long they run) and no call has come for lingerIdle. It returns at once.
 func (l *limiter) Destruct() error {
 	go func() {
 		tick := time.NewTicker(lingerIdle / 4)
 		defer tick.Stop()
 		for range tick.C {
-			if time.Since(time.Unix(0, l.lastCall.Load())) >= lingerIdle && len(l.queue) == 0 && !l.releaseQueue.queued() {
+			// Holds first: a hold leaves them once its release is queued,
+			// which the queue's checks then see.
+			if !l.renewals.holding() && time.Since(time.Unix(0, l.lastCall.Load())) >= lingerIdle &&
+				len(l.queue) == 0 && !l.releaseQueue.queued() && !l.renewQueue.queued() {
 				break
 			}
 		}
@@ -491,16 +498,38 @@ const maxRetryMicros = max(2*maxFillSeconds*1_000_000, 2*int64(maxPeriod/time.Mi
 
 // readTake reads the check-and-take reply, {allowed, then per bucket:
 // remaining, microseconds until it holds its requested tokens; with
-// leases, then the tokens each lent}, into the buckets. Anything else is
-// no answer at all: never read as a denial.
+// leases, then the tokens each lent; then per quota, the period it
+// counted in}, into the buckets. A quota that counted in none (Redis's
+// clock outside its periods) is a quotaClockError. Anything else is no
+// answer at all: never read as a denial.
 func readTake(reply []int64, buckets []bucket, leasing bool) (allowed bool, err error) {
 	n := len(buckets)
 	want := 1 + 2*n
 	if leasing {
 		want += n
 	}
+	shifts := want
+	for i := range buckets {
+		if buckets[i].quota != nil {
+			want++
+		}
+	}
 	if len(reply) != want || reply[0]>>1 != 0 {
 		return false, fmt.Errorf("unexpected script reply %v", reply)
+	}
+	for i := range buckets {
+		if buckets[i].quota == nil {
+			continue
+		}
+		shift := reply[shifts]
+		switch {
+		case shift > 1: // Redis time, outside the periods
+			return false, &quotaClockError{redis: shift, caddy: time.Now().UnixMicro(), bounds: buckets[i].quota.bounds}
+		case shift < -1:
+			return false, fmt.Errorf("unexpected script reply %v", reply)
+		}
+		buckets[i].quotaShift = int8(shift)
+		shifts++
 	}
 	for i := range buckets {
 		buckets[i].leased = 0

@@ -172,6 +172,7 @@ func (s *memoryStore) take(now time.Time, buckets []bucket) (bool, error) {
 		states = append(states, state)
 		st, ok := held(state)
 		if b.quota != nil {
+			b.quotaAt(now)
 			allowed = allowed && quotaHolds(st, ok, now, t, b)
 			continue
 		}

@@ -142,8 +142,9 @@ type Handler struct {
 	// `burst_capacity`.
 	Quotas []Quota `json:"quotas,omitempty"`
 
-	// ResetJitter spreads the Retry-After of a quota's refusals over this
-	// long past the quota's boundary, a share for each client (by its
+	// ResetJitter spreads the wait a quota's refusal tells (`Retry-After`,
+	// `RateLimit`'s `t` and `{http.rate_limit.retry_after}` alike) over
+	// this long past the quota's boundary, a share for each client (by its
 	// key), so that the clients of a quota do not all come back in the
 	// second it renews. Off (0) by default; only with quotas.
 	ResetJitter caddy.Duration `json:"reset_jitter,omitempty"`
@@ -166,8 +167,10 @@ type Handler struct {
 
 	// ChargeStatus lists the response statuses that are charged: codes
 	// (`401`) or classes (`2` for 2xx, as Caddy's response matchers write
-	// them). A response with any other status gets its whole reservation
-	// back. Without `charge`, a matching response is charged its
+	// them). A response that answered any other status gets its whole
+	// reservation back; one that the client left before its answer (Caddy
+	// records 499) answered none, and keeps it. An upgrade (101) counts as
+	// a 2xx. Without `charge`, a matching response is charged its
 	// reservation. Default: every status is charged.
 	ChargeStatus []int `json:"charge_status,omitempty"`
 
@@ -179,10 +182,13 @@ type Handler struct {
 	// `burst_capacity`.
 	MaxDebt *int64 `json:"max_debt,omitempty"`
 
-	// MaxBody is how many bytes of a JSON response body `charge json`
-	// reads, in bytes; a larger body is charged its reservation. Event
-	// streams and JSON lines are read whole, an event or line of up to 64
-	// KiB at a time. Default: 1 MiB.
+	// MaxBody is the most bytes of a response body that `charge json`
+	// reads (a JSON body, an event stream or JSON lines alike): a bound on
+	// the CPU one response spends on the scan, which holds no body. Past
+	// it, the scan stops and the cost is what the body reported before (a
+	// warning says so), or the reservation when that is nothing; LLM APIs
+	// report usage at the end, so set it above the largest answer.
+	// Default: no bound, every body is read to its end.
 	MaxBody int64 `json:"max_body,omitempty"`
 
 	// DenyEmptyKey denies requests whose key resolves to the empty string
@@ -322,7 +328,6 @@ func (h *Handler) Provision(ctx caddy.Context) (err error) {
 		style = headersNone
 	}
 	h.headers = newRateLimitHeaders(style, h.limits)
-	h.headers.resetJitter = time.Duration(h.ResetJitter)
 	h.zoneValue = h.Zone
 	h.denied = newDenyCache()
 	h.useDenyCache = true
@@ -557,6 +562,9 @@ func (h *Handler) decideLocally(w http.ResponseWriter, r *http.Request, next cad
 func (h *Handler) answer(w http.ResponseWriter, r *http.Request, next caddyhttp.Handler, repl *caddy.Replacer,
 	buckets []bucket, allowed bool, admitted, refused decision) (pass bool, err error) {
 
+	if !allowed && h.ResetJitter > 0 {
+		jitterRefusal(buckets, time.Duration(h.ResetJitter)) // before anything says the wait
+	}
 	described := describe(buckets, allowed)
 	h.headers.set(w.Header(), buckets, described, !allowed && !h.Shadow)
 	switch {
@@ -617,6 +625,9 @@ func (h *Handler) check(clientCtx context.Context, buckets []bucket) (bool, erro
 		if releasing && err == nil && !allowed && h.limiter.awaitReleases(buckets, sent.Add(h.limiter.timeout/2)) {
 			allowed, err = h.takeAll(clientCtx, sent, buckets) // a slot of this key was on its way back
 		}
+		if err != nil && len(h.Concurrent) > 0 {
+			h.releaseLostTake(buckets, err) // concurrent.go
+		}
 	}
 	if h.metrics != nil && err != errBreakerOpen {
 		h.metrics.redisDuration.Observe(time.Since(sent).Seconds())
@@ -644,6 +655,8 @@ func (h *Handler) check(clientCtx context.Context, buckets []bucket) (bool, erro
 			break // the client left; whatever happened is not worth a line
 		}
 		h.warnOverloaded(err)
+	case *quotaClockError:
+		h.warnQuotaClock(err)
 	default:
 		if err == errBreakerOpen || clientCtx.Err() != nil {
 			break // logged when the breaker opened; a client that left says nothing about Redis
@@ -679,6 +692,13 @@ func (h *Handler) warnOverloaded(err error) {
 	if ok, suppressed := h.overloaded.allow(); ok {
 		h.logger.Warn("overloaded: this instance could not send requests to Redis in time; following on_error",
 			zap.String("zone", h.Zone), zap.String("on_error", h.OnError), zap.Error(err), suppressedField(suppressed))
+	}
+}
+
+func (h *Handler) warnQuotaClock(err error) {
+	if ok, suppressed := h.redisWarns.allow(); ok {
+		h.logger.Warn("Redis's clock is more than a quota's period away from Caddy's; following on_error", zap.String("zone", h.Zone),
+			zap.String("on_error", h.OnError), zap.Error(err), suppressedField(suppressed))
 	}
 }
 

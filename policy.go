@@ -171,6 +171,11 @@ type bucket struct {
 	retryAfter time.Duration
 	// unknown: a denial from the deny cache says nothing of this bucket.
 	unknown bool
+	// quotaShift is the period a quota's take counted in, as the store
+	// answered it: -1, 0 or 1 for the one before quota's, quota's or the
+	// one after (the store's clock picks it). Its settlement names it.
+	// (Here, where it fits in unknown's padding.)
+	quotaShift int8
 	// fromLease is, when the request's tokens came from this instance's
 	// lease, the lease's reports at that time (see lease.reports); 0
 	// otherwise. A charged response settles there first (charge.go).
@@ -183,6 +188,9 @@ type bucket struct {
 	// quota is the period of a quota's bucket (quota.go), whose bounds
 	// follow args in the script call; nil for a token bucket.
 	quota *quotaPeriod
+	// slotGen is, for a concurrent limit's slot taken in process, the
+	// generation of the count it was taken from (concurrent.go).
+	slotGen uint64
 }
 
 // ownLimit is the handler's own limit when it has no `limits`.

@@ -470,7 +470,7 @@ func TestDenyCacheNeverDeniesWhatRedisWouldAdmitWithSeveralLimits(t *testing.T) 
 		key {http.request.header.X-Tenant}
 	}
 	redis %s {
-		timeout 1s
+		timeout 5s
 	}
 }`, srv.Addr))
 	clients := [][]string{
@@ -502,7 +502,7 @@ func TestDenyCacheNeverDeniesWhatRedisWouldAdmitWithPlansFromHeaders(t *testing.
 	burst_capacity   {http.request.header.X-Plan-Burst}
 	requested_tokens {http.request.header.X-Cost}
 	redis %s {
-		timeout 1s
+		timeout 5s
 	}
 }`, srv.Addr))
 	plans := [][]string{
@@ -529,7 +529,7 @@ const plansDirective = `rate_limit {
 	replenish_rate {http.request.header.X-Plan-Rate}
 	burst_capacity {http.request.header.X-Plan-Burst}
 	redis %s {
-		timeout 1s
+		timeout 5s
 	}
 }`
 
@@ -614,7 +614,7 @@ func TestPolicyMoveToASlowerPlanRefillsAtItsRate(t *testing.T) {
 		t.Run(store, func(t *testing.T) {
 			directive := fmt.Sprintf(plansDirective, "slower-"+store, srv.Addr)
 			if store == storeMemory {
-				directive = strings.Replace(directive, "redis "+srv.Addr+" {\n\t\ttimeout 1s\n\t}", "store memory", 1)
+				directive = strings.Replace(directive, "redis "+srv.Addr+" {\n\t\ttimeout 5s\n\t}", "store memory", 1)
 			}
 			h := caddyfileHandler(t, directive)
 			other := caddyfileHandler(t, directive) // the same buckets, a deny cache of its own
@@ -705,7 +705,7 @@ func TestPolicyCostFromHeaderTakesThatManyAndOnlyFromItsClient(t *testing.T) {
 		key {http.request.header.X-Tenant}
 	}
 	redis %s {
-		timeout 1s
+		timeout 5s
 	}
 }`, srv.Addr))
 	send := func(key, cost string) policyAnswer {
@@ -780,7 +780,7 @@ func TestPolicyInvalidValuesFromRequestRefusedWithoutTakingTokens(t *testing.T) 
 	limit fixed 10 20
 	limit plan {http.request.header.X-Rate} {http.request.header.X-Burst} {http.request.header.X-Cost}
 	redis %s {
-		timeout 1s
+		timeout 5s
 	}
 }`, srv.Addr))
 	valid := map[string]string{"X-Rate": "10", "X-Burst": "20", "X-Cost": "1"}
@@ -923,7 +923,7 @@ http://127.0.0.1:{{http_port}} {
 // value, ...) and returns the response with its body read.
 func getWith(t *testing.T, client *http.Client, path string, headers ...string) (*http.Response, string) {
 	t.Helper()
-	resp, body, err := getHeaders(client, "http://localhost:9080"+path, headers...)
+	resp, body, err := getHeaders(client, caddytestSite+path, headers...)
 	if err != nil {
 		t.Fatalf("GET %s %q: %v", path, headers, err)
 	}

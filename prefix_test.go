@@ -379,7 +379,7 @@ http://localhost:9080 {
 		respond "{http.rate_limit.key}"
 	}
 }`, srv.Addr))
-	c, base := tester.Client, "http://localhost:9080"
+	c, base := tester.Client, caddytestSite
 
 	// One /64: two addresses, one bucket.
 	expectAnswer(t, c, base+"/p64", "2001:db8:1:2::a", 200, "1", "2001:db8:1:2::/64")
@@ -441,7 +441,7 @@ http://[::1]:9080 {
 }`, srv.Addr))
 
 	for _, path := range []string{"/ip", "/host"} {
-		url := "http://[::1]:9080" + path
+		url := fmt.Sprintf("http://[::1]:%d%s", caddytestPorts.http, path)
 		expectAnswer(t, client, url, "", 200, "1", "::/64")
 		expectAnswer(t, client, url, "", 200, "0", "::/64")
 		expectAnswer(t, client, url, "", 429, "0", "-")
@@ -475,7 +475,7 @@ http://localhost:9080 {
 		respond "{http.rate_limit.limit_name}" 429
 	}
 }`, srv.Addr))
-	c, url := tester.Client, "http://localhost:9080/"
+	c, url := tester.Client, caddytestSite+"/"
 	const (
 		a1 = "2001:db8:1:1::1"  // a and b: two /64s of one /48
 		a2 = "2001:db8:1:1::ff" // a2: a's /64

@@ -13,6 +13,8 @@ import (
 	"strconv"
 	"sync/atomic"
 	"time"
+
+	"github.com/caddy-redis/ratelimit/internal/calendar"
 )
 
 // Quota is a fixed-period quota of a policy: at most Count tokens per
@@ -74,33 +76,39 @@ func (q Quota) asLimit() Limit {
 // period is picked by Redis time, so the key is of no use after its end.
 const quotaKeySlack = time.Second
 
+// maxPeriod is the longest a quota's period lasts, which bounds the wait
+// a script's reply may give (maxRetryMicros).
+const maxPeriod = calendar.MaxPeriod
+
 // quota is a limit's quota rule: its period, and the current period's
 // script arguments.
 type quota struct {
 	per     string
-	period  *period
+	period  *calendar.Period
 	current atomic.Pointer[quotaPeriod]
 }
 
 // quotaPeriod is one period of a quota as requests use it: computed and
 // boxed once per period (and quota), so requests do no time zone
-// arithmetic and box nothing (see period.bounds).
+// arithmetic and box nothing (see calendar.Period.Bounds).
 type quotaPeriod struct {
-	bounds periodBounds // [1] to [2] is the period, Caddy's clock
-	args   [4]any       // the bounds as script arguments
-	// settleKind is settle.lua's first argument for this period's
-	// reservations: "q" and the period's start, so that a response that
-	// ends in a later period settles nothing there.
-	settleKind any
+	bounds calendar.Bounds // [1] to [2] is the period, Caddy's clock
+	args   [4]any          // the bounds as script arguments
+	// settleKinds are settle.lua's first argument for a reservation
+	// taken in the period before, this one or the next (by the shift the
+	// take answered, bucket.quotaShift): "q" and that period's start, so
+	// that a response that ends once its quota counts another period
+	// settles nothing there.
+	settleKinds [3]any
 	// policy is the RateLimit-Policy item and rate the X-RateLimit
 	// replenish rate, at the fixed count ("" when the count has
 	// placeholders).
 	policy, rate string
 }
 
-// newQuota reads a quota's period; its error is newPeriod's.
+// newQuota reads a quota's period; its error is calendar.New's.
 func newQuota(q Quota) (*quota, error) {
-	p, err := newPeriod(q.Per, q.TimeZone, q.MonthDay, q.WeekStarts)
+	p, err := calendar.New(q.Per, q.TimeZone, q.MonthDay, q.WeekStarts)
 	if err != nil {
 		return nil, err
 	}
@@ -113,11 +121,13 @@ func (q *quota) at(now time.Time, l *limit) *quotaPeriod {
 	if p := q.current.Load(); p != nil && p.bounds[1] <= us && us < p.bounds[2] {
 		return p
 	}
-	p := &quotaPeriod{bounds: q.period.bounds(now)}
+	p := &quotaPeriod{bounds: q.period.Bounds(now)}
 	for i, b := range p.bounds {
 		p.args[i] = strconv.FormatInt(b, 10)
 	}
-	p.settleKind = "q" + strconv.FormatInt(p.bounds[1], 10)
+	for i := range p.settleKinds {
+		p.settleKinds[i] = "q" + strconv.FormatInt(p.bounds[i], 10)
+	}
 	if l.fixed && !l.exempt {
 		p.policy = quotaPolicyItem(strconv.Quote(l.ietfName), l.values.burst, p.window())
 		p.rate = quotaRate(l.values.burst, p.window())
@@ -126,26 +136,59 @@ func (q *quota) at(now time.Time, l *limit) *quotaPeriod {
 	return p
 }
 
+// quotaClockError is a quota that Redis counted in no period: its clock
+// read a time outside the period Caddy named by its own clock and the two
+// beside it, so the two clocks differ by more than a period. The call
+// took nothing; the request follows on_error.
+type quotaClockError struct {
+	redis, caddy int64 // the clocks' readings, Unix microseconds
+	bounds       calendar.Bounds
+}
+
+func (e *quotaClockError) Error() string {
+	format := func(us int64) string { return time.UnixMicro(us).UTC().Format("2006-01-02T15:04:05.000Z") }
+	skew, way := time.Duration(e.redis-e.caddy)*time.Microsecond, "ahead of"
+	if skew < 0 {
+		skew, way = -skew, "behind"
+	}
+	return fmt.Sprintf("a quota counted in no period: Redis's clock read %s, %v %s Caddy's, outside the periods Caddy named "+
+		"by its clock (%s to %s); synchronize the clocks of the Caddy and Redis hosts (NTP) to within a period",
+		format(e.redis), skew.Round(time.Millisecond), way, format(e.bounds[0]), format(e.bounds[3]))
+}
+
+// quotaAt sets a quota bucket's period for a take in the process at now.
+// The request named its period by the clock when it arrived, and the
+// take may come periods later (on_error local, after a Redis timeout
+// longer than the period), when now lies outside it and its neighbours;
+// the process has the calendar, so it names the period now is in.
+func (b *bucket) quotaAt(now time.Time) {
+	if us := now.UnixMicro(); (us < b.quota.bounds[0] || us >= b.quota.bounds[3]) && b.limit != nil && b.limit.quota != nil {
+		b.quota = b.limit.quota.at(now, b.limit)
+	}
+}
+
 // window is the period's length in seconds (a calendar period's varies).
 func (p *quotaPeriod) window() int64 { return (p.bounds[2] - p.bounds[1]) / 1_000_000 }
 
 // span is the period that holds us (Unix microseconds): the one before,
-// this one or the next, as the script picks it by Redis time.
-func (p *quotaPeriod) span(us int64) (start, end int64) {
+// this one or the next, as the script picks it by Redis time, and shift
+// says which (-1, 0, 1).
+func (p *quotaPeriod) span(us int64) (start, end int64, shift int8) {
 	switch b := &p.bounds; {
 	case us < b[1]:
-		return b[0], b[1]
+		return b[0], b[1], -1
 	case us < b[2]:
-		return b[1], b[2]
+		return b[1], b[2], 0
 	default:
-		return b[2], b[3]
+		return b[2], b[3], 1
 	}
 }
 
-// untilEnd is the time from now to the end of the period (RateLimit's t
-// for a quota that holds).
-func (p *quotaPeriod) untilEnd(now time.Time) time.Duration {
-	return time.Duration(p.bounds[2]-now.UnixMicro()) * time.Microsecond
+// untilEnd is the time from now to the end of the period that a take
+// counted in, shift periods from this one (RateLimit's t for a quota that
+// holds).
+func (p *quotaPeriod) untilEnd(now time.Time, shift int8) time.Duration {
+	return time.Duration(p.bounds[2+shift]-now.UnixMicro()) * time.Microsecond
 }
 
 // quotaPolicyItem is a quota's RateLimit-Policy item: q its count, w its
@@ -245,10 +288,10 @@ func (h *Handler) checkQuotas(names map[string]bool) error {
 			_, err = parseKeyTemplate(q.Key)
 		}
 		if err == nil && q.Per == "" {
-			err = fmt.Errorf("per is required: %s", wantPer)
+			err = fmt.Errorf("per is required: %s", calendar.WantPer)
 		}
 		if err == nil {
-			_, err = newPeriod(q.Per, q.TimeZone, q.MonthDay, q.WeekStarts)
+			_, err = calendar.New(q.Per, q.TimeZone, q.MonthDay, q.WeekStarts)
 		}
 		if err == nil {
 			err = checkQuotaValues(q.Count, or(unset(q.RequestedTokens), unset(h.RequestedTokens)))
@@ -293,17 +336,19 @@ func takeQuota(used float64, start, end, wall, t int64, v limitValues, take bool
 
 // settleQuota is a quota's part of a memory store take at now (t on the
 // store's clock), once the request is known to be allowed or not (see
-// settle for buckets). A denial stores nothing.
+// settle for buckets); it notes in b the period it counted in, as the
+// script answers it. A denial stores nothing.
 func settleQuota(state memoryBucket, ok bool, now time.Time, t int64, b *bucket, allowed bool) (after memoryBucket, store bool, remaining, wait int64) {
 	wall := now.UnixMicro()
-	start, end := b.quota.span(wall)
+	start, end, shift := b.quota.span(wall)
+	b.quotaShift = shift
 	after, _, remaining, wait = takeQuota(quotaUsed(state, ok, t, start), start, end, wall, t, b.values, allowed)
 	return after, allowed, remaining, wait
 }
 
 // quotaHolds says whether a held quota has room for the request at now.
 func quotaHolds(state memoryBucket, ok bool, now time.Time, t int64, b *bucket) bool {
-	start, _ := b.quota.span(now.UnixMicro())
+	start, _, _ := b.quota.span(now.UnixMicro())
 	return quotaUsed(state, ok, t, start)+float64(b.values.requested) <= float64(b.values.burst)
 }
 
@@ -311,7 +356,7 @@ func quotaHolds(state memoryBucket, ok bool, now time.Time, t int64, b *bucket) 
 // is left of the count.
 func peekQuota(state memoryBucket, ok bool, now time.Time, t int64, b bucket) bucketView {
 	wall := now.UnixMicro()
-	start, end := b.quota.span(wall)
+	start, end, _ := b.quota.span(wall)
 	used := quotaUsed(state, ok, t, start)
 	_, _, _, wait := takeQuota(used, start, end, wall, t, b.values, false)
 	view := bucketView{tokens: float64(b.values.burst) - used, wait: time.Duration(wait) * time.Microsecond}
@@ -336,8 +381,8 @@ func settleQuotaUse(state memoryBucket, v limitValues, diff, maxDebt int64) (aft
 
 // quotaView is a quota's admin view at now, from what it holds (view).
 func quotaView(l *limit, b bucket, view bucketView, now time.Time) *quotaInfo {
-	start, end := b.quota.span(now.UnixMicro())
-	loc := l.quota.period.loc
+	start, end, _ := b.quota.span(now.UnixMicro())
+	loc := l.quota.period.Location()
 	left := int64(math.Floor(view.tokens))
 	return &quotaInfo{
 		Per: l.quota.per, Count: b.values.burst, Used: b.values.burst - left, Remaining: max(0, left),
@@ -347,26 +392,22 @@ func quotaView(l *limit, b bucket, view bucketView, now time.Time) *quotaInfo {
 	}
 }
 
-// jitteredRetryAfter is retryAfter with reset_jitter: a quota that
-// refuses until its boundary says to come back up to jitter later, so
-// that its clients do not all return in the boundary's second (the herd
-// the IETF draft warns of). Each client's share of the jitter follows
-// from its key, the same on every instance and every refusal, so a
-// client is told one time, and the clients of a quota spread evenly.
-func jitteredRetryAfter(buckets []bucket, jitter time.Duration) time.Duration {
-	var wait time.Duration
+// jitterRefusal applies reset_jitter to a refused request's buckets: a
+// quota that refuses until its boundary says to come back up to jitter
+// later, so that its clients do not all return in the boundary's second
+// (the herd the IETF draft warns of). It lengthens the quota's wait, which
+// Retry-After, RateLimit's t and {http.rate_limit.retry_after} all say.
+// Each client's share of the jitter follows from its key, the same on
+// every instance and every refusal, so a client is told one time, and the
+// clients of a quota spread evenly.
+func jitterRefusal(buckets []bucket, jitter time.Duration) {
 	for i := range buckets {
 		b := &buckets[i]
-		if b.unknown {
+		if b.quota == nil || b.unknown || b.retryAfter <= 0 {
 			continue
 		}
-		w := b.retryAfter
-		if b.quota != nil && w > 0 {
-			h := fnv.New64a()
-			h.Write([]byte(b.key))
-			w += time.Duration(h.Sum64() % uint64(jitter))
-		}
-		wait = max(wait, w)
+		h := fnv.New64a()
+		h.Write([]byte(b.key))
+		b.retryAfter += time.Duration(h.Sum64() % uint64(jitter))
 	}
-	return wait
 }

@@ -13,7 +13,9 @@ import (
 	"testing"
 	"time"
 
+	"github.com/caddy-redis/ratelimit/internal/calendar"
 	"github.com/caddy-redis/ratelimit/internal/redistest"
+	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 	"github.com/prometheus/client_golang/prometheus"
 	dto "github.com/prometheus/client_model/go"
@@ -204,10 +206,12 @@ func TestQuotaKeyExpiresShortlyAfterItsPeriod(t *testing.T) {
 		t.Fatalf("%d, want 200", status)
 	}
 	key := limitKey(t, h, "q", "a")
+	before := time.Now()
 	ttl := rdb.PTTL(context.Background(), key).Val()
-	want := time.Until(end) + quotaKeySlack
-	if ttl <= 0 || ttl > want+50*time.Millisecond || ttl < want-200*time.Millisecond {
-		t.Errorf("TTL %v, want about %v (the period's end and a second)", ttl, want)
+	after := time.Now()
+	// The period's end and a second, from when PTTL ran (milliseconds).
+	if lo, hi := end.Sub(after)+quotaKeySlack-time.Millisecond, end.Sub(before)+quotaKeySlack+time.Millisecond; ttl <= 0 || ttl < lo || ttl > hi {
+		t.Errorf("TTL %v, want %v to %v (the period's end and a second)", ttl, lo, hi)
 	}
 }
 
@@ -595,7 +599,7 @@ func TestQuotaReadmeExampleRunsAsWritten(t *testing.T) {
 
 // testQuotaPeriod is a quota period with the bounds given (Unix
 // microseconds), boxed as quota.at boxes them.
-func testQuotaPeriod(bounds periodBounds) *quotaPeriod {
+func testQuotaPeriod(bounds calendar.Bounds) *quotaPeriod {
 	p := &quotaPeriod{bounds: bounds}
 	for i, b := range bounds {
 		p.args[i] = strconv.FormatInt(b, 10)
@@ -615,15 +619,15 @@ func TestQuotaScriptPicksThePeriodByRedisTime(t *testing.T) {
 	values := limitValues{burst: 2, requested: 1}
 	for _, c := range []struct {
 		name   string
-		bounds periodBounds // Redis time is about 30 s into the period at index start
+		bounds calendar.Bounds // Redis time is about 30 s into the period at index start
 		start  int
 	}{
-		{"Caddy behind: Redis in the next period", periodBounds{-2, -1, 0, 1}, 2},
-		{"in step", periodBounds{-1, 0, 1, 2}, 1},
-		{"Caddy ahead: Redis in the previous period", periodBounds{0, 1, 2, 3}, 0},
+		{"Caddy behind: Redis in the next period", calendar.Bounds{-2, -1, 0, 1}, 2},
+		{"in step", calendar.Bounds{-1, 0, 1, 2}, 1},
+		{"Caddy ahead: Redis in the previous period", calendar.Bounds{0, 1, 2, 3}, 0},
 	} {
 		t.Run(c.name, func(t *testing.T) {
-			var bounds periodBounds
+			var bounds calendar.Bounds
 			for i, k := range c.bounds {
 				bounds[i] = redisNow - minute/2 + k*minute
 			}
@@ -664,7 +668,7 @@ func TestQuotaScriptAgreesWithMemoryStore(t *testing.T) {
 	t.Cleanup(func() { _ = mem.Destruct() })
 	redisNow := redisMicros(t, srv.Client(t))
 	const hour = int64(3_600_000_000)
-	bounds := periodBounds{redisNow - 2*hour, redisNow - hour, redisNow + hour, redisNow + 2*hour}
+	bounds := calendar.Bounds{redisNow - 2*hour, redisNow - hour, redisNow + hour, redisNow + 2*hour}
 	p := testQuotaPeriod(bounds)
 	rng := rand.New(rand.NewPCG(1, 2))
 	for i := range 200 {
@@ -837,5 +841,340 @@ func TestQuotaRefundOfAResponseFromThePreviousPeriodDoesNotRaiseTheNextPeriod(t 
 					"the previous period's refund was given to this one", status)
 			}
 		})
+	}
+}
+
+// chargedQuotaHandler is `quota tokens 1000 per 2s` reserving 100 and
+// charged by X-Cost, in zone, with store memory when addr is empty, else
+// Redis at addr with the timeout and onError.
+func chargedQuotaHandler(t *testing.T, zone, addr string, timeout time.Duration, onError string) *Handler {
+	t.Helper()
+	h := &Handler{Zone: zone, Key: "{http.request.header.X-Key}", OnError: onError,
+		Quotas: []Quota{{Name: "tokens", Count: "1000", Per: "2s", RequestedTokens: "100", Charge: &Charge{Header: "X-Cost"}}}}
+	if addr == "" {
+		h.Store = storeMemory
+	} else {
+		h.Redis = &RedisConfig{Addresses: []string{addr}, Timeout: caddy.Duration(timeout)}
+	}
+	provision(t, h)
+	observeLogs(h, zapcore.ErrorLevel)
+	return h
+}
+
+// costing is a next handler whose response costs cost (X-Cost).
+func costing(cost string) caddyhttp.Handler {
+	return caddyhttp.HandlerFunc(func(w http.ResponseWriter, r *http.Request) error {
+		w.Header().Set("X-Cost", cost)
+		w.WriteHeader(http.StatusOK)
+		return nil
+	})
+}
+
+// sendCosting sends one request of client key a through h to next.
+func sendCosting(h *Handler, next caddyhttp.Handler) int {
+	r, w := newRequest("192.0.2.1", "a")
+	return statusOf(h.ServeHTTP(w, r, next), w.Code)
+}
+
+// quotaState is a quota's stored state in a memory store: what it used,
+// and the start of the period it counts (Unix microseconds).
+func quotaState(t *testing.T, s *memoryStore, key string) (used float64, start int64) {
+	t.Helper()
+	state, ok := storedBucket(s, key)
+	if !ok {
+		t.Fatalf("the store holds no quota %s", key)
+	}
+	return state.tokens, state.at
+}
+
+// TestQuotaChargeSettlesInThePeriodItsReservationWasTakenIn: Caddy
+// names the period by its clock when the request arrives; a call that
+// reaches the store after the boundary takes its reservation in the next
+// period, and the response's cost must be settled there, and counted as
+// charged only as it landed. The issue's case: `quota tokens 1000 per 2s`,
+// a reservation of 100, a response costing 600, the call held 150 ms
+// across the boundary.
+func TestQuotaChargeSettlesInThePeriodItsReservationWasTakenIn(t *testing.T) {
+	srv := redistest.Start(t)
+	rdb := srv.Client(t)
+	// crossing sends, in a period's last moments by Caddy's clock, a
+	// request whose take lands in the next period; hold makes that happen
+	// and is called just before it is sent, with the time left to the
+	// boundary. It returns the boundary. A try that starts too late for
+	// the request to leave in the old period is made again a period on.
+	crossing := func(t *testing.T, h *Handler, before time.Duration, hold func()) time.Time {
+		t.Helper()
+		for range 3 {
+			end := startOfPeriod(t, 2*time.Second)
+			time.Sleep(time.Until(end.Add(-before)))
+			if left := time.Until(end); left < 15*time.Millisecond || left > before {
+				continue
+			}
+			hold()
+			if status := sendCosting(h, costing("600")); status != 200 {
+				t.Fatalf("the request across the boundary: %d, want 200", status)
+			}
+			return end
+		}
+		t.Skip("too slow to send a request in the last moments of a period")
+		return time.Time{}
+	}
+	charged := func(zone string) prometheus.Counter { return collectors.charged.WithLabelValues(zone, "tokens") }
+
+	t.Run("redis", func(t *testing.T) {
+		proxy := startRedisProxy(t, srv.Addr)
+		h := chargedQuotaHandler(t, "quota_cross_redis", proxy.addr, 2*time.Second, onErrorDeny)
+		if status := servePolicy(h, "X-Key", "warm"); status.status != 200 {
+			t.Fatalf("warming up: %v", status)
+		}
+		before := counterValue(t, charged("quota_cross_redis"))
+		end := crossing(t, h, 75*time.Millisecond, func() { proxy.stall(150 * time.Millisecond) })
+		key := limitKey(t, h, "tokens", "a")
+		want := fmt.Sprintf("600 %d", end.UnixMicro())
+		var state string
+		eventually(t, 2*time.Second, "the settlement", func() bool {
+			state = rdb.Get(context.Background(), key).Val()
+			return state == want
+		})
+		if state != want {
+			t.Fatalf("quota state %q after a response costing 600, want %q: 600 used in the period the reservation was taken in", state, want)
+		}
+		// The worker counts the answer after Redis wrote the state.
+		for deadline := time.Now().Add(2 * time.Second); ; time.Sleep(20 * time.Millisecond) {
+			got := counterValue(t, charged("quota_cross_redis")) - before
+			if got == 600 {
+				break
+			}
+			if time.Now().After(deadline) {
+				t.Fatalf("caddy_rate_limit_charged_total rose by %v, want 600", got)
+			}
+		}
+	})
+
+	t.Run("on_error local", func(t *testing.T) {
+		proxy := startRedisProxy(t, srv.Addr)
+		h := chargedQuotaHandler(t, "quota_cross_local", proxy.addr, 200*time.Millisecond, onErrorLocal)
+		if status := servePolicy(h, "X-Key", "warm"); status.status != 200 {
+			t.Fatalf("warming up: %v", status)
+		}
+		before := counterValue(t, charged("quota_cross_local"))
+		// Redis does not answer within the timeout: the local buckets
+		// decide, after the boundary.
+		end := crossing(t, h, 100*time.Millisecond, func() { proxy.stall(time.Second) })
+		used, start := quotaState(t, h.local, limitKey(t, h, "tokens", "a"))
+		if used != 600 || start != end.UnixMicro() {
+			t.Errorf("local quota used %v in the period starting %d, want 600 in the one starting %d (where the reservation was taken)", used, start, end.UnixMicro())
+		}
+		if got := counterValue(t, charged("quota_cross_local")) - before; got != 600 {
+			t.Errorf("caddy_rate_limit_charged_total rose by %v, want 600", got)
+		}
+	})
+
+	t.Run("memory", func(t *testing.T) {
+		h := chargedQuotaHandler(t, "quota_cross_memory", "", 0, "")
+		before := counterValue(t, charged("quota_cross_memory"))
+		// The request's period is Caddy's now; its take comes in the next
+		// one (a take reads the clock again, after the period was named).
+		buckets := []bucket{policyBuckets(t, h, "X-Key", "a")["tokens"]}
+		next := time.UnixMicro(buckets[0].quota.bounds[2]).Add(10 * time.Millisecond)
+		if allowed, err := h.memory.takeInProcess(next, buckets); err != nil || !allowed {
+			t.Fatalf("take: %v %v, want admitted", allowed, err)
+		}
+		h.settleInProcess(h.memory, buckets, []settling{{bucket: 0, cost: 600, diff: 500}})
+		used, start := quotaState(t, h.memory, buckets[0].key)
+		if want := buckets[0].quota.bounds[2]; used != 600 || start != want {
+			t.Errorf("quota used %v in the period starting %d, want 600 in the one starting %d (where the reservation was taken)", used, start, want)
+		}
+		if got := counterValue(t, charged("quota_cross_memory")) - before; got != 600 {
+			t.Errorf("caddy_rate_limit_charged_total rose by %v, want 600", got)
+		}
+	})
+}
+
+// TestQuotaSettlementAfterItsPeriodEndedIsCountedAsItsReservation: a
+// response that ends once its quota counts a later period than its
+// reservation's settles nothing (the new period owes it nothing), so what
+// it charged is its reservation, not its cost: settle.lua says so rather
+// than answering as if it had settled, and the memory store counts it.
+func TestQuotaSettlementAfterItsPeriodEndedIsCountedAsItsReservation(t *testing.T) {
+	srv := redistest.Start(t)
+	for _, store := range []string{storeRedis, storeMemory} {
+		t.Run(store, func(t *testing.T) {
+			zone := "quota_late_" + store
+			addr := srv.Addr
+			if store == storeMemory {
+				addr = ""
+			}
+			h := chargedQuotaHandler(t, zone, addr, 2*time.Second, onErrorDeny)
+			charged := collectors.charged.WithLabelValues(zone, "tokens")
+			letGo, entered := make(chan struct{}), make(chan struct{})
+			held := caddyhttp.HandlerFunc(func(w http.ResponseWriter, r *http.Request) error {
+				close(entered)
+				<-letGo
+				return costing("600").ServeHTTP(w, r)
+			})
+			end := startOfPeriod(t, 2*time.Second)
+			done := make(chan int, 1)
+			go func() { done <- sendCosting(h, held) }() // reserves 100 in this period
+			<-entered
+			time.Sleep(time.Until(end) + 50*time.Millisecond) // the next period
+			if status := sendCosting(h, costing("100")); status != 200 {
+				t.Fatalf("a request of the next period: %d, want 200", status)
+			} // its cost is its reservation: counted at once, and the quota counts this period now
+			before := counterValue(t, charged)
+			close(letGo)
+			if status := <-done; status != 200 {
+				t.Fatalf("held request: %d, want 200", status)
+			}
+			var got float64
+			eventually(t, 2*time.Second, "the settlement's count", func() bool {
+				got = counterValue(t, charged) - before
+				return got != 0
+			})
+			time.Sleep(100 * time.Millisecond) // anything more it would count
+			if got = counterValue(t, charged) - before; got != 100 {
+				t.Errorf("caddy_rate_limit_charged_total rose by %v for a response whose period had ended, want 100 (its reservation: nothing more landed)", got)
+			}
+		})
+	}
+}
+
+// TestQuotaScriptCountsInNoPeriodWhenRedisTimeIsOutsideThoseGiven: Caddy
+// passes its period and the two beside it; when Redis's clock is beyond
+// them (Caddy's more than a period behind or ahead), the script counts in
+// none of them and takes nothing, and the request follows on_error with a
+// warning that says so. The issue's case: `quota 5 per minute` with
+// Caddy's clock 3 minutes behind admitted 15 of 40 requests.
+func TestQuotaScriptCountsInNoPeriodWhenRedisTimeIsOutsideThoseGiven(t *testing.T) {
+	srv := redistest.Start(t)
+	rdb := srv.Client(t)
+	h := quotaHandler(t, `rate_limit {
+	zone quota_skew
+	key {http.request.header.X-Key}
+	limit second 100 100
+	quota q 5 per minute
+	on_error deny
+	redis %s {
+		timeout 2s
+	}
+}`, srv.Addr)
+	logs := observeLogs(h, zapcore.WarnLevel)
+	const minute = int64(60_000_000)
+	for _, skew := range []int64{-3, 3} { // Caddy's clock 3 minutes behind Redis's, then ahead
+		t.Run(fmt.Sprintf("Caddy %+d minutes", skew), func(t *testing.T) {
+			client := fmt.Sprintf("skew%d", skew)
+			caddyNow := redisMicros(t, rdb) + skew*minute
+			start := caddyNow - caddyNow%minute
+			skewed := testQuotaPeriod(calendar.Bounds{start - minute, start, start + minute, start + 2*minute})
+			admitted, told := 0, 0
+			var other error
+			for range 40 {
+				buckets := policyBuckets(t, h, "X-Key", client)
+				b := []bucket{buckets["second"], buckets["q"]}
+				b[1].quota = skewed
+				allowed, err := h.check(context.Background(), b)
+				switch {
+				case err == nil && allowed:
+					admitted++
+				case err != nil && strings.Contains(err.Error(), "clock"):
+					told++
+				case err != nil:
+					other = err
+				}
+			}
+			if admitted != 0 || told != 40 {
+				t.Errorf("of 40 requests, %d admitted and %d answered that Redis's clock is outside the quota's periods (other error: %v); "+
+					"want none admitted, all 40 answered so (they follow on_error)", admitted, told, other)
+			}
+			for _, key := range []string{limitKey(t, h, "second", client), limitKey(t, h, "q", client)} {
+				if state := rdb.Get(context.Background(), key).Val(); state != "" {
+					t.Errorf("%s holds %q: a call that counted in no period took something", key, state)
+				}
+			}
+		})
+	}
+	warned := false
+	for _, e := range logs.All() {
+		warned = warned || strings.Contains(e.ContextMap()["error"].(string), "clock")
+	}
+	if !warned {
+		t.Errorf("no warning says the clocks differ: %v", logs.All())
+	}
+}
+
+// TestQuotaInProcessTakeLongAfterItsPeriodCountsInThePeriodItIsIn: the
+// memory store (store memory, on_error local) reads its clock again for
+// a take, which may come periods after the request named its period (a
+// local decision after a Redis timeout longer than the period): it counts
+// in the period its clock is in, never in one its clock has left.
+func TestQuotaInProcessTakeLongAfterItsPeriodCountsInThePeriodItIsIn(t *testing.T) {
+	h := provision(t, &Handler{Zone: "quota_late_take", Key: "{http.request.header.X-Key}", Store: storeMemory,
+		Quotas: []Quota{{Name: "q", Count: "2", Per: "2s"}}})
+	b := policyBuckets(t, h, "X-Key", "a")["q"]
+	later := time.UnixMicro(b.quota.bounds[3]).Add(5 * time.Second) // two periods past the last one the request named
+	start := later.Truncate(2 * time.Second)
+	for i := range 3 {
+		buckets := []bucket{b}
+		allowed, err := h.memory.takeInProcess(later, buckets)
+		if err != nil || allowed != (i < 2) {
+			t.Fatalf("take %d: %v %v, want admitted twice, then refused", i+1, allowed, err)
+		}
+		if wait := buckets[0].retryAfter; i == 2 && (wait <= 0 || wait > start.Add(2*time.Second).Sub(later)) {
+			t.Errorf("a refusal waits %v, want the time to the end of the period its clock is in (%v)", wait, start.Add(2*time.Second).Sub(later))
+		}
+	}
+	if used, at := quotaState(t, h.memory, b.key); used != 2 || at != start.UnixMicro() {
+		t.Errorf("the quota used %v in the period starting %d, want 2 in the one starting %d", used, at, start.UnixMicro())
+	}
+}
+
+// TestQuotaResetJitterAppliesToRetryAfterRateLimitAndPlaceholderAlike:
+// with reset_jitter, a quota's refusal tells a client one time to come
+// back, jittered, in Retry-After, in RateLimit's t and in
+// {http.rate_limit.retry_after} alike (the README: on a denial t equals
+// Retry-After), whether Redis or the deny cache refused it.
+func TestQuotaResetJitterAppliesToRetryAfterRateLimitAndPlaceholderAlike(t *testing.T) {
+	srv := redistest.Start(t)
+	h := quotaHandler(t, `rate_limit {
+	zone quota_jitter_all
+	key {http.request.header.X-Key}
+	headers ietf
+	quota q 1 per 2s
+	reset_jitter 1h
+	redis %s {
+		timeout 2s
+	}
+}`, srv.Addr)
+	rdb := srv.Client(t)
+	end := startOfPeriod(t, 2*time.Second)
+	jittered := false
+	for i := range 4 {
+		key := fmt.Sprintf("client-%d", i)
+		servePolicy(h, "X-Key", key)
+		for _, from := range []string{"Redis", "the deny cache"} {
+			calls := scriptCalls(t, rdb)
+			a := servePolicy(h, "X-Key", key)
+			if asked := scriptCalls(t, rdb) > calls; asked != (from == "Redis") {
+				t.Fatalf("%s: Redis asked %v, want the refusal from %s", key, asked, from)
+			}
+			toBoundary := int64((time.Until(end) + time.Second - 1) / time.Second)
+			retry, _ := strconv.ParseInt(a.header.Get("Retry-After"), 10, 64)
+			_, tValue, _ := strings.Cut(a.header.Get("Ratelimit"), ";t=")
+			placeholder := a.placeholder("http.rate_limit.retry_after")
+			if time.Now().After(end) {
+				t.Skip("too slow to stay in one period")
+			}
+			if a.status != 429 || retry < toBoundary || retry > toBoundary+3600 {
+				t.Fatalf("%s, refused by %s: %v Retry-After %d, want 429 with %d to %d s", key, from, a, retry, toBoundary, toBoundary+3600)
+			}
+			if want := strconv.FormatInt(retry, 10); tValue != want || placeholder != want {
+				t.Errorf("%s, refused by %s: Retry-After %d, RateLimit %q (t=%s), {http.rate_limit.retry_after} %q; want all three %d",
+					key, from, retry, a.header.Get("Ratelimit"), tValue, placeholder, retry)
+			}
+			jittered = jittered || retry > toBoundary+1
+		}
+	}
+	if !jittered {
+		t.Errorf("no client of 4 was told to come back past the boundary: reset_jitter 1h applied to none")
 	}
 }

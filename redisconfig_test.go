@@ -9,6 +9,8 @@ import (
 	"path/filepath"
 	"strconv"
 	"strings"
+	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -23,7 +25,7 @@ func TestRedisPasswordWithBracesTakenLiterally(t *testing.T) {
 	if err := srv.Client(t).ConfigSet(context.Background(), "requirepass", "ab{cd}efx").Err(); err != nil {
 		t.Fatal(err)
 	}
-	h := caddyfileHandler(t, fmt.Sprintf("rate_limit 0.01 2 {\n\tzone braces\n\tkey {http.request.header.X-Key}\n\tredis %s {\n\t\tpassword \"ab{cd}ef{env.NOT_SET_ANYWHERE}x\"\n\t\ttimeout 1s\n\t}\n}", srv.Addr))
+	h := caddyfileHandler(t, fmt.Sprintf("rate_limit 0.01 2 {\n\tzone braces\n\tkey {http.request.header.X-Key}\n\tredis %s {\n\t\tpassword \"ab{cd}ef{env.NOT_SET_ANYWHERE}x\"\n\t\ttimeout 5s\n\t}\n}", srv.Addr))
 	if got := h.Redis.withPlaceholders().Password; got != "ab{cd}efx" {
 		// A known placeholder ({env.*}) is replaced, unknown braces stay.
 		t.Fatalf("password resolved to %q, want %q", got, "ab{cd}efx")
@@ -231,7 +233,7 @@ func TestRedisPasswordWithBackslashesAndBracesAuthenticatesAndLimits(t *testing.
 		"username " + user + "\n\t\tpassword " + literalSecret,
 		"username {env.RL_TEST_REDIS_USER}\n\t\tpassword {env.RL_TEST_REDIS_PASSWORD}",
 	} {
-		h := caddyfileHandler(t, fmt.Sprintf("rate_limit 0.01 2 {\n\tzone secret%d\n\tkey {http.request.header.X-Key}\n\tredis %s {\n\t\t%s\n\t\ttimeout 1s\n\t}\n}",
+		h := caddyfileHandler(t, fmt.Sprintf("rate_limit 0.01 2 {\n\tzone secret%d\n\tkey {http.request.header.X-Key}\n\tredis %s {\n\t\t%s\n\t\ttimeout 5s\n\t}\n}",
 			i, srv.Addr, credentials))
 		expectBurstThenDeny(t, h, "k", 2)
 	}
@@ -256,9 +258,55 @@ func TestSentinelCredentialsWithBackslashesAndBracesAuthenticate(t *testing.T) {
 			t.Fatalf("sentinel %s: %v", s.Addr, err)
 		}
 	}
-	h := caddyfileHandler(t, fmt.Sprintf("rate_limit 0.01 2 {\n\tzone sentinelsecret\n\tkey {http.request.header.X-Key}\n\tredis %s {\n\t\tmaster_name %s\n\t\tsentinel_username %s\n\t\tsentinel_password %s\n\t\ttimeout 1s\n\t}\n}",
+	h := caddyfileHandler(t, fmt.Sprintf("rate_limit 0.01 2 {\n\tzone sentinelsecret\n\tkey {http.request.header.X-Key}\n\tredis %s {\n\t\tmaster_name %s\n\t\tsentinel_username %s\n\t\tsentinel_password %s\n\t\ttimeout 5s\n\t}\n}",
 		strings.Join(st.SentinelAddrs, " "), st.MasterName, user, literalSecret))
 	expectBurstThenDeny(t, h, "k", 2)
+}
+
+// TestWrongPasswordNeverAdmitsBesideTheRightOne: two zones on one Redis,
+// one with its password and one with a wrong one (on_error deny), under
+// concurrent requests: every request of the wrong one is refused (503),
+// while the right one limits. Handlers share a Redis client only when
+// every setting, the password included, is the same, so no credentials
+// lend another zone their connections.
+func TestWrongPasswordNeverAdmitsBesideTheRightOne(t *testing.T) {
+	srv := redistest.Start(t)
+	if err := srv.Client(t).ConfigSet(context.Background(), "requirepass", "the-right-one").Err(); err != nil {
+		t.Fatal(err)
+	}
+	directive := func(zone, password string) string {
+		return fmt.Sprintf("rate_limit 1000 1000 {\n\tzone %s\n\tkey {http.request.header.X-Key}\n\ton_error deny\n\tredis %s {\n\t\tpassword %s\n\t}\n}",
+			zone, srv.Addr, password)
+	}
+	right := caddyfileHandler(t, directive("rightpass", "the-right-one"))
+	wrong := caddyfileHandler(t, directive("wrongpass", secretPassword))
+	if right.limiter == wrong.limiter {
+		t.Fatal("the zones with two passwords share one Redis client")
+	}
+	var wg sync.WaitGroup
+	var admitted, refused atomic.Int64
+	stop := time.Now().Add(time.Second)
+	for w := range 8 {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for i := 0; time.Now().Before(stop); i++ {
+				key := fmt.Sprint("k", w, "-", i%4)
+				if status, remaining, _ := hit(right, key); status != 200 || remaining == "-1" {
+					t.Errorf("the right password: %d remaining %q, want 200 limited by Redis", status, remaining)
+					return
+				}
+				admitted.Add(1)
+				if status, remaining, _ := hit(wrong, key); status != 503 || remaining != "-1" {
+					t.Errorf("the wrong password: %d remaining %q, want 503 (on_error deny)", status, remaining)
+					return
+				}
+				refused.Add(1)
+			}
+		}()
+	}
+	wg.Wait()
+	t.Logf("%d admitted with the right password, %d refused with the wrong one", admitted.Load(), refused.Load())
 }
 
 // TestRedisPasswordAppearsInNoCaddyOutput runs the real Caddy binary (as
@@ -345,7 +393,9 @@ http://127.0.0.1:{{http_port}} {
 		name, value, _ := strings.Cut(e, "=")
 		t.Setenv(name, value) // caddyproc passes the test's environment on
 	}
-	inst := caddyproc.Start(t, loggingCaddyfile("DEBUG", "http://127.0.0.1:{{http_port}} {\n\trespond \"ok\"\n}"))
+	// Until the reload below, every request is answered "before the
+	// reload": a 200 of this configuration is told from the routes'.
+	inst := caddyproc.Start(t, loggingCaddyfile("DEBUG", "http://127.0.0.1:{{http_port}} {\n\trespond \"before the reload\"\n}"))
 	for i, config := range configs {
 		err := inst.Load(loggingCaddyfile("DEBUG", config))
 		if err == nil {

@@ -16,7 +16,8 @@
 --     four consecutive period boundaries b0 < b1 < b2 < b3, Unix
 --     microseconds, computed by Caddy around its clock: the period is
 --     [b1, b2) by Caddy's clock; the script picks [b0, b1), [b1, b2) or
---     [b2, b3) by Redis time.
+--     [b2, b3) by Redis time, and none when Redis time is outside them
+--     (the clocks differ by more than a period).
 --   a concurrent limit (4 arguments, concurrent.go):
 --     "c"
 --     its slots n (at least 1)
@@ -47,8 +48,13 @@
 -- (rounded down; 0 in debt or past the count) or free slots, microseconds
 -- until it holds its requested tokens again (rounded up; 0 when it holds
 -- them now; for a quota, until its period ends; always 0 for slots, which
--- come back by release, not by time)}. (Buckets with `lease` use
--- lease.lua, which reads and writes them alike.)
+-- come back by release, not by time); then for each quota, in key order,
+-- the period it counted in: -1, 0 or 1 for [b0, b1), [b1, b2) or [b2, b3)
+-- (a charged quota's settlement names that one, settle.lua), or Redis
+-- time (Unix microseconds) when it lies outside them all: that quota
+-- counts in none, and the call takes nothing (allowed 0, and the quota's
+-- remaining and wait 0)}. (Buckets with `lease` use lease.lua, which
+-- reads and writes them alike.)
 
 -- Redis time, not the caller's, so instances with skewed clocks agree.
 -- 1.7e15 microseconds is well inside a double's exact integers (2^53).
@@ -59,28 +65,34 @@ local n = #KEYS
 local rate, burst, requested, tokens, rewound, present = {}, {}, {}, {}, {}, {}
 local allowed = 1
 local a = 1 -- the index of the key's first argument
--- quota (issue 22): its period's start and end by key (qstart, qend);
--- tokens[i] is what it used, burst[i] its count. Made for the first
--- quota of a call only.
-local quota, qstart, qend
+-- quota (issue 22): its period's start and end by key (qstart, qend),
+-- and which of the three it is (picked: -1, 0, 1); tokens[i] is what it
+-- used, burst[i] its count. Made for the first quota of a call only.
+local quota, qstart, qend, picked
 -- checkQuota reads key i's quota, as the period Redis time is in counts
 -- it, and whether it has room for the request.
 local function checkQuota(i)
   if not quota then
-    quota, qstart, qend = {}, {}, {}
+    quota, qstart, qend, picked = {}, {}, {}, {}
   end
   quota[i] = true
   burst[i] = tonumber(ARGV[a + 1])
   requested[i] = tonumber(ARGV[a + 2])
   local b0, b1, b2, b3 = tonumber(ARGV[a + 3]), tonumber(ARGV[a + 4]), tonumber(ARGV[a + 5]), tonumber(ARGV[a + 6])
   a = a + 7
-  -- Redis time picks the period; Caddy's clock may be a little off.
-  if now < b1 then
-    qstart[i], qend[i] = b0, b1
+  -- Redis time picks the period; Caddy's clock may be a little off. Off
+  -- by more than a period, no period passed is Redis time's: counting in
+  -- one would count in the past or the future (and the count would
+  -- expire with a period already over). Count in none, and take nothing.
+  if now < b0 or now >= b3 then
+    picked[i], allowed = now, 0
+    return
+  elseif now < b1 then
+    qstart[i], qend[i], picked[i] = b0, b1, -1
   elseif now < b2 then
-    qstart[i], qend[i] = b1, b2
+    qstart[i], qend[i], picked[i] = b1, b2, 0
   else
-    qstart[i], qend[i] = b2, b3
+    qstart[i], qend[i], picked[i] = b2, b3, 1
   end
   tokens[i] = 0
   local state = redis.call('GET', KEYS[i])
@@ -97,11 +109,14 @@ end
 -- takeQuota takes what checkQuota found room for, and answers the
 -- quota's remaining tokens and wait.
 local function takeQuota(i)
+  if not qend[i] then -- counted in no period
+    return 0, 0
+  end
   if allowed == 1 then
     tokens[i] = tokens[i] + requested[i]
     -- The key is of no use once its period ended (Redis time picks the
-    -- period); a second of slack, and never in the past.
-    local expires = math.floor(math.max(qend[i], now) / 1000) + 1000
+    -- period, which ends after now); a second of slack.
+    local expires = math.floor(qend[i] / 1000) + 1000
     redis.call('SET', KEYS[i], string.format('%.17g %d', tokens[i], qstart[i]), 'PXAT', expires)
   end
   local wait = 0
@@ -223,6 +238,15 @@ for i = 1, n do
     reply[2 * i], reply[2 * i + 1] = takeSlot(i)
   else
     reply[2 * i], reply[2 * i + 1] = takeBucket(i)
+  end
+end
+if quota then
+  local k = 2 * n + 1
+  for i = 1, n do
+    if quota[i] then
+      k = k + 1
+      reply[k] = picked[i]
+    end
   end
 end
 return reply

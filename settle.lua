@@ -19,8 +19,9 @@
 -- max_debt (beyond that it is forgiven, and it never lowers what is
 -- used); a give-back takes from what it used, down to nothing. It is
 -- settled in the period its key counts, with the key's expiry, when that
--- is the reservation's period; a quota without a key (its period over, or
--- reset) or counting a later period has nothing to settle.
+-- is the reservation's period (the one script.lua answered it counted
+-- in); a quota without a key (its period over, or reset) or counting
+-- another period has nothing to settle, and answers so.
 --
 -- Buckets are read and stored as script.lua stores them, negative tokens
 -- included (debt); a missing (expired) bucket is full. A written key
@@ -31,7 +32,9 @@
 -- down): a bucket refills by fractions, so what is forgiven has one}; or
 -- -1, 0 for a bucket that could not be settled (its key holds another
 -- type, or the write was refused): one call may settle the buckets of
--- several requests, and one such bucket must not fail the others.
+-- several requests, and one such bucket must not fail the others; or
+-- -2, 0 for a quota with nothing to settle (its reservation's period is
+-- no longer counted): the reservation is what it charged.
 
 local time = redis.call('TIME')
 local now = tonumber(time[1]) * 1000000 + tonumber(time[2])
@@ -43,12 +46,12 @@ local function settleQuota(key, start, count, diff, maxDebt)
     return -1, 0
   end
   if not state then
-    return 0, 0
+    return -2, 0
   end
   local used, at = string.match(state, '^(%S+) (%d+)$')
   used = tonumber(used)
   if not used or tonumber(at) ~= start then -- another period than the reservation's
-    return 0, 0
+    return -2, 0
   end
   local left, forgiven = math.max(0, used + diff), 0
   local ceiling = math.max(used, count + maxDebt)

@@ -2,7 +2,6 @@ package ratelimit
 
 import (
 	"sync"
-	"sync/atomic"
 	"time"
 
 	"go.uber.org/zap"
@@ -10,27 +9,33 @@ import (
 
 // logThrottle lets at most `lines` log lines (at least one) through per
 // interval and counts what it held back, so an outage or a flood logs a
-// few lines, not one per request.
+// few lines, not one per request. A mutex, not atomics: starting an
+// interval and counting its first line must be one step, or calls that
+// meet the new interval together each count from zero and pass.
 type logThrottle struct {
 	every      time.Duration
 	lines      int64
-	window     atomic.Int64 // start of the current interval, Unix nanoseconds
-	written    atomic.Int64 // lines let through in it
-	suppressed atomic.Int64
+	mu         sync.Mutex
+	window     time.Time // start of the current interval
+	written    int64     // lines let through in it
+	suppressed int64
 }
 
 // allow says whether a line may be written now and, if so, how many
 // were held back since the last one written.
 func (t *logThrottle) allow() (ok bool, suppressed int64) {
-	now := time.Now().UnixNano()
-	if w := t.window.Load(); now-w >= int64(t.every) && t.window.CompareAndSwap(w, now) {
-		t.written.Store(0)
+	now := time.Now()
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	if now.Sub(t.window) >= t.every {
+		t.window, t.written = now, 0
 	}
-	if t.written.Add(1) > max(t.lines, 1) {
-		t.suppressed.Add(1)
+	if t.written++; t.written > max(t.lines, 1) {
+		t.suppressed++
 		return false, 0
 	}
-	return true, t.suppressed.Swap(0)
+	suppressed, t.suppressed = t.suppressed, 0
+	return true, suppressed
 }
 
 // suppressedField reports the lines a throttle held back, if any.

@@ -42,7 +42,10 @@ import (
 
 const (
 	readyTimeout = 20 * time.Second
-	stopTimeout  = 10 * time.Second
+	// oldListenersTimeout bounds the wait, after a config load, for the
+	// old config's sockets to close.
+	oldListenersTimeout = 10 * time.Second
+	stopTimeout         = 10 * time.Second
 	// bindAttempts covers losing a free port to another process between
 	// probing it and Caddy binding it.
 	bindAttempts = 5
@@ -214,12 +217,22 @@ func Start(tb testing.TB, caddyfile string) *Instance {
 
 var errBind = errors.New("address already in use")
 
-// Template replaces the port markers with this instance's ports.
+// Rewrite, when set, rewrites each Caddyfile that an instance runs or
+// loads, after Template filled in its ports: the plugin's tests give
+// their rate_limit handlers a Redis timeout for a loaded machine there.
+var Rewrite func(caddyfile string) string
+
+// Template replaces the port markers with this instance's ports, then
+// applies Rewrite.
 func (inst *Instance) Template(caddyfile string) string {
-	return strings.NewReplacer(
+	caddyfile = strings.NewReplacer(
 		"{{http_port}}", strconv.Itoa(inst.HTTPPort),
 		"{{admin_port}}", strconv.Itoa(inst.AdminPort),
 	).Replace(caddyfile)
+	if Rewrite != nil {
+		caddyfile = Rewrite(caddyfile)
+	}
+	return caddyfile
 }
 
 func (inst *Instance) boot(bin, caddyfile string) error {
@@ -301,9 +314,13 @@ func (inst *Instance) Reload(tb testing.TB, caddyfile string) {
 }
 
 // Load is Reload returning the error, for use off the test goroutine.
+// Once Caddy took the config, it waits until the sockets of the config
+// before have closed (see testproc.ListenersOn): a request sent after
+// Load returns meets the new config only.
 func (inst *Instance) Load(caddyfile string) error {
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
+	old, _ := testproc.ListenersOn(inst.HTTPPort)
 	req, err := http.NewRequestWithContext(ctx, http.MethodPost,
 		fmt.Sprintf("http://127.0.0.1:%d/load", inst.AdminPort), strings.NewReader(inst.Template(caddyfile)))
 	if err != nil {
@@ -319,7 +336,7 @@ func (inst *Instance) Load(caddyfile string) error {
 	if resp.StatusCode != http.StatusOK {
 		return fmt.Errorf("POST /load: %s: %s", resp.Status, bytes.TrimSpace(body))
 	}
-	return nil
+	return old.AwaitClosed(oldListenersTimeout, inst.HTTPPort)
 }
 
 // PID is the process ID of the running Caddy, or 0.

@@ -1,7 +1,15 @@
-package ratelimit
-
-// The periods a quota counts in: which one an instant falls in, on the
-// calendar of a time zone or on the Unix epoch's clock.
+// Package calendar computes the periods a quota counts in: which period
+// an instant falls in, on the calendar of a time zone (minute to year,
+// with month_day and week_starts) or in multiples of a duration from the
+// Unix epoch, and the four consecutive boundaries a quota passes to the
+// script. It judges a quota's per, time_zone, month_day and week_starts,
+// with the messages that the Caddyfile parser and Validate give.
+//
+// It knows nothing of Caddy's handler or of Redis: it reads times and
+// the values as written. Of Caddy it borrows only the way a duration is
+// written (caddy.ParseDuration, which reads 1d), so that per reads as
+// every other duration in a Caddyfile.
+package calendar
 
 import (
 	"fmt"
@@ -12,8 +20,8 @@ import (
 	"github.com/caddyserver/caddy/v2"
 )
 
-// period is how a quota renews, read from its `per` and its block's
-// `time_zone`, `month_day` and `week_starts` by newPeriod. A period
+// Period is how a quota renews, read from its `per` and its block's
+// `time_zone`, `month_day` and `week_starts` by New. A period
 // includes its start and excludes its end, so an instant exactly on a
 // boundary is in the new period. All boundaries fall on whole seconds.
 //
@@ -42,7 +50,7 @@ import (
 // time_zone (an IANA name, default UTC) places the named periods, minute
 // to year. The zone database is embedded (time/tzdata), though Go prefers
 // the host's when it has one.
-type period struct {
+type Period struct {
 	every    time.Duration  // minute, hour or a duration; zero for the calendar periods
 	calendar string         // day, week, month or year when every is zero
 	loc      *time.Location // time_zone; UTC for durations
@@ -50,50 +58,55 @@ type period struct {
 	weekStart time.Weekday
 	monthDay  int
 
-	current atomic.Pointer[periodBounds] // the last bounds returned; see bounds
+	current atomic.Pointer[Bounds] // the last bounds returned; see Bounds
 }
 
-// periodBounds are four consecutive boundaries in Unix microseconds (the
+// Bounds are four consecutive boundaries in Unix microseconds (the
 // script's clock): the period asked about runs from [1] to [2], the one
 // before it from [0] to [1], the one after from [2] to [3]. The script
 // picks among the three by Redis time, which may differ a little from
 // Caddy's clock; a Redis time outside [0] to [3] means the clocks differ
 // by more than a period.
-type periodBounds [4]int64
+type Bounds [4]int64
 
-// Bounds of a duration period: whole seconds, since headers and
+// The limits of a duration period: whole seconds, since headers and
 // Retry-After count in seconds, and short enough that its neighbours'
 // boundaries stay exact in the script's microseconds (2^53 is in 2255).
+// MaxPeriod is also the longest any period lasts (a year is shorter), so
+// it bounds the wait a quota may give.
 const (
 	minPeriod = time.Second
-	maxPeriod = 3650 * 24 * time.Hour
+	MaxPeriod = 3650 * 24 * time.Hour
 )
 
-const wantPer = "want minute, hour, day, week, month, year, or a duration like 6h (whole seconds, 1s to 3650d)"
+// WantPer says what per may be, for the messages that refuse it.
+const WantPer = "want minute, hour, day, week, month, year, or a duration like 6h (whole seconds, 1s to 3650d)"
 
-const wantMonthDay = "want the day of the month a period starts on, 1 to 28 (every month has it; default 1)"
+// WantMonthDay says what month_day may be, for the messages that refuse
+// it.
+const WantMonthDay = "want the day of the month a period starts on, 1 to 28 (every month has it; default 1)"
 
-// newPeriod reads a quota's period: per (minute, hour, day, week, month,
+// New reads a quota's period: per (minute, hour, day, week, month,
 // year, or a duration) and its options, each empty or zero for its
 // default: timeZone (UTC), monthDay (1), weekStarts (monday). Its error
-// is that of the first check that fails: checkPer, loadTimeZone,
-// checkMonthDay, checkWeekStarts. The Caddyfile parser calls those as it
-// reads each value, for the line number; Validate calls newPeriod.
-func newPeriod(per, timeZone string, monthDay int, weekStarts string) (*period, error) {
-	if err := checkPer(per); err != nil {
+// is that of the first check that fails: CheckPer, CheckTimeZone,
+// CheckMonthDay, CheckWeekStarts. The Caddyfile parser calls those as it
+// reads each value, for the line number; Validate calls New.
+func New(per, timeZone string, monthDay int, weekStarts string) (*Period, error) {
+	if err := CheckPer(per); err != nil {
 		return nil, err
 	}
 	loc, err := loadTimeZone(per, timeZone)
 	if err != nil {
 		return nil, err
 	}
-	if err := checkMonthDay(per, monthDay); err != nil {
+	if err := CheckMonthDay(per, monthDay); err != nil {
 		return nil, err
 	}
-	if err := checkWeekStarts(per, weekStarts); err != nil {
+	if err := CheckWeekStarts(per, weekStarts); err != nil {
 		return nil, err
 	}
-	p := &period{loc: loc, weekStart: time.Monday, monthDay: 1}
+	p := &Period{loc: loc, weekStart: time.Monday, monthDay: 1}
 	switch per {
 	case "minute":
 		p.every = time.Minute
@@ -113,6 +126,10 @@ func newPeriod(per, timeZone string, monthDay int, weekStarts string) (*period, 
 	return p, nil
 }
 
+// Location is the zone whose calendar places the period: its time_zone,
+// UTC by default and for a duration.
+func (p *Period) Location() *time.Location { return p.loc }
+
 // namedPer says whether per names a period (minute to year), which
 // time_zone places, rather than giving a duration.
 func namedPer(per string) bool {
@@ -123,25 +140,31 @@ func namedPer(per string) bool {
 	return false
 }
 
-// checkPer judges per: a named period, or a duration of whole seconds
+// CheckPer judges per: a named period, or a duration of whole seconds
 // from 1s to ten years.
-func checkPer(per string) error {
+func CheckPer(per string) error {
 	if namedPer(per) {
 		return nil
 	}
 	d, err := caddy.ParseDuration(per)
 	switch {
 	case err != nil:
-		return fmt.Errorf("per '%s': %s", per, wantPer)
+		return fmt.Errorf("per '%s': %s", per, WantPer)
 	case d < minPeriod:
 		return fmt.Errorf("per '%s' is shorter than a second, the unit headers and Retry-After count in; use 1s or more", per)
 	case d%time.Second != 0:
 		return fmt.Errorf("per '%s' is not a whole number of seconds, which headers and Retry-After count in; use %v or %v",
 			per, d.Truncate(time.Second), d.Truncate(time.Second)+time.Second)
-	case d > maxPeriod:
+	case d > MaxPeriod:
 		return fmt.Errorf("per '%s' is longer than ten years, past which the script's times stop being exact; use per year, or at most 3650d", per)
 	}
 	return nil
+}
+
+// CheckTimeZone judges time_zone for per; empty is the default (UTC).
+func CheckTimeZone(per, zone string) error {
+	_, err := loadTimeZone(per, zone)
+	return err
 }
 
 // loadTimeZone reads time_zone for per: empty is UTC. A duration period
@@ -164,21 +187,21 @@ func loadTimeZone(per, zone string) (*time.Location, error) {
 	return loc, nil
 }
 
-// checkMonthDay judges month_day for per; zero is the default.
-func checkMonthDay(per string, day int) error {
+// CheckMonthDay judges month_day for per; zero is the default.
+func CheckMonthDay(per string, day int) error {
 	switch {
 	case day == 0:
 		return nil
 	case day < 1 || day > 28:
-		return fmt.Errorf("month_day '%d': %s", day, wantMonthDay)
+		return fmt.Errorf("month_day '%d': %s", day, WantMonthDay)
 	case per != "month":
 		return fmt.Errorf("month_day '%d' with per '%s': month_day is the day a monthly period starts on; remove it, or use per month", day, per)
 	}
 	return nil
 }
 
-// checkWeekStarts judges week_starts for per; empty is the default.
-func checkWeekStarts(per, day string) error {
+// CheckWeekStarts judges week_starts for per; empty is the default.
+func CheckWeekStarts(per, day string) error {
 	switch {
 	case day == "":
 		return nil
@@ -190,13 +213,13 @@ func checkWeekStarts(per, day string) error {
 	return nil
 }
 
-// bounds returns the period containing now and its neighbours. It runs
+// Bounds returns the period containing now and its neighbours. It runs
 // on every request, so it keeps the last bounds it returned and computes
 // anew only when now falls outside their period (once per period, or
 // while requests' clock readings straddle a boundary): 6 ns and no
 // allocation instead of 830 ns and one (BenchmarkPeriodBounds, month in
 // Europe/Berlin).
-func (p *period) bounds(now time.Time) periodBounds {
+func (p *Period) Bounds(now time.Time) Bounds {
 	us := now.UnixMicro()
 	if b := p.current.Load(); b != nil && b[1] <= us && us < b[2] {
 		return *b
@@ -204,14 +227,14 @@ func (p *period) bounds(now time.Time) periodBounds {
 	start, end := p.span(now)
 	before, _ := p.span(start.Add(-time.Nanosecond))
 	_, after := p.span(end)
-	b := &periodBounds{before.UnixMicro(), start.UnixMicro(), end.UnixMicro(), after.UnixMicro()}
+	b := &Bounds{before.UnixMicro(), start.UnixMicro(), end.UnixMicro(), after.UnixMicro()}
 	p.current.Store(b)
 	return *b
 }
 
 // span returns the period containing t: start <= t < end, both in the
-// period's zone. It computes every time; bounds is the cached way.
-func (p *period) span(t time.Time) (start, end time.Time) {
+// period's zone. It computes every time; Bounds is the cached way.
+func (p *Period) span(t time.Time) (start, end time.Time) {
 	if p.every > 0 {
 		return p.fixedSpan(t)
 	}
@@ -220,7 +243,7 @@ func (p *period) span(t time.Time) (start, end time.Time) {
 
 // fixedSpan is span for minute, hour and durations: multiples of the
 // length on the zone's clock (UTC for durations: from the epoch).
-func (p *period) fixedSpan(t time.Time) (start, end time.Time) {
+func (p *Period) fixedSpan(t time.Time) (start, end time.Time) {
 	local := t.In(p.loc)
 	_, offset := local.Zone()
 	n := int64(p.every / time.Second)
@@ -243,14 +266,14 @@ func (p *period) fixedSpan(t time.Time) (start, end time.Time) {
 // other than whole periods. Not all changes move it: some only rename
 // the zone, or mark the end of the data (2038 in zones without
 // daylight saving).
-func (p *period) offGrid(c time.Time) bool {
+func (p *Period) offGrid(c time.Time) bool {
 	_, before := c.Add(-time.Second).In(p.loc).Zone()
 	_, after := c.In(p.loc).Zone()
 	return (after-before)%int(p.every/time.Second) != 0
 }
 
 // calendarSpan is span for day, week, month and year.
-func (p *period) calendarSpan(t time.Time) (start, end time.Time) {
+func (p *Period) calendarSpan(t time.Time) (start, end time.Time) {
 	local := t.In(p.loc)
 	y, m, d := local.Date()
 	switch p.calendar {
@@ -276,7 +299,7 @@ func (p *period) calendarSpan(t time.Time) (start, end time.Time) {
 
 // startAfter is the start of the calendar period n periods after the one
 // that starts on y-m-d (time.Date normalises the date).
-func (p *period) startAfter(y int, m time.Month, d, n int) time.Time {
+func (p *Period) startAfter(y int, m time.Month, d, n int) time.Time {
 	switch p.calendar {
 	case "day":
 		d += n

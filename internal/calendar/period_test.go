@@ -1,4 +1,4 @@
-package ratelimit
+package calendar
 
 // Tests of quota periods: pure computations against fixed times, no
 // processes.
@@ -18,7 +18,7 @@ import (
 
 // periodOf reads a period written as in a quota's Caddyfile: per, then
 // its options ("month time_zone Europe/Berlin month_day 15").
-func periodOf(spec string) (*period, error) {
+func periodOf(spec string) (*Period, error) {
 	f := strings.Fields(spec)
 	var zone, weekStarts string
 	var monthDay int
@@ -34,10 +34,10 @@ func periodOf(spec string) (*period, error) {
 			return nil, fmt.Errorf("test spec %q: unknown option %q", spec, f[i])
 		}
 	}
-	return newPeriod(f[0], zone, monthDay, weekStarts)
+	return New(f[0], zone, monthDay, weekStarts)
 }
 
-func mustPeriod(tb testing.TB, spec string) *period {
+func mustPeriod(tb testing.TB, spec string) *Period {
 	tb.Helper()
 	p, err := periodOf(spec)
 	if err != nil {
@@ -86,7 +86,7 @@ func zoneDatabases(tb testing.TB) []zoneDatabase {
 }
 
 // in is p with its zone loaded from db.
-func (db zoneDatabase) in(tb testing.TB, p *period) *period {
+func (db zoneDatabase) in(tb testing.TB, p *Period) *Period {
 	tb.Helper()
 	if p.loc == time.UTC {
 		return p
@@ -256,15 +256,15 @@ func TestPeriodSpan(t *testing.T) {
 	}
 }
 
-// micros reads RFC 3339 instants as periodBounds.
-func micros(tb testing.TB, bounds ...string) (b periodBounds) {
+// micros reads RFC 3339 instants as Bounds.
+func micros(tb testing.TB, bounds ...string) (b Bounds) {
 	for i, s := range bounds {
 		b[i] = mustTime(tb, s).UnixMicro()
 	}
 	return b
 }
 
-// TestPeriodBoundsFollowTheClock: bounds gives the period containing the
+// TestPeriodBoundsFollowTheClock: Bounds gives the period containing the
 // instant with its neighbours, and follows the instant wherever it goes
 // (forward over a boundary, onto one, back before one, as a request's
 // clock reading taken before another's may), never a stale cached
@@ -277,9 +277,9 @@ func TestPeriodBoundsFollowTheClock(t *testing.T) {
 	at44 := micros(t, "2026-05-17T10:31:42Z", "2026-05-17T10:31:44Z", "2026-05-17T10:31:46Z", "2026-05-17T10:31:48Z")
 	at46 := micros(t, "2026-05-17T10:31:44Z", "2026-05-17T10:31:46Z", "2026-05-17T10:31:48Z", "2026-05-17T10:31:50Z")
 	for _, c := range []struct {
-		p    *period
+		p    *Period
 		at   string
-		want periodBounds
+		want Bounds
 	}{
 		{p, "2026-03-20T12:00:00Z", march},
 		{p, "2026-03-31T21:59:59.999999Z", march},
@@ -291,7 +291,7 @@ func TestPeriodBoundsFollowTheClock(t *testing.T) {
 		{d, "2026-05-17T10:31:45.999999Z", at44},
 		{d, "2026-05-17T10:31:46.5Z", at46},
 	} {
-		if got := c.p.bounds(mustTime(t, c.at)); got != c.want {
+		if got := c.p.Bounds(mustTime(t, c.at)); got != c.want {
 			t.Errorf("bounds at %s: got %v, want %v", c.at, got, c.want)
 		}
 	}
@@ -315,7 +315,7 @@ func TestPeriodBoundsConcurrentAcrossABoundary(t *testing.T) {
 				if at.Before(boundary) {
 					want = before
 				}
-				if got := p.bounds(at); got != want {
+				if got := p.Bounds(at); got != want {
 					errs <- fmt.Sprintf("bounds at %s: got %v, want %v", at.Format(time.RFC3339Nano), got, want)
 					return
 				}
@@ -426,57 +426,32 @@ func TestPeriodErrors(t *testing.T) {
 	}
 }
 
-// A monthly quota renewed on the 15th in Berlin: the period an instant
-// is in, the bounds the script receives (the periods before, at and
-// after it), and a mistake refused at load.
-func Example_period() {
-	p, err := newPeriod("month", "Europe/Berlin", 15, "")
-	if err != nil {
-		panic(err)
-	}
-	now := time.Date(2026, time.March, 20, 12, 0, 0, 0, time.UTC)
-	start, end := p.span(now)
-	fmt.Println(start, "to", end, "lasts", end.Sub(start))
-	for _, us := range p.bounds(now) {
-		fmt.Println(us, time.UnixMicro(us).In(p.loc))
-	}
-	_, err = newPeriod("6h", "Europe/Berlin", 0, "")
-	fmt.Println(err)
-	// Output:
-	// 2026-03-15 00:00:00 +0100 CET to 2026-04-15 00:00:00 +0200 CEST lasts 743h0m0s
-	// 1771110000000000 2026-02-15 00:00:00 +0100 CET
-	// 1773529200000000 2026-03-15 00:00:00 +0100 CET
-	// 1776204000000000 2026-04-15 00:00:00 +0200 CEST
-	// 1778796000000000 2026-05-15 00:00:00 +0200 CEST
-	// time_zone 'Europe/Berlin' with per '6h': a duration is counted from the Unix epoch, the same instants in every zone; remove time_zone, or use a period of the calendar like per day
-}
-
 // BenchmarkPeriodBounds: what a quota's period costs a request. cached is
 // every request but the first of a period; computed is that first one
 // (the three spans and the new bounds); +now adds reading the clock.
 //
-//	go test -run xxx -bench PeriodBounds -benchmem .
+//	go test -run xxx -bench PeriodBounds -benchmem ./internal/calendar
 func BenchmarkPeriodBounds(b *testing.B) {
 	at := time.Date(2026, time.March, 20, 12, 0, 0, 0, time.UTC)
 	for _, per := range []string{"month time_zone Europe/Berlin", "hour time_zone America/New_York", "2s"} {
 		p := mustPeriod(b, per)
 		b.Run(per+"/cached", func(b *testing.B) {
-			p.bounds(at)
+			p.Bounds(at)
 			for b.Loop() {
-				p.bounds(at)
+				p.Bounds(at)
 			}
 		})
 		b.Run(per+"/computed", func(b *testing.B) {
 			for b.Loop() {
 				p.current.Store(nil)
-				p.bounds(at)
+				p.Bounds(at)
 			}
 		})
 	}
 	p := mustPeriod(b, "month time_zone Europe/Berlin")
 	b.Run("month time_zone Europe/Berlin/cached+now", func(b *testing.B) {
 		for b.Loop() {
-			p.bounds(time.Now())
+			p.Bounds(time.Now())
 		}
 	})
 }

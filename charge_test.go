@@ -803,11 +803,16 @@ http://127.0.0.1:{{http_port}} {
 	before := scrapeMetricsAt(t, c.admin)
 	// 10 tokens, 1 reserved, 16 charged: 15 more from 9 is -6, past
 	// -max_debt (-5) by 1, which is forgiven.
+	sent := time.Now()
 	resp, _ := c.get(t, "/?format=raw&ct=text/plain&body=ok&cost=16", "X-Key", "k")
 	if resp.StatusCode != 200 || resp.Header.Get("X-RateLimit-Remaining") != "9" {
 		t.Fatalf("first request: %d remaining %q, want 200 with 9", resp.StatusCode, resp.Header.Get("X-RateLimit-Remaining"))
 	}
 	settled := time.Now()
+	// Between its reservation and its settlement the bucket refilled at
+	// most 2 tokens a second of the request's time, which the debt's
+	// excess (1 token) absorbs before anything is forgiven.
+	refilledAtMost := 2 * settled.Sub(sent).Seconds()
 	c.awaitTokens(t, "debt", "k", -5, 2*time.Since(settled).Seconds()+0.2)
 
 	resp, _ = c.get(t, "/?format=raw&ct=text/plain&body=ok&cost=1", "X-Key", "k")
@@ -821,7 +826,9 @@ http://127.0.0.1:{{http_port}} {
 		t.Fatalf("in debt: %d, remaining %q, Retry-After %q, RateLimit %q; want 429, 0, 3, \"debt\";r=0;t=3", resp.StatusCode,
 			resp.Header.Get("X-RateLimit-Remaining"), resp.Header.Get("Retry-After"), resp.Header.Get("RateLimit"))
 	}
+	inspected := time.Now()
 	b := adminBucketOf(t, c.admin, "debt", q("header.X-Key", "k"))
+	read := time.Now()
 	if tokens := b.tokens(t); tokens >= 0 || tokens < -5 || math.Abs(b.RetryAfter-(1-tokens)/2) > 0.01 {
 		t.Fatalf("admin: %v tokens, retry after %v s; want debt down to -5, with the wait (1 - tokens)/2", tokens, b.RetryAfter)
 	}
@@ -829,21 +836,33 @@ http://127.0.0.1:{{http_port}} {
 	if want := (10 - b.tokens(t)) / 2; b.ExpiresIn > want+0.01 || b.ExpiresIn < want-0.3 {
 		t.Errorf("admin: expires in %v s, want about %v (full again from %v)", b.ExpiresIn, want, b.tokens(t))
 	}
-	time.Sleep(time.Duration((b.RetryAfter - 0.25) * float64(time.Second)))
-	if resp, _ := c.get(t, "/?format=raw&ct=text/plain&body=ok&cost=1", "X-Key", "k"); resp.StatusCode != 429 {
-		t.Fatalf("a quarter second before the refill covers the debt: %d, want 429", resp.StatusCode)
+	// The admin read saw the bucket between inspected and read, so the
+	// refill covers the debt RetryAfter after a moment in between. Each check below is asserted only
+	// when the request's whole time fell on its side of that moment, which
+	// a loaded machine may not give.
+	coveredEarliest := inspected.Add(time.Duration(b.RetryAfter * float64(time.Second)))
+	coveredLatest := read.Add(time.Duration(b.RetryAfter * float64(time.Second)))
+	time.Sleep(time.Until(coveredEarliest.Add(-250 * time.Millisecond)))
+	resp, _ = c.get(t, "/?format=raw&ct=text/plain&body=ok&cost=1", "X-Key", "k")
+	if time.Now().Before(coveredEarliest) && resp.StatusCode != 429 {
+		t.Fatalf("before the refill covers the debt: %d, want 429", resp.StatusCode)
 	}
-	time.Sleep(400 * time.Millisecond)
-	if resp, _ := c.get(t, "/?format=raw&ct=text/plain&body=ok&cost=1", "X-Key", "k"); resp.StatusCode != 200 || resp.Header.Get("X-RateLimit-Remaining") != "0" {
-		t.Fatalf("once the refill covers the debt: %d remaining %q, want 200 with 0", resp.StatusCode, resp.Header.Get("X-RateLimit-Remaining"))
+	time.Sleep(time.Until(coveredLatest.Add(50 * time.Millisecond)))
+	resp, _ = c.get(t, "/?format=raw&ct=text/plain&body=ok&cost=1", "X-Key", "k")
+	if resp.StatusCode != 200 {
+		t.Fatalf("once the refill covers the debt: %d, want 200", resp.StatusCode)
+	}
+	// Tokens 1 when covered, 2 half a second later.
+	if time.Now().Before(coveredEarliest.Add(500*time.Millisecond)) && resp.Header.Get("X-RateLimit-Remaining") != "0" {
+		t.Fatalf("once the refill covers the debt: remaining %q, want 0", resp.Header.Get("X-RateLimit-Remaining"))
 	}
 	// 16 charged, less what was forgiven: 1 token, less what the bucket
 	// refilled between the reservation and the settlement; then 1.
 	after := scrapeMetricsAt(t, c.admin)
 	charged := after.samples[chargeSeries("charged_total", "debt", "")] - before.samples[chargeSeries("charged_total", "debt", "")]
 	forgiven := after.samples[chargeSeries("forgiven_total", "debt", "")] - before.samples[chargeSeries("forgiven_total", "debt", "")]
-	if math.Abs(charged+forgiven-17) > 1e-6 || forgiven < 0.8 || forgiven > 1 {
-		t.Errorf("charged %v and forgave %v tokens; want 17 in all, about 1 forgiven", charged, forgiven)
+	if math.Abs(charged+forgiven-17) > 1e-6 || forgiven < 1-refilledAtMost-1e-6 || forgiven > 1 {
+		t.Errorf("charged %v and forgave %v tokens; want 17 in all, 1 forgiven less at most %.3f refilled", charged, forgiven, refilledAtMost)
 	}
 }
 

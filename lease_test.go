@@ -247,7 +247,15 @@ func expectBoundAndAccounted(t *testing.T, name string, rdb *redis.Client, key s
 	if accounted > budget+1e-6 {
 		t.Errorf("%s: admitted %d + held %.2f = %.2f, more than burst + rate*T = %.2f: tokens were made", name, admitted, tokens, accounted, budget)
 	}
-	if accounted < budget-slack {
+	// Once the bucket is full, its refill and any give-back past the
+	// burst are lost, as a token bucket's are. No request takes after the
+	// load, so a bucket that was full at any time since is full now: only
+	// then is the shortfall no proof of a lost token.
+	full := tokens >= float64(burst)-1e-9
+	if full {
+		t.Logf("%s: the bucket refilled to its burst before it was read, so what it lost is not counted", name)
+	}
+	if !full && accounted < budget-slack {
 		t.Errorf("%s: admitted %d + held %.2f = %.2f, %.2f short of burst + rate*T = %.2f: leased tokens went missing",
 			name, admitted, tokens, accounted, budget-accounted, budget)
 	}

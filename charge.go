@@ -13,6 +13,7 @@ import (
 	"sync"
 	"time"
 
+	"github.com/caddy-redis/ratelimit/internal/scan"
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 	"github.com/prometheus/client_golang/prometheus"
@@ -27,7 +28,7 @@ import (
 // settleBucket in the process): a smaller cost gives tokens back, a
 // larger one takes the rest, into debt down to -max_debt. The response
 // passes through a writer that reads its status and, for `charge json`,
-// scans its body as it streams by (chargewriter.go).
+// scans its body as it streams by (chargewriter.go, internal/scan).
 
 // Charge says where the real cost of a response comes from: exactly one
 // of its fields is set. A cost that cannot be read (a missing header, not
@@ -73,12 +74,11 @@ type Charge struct {
 	Placeholder string `json:"placeholder,omitempty"`
 }
 
-// Bounds of what a body scan holds: the paths of a handler and their
-// keys.
+// Bounds of what a response's charge holds: the cost headers of a
+// handler (its JSON paths and their keys are bounded by scan.MaxPaths and
+// scan.MaxKeys).
 const (
 	maxCostHeaders  = 4
-	maxScanPaths    = 16
-	maxPathKeys     = 8
 	chargeValueShow = 64 // bytes of a cost value a warning quotes
 )
 
@@ -153,14 +153,8 @@ func isHeaderName(s string) bool {
 }
 
 func checkJSONPath(path string) error {
-	keys := strings.Split(path, ".")
-	if len(keys) > maxPathKeys {
-		return fmt.Errorf("charge json '%s': more than %d keys; a shorter path must do", path, maxPathKeys)
-	}
-	for _, k := range keys {
-		if k == "" {
-			return fmt.Errorf("charge json '%s': want keys separated by '.', such as usage.total_tokens", path)
-		}
+	if err := scan.CheckPath(path); err != nil {
+		return fmt.Errorf("charge json '%s': %w", path, err)
 	}
 	return nil
 }
@@ -272,8 +266,8 @@ func (h *Handler) checkCharging() error {
 	switch {
 	case len(headers) > maxCostHeaders:
 		return fmt.Errorf("charge header: %d headers in one handler, more than %d", len(headers), maxCostHeaders)
-	case len(paths) > maxScanPaths:
-		return fmt.Errorf("charge json: %d paths in one handler, more than %d; sum fewer", len(paths), maxScanPaths)
+	case len(paths) > scan.MaxPaths:
+		return fmt.Errorf("charge json: %d paths in one handler, more than %d; sum fewer", len(paths), scan.MaxPaths)
 	case h.MaxBody != 0 && !readsBody:
 		return fmt.Errorf("max_body '%d': only a 'charge json' source reads the body; add one, or remove max_body", h.MaxBody)
 	case h.MaxDebt != nil && !charges:
@@ -320,7 +314,7 @@ type chargeRule struct {
 // charges.
 type charging struct {
 	headers []string     // every cost header its limits read, canonical
-	paths   scanPaths    // every JSON path its limits read
+	paths   scan.Paths   // every JSON path its limits read
 	maxBody int64        // the most bytes of a body a scan reads; 0: all
 	first   *limit       // its first charging limit, which {http.rate_limit.charged} shows
 	warns   *logThrottle // costs that could not be read: a line per 10 s
@@ -358,9 +352,12 @@ func (h *Handler) setUpCharging() error {
 			for _, field := range charge.jsonFields() {
 				var bits uint16
 				for _, p := range field {
-					bit, err := c.paths.add(p)
-					if err != nil {
-						return err
+					bit, err := c.paths.Add(p)
+					switch {
+					case errors.Is(err, scan.ErrTooManyPaths): // checkLimits refused it first
+						return fmt.Errorf("charge json: more than %d paths in one handler; sum fewer", scan.MaxPaths)
+					case err != nil:
+						return fmt.Errorf("charge json '%s': %w", p, err)
 					}
 					bits |= bit
 				}
@@ -460,7 +457,7 @@ func (h *Handler) settleResponse(end responseEnd, cw *chargeWriter, repl *caddy.
 		case why != "":
 			h.warnChargeMissing(b.limit, why)
 			repl.Set("http.rate_limit.result", resultChargeMissing)
-		case rule.paths != 0 && cw.scan.stopped:
+		case rule.paths != 0 && cw.body.Stopped():
 			h.warnScanStopped(b.limit)
 		}
 		if b.limit == h.charging.first {
@@ -527,7 +524,7 @@ func (r *chargeRule) costOf(end responseEnd, cw *chargeWriter, repl *caddy.Repla
 		}
 	case r.paths != 0:
 		var sum float64
-		sum, why = cw.scanned(r.fields...)
+		sum, why = cw.body.Sum(r.fields...)
 		if why == "" {
 			cost = ceilTokens(sum)
 		}

@@ -1,0 +1,345 @@
+package scan
+
+import (
+	"bytes"
+	"math/bits"
+	"strconv"
+	"unicode/utf8"
+)
+
+// jsonScanner reads JSON a chunk at a time and notes the numbers at the
+// scan paths. It holds the path to where it is as, per depth, the paths
+// that may still lie ahead (a bit each), and the last value each path
+// had. It does not check everything JSON requires, only enough to know
+// where it is; a document it cannot follow stops it.
+type jsonScanner struct {
+	paths  *Paths
+	state  jsonState
+	depth  int
+	arrays uint64              // bit d-1: the container at depth d is an array
+	ahead  [MaxKeys + 1]uint16 // per depth: the paths inside that container
+	index  [MaxKeys + 1]int    // per depth, in an array: the element's index
+	value  uint16              // the paths the value being read is on, or inside
+	key    int                 // bytes of the key read so far
+	esc    int8                // in a string: 0, 1 after '\', 2..5 in \uXXXX
+	hex    rune                // the \uXXXX being read
+	num    [32]byte            // a number at a path
+	numLen int                 // -1: too long to be a cost
+	found  uint16              // paths that had a number
+	values [MaxPaths]float64   // their last numbers
+	order  [MaxPaths]uint32    // when each came: seq then
+	seq    uint32              // the numbers at paths so far
+	// negative: paths whose last number was negative.
+	negative uint16
+}
+
+type jsonState uint8
+
+const (
+	jValue       jsonState = iota // before a value
+	jArrayFirst                   // after '[': a value or ']'
+	jObjectFirst                  // after '{': a key or '}'
+	jKey                          // after ',' in an object: a key
+	jKeyString                    // in a key
+	jColon                        // after a key: ':'
+	jAfter                        // after a value: ',' or a closing bracket
+	jString                       // in a string value
+	jNumber                       // in a number
+	jLiteral                      // in true, false or null
+	jDone                         // the document is complete: only space may follow
+	jStop                         // a document it cannot follow
+)
+
+// maxDepth is the deepest nesting followed (arrays has a bit per depth).
+const maxDepth = 64
+
+func (d *jsonScanner) reset() {
+	d.state, d.depth, d.arrays, d.found, d.negative, d.seq = jValue, 0, 0, 0, 0, 0
+	d.value = 1<<d.paths.n - 1
+}
+
+// end ends the document (a number at its end is complete now) and says
+// whether it was whole.
+func (d *jsonScanner) end() bool {
+	if d.depth == 0 && (d.state == jNumber || d.state == jLiteral) {
+		d.endValue()
+	}
+	return d.state == jDone
+}
+
+func isSpace(c byte) bool { return c == ' ' || c == '\t' || c == '\n' || c == '\r' }
+
+// feed reads the next bytes of the document.
+func (d *jsonScanner) feed(p []byte) {
+	for i := 0; i < len(p); i++ {
+		c := p[i]
+		switch d.state {
+		case jValue, jArrayFirst:
+			if isSpace(c) {
+				continue
+			}
+			if d.state == jArrayFirst {
+				if c == ']' {
+					d.close(c)
+					continue
+				}
+				d.value = d.element()
+			}
+			d.beginValue(c)
+		case jObjectFirst, jKey:
+			switch {
+			case isSpace(c):
+			case c == '"':
+				d.state, d.key, d.esc = jKeyString, 0, 0
+				d.value = 0
+				if d.depth <= MaxKeys {
+					d.value = d.ahead[d.depth]
+				}
+			case c == '}' && d.state == jObjectFirst:
+				d.close(c)
+			default:
+				d.state = jStop
+			}
+		case jKeyString:
+			d.keyByte(c)
+		case jColon:
+			switch {
+			case isSpace(c):
+			case c == ':':
+				d.state = jValue
+			default:
+				d.state = jStop
+			}
+		case jAfter:
+			switch {
+			case isSpace(c):
+			case c == ',':
+				if d.arrays>>(d.depth-1)&1 == 1 {
+					if d.depth <= MaxKeys {
+						d.index[d.depth]++
+					}
+					d.state, d.value = jValue, d.element()
+				} else {
+					d.state = jKey
+				}
+			case c == '}' || c == ']':
+				d.close(c)
+			default:
+				d.state = jStop
+			}
+		case jString:
+			// Skip to the closing quote; an escape hides the byte after it.
+			for ; i < len(p); i++ {
+				if d.esc == 1 {
+					d.esc = 0
+					continue
+				}
+				j := bytes.IndexAny(p[i:], `"\`)
+				if j < 0 {
+					i = len(p)
+					break
+				}
+				i += j
+				if p[i] == '\\' {
+					d.esc = 1
+					continue
+				}
+				d.endValue()
+				break
+			}
+		case jNumber:
+			if c >= '0' && c <= '9' || c == '-' || c == '+' || c == '.' || c == 'e' || c == 'E' {
+				if d.numLen >= 0 {
+					if d.numLen < len(d.num) {
+						d.num[d.numLen] = c
+						d.numLen++
+					} else {
+						d.numLen = -1
+					}
+				}
+				continue
+			}
+			d.endNumber()
+			i-- // c comes after the number
+		case jLiteral:
+			if c >= 'a' && c <= 'z' {
+				continue
+			}
+			d.endValue()
+			i--
+		case jDone:
+			if !isSpace(c) {
+				d.state = jStop
+			}
+		case jStop:
+			return
+		}
+	}
+}
+
+// beginValue starts the value whose first byte is c, on the paths in
+// d.value.
+func (d *jsonScanner) beginValue(c byte) {
+	switch {
+	case c == '{' || c == '[':
+		if d.depth == maxDepth {
+			d.state = jStop
+			return
+		}
+		k := d.depth
+		d.depth++
+		if d.depth <= MaxKeys {
+			d.ahead[d.depth] = d.value & d.paths.longer[k]
+			d.index[d.depth] = 0
+		}
+		if c == '[' {
+			d.arrays |= 1 << k
+			d.state = jArrayFirst
+		} else {
+			d.arrays &^= 1 << k
+			d.state = jObjectFirst
+		}
+	case c == '"':
+		d.state, d.esc = jString, 0
+	case c == '-' || c >= '0' && c <= '9':
+		d.state, d.numLen = jNumber, 0
+		if d.depth > MaxKeys || d.value&d.paths.exact[d.depth] == 0 {
+			d.numLen = -1 // on no path
+		} else {
+			d.num[0], d.numLen = c, 1
+		}
+	case c >= 'a' && c <= 'z':
+		d.state = jLiteral
+	default:
+		d.state = jStop
+	}
+}
+
+// element is the paths the current array element is on, or inside.
+func (d *jsonScanner) element() uint16 {
+	k := d.depth
+	if k > MaxKeys {
+		return 0
+	}
+	var on uint16
+	for m := d.ahead[k]; m != 0; m &= m - 1 {
+		p := bits.TrailingZeros16(m)
+		if d.paths.index[p][k-1] == d.index[k] {
+			on |= 1 << p
+		}
+	}
+	return on
+}
+
+// keyByte reads a byte of a key: the paths whose key at this depth it
+// still matches stay in d.value. Escapes are decoded, so that a key
+// matches however it is written.
+func (d *jsonScanner) keyByte(c byte) {
+	switch {
+	case d.esc == 1:
+		d.esc = 0
+		switch c {
+		case 'u':
+			d.esc, d.hex = 2, 0
+		case 'b':
+			d.match('\b')
+		case 'f':
+			d.match('\f')
+		case 'n':
+			d.match('\n')
+		case 'r':
+			d.match('\r')
+		case 't':
+			d.match('\t')
+		default: // '"', '\\', '/'
+			d.match(c)
+		}
+	case d.esc >= 2:
+		v := rune(-1)
+		switch {
+		case c >= '0' && c <= '9':
+			v = rune(c - '0')
+		case c >= 'a' && c <= 'f':
+			v = rune(c-'a') + 10
+		case c >= 'A' && c <= 'F':
+			v = rune(c-'A') + 10
+		}
+		if v < 0 {
+			d.state = jStop
+			return
+		}
+		d.hex = d.hex<<4 | v
+		if d.esc++; d.esc == 6 {
+			d.esc = 0
+			var buf [utf8.UTFMax]byte
+			for _, b := range buf[:utf8.EncodeRune(buf[:], d.hex)] {
+				d.match(b)
+			}
+		}
+	case c == '\\':
+		d.esc = 1
+	case c == '"':
+		// The key is complete: the paths whose key is exactly it.
+		var on uint16
+		for m := d.value; m != 0; m &= m - 1 {
+			p := bits.TrailingZeros16(m)
+			if len(d.paths.keys[p][d.depth-1]) == d.key {
+				on |= 1 << p
+			}
+		}
+		d.value, d.state = on, jColon
+	default:
+		d.match(c)
+	}
+}
+
+// match compares the next byte of the key with each path's key.
+func (d *jsonScanner) match(b byte) {
+	for m := d.value; m != 0; m &= m - 1 {
+		p := bits.TrailingZeros16(m)
+		if key := d.paths.keys[p][d.depth-1]; d.key >= len(key) || key[d.key] != b {
+			d.value &^= 1 << p
+		}
+	}
+	d.key++
+}
+
+// endNumber ends a number: on a path, it is that path's last value.
+func (d *jsonScanner) endNumber() {
+	if d.numLen > 0 {
+		if v, err := strconv.ParseFloat(string(d.num[:d.numLen]), 64); err == nil {
+			d.seq++
+			for m := d.value & d.paths.exact[d.depth]; m != 0; m &= m - 1 {
+				p := bits.TrailingZeros16(m)
+				d.values[p], d.order[p] = v, d.seq
+				d.found |= 1 << p
+				if v < 0 {
+					d.negative |= 1 << p
+				} else {
+					d.negative &^= 1 << p
+				}
+			}
+		}
+	}
+	d.endValue()
+}
+
+// endValue ends a value: the document, or on to what follows it.
+func (d *jsonScanner) endValue() {
+	if d.depth == 0 {
+		d.state = jDone
+	} else {
+		d.state = jAfter
+	}
+}
+
+// close closes the container at the current depth with c, which must
+// match it.
+func (d *jsonScanner) close(c byte) {
+	if d.depth == 0 || (d.arrays>>(d.depth-1)&1 == 1) != (c == ']') {
+		d.state = jStop
+		return
+	}
+	d.depth--
+	d.endValue()
+}

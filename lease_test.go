@@ -687,8 +687,12 @@ func TestLeaseRenewsAheadOfNeed(t *testing.T) {
 // instance is lent nothing, so it costs one script call per request (as
 // without lease), none given back; a key at about 5 requests per hold is
 // lent about 5 at a time, its lease holding at most that and half the
-// grant before, not max_tokens. (Before, each request of the first took
-// a lease of 32 and gave it back, two calls per request.)
+// grant before (7), not max_tokens (32). (Before, each request of the
+// first took a lease of 32 and gave it back, two calls per request.)
+// Requests 20 ms apart put up to 3 in a window of half a hold, which
+// reads as 6 per hold, granted on top of what the lease still holds: the
+// test allows twice the rate (10), which a loaded machine's uneven timing
+// reaches, and is still far from 32.
 func TestLeaseSizedToTheKeysRate(t *testing.T) {
 	srv := redistest.Start(t)
 	rdb := srv.Client(t)
@@ -717,8 +721,8 @@ func TestLeaseSizedToTheKeysRate(t *testing.T) {
 		time.Sleep(20 * time.Millisecond) // 50 a second: 5 per hold of 100ms
 	}
 	t.Logf("a key at 50 requests a second, hold 100ms: the lease held at most %d", most)
-	if most < 1 || most > 7 {
-		t.Errorf("a key at 50 requests a second, hold 100ms, lease 32: the lease held at most %d; want 1 to 7 (5 and half of 5)", most)
+	if most < 1 || most > 10 {
+		t.Errorf("a key at 50 requests a second, hold 100ms, lease 32: the lease held at most %d; want 1 to 10 (twice 5, not 32)", most)
 	}
 }
 

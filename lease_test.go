@@ -172,7 +172,8 @@ func callsOf(t *testing.T, rdb *redis.Client, f func()) int64 {
 type loadResult struct {
 	admitted, denied, failed int64
 	start                    time.Time
-	first, elapsed           time.Duration // from start to the first answer, to the last
+	first, elapsed           time.Duration   // from start to the first answer, to the last
+	admittedAt               []time.Duration // from start to each admission's answer, in order
 }
 
 // leaseLoad sends requests from workers goroutines for about d. send(w)
@@ -186,6 +187,7 @@ func leaseLoad(t *testing.T, workers int, d time.Duration, send func(w int) (int
 		first, last              atomic.Int64
 		wg                       sync.WaitGroup
 	)
+	admittedAt := make([][]time.Duration, workers)
 	start := time.Now()
 	stop := start.Add(d)
 	for w := range workers {
@@ -205,6 +207,7 @@ func leaseLoad(t *testing.T, workers int, d time.Duration, send func(w int) (int
 				switch {
 				case err == nil && status == 200 && remaining != "-1":
 					admitted.Add(1)
+					admittedAt[w] = append(admittedAt[w], time.Duration(at))
 				case err == nil && status == 429:
 					denied.Add(1)
 				default:
@@ -216,48 +219,74 @@ func leaseLoad(t *testing.T, workers int, d time.Duration, send func(w int) (int
 		}()
 	}
 	wg.Wait()
-	return loadResult{admitted.Load(), denied.Load(), failed.Load(), start, time.Duration(first.Load()), time.Duration(last.Load())}
+	all := slices.Sorted(slices.Values(slices.Concat(admittedAt...)))
+	return loadResult{admitted.Load(), denied.Load(), failed.Load(), start, time.Duration(first.Load()), time.Duration(last.Load()), all}
 }
 
-// expectBoundAndAccounted checks one bucket after load, once every lease
-// on it has ended and been given back: the requests it admitted are at
-// most burst + rate*T over the load's time T; and, by Redis's clock from
-// t0 (before the first request) to now, admitted + what it holds now is
-// at most burst + rate*(now - t0), since no token is made, and at least
-// that less the refill lost while the full bucket waited for the first
-// request (startup, up to 0.5 s here) and a token of rounding: none went
-// missing in a lease.
+// expectBoundAndAccounted checks one bucket, absent (full) at t0, read
+// by Redis's clock before the first request, after load, once Redis
+// counts no lease on it (every one given back). Its instances lend at
+// most lent tokens in all (max_tokens each).
+//
+// No token made: the requests admitted are at most burst + rate*T over
+// the load's time T, and admitted + what the bucket holds now is at most
+// burst + rate*(now - t0).
+//
+// None lost: S, the bucket's tokens plus what Redis counts as lent, is
+// burst at t0 and refills at rate up to burst, past which the refill is
+// lost, as a full token bucket's is. It falls by R(u): the tokens taken
+// by requests admitted from Redis by time u, and those reported used
+// from leases (a take that another slot group refused, and its refund,
+// cancel out). Nothing else moves it: lending and giving back move
+// tokens between the bucket and what is lent. So S(u) = burst + rate*(u
+// - t0) - R(u) - L(u), where L, the refill lost, grows only while S is
+// burst, and L(now) is the most rate*(u - t0) - R(u) reached, or 0. With
+// no lease counted, S(now) is what the bucket holds: admitted + held =
+// burst + rate*(now - t0) - L(now). The test sees A(u), the admissions
+// answered by u, not R(u): each was taken from Redis before its answer,
+// or admitted from a lease, and reported since or not yet, which is at
+// most what Redis counts as lent: R(u) >= A(u) - min(A(u), lent). So
+// L(now) is at most the slack: the most rate*(u - t0) - max(0, A(u) -
+// lent) reaches, just before an answer or at now. It is the refill lost
+// while the full bucket waited for the first requests, or for the next
+// ones on a stalled machine (beside `stress --cpu 2`, 0.8 to 26 tokens
+// in 55 runs of 56, 78 in one), and after the load if the bucket
+// refilled to its burst before it was read. A shortfall past it is a
+// token lost: taken from the bucket, then neither admitted nor given
+// back (a report that forgot one token per renewal fell 15 to 38 short,
+// past slacks of 2 to 16, in 6 runs of 6).
 func expectBoundAndAccounted(t *testing.T, name string, rdb *redis.Client, key string, rate float64, burst int64,
-	admitted int64, r loadResult, t0 time.Time) {
+	lent int64, r loadResult, t0 time.Time) {
 	t.Helper()
+	admitted := r.admitted
 	bound := float64(burst) + rate*r.elapsed.Seconds()
 	tokens, now := tokensNow(t, rdb, key, rate, burst)
 	budget := float64(burst) + rate*now.Sub(t0).Seconds()
 	accounted := float64(admitted) + tokens
-	slack := rate*r.start.Add(r.first).Sub(t0).Seconds() + 1 // the full bucket's refill lost until the first answer, t0 on
+	refill := func(u time.Time) float64 { return rate * u.Sub(t0).Seconds() }
+	slack := max(0, refill(now)-float64(max(0, admitted-lent)))
+	for k, at := range r.admittedAt { // just before answer k+1, with k answered
+		slack = max(slack, refill(r.start.Add(at))-float64(max(0, int64(k)-lent)))
+	}
+	const rounding = 1e-6 // the bucket is stored to 17 digits
 	t.Logf("%s: %d admitted in %v, bound burst + rate*T = %.1f (admitted/bound %.3f); then the bucket holds %.2f: "+
-		"admitted + held = %.2f of the %.2f refilled since the start (slack %.2f)",
-		name, admitted, r.elapsed.Round(time.Millisecond), bound, float64(admitted)/bound, tokens, accounted, budget, slack)
+		"admitted + held = %.2f of the %.2f refilled since the start, %.2f short (at most %.2f lost at its burst)",
+		name, admitted, r.elapsed.Round(time.Millisecond), bound, float64(admitted)/bound, tokens, accounted, budget, budget-accounted, slack)
+	if int64(len(r.admittedAt)) != admitted {
+		t.Fatalf("%s: %d admission times for %d admitted", name, len(r.admittedAt), admitted)
+	}
 	if float64(admitted) > bound {
 		t.Errorf("%s: %d admitted, more than burst + rate*T = %.1f", name, admitted, bound)
 	}
 	if tokens > float64(burst) {
 		t.Errorf("%s: the bucket holds %.2f, more than its burst %d", name, tokens, burst)
 	}
-	if accounted > budget+1e-6 {
+	if accounted > budget+rounding {
 		t.Errorf("%s: admitted %d + held %.2f = %.2f, more than burst + rate*T = %.2f: tokens were made", name, admitted, tokens, accounted, budget)
 	}
-	// Once the bucket is full, its refill and any give-back past the
-	// burst are lost, as a token bucket's are. No request takes after the
-	// load, so a bucket that was full at any time since is full now: only
-	// then is the shortfall no proof of a lost token.
-	full := tokens >= float64(burst)-1e-9
-	if full {
-		t.Logf("%s: the bucket refilled to its burst before it was read, so what it lost is not counted", name)
-	}
-	if !full && accounted < budget-slack {
-		t.Errorf("%s: admitted %d + held %.2f = %.2f, %.2f short of burst + rate*T = %.2f: leased tokens went missing",
-			name, admitted, tokens, accounted, budget-accounted, budget)
+	if accounted < budget-slack-rounding {
+		t.Errorf("%s: admitted %d + held %.2f = %.2f, %.2f short of burst + rate*T = %.2f, of which the bucket lost at most %.2f at its burst: "+
+			"leased tokens went missing", name, admitted, tokens, accounted, budget-accounted, budget, slack)
 	}
 }
 
@@ -1439,7 +1468,7 @@ func TestLeaseBoundAcrossInstances(t *testing.T) {
 		eventually(t, 2*time.Second, "every lease given back", func() bool {
 			return leaseRecords(t, rdb, key) == nil
 		})
-		expectBoundAndAccounted(t, "two handlers", rdb, key, rate, burst, r.admitted, r, t0)
+		expectBoundAndAccounted(t, "two handlers", rdb, key, rate, burst, 2*16, r, t0)
 	})
 
 	t.Run("two Caddy instances", func(t *testing.T) {
@@ -1471,7 +1500,7 @@ func TestLeaseBoundAcrossInstances(t *testing.T) {
 		eventually(t, 2*time.Second, "every lease given back", func() bool {
 			return leaseRecords(t, rdb, key) == nil
 		})
-		expectBoundAndAccounted(t, "two Caddy instances", rdb, key, rate, burst, r.admitted, r, t0)
+		expectBoundAndAccounted(t, "two Caddy instances", rdb, key, rate, burst, 2*16, r, t0)
 	})
 }
 
@@ -1527,8 +1556,19 @@ func TestLeaseOnCluster(t *testing.T) {
 		})
 		leasesSettled(t, hs[0])
 		leasesSettled(t, hs[1])
-		time.Sleep(200 * time.Millisecond) // the last give-back's call
-		expectBoundAndAccounted(t, "tenant", masterOf(t, c, cc, clients, tenantKey), tenantKey, tenantRate, tenantBurst, r.admitted, r, t0)
+		// The give-backs are a call per bucket, one after another: on a
+		// loaded machine the last may land well after its lease was picked.
+		tenantMaster := masterOf(t, c, cc, clients, tenantKey)
+		eventually(t, 2*time.Second, "every give-back landed", func() bool {
+			for i := range nClients {
+				key := limitKey(t, hs[0], "client", fmt.Sprint("k", i))
+				if leaseRecords(t, masterOf(t, c, cc, clients, key), key) != nil {
+					return false
+				}
+			}
+			return leaseRecords(t, tenantMaster, tenantKey) == nil
+		})
+		expectBoundAndAccounted(t, "tenant", tenantMaster, tenantKey, tenantRate, tenantBurst, 2*8, r, t0)
 		for i := range nClients {
 			key := limitKey(t, hs[0], "client", fmt.Sprint("k", i))
 			rdb := masterOf(t, c, cc, clients, key)

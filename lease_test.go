@@ -1136,6 +1136,7 @@ func TestLeaseCleanupGivesBack(t *testing.T) {
 		t.Fatal(err)
 	}
 	// Provisioned without tryProvision: this test runs Cleanup itself.
+	h.Redis.Timeout = caddy.Duration(testRedisTimeout)
 	ctx, cancel := caddy.NewContext(caddy.Context{Context: context.Background()})
 	t.Cleanup(cancel)
 	if err := h.Provision(ctx); err != nil {
@@ -1367,6 +1368,7 @@ func TestLeaseGiveBackNeverOverfills(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
+	a.Redis.Timeout = caddy.Duration(testRedisTimeout)
 	ctx, cancel := caddy.NewContext(caddy.Context{Context: context.Background()})
 	t.Cleanup(cancel)
 	if err := a.Provision(ctx); err != nil { // a's Cleanup is the test's: it gives back

@@ -198,6 +198,7 @@ func (h *Handler) buildConcurrent(keyPrefix string, first int, groups map[string
 			slots: &slotRule{hold: hold, holdArg: strconv.FormatInt(hold.Microseconds(), 10),
 				retryAfter: time.Duration(retry) * time.Second},
 		}
+		l.kind = l.slots
 		group := fmt.Sprintf("%s/%d/%d", key, template.ipv4Bits, template.ipv6Bits)
 		if _, ok := groups[group]; !ok {
 			groups[group] = len(groups)
@@ -1093,3 +1094,35 @@ for i = 2, #scores, 2 do
   left[#left + 1] = tonumber(scores[i]) - now
 end
 return left`
+
+// The concurrent limit as a kind of limit (kind.go).
+
+// fixedHeaders formats a fixed limit's header values once: its slots as
+// the burst capacity, no replenish rate.
+func (*slotRule) fixedHeaders(l *limit, lh *limitHeaders) bool {
+	if !(tokenBucket{}).fixedHeaders(l, lh) {
+		return false
+	}
+	lh.policy = slotPolicyItem(lh.quoted, l.values)
+	return true
+}
+
+// setSpring writes its slots as the burst capacity, as a token bucket of
+// no rate would.
+func (*slotRule) setSpring(hdr http.Header, v *headerValues, b *bucket, lh *limitHeaders) {
+	tokenBucket{}.setSpring(hdr, v, b, lh)
+}
+
+func (*slotRule) appendPolicy(policy []byte, lh *limitHeaders, b *bucket) []byte {
+	return append(policy, slotPolicyItem(lh.quoted, b.values)...)
+}
+
+// resetIn is its wait: retry_after when it was full (slotsAnswered).
+func (*slotRule) resetIn(b *bucket) time.Duration { return b.retryAfter }
+
+// denialTTL is 0: slots come back by release, not by time.
+func (*slotRule) denialTTL(*bucket) time.Duration { return 0 }
+
+// cachedRemaining is what it held: the deny cache never keeps a
+// concurrent limit's refusal (denialTTL).
+func (*slotRule) cachedRemaining(_ *bucket, remaining int64, _ time.Duration) int64 { return remaining }

@@ -148,6 +148,10 @@ type limit struct {
 	// requested_tokens is its cost.
 	charge *chargeRule
 
+	// kind is its kind of limit (kind.go): a token bucket, a quota or a
+	// concurrent limit.
+	kind kind
+
 	// quota is its period when it is a quota (quota.go), nil for a token
 	// bucket; its values' burst is then the quota's count.
 	quota *quota
@@ -230,13 +234,14 @@ func (h *Handler) buildLimits(keyPrefix string) ([]*limit, error) {
 			index: i, name: c.Name, nameValue: c.Name, ietfName: h.Zone,
 			rate: or(unset(c.ReplenishRate), unset(h.ReplenishRate)), burst: or(c.BurstCapacity, h.BurstCapacity),
 			cost: or(unset(c.RequestedTokens), unset(h.RequestedTokens)),
+			kind: tokenBucket{},
 		}
 		if i >= quotas { // the count is the quota's own; there is no rate
 			var err error
 			if l.quota, err = newQuota(h.Quotas[i-quotas]); err != nil {
 				return nil, fmt.Errorf("quota %s: %w", c.Name, err)
 			}
-			l.rate, l.burst = "", c.BurstCapacity
+			l.rate, l.burst, l.kind = "", c.BurstCapacity, l.quota
 		}
 		key := or(c.Key, h.Key)
 		l.keyText = key

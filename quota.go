@@ -10,6 +10,7 @@ import (
 	"fmt"
 	"hash/fnv"
 	"math"
+	"net/http"
 	"strconv"
 	"sync/atomic"
 	"time"
@@ -411,3 +412,49 @@ func jitterRefusal(buckets []bucket, jitter time.Duration) {
 		b.retryAfter += time.Duration(h.Sum64() % uint64(jitter))
 	}
 }
+
+// The quota as a kind of limit (kind.go). Its RateLimit-Policy items and
+// X-RateLimit replenish rates change with the length of its period, so
+// they come from the bucket's period (formatted once per period at a
+// fixed count).
+
+// fixedHeaders formats its count and cost once; its item is the
+// period's.
+func (*quota) fixedHeaders(l *limit, lh *limitHeaders) bool {
+	lh.burst = strconv.FormatInt(l.values.burst, 10)
+	lh.requested = strconv.FormatInt(l.values.requested, 10)
+	return false
+}
+
+// setSpring writes its count as the burst capacity, spread over its
+// period as the replenish rate.
+func (*quota) setSpring(hdr http.Header, v *headerValues, b *bucket, lh *limitHeaders) {
+	if b.limit.fixed {
+		v.put(hdr, "X-Ratelimit-Replenish-Rate", b.quota.rate)
+		v.put(hdr, "X-Ratelimit-Burst-Capacity", lh.burst)
+		v.put(hdr, "X-Ratelimit-Requested-Tokens", lh.requested)
+		return
+	}
+	v.put(hdr, "X-Ratelimit-Replenish-Rate", quotaRate(b.values.burst, b.quota.window()))
+	v.put(hdr, "X-Ratelimit-Burst-Capacity", countText(b.values.burst))
+	v.put(hdr, "X-Ratelimit-Requested-Tokens", countText(b.values.requested))
+}
+
+func (*quota) appendPolicy(policy []byte, lh *limitHeaders, b *bucket) []byte {
+	if b.quota.policy != "" && b.limit.fixed {
+		return append(policy, b.quota.policy...)
+	}
+	return append(policy, quotaPolicyItem(lh.quoted, b.values.burst, b.quota.window())...)
+}
+
+// resetIn is the end of the period it counted in, or its wait if later.
+func (*quota) resetIn(b *bucket) time.Duration {
+	return max(b.retryAfter, b.quota.untilEnd(time.Now(), b.quotaShift))
+}
+
+// denialTTL is its wait: until its period ends (with reset_jitter's share).
+func (*quota) denialTTL(b *bucket) time.Duration { return b.retryAfter }
+
+// cachedRemaining is what it held when refused: it renews only at its
+// boundary.
+func (*quota) cachedRemaining(_ *bucket, remaining int64, _ time.Duration) int64 { return remaining }

@@ -4,8 +4,10 @@ import (
 	"errors"
 	"fmt"
 	"math"
+	"net/http"
 	"strconv"
 	"strings"
+	"time"
 
 	"github.com/caddyserver/caddy/v2"
 )
@@ -148,4 +150,59 @@ func checkValues(rate, burst, cost Param, together bool) error {
 		return badValue("requested_tokens", string(cost), fmt.Sprintf("is more than burst_capacity '%d': no request could ever be admitted", v.burst))
 	}
 	return nil
+}
+
+// tokenBucket is the token bucket as a kind of limit (kind.go).
+type tokenBucket struct{}
+
+// fixedHeaders formats a fixed limit's header values once.
+func (tokenBucket) fixedHeaders(l *limit, lh *limitHeaders) bool {
+	if !l.fixed || l.exempt {
+		return false
+	}
+	lh.rate = strconv.FormatFloat(l.values.rate, 'f', -1, 64)
+	lh.burst = strconv.FormatInt(l.values.burst, 10)
+	lh.requested = strconv.FormatInt(l.values.requested, 10)
+	lh.policy = policyItem(lh.quoted, l.values)
+	return true
+}
+
+// setSpring writes the bucket's rate, burst and cost.
+func (tokenBucket) setSpring(hdr http.Header, v *headerValues, b *bucket, lh *limitHeaders) {
+	if b.limit.fixed {
+		v.put(hdr, "X-Ratelimit-Replenish-Rate", lh.rate)
+		v.put(hdr, "X-Ratelimit-Burst-Capacity", lh.burst)
+		v.put(hdr, "X-Ratelimit-Requested-Tokens", lh.requested)
+		return
+	}
+	v.put(hdr, "X-Ratelimit-Replenish-Rate", strconv.FormatFloat(b.values.rate, 'f', -1, 64))
+	v.put(hdr, "X-Ratelimit-Burst-Capacity", countText(b.values.burst))
+	v.put(hdr, "X-Ratelimit-Requested-Tokens", countText(b.values.requested))
+}
+
+func (tokenBucket) appendPolicy(policy []byte, lh *limitHeaders, b *bucket) []byte {
+	return append(policy, policyItem(lh.quoted, b.values)...)
+}
+
+// policyItem is a limit's RateLimit-Policy item: its burst as the quota
+// and the seconds an empty bucket takes to fill as the window.
+func policyItem(quoted string, v limitValues) string {
+	fill := int64(0)
+	if v.rate > 0 {
+		fill = int64(math.Ceil(float64(v.burst) / v.rate))
+	}
+	return fmt.Sprintf("%s;q=%d;w=%d", quoted, v.burst, fill)
+}
+
+// resetIn is the bucket's wait: it refills by time.
+func (tokenBucket) resetIn(b *bucket) time.Duration { return b.retryAfter }
+
+// denialTTL is the bucket's wait: it refills by time.
+func (tokenBucket) denialTTL(b *bucket) time.Duration { return b.retryAfter }
+
+// cachedRemaining is what the bucket refilled since its refusal: it
+// holds requested - wait*rate tokens.
+func (tokenBucket) cachedRemaining(b *bucket, _ int64, wait time.Duration) int64 {
+	tokens := float64(b.values.requested) - wait.Seconds()*b.values.rate
+	return max(0, int64(math.Floor(tokens)))
 }

@@ -1,0 +1,52 @@
+package ratelimit
+
+import (
+	"net/http"
+	"time"
+)
+
+// kind is a kind of limit: the token bucket (tokenbucket.go), the quota
+// (quota.go) or the concurrent limit (concurrent.go). A limit holds its
+// kind (limit.kind), chosen once when the config is provisioned, and the
+// rest of the package asks the kind what is particular to it instead of
+// asking which kind it is. A kind is responsible for:
+//
+//   - what it puts in the rate-limit headers (headers.go calls it);
+//   - how long the deny cache may keep its refusal (denycache.go).
+//
+// What a request knows of a bucket of the kind stays in the request's
+// bucket (policy.go), as the kind's methods read and write it: a kind
+// holds what every request of its limit shares, never one request's.
+type kind interface {
+	// fixedHeaders fills a limit's header values that do not change
+	// between requests, when the config loads, and says whether its
+	// RateLimit-Policy item (lh.policy) is one of them.
+	fixedHeaders(l *limit, lh *limitHeaders) (fixedItem bool)
+	// setSpring writes the X-RateLimit values of the bucket that the
+	// Spring set describes, but X-RateLimit-Remaining, which is every
+	// kind's.
+	setSpring(hdr http.Header, v *headerValues, b *bucket, lh *limitHeaders)
+	// appendPolicy appends the bucket's RateLimit-Policy item, when the
+	// handler's whole RateLimit-Policy is not fixed.
+	appendPolicy(policy []byte, lh *limitHeaders, b *bucket) []byte
+	// resetIn is RateLimit's t of an answered bucket: how long until it
+	// is back (its wait, or later).
+	resetIn(b *bucket) time.Duration
+
+	// denialTTL is how long the deny cache may keep the bucket's refusal:
+	// 0 for one that it must not keep.
+	denialTTL(b *bucket) time.Duration
+	// cachedRemaining is what a bucket that the deny cache answers for
+	// holds now, remaining when Redis refused it, wait before the time
+	// it holds the requested tokens again.
+	cachedRemaining(b *bucket, remaining int64, wait time.Duration) int64
+}
+
+// kind is the bucket's kind of limit: its limit's; a bucket of no limit
+// (a lease's renewal, lease.go) is a token bucket.
+func (b *bucket) kind() kind {
+	if b.limit == nil {
+		return tokenBucket{}
+	}
+	return b.limit.kind
+}

@@ -1097,6 +1097,27 @@ return left`
 
 // The concurrent limit as a kind of limit (kind.go).
 
+// limitInfo lists its slots and hold.
+func (s *slotRule) limitInfo(l *limit) limitInfo {
+	li := l.limitInfo()
+	li.Slots, li.Hold = l.burst, s.hold.String()
+	return li
+}
+
+// bucketInfo shows how many of its slots are held, and when each held
+// slot expires unless renewed.
+func (*slotRule) bucketInfo(ctx context.Context, h *Handler, b bucket) (bucketInfo, error) {
+	view, err := h.peekSlots(ctx, b)
+	if err != nil {
+		return bucketInfo{}, err
+	}
+	info := bucketInfo{Limit: b.limit.name, Key: b.clientKey(), StoredKey: b.key, Slots: &b.values.burst, InUse: &view.inUse}
+	for _, d := range view.expiries {
+		info.SlotExpiry = append(info.SlotExpiry, d.Seconds())
+	}
+	return info, nil
+}
+
 // fixedHeaders formats a fixed limit's header values once: its slots as
 // the burst capacity, no replenish rate.
 func (*slotRule) fixedHeaders(l *limit, lh *limitHeaders) bool {

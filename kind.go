@@ -1,6 +1,7 @@
 package ratelimit
 
 import (
+	"context"
 	"net/http"
 	"time"
 )
@@ -12,6 +13,7 @@ import (
 // asking which kind it is. A kind is responsible for:
 //
 //   - what it puts in the rate-limit headers (headers.go calls it);
+//   - its admin view (admin.go);
 //   - how long the deny cache may keep its refusal (denycache.go).
 //
 // What a request knows of a bucket of the kind stays in the request's
@@ -40,6 +42,13 @@ type kind interface {
 	// holds now, remaining when Redis refused it, wait before the time
 	// it holds the requested tokens again.
 	cachedRemaining(b *bucket, remaining int64, wait time.Duration) int64
+
+	// limitInfo is the limit as the admin API lists it, with the
+	// defaults filled in where its values are fixed.
+	limitInfo(l *limit) limitInfo
+	// bucketInfo reads a client's bucket of the kind where h keeps it,
+	// and is what the admin API shows of it.
+	bucketInfo(ctx context.Context, h *Handler, b bucket) (bucketInfo, error)
 }
 
 // kind is the bucket's kind of limit: its limit's; a bucket of no limit

@@ -7,6 +7,7 @@ package ratelimit
 // the memory store, its header items and its admin view.
 
 import (
+	"context"
 	"fmt"
 	"hash/fnv"
 	"math"
@@ -380,13 +381,36 @@ func settleQuotaUse(state memoryBucket, v limitValues, diff, maxDebt int64) (aft
 	return state, forgiven
 }
 
-// quotaView is a quota's admin view at now, from what it holds (view).
-func quotaView(l *limit, b bucket, view bucketView, now time.Time) *quotaInfo {
+// limitInfo lists its count, period and cost.
+func (q *quota) limitInfo(l *limit) limitInfo {
+	li := l.limitInfo()
+	li.Count, li.Per, li.RequestedTokens = l.burst, q.per, l.cost
+	if l.fixed && !l.exempt {
+		li.Count = Param(strconv.FormatInt(l.values.burst, 10))
+		li.RequestedTokens = Param(strconv.FormatInt(l.values.requested, 10))
+	}
+	return li
+}
+
+// bucketInfo shows what is left of its count, and its usage in its
+// current period (Quota); its count is not a burst.
+func (q *quota) bucketInfo(ctx context.Context, h *Handler, b bucket) (bucketInfo, error) {
+	info, view, err := h.peekInfo(ctx, b)
+	if err != nil {
+		return info, err
+	}
+	info.BurstCapacity = 0 // its count is in Quota
+	info.Quota = q.view(b, view, time.Now())
+	return info, nil
+}
+
+// view is a quota's admin view at now, from what it holds (view).
+func (q *quota) view(b bucket, view bucketView, now time.Time) *quotaInfo {
 	start, end, _ := b.quota.span(now.UnixMicro())
-	loc := l.quota.period.Location()
+	loc := q.period.Location()
 	left := int64(math.Floor(view.tokens))
 	return &quotaInfo{
-		Per: l.quota.per, Count: b.values.burst, Used: b.values.burst - left, Remaining: max(0, left),
+		Per: q.per, Count: b.values.burst, Used: b.values.burst - left, Remaining: max(0, left),
 		PeriodStart: time.UnixMicro(start).In(loc).Format(time.RFC3339),
 		ResetsAt:    time.UnixMicro(end).In(loc).Format(time.RFC3339),
 		ResetsIn:    float64(end-now.UnixMicro()) / 1e6,

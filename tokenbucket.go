@@ -1,6 +1,7 @@
 package ratelimit
 
 import (
+	"context"
 	"errors"
 	"fmt"
 	"math"
@@ -165,6 +166,24 @@ func (tokenBucket) fixedHeaders(l *limit, lh *limitHeaders) bool {
 	lh.requested = strconv.FormatInt(l.values.requested, 10)
 	lh.policy = policyItem(lh.quoted, l.values)
 	return true
+}
+
+// limitInfo lists the rate, burst and cost.
+func (tokenBucket) limitInfo(l *limit) limitInfo {
+	li := l.limitInfo()
+	li.ReplenishRate, li.BurstCapacity, li.RequestedTokens = l.rate, l.burst, l.cost
+	if l.fixed && !l.exempt { // with the defaults filled in
+		li.ReplenishRate = floatParam(l.values.rate)
+		li.BurstCapacity = Param(strconv.FormatInt(l.values.burst, 10))
+		li.RequestedTokens = Param(strconv.FormatInt(l.values.requested, 10))
+	}
+	return li
+}
+
+// bucketInfo shows the tokens the bucket holds.
+func (tokenBucket) bucketInfo(ctx context.Context, h *Handler, b bucket) (bucketInfo, error) {
+	info, _, err := h.peekInfo(ctx, b)
+	return info, err
 }
 
 // setSpring writes the bucket's rate, burst and cost.

@@ -1118,6 +1118,22 @@ func (*slotRule) bucketInfo(ctx context.Context, h *Handler, b bucket) (bucketIn
 	return info, nil
 }
 
+// A concurrent limit's slots in the process are counts of their own
+// (takeInProcess), never buckets of the memory store's: a take gives the
+// store only the token buckets before the slots.
+
+func (*slotRule) holds(memoryBucket, bool, time.Time, int64, *bucket) bool {
+	panic("concurrent limits take slots (takeInProcess), not tokens")
+}
+
+func (*slotRule) take(memoryBucket, bool, time.Time, int64, *bucket, bool) (memoryBucket, bool, int64, int64) {
+	panic("concurrent limits take slots (takeInProcess), not tokens")
+}
+
+func (*slotRule) peek(memoryBucket, bool, time.Time, int64, bucket) bucketView {
+	panic("concurrent limits are read by peekSlots, not peek")
+}
+
 // fixedHeaders formats a fixed limit's header values once: its slots as
 // the burst capacity, no replenish rate.
 func (*slotRule) fixedHeaders(l *limit, lh *limitHeaders) bool {

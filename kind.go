@@ -13,6 +13,8 @@ import (
 // asking which kind it is. A kind is responsible for:
 //
 //   - what it puts in the rate-limit headers (headers.go calls it);
+//   - its arithmetic in the process, for store memory and on_error local
+//     (memstore.go);
 //   - its admin view (admin.go);
 //   - how long the deny cache may keep its refusal (denycache.go).
 //
@@ -42,6 +44,18 @@ type kind interface {
 	// holds now, remaining when Redis refused it, wait before the time
 	// it holds the requested tokens again.
 	cachedRemaining(b *bucket, remaining int64, wait time.Duration) int64
+
+	// holds says whether a bucket the memory store holds (state, if ok)
+	// has room for the request at now, t on the store's clock; asked of
+	// every bucket of a take, before take.
+	holds(state memoryBucket, ok bool, now time.Time, t int64, b *bucket) bool
+	// take is a bucket's part of a memory store take, once the request is
+	// known to be allowed or not: the state to store, if store, and the
+	// answer, as the script's.
+	take(state memoryBucket, ok bool, now time.Time, t int64, b *bucket, allowed bool) (after memoryBucket, store bool, remaining, wait int64)
+	// peek is a bucket the memory store holds (state, if ok), as the
+	// admin API shows it.
+	peek(state memoryBucket, ok bool, now time.Time, t int64, b bucket) bucketView
 
 	// limitInfo is the limit as the admin API lists it, with the
 	// defaults filled in where its values are fixed.

@@ -336,11 +336,11 @@ func takeQuota(used float64, start, end, wall, t int64, v limitValues, take bool
 	return memoryBucket{tokens: used, at: start, expires: expires}, took, max(0, int64(math.Floor(count-used))), wait
 }
 
-// settleQuota is a quota's part of a memory store take at now (t on the
+// take is a quota's part of a memory store take at now (t on the
 // store's clock), once the request is known to be allowed or not (see
 // settle for buckets); it notes in b the period it counted in, as the
 // script answers it. A denial stores nothing.
-func settleQuota(state memoryBucket, ok bool, now time.Time, t int64, b *bucket, allowed bool) (after memoryBucket, store bool, remaining, wait int64) {
+func (*quota) take(state memoryBucket, ok bool, now time.Time, t int64, b *bucket, allowed bool) (after memoryBucket, store bool, remaining, wait int64) {
 	wall := now.UnixMicro()
 	start, end, shift := b.quota.span(wall)
 	b.quotaShift = shift
@@ -348,15 +348,17 @@ func settleQuota(state memoryBucket, ok bool, now time.Time, t int64, b *bucket,
 	return after, allowed, remaining, wait
 }
 
-// quotaHolds says whether a held quota has room for the request at now.
-func quotaHolds(state memoryBucket, ok bool, now time.Time, t int64, b *bucket) bool {
+// holds says whether a held quota has room for the request at now, in
+// the period now is in (quotaAt).
+func (*quota) holds(state memoryBucket, ok bool, now time.Time, t int64, b *bucket) bool {
+	b.quotaAt(now)
 	start, _, _ := b.quota.span(now.UnixMicro())
 	return quotaUsed(state, ok, t, start)+float64(b.values.requested) <= float64(b.values.burst)
 }
 
-// peekQuota is a held quota as the admin API shows it: tokens is what
-// is left of the count.
-func peekQuota(state memoryBucket, ok bool, now time.Time, t int64, b bucket) bucketView {
+// peek is a held quota as the admin API shows it: tokens is what is
+// left of the count.
+func (*quota) peek(state memoryBucket, ok bool, now time.Time, t int64, b bucket) bucketView {
 	wall := now.UnixMicro()
 	start, end, _ := b.quota.span(wall)
 	used := quotaUsed(state, ok, t, start)

@@ -225,3 +225,93 @@ func (tokenBucket) cachedRemaining(b *bucket, _ int64, wait time.Duration) int64
 	tokens := float64(b.values.requested) - wait.Seconds()*b.values.rate
 	return max(0, int64(math.Floor(tokens)))
 }
+
+// The token bucket in the process (store memory, on_error local): a
+// memoryBucket holds its tokens at a time, and expires when it would be
+// full again. Every step is script.lua's checkBucket and takeBucket.
+
+// holds says whether the bucket has the requested tokens at t.
+func (tokenBucket) holds(state memoryBucket, ok bool, _ time.Time, t int64, b *bucket) bool {
+	current, at := currentState(state, ok, t, b.values)
+	return refill(current, at, b.values) >= float64(b.values.requested)
+}
+
+// take is the bucket's part of a take at t (settle).
+func (tokenBucket) take(state memoryBucket, ok bool, _ time.Time, t int64, b *bucket, allowed bool) (after memoryBucket, store bool, remaining, wait int64) {
+	return settle(state, ok, t, b.values, allowed)
+}
+
+// peek is what the bucket holds at t, refilled.
+func (tokenBucket) peek(state memoryBucket, ok bool, _ time.Time, t int64, b bucket) bucketView {
+	v := b.values
+	if !ok || state.expires <= t {
+		return bucketView{tokens: float64(v.burst)}
+	}
+	current, at := currentState(state, true, t, v)
+	_, _, _, wait := takeBucket(current, at, v, false)
+	return bucketView{tokens: refill(current, at, v), wait: time.Duration(wait) * time.Microsecond,
+		expiresIn: time.Duration(state.expires-t) * time.Microsecond}
+}
+
+// settle is one bucket's part of a take at t, once the request is known
+// to be allowed or not: the state to store, if store, and the answer.
+// state is the bucket as held, if ok.
+func settle(state memoryBucket, ok bool, t int64, v limitValues, allowed bool) (after memoryBucket, store bool, remaining, wait int64) {
+	current, at := currentState(state, ok, t, v)
+	after, _, remaining, wait = takeBucket(current, at, v, allowed)
+	if !allowed && ok {
+		after = extendOnDenial(state, after, at, v)
+	}
+	return after, allowed || ok && after != state, remaining, wait
+}
+
+// currentState is a bucket's state for a take at t, and the time of the
+// take: an absent bucket (not ok), or one past its expiry, is full at t
+// (as an absent or expired Redis key); a bucket taken from after t is
+// taken from at that time (see take).
+func currentState(state memoryBucket, ok bool, t int64, v limitValues) (memoryBucket, int64) {
+	if !ok || state.expires <= t {
+		return memoryBucket{tokens: float64(v.burst), at: t}, t
+	}
+	return state, max(t, state.at)
+}
+
+// refill is what a bucket holds at t: script.lua's arithmetic, which
+// also counts from t when the stored time lies ahead.
+func refill(state memoryBucket, t int64, v limitValues) float64 {
+	return math.Min(float64(v.burst), state.tokens+float64(max(0, t-state.at))*v.rate/1000000)
+}
+
+// takeBucket is script.lua for one bucket at time t (microseconds):
+// refill by the time elapsed, take the requested tokens when take says
+// so, and answer the remaining whole tokens and the microseconds until
+// the bucket holds its requested tokens again. The state after holds
+// when the bucket would be full again. Every step is the script's, in the
+// same order, so that both agree to the bit (TestScriptAgreesWithMemoryStore).
+func takeBucket(state memoryBucket, t int64, v limitValues, take bool) (after memoryBucket, took bool, remaining, wait int64) {
+	tokens := refill(state, t, v)
+	requested := float64(v.requested)
+	if take && tokens >= requested {
+		tokens -= requested
+		took = true
+	}
+	if tokens < requested {
+		wait = int64(math.Ceil((requested - tokens) * 1000000 / v.rate))
+	}
+	ttl := math.Max(1000, math.Ceil((float64(v.burst)-tokens)*1000/v.rate)) // milliseconds, as the key's TTL
+	return memoryBucket{tokens: tokens, at: t, expires: t + int64(ttl)*1000}, took, max(0, int64(math.Floor(tokens))), wait
+}
+
+// extendOnDenial is what a denial at t leaves of a held bucket: its
+// state, unchanged, unless the values now in force (a slower plan than
+// the one it was taken at) need it to live longer to refill; then it
+// expires as after (takeBucket's) says. script.lua's PEXPIRE, with its
+// millisecond of slack for the rounding of expiries: at unchanged values
+// a denial changes nothing.
+func extendOnDenial(state, after memoryBucket, t int64, v limitValues) memoryBucket {
+	fill := math.Ceil((float64(v.burst) - after.tokens) * 1000 / v.rate) // milliseconds, as the script's
+	if state.expires > t && float64(state.expires-t)+1000 < fill*1000 {
+		state.expires = after.expires
+	}
+	return state
+}

@@ -414,12 +414,9 @@ func clientBuckets(limits []*limit, query url.Values) (map[*limit]bucket, map[*l
 		if key == "" {
 			return nil, nil, fmt.Errorf("a placeholder of key '%s' is empty", l.keyText)
 		}
-		buckets[l] = bucket{limit: l, key: key, values: values, args: l.scriptArgs(values)}
-		if l.quota != nil {
-			b := buckets[l]
-			b.quota = l.quota.at(time.Now(), l)
-			buckets[l] = b
-		}
+		b := bucket{limit: l, key: key, values: values, args: l.kind.scriptArgs(values)}
+		l.kind.begin(&b, requestShared{})
+		buckets[l] = b
 	}
 	for name := range given {
 		if !used[name] {

@@ -209,23 +209,12 @@ func (h *Handler) buildConcurrent(keyPrefix string, first int, groups map[string
 			if l.values, l.exempt, err = resolveSlots(string(c.Slots)); err != nil {
 				return nil, err
 			}
-			l.args = [3]any{kindConcurrentArg, strconv.FormatInt(l.values.burst, 10), nil}
+			l.args = l.kind.scriptArgs(l.values)
 			l.burstValue = l.values.burst
 		}
 		limits = append(limits, l)
 	}
 	return limits, nil
-}
-
-// slotArgs are a concurrent bucket's script arguments for a request:
-// "c", n, the request's slot id (the hold follows, from the limit).
-func slotArgs(l *limit, values limitValues, id any) [3]any {
-	args := l.args
-	if !l.fixed {
-		args = [3]any{kindConcurrentArg, strconv.FormatInt(values.burst, 10), nil}
-	}
-	args[2] = id
-	return args
 }
 
 // instanceID starts every slot id of this process: slots of instances
@@ -1117,6 +1106,36 @@ func (*slotRule) bucketInfo(ctx context.Context, h *Handler, b bucket) (bucketIn
 	}
 	return info, nil
 }
+
+func (*slotRule) burstName() string { return "slots" }
+
+// resolveValues reads its slots, in the burst's place.
+func (*slotRule) resolveValues(_, slots, _ string) (limitValues, bool, error) {
+	return resolveSlots(slots)
+}
+
+// scriptArgs are "c" and n; the request's slot id follows (begin).
+func (*slotRule) scriptArgs(v limitValues) [3]any {
+	return [3]any{kindConcurrentArg, strconv.FormatInt(v.burst, 10), nil}
+}
+
+// begin gives the bucket the request's slot id, one for all its
+// concurrent limits.
+func (*slotRule) begin(b *bucket, shared requestShared) requestShared {
+	if shared.slot == nil {
+		shared.slot = newSlotID()
+	}
+	b.args[2] = shared.slot
+	return shared
+}
+
+// appendArgs appends "c", n, the slot id, then the hold.
+func (s *slotRule) appendArgs(args []any, b *bucket) []any {
+	return append(append(args, b.args[:]...), s.holdArg)
+}
+
+func (*slotRule) replyWords() int                       { return 0 }
+func (*slotRule) readReply(*bucket, []int64, int) error { return nil }
 
 // A concurrent limit's slots in the process are counts of their own
 // (takeInProcess), never buckets of the memory store's: a take gives the

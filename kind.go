@@ -12,6 +12,9 @@ import (
 // rest of the package asks the kind what is particular to it instead of
 // asking which kind it is. A kind is responsible for:
 //
+//   - its values, resolved from their text (policy.go), and its part of
+//     a script call: its arguments and its words of the reply
+//     (limiter.go);
 //   - what it puts in the rate-limit headers (headers.go calls it);
 //   - its arithmetic in the process, for store memory and on_error local
 //     (memstore.go);
@@ -22,6 +25,29 @@ import (
 // bucket (policy.go), as the kind's methods read and write it: a kind
 // holds what every request of its limit shares, never one request's.
 type kind interface {
+	// burstName is the name of the burst's value in the config, for
+	// messages: the burst_capacity of a token bucket, a quota's count.
+	burstName() string
+	// resolveValues parses a limit's values as written (placeholders
+	// replaced) and judges them; isUnlimited says the limit does not
+	// apply.
+	resolveValues(rate, burst, requested string) (v limitValues, isUnlimited bool, err error)
+	// scriptArgs are the values as the script takes them, boxed once
+	// for fixed values (limit.args).
+	scriptArgs(v limitValues) [3]any
+	// begin completes a request's new bucket with what is the request's
+	// own (a quota's period, a slot id); shared is what the request's
+	// buckets share, returned with what begin made of it.
+	begin(b *bucket, shared requestShared) requestShared
+	// appendArgs appends the bucket's arguments of a script call (its
+	// args, and what the kind adds).
+	appendArgs(args []any, b *bucket) []any
+	// replyWords is how many words of a take's reply are the bucket's,
+	// after every bucket's remaining and wait (and what each lent);
+	// readReply reads them, from reply[at].
+	replyWords() int
+	readReply(b *bucket, reply []int64, at int) error
+
 	// fixedHeaders fills a limit's header values that do not change
 	// between requests, when the config loads, and says whether its
 	// RateLimit-Policy item (lh.policy) is one of them.

@@ -267,7 +267,6 @@ type Handler struct {
 	groups       [][]*limit // on Cluster, limits by hash slot, when they span several
 	useDenyCache bool       // see takeGroups
 	perRequest   bool       // some limit's values come from the request
-	quotas       bool       // some limit is a quota: requests read the clock for its period
 	denyEmpty    bool
 	failOpen     bool
 	headers      rateLimitHeaders
@@ -333,7 +332,6 @@ func (h *Handler) Provision(ctx caddy.Context) (err error) {
 	h.useDenyCache = true
 	for _, l := range h.limits {
 		h.perRequest = h.perRequest || !l.fixed
-		h.quotas = h.quotas || l.quota != nil
 	}
 	h.redisWarns = &logThrottle{every: 10 * time.Second}
 	h.fullWarns = &logThrottle{every: 10 * time.Second}

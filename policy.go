@@ -271,10 +271,10 @@ func (h *Handler) buildLimits(keyPrefix string) ([]*limit, error) {
 		l.group = groups[group]
 		l.fixed = !l.rate.perRequest() && !l.burst.perRequest() && !l.cost.perRequest()
 		if l.fixed {
-			if l.values, l.exempt, err = l.resolveValues(string(l.rate), string(l.burst), string(l.cost)); err != nil {
+			if l.values, l.exempt, err = l.kind.resolveValues(string(l.rate), string(l.burst), string(l.cost)); err != nil {
 				return nil, err
 			}
-			l.args, l.burstValue = l.scriptArgs(l.values), l.values.burst
+			l.args, l.burstValue = l.kind.scriptArgs(l.values), l.values.burst
 		}
 		limits[i] = l
 	}
@@ -288,22 +288,6 @@ func (h *Handler) buildLimits(keyPrefix string) ([]*limit, error) {
 
 // or is the first of its values that is set.
 func or[T ~string](values ...T) T { return cmp.Or(values...) }
-
-// resolveValues is resolveValues, or resolveQuotaValues for a quota.
-func (l *limit) resolveValues(rate, burst, requested string) (limitValues, bool, error) {
-	if l.quota != nil {
-		return resolveQuotaValues(burst, requested)
-	}
-	return resolveValues(rate, burst, requested)
-}
-
-// scriptArgs are the limit's values as the script takes them.
-func (l *limit) scriptArgs(v limitValues) [3]any {
-	if l.quota != nil {
-		return quotaArgs(v)
-	}
-	return v.scriptArgs()
-}
 
 // checkLimits judges the limits as configured, before provisioning: the
 // parser calls it at the end of the directive, Validate for JSON.
@@ -378,11 +362,7 @@ func (h *Handler) asksRedis() bool {
 func (h *Handler) resolveBuckets(r *http.Request, repl *caddy.Replacer, buckets []bucket) (_ []bucket, skipped decision, err error) {
 	skipped = decisionEmptyKey
 	rv := requestValues{r: r, repl: repl} // one pass over the request's placeholders, for every limit
-	var now time.Time
-	if h.quotas {
-		now = time.Now()
-	}
-	var slot any // the request's slot id, for every concurrent limit
+	var shared requestShared
 	for _, l := range h.limits {
 		values, args, exempt := l.values, l.args, l.exempt
 		if !l.fixed {
@@ -392,15 +372,9 @@ func (h *Handler) resolveBuckets(r *http.Request, repl *caddy.Replacer, buckets 
 				}
 				return nil, skipped, err
 			}
-			if !exempt && l.slots == nil {
-				args = l.scriptArgs(values)
+			if !exempt {
+				args = l.kind.scriptArgs(values)
 			}
-		}
-		if l.slots != nil && !exempt {
-			if slot == nil {
-				slot = newSlotID()
-			}
-			args = slotArgs(l, values, slot)
 		}
 		if exempt {
 			skipped = decisionExempt
@@ -414,38 +388,41 @@ func (h *Handler) resolveBuckets(r *http.Request, repl *caddy.Replacer, buckets 
 			continue
 		}
 		buckets = append(buckets, bucket{limit: l, key: key, values: values, args: args})
-		if l.quota != nil {
-			buckets[len(buckets)-1].quota = l.quota.at(now, l)
-		}
+		shared = l.kind.begin(&buckets[len(buckets)-1], shared)
 	}
 	return buckets, skipped, nil
+}
+
+// requestShared is what a request's buckets share, whatever their kind,
+// made by the first that needs it (kind.begin).
+type requestShared struct {
+	now  time.Time // the clock when the request's periods were named (quota.go)
+	slot any       // the request's slot id (concurrent.go)
+}
+
+// clock is the request's time: read once, when a bucket first asks.
+func (s *requestShared) clock() time.Time {
+	if s.now.IsZero() {
+		s.now = time.Now()
+	}
+	return s.now
 }
 
 // resolve resolves the limit's values from a request's placeholders. A
 // value the config sets that resolves to nothing is an error, not the
 // default: a fallback belongs in the config (`map`'s `default`).
 func (l *limit) resolve(repl *caddy.Replacer) (limitValues, bool, error) {
-	if l.slots != nil {
-		n := repl.ReplaceAll(string(l.burst), "")
-		if n == "" {
-			return limitValues{}, false, badValue("slots", string(l.burst), "resolved to nothing for this request")
-		}
-		return resolveSlots(n)
-	}
 	var text [3]string
 	for i, p := range [3]struct {
 		name  string
 		value Param
-	}{{"replenish_rate", l.rate}, {"burst_capacity", l.burst}, {"requested_tokens", l.cost}} {
+	}{{"replenish_rate", l.rate}, {l.kind.burstName(), l.burst}, {"requested_tokens", l.cost}} {
 		text[i] = repl.ReplaceAll(string(p.value), "")
 		if text[i] == "" && p.value != "" {
-			if l.quota != nil && p.name == "burst_capacity" {
-				p.name = "count"
-			}
 			return limitValues{}, false, badValue(p.name, string(p.value), "resolved to nothing for this request")
 		}
 	}
-	return l.resolveValues(text[0], text[1], text[2])
+	return l.kind.resolveValues(text[0], text[1], text[2])
 }
 
 // blockedBucket is the index of a bucket that holds nothing (burst 0,

@@ -439,7 +439,46 @@ func jitterRefusal(buckets []bucket, jitter time.Duration) {
 	}
 }
 
-// The quota as a kind of limit (kind.go). Its RateLimit-Policy items and
+// The quota as a kind of limit (kind.go).
+
+func (*quota) burstName() string { return "count" }
+
+func (*quota) resolveValues(_, count, requested string) (limitValues, bool, error) {
+	return resolveQuotaValues(count, requested)
+}
+
+func (*quota) scriptArgs(v limitValues) [3]any { return quotaArgs(v) }
+
+// begin names the bucket's period by the request's clock.
+func (q *quota) begin(b *bucket, shared requestShared) requestShared {
+	b.quota = q.at(shared.clock(), b.limit)
+	return shared
+}
+
+// appendArgs appends "q", count and cost, then the period's bounds.
+func (*quota) appendArgs(args []any, b *bucket) []any {
+	return append(append(args, b.args[:]...), b.quota.args[:]...)
+}
+
+// replyWords is 1: the period the take counted in, as a shift from the
+// period Caddy named (-1, 0, 1).
+func (*quota) replyWords() int { return 1 }
+
+// readReply reads the period the quota counted in. One that counted in
+// none (Redis's clock outside its periods) is a quotaClockError.
+func (*quota) readReply(b *bucket, reply []int64, at int) error {
+	switch shift := reply[at]; {
+	case shift > 1: // Redis time, outside the periods
+		return &quotaClockError{redis: shift, caddy: time.Now().UnixMicro(), bounds: b.quota.bounds}
+	case shift < -1:
+		return fmt.Errorf("unexpected script reply %v", reply)
+	default:
+		b.quotaShift = int8(shift)
+		return nil
+	}
+}
+
+// Its RateLimit-Policy items and
 // X-RateLimit replenish rates change with the length of its period, so
 // they come from the bucket's period (formatted once per period at a
 // fixed count).

@@ -156,6 +156,24 @@ func checkValues(rate, burst, cost Param, together bool) error {
 // tokenBucket is the token bucket as a kind of limit (kind.go).
 type tokenBucket struct{}
 
+func (tokenBucket) burstName() string { return "burst_capacity" }
+
+func (tokenBucket) resolveValues(rate, burst, requested string) (limitValues, bool, error) {
+	return resolveValues(rate, burst, requested)
+}
+
+func (tokenBucket) scriptArgs(v limitValues) [3]any { return v.scriptArgs() }
+
+// begin adds nothing: a token bucket is the same for every request.
+func (tokenBucket) begin(_ *bucket, shared requestShared) requestShared { return shared }
+
+// appendArgs appends rate, burst and cost.
+func (tokenBucket) appendArgs(args []any, b *bucket) []any { return append(args, b.args[:]...) }
+
+// replyWords is 0: a token bucket's answer is its remaining and wait.
+func (tokenBucket) replyWords() int                       { return 0 }
+func (tokenBucket) readReply(*bucket, []int64, int) error { return nil }
+
 // fixedHeaders formats a fixed limit's header values once.
 func (tokenBucket) fixedHeaders(l *limit, lh *limitHeaders) bool {
 	if !l.fixed || l.exempt {

@@ -1153,6 +1153,14 @@ func (*slotRule) peek(memoryBucket, bool, time.Time, int64, bucket) bucketView {
 	panic("concurrent limits are read by peekSlots, not peek")
 }
 
+// A concurrent limit charges nothing: a response costs it its slot.
+
+func (*slotRule) settleArg(*bucket) any { panic("concurrent limits charge nothing") }
+
+func (*slotRule) settleHeld(memoryBucket, bool, int64, *bucket, int64, int64, int64) (memoryBucket, bool, float64, float64) {
+	panic("concurrent limits charge nothing")
+}
+
 // fixedHeaders formats a fixed limit's header values once: its slots as
 // the burst capacity, no replenish rate.
 func (*slotRule) fixedHeaders(l *limit, lh *limitHeaders) bool {

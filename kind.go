@@ -18,6 +18,7 @@ import (
 //   - what it puts in the rate-limit headers (headers.go calls it);
 //   - its arithmetic in the process, for store memory and on_error local
 //     (memstore.go);
+//   - how a charge settles in it (charge.go);
 //   - its admin view (admin.go);
 //   - how long the deny cache may keep its refusal (denycache.go).
 //
@@ -82,6 +83,16 @@ type kind interface {
 	// peek is a bucket the memory store holds (state, if ok), as the
 	// admin API shows it.
 	peek(state memoryBucket, ok bool, now time.Time, t int64, b bucket) bucketView
+
+	// settleArg is settle.lua's first argument for the bucket: its kind
+	// as the script knows it.
+	settleArg(b *bucket) any
+	// settleHeld settles a response's charge in a bucket the memory store
+	// holds (state, if ok) at t on the store's clock: diff tokens more
+	// than the request reserved (fewer when negative), cost in all, in
+	// debt up to maxDebt. after is the state to store, if store; charged
+	// and forgiven are what the metrics count.
+	settleHeld(state memoryBucket, ok bool, t int64, b *bucket, diff, cost, maxDebt int64) (after memoryBucket, store bool, charged, forgiven float64)
 
 	// limitInfo is the limit as the admin API lists it, with the
 	// defaults filled in where its values are fixed.

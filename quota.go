@@ -383,6 +383,22 @@ func settleQuotaUse(state memoryBucket, v limitValues, diff, maxDebt int64) (aft
 	return state, forgiven
 }
 
+// settleArg is "q" and the start of the period the reservation was taken
+// in: settled only in that period.
+func (*quota) settleArg(b *bucket) any { return b.quota.settleKinds[b.quotaShift+1] }
+
+// settleHeld settles in the period the reservation was taken in
+// (settleQuotaUse). When its period is over, or it was reset, or it
+// counts another period than the reservation's, nothing settles, and the
+// reservation is what it charged.
+func (*quota) settleHeld(state memoryBucket, ok bool, t int64, b *bucket, diff, cost, maxDebt int64) (memoryBucket, bool, float64, float64) {
+	if !ok || state.expires <= t || state.at != b.quota.bounds[b.quotaShift+1] {
+		return state, false, float64(b.values.requested), 0
+	}
+	after, forgiven := settleQuotaUse(state, b.values, diff, maxDebt)
+	return after, true, float64(cost) - forgiven, forgiven
+}
+
 // limitInfo lists its count, period and cost.
 func (q *quota) limitInfo(l *limit) limitInfo {
 	li := l.limitInfo()

@@ -259,6 +259,17 @@ func (tokenBucket) take(state memoryBucket, ok bool, _ time.Time, t int64, b *bu
 	return settle(state, ok, t, b.values, allowed)
 }
 
+// settleArg is the bucket's first script argument: its rate.
+func (tokenBucket) settleArg(b *bucket) any { return b.args[0] }
+
+// settleHeld refills the bucket, then takes or gives back the difference
+// (settleBucket); a full bucket needs no entry.
+func (tokenBucket) settleHeld(state memoryBucket, ok bool, t int64, b *bucket, diff, cost, maxDebt int64) (memoryBucket, bool, float64, float64) {
+	current, at := currentState(state, ok, t, b.values)
+	after, forgiven := settleBucket(current, at, b.values, diff, maxDebt)
+	return after, ok || after.tokens < float64(b.values.burst), float64(cost) - forgiven, forgiven
+}
+
 // peek is what the bucket holds at t, refilled.
 func (tokenBucket) peek(state memoryBucket, ok bool, _ time.Time, t int64, b bucket) bucketView {
 	v := b.values

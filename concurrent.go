@@ -78,12 +78,16 @@ const (
 	concurrentQuotaIn = `qu="concurrent-requests"`
 )
 
-// slotRule is what a concurrent limit adds to its limit.
+// slotRule is what a concurrent limit adds to its limit: its kind
+// (kind.go).
 type slotRule struct {
 	hold       time.Duration
 	holdArg    any // the hold in microseconds as script argument, boxed once
 	retryAfter time.Duration
 }
+
+// slotRule is a concurrent limit's rule.
+func (l *limit) slotRule() *slotRule { return l.kind.(*slotRule) }
 
 //go:embed concurrent.lua
 var concurrentSource string
@@ -192,13 +196,11 @@ func (h *Handler) buildConcurrent(keyPrefix string, first int, groups map[string
 		}
 		l := &limit{
 			index: first + i, name: c.Name, nameValue: c.Name, ietfName: h.Zone + "." + c.Name,
-			keyText: key, template: template, burst: c.Slots,
+			keyText: key, template: template, burst: c.Slots, kind: &slotRule{hold: hold, holdArg: strconv.FormatInt(hold.Microseconds(), 10),
+				retryAfter: time.Duration(retry) * time.Second},
 			keyPrefix: prefix[:len(keyPrefix)] + "{" + prefix[len(keyPrefix):],
 			keySuffix: "}" + keySeparator + c.Name + keySeparator + "slots",
-			slots: &slotRule{hold: hold, holdArg: strconv.FormatInt(hold.Microseconds(), 10),
-				retryAfter: time.Duration(retry) * time.Second},
 		}
-		l.kind = l.slots
 		group := fmt.Sprintf("%s/%d/%d", key, template.ipv4Bits, template.ipv6Bits)
 		if _, ok := groups[group]; !ok {
 			groups[group] = len(groups)
@@ -246,17 +248,6 @@ func newSlotID() any {
 	return &id.text
 }
 
-// firstSlot is the index of a request's first concurrent bucket: they
-// follow its token buckets (buildLimits puts the concurrent limits last).
-func firstSlot(buckets []bucket) int {
-	for i := range buckets {
-		if l := buckets[i].limit; l != nil && l.slots != nil {
-			return i
-		}
-	}
-	return len(buckets)
-}
-
 // slotsAnswered completes the answer of a request's concurrent buckets:
 // one that was full waits retry_after, since slots come back by release,
 // not by time (the script says 0).
@@ -264,9 +255,9 @@ func slotsAnswered(buckets []bucket, allowed bool) {
 	if allowed {
 		return
 	}
-	for i := firstSlot(buckets); i < len(buckets); i++ {
-		if b := &buckets[i]; b.limit.slots != nil && b.remaining == 0 && !b.unknown {
-			b.retryAfter = b.limit.slots.retryAfter
+	for i := firstHeld(buckets); i < len(buckets); i++ {
+		if b := &buckets[i]; b.remaining == 0 && !b.unknown {
+			b.retryAfter = b.limit.slotRule().retryAfter
 		}
 	}
 }
@@ -298,7 +289,7 @@ type slotEntry struct {
 // it was taken from (slotGen), for its release: read later, it could be
 // a count that an admin reset and another take made meanwhile.
 func (s *memoryStore) takeInProcess(now time.Time, buckets []bucket) (bool, error) {
-	k := firstSlot(buckets)
+	k := firstHeld(buckets)
 	if k == len(buckets) {
 		return s.take(now, buckets)
 	}
@@ -443,7 +434,7 @@ func (h *Handler) serveHolding(w http.ResponseWriter, r *http.Request, next cadd
 // holdSlots records the slots a request was admitted with, starts their
 // renewal and counts them in the in_flight gauge.
 func (h *Handler) holdSlots(buckets []bucket, store *memoryStore) *slotHold {
-	k := firstSlot(buckets)
+	k := firstHeld(buckets)
 	hold := &slotHold{h: h, store: store}
 	hold.keys, hold.limits, hold.gens = hold.inlineKeys[:0], hold.inlineLimits[:0], hold.inlineGens[:0]
 	perRequest := false
@@ -456,7 +447,7 @@ func (h *Handler) holdSlots(buckets []bucket, store *memoryStore) *slotHold {
 		if store != nil {
 			hold.gens = append(hold.gens, b.slotGen)
 		}
-		if every := b.limit.slots.hold / 3; hold.every == 0 || every < hold.every {
+		if every := b.limit.slotRule().hold / 3; hold.every == 0 || every < hold.every {
 			hold.every = every
 		}
 		if h.metrics != nil {
@@ -603,7 +594,7 @@ func (q *slotQueue) add(op any, holds ...*slotHold) {
 			q.keys = append(q.keys, key)
 			q.holds = append(q.holds, s)
 			if q.args = append(q.args, s.id); op == renewArg {
-				q.args = append(q.args, s.limits[i].slots.holdArg, s.slotN(i))
+				q.args = append(q.args, s.limits[i].slotRule().holdArg, s.slotN(i))
 			}
 		}
 	}
@@ -770,7 +761,7 @@ func (p *pendingReleases) add(keys []string, n int32) {
 // pending says whether a release of any of the buckets' slot keys is
 // pending.
 func (p *pendingReleases) pending(buckets []bucket) bool {
-	for i := firstSlot(buckets); i < len(buckets); i++ {
+	for i := firstHeld(buckets); i < len(buckets); i++ {
 		if p.keyPending(buckets[i].key) {
 			return true
 		}
@@ -804,7 +795,7 @@ func (p *pendingReleases) total() int64 {
 // should ask again.
 func (l *limiter) awaitReleases(buckets []bucket, deadline time.Time) bool {
 	full := false
-	for i := firstSlot(buckets); i < len(buckets); i++ {
+	for i := firstHeld(buckets); i < len(buckets); i++ {
 		full = full || buckets[i].remaining == 0
 	}
 	if !full {
@@ -998,7 +989,7 @@ func (h *Handler) slotGone(reply int64) {
 // earlier Cluster group, when a later group refused, and returns the
 // token buckets among them, for giveBack.
 func (h *Handler) releaseTaken(taken []bucket) []bucket {
-	k := firstSlot(taken)
+	k := firstHeld(taken)
 	if k == len(taken) {
 		return taken
 	}
@@ -1006,7 +997,7 @@ func (h *Handler) releaseTaken(taken []bucket) []bucket {
 	hold := &slotHold{h: h}
 	for i := range taken {
 		b := &taken[i]
-		if b.limit.slots == nil {
+		if !b.kind().heldWhileServed() {
 			tokens = append(tokens, *b)
 			continue
 		}
@@ -1035,7 +1026,7 @@ func (h *Handler) releaseLostTake(buckets []bucket, err error) {
 		return
 	}
 	hold := &slotHold{h: h, released: true}
-	for i := firstSlot(buckets); i < len(buckets); i++ {
+	for i := firstHeld(buckets); i < len(buckets); i++ {
 		b := &buckets[i]
 		hold.id = b.args[2]
 		hold.keys = append(hold.keys, b.key)
@@ -1133,6 +1124,10 @@ func (*slotRule) begin(b *bucket, shared requestShared) requestShared {
 func (s *slotRule) appendArgs(args []any, b *bucket) []any {
 	return append(append(args, b.args[:]...), s.holdArg)
 }
+
+// heldWhileServed: a request holds its slot until its response has
+// ended (serveHolding).
+func (*slotRule) heldWhileServed() bool { return true }
 
 func (*slotRule) replyWords() int                       { return 0 }
 func (*slotRule) readReply(*bucket, []int64, int) error { return nil }

@@ -20,6 +20,8 @@ import (
 //     (memstore.go);
 //   - how a charge settles in it (charge.go);
 //   - its admin view (admin.go);
+//   - whether a request holds it while the response is served, to give
+//     it back when the response ends (a concurrent limit's slot).
 //   - how long the deny cache may keep its refusal (denycache.go).
 //
 // What a request knows of a bucket of the kind stays in the request's
@@ -94,12 +96,29 @@ type kind interface {
 	// and forgiven are what the metrics count.
 	settleHeld(state memoryBucket, ok bool, t int64, b *bucket, diff, cost, maxDebt int64) (after memoryBucket, store bool, charged, forgiven float64)
 
+	// heldWhileServed says whether a request holds the limit's bucket
+	// while its response is served, and gives it back when the response
+	// has ended (concurrent.go). Such limits come last (buildLimits).
+	heldWhileServed() bool
+
 	// limitInfo is the limit as the admin API lists it, with the
 	// defaults filled in where its values are fixed.
 	limitInfo(l *limit) limitInfo
 	// bucketInfo reads a client's bucket of the kind where h keeps it,
 	// and is what the admin API shows of it.
 	bucketInfo(ctx context.Context, h *Handler, b bucket) (bucketInfo, error)
+}
+
+// firstHeld is the index of a request's first bucket held while it is
+// served (kind.heldWhileServed); they follow the others. len(buckets)
+// when there is none.
+func firstHeld(buckets []bucket) int {
+	for i := range buckets {
+		if buckets[i].kind().heldWhileServed() {
+			return i
+		}
+	}
+	return len(buckets)
 }
 
 // kind is the bucket's kind of limit: its limit's; a bucket of no limit

@@ -148,17 +148,10 @@ type limit struct {
 	// requested_tokens is its cost.
 	charge *chargeRule
 
-	// kind is its kind of limit (kind.go): a token bucket, a quota or a
-	// concurrent limit.
+	// kind is its kind of limit (kind.go): a token bucket, a quota (its
+	// values' burst is then the quota's count) or a concurrent limit (n
+	// as the burst, one slot per request).
 	kind kind
-
-	// quota is its period when it is a quota (quota.go), nil for a token
-	// bucket; its values' burst is then the quota's count.
-	quota *quota
-
-	// slots makes it a concurrent limit (concurrent.go): its values are
-	// n as the burst and one slot per request; nil for a token bucket.
-	slots *slotRule
 }
 
 // bucket is one limit's bucket for one request, and Redis's answer.
@@ -236,12 +229,13 @@ func (h *Handler) buildLimits(keyPrefix string) ([]*limit, error) {
 			cost: or(unset(c.RequestedTokens), unset(h.RequestedTokens)),
 			kind: tokenBucket{},
 		}
-		if i >= quotas { // the count is the quota's own; there is no rate
-			var err error
-			if l.quota, err = newQuota(h.Quotas[i-quotas]); err != nil {
+		isQuota := i >= quotas
+		if isQuota { // the count is the quota's own; there is no rate
+			q, err := newQuota(h.Quotas[i-quotas])
+			if err != nil {
 				return nil, fmt.Errorf("quota %s: %w", c.Name, err)
 			}
-			l.rate, l.burst, l.kind = "", c.BurstCapacity, l.quota
+			l.rate, l.burst, l.kind = "", c.BurstCapacity, q
 		}
 		key := or(c.Key, h.Key)
 		l.keyText = key
@@ -252,7 +246,7 @@ func (h *Handler) buildLimits(keyPrefix string) ([]*limit, error) {
 		l.template.ipv4Bits = *cmp.Or(c.IPv4Prefix, h.IPv4Prefix, new(32))
 		l.template.ipv6Bits = *cmp.Or(c.IPv6Prefix, h.IPv6Prefix, new(64))
 		prefix := bucketPrefix(keyPrefix, h.Zone, key)
-		if named || l.quota != nil {
+		if named || isQuota {
 			// Limits with one key template share a hash tag: their
 			// buckets live in one Cluster slot, for one script call.
 			l.ietfName = h.Zone + "." + c.Name
@@ -262,7 +256,7 @@ func (h *Handler) buildLimits(keyPrefix string) ([]*limit, error) {
 			l.keyPrefix = prefix
 		}
 		group := fmt.Sprintf("%s/%d/%d", key, l.template.ipv4Bits, l.template.ipv6Bits)
-		if !named && l.quota == nil {
+		if !named && !isQuota {
 			group = "\x00own" // the own limit's key has no hash tag: a slot of its own
 		}
 		if _, ok := groups[group]; !ok {
@@ -441,8 +435,10 @@ func blockedBucket(buckets []bucket) int {
 // longest wait, else the one with the fewest requests left; the first
 // such on ties.
 func describe(buckets []bucket, allowed bool) int {
-	if k := firstSlot(buckets); allowed && k > 0 {
-		buckets = buckets[:k] // admitted: the token buckets, not the slots (concurrent.go)
+	if allowed {
+		if k := firstHeld(buckets); k > 0 {
+			buckets = buckets[:k] // admitted: the buckets taken, not those held while served (slots)
+		}
 	}
 	pick := -1
 	for i := range buckets {

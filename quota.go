@@ -164,8 +164,8 @@ func (e *quotaClockError) Error() string {
 // longer than the period), when now lies outside it and its neighbours;
 // the process has the calendar, so it names the period now is in.
 func (b *bucket) quotaAt(now time.Time) {
-	if us := now.UnixMicro(); (us < b.quota.bounds[0] || us >= b.quota.bounds[3]) && b.limit != nil && b.limit.quota != nil {
-		b.quota = b.limit.quota.at(now, b.limit)
+	if us := now.UnixMicro(); us < b.quota.bounds[0] || us >= b.quota.bounds[3] {
+		b.quota = b.limit.kind.(*quota).at(now, b.limit)
 	}
 }
 
@@ -475,6 +475,8 @@ func (q *quota) begin(b *bucket, shared requestShared) requestShared {
 func (*quota) appendArgs(args []any, b *bucket) []any {
 	return append(append(args, b.args[:]...), b.quota.args[:]...)
 }
+
+func (*quota) heldWhileServed() bool { return false }
 
 // replyWords is 1: the period the take counted in, as a shift from the
 // period Caddy named (-1, 0, 1).

@@ -286,11 +286,12 @@ func TestQuotaWithLeaseRefusedAtLoad(t *testing.T) {
 
 func TestQuotaOnlyHandlerHasNoLimitOfItsOwn(t *testing.T) {
 	h := provision(t, offline(&Handler{Quotas: []Quota{{Name: "m", Count: "5", Per: "day"}}}))
-	if len(h.limits) != 1 || h.limits[0].quota == nil {
+	isQuota := func(l *limit) bool { _, ok := l.kind.(*quota); return ok }
+	if len(h.limits) != 1 || !isQuota(h.limits[0]) {
 		t.Fatalf("limits %v, want the quota alone", h.limits)
 	}
 	h = provision(t, offline(&Handler{ReplenishRate: "10", Quotas: []Quota{{Name: "m", Count: "5", Per: "day"}}}))
-	if len(h.limits) != 2 || h.limits[0].quota != nil || h.limits[1].quota == nil {
+	if len(h.limits) != 2 || isQuota(h.limits[0]) || !isQuota(h.limits[1]) {
 		t.Fatalf("limits %v, want the handler's own limit and the quota", h.limits)
 	}
 }
@@ -614,7 +615,7 @@ func testQuotaLimit(t *testing.T) *limit {
 	if err != nil {
 		t.Fatal(err)
 	}
-	return &limit{kind: q, quota: q}
+	return &limit{kind: q}
 }
 
 // TestQuotaScriptPicksThePeriodByRedisTime: Caddy's clock may be off

@@ -170,6 +170,8 @@ func (tokenBucket) begin(_ *bucket, shared requestShared) requestShared { return
 // appendArgs appends rate, burst and cost.
 func (tokenBucket) appendArgs(args []any, b *bucket) []any { return append(args, b.args[:]...) }
 
+func (tokenBucket) heldWhileServed() bool { return false }
+
 // replyWords is 0: a token bucket's answer is its remaining and wait.
 func (tokenBucket) replyWords() int                       { return 0 }
 func (tokenBucket) readReply(*bucket, []int64, int) error { return nil }

@@ -414,9 +414,7 @@ func clientBuckets(limits []*limit, query url.Values) (map[*limit]bucket, map[*l
 		if key == "" {
 			return nil, nil, fmt.Errorf("a placeholder of key '%s' is empty", l.keyText)
 		}
-		b := bucket{limit: l, key: key, values: values, args: l.kind.scriptArgs(values)}
-		l.kind.begin(&b, requestShared{})
-		buckets[l] = b
+		buckets[l], _ = l.kind.begin(bucket{limit: l, key: key, values: values, args: l.kind.scriptArgs(values)}, requestShared{})
 	}
 	for name := range given {
 		if !used[name] {

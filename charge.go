@@ -660,7 +660,7 @@ func (h *Handler) settleInProcess(s *memoryStore, buckets []bucket, items []sett
 		shard := s.shardIndex(keys[i])
 		stored := s.shards[shard].buckets[keys[i]]
 		state, ok := held(stored)
-		after, store, charged, forgiven := b.kind().settleHeld(state, ok, t, b, it.diff, it.cost, b.limit.charge.maxDebtFor(b.values))
+		after, store, charged, forgiven := b.kind().settleHeld(state, ok, t, *b, it.diff, it.cost, b.limit.charge.maxDebtFor(b.values))
 		switch {
 		case !store:
 		case !ok && !s.reserve(1):
@@ -731,7 +731,7 @@ func (h *Handler) settleInRedis(buckets []bucket, items []settling) {
 		}
 		for _, it := range group {
 			b := &buckets[it.bucket]
-			c.args = append(c.args, b.kind().settleArg(b), b.args[1], diffArg(it.diff), b.limit.charge.maxDebtArg(b))
+			c.args = append(c.args, b.kind().settleArg(*b), b.args[1], diffArg(it.diff), b.limit.charge.maxDebtArg(b))
 			s.items = append(s.items, settlement{limit: b.limit, cost: it.cost, reserved: b.values.requested, diff: it.diff})
 		}
 		c.script, c.clientCtx, c.then = settleScript, context.Background(), s // sent even when the client has left

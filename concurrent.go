@@ -1112,16 +1112,16 @@ func (*slotRule) scriptArgs(v limitValues) [3]any {
 
 // begin gives the bucket the request's slot id, one for all its
 // concurrent limits.
-func (*slotRule) begin(b *bucket, shared requestShared) requestShared {
+func (*slotRule) begin(b bucket, shared requestShared) (bucket, requestShared) {
 	if shared.slot == nil {
 		shared.slot = newSlotID()
 	}
 	b.args[2] = shared.slot
-	return shared
+	return b, shared
 }
 
 // appendArgs appends "c", n, the slot id, then the hold.
-func (s *slotRule) appendArgs(args []any, b *bucket) []any {
+func (s *slotRule) appendArgs(args []any, b bucket) []any {
 	return append(append(args, b.args[:]...), s.holdArg)
 }
 
@@ -1129,18 +1129,18 @@ func (s *slotRule) appendArgs(args []any, b *bucket) []any {
 // ended (serveHolding).
 func (*slotRule) heldWhileServed() bool { return true }
 
-func (*slotRule) replyWords() int                       { return 0 }
-func (*slotRule) readReply(*bucket, []int64, int) error { return nil }
+func (*slotRule) replyWords() int                                      { return 0 }
+func (*slotRule) readReply(b bucket, _ []int64, _ int) (bucket, error) { return b, nil }
 
 // A concurrent limit's slots in the process are counts of their own
 // (takeInProcess), never buckets of the memory store's: a take gives the
 // store only the token buckets before the slots.
 
-func (*slotRule) holds(memoryBucket, bool, time.Time, int64, *bucket) bool {
+func (*slotRule) holds(memoryBucket, bool, time.Time, int64, bucket) (bucket, bool) {
 	panic("concurrent limits take slots (takeInProcess), not tokens")
 }
 
-func (*slotRule) take(memoryBucket, bool, time.Time, int64, *bucket, bool) (memoryBucket, bool, int64, int64) {
+func (*slotRule) take(memoryBucket, bool, time.Time, int64, bucket, bool) (bucket, memoryBucket, bool) {
 	panic("concurrent limits take slots (takeInProcess), not tokens")
 }
 
@@ -1150,9 +1150,9 @@ func (*slotRule) peek(memoryBucket, bool, time.Time, int64, bucket) bucketView {
 
 // A concurrent limit charges nothing: a response costs it its slot.
 
-func (*slotRule) settleArg(*bucket) any { panic("concurrent limits charge nothing") }
+func (*slotRule) settleArg(bucket) any { panic("concurrent limits charge nothing") }
 
-func (*slotRule) settleHeld(memoryBucket, bool, int64, *bucket, int64, int64, int64) (memoryBucket, bool, float64, float64) {
+func (*slotRule) settleHeld(memoryBucket, bool, int64, bucket, int64, int64, int64) (memoryBucket, bool, float64, float64) {
 	panic("concurrent limits charge nothing")
 }
 
@@ -1168,20 +1168,20 @@ func (*slotRule) fixedHeaders(l *limit, lh *limitHeaders) bool {
 
 // setSpring writes its slots as the burst capacity, as a token bucket of
 // no rate would.
-func (*slotRule) setSpring(hdr http.Header, v *headerValues, b *bucket, lh *limitHeaders) {
+func (*slotRule) setSpring(hdr http.Header, v *headerValues, b bucket, lh *limitHeaders) {
 	tokenBucket{}.setSpring(hdr, v, b, lh)
 }
 
-func (*slotRule) appendPolicy(policy []byte, lh *limitHeaders, b *bucket) []byte {
+func (*slotRule) appendPolicy(policy []byte, lh *limitHeaders, b bucket) []byte {
 	return append(policy, slotPolicyItem(lh.quoted, b.values)...)
 }
 
 // resetIn is its wait: retry_after when it was full (slotsAnswered).
-func (*slotRule) resetIn(b *bucket) time.Duration { return b.retryAfter }
+func (*slotRule) resetIn(b bucket) time.Duration { return b.retryAfter }
 
 // denialTTL is 0: slots come back by release, not by time.
-func (*slotRule) denialTTL(*bucket) time.Duration { return 0 }
+func (*slotRule) denialTTL(bucket) time.Duration { return 0 }
 
 // cachedRemaining is what it held: the deny cache never keeps a
 // concurrent limit's refusal (denialTTL).
-func (*slotRule) cachedRemaining(_ *bucket, remaining int64, _ time.Duration) int64 { return remaining }
+func (*slotRule) cachedRemaining(_ bucket, remaining int64, _ time.Duration) int64 { return remaining }

@@ -77,7 +77,7 @@ func (c *denyCache) answer(buckets []bucket, now time.Time) bool {
 			continue
 		}
 		b.retryAfter = d.until.Sub(now)
-		b.remaining = b.kind().cachedRemaining(b, d.remaining, b.retryAfter)
+		b.remaining = b.kind().cachedRemaining(*b, d.remaining, b.retryAfter)
 	}
 	return true
 }
@@ -93,7 +93,7 @@ func (c *denyCache) put(buckets []bucket, sent time.Time) {
 	}
 	for i := range buckets {
 		b := &buckets[i]
-		ttl := b.kind().denialTTL(b)
+		ttl := b.kind().denialTTL(*b)
 		if ttl <= 0 {
 			continue
 		}

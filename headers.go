@@ -105,7 +105,7 @@ func (rh *rateLimitHeaders) set(hdr http.Header, buckets []bucket, described int
 	if rh.spring {
 		b := &buckets[described]
 		v.put(hdr, "X-Ratelimit-Remaining", v.count(b.remaining))
-		b.limit.kind.setSpring(hdr, v, b, &rh.limits[b.limit.index])
+		b.limit.kind.setSpring(hdr, v, *b, &rh.limits[b.limit.index])
 	}
 	if rh.ietf {
 		rh.setIETF(hdr, v, buckets)
@@ -131,7 +131,7 @@ func (rh *rateLimitHeaders) setIETF(hdr http.Header, v *headerValues, buckets []
 			policy = append(policy, ", "...)
 		}
 		if rh.policy == "" {
-			policy = b.limit.kind.appendPolicy(policy, lh, b)
+			policy = b.limit.kind.appendPolicy(policy, lh, *b)
 		} else {
 			policy = append(policy, lh.policy...)
 		}
@@ -146,7 +146,7 @@ func (rh *rateLimitHeaders) setIETF(hdr http.Header, v *headerValues, buckets []
 		state = append(state, ";r="...)
 		state = strconv.AppendInt(state, b.remaining, 10)
 		state = append(state, ";t="...)
-		state = strconv.AppendInt(state, ceilSeconds(b.limit.kind.resetIn(b)), 10)
+		state = strconv.AppendInt(state, ceilSeconds(b.limit.kind.resetIn(*b)), 10)
 	}
 	if items > 0 {
 		v.put(hdr, "Ratelimit", string(state))

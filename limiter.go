@@ -353,7 +353,7 @@ func (l *limiter) call(clientCtx context.Context, now time.Time, script *luaScri
 	}
 	c.command(script)
 	for i := range buckets {
-		c.args = buckets[i].kind().appendArgs(c.args, &buckets[i])
+		c.args = buckets[i].kind().appendArgs(c.args, buckets[i])
 	}
 	return l.send(clientCtx, now, c)
 }
@@ -452,7 +452,7 @@ func (l *limiter) peek(ctx context.Context, buckets []bucket) ([]bucketView, err
 // says it has no such command, then with EVAL, which runs the script (it
 // writes nothing) as well.
 func (l *limiter) peekOne(ctx context.Context, b bucket) ([]any, error) {
-	keys, args := []string{b.key}, b.kind().appendArgs(nil, &b)
+	keys, args := []string{b.key}, b.kind().appendArgs(nil, b)
 	if !l.noEvalRO.Load() {
 		reply, err := l.client.EvalRO(ctx, peekSource, keys, args...).Slice()
 		if err == nil || !isUnknownCommand(err) {
@@ -511,7 +511,7 @@ func readTake(reply []int64, buckets []bucket, leasing bool) (allowed bool, err 
 	for i := range buckets {
 		k := buckets[i].kind()
 		if words := k.replyWords(); words > 0 {
-			if err := k.readReply(&buckets[i], reply, kindWords); err != nil {
+			if buckets[i], err = k.readReply(buckets[i], reply, kindWords); err != nil {
 				return false, err
 			}
 			kindWords += words

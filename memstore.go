@@ -170,7 +170,8 @@ func (s *memoryStore) take(now time.Time, buckets []bucket) (bool, error) {
 		}
 		states = append(states, state)
 		st, ok := held(state)
-		holds := b.kind().holds(st, ok, now, t, b) // asked of every bucket: a quota names its period here
+		var holds bool
+		*b, holds = b.kind().holds(st, ok, now, t, *b) // asked of every bucket: a quota names its period here
 		allowed = allowed && holds
 	}
 	if allowed && absent > 0 && !s.reserve(absent) {
@@ -188,11 +189,11 @@ func (s *memoryStore) take(now time.Time, buckets []bucket) (bool, error) {
 	for i := range buckets {
 		b := &buckets[i]
 		state, ok := held(states[i])
-		after, store, remaining, wait := b.kind().take(state, ok, now, t, b, allowed)
-		if store {
+		var after memoryBucket
+		var store bool
+		if *b, after, store = b.kind().take(state, ok, now, t, *b, allowed); store {
 			s.put(shards[i], keys[i], states[i], after)
 		}
-		b.remaining, b.retryAfter = remaining, time.Duration(wait)*time.Microsecond
 	}
 	return allowed, nil
 }

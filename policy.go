@@ -381,8 +381,9 @@ func (h *Handler) resolveBuckets(r *http.Request, repl *caddy.Replacer, buckets 
 			}
 			continue
 		}
-		buckets = append(buckets, bucket{limit: l, key: key, values: values, args: args})
-		shared = l.kind.begin(&buckets[len(buckets)-1], shared)
+		var b bucket
+		b, shared = l.kind.begin(bucket{limit: l, key: key, values: values, args: args}, shared)
+		buckets = append(buckets, b)
 	}
 	return buckets, skipped, nil
 }

@@ -340,20 +340,21 @@ func takeQuota(used float64, start, end, wall, t int64, v limitValues, take bool
 // store's clock), once the request is known to be allowed or not (see
 // settle for buckets); it notes in b the period it counted in, as the
 // script answers it. A denial stores nothing.
-func (*quota) take(state memoryBucket, ok bool, now time.Time, t int64, b *bucket, allowed bool) (after memoryBucket, store bool, remaining, wait int64) {
+func (*quota) take(state memoryBucket, ok bool, now time.Time, t int64, b bucket, allowed bool) (bucket, memoryBucket, bool) {
 	wall := now.UnixMicro()
 	start, end, shift := b.quota.span(wall)
 	b.quotaShift = shift
-	after, _, remaining, wait = takeQuota(quotaUsed(state, ok, t, start), start, end, wall, t, b.values, allowed)
-	return after, allowed, remaining, wait
+	after, _, remaining, wait := takeQuota(quotaUsed(state, ok, t, start), start, end, wall, t, b.values, allowed)
+	b.remaining, b.retryAfter = remaining, time.Duration(wait)*time.Microsecond
+	return b, after, allowed
 }
 
 // holds says whether a held quota has room for the request at now, in
 // the period now is in (quotaAt).
-func (*quota) holds(state memoryBucket, ok bool, now time.Time, t int64, b *bucket) bool {
+func (*quota) holds(state memoryBucket, ok bool, now time.Time, t int64, b bucket) (bucket, bool) {
 	b.quotaAt(now)
 	start, _, _ := b.quota.span(now.UnixMicro())
-	return quotaUsed(state, ok, t, start)+float64(b.values.requested) <= float64(b.values.burst)
+	return b, quotaUsed(state, ok, t, start)+float64(b.values.requested) <= float64(b.values.burst)
 }
 
 // peek is a held quota as the admin API shows it: tokens is what is
@@ -385,13 +386,13 @@ func settleQuotaUse(state memoryBucket, v limitValues, diff, maxDebt int64) (aft
 
 // settleArg is "q" and the start of the period the reservation was taken
 // in: settled only in that period.
-func (*quota) settleArg(b *bucket) any { return b.quota.settleKinds[b.quotaShift+1] }
+func (*quota) settleArg(b bucket) any { return b.quota.settleKinds[b.quotaShift+1] }
 
 // settleHeld settles in the period the reservation was taken in
 // (settleQuotaUse). When its period is over, or it was reset, or it
 // counts another period than the reservation's, nothing settles, and the
 // reservation is what it charged.
-func (*quota) settleHeld(state memoryBucket, ok bool, t int64, b *bucket, diff, cost, maxDebt int64) (memoryBucket, bool, float64, float64) {
+func (*quota) settleHeld(state memoryBucket, ok bool, t int64, b bucket, diff, cost, maxDebt int64) (memoryBucket, bool, float64, float64) {
 	if !ok || state.expires <= t || state.at != b.quota.bounds[b.quotaShift+1] {
 		return state, false, float64(b.values.requested), 0
 	}
@@ -466,13 +467,13 @@ func (*quota) resolveValues(_, count, requested string) (limitValues, bool, erro
 func (*quota) scriptArgs(v limitValues) [3]any { return quotaArgs(v) }
 
 // begin names the bucket's period by the request's clock.
-func (q *quota) begin(b *bucket, shared requestShared) requestShared {
+func (q *quota) begin(b bucket, shared requestShared) (bucket, requestShared) {
 	b.quota = q.at(shared.clock(), b.limit)
-	return shared
+	return b, shared
 }
 
 // appendArgs appends "q", count and cost, then the period's bounds.
-func (*quota) appendArgs(args []any, b *bucket) []any {
+func (*quota) appendArgs(args []any, b bucket) []any {
 	return append(append(args, b.args[:]...), b.quota.args[:]...)
 }
 
@@ -484,15 +485,15 @@ func (*quota) replyWords() int { return 1 }
 
 // readReply reads the period the quota counted in. One that counted in
 // none (Redis's clock outside its periods) is a quotaClockError.
-func (*quota) readReply(b *bucket, reply []int64, at int) error {
+func (*quota) readReply(b bucket, reply []int64, at int) (bucket, error) {
 	switch shift := reply[at]; {
 	case shift > 1: // Redis time, outside the periods
-		return &quotaClockError{redis: shift, caddy: time.Now().UnixMicro(), bounds: b.quota.bounds}
+		return b, &quotaClockError{redis: shift, caddy: time.Now().UnixMicro(), bounds: b.quota.bounds}
 	case shift < -1:
-		return fmt.Errorf("unexpected script reply %v", reply)
+		return b, fmt.Errorf("unexpected script reply %v", reply)
 	default:
 		b.quotaShift = int8(shift)
-		return nil
+		return b, nil
 	}
 }
 
@@ -511,7 +512,7 @@ func (*quota) fixedHeaders(l *limit, lh *limitHeaders) bool {
 
 // setSpring writes its count as the burst capacity, spread over its
 // period as the replenish rate.
-func (*quota) setSpring(hdr http.Header, v *headerValues, b *bucket, lh *limitHeaders) {
+func (*quota) setSpring(hdr http.Header, v *headerValues, b bucket, lh *limitHeaders) {
 	if b.limit.fixed {
 		v.put(hdr, "X-Ratelimit-Replenish-Rate", b.quota.rate)
 		v.put(hdr, "X-Ratelimit-Burst-Capacity", lh.burst)
@@ -523,7 +524,7 @@ func (*quota) setSpring(hdr http.Header, v *headerValues, b *bucket, lh *limitHe
 	v.put(hdr, "X-Ratelimit-Requested-Tokens", countText(b.values.requested))
 }
 
-func (*quota) appendPolicy(policy []byte, lh *limitHeaders, b *bucket) []byte {
+func (*quota) appendPolicy(policy []byte, lh *limitHeaders, b bucket) []byte {
 	if b.quota.policy != "" && b.limit.fixed {
 		return append(policy, b.quota.policy...)
 	}
@@ -531,13 +532,13 @@ func (*quota) appendPolicy(policy []byte, lh *limitHeaders, b *bucket) []byte {
 }
 
 // resetIn is the end of the period it counted in, or its wait if later.
-func (*quota) resetIn(b *bucket) time.Duration {
+func (*quota) resetIn(b bucket) time.Duration {
 	return max(b.retryAfter, b.quota.untilEnd(time.Now(), b.quotaShift))
 }
 
 // denialTTL is its wait: until its period ends (with reset_jitter's share).
-func (*quota) denialTTL(b *bucket) time.Duration { return b.retryAfter }
+func (*quota) denialTTL(b bucket) time.Duration { return b.retryAfter }
 
 // cachedRemaining is what it held when refused: it renews only at its
 // boundary.
-func (*quota) cachedRemaining(_ *bucket, remaining int64, _ time.Duration) int64 { return remaining }
+func (*quota) cachedRemaining(_ bucket, remaining int64, _ time.Duration) int64 { return remaining }

@@ -165,16 +165,16 @@ func (tokenBucket) resolveValues(rate, burst, requested string) (limitValues, bo
 func (tokenBucket) scriptArgs(v limitValues) [3]any { return v.scriptArgs() }
 
 // begin adds nothing: a token bucket is the same for every request.
-func (tokenBucket) begin(_ *bucket, shared requestShared) requestShared { return shared }
+func (tokenBucket) begin(b bucket, shared requestShared) (bucket, requestShared) { return b, shared }
 
 // appendArgs appends rate, burst and cost.
-func (tokenBucket) appendArgs(args []any, b *bucket) []any { return append(args, b.args[:]...) }
+func (tokenBucket) appendArgs(args []any, b bucket) []any { return append(args, b.args[:]...) }
 
 func (tokenBucket) heldWhileServed() bool { return false }
 
 // replyWords is 0: a token bucket's answer is its remaining and wait.
-func (tokenBucket) replyWords() int                       { return 0 }
-func (tokenBucket) readReply(*bucket, []int64, int) error { return nil }
+func (tokenBucket) replyWords() int                                      { return 0 }
+func (tokenBucket) readReply(b bucket, _ []int64, _ int) (bucket, error) { return b, nil }
 
 // fixedHeaders formats a fixed limit's header values once.
 func (tokenBucket) fixedHeaders(l *limit, lh *limitHeaders) bool {
@@ -207,7 +207,7 @@ func (tokenBucket) bucketInfo(ctx context.Context, h *Handler, b bucket) (bucket
 }
 
 // setSpring writes the bucket's rate, burst and cost.
-func (tokenBucket) setSpring(hdr http.Header, v *headerValues, b *bucket, lh *limitHeaders) {
+func (tokenBucket) setSpring(hdr http.Header, v *headerValues, b bucket, lh *limitHeaders) {
 	if b.limit.fixed {
 		v.put(hdr, "X-Ratelimit-Replenish-Rate", lh.rate)
 		v.put(hdr, "X-Ratelimit-Burst-Capacity", lh.burst)
@@ -219,7 +219,7 @@ func (tokenBucket) setSpring(hdr http.Header, v *headerValues, b *bucket, lh *li
 	v.put(hdr, "X-Ratelimit-Requested-Tokens", countText(b.values.requested))
 }
 
-func (tokenBucket) appendPolicy(policy []byte, lh *limitHeaders, b *bucket) []byte {
+func (tokenBucket) appendPolicy(policy []byte, lh *limitHeaders, b bucket) []byte {
 	return append(policy, policyItem(lh.quoted, b.values)...)
 }
 
@@ -234,14 +234,14 @@ func policyItem(quoted string, v limitValues) string {
 }
 
 // resetIn is the bucket's wait: it refills by time.
-func (tokenBucket) resetIn(b *bucket) time.Duration { return b.retryAfter }
+func (tokenBucket) resetIn(b bucket) time.Duration { return b.retryAfter }
 
 // denialTTL is the bucket's wait: it refills by time.
-func (tokenBucket) denialTTL(b *bucket) time.Duration { return b.retryAfter }
+func (tokenBucket) denialTTL(b bucket) time.Duration { return b.retryAfter }
 
 // cachedRemaining is what the bucket refilled since its refusal: it
 // holds requested - wait*rate tokens.
-func (tokenBucket) cachedRemaining(b *bucket, _ int64, wait time.Duration) int64 {
+func (tokenBucket) cachedRemaining(b bucket, _ int64, wait time.Duration) int64 {
 	tokens := float64(b.values.requested) - wait.Seconds()*b.values.rate
 	return max(0, int64(math.Floor(tokens)))
 }
@@ -251,22 +251,24 @@ func (tokenBucket) cachedRemaining(b *bucket, _ int64, wait time.Duration) int64
 // full again. Every step is script.lua's checkBucket and takeBucket.
 
 // holds says whether the bucket has the requested tokens at t.
-func (tokenBucket) holds(state memoryBucket, ok bool, _ time.Time, t int64, b *bucket) bool {
+func (tokenBucket) holds(state memoryBucket, ok bool, _ time.Time, t int64, b bucket) (bucket, bool) {
 	current, at := currentState(state, ok, t, b.values)
-	return refill(current, at, b.values) >= float64(b.values.requested)
+	return b, refill(current, at, b.values) >= float64(b.values.requested)
 }
 
 // take is the bucket's part of a take at t (settle).
-func (tokenBucket) take(state memoryBucket, ok bool, _ time.Time, t int64, b *bucket, allowed bool) (after memoryBucket, store bool, remaining, wait int64) {
-	return settle(state, ok, t, b.values, allowed)
+func (tokenBucket) take(state memoryBucket, ok bool, _ time.Time, t int64, b bucket, allowed bool) (bucket, memoryBucket, bool) {
+	after, store, remaining, wait := settle(state, ok, t, b.values, allowed)
+	b.remaining, b.retryAfter = remaining, time.Duration(wait)*time.Microsecond
+	return b, after, store
 }
 
 // settleArg is the bucket's first script argument: its rate.
-func (tokenBucket) settleArg(b *bucket) any { return b.args[0] }
+func (tokenBucket) settleArg(b bucket) any { return b.args[0] }
 
 // settleHeld refills the bucket, then takes or gives back the difference
 // (settleBucket); a full bucket needs no entry.
-func (tokenBucket) settleHeld(state memoryBucket, ok bool, t int64, b *bucket, diff, cost, maxDebt int64) (memoryBucket, bool, float64, float64) {
+func (tokenBucket) settleHeld(state memoryBucket, ok bool, t int64, b bucket, diff, cost, maxDebt int64) (memoryBucket, bool, float64, float64) {
 	current, at := currentState(state, ok, t, b.values)
 	after, forgiven := settleBucket(current, at, b.values, diff, maxDebt)
 	return after, ok || after.tokens < float64(b.values.burst), float64(cost) - forgiven, forgiven

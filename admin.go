@@ -150,6 +150,12 @@ type limitInfo struct {
 	Hold  string `json:"hold,omitempty"`
 }
 
+// limitInfo is what every kind of limit lists of itself: its name, key
+// and prefixes (the kind adds its values, kind.limitInfo).
+func (l *limit) limitInfo() limitInfo {
+	return limitInfo{Name: l.name, Key: l.keyText, IPv4Prefix: l.template.ipv4Bits, IPv6Prefix: l.template.ipv6Bits}
+}
+
 func listZones() []zoneInfo {
 	loadedZones.Lock()
 	names := make([]string, 0, len(loadedZones.byZone))
@@ -166,23 +172,7 @@ func listZones() []zoneInfo {
 		}
 		info := zoneInfo{Zone: zone, Store: handlers[0].Store}
 		for _, l := range limits {
-			li := limitInfo{Name: l.name, Key: l.keyText, ReplenishRate: l.rate, BurstCapacity: l.burst,
-				RequestedTokens: l.cost, IPv4Prefix: l.template.ipv4Bits, IPv6Prefix: l.template.ipv6Bits}
-			if l.quota != nil {
-				li.Count, li.Per, li.ReplenishRate, li.BurstCapacity = l.burst, l.quota.per, "", ""
-			}
-			if l.slots != nil {
-				li = limitInfo{Name: l.name, Key: l.keyText, Slots: l.burst, Hold: l.slots.hold.String(),
-					IPv4Prefix: l.template.ipv4Bits, IPv6Prefix: l.template.ipv6Bits}
-			} else if l.fixed && !l.exempt && l.quota != nil {
-				li.Count = Param(strconv.FormatInt(l.values.burst, 10))
-				li.RequestedTokens = Param(strconv.FormatInt(l.values.requested, 10))
-			} else if l.fixed && !l.exempt { // with the defaults filled in
-				li.ReplenishRate = floatParam(l.values.rate)
-				li.BurstCapacity = Param(strconv.FormatInt(l.values.burst, 10))
-				li.RequestedTokens = Param(strconv.FormatInt(l.values.requested, 10))
-			}
-			info.Limits = append(info.Limits, li)
+			info.Limits = append(info.Limits, l.kind.limitInfo(l))
 		}
 		zones = append(zones, info)
 	}
@@ -263,23 +253,6 @@ func serveBuckets(w http.ResponseWriter, r *http.Request, zone string) error {
 			infos = append(infos, bucketInfo{Limit: l.name, Blocked: true})
 			continue
 		}
-		info := bucketInfo{Limit: l.name, Key: b.clientKey(), StoredKey: b.key,
-			ReplenishRate: b.values.rate, BurstCapacity: b.values.burst, RequestedTokens: b.values.requested}
-		if b.quota != nil {
-			info.BurstCapacity = 0 // its count is in Quota
-		}
-		if l.slots != nil && r.Method == http.MethodGet { // concurrent.go
-			view, err := h.peekSlots(ctx, b)
-			if err != nil {
-				return caddy.APIError{HTTPStatus: http.StatusServiceUnavailable, Err: fmt.Errorf("reading %s: %w", b.key, err)}
-			}
-			info = bucketInfo{Limit: l.name, Key: b.clientKey(), StoredKey: b.key, Slots: &b.values.burst, InUse: &view.inUse}
-			for _, d := range view.expiries {
-				info.SlotExpiry = append(info.SlotExpiry, d.Seconds())
-			}
-			infos = append(infos, info)
-			continue
-		}
 		if r.Method == http.MethodDelete {
 			if err := h.resetBucket(ctx, b.key); err != nil {
 				return caddy.APIError{HTTPStatus: http.StatusServiceUnavailable, Err: fmt.Errorf("resetting %s: %w", b.key, err)}
@@ -287,14 +260,9 @@ func serveBuckets(w http.ResponseWriter, r *http.Request, zone string) error {
 			reset = append(reset, b.key)
 			continue
 		}
-		view, err := h.peekBucket(ctx, b)
+		info, err := l.kind.bucketInfo(ctx, h, b)
 		if err != nil {
 			return caddy.APIError{HTTPStatus: http.StatusServiceUnavailable, Err: fmt.Errorf("reading %s: %w", b.key, err)}
-		}
-		info.Tokens = strconv.FormatFloat(math.Round(view.tokens*1e6)/1e6, 'f', -1, 64) // to the millionth
-		info.RetryAfter, info.ExpiresIn = view.wait.Seconds(), view.expiresIn.Seconds()
-		if b.quota != nil {
-			info.Quota = quotaView(l, b, view, time.Now())
 		}
 		infos = append(infos, info)
 	}
@@ -308,6 +276,21 @@ func serveBuckets(w http.ResponseWriter, r *http.Request, zone string) error {
 		Zone    string       `json:"zone"`
 		Buckets []bucketInfo `json:"buckets"`
 	}{zone, infos})
+}
+
+// peekInfo reads a bucket where its handler keeps it, as the admin API
+// shows a bucket of tokens (the token bucket's, and the quota's with
+// more), and what it read.
+func (h *Handler) peekInfo(ctx context.Context, b bucket) (bucketInfo, bucketView, error) {
+	view, err := h.peekBucket(ctx, b)
+	if err != nil {
+		return bucketInfo{}, view, err
+	}
+	info := bucketInfo{Limit: b.limit.name, Key: b.clientKey(), StoredKey: b.key,
+		ReplenishRate: b.values.rate, BurstCapacity: b.values.burst, RequestedTokens: b.values.requested}
+	info.Tokens = strconv.FormatFloat(math.Round(view.tokens*1e6)/1e6, 'f', -1, 64) // to the millionth
+	info.RetryAfter, info.ExpiresIn = view.wait.Seconds(), view.expiresIn.Seconds()
+	return info, view, nil
 }
 
 // peekBucket reads a bucket where its handler keeps it.
@@ -431,12 +414,7 @@ func clientBuckets(limits []*limit, query url.Values) (map[*limit]bucket, map[*l
 		if key == "" {
 			return nil, nil, fmt.Errorf("a placeholder of key '%s' is empty", l.keyText)
 		}
-		buckets[l] = bucket{limit: l, key: key, values: values, args: l.scriptArgs(values)}
-		if l.quota != nil {
-			b := buckets[l]
-			b.quota = l.quota.at(time.Now(), l)
-			buckets[l] = b
-		}
+		buckets[l], _ = l.kind.begin(bucket{limit: l, key: key, values: values, args: l.kind.scriptArgs(values)}, requestShared{})
 	}
 	for name := range given {
 		if !used[name] {

@@ -657,31 +657,16 @@ func (h *Handler) settleInProcess(s *memoryStore, buckets []bucket, items []sett
 		shard := s.shardIndex(keys[i])
 		stored := s.shards[shard].buckets[keys[i]]
 		state, ok := held(stored)
-		if b.quota != nil {
-			if ok && state.expires > t && state.at == b.quota.bounds[b.quotaShift+1] {
-				var forgiven float64
-				*stored, forgiven = settleQuotaUse(state, b.values, it.diff, b.limit.charge.maxDebtFor(b.values))
-				h.countCharged(b.limit, float64(it.cost)-forgiven, forgiven)
-			} else {
-				// Its period is over, or it was reset, or it counts another
-				// period than the reservation's: nothing to settle, and the
-				// reservation is what it charged.
-				h.countCharged(b.limit, float64(b.values.requested), 0)
-			}
-			continue
-		}
-		current, at := currentState(state, ok, t, b.values)
-		after, forgiven := settleBucket(current, at, b.values, it.diff, b.limit.charge.maxDebtFor(b.values))
+		after, store, charged, forgiven := b.kind().settleHeld(state, ok, t, *b, it.diff, it.cost, b.limit.charge.maxDebtFor(b.values))
 		switch {
-		case !ok && after.tokens >= float64(b.values.burst):
-			// A full bucket needs no entry.
+		case !store:
 		case !ok && !s.reserve(1):
 			h.countSettleFailure(buckets, items[i:i+1], errMemoryFull)
 			continue
 		default:
 			s.put(shard, keys[i], stored, after)
 		}
-		h.countCharged(b.limit, float64(it.cost)-forgiven, forgiven)
+		h.countCharged(b.limit, charged, forgiven)
 	}
 }
 
@@ -743,11 +728,7 @@ func (h *Handler) settleInRedis(buckets []bucket, items []settling) {
 		}
 		for _, it := range group {
 			b := &buckets[it.bucket]
-			kind := b.args[0]
-			if b.quota != nil {
-				kind = b.quota.settleKinds[b.quotaShift+1] // settled only in the period it reserved in
-			}
-			c.args = append(c.args, kind, b.args[1], diffArg(it.diff), b.limit.charge.maxDebtArg(b))
+			c.args = append(c.args, b.kind().settleArg(*b), b.args[1], diffArg(it.diff), b.limit.charge.maxDebtArg(b))
 			s.items = append(s.items, settlement{limit: b.limit, cost: it.cost, reserved: b.values.requested, diff: it.diff})
 		}
 		c.script, c.clientCtx, c.then = settleScript, context.Background(), s // sent even when the client has left

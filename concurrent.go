@@ -78,12 +78,16 @@ const (
 	concurrentQuotaIn = `qu="concurrent-requests"`
 )
 
-// slotRule is what a concurrent limit adds to its limit.
+// slotRule is what a concurrent limit adds to its limit: its kind
+// (kind.go).
 type slotRule struct {
 	hold       time.Duration
 	holdArg    any // the hold in microseconds as script argument, boxed once
 	retryAfter time.Duration
 }
+
+// slotRule is a concurrent limit's rule.
+func (l *limit) slotRule() *slotRule { return l.kind.(*slotRule) }
 
 //go:embed concurrent.lua
 var concurrentSource string
@@ -192,11 +196,10 @@ func (h *Handler) buildConcurrent(keyPrefix string, first int, groups map[string
 		}
 		l := &limit{
 			index: first + i, name: c.Name, nameValue: c.Name, ietfName: h.Zone + "." + c.Name,
-			keyText: key, template: template, burst: c.Slots,
+			keyText: key, template: template, burst: c.Slots, kind: &slotRule{hold: hold, holdArg: strconv.FormatInt(hold.Microseconds(), 10),
+				retryAfter: time.Duration(retry) * time.Second},
 			keyPrefix: prefix[:len(keyPrefix)] + "{" + prefix[len(keyPrefix):],
 			keySuffix: "}" + keySeparator + c.Name + keySeparator + "slots",
-			slots: &slotRule{hold: hold, holdArg: strconv.FormatInt(hold.Microseconds(), 10),
-				retryAfter: time.Duration(retry) * time.Second},
 		}
 		group := fmt.Sprintf("%s/%d/%d", key, template.ipv4Bits, template.ipv6Bits)
 		if _, ok := groups[group]; !ok {
@@ -208,23 +211,12 @@ func (h *Handler) buildConcurrent(keyPrefix string, first int, groups map[string
 			if l.values, l.exempt, err = resolveSlots(string(c.Slots)); err != nil {
 				return nil, err
 			}
-			l.args = [3]any{kindConcurrentArg, strconv.FormatInt(l.values.burst, 10), nil}
+			l.args = l.kind.scriptArgs(l.values)
 			l.burstValue = l.values.burst
 		}
 		limits = append(limits, l)
 	}
 	return limits, nil
-}
-
-// slotArgs are a concurrent bucket's script arguments for a request:
-// "c", n, the request's slot id (the hold follows, from the limit).
-func slotArgs(l *limit, values limitValues, id any) [3]any {
-	args := l.args
-	if !l.fixed {
-		args = [3]any{kindConcurrentArg, strconv.FormatInt(values.burst, 10), nil}
-	}
-	args[2] = id
-	return args
 }
 
 // instanceID starts every slot id of this process: slots of instances
@@ -256,17 +248,6 @@ func newSlotID() any {
 	return &id.text
 }
 
-// firstSlot is the index of a request's first concurrent bucket: they
-// follow its token buckets (buildLimits puts the concurrent limits last).
-func firstSlot(buckets []bucket) int {
-	for i := range buckets {
-		if l := buckets[i].limit; l != nil && l.slots != nil {
-			return i
-		}
-	}
-	return len(buckets)
-}
-
 // slotsAnswered completes the answer of a request's concurrent buckets:
 // one that was full waits retry_after, since slots come back by release,
 // not by time (the script says 0).
@@ -274,9 +255,9 @@ func slotsAnswered(buckets []bucket, allowed bool) {
 	if allowed {
 		return
 	}
-	for i := firstSlot(buckets); i < len(buckets); i++ {
-		if b := &buckets[i]; b.limit.slots != nil && b.remaining == 0 && !b.unknown {
-			b.retryAfter = b.limit.slots.retryAfter
+	for i := firstHeld(buckets); i < len(buckets); i++ {
+		if b := &buckets[i]; b.remaining == 0 && !b.unknown {
+			b.retryAfter = b.limit.slotRule().retryAfter
 		}
 	}
 }
@@ -308,7 +289,7 @@ type slotEntry struct {
 // it was taken from (slotGen), for its release: read later, it could be
 // a count that an admin reset and another take made meanwhile.
 func (s *memoryStore) takeInProcess(now time.Time, buckets []bucket) (bool, error) {
-	k := firstSlot(buckets)
+	k := firstHeld(buckets)
 	if k == len(buckets) {
 		return s.take(now, buckets)
 	}
@@ -453,7 +434,7 @@ func (h *Handler) serveHolding(w http.ResponseWriter, r *http.Request, next cadd
 // holdSlots records the slots a request was admitted with, starts their
 // renewal and counts them in the in_flight gauge.
 func (h *Handler) holdSlots(buckets []bucket, store *memoryStore) *slotHold {
-	k := firstSlot(buckets)
+	k := firstHeld(buckets)
 	hold := &slotHold{h: h, store: store}
 	hold.keys, hold.limits, hold.gens = hold.inlineKeys[:0], hold.inlineLimits[:0], hold.inlineGens[:0]
 	perRequest := false
@@ -466,7 +447,7 @@ func (h *Handler) holdSlots(buckets []bucket, store *memoryStore) *slotHold {
 		if store != nil {
 			hold.gens = append(hold.gens, b.slotGen)
 		}
-		if every := b.limit.slots.hold / 3; hold.every == 0 || every < hold.every {
+		if every := b.limit.slotRule().hold / 3; hold.every == 0 || every < hold.every {
 			hold.every = every
 		}
 		if h.metrics != nil {
@@ -613,7 +594,7 @@ func (q *slotQueue) add(op any, holds ...*slotHold) {
 			q.keys = append(q.keys, key)
 			q.holds = append(q.holds, s)
 			if q.args = append(q.args, s.id); op == renewArg {
-				q.args = append(q.args, s.limits[i].slots.holdArg, s.slotN(i))
+				q.args = append(q.args, s.limits[i].slotRule().holdArg, s.slotN(i))
 			}
 		}
 	}
@@ -780,7 +761,7 @@ func (p *pendingReleases) add(keys []string, n int32) {
 // pending says whether a release of any of the buckets' slot keys is
 // pending.
 func (p *pendingReleases) pending(buckets []bucket) bool {
-	for i := firstSlot(buckets); i < len(buckets); i++ {
+	for i := firstHeld(buckets); i < len(buckets); i++ {
 		if p.keyPending(buckets[i].key) {
 			return true
 		}
@@ -814,7 +795,7 @@ func (p *pendingReleases) total() int64 {
 // should ask again.
 func (l *limiter) awaitReleases(buckets []bucket, deadline time.Time) bool {
 	full := false
-	for i := firstSlot(buckets); i < len(buckets); i++ {
+	for i := firstHeld(buckets); i < len(buckets); i++ {
 		full = full || buckets[i].remaining == 0
 	}
 	if !full {
@@ -1008,7 +989,7 @@ func (h *Handler) slotGone(reply int64) {
 // earlier Cluster group, when a later group refused, and returns the
 // token buckets among them, for giveBack.
 func (h *Handler) releaseTaken(taken []bucket) []bucket {
-	k := firstSlot(taken)
+	k := firstHeld(taken)
 	if k == len(taken) {
 		return taken
 	}
@@ -1016,7 +997,7 @@ func (h *Handler) releaseTaken(taken []bucket) []bucket {
 	hold := &slotHold{h: h}
 	for i := range taken {
 		b := &taken[i]
-		if b.limit.slots == nil {
+		if !b.kind().heldWhileServed() {
 			tokens = append(tokens, *b)
 			continue
 		}
@@ -1045,7 +1026,7 @@ func (h *Handler) releaseLostTake(buckets []bucket, err error) {
 		return
 	}
 	hold := &slotHold{h: h, released: true}
-	for i := firstSlot(buckets); i < len(buckets); i++ {
+	for i := firstHeld(buckets); i < len(buckets); i++ {
 		b := &buckets[i]
 		hold.id = b.args[2]
 		hold.keys = append(hold.keys, b.key)
@@ -1093,3 +1074,114 @@ for i = 2, #scores, 2 do
   left[#left + 1] = tonumber(scores[i]) - now
 end
 return left`
+
+// The concurrent limit as a kind of limit (kind.go).
+
+// limitInfo lists its slots and hold.
+func (s *slotRule) limitInfo(l *limit) limitInfo {
+	li := l.limitInfo()
+	li.Slots, li.Hold = l.burst, s.hold.String()
+	return li
+}
+
+// bucketInfo shows how many of its slots are held, and when each held
+// slot expires unless renewed.
+func (*slotRule) bucketInfo(ctx context.Context, h *Handler, b bucket) (bucketInfo, error) {
+	view, err := h.peekSlots(ctx, b)
+	if err != nil {
+		return bucketInfo{}, err
+	}
+	info := bucketInfo{Limit: b.limit.name, Key: b.clientKey(), StoredKey: b.key, Slots: &b.values.burst, InUse: &view.inUse}
+	for _, d := range view.expiries {
+		info.SlotExpiry = append(info.SlotExpiry, d.Seconds())
+	}
+	return info, nil
+}
+
+func (*slotRule) burstName() string { return "slots" }
+
+// resolveValues reads its slots, in the burst's place.
+func (*slotRule) resolveValues(_, slots, _ string) (limitValues, bool, error) {
+	return resolveSlots(slots)
+}
+
+// scriptArgs are "c" and n; the request's slot id follows (begin).
+func (*slotRule) scriptArgs(v limitValues) [3]any {
+	return [3]any{kindConcurrentArg, strconv.FormatInt(v.burst, 10), nil}
+}
+
+// begin gives the bucket the request's slot id, one for all its
+// concurrent limits.
+func (*slotRule) begin(b bucket, shared requestShared) (bucket, requestShared) {
+	if shared.slot == nil {
+		shared.slot = newSlotID()
+	}
+	b.args[2] = shared.slot
+	return b, shared
+}
+
+// appendArgs appends "c", n, the slot id, then the hold.
+func (s *slotRule) appendArgs(args []any, b bucket) []any {
+	return append(append(args, b.args[:]...), s.holdArg)
+}
+
+// heldWhileServed: a request holds its slot until its response has
+// ended (serveHolding).
+func (*slotRule) heldWhileServed() bool { return true }
+
+func (*slotRule) replyWords() int                                      { return 0 }
+func (*slotRule) readReply(b bucket, _ []int64, _ int) (bucket, error) { return b, nil }
+
+// A concurrent limit's slots in the process are counts of their own
+// (takeInProcess), never buckets of the memory store's: a take gives the
+// store only the token buckets before the slots.
+
+func (*slotRule) holds(memoryBucket, bool, time.Time, int64, bucket) (bucket, bool) {
+	panic("concurrent limits take slots (takeInProcess), not tokens")
+}
+
+func (*slotRule) take(memoryBucket, bool, time.Time, int64, bucket, bool) (bucket, memoryBucket, bool) {
+	panic("concurrent limits take slots (takeInProcess), not tokens")
+}
+
+func (*slotRule) peek(memoryBucket, bool, time.Time, int64, bucket) bucketView {
+	panic("concurrent limits are read by peekSlots, not peek")
+}
+
+// A concurrent limit charges nothing: a response costs it its slot.
+
+func (*slotRule) settleArg(bucket) any { panic("concurrent limits charge nothing") }
+
+func (*slotRule) settleHeld(memoryBucket, bool, int64, bucket, int64, int64, int64) (memoryBucket, bool, float64, float64) {
+	panic("concurrent limits charge nothing")
+}
+
+// fixedHeaders formats a fixed limit's header values once: its slots as
+// the burst capacity, no replenish rate.
+func (*slotRule) fixedHeaders(l *limit, lh *limitHeaders) bool {
+	if !(tokenBucket{}).fixedHeaders(l, lh) {
+		return false
+	}
+	lh.policy = slotPolicyItem(lh.quoted, l.values)
+	return true
+}
+
+// setSpring writes its slots as the burst capacity, as a token bucket of
+// no rate would.
+func (*slotRule) setSpring(hdr http.Header, v *headerValues, b bucket, lh *limitHeaders) {
+	tokenBucket{}.setSpring(hdr, v, b, lh)
+}
+
+func (*slotRule) appendPolicy(policy []byte, lh *limitHeaders, b bucket) []byte {
+	return append(policy, slotPolicyItem(lh.quoted, b.values)...)
+}
+
+// resetIn is its wait: retry_after when it was full (slotsAnswered).
+func (*slotRule) resetIn(b bucket) time.Duration { return b.retryAfter }
+
+// denialTTL is 0: slots come back by release, not by time.
+func (*slotRule) denialTTL(bucket) time.Duration { return 0 }
+
+// cachedRemaining is what it held: the deny cache never keeps a
+// concurrent limit's refusal (denialTTL).
+func (*slotRule) cachedRemaining(_ bucket, remaining int64, _ time.Duration) int64 { return remaining }

@@ -91,7 +91,7 @@ func TestConcurrentConfigForms(t *testing.T) {
 			var got []string
 			for _, l := range h.limits {
 				kind := "tokens"
-				if l.slots != nil {
+				if _, ok := l.kind.(*slotRule); ok {
 					kind = "slots"
 				}
 				got = append(got, l.name+":"+kind)

@@ -81,7 +81,7 @@ func concurrentHandler(t *testing.T, srv *redistest.Server, block string) *Handl
 func slotKey(t *testing.T, h *Handler, name, key string) string {
 	t.Helper()
 	for _, l := range h.limits {
-		if l.slots != nil && l.name == name {
+		if l.kind.heldWhileServed() && l.name == name {
 			r, _ := newRequest("192.0.2.1", key)
 			rv := requestValues{r: r, repl: r.Context().Value(caddy.ReplacerCtxKey).(*caddy.Replacer)}
 			return l.template.key(&rv, l.keyPrefix, l.keySuffix)

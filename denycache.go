@@ -2,7 +2,6 @@ package ratelimit
 
 import (
 	"hash/maphash"
-	"math"
 	"sync"
 	"time"
 )
@@ -48,7 +47,7 @@ const forgetShares = 64
 type denial struct {
 	until, ask time.Time
 	values     limitValues
-	remaining  int64 // a quota's, which does not change until its period ends
+	remaining  int64 // as Redis answered it (kind.cachedRemaining)
 }
 
 func newDenyCache() *denyCache {
@@ -56,9 +55,9 @@ func newDenyCache() *denyCache {
 }
 
 // answer denies a request at now when one of its buckets is known to be
-// short, and then fills in what Redis would say of each such bucket now:
-// it has refilled since, so it holds requested - wait*rate tokens. The
-// other buckets are marked unknown.
+// short, and then fills in what Redis would say of each such bucket now,
+// as its kind says (a token bucket has refilled since). The other
+// buckets are marked unknown.
 func (c *denyCache) answer(buckets []bucket, now time.Time) bool {
 	c.mu.Lock()
 	defer c.mu.Unlock()
@@ -78,12 +77,7 @@ func (c *denyCache) answer(buckets []bucket, now time.Time) bool {
 			continue
 		}
 		b.retryAfter = d.until.Sub(now)
-		if b.quota != nil {
-			b.remaining = d.remaining
-			continue
-		}
-		tokens := float64(b.values.requested) - b.retryAfter.Seconds()*b.values.rate
-		b.remaining = max(0, int64(math.Floor(tokens)))
+		b.remaining = b.kind().cachedRemaining(*b, d.remaining, b.retryAfter)
 	}
 	return true
 }
@@ -99,7 +93,8 @@ func (c *denyCache) put(buckets []bucket, sent time.Time) {
 	}
 	for i := range buckets {
 		b := &buckets[i]
-		if b.retryAfter <= 0 || b.limit != nil && b.limit.slots != nil { // slots come back by release, not by time
+		ttl := b.kind().denialTTL(*b)
+		if ttl <= 0 {
 			continue
 		}
 		if !c.forgotten[c.share(b.key)].Before(sent) {
@@ -108,9 +103,9 @@ func (c *denyCache) put(buckets []bucket, sent time.Time) {
 		if len(c.entries) >= denyCacheSize {
 			c.makeRoom(sent)
 		}
-		d := denial{until: sent.Add(b.retryAfter - time.Microsecond), values: b.values, remaining: b.remaining}
+		d := denial{until: sent.Add(ttl - time.Microsecond), values: b.values, remaining: b.remaining}
 		d.ask = d.until
-		if c.maxWait > 0 && b.retryAfter > c.maxWait {
+		if c.maxWait > 0 && ttl > c.maxWait {
 			d.ask = sent.Add(c.maxWait)
 		}
 		c.entries[b.key] = d

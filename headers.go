@@ -1,8 +1,6 @@
 package ratelimit
 
 import (
-	"fmt"
-	"math"
 	"net/http"
 	"strconv"
 	"strings"
@@ -81,19 +79,7 @@ func newRateLimitHeaders(style string, limits []*limit) rateLimitHeaders {
 	for i, l := range limits {
 		lh := &rh.limits[i]
 		lh.quoted = strconv.Quote(l.ietfName)
-		if l.quota != nil { // its items change with its period: quotaPeriod has them
-			lh.burst = strconv.FormatInt(l.values.burst, 10)
-			lh.requested = strconv.FormatInt(l.values.requested, 10)
-			continue
-		}
-		if l.fixed && !l.exempt {
-			lh.rate = strconv.FormatFloat(l.values.rate, 'f', -1, 64)
-			lh.burst = strconv.FormatInt(l.values.burst, 10)
-			lh.requested = strconv.FormatInt(l.values.requested, 10)
-			lh.policy = policyItem(lh.quoted, l.values)
-			if l.slots != nil {
-				lh.policy = slotPolicyItem(lh.quoted, l.values) // concurrent.go
-			}
+		if l.kind.fixedHeaders(l, lh) {
 			items = append(items, lh.policy)
 		}
 	}
@@ -101,16 +87,6 @@ func newRateLimitHeaders(style string, limits []*limit) rateLimitHeaders {
 		rh.policy = strings.Join(items, ", ")
 	}
 	return rh
-}
-
-// policyItem is a limit's RateLimit-Policy item: its burst as the quota
-// and the seconds an empty bucket takes to fill as the window.
-func policyItem(quoted string, v limitValues) string {
-	fill := int64(0)
-	if v.rate > 0 {
-		fill = int64(math.Ceil(float64(v.burst) / v.rate))
-	}
-	return fmt.Sprintf("%s;q=%d;w=%d", quoted, v.burst, fill)
 }
 
 // set writes the headers of a request whose buckets were consulted; the
@@ -129,17 +105,7 @@ func (rh *rateLimitHeaders) set(hdr http.Header, buckets []bucket, described int
 	if rh.spring {
 		b := &buckets[described]
 		v.put(hdr, "X-Ratelimit-Remaining", v.count(b.remaining))
-		if lh := &rh.limits[b.limit.index]; b.quota != nil {
-			setQuotaSpring(hdr, v, b, lh)
-		} else if b.limit.fixed {
-			v.put(hdr, "X-Ratelimit-Replenish-Rate", lh.rate)
-			v.put(hdr, "X-Ratelimit-Burst-Capacity", lh.burst)
-			v.put(hdr, "X-Ratelimit-Requested-Tokens", lh.requested)
-		} else {
-			v.put(hdr, "X-Ratelimit-Replenish-Rate", strconv.FormatFloat(b.values.rate, 'f', -1, 64))
-			v.put(hdr, "X-Ratelimit-Burst-Capacity", countText(b.values.burst))
-			v.put(hdr, "X-Ratelimit-Requested-Tokens", countText(b.values.requested))
-		}
+		b.limit.kind.setSpring(hdr, v, *b, &rh.limits[b.limit.index])
 	}
 	if rh.ietf {
 		rh.setIETF(hdr, v, buckets)
@@ -164,12 +130,8 @@ func (rh *rateLimitHeaders) setIETF(hdr http.Header, v *headerValues, buckets []
 		if i > 0 {
 			policy = append(policy, ", "...)
 		}
-		if b.quota != nil {
-			policy = appendQuotaPolicy(policy, lh, b)
-		} else if rh.policy == "" && b.limit.slots != nil {
-			policy = append(policy, slotPolicyItem(lh.quoted, b.values)...)
-		} else if rh.policy == "" {
-			policy = append(policy, policyItem(lh.quoted, b.values)...)
+		if rh.policy == "" {
+			policy = b.limit.kind.appendPolicy(policy, lh, *b)
 		} else {
 			policy = append(policy, lh.policy...)
 		}
@@ -184,11 +146,7 @@ func (rh *rateLimitHeaders) setIETF(hdr http.Header, v *headerValues, buckets []
 		state = append(state, ";r="...)
 		state = strconv.AppendInt(state, b.remaining, 10)
 		state = append(state, ";t="...)
-		if b.quota != nil { // its reset: the end of the period it counted in
-			state = strconv.AppendInt(state, ceilSeconds(max(b.retryAfter, b.quota.untilEnd(time.Now(), b.quotaShift))), 10)
-		} else {
-			state = strconv.AppendInt(state, ceilSeconds(b.retryAfter), 10)
-		}
+		state = strconv.AppendInt(state, ceilSeconds(b.limit.kind.resetIn(*b)), 10)
 	}
 	if items > 0 {
 		v.put(hdr, "Ratelimit", string(state))
@@ -229,30 +187,4 @@ func countText(n int64) string {
 // ceilSeconds rounds a duration up to whole seconds.
 func ceilSeconds(d time.Duration) int64 {
 	return int64((d + time.Second - 1) / time.Second)
-}
-
-// Quotas' headers (quota.go): their RateLimit-Policy items and X-RateLimit
-// replenish rates change with the length of their period, so they come
-// from the period (formatted once per period at a fixed count).
-
-// appendQuotaPolicy appends a quota's RateLimit-Policy item.
-func appendQuotaPolicy(policy []byte, lh *limitHeaders, b *bucket) []byte {
-	if b.quota.policy != "" && b.limit.fixed {
-		return append(policy, b.quota.policy...)
-	}
-	return append(policy, quotaPolicyItem(lh.quoted, b.values.burst, b.quota.window())...)
-}
-
-// setQuotaSpring writes the X-RateLimit values of a quota: its count as
-// the burst capacity, spread over its period as the replenish rate.
-func setQuotaSpring(hdr http.Header, v *headerValues, b *bucket, lh *limitHeaders) {
-	if b.limit.fixed {
-		v.put(hdr, "X-Ratelimit-Replenish-Rate", b.quota.rate)
-		v.put(hdr, "X-Ratelimit-Burst-Capacity", lh.burst)
-		v.put(hdr, "X-Ratelimit-Requested-Tokens", lh.requested)
-		return
-	}
-	v.put(hdr, "X-Ratelimit-Replenish-Rate", quotaRate(b.values.burst, b.quota.window()))
-	v.put(hdr, "X-Ratelimit-Burst-Capacity", countText(b.values.burst))
-	v.put(hdr, "X-Ratelimit-Requested-Tokens", countText(b.values.requested))
 }

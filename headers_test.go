@@ -61,7 +61,7 @@ func TestRateLimitHeadersByStyle(t *testing.T) {
 			spring("999999999", "1000000000", "1000000000", "1"), false},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			l := &limit{ietfName: "api", fixed: true, values: limitValues{tc.rate, tc.burst, tc.requested}}
+			l := &limit{ietfName: "api", fixed: true, values: limitValues{tc.rate, tc.burst, tc.requested}, kind: tokenBucket{}}
 			rh := newRateLimitHeaders(tc.style, []*limit{l})
 			buckets := []bucket{{limit: l, values: l.values, remaining: tc.remaining, retryAfter: tc.next}}
 			got := http.Header{}

@@ -353,12 +353,7 @@ func (l *limiter) call(clientCtx context.Context, now time.Time, script *luaScri
 	}
 	c.command(script)
 	for i := range buckets {
-		c.args = append(c.args, buckets[i].args[:]...)
-		if q := buckets[i].quota; q != nil {
-			c.args = append(c.args, q.args[:]...)
-		} else if l := buckets[i].limit; l != nil && l.slots != nil {
-			c.args = append(c.args, l.slots.holdArg) // "c", n, slot id, hold (concurrent.go)
-		}
+		c.args = buckets[i].kind().appendArgs(c.args, buckets[i])
 	}
 	return l.send(clientCtx, now, c)
 }
@@ -457,10 +452,7 @@ func (l *limiter) peek(ctx context.Context, buckets []bucket) ([]bucketView, err
 // says it has no such command, then with EVAL, which runs the script (it
 // writes nothing) as well.
 func (l *limiter) peekOne(ctx context.Context, b bucket) ([]any, error) {
-	keys, args := []string{b.key}, b.args[:]
-	if b.quota != nil {
-		args = append(args[:3:3], b.quota.args[:]...)
-	}
+	keys, args := []string{b.key}, b.kind().appendArgs(nil, b)
 	if !l.noEvalRO.Load() {
 		reply, err := l.client.EvalRO(ctx, peekSource, keys, args...).Slice()
 		if err == nil || !isUnknownCommand(err) {
@@ -499,37 +491,31 @@ const maxRetryMicros = max(2*maxFillSeconds*1_000_000, 2*int64(maxPeriod/time.Mi
 // readTake reads the check-and-take reply, {allowed, then per bucket:
 // remaining, microseconds until it holds its requested tokens; with
 // leases, then the tokens each lent; then per quota, the period it
-// counted in}, into the buckets. A quota that counted in none (Redis's
-// clock outside its periods) is a quotaClockError. Anything else is no
-// answer at all: never read as a denial.
+// counted in: each kind's replyWords}, into the buckets. A quota that
+// counted in none (Redis's clock outside its periods) is a
+// quotaClockError. Anything else is no answer at all: never read as a
+// denial.
 func readTake(reply []int64, buckets []bucket, leasing bool) (allowed bool, err error) {
 	n := len(buckets)
 	want := 1 + 2*n
 	if leasing {
 		want += n
 	}
-	shifts := want
+	kindWords := want
 	for i := range buckets {
-		if buckets[i].quota != nil {
-			want++
-		}
+		want += buckets[i].kind().replyWords()
 	}
 	if len(reply) != want || reply[0]>>1 != 0 {
 		return false, fmt.Errorf("unexpected script reply %v", reply)
 	}
 	for i := range buckets {
-		if buckets[i].quota == nil {
-			continue
+		k := buckets[i].kind()
+		if words := k.replyWords(); words > 0 {
+			if buckets[i], err = k.readReply(buckets[i], reply, kindWords); err != nil {
+				return false, err
+			}
+			kindWords += words
 		}
-		shift := reply[shifts]
-		switch {
-		case shift > 1: // Redis time, outside the periods
-			return false, &quotaClockError{redis: shift, caddy: time.Now().UnixMicro(), bounds: buckets[i].quota.bounds}
-		case shift < -1:
-			return false, fmt.Errorf("unexpected script reply %v", reply)
-		}
-		buckets[i].quotaShift = int8(shift)
-		shifts++
 	}
 	for i := range buckets {
 		buckets[i].leased = 0

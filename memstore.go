@@ -3,7 +3,6 @@ package ratelimit
 import (
 	"errors"
 	"hash/maphash"
-	"math"
 	"slices"
 	"strings"
 	"sync"
@@ -171,13 +170,9 @@ func (s *memoryStore) take(now time.Time, buckets []bucket) (bool, error) {
 		}
 		states = append(states, state)
 		st, ok := held(state)
-		if b.quota != nil {
-			b.quotaAt(now)
-			allowed = allowed && quotaHolds(st, ok, now, t, b)
-			continue
-		}
-		current, at := currentState(st, ok, t, b.values)
-		allowed = allowed && refill(current, at, b.values) >= float64(b.values.requested)
+		var holds bool
+		*b, holds = b.kind().holds(st, ok, now, t, *b) // asked of every bucket: a quota names its period here
+		allowed = allowed && holds
 	}
 	if allowed && absent > 0 && !s.reserve(absent) {
 		s.sweepShards(locked, t) // what expired makes room first
@@ -196,30 +191,11 @@ func (s *memoryStore) take(now time.Time, buckets []bucket) (bool, error) {
 		state, ok := held(states[i])
 		var after memoryBucket
 		var store bool
-		var remaining, wait int64
-		if b.quota != nil {
-			after, store, remaining, wait = settleQuota(state, ok, now, t, b, allowed)
-		} else {
-			after, store, remaining, wait = settle(state, ok, t, b.values, allowed)
-		}
-		if store {
+		if *b, after, store = b.kind().take(state, ok, now, t, *b, allowed); store {
 			s.put(shards[i], keys[i], states[i], after)
 		}
-		b.remaining, b.retryAfter = remaining, time.Duration(wait)*time.Microsecond
 	}
 	return allowed, nil
-}
-
-// settle is one bucket's part of a take at t, once the request is known
-// to be allowed or not: the state to store, if store, and the answer.
-// state is the bucket as held, if ok.
-func settle(state memoryBucket, ok bool, t int64, v limitValues, allowed bool) (after memoryBucket, store bool, remaining, wait int64) {
-	current, at := currentState(state, ok, t, v)
-	after, _, remaining, wait = takeBucket(current, at, v, allowed)
-	if !allowed && ok {
-		after = extendOnDenial(state, after, at, v)
-	}
-	return after, allowed || ok && after != state, remaining, wait
 }
 
 // held is the state of a bucket the store holds (nil for none), and
@@ -243,17 +219,6 @@ func (s *memoryStore) put(shard int, key string, held *memoryBucket, state memor
 	*held = state
 }
 
-// currentState is a bucket's state for a take at t, and the time of the
-// take: an absent bucket (not ok), or one past its expiry, is full at t
-// (as an absent or expired Redis key); a bucket taken from after t is
-// taken from at that time (see take).
-func currentState(state memoryBucket, ok bool, t int64, v limitValues) (memoryBucket, int64) {
-	if !ok || state.expires <= t {
-		return memoryBucket{tokens: float64(v.burst), at: t}, t
-	}
-	return state, max(t, state.at)
-}
-
 // reserve counts n new buckets if they fit under max_keys. Takes on
 // other shards reserve concurrently, so the store never holds more than
 // max_keys (a reservation that does not fit is undone; meanwhile it may
@@ -269,49 +234,9 @@ func (s *memoryStore) reserve(n int) bool {
 	return false
 }
 
-// refill is what a bucket holds at t: script.lua's arithmetic, which
-// also counts from t when the stored time lies ahead.
-func refill(state memoryBucket, t int64, v limitValues) float64 {
-	return math.Min(float64(v.burst), state.tokens+float64(max(0, t-state.at))*v.rate/1000000)
-}
-
-// takeBucket is script.lua for one bucket at time t (microseconds):
-// refill by the time elapsed, take the requested tokens when take says
-// so, and answer the remaining whole tokens and the microseconds until
-// the bucket holds its requested tokens again. The state after holds
-// when the bucket would be full again. Every step is the script's, in the
-// same order, so that both agree to the bit (TestScriptAgreesWithMemoryStore).
-func takeBucket(state memoryBucket, t int64, v limitValues, take bool) (after memoryBucket, took bool, remaining, wait int64) {
-	tokens := refill(state, t, v)
-	requested := float64(v.requested)
-	if take && tokens >= requested {
-		tokens -= requested
-		took = true
-	}
-	if tokens < requested {
-		wait = int64(math.Ceil((requested - tokens) * 1000000 / v.rate))
-	}
-	ttl := math.Max(1000, math.Ceil((float64(v.burst)-tokens)*1000/v.rate)) // milliseconds, as the key's TTL
-	return memoryBucket{tokens: tokens, at: t, expires: t + int64(ttl)*1000}, took, max(0, int64(math.Floor(tokens))), wait
-}
-
-// extendOnDenial is what a denial at t leaves of a held bucket: its
-// state, unchanged, unless the values now in force (a slower plan than
-// the one it was taken at) need it to live longer to refill; then it
-// expires as after (takeBucket's) says. script.lua's PEXPIRE, with its
-// millisecond of slack for the rounding of expiries: at unchanged values
-// a denial changes nothing.
-func extendOnDenial(state, after memoryBucket, t int64, v limitValues) memoryBucket {
-	fill := math.Ceil((float64(v.burst) - after.tokens) * 1000 / v.rate) // milliseconds, as the script's
-	if state.expires > t && float64(state.expires-t)+1000 < fill*1000 {
-		state.expires = after.expires
-	}
-	return state
-}
-
 // peek reads a bucket without changing it, for the admin API.
 func (s *memoryStore) peek(now time.Time, b bucket) bucketView {
-	key, v := s.storedKey(b.key), b.values
+	key := s.storedKey(b.key)
 	sh := s.shard(key)
 	sh.mu.Lock()
 	var state memoryBucket
@@ -320,17 +245,7 @@ func (s *memoryStore) peek(now time.Time, b bucket) bucketView {
 		state = *stored
 	}
 	sh.mu.Unlock()
-	t := memoryNow(now)
-	if b.quota != nil {
-		return peekQuota(state, stored != nil, now, t, b)
-	}
-	if stored == nil || state.expires <= t {
-		return bucketView{tokens: float64(v.burst)}
-	}
-	current, at := currentState(state, true, t, v)
-	_, _, _, wait := takeBucket(current, at, v, false)
-	return bucketView{tokens: refill(current, at, v), wait: time.Duration(wait) * time.Microsecond,
-		expiresIn: time.Duration(state.expires-t) * time.Microsecond}
+	return b.kind().peek(state, stored != nil, now, memoryNow(now), b)
 }
 
 // reset forgets buckets, which makes them full.

@@ -82,7 +82,7 @@ func newZoneMetrics(registry prometheus.Registerer, zone string, limits []*limit
 	m.charged, m.forgiven, m.settleFailures = chargeCounters(zone, limits)
 	m.inFlight = make([]prometheus.Gauge, len(limits))
 	for i, l := range limits {
-		if l.slots != nil {
+		if l.kind.heldWhileServed() {
 			m.inFlight[i] = collectors.inFlight.WithLabelValues(zone, l.name)
 		}
 	}

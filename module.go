@@ -267,7 +267,7 @@ type Handler struct {
 	groups       [][]*limit // on Cluster, limits by hash slot, when they span several
 	useDenyCache bool       // see takeGroups
 	perRequest   bool       // some limit's values come from the request
-	quotas       bool       // some limit is a quota: requests read the clock for its period
+	holding      bool       // some limit is held while a request is served (kind.heldWhileServed)
 	denyEmpty    bool
 	failOpen     bool
 	headers      rateLimitHeaders
@@ -333,7 +333,7 @@ func (h *Handler) Provision(ctx caddy.Context) (err error) {
 	h.useDenyCache = true
 	for _, l := range h.limits {
 		h.perRequest = h.perRequest || !l.fixed
-		h.quotas = h.quotas || l.quota != nil
+		h.holding = h.holding || l.kind.heldWhileServed()
 	}
 	h.redisWarns = &logThrottle{every: 10 * time.Second}
 	h.fullWarns = &logThrottle{every: 10 * time.Second}
@@ -577,7 +577,7 @@ func (h *Handler) answer(w http.ResponseWriter, r *http.Request, next caddyhttp.
 		h.record(repl, refused, buckets, described)
 		return false, reject(w, r, h.errDenied)
 	}
-	if allowed && len(h.Concurrent) > 0 && firstSlot(buckets) < len(buckets) {
+	if allowed && h.holding && firstHeld(buckets) < len(buckets) {
 		// Served from here: the slots go back when the response has ended.
 		store := h.memory
 		if admitted == decisionErrorLocalAllowed {
@@ -620,12 +620,12 @@ func (h *Handler) check(clientCtx context.Context, buckets []bucket) (bool, erro
 	case h.useDenyCache && h.denied.answer(buckets, sent):
 		return false, nil
 	default:
-		releasing := len(h.Concurrent) > 0 && h.limiter.releases.pending(buckets) // concurrent.go
+		releasing := h.holding && h.limiter.releases.pending(buckets) // concurrent.go
 		allowed, err = h.takeAll(clientCtx, sent, buckets)
 		if releasing && err == nil && !allowed && h.limiter.awaitReleases(buckets, sent.Add(h.limiter.timeout/2)) {
 			allowed, err = h.takeAll(clientCtx, sent, buckets) // a slot of this key was on its way back
 		}
-		if err != nil && len(h.Concurrent) > 0 {
+		if err != nil && h.holding {
 			h.releaseLostTake(buckets, err) // concurrent.go
 		}
 	}

@@ -148,13 +148,10 @@ type limit struct {
 	// requested_tokens is its cost.
 	charge *chargeRule
 
-	// quota is its period when it is a quota (quota.go), nil for a token
-	// bucket; its values' burst is then the quota's count.
-	quota *quota
-
-	// slots makes it a concurrent limit (concurrent.go): its values are
-	// n as the burst and one slot per request; nil for a token bucket.
-	slots *slotRule
+	// kind is its kind of limit (kind.go): a token bucket, a quota (its
+	// values' burst is then the quota's count) or a concurrent limit (n
+	// as the burst, one slot per request).
+	kind kind
 }
 
 // bucket is one limit's bucket for one request, and Redis's answer.
@@ -230,13 +227,15 @@ func (h *Handler) buildLimits(keyPrefix string) ([]*limit, error) {
 			index: i, name: c.Name, nameValue: c.Name, ietfName: h.Zone,
 			rate: or(unset(c.ReplenishRate), unset(h.ReplenishRate)), burst: or(c.BurstCapacity, h.BurstCapacity),
 			cost: or(unset(c.RequestedTokens), unset(h.RequestedTokens)),
+			kind: tokenBucket{},
 		}
-		if i >= quotas { // the count is the quota's own; there is no rate
-			var err error
-			if l.quota, err = newQuota(h.Quotas[i-quotas]); err != nil {
+		isQuota := i >= quotas
+		if isQuota { // the count is the quota's own; there is no rate
+			q, err := newQuota(h.Quotas[i-quotas])
+			if err != nil {
 				return nil, fmt.Errorf("quota %s: %w", c.Name, err)
 			}
-			l.rate, l.burst = "", c.BurstCapacity
+			l.rate, l.burst, l.kind = "", c.BurstCapacity, q
 		}
 		key := or(c.Key, h.Key)
 		l.keyText = key
@@ -247,7 +246,7 @@ func (h *Handler) buildLimits(keyPrefix string) ([]*limit, error) {
 		l.template.ipv4Bits = *cmp.Or(c.IPv4Prefix, h.IPv4Prefix, new(32))
 		l.template.ipv6Bits = *cmp.Or(c.IPv6Prefix, h.IPv6Prefix, new(64))
 		prefix := bucketPrefix(keyPrefix, h.Zone, key)
-		if named || l.quota != nil {
+		if named || isQuota {
 			// Limits with one key template share a hash tag: their
 			// buckets live in one Cluster slot, for one script call.
 			l.ietfName = h.Zone + "." + c.Name
@@ -257,7 +256,7 @@ func (h *Handler) buildLimits(keyPrefix string) ([]*limit, error) {
 			l.keyPrefix = prefix
 		}
 		group := fmt.Sprintf("%s/%d/%d", key, l.template.ipv4Bits, l.template.ipv6Bits)
-		if !named && l.quota == nil {
+		if !named && !isQuota {
 			group = "\x00own" // the own limit's key has no hash tag: a slot of its own
 		}
 		if _, ok := groups[group]; !ok {
@@ -266,10 +265,10 @@ func (h *Handler) buildLimits(keyPrefix string) ([]*limit, error) {
 		l.group = groups[group]
 		l.fixed = !l.rate.perRequest() && !l.burst.perRequest() && !l.cost.perRequest()
 		if l.fixed {
-			if l.values, l.exempt, err = l.resolveValues(string(l.rate), string(l.burst), string(l.cost)); err != nil {
+			if l.values, l.exempt, err = l.kind.resolveValues(string(l.rate), string(l.burst), string(l.cost)); err != nil {
 				return nil, err
 			}
-			l.args, l.burstValue = l.scriptArgs(l.values), l.values.burst
+			l.args, l.burstValue = l.kind.scriptArgs(l.values), l.values.burst
 		}
 		limits[i] = l
 	}
@@ -283,22 +282,6 @@ func (h *Handler) buildLimits(keyPrefix string) ([]*limit, error) {
 
 // or is the first of its values that is set.
 func or[T ~string](values ...T) T { return cmp.Or(values...) }
-
-// resolveValues is resolveValues, or resolveQuotaValues for a quota.
-func (l *limit) resolveValues(rate, burst, requested string) (limitValues, bool, error) {
-	if l.quota != nil {
-		return resolveQuotaValues(burst, requested)
-	}
-	return resolveValues(rate, burst, requested)
-}
-
-// scriptArgs are the limit's values as the script takes them.
-func (l *limit) scriptArgs(v limitValues) [3]any {
-	if l.quota != nil {
-		return quotaArgs(v)
-	}
-	return v.scriptArgs()
-}
 
 // checkLimits judges the limits as configured, before provisioning: the
 // parser calls it at the end of the directive, Validate for JSON.
@@ -373,11 +356,7 @@ func (h *Handler) asksRedis() bool {
 func (h *Handler) resolveBuckets(r *http.Request, repl *caddy.Replacer, buckets []bucket) (_ []bucket, skipped decision, err error) {
 	skipped = decisionEmptyKey
 	rv := requestValues{r: r, repl: repl} // one pass over the request's placeholders, for every limit
-	var now time.Time
-	if h.quotas {
-		now = time.Now()
-	}
-	var slot any // the request's slot id, for every concurrent limit
+	var shared requestShared
 	for _, l := range h.limits {
 		values, args, exempt := l.values, l.args, l.exempt
 		if !l.fixed {
@@ -387,15 +366,9 @@ func (h *Handler) resolveBuckets(r *http.Request, repl *caddy.Replacer, buckets 
 				}
 				return nil, skipped, err
 			}
-			if !exempt && l.slots == nil {
-				args = l.scriptArgs(values)
+			if !exempt {
+				args = l.kind.scriptArgs(values)
 			}
-		}
-		if l.slots != nil && !exempt {
-			if slot == nil {
-				slot = newSlotID()
-			}
-			args = slotArgs(l, values, slot)
 		}
 		if exempt {
 			skipped = decisionExempt
@@ -408,39 +381,43 @@ func (h *Handler) resolveBuckets(r *http.Request, repl *caddy.Replacer, buckets 
 			}
 			continue
 		}
-		buckets = append(buckets, bucket{limit: l, key: key, values: values, args: args})
-		if l.quota != nil {
-			buckets[len(buckets)-1].quota = l.quota.at(now, l)
-		}
+		var b bucket
+		b, shared = l.kind.begin(bucket{limit: l, key: key, values: values, args: args}, shared)
+		buckets = append(buckets, b)
 	}
 	return buckets, skipped, nil
+}
+
+// requestShared is what a request's buckets share, whatever their kind,
+// made by the first that needs it (kind.begin).
+type requestShared struct {
+	now  time.Time // the clock when the request's periods were named (quota.go)
+	slot any       // the request's slot id (concurrent.go)
+}
+
+// clock is the request's time: read once, when a bucket first asks.
+func (s *requestShared) clock() time.Time {
+	if s.now.IsZero() {
+		s.now = time.Now()
+	}
+	return s.now
 }
 
 // resolve resolves the limit's values from a request's placeholders. A
 // value the config sets that resolves to nothing is an error, not the
 // default: a fallback belongs in the config (`map`'s `default`).
 func (l *limit) resolve(repl *caddy.Replacer) (limitValues, bool, error) {
-	if l.slots != nil {
-		n := repl.ReplaceAll(string(l.burst), "")
-		if n == "" {
-			return limitValues{}, false, badValue("slots", string(l.burst), "resolved to nothing for this request")
-		}
-		return resolveSlots(n)
-	}
 	var text [3]string
 	for i, p := range [3]struct {
 		name  string
 		value Param
-	}{{"replenish_rate", l.rate}, {"burst_capacity", l.burst}, {"requested_tokens", l.cost}} {
+	}{{"replenish_rate", l.rate}, {l.kind.burstName(), l.burst}, {"requested_tokens", l.cost}} {
 		text[i] = repl.ReplaceAll(string(p.value), "")
 		if text[i] == "" && p.value != "" {
-			if l.quota != nil && p.name == "burst_capacity" {
-				p.name = "count"
-			}
 			return limitValues{}, false, badValue(p.name, string(p.value), "resolved to nothing for this request")
 		}
 	}
-	return l.resolveValues(text[0], text[1], text[2])
+	return l.kind.resolveValues(text[0], text[1], text[2])
 }
 
 // blockedBucket is the index of a bucket that holds nothing (burst 0,
@@ -459,8 +436,10 @@ func blockedBucket(buckets []bucket) int {
 // longest wait, else the one with the fewest requests left; the first
 // such on ties.
 func describe(buckets []bucket, allowed bool) int {
-	if k := firstSlot(buckets); allowed && k > 0 {
-		buckets = buckets[:k] // admitted: the token buckets, not the slots (concurrent.go)
+	if allowed {
+		if k := firstHeld(buckets); k > 0 {
+			buckets = buckets[:k] // admitted: the buckets taken, not those held while served (slots)
+		}
 	}
 	pick := -1
 	for i := range buckets {

@@ -7,9 +7,11 @@ package ratelimit
 // the memory store, its header items and its admin view.
 
 import (
+	"context"
 	"fmt"
 	"hash/fnv"
 	"math"
+	"net/http"
 	"strconv"
 	"sync/atomic"
 	"time"
@@ -162,8 +164,8 @@ func (e *quotaClockError) Error() string {
 // longer than the period), when now lies outside it and its neighbours;
 // the process has the calendar, so it names the period now is in.
 func (b *bucket) quotaAt(now time.Time) {
-	if us := now.UnixMicro(); (us < b.quota.bounds[0] || us >= b.quota.bounds[3]) && b.limit != nil && b.limit.quota != nil {
-		b.quota = b.limit.quota.at(now, b.limit)
+	if us := now.UnixMicro(); us < b.quota.bounds[0] || us >= b.quota.bounds[3] {
+		b.quota = b.limit.kind.(*quota).at(now, b.limit)
 	}
 }
 
@@ -334,27 +336,30 @@ func takeQuota(used float64, start, end, wall, t int64, v limitValues, take bool
 	return memoryBucket{tokens: used, at: start, expires: expires}, took, max(0, int64(math.Floor(count-used))), wait
 }
 
-// settleQuota is a quota's part of a memory store take at now (t on the
+// take is a quota's part of a memory store take at now (t on the
 // store's clock), once the request is known to be allowed or not (see
 // settle for buckets); it notes in b the period it counted in, as the
 // script answers it. A denial stores nothing.
-func settleQuota(state memoryBucket, ok bool, now time.Time, t int64, b *bucket, allowed bool) (after memoryBucket, store bool, remaining, wait int64) {
+func (*quota) take(state memoryBucket, ok bool, now time.Time, t int64, b bucket, allowed bool) (bucket, memoryBucket, bool) {
 	wall := now.UnixMicro()
 	start, end, shift := b.quota.span(wall)
 	b.quotaShift = shift
-	after, _, remaining, wait = takeQuota(quotaUsed(state, ok, t, start), start, end, wall, t, b.values, allowed)
-	return after, allowed, remaining, wait
+	after, _, remaining, wait := takeQuota(quotaUsed(state, ok, t, start), start, end, wall, t, b.values, allowed)
+	b.remaining, b.retryAfter = remaining, time.Duration(wait)*time.Microsecond
+	return b, after, allowed
 }
 
-// quotaHolds says whether a held quota has room for the request at now.
-func quotaHolds(state memoryBucket, ok bool, now time.Time, t int64, b *bucket) bool {
+// holds says whether a held quota has room for the request at now, in
+// the period now is in (quotaAt).
+func (*quota) holds(state memoryBucket, ok bool, now time.Time, t int64, b bucket) (bucket, bool) {
+	b.quotaAt(now)
 	start, _, _ := b.quota.span(now.UnixMicro())
-	return quotaUsed(state, ok, t, start)+float64(b.values.requested) <= float64(b.values.burst)
+	return b, quotaUsed(state, ok, t, start)+float64(b.values.requested) <= float64(b.values.burst)
 }
 
-// peekQuota is a held quota as the admin API shows it: tokens is what
-// is left of the count.
-func peekQuota(state memoryBucket, ok bool, now time.Time, t int64, b bucket) bucketView {
+// peek is a held quota as the admin API shows it: tokens is what is
+// left of the count.
+func (*quota) peek(state memoryBucket, ok bool, now time.Time, t int64, b bucket) bucketView {
 	wall := now.UnixMicro()
 	start, end, _ := b.quota.span(wall)
 	used := quotaUsed(state, ok, t, start)
@@ -379,13 +384,52 @@ func settleQuotaUse(state memoryBucket, v limitValues, diff, maxDebt int64) (aft
 	return state, forgiven
 }
 
-// quotaView is a quota's admin view at now, from what it holds (view).
-func quotaView(l *limit, b bucket, view bucketView, now time.Time) *quotaInfo {
+// settleArg is "q" and the start of the period the reservation was taken
+// in: settled only in that period.
+func (*quota) settleArg(b bucket) any { return b.quota.settleKinds[b.quotaShift+1] }
+
+// settleHeld settles in the period the reservation was taken in
+// (settleQuotaUse). When its period is over, or it was reset, or it
+// counts another period than the reservation's, nothing settles, and the
+// reservation is what it charged.
+func (*quota) settleHeld(state memoryBucket, ok bool, t int64, b bucket, diff, cost, maxDebt int64) (memoryBucket, bool, float64, float64) {
+	if !ok || state.expires <= t || state.at != b.quota.bounds[b.quotaShift+1] {
+		return state, false, float64(b.values.requested), 0
+	}
+	after, forgiven := settleQuotaUse(state, b.values, diff, maxDebt)
+	return after, true, float64(cost) - forgiven, forgiven
+}
+
+// limitInfo lists its count, period and cost.
+func (q *quota) limitInfo(l *limit) limitInfo {
+	li := l.limitInfo()
+	li.Count, li.Per, li.RequestedTokens = l.burst, q.per, l.cost
+	if l.fixed && !l.exempt {
+		li.Count = Param(strconv.FormatInt(l.values.burst, 10))
+		li.RequestedTokens = Param(strconv.FormatInt(l.values.requested, 10))
+	}
+	return li
+}
+
+// bucketInfo shows what is left of its count, and its usage in its
+// current period (Quota); its count is not a burst.
+func (q *quota) bucketInfo(ctx context.Context, h *Handler, b bucket) (bucketInfo, error) {
+	info, view, err := h.peekInfo(ctx, b)
+	if err != nil {
+		return info, err
+	}
+	info.BurstCapacity = 0 // its count is in Quota
+	info.Quota = q.view(b, view, time.Now())
+	return info, nil
+}
+
+// view is a quota's admin view at now, from what it holds (view).
+func (q *quota) view(b bucket, view bucketView, now time.Time) *quotaInfo {
 	start, end, _ := b.quota.span(now.UnixMicro())
-	loc := l.quota.period.Location()
+	loc := q.period.Location()
 	left := int64(math.Floor(view.tokens))
 	return &quotaInfo{
-		Per: l.quota.per, Count: b.values.burst, Used: b.values.burst - left, Remaining: max(0, left),
+		Per: q.per, Count: b.values.burst, Used: b.values.burst - left, Remaining: max(0, left),
 		PeriodStart: time.UnixMicro(start).In(loc).Format(time.RFC3339),
 		ResetsAt:    time.UnixMicro(end).In(loc).Format(time.RFC3339),
 		ResetsIn:    float64(end-now.UnixMicro()) / 1e6,
@@ -411,3 +455,90 @@ func jitterRefusal(buckets []bucket, jitter time.Duration) {
 		b.retryAfter += time.Duration(h.Sum64() % uint64(jitter))
 	}
 }
+
+// The quota as a kind of limit (kind.go).
+
+func (*quota) burstName() string { return "count" }
+
+func (*quota) resolveValues(_, count, requested string) (limitValues, bool, error) {
+	return resolveQuotaValues(count, requested)
+}
+
+func (*quota) scriptArgs(v limitValues) [3]any { return quotaArgs(v) }
+
+// begin names the bucket's period by the request's clock.
+func (q *quota) begin(b bucket, shared requestShared) (bucket, requestShared) {
+	b.quota = q.at(shared.clock(), b.limit)
+	return b, shared
+}
+
+// appendArgs appends "q", count and cost, then the period's bounds.
+func (*quota) appendArgs(args []any, b bucket) []any {
+	return append(append(args, b.args[:]...), b.quota.args[:]...)
+}
+
+func (*quota) heldWhileServed() bool { return false }
+
+// replyWords is 1: the period the take counted in, as a shift from the
+// period Caddy named (-1, 0, 1).
+func (*quota) replyWords() int { return 1 }
+
+// readReply reads the period the quota counted in. One that counted in
+// none (Redis's clock outside its periods) is a quotaClockError.
+func (*quota) readReply(b bucket, reply []int64, at int) (bucket, error) {
+	switch shift := reply[at]; {
+	case shift > 1: // Redis time, outside the periods
+		return b, &quotaClockError{redis: shift, caddy: time.Now().UnixMicro(), bounds: b.quota.bounds}
+	case shift < -1:
+		return b, fmt.Errorf("unexpected script reply %v", reply)
+	default:
+		b.quotaShift = int8(shift)
+		return b, nil
+	}
+}
+
+// Its RateLimit-Policy items and
+// X-RateLimit replenish rates change with the length of its period, so
+// they come from the bucket's period (formatted once per period at a
+// fixed count).
+
+// fixedHeaders formats its count and cost once; its item is the
+// period's.
+func (*quota) fixedHeaders(l *limit, lh *limitHeaders) bool {
+	lh.burst = strconv.FormatInt(l.values.burst, 10)
+	lh.requested = strconv.FormatInt(l.values.requested, 10)
+	return false
+}
+
+// setSpring writes its count as the burst capacity, spread over its
+// period as the replenish rate.
+func (*quota) setSpring(hdr http.Header, v *headerValues, b bucket, lh *limitHeaders) {
+	if b.limit.fixed {
+		v.put(hdr, "X-Ratelimit-Replenish-Rate", b.quota.rate)
+		v.put(hdr, "X-Ratelimit-Burst-Capacity", lh.burst)
+		v.put(hdr, "X-Ratelimit-Requested-Tokens", lh.requested)
+		return
+	}
+	v.put(hdr, "X-Ratelimit-Replenish-Rate", quotaRate(b.values.burst, b.quota.window()))
+	v.put(hdr, "X-Ratelimit-Burst-Capacity", countText(b.values.burst))
+	v.put(hdr, "X-Ratelimit-Requested-Tokens", countText(b.values.requested))
+}
+
+func (*quota) appendPolicy(policy []byte, lh *limitHeaders, b bucket) []byte {
+	if b.quota.policy != "" && b.limit.fixed {
+		return append(policy, b.quota.policy...)
+	}
+	return append(policy, quotaPolicyItem(lh.quoted, b.values.burst, b.quota.window())...)
+}
+
+// resetIn is the end of the period it counted in, or its wait if later.
+func (*quota) resetIn(b bucket) time.Duration {
+	return max(b.retryAfter, b.quota.untilEnd(time.Now(), b.quotaShift))
+}
+
+// denialTTL is its wait: until its period ends (with reset_jitter's share).
+func (*quota) denialTTL(b bucket) time.Duration { return b.retryAfter }
+
+// cachedRemaining is what it held when refused: it renews only at its
+// boundary.
+func (*quota) cachedRemaining(_ bucket, remaining int64, _ time.Duration) int64 { return remaining }

@@ -286,11 +286,12 @@ func TestQuotaWithLeaseRefusedAtLoad(t *testing.T) {
 
 func TestQuotaOnlyHandlerHasNoLimitOfItsOwn(t *testing.T) {
 	h := provision(t, offline(&Handler{Quotas: []Quota{{Name: "m", Count: "5", Per: "day"}}}))
-	if len(h.limits) != 1 || h.limits[0].quota == nil {
+	isQuota := func(l *limit) bool { _, ok := l.kind.(*quota); return ok }
+	if len(h.limits) != 1 || !isQuota(h.limits[0]) {
 		t.Fatalf("limits %v, want the quota alone", h.limits)
 	}
 	h = provision(t, offline(&Handler{ReplenishRate: "10", Quotas: []Quota{{Name: "m", Count: "5", Per: "day"}}}))
-	if len(h.limits) != 2 || h.limits[0].quota != nil || h.limits[1].quota == nil {
+	if len(h.limits) != 2 || isQuota(h.limits[0]) || !isQuota(h.limits[1]) {
 		t.Fatalf("limits %v, want the handler's own limit and the quota", h.limits)
 	}
 }
@@ -612,6 +613,16 @@ func testQuotaPeriod(bounds calendar.Bounds) *quotaPeriod {
 	return p
 }
 
+// testQuotaLimit is an hourly quota's limit, the kind of the buckets a
+// test gives periods of its own (whose bounds hold the test's takes).
+func testQuotaLimit(t *testing.T) *limit {
+	q, err := newQuota(Quota{Per: "hour"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return &limit{kind: q}
+}
+
 // TestQuotaScriptPicksThePeriodByRedisTime: Caddy's clock may be off
 // from Redis's; the script counts in the period that holds Redis time,
 // among the three Caddy passed, and refuses until that period's end.
@@ -622,6 +633,7 @@ func TestQuotaScriptPicksThePeriodByRedisTime(t *testing.T) {
 	redisNow := redisMicros(t, rdb)
 	const minute = int64(60_000_000)
 	values := limitValues{burst: 2, requested: 1}
+	ql := testQuotaLimit(t)
 	for _, c := range []struct {
 		name   string
 		bounds calendar.Bounds // Redis time is about 30 s into the period at index start
@@ -638,7 +650,7 @@ func TestQuotaScriptPicksThePeriodByRedisTime(t *testing.T) {
 			}
 			key := "quota-pick-" + strconv.Itoa(c.start)
 			take := func() (bool, bucket) {
-				b := []bucket{{key: key, values: values, args: quotaArgs(values), quota: testQuotaPeriod(bounds)}}
+				b := []bucket{{limit: ql, key: key, values: values, args: quotaArgs(values), quota: testQuotaPeriod(bounds)}}
 				allowed, err := l.take(context.Background(), time.Now(), b)
 				if err != nil {
 					t.Fatal(err)
@@ -675,12 +687,13 @@ func TestQuotaScriptAgreesWithMemoryStore(t *testing.T) {
 	const hour = int64(3_600_000_000)
 	bounds := calendar.Bounds{redisNow - 2*hour, redisNow - hour, redisNow + hour, redisNow + 2*hour}
 	p := testQuotaPeriod(bounds)
+	ql := testQuotaLimit(t)
 	rng := rand.New(rand.NewPCG(1, 2))
 	for i := range 200 {
 		v := limitValues{burst: 20, requested: 1 + rng.Int64N(4)}
 		key := "agree-" + strconv.Itoa(rng.IntN(3))
-		rb := []bucket{{key: key, values: v, args: quotaArgs(v), quota: p}}
-		mb := []bucket{{key: key, values: v, args: quotaArgs(v), quota: p}}
+		rb := []bucket{{limit: ql, key: key, values: v, args: quotaArgs(v), quota: p}}
+		mb := []bucket{{limit: ql, key: key, values: v, args: quotaArgs(v), quota: p}}
 		ra, err := l.take(context.Background(), time.Now(), rb)
 		if err != nil {
 			t.Fatal(err)

@@ -1,11 +1,14 @@
 package ratelimit
 
 import (
+	"context"
 	"errors"
 	"fmt"
 	"math"
+	"net/http"
 	"strconv"
 	"strings"
+	"time"
 
 	"github.com/caddyserver/caddy/v2"
 )
@@ -148,4 +151,200 @@ func checkValues(rate, burst, cost Param, together bool) error {
 		return badValue("requested_tokens", string(cost), fmt.Sprintf("is more than burst_capacity '%d': no request could ever be admitted", v.burst))
 	}
 	return nil
+}
+
+// tokenBucket is the token bucket as a kind of limit (kind.go).
+type tokenBucket struct{}
+
+func (tokenBucket) burstName() string { return "burst_capacity" }
+
+func (tokenBucket) resolveValues(rate, burst, requested string) (limitValues, bool, error) {
+	return resolveValues(rate, burst, requested)
+}
+
+func (tokenBucket) scriptArgs(v limitValues) [3]any { return v.scriptArgs() }
+
+// begin adds nothing: a token bucket is the same for every request.
+func (tokenBucket) begin(b bucket, shared requestShared) (bucket, requestShared) { return b, shared }
+
+// appendArgs appends rate, burst and cost.
+func (tokenBucket) appendArgs(args []any, b bucket) []any { return append(args, b.args[:]...) }
+
+func (tokenBucket) heldWhileServed() bool { return false }
+
+// replyWords is 0: a token bucket's answer is its remaining and wait.
+func (tokenBucket) replyWords() int                                      { return 0 }
+func (tokenBucket) readReply(b bucket, _ []int64, _ int) (bucket, error) { return b, nil }
+
+// fixedHeaders formats a fixed limit's header values once.
+func (tokenBucket) fixedHeaders(l *limit, lh *limitHeaders) bool {
+	if !l.fixed || l.exempt {
+		return false
+	}
+	lh.rate = strconv.FormatFloat(l.values.rate, 'f', -1, 64)
+	lh.burst = strconv.FormatInt(l.values.burst, 10)
+	lh.requested = strconv.FormatInt(l.values.requested, 10)
+	lh.policy = policyItem(lh.quoted, l.values)
+	return true
+}
+
+// limitInfo lists the rate, burst and cost.
+func (tokenBucket) limitInfo(l *limit) limitInfo {
+	li := l.limitInfo()
+	li.ReplenishRate, li.BurstCapacity, li.RequestedTokens = l.rate, l.burst, l.cost
+	if l.fixed && !l.exempt { // with the defaults filled in
+		li.ReplenishRate = floatParam(l.values.rate)
+		li.BurstCapacity = Param(strconv.FormatInt(l.values.burst, 10))
+		li.RequestedTokens = Param(strconv.FormatInt(l.values.requested, 10))
+	}
+	return li
+}
+
+// bucketInfo shows the tokens the bucket holds.
+func (tokenBucket) bucketInfo(ctx context.Context, h *Handler, b bucket) (bucketInfo, error) {
+	info, _, err := h.peekInfo(ctx, b)
+	return info, err
+}
+
+// setSpring writes the bucket's rate, burst and cost.
+func (tokenBucket) setSpring(hdr http.Header, v *headerValues, b bucket, lh *limitHeaders) {
+	if b.limit.fixed {
+		v.put(hdr, "X-Ratelimit-Replenish-Rate", lh.rate)
+		v.put(hdr, "X-Ratelimit-Burst-Capacity", lh.burst)
+		v.put(hdr, "X-Ratelimit-Requested-Tokens", lh.requested)
+		return
+	}
+	v.put(hdr, "X-Ratelimit-Replenish-Rate", strconv.FormatFloat(b.values.rate, 'f', -1, 64))
+	v.put(hdr, "X-Ratelimit-Burst-Capacity", countText(b.values.burst))
+	v.put(hdr, "X-Ratelimit-Requested-Tokens", countText(b.values.requested))
+}
+
+func (tokenBucket) appendPolicy(policy []byte, lh *limitHeaders, b bucket) []byte {
+	return append(policy, policyItem(lh.quoted, b.values)...)
+}
+
+// policyItem is a limit's RateLimit-Policy item: its burst as the quota
+// and the seconds an empty bucket takes to fill as the window.
+func policyItem(quoted string, v limitValues) string {
+	fill := int64(0)
+	if v.rate > 0 {
+		fill = int64(math.Ceil(float64(v.burst) / v.rate))
+	}
+	return fmt.Sprintf("%s;q=%d;w=%d", quoted, v.burst, fill)
+}
+
+// resetIn is the bucket's wait: it refills by time.
+func (tokenBucket) resetIn(b bucket) time.Duration { return b.retryAfter }
+
+// denialTTL is the bucket's wait: it refills by time.
+func (tokenBucket) denialTTL(b bucket) time.Duration { return b.retryAfter }
+
+// cachedRemaining is what the bucket refilled since its refusal: it
+// holds requested - wait*rate tokens.
+func (tokenBucket) cachedRemaining(b bucket, _ int64, wait time.Duration) int64 {
+	tokens := float64(b.values.requested) - wait.Seconds()*b.values.rate
+	return max(0, int64(math.Floor(tokens)))
+}
+
+// The token bucket in the process (store memory, on_error local): a
+// memoryBucket holds its tokens at a time, and expires when it would be
+// full again. Every step is script.lua's checkBucket and takeBucket.
+
+// holds says whether the bucket has the requested tokens at t.
+func (tokenBucket) holds(state memoryBucket, ok bool, _ time.Time, t int64, b bucket) (bucket, bool) {
+	current, at := currentState(state, ok, t, b.values)
+	return b, refill(current, at, b.values) >= float64(b.values.requested)
+}
+
+// take is the bucket's part of a take at t (settle).
+func (tokenBucket) take(state memoryBucket, ok bool, _ time.Time, t int64, b bucket, allowed bool) (bucket, memoryBucket, bool) {
+	after, store, remaining, wait := settle(state, ok, t, b.values, allowed)
+	b.remaining, b.retryAfter = remaining, time.Duration(wait)*time.Microsecond
+	return b, after, store
+}
+
+// settleArg is the bucket's first script argument: its rate.
+func (tokenBucket) settleArg(b bucket) any { return b.args[0] }
+
+// settleHeld refills the bucket, then takes or gives back the difference
+// (settleBucket); a full bucket needs no entry.
+func (tokenBucket) settleHeld(state memoryBucket, ok bool, t int64, b bucket, diff, cost, maxDebt int64) (memoryBucket, bool, float64, float64) {
+	current, at := currentState(state, ok, t, b.values)
+	after, forgiven := settleBucket(current, at, b.values, diff, maxDebt)
+	return after, ok || after.tokens < float64(b.values.burst), float64(cost) - forgiven, forgiven
+}
+
+// peek is what the bucket holds at t, refilled.
+func (tokenBucket) peek(state memoryBucket, ok bool, _ time.Time, t int64, b bucket) bucketView {
+	v := b.values
+	if !ok || state.expires <= t {
+		return bucketView{tokens: float64(v.burst)}
+	}
+	current, at := currentState(state, true, t, v)
+	_, _, _, wait := takeBucket(current, at, v, false)
+	return bucketView{tokens: refill(current, at, v), wait: time.Duration(wait) * time.Microsecond,
+		expiresIn: time.Duration(state.expires-t) * time.Microsecond}
+}
+
+// settle is one bucket's part of a take at t, once the request is known
+// to be allowed or not: the state to store, if store, and the answer.
+// state is the bucket as held, if ok.
+func settle(state memoryBucket, ok bool, t int64, v limitValues, allowed bool) (after memoryBucket, store bool, remaining, wait int64) {
+	current, at := currentState(state, ok, t, v)
+	after, _, remaining, wait = takeBucket(current, at, v, allowed)
+	if !allowed && ok {
+		after = extendOnDenial(state, after, at, v)
+	}
+	return after, allowed || ok && after != state, remaining, wait
+}
+
+// currentState is a bucket's state for a take at t, and the time of the
+// take: an absent bucket (not ok), or one past its expiry, is full at t
+// (as an absent or expired Redis key); a bucket taken from after t is
+// taken from at that time (see take).
+func currentState(state memoryBucket, ok bool, t int64, v limitValues) (memoryBucket, int64) {
+	if !ok || state.expires <= t {
+		return memoryBucket{tokens: float64(v.burst), at: t}, t
+	}
+	return state, max(t, state.at)
+}
+
+// refill is what a bucket holds at t: script.lua's arithmetic, which
+// also counts from t when the stored time lies ahead.
+func refill(state memoryBucket, t int64, v limitValues) float64 {
+	return math.Min(float64(v.burst), state.tokens+float64(max(0, t-state.at))*v.rate/1000000)
+}
+
+// takeBucket is script.lua for one bucket at time t (microseconds):
+// refill by the time elapsed, take the requested tokens when take says
+// so, and answer the remaining whole tokens and the microseconds until
+// the bucket holds its requested tokens again. The state after holds
+// when the bucket would be full again. Every step is the script's, in the
+// same order, so that both agree to the bit (TestScriptAgreesWithMemoryStore).
+func takeBucket(state memoryBucket, t int64, v limitValues, take bool) (after memoryBucket, took bool, remaining, wait int64) {
+	tokens := refill(state, t, v)
+	requested := float64(v.requested)
+	if take && tokens >= requested {
+		tokens -= requested
+		took = true
+	}
+	if tokens < requested {
+		wait = int64(math.Ceil((requested - tokens) * 1000000 / v.rate))
+	}
+	ttl := math.Max(1000, math.Ceil((float64(v.burst)-tokens)*1000/v.rate)) // milliseconds, as the key's TTL
+	return memoryBucket{tokens: tokens, at: t, expires: t + int64(ttl)*1000}, took, max(0, int64(math.Floor(tokens))), wait
+}
+
+// extendOnDenial is what a denial at t leaves of a held bucket: its
+// state, unchanged, unless the values now in force (a slower plan than
+// the one it was taken at) need it to live longer to refill; then it
+// expires as after (takeBucket's) says. script.lua's PEXPIRE, with its
+// millisecond of slack for the rounding of expiries: at unchanged values
+// a denial changes nothing.
+func extendOnDenial(state, after memoryBucket, t int64, v limitValues) memoryBucket {
+	fill := math.Ceil((float64(v.burst) - after.tokens) * 1000 / v.rate) // milliseconds, as the script's
+	if state.expires > t && float64(state.expires-t)+1000 < fill*1000 {
+		state.expires = after.expires
+	}
+	return state
 }

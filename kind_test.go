@@ -1,0 +1,343 @@
+package ratelimit
+
+// The seam of kind.go: a kind of limit defined only in this file, a
+// fixed window, runs end to end through `store memory` (ServeHTTP, the
+// headers, the placeholders, the admin API) without a line of it in the
+// production files.
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"math"
+	"net/http"
+	"net/http/httptest"
+	"strconv"
+	"testing"
+	"time"
+)
+
+// fixedWindow is a kind of limit (kind.go) known only to this test: at
+// most count tokens (the limit's burst) per window, a window starting
+// with the first take after the last window ended, on the memory store's
+// clock. A memoryBucket holds the tokens used in the window (tokens), its
+// start (at) and its end (expires); past its end the bucket is gone, and
+// the next take starts a new window.
+//
+// It runs only through the in-process store. The methods that serve a
+// Redis script call (scriptArgs, appendArgs, replyWords, readReply,
+// settleArg) and the deny cache, which only a Redis store consults
+// (denialTTL, cachedRemaining), return zero values or an error;
+// settleHeld, for charged responses, panics: the test's limit charges
+// nothing.
+type fixedWindow struct {
+	window time.Duration
+}
+
+var _ kind = fixedWindow{}
+
+func (fixedWindow) burstName() string { return "count" }
+
+// resolveValues reads the count from the burst and the cost; the rate,
+// which the Caddyfile requires of a token bucket, means nothing here.
+func (fixedWindow) resolveValues(_, count, requested string) (v limitValues, isUnlimited bool, err error) {
+	if count == unlimited {
+		return v, true, nil
+	}
+	if v.burst, err = strconv.ParseInt(count, 10, 64); err != nil || v.burst < 0 {
+		return v, false, badValue("count", count, "is not a whole number of at least 0")
+	}
+	v.requested = 1
+	if requested != "" {
+		if v.requested, err = strconv.ParseInt(requested, 10, 64); err != nil || v.requested < 1 {
+			return v, false, badValue("requested_tokens", requested, "is not a whole number of at least 1")
+		}
+	}
+	if v.burst > 0 && v.requested > v.burst {
+		return v, false, badValue("requested_tokens", requested, "is more than the count: no request could ever be admitted")
+	}
+	return v, false, nil
+}
+
+// The Redis side: none. (Provision and every request ask scriptArgs too,
+// but only a script call reads the arguments.)
+
+func (fixedWindow) scriptArgs(limitValues) [3]any                      { return [3]any{} }
+func (fixedWindow) appendArgs(args []any, _ bucket) []any              { return args }
+func (fixedWindow) replyWords() int                                    { return 0 }
+func (fixedWindow) settleArg(bucket) any                               { return nil }
+func (fixedWindow) denialTTL(bucket) time.Duration                     { return 0 }
+func (fixedWindow) cachedRemaining(bucket, int64, time.Duration) int64 { return 0 }
+func (fixedWindow) readReply(b bucket, _ []int64, _ int) (bucket, error) {
+	return b, fmt.Errorf("the fixed window of kind_test.go has no script")
+}
+
+func (fixedWindow) begin(b bucket, shared requestShared) (bucket, requestShared) { return b, shared }
+func (fixedWindow) heldWhileServed() bool                                        { return false }
+
+// Its headers: the count, spread over the window as the replenish rate;
+// its RateLimit-Policy item has the window's seconds as w. RateLimit's t
+// is its wait, as a token bucket's: the end of the window once it has no
+// room, else 0. (The window's end for every request would need a field
+// of the request's bucket, which has one for a quota's period,
+// bucket.quota, and none for a kind the package does not know.)
+
+func (w fixedWindow) rate(count int64) string {
+	return strconv.FormatFloat(float64(count)/w.window.Seconds(), 'f', -1, 64)
+}
+
+func (w fixedWindow) policyItem(quoted string, count int64) string {
+	return fmt.Sprintf("%s;q=%d;w=%d", quoted, count, int64(math.Ceil(w.window.Seconds())))
+}
+
+func (w fixedWindow) fixedHeaders(l *limit, lh *limitHeaders) bool {
+	if !l.fixed || l.exempt {
+		return false
+	}
+	lh.rate, lh.burst = w.rate(l.values.burst), strconv.FormatInt(l.values.burst, 10)
+	lh.requested = strconv.FormatInt(l.values.requested, 10)
+	lh.policy = w.policyItem(lh.quoted, l.values.burst)
+	return true
+}
+
+func (w fixedWindow) setSpring(hdr http.Header, v *headerValues, b bucket, lh *limitHeaders) {
+	if b.limit.fixed {
+		v.put(hdr, "X-Ratelimit-Replenish-Rate", lh.rate)
+		v.put(hdr, "X-Ratelimit-Burst-Capacity", lh.burst)
+		v.put(hdr, "X-Ratelimit-Requested-Tokens", lh.requested)
+		return
+	}
+	v.put(hdr, "X-Ratelimit-Replenish-Rate", w.rate(b.values.burst))
+	v.put(hdr, "X-Ratelimit-Burst-Capacity", countText(b.values.burst))
+	v.put(hdr, "X-Ratelimit-Requested-Tokens", countText(b.values.requested))
+}
+
+func (w fixedWindow) appendPolicy(policy []byte, lh *limitHeaders, b bucket) []byte {
+	return append(policy, w.policyItem(lh.quoted, b.values.burst)...)
+}
+
+func (fixedWindow) resetIn(b bucket) time.Duration { return b.retryAfter }
+
+// Its arithmetic in the memory store.
+
+// current is the bucket's window that holds t: the tokens used in it,
+// its start and its end. An absent bucket, or one past its end, starts a
+// window at t.
+func (w fixedWindow) current(state memoryBucket, ok bool, t int64) (used float64, start, end int64) {
+	if !ok || state.expires <= t {
+		return 0, t, t + w.window.Microseconds()
+	}
+	return state.tokens, state.at, state.expires
+}
+
+func (w fixedWindow) holds(state memoryBucket, ok bool, _ time.Time, t int64, b bucket) (bucket, bool) {
+	used, _, _ := w.current(state, ok, t)
+	return b, used+float64(b.values.requested) <= float64(b.values.burst)
+}
+
+// take counts the request's tokens in the window if it is allowed; the
+// bucket waits until the window's end when the window has no room for
+// another request. A denial stores nothing.
+func (w fixedWindow) take(state memoryBucket, ok bool, _ time.Time, t int64, b bucket, allowed bool) (bucket, memoryBucket, bool) {
+	used, start, end := w.current(state, ok, t)
+	if allowed {
+		used += float64(b.values.requested)
+	}
+	b.remaining, b.retryAfter = max(0, b.values.burst-int64(used)), 0
+	if used+float64(b.values.requested) > float64(b.values.burst) {
+		b.retryAfter = time.Duration(end-t) * time.Microsecond
+	}
+	return b, memoryBucket{tokens: used, at: start, expires: end}, allowed
+}
+
+// peek is what is left of the count in the window, and the time until
+// the window ends; a bucket with no window now is full.
+func (w fixedWindow) peek(state memoryBucket, ok bool, _ time.Time, t int64, b bucket) bucketView {
+	used, _, end := w.current(state, ok, t)
+	view := bucketView{tokens: float64(b.values.burst) - used}
+	if ok && state.expires > t {
+		view.expiresIn = time.Duration(end-t) * time.Microsecond
+	}
+	if used+float64(b.values.requested) > float64(b.values.burst) {
+		view.wait = view.expiresIn
+	}
+	return view
+}
+
+func (fixedWindow) settleHeld(memoryBucket, bool, int64, bucket, int64, int64, int64) (memoryBucket, bool, float64, float64) {
+	panic("the fixed window of kind_test.go charges nothing: its config has no charge")
+}
+
+// Its admin view: the count and the window, as a quota lists its count
+// and period; a bucket as the token bucket's view shows it, with no
+// replenish rate.
+
+func (w fixedWindow) limitInfo(l *limit) limitInfo {
+	li := l.limitInfo()
+	li.Count, li.Per = l.burst, w.window.String()
+	return li
+}
+
+func (fixedWindow) bucketInfo(ctx context.Context, h *Handler, b bucket) (bucketInfo, error) {
+	info, _, err := h.peekInfo(ctx, b)
+	return info, err
+}
+
+// withKind gives h's only limit the kind k in place of the token bucket
+// that Provision chose, and redoes what Provision derived from the kind:
+// the limit's fixed values and script arguments (buildLimits) and the
+// headers' fixed values (newRateLimitHeaders). What else Provision asks
+// of a kind is whether it is held while served, for h.holding and the
+// metrics: false for a token bucket, and k must say the same.
+func withKind(t *testing.T, h *Handler, k kind) {
+	t.Helper()
+	if len(h.limits) != 1 || !h.limits[0].fixed || k.heldWhileServed() {
+		t.Fatalf("withKind: want one limit with fixed values, and a kind not held while served")
+	}
+	l := h.limits[0]
+	l.kind = k
+	var err error
+	if l.values, l.exempt, err = k.resolveValues(string(l.rate), string(l.burst), string(l.cost)); err != nil {
+		t.Fatalf("withKind: resolving the values: %v", err)
+	}
+	l.args, l.burstValue = k.scriptArgs(l.values), l.values.burst
+	h.headers = newRateLimitHeaders(h.Headers, h.limits)
+}
+
+// adminGet is the admin API's answer to GET path, in this process.
+func adminGet(t *testing.T, path string, v any) {
+	t.Helper()
+	w := httptest.NewRecorder()
+	if err := serveAdmin(w, httptest.NewRequest(http.MethodGet, path, nil)); err != nil {
+		t.Fatalf("GET %s: %v", path, err)
+	}
+	if err := json.Unmarshal(w.Body.Bytes(), v); err != nil {
+		t.Fatalf("GET %s: %v in %s", path, err, w.Body)
+	}
+}
+
+// TestKindDefinedInATestRunsEndToEndThroughMemoryStore gives a handler
+// of store memory the fixed window above, 3 requests per second, and
+// asserts that ServeHTTP, the headers, the placeholders and the admin
+// API answer as the kind says: 3 admitted, then a 429 until the window
+// ends, then admitted in a new window. A token bucket of the same
+// Caddyfile (rate 1, burst 3) would answer otherwise: a replenish rate of
+// 1, w=3, a fraction of a token refilled, one token after a second.
+func TestKindDefinedInATestRunsEndToEndThroughMemoryStore(t *testing.T) {
+	const zone, count = "fixedwindow", 3
+	window := time.Second
+	h := memoryHandler(t, "1 3", "zone "+zone+"\nkey {http.request.header.X-Key}\nheaders both")
+	withKind(t, h, fixedWindow{window: window})
+
+	var zones []struct {
+		Zone   string
+		Limits []limitInfo
+	}
+	adminGet(t, "/rate_limit/zones", &zones)
+	listed := false
+	for _, z := range zones {
+		if z.Zone == zone {
+			listed = true
+			if len(z.Limits) != 1 || z.Limits[0].Count != "3" || z.Limits[0].Per != "1s" || z.Limits[0].ReplenishRate != "" {
+				t.Errorf("zone %s lists %+v, want one limit of count 3 per 1s, no replenish rate", zone, z.Limits)
+			}
+		}
+	}
+	if !listed {
+		t.Errorf("the admin API lists no zone %s: %+v", zone, zones)
+	}
+
+	headers := func(remaining, reset string) map[string]string {
+		return map[string]string{
+			"X-RateLimit-Remaining":        remaining,
+			"X-RateLimit-Replenish-Rate":   "3", // the count over the window's seconds
+			"X-RateLimit-Burst-Capacity":   "3",
+			"X-RateLimit-Requested-Tokens": "1",
+			"RateLimit":                    `"` + zone + `";r=` + remaining + ";t=" + reset,
+			"RateLimit-Policy":             `"` + zone + `";q=3;w=1`,
+		}
+	}
+	bucketOf := func(key string) (b bucketInfo) {
+		t.Helper()
+		var got struct{ Buckets []bucketInfo }
+		adminGet(t, "/rate_limit/zones/"+zone+"/buckets?header.X-Key="+key, &got)
+		if len(got.Buckets) != 1 {
+			t.Fatalf("admin buckets of %s: %+v, want 1", key, got.Buckets)
+		}
+		return got.Buckets[0]
+	}
+
+	// The burst and its denial must fall in one window: on a machine so
+	// slow that a second passed meanwhile, a new key tries again.
+	var key string
+	var answers []policyAnswer
+	var exhausted bucketInfo
+	var firstDone time.Time
+	for attempt := 1; ; attempt++ {
+		key = "k" + strconv.Itoa(attempt)
+		start := time.Now()
+		answers = answers[:0]
+		for range count + 1 {
+			answers = append(answers, servePolicy(h, "X-Key", key))
+			if len(answers) == 1 {
+				firstDone = time.Now() // the window started before this
+			}
+		}
+		exhausted = bucketOf(key)
+		if time.Since(start) < window {
+			break
+		}
+		if attempt == 3 {
+			t.Fatalf("three bursts of %d requests each took longer than the window of %v", count+1, window)
+		}
+		t.Logf("attempt %d: the burst took longer than the window of %v; again with a new key", attempt, window)
+	}
+	for i, a := range answers[:count] {
+		remaining := strconv.Itoa(count - 1 - i)
+		if a.status != 200 || a.result() != "allowed" || a.placeholder("http.rate_limit.limit") != "3" {
+			t.Fatalf("request %d: %v limit %q, want 200 allowed of 3", i+1, a, a.placeholder("http.rate_limit.limit"))
+		}
+		reset := "0"
+		if remaining == "0" { // the window has no room for another: until its end
+			reset = "1"
+		}
+		assertAnswerHeaders(t, fmt.Sprintf("request %d", i+1), a, headers(remaining, reset))
+	}
+	// Denied until the window ends, at most a second away: Retry-After 1.
+	denied := answers[count]
+	if denied.status != 429 || denied.result() != "denied" || denied.placeholder("http.rate_limit.retry_after") != "1" {
+		t.Fatalf("request %d: %v retry_after %q, want 429 denied, retry after 1", count+1, denied, denied.placeholder("http.rate_limit.retry_after"))
+	}
+	want := headers("0", "1")
+	want["Retry-After"] = "1"
+	assertAnswerHeaders(t, "the denial", denied, want)
+	if b := exhausted; b.Tokens != "0" || b.BurstCapacity != 3 || b.RequestedTokens != 1 || b.ReplenishRate != 0 ||
+		!(b.RetryAfter > 0 && b.RetryAfter <= 1) || b.ExpiresIn != b.RetryAfter {
+		t.Errorf("admin, the window used up: %+v, want 0 tokens of 3, retry_after = expires_in, the window's end within 1 s", b)
+	}
+
+	// The window started before the first answer: a second after it, a
+	// new one holds the count again.
+	time.Sleep(time.Until(firstDone.Add(window)))
+	again := servePolicy(h, "X-Key", key)
+	if again.status != 200 || again.result() != "allowed" {
+		t.Fatalf("after the window: %v, want 200 allowed", again)
+	}
+	assertAnswerHeaders(t, "after the window", again, headers("2", "0"))
+	if b := bucketOf(key); b.Tokens != "2" || b.RetryAfter != 0 || !(b.ExpiresIn > 0 && b.ExpiresIn <= 1) {
+		t.Errorf("admin, a request into a new window: %+v, want 2 tokens, retry_after 0, expires_in within 1 s", b)
+	}
+	if b := bucketOf("other"); b.Tokens != "3" || b.ExpiresIn != 0 {
+		t.Errorf("admin, a client without a window: %+v, want 3 tokens, expires_in 0", b)
+	}
+}
+
+// assertAnswerHeaders asserts the response headers of an answer.
+func assertAnswerHeaders(t *testing.T, what string, a policyAnswer, want map[string]string) {
+	t.Helper()
+	for k, v := range want {
+		if got := a.header.Get(k); got != v {
+			t.Errorf("%s: %s %q, want %q", what, k, got, v)
+		}
+	}
+}

@@ -291,7 +291,7 @@ type slotEntry struct {
 func (s *memoryStore) takeInProcess(now time.Time, buckets []bucket) (bool, error) {
 	k := firstHeld(buckets)
 	if k == len(buckets) {
-		return s.take(now, buckets)
+		return s.takeTokens(now, buckets)
 	}
 	sc := &s.slots
 	sc.mu.Lock()
@@ -319,7 +319,7 @@ func (s *memoryStore) takeInProcess(now time.Time, buckets []bucket) (bool, erro
 	allowed := true
 	if k > 0 {
 		var err error
-		if allowed, err = s.take(now, buckets[:k]); err != nil || !allowed {
+		if allowed, err = s.takeTokens(now, buckets[:k]); err != nil || !allowed {
 			return allowed, err
 		}
 	}

@@ -1,6 +1,7 @@
 package ratelimit
 
 import (
+	"context"
 	"hash/maphash"
 	"sync"
 	"time"
@@ -158,5 +159,44 @@ func (c *denyCache) makeRoom(now time.Time) {
 	}
 	if dropped == 0 {
 		delete(c.entries, first)
+	}
+}
+
+// denyLayer answers from the deny cache a request that one of its
+// buckets is known to refuse, and asks the store below it otherwise,
+// keeping what that store answered.
+type denyLayer struct {
+	next       store
+	cache      *denyCache
+	perRequest bool // some limit's values come from the request
+}
+
+func (d *denyLayer) take(ctx context.Context, r *request) (bool, error) {
+	if d.cache.answer(r.buckets, r.sent) {
+		return false, nil
+	}
+	allowed, err := d.next.take(ctx, r)
+	if err == nil {
+		d.cache.answered(r.buckets, r.sent, allowed, d.perRequest)
+	}
+	return allowed, err
+}
+
+// answered keeps what a store answered to a request sent at sent: its
+// refusal, or, when perRequest, that it was admitted.
+func (c *denyCache) answered(buckets []bucket, sent time.Time, allowed, perRequest bool) {
+	switch {
+	case !allowed:
+		c.put(buckets, sent)
+	case perRequest:
+		// Admitted with other values than a cached denial's, say after a
+		// change of plan, the bucket refilled at another rate than that
+		// denial counted on.
+		var inline [maxInlineBuckets]string
+		keys := inline[:0]
+		for i := range buckets {
+			keys = append(keys, buckets[i].key)
+		}
+		c.forget(keys...)
 	}
 }

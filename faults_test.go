@@ -401,6 +401,7 @@ func TestOverloadFollowsOnErrorWithoutOpeningBreaker(t *testing.T) {
 	full.timers[0] = newBatchTimer()
 	shared := h.limiter
 	h.limiter = full
+	h.buildStore()
 	t.Cleanup(func() { h.limiter = shared }) // before the handler's own cleanup
 
 	for range 2 * breakerThreshold {

@@ -917,3 +917,15 @@ func readmeExample(t *testing.T, title string) string {
 	block, _, _ = strings.Cut(block, "```")
 	return block
 }
+
+// decide decides buckets with h's stack of store and layers, as the
+// request path does, and leaves their answers in buckets.
+func decide(ctx context.Context, h *Handler, buckets []bucket) (bool, error) {
+	r := acquireRequest()
+	defer r.free()
+	r.buckets = append(r.buckets, buckets...)
+	r.sent = time.Now()
+	allowed, err := h.store.take(ctx, r)
+	copy(buckets, r.buckets)
+	return allowed, err
+}

@@ -23,6 +23,23 @@ var (
 	leaseModeSettle any = "settle"
 )
 
+// leaseLayer decides the requests of a handler with lease, from this
+// instance's leases when it can (checkLeased), else in Redis, where its
+// call lends the leases more.
+type leaseLayer struct{ h *Handler }
+
+func (l leaseLayer) take(ctx context.Context, r *request) (bool, error) {
+	h := l.h
+	allowed, asked, err := h.checkLeased(ctx, r.sent, r.buckets)
+	if asked {
+		h.answeredByRedis(ctx, r, allowed, err)
+		if err == nil && h.useDenyCache {
+			h.denied.answered(r.buckets, r.sent, allowed, h.perRequest)
+		}
+	}
+	return allowed, err
+}
+
 // checkLeased decides a request of a handler with lease: from its
 // buckets' leases when they hold its tokens; else, when a call for one
 // of its buckets is in flight, after that call, which it shares a

@@ -1,6 +1,7 @@
 package ratelimit
 
 import (
+	"context"
 	"errors"
 	"hash/maphash"
 	"slices"
@@ -139,8 +140,14 @@ func (s *memoryStore) storedKey(key string) string {
 	return key // not a handler's key (it is, by construction of the store's name)
 }
 
-// take checks and takes every bucket's requested tokens, all or none,
-// and fills in each bucket's answer, as the script does in Redis.
+// take is the store's take: the buckets' tokens, and the slots of its
+// concurrent limits (takeInProcess).
+func (s *memoryStore) take(_ context.Context, r *request) (bool, error) {
+	return s.takeInProcess(r.sent, r.buckets)
+}
+
+// takeTokens checks and takes every bucket's requested tokens, all or
+// none, and fills in each bucket's answer, as the script does in Redis.
 //
 // A bucket's time never moves back: the caller reads the clock before
 // the shards are locked, so concurrent requests can reach a bucket out
@@ -148,7 +155,7 @@ func (s *memoryStore) storedKey(key string) string {
 // one is made at that last time. Counting from the earlier time, as the
 // script does when its server's clock went back, would count the time
 // in between twice, and admit more than burst + rate*T.
-func (s *memoryStore) take(now time.Time, buckets []bucket) (bool, error) {
+func (s *memoryStore) takeTokens(now time.Time, buckets []bucket) (bool, error) {
 	var inlineKeys [maxInlineBuckets]string
 	var inlineShards, inlineLocked [maxInlineBuckets]int
 	var inlineStates [maxInlineBuckets]*memoryBucket

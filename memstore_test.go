@@ -340,7 +340,7 @@ func TestMemoryStoreForgetsABucketOnceItWouldBeFullAgain(t *testing.T) {
 	// A request on a bucket past its expiry, not yet swept, finds it full
 	// (as an expired Redis key) and takes no second place in the count.
 	var b = []bucket{{key: fayKey, values: fast.limits[0].values}}
-	if allowed, err := s.take(storeTime(fay.expires), b); !allowed || err != nil || b[0].remaining != 9 {
+	if allowed, err := s.takeTokens(storeTime(fay.expires), b); !allowed || err != nil || b[0].remaining != 9 {
 		t.Fatalf("take on fay's expired bucket: %v %v remaining %d, want allowed with 9", allowed, err, b[0].remaining)
 	}
 	if n := storedBuckets(t, s); n != 2 {
@@ -759,7 +759,7 @@ func TestMemoryStoreHeapPerBucket(t *testing.T) {
 		start := time.Now()
 		for i := range n {
 			b[0] = bucket{key: key(i), values: l.values}
-			if allowed, err := s.take(now.Add(time.Duration(pass)*time.Millisecond), b); !allowed || err != nil {
+			if allowed, err := s.takeTokens(now.Add(time.Duration(pass)*time.Millisecond), b); !allowed || err != nil {
 				t.Fatalf("pass %d, bucket %d: allowed %v, %v", pass+1, i, allowed, err)
 			}
 		}
@@ -818,7 +818,7 @@ func TestMemoryStoreTakesOutOfClockOrderKeepTheBound(t *testing.T) {
 	take := func(at int64) {
 		t.Helper()
 		b := []bucket{{key: key, values: v}}
-		allowed, err := s.take(storeTime(at), b)
+		allowed, err := s.takeTokens(storeTime(at), b)
 		if err != nil {
 			t.Fatal(err)
 		}

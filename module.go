@@ -4,7 +4,6 @@
 package ratelimit
 
 import (
-	"context"
 	"crypto/sha256"
 	"encoding/hex"
 	"errors"
@@ -257,6 +256,7 @@ type Handler struct {
 	Redis *RedisConfig `json:"redis,omitempty"`
 
 	logger       *zap.Logger
+	store        store        // the stack that decides requests (buildStore)
 	memory       *memoryStore // with store memory: the buckets
 	local        *memoryStore // with on_error local: the buckets while Redis fails
 	limiter      *limiter     // nil when no limit ever asks Redis
@@ -299,6 +299,7 @@ func (Handler) CaddyModule() caddy.ModuleInfo {
 func (h *Handler) Provision(ctx caddy.Context) (err error) {
 	defer func() {
 		if err == nil {
+			h.buildStore()
 			registerZone(h) // for the admin API
 		}
 	}()
@@ -484,84 +485,80 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyht
 }
 
 // limit decides a request: pass says it goes on to the next handler,
-// else it ends with err (nil when the denial was written here). A charged
-// request is served from here, through next.
+// else it ends with err (nil when the denial was written here). A
+// request that holds slots or is charged is served from here, through
+// next.
 func (h *Handler) limit(w http.ResponseWriter, r *http.Request, next caddyhttp.Handler) (pass bool, err error) {
 	repl := r.Context().Value(caddy.ReplacerCtxKey).(*caddy.Replacer)
-	var inline [maxInlineBuckets]bucket
-	buckets, skipped, err := h.resolveBuckets(r, repl, inline[:0])
+	req := acquireRequest()
+	defer req.free()
+	req.buckets, err = h.resolve(w, r, repl, req.buckets)
+	if req.buckets == nil {
+		return err == nil, err
+	}
+	req.sent = time.Now()
+	allowed, err := h.store.take(r.Context(), req)
+	switch {
+	case req.failed:
+		return h.answerFailed(w, r, repl, req, allowed, err)
+	case err != nil:
+		// The client went away; that says nothing about Redis.
+		return false, caddyhttp.Error(499, r.Context().Err())
+	}
+	return h.answer(w, r, next, repl, req, allowed)
+}
+
+// resolve finds a request's buckets. None (nil) when the request is
+// decided without asking a store: no limit applies (err nil: it goes
+// on), or it is refused (err).
+func (h *Handler) resolve(w http.ResponseWriter, r *http.Request, repl *caddy.Replacer, inline []bucket) ([]bucket, error) {
+	buckets, skipped, err := h.resolveBuckets(r, repl, inline)
 	switch {
 	case err == errEmptyKey:
 		h.record(repl, decisionEmptyKey, nil, -1)
-		return false, reject(w, r, h.errEmptyKey)
+		return nil, reject(w, r, h.errEmptyKey)
 	case err != nil:
-		return false, h.refuseInvalid(w, r, repl, err)
+		return nil, h.refuseInvalid(w, r, repl, err)
 	case len(buckets) == 0:
 		h.record(repl, skipped, nil, -1)
-		return true, nil
+		return nil, nil
 	}
 	if blocked := blockedBucket(buckets); blocked >= 0 {
 		buckets[blocked].remaining, buckets[blocked].retryAfter = 0, -1
 		h.headers.set(w.Header(), buckets, blocked, false)
 		h.record(repl, decisionDenied, buckets, blocked)
-		return false, reject(w, r, h.errBlocked)
+		return nil, reject(w, r, h.errBlocked)
 	}
-
-	allowed, err := h.check(r.Context(), buckets)
-	if err != nil {
-		if r.Context().Err() != nil {
-			// The client went away; that says nothing about Redis.
-			return false, caddyhttp.Error(499, r.Context().Err())
-		}
-		if h.local != nil {
-			return h.decideLocally(w, r, next, repl, buckets)
-		}
-		buckets[0].remaining = -1
-		h.headers.set(w.Header(), buckets[:1], 0, false)
-		d := decisionErrorDenied
-		switch {
-		case err == errMemoryFull:
-			d = decisionOverflow
-		case h.failOpen:
-			d = decisionErrorAllowed
-		}
-		h.record(repl, d, buckets, 0)
-		if h.failOpen {
-			return true, nil
-		}
-		if err == errMemoryFull {
-			return false, reject(w, r, prebuiltError(http.StatusServiceUnavailable, err))
-		}
-		// Not err: a Redis error names internal addresses ("dial tcp
-		// 10.0.0.5:6379", "MOVED ..."), which {http.error.message} would
-		// hand to clients.
-		return false, reject(w, r, h.errRedis)
-	}
-	return h.answer(w, r, next, repl, buckets, allowed, decisionAllowed, decisionDenied)
+	return buckets, nil
 }
 
-// decideLocally decides a request with the in-process buckets of
-// on_error local, while Redis fails.
-func (h *Handler) decideLocally(w http.ResponseWriter, r *http.Request, next caddyhttp.Handler, repl *caddy.Replacer, buckets []bucket) (pass bool, err error) {
-	for i := range buckets {
-		buckets[i].unknown = false // a Cluster group that failed left them so; every bucket answers here
-	}
-	allowed, err := h.local.takeInProcess(time.Now(), buckets)
-	if err != nil { // full: as on_error allow
-		buckets[0].remaining = -1
-		h.headers.set(w.Header(), buckets[:1], 0, false)
-		h.record(repl, decisionErrorAllowed, buckets, 0)
+// answerFailed ends the decision on a request that on_error decided
+// without its buckets' answers (req.failed): pass when on_error allows
+// it, else a denial that does not say the cause, err.
+func (h *Handler) answerFailed(w http.ResponseWriter, r *http.Request, repl *caddy.Replacer, req *request, pass bool, err error) (bool, error) {
+	buckets := req.buckets
+	buckets[0].remaining = -1
+	h.headers.set(w.Header(), buckets[:1], 0, false)
+	h.record(repl, req.failure, buckets, 0)
+	switch {
+	case pass:
 		return true, nil
+	case err == errMemoryFull:
+		return false, reject(w, r, prebuiltError(http.StatusServiceUnavailable, err))
 	}
-	return h.answer(w, r, next, repl, buckets, allowed, decisionErrorLocalAllowed, decisionErrorLocalDenied)
+	// Not err: a Redis error names internal addresses ("dial tcp
+	// 10.0.0.5:6379", "MOVED ..."), which {http.error.message} would hand
+	// to clients.
+	return false, reject(w, r, h.errRedis)
 }
 
 // answer ends the decision on a request whose buckets answered: the
 // headers, then on to the next handler, or a denial with Retry-After (in
 // shadow mode, on).
 func (h *Handler) answer(w http.ResponseWriter, r *http.Request, next caddyhttp.Handler, repl *caddy.Replacer,
-	buckets []bucket, allowed bool, admitted, refused decision) (pass bool, err error) {
+	req *request, allowed bool) (pass bool, err error) {
 
+	buckets := req.buckets
 	if !allowed && h.ResetJitter > 0 {
 		jitterRefusal(buckets, time.Duration(h.ResetJitter)) // before anything says the wait
 	}
@@ -569,26 +566,26 @@ func (h *Handler) answer(w http.ResponseWriter, r *http.Request, next caddyhttp.
 	h.headers.set(w.Header(), buckets, described, !allowed && !h.Shadow)
 	switch {
 	case allowed:
-		h.record(repl, admitted, buckets, described)
+		h.record(repl, req.admitted, buckets, described)
 	case h.Shadow:
 		h.record(repl, decisionShadowDenied, buckets, described)
 		h.logShadowDenial(buckets, described)
 	default:
-		h.record(repl, refused, buckets, described)
+		h.record(repl, req.refused, buckets, described)
 		return false, reject(w, r, h.errDenied)
 	}
 	if allowed && h.holding && firstHeld(buckets) < len(buckets) {
 		// Served from here: the slots go back when the response has ended.
 		store := h.memory
-		if admitted == decisionErrorLocalAllowed {
+		if req.local {
 			store = h.local
 		}
-		return false, h.serveHolding(w, r, next, repl, buckets, store, admitted == decisionErrorLocalAllowed)
+		return false, h.serveHolding(w, r, next, repl, buckets, store, req.local)
 	}
 	if allowed && h.charging != nil {
 		// Served from here, not from ServeHTTP: settling the charge needs
 		// the buckets once the response is done.
-		return false, h.serveCharged(w, r, next, repl, buckets, admitted == decisionErrorLocalAllowed)
+		return false, h.serveCharged(w, r, next, repl, buckets, req.local)
 	}
 	return true, nil
 }
@@ -597,82 +594,24 @@ func (h *Handler) answer(w http.ResponseWriter, r *http.Request, next caddyhttp.
 // nothing, with deny_empty_key.
 var errEmptyKey = errors.New("empty key")
 
-// check answers from the deny cache when a bucket is known to be short,
-// else asks Redis within the timeout. Redis failures are logged,
-// throttled; an open breaker was logged when it opened.
-func (h *Handler) check(clientCtx context.Context, buckets []bucket) (bool, error) {
-	sent := time.Now()
-	if h.memory != nil {
-		allowed, err := h.memory.takeInProcess(sent, buckets)
-		if err != nil {
-			h.warnFull()
-		}
-		return allowed, err
-	}
-	var allowed bool
-	var err error
+// buildStore builds the handler's stack of a store and its layers, once
+// the store's parts are set up (Provision).
+func (h *Handler) buildStore() {
+	var s store
 	switch {
+	case h.memory != nil:
+		s = h.memory
+	case h.limiter == nil:
+		return // hard blocks only: nothing ever asks a store
 	case h.leases != nil:
-		var asked bool
-		if allowed, asked, err = h.checkLeased(clientCtx, sent, buckets); !asked {
-			return allowed, err
-		}
-	case h.useDenyCache && h.denied.answer(buckets, sent):
-		return false, nil
+		s = leaseLayer{h}
 	default:
-		releasing := h.holding && h.limiter.releases.pending(buckets) // concurrent.go
-		allowed, err = h.takeAll(clientCtx, sent, buckets)
-		if releasing && err == nil && !allowed && h.limiter.awaitReleases(buckets, sent.Add(h.limiter.timeout/2)) {
-			allowed, err = h.takeAll(clientCtx, sent, buckets) // a slot of this key was on its way back
-		}
-		if err != nil && h.holding {
-			h.releaseLostTake(buckets, err) // concurrent.go
+		s = &redisStore{h: h, limiter: h.limiter, groups: h.groups, holding: h.holding}
+		if h.useDenyCache {
+			s = &denyLayer{next: s, cache: h.denied, perRequest: h.perRequest}
 		}
 	}
-	if h.metrics != nil && err != errBreakerOpen {
-		h.metrics.redisDuration.Observe(time.Since(sent).Seconds())
-	}
-	switch err.(type) {
-	case nil:
-		slotsAnswered(buckets, allowed) // concurrent.go
-		switch {
-		case !h.useDenyCache:
-		case !allowed:
-			h.denied.put(buckets, sent)
-		case h.perRequest:
-			// Admitted with other values than a cached denial's, say after
-			// a change of plan, the bucket refilled at another rate than
-			// that denial counted on.
-			var inline [maxInlineBuckets]string
-			keys := inline[:0]
-			for i := range buckets {
-				keys = append(keys, buckets[i].key)
-			}
-			h.denied.forget(keys...)
-		}
-	case overloadError:
-		if clientCtx.Err() != nil {
-			break // the client left; whatever happened is not worth a line
-		}
-		h.warnOverloaded(err)
-	case *quotaClockError:
-		h.warnQuotaClock(err)
-	default:
-		if err == errBreakerOpen || clientCtx.Err() != nil {
-			break // logged when the breaker opened; a client that left says nothing about Redis
-		}
-		h.warnRedisFailed(err)
-	}
-	return allowed, err
-}
-
-// takeAll takes a request's buckets in Redis: in one call, or on a
-// Cluster whose hash slots they span, a call per slot group.
-func (h *Handler) takeAll(clientCtx context.Context, sent time.Time, buckets []bucket) (bool, error) {
-	if h.groups == nil {
-		return h.limiter.take(clientCtx, sent, buckets)
-	}
-	return h.takeGroups(clientCtx, sent, buckets)
+	h.store = &onErrorLayer{h: h, next: s, local: h.local, failOpen: h.failOpen}
 }
 
 // The warnings of check, throttled, each in a function of its own: their

@@ -8,6 +8,7 @@ package ratelimit
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"strconv"
 	"strings"
@@ -120,7 +121,15 @@ func TestOnErrorLocalDescribesEveryBucketAfterAPartialRedisAnswer(t *testing.T) 
 			t.Fatalf("buckets %d, %v", len(buckets), err)
 		}
 		buckets[0].unknown = unknown // as takeGroups leaves a later group's bucket
-		pass, err := h.decideLocally(w, r, okHandler, repl, buckets)
+		req := acquireRequest()
+		req.buckets = append(req.buckets, buckets...)
+		layer := &onErrorLayer{h: h, next: failedStore{errors.New("Redis is down")}, local: h.local}
+		allowed, err := layer.take(context.Background(), req)
+		if err != nil || req.failed || !req.local {
+			t.Fatalf("on_error local: err %v, failed %v, local %v", err, req.failed, req.local)
+		}
+		pass, err := h.answer(w, r, okHandler, repl, req, allowed)
+		req.free()
 		if pass {
 			err = okHandler.ServeHTTP(w, r)
 		}
@@ -234,3 +243,9 @@ http://localhost:9080 {
 		requestsSeries("loc", "denied"):  1,
 	})
 }
+
+// failedStore is a store whose every take fails with err: what a layer
+// above Redis sees while Redis fails.
+type failedStore struct{ err error }
+
+func (s failedStore) take(context.Context, *request) (bool, error) { return false, s.err }

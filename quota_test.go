@@ -698,7 +698,7 @@ func TestQuotaScriptAgreesWithMemoryStore(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		ma, err := mem.take(time.Now(), mb)
+		ma, err := mem.takeTokens(time.Now(), mb)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -1090,7 +1090,7 @@ func TestQuotaScriptCountsInNoPeriodWhenRedisTimeIsOutsideThoseGiven(t *testing.
 				buckets := policyBuckets(t, h, "X-Key", client)
 				b := []bucket{buckets["second"], buckets["q"]}
 				b[1].quota = skewed
-				allowed, err := h.check(context.Background(), b)
+				allowed, err := decide(context.Background(), h, b)
 				switch {
 				case err == nil && allowed:
 					admitted++

@@ -1,0 +1,49 @@
+package ratelimit
+
+import (
+	"context"
+	"time"
+)
+
+// onErrorLayer decides, as on_error says, a request that the store below
+// it could not: allow or deny it without its buckets, or (local) take
+// its buckets in the process's memory while Redis fails. A request whose
+// client left is not decided: it ends with 499. A request decided
+// without its buckets is marked failed, and keeps err, the cause.
+type onErrorLayer struct {
+	h        *Handler
+	next     store
+	local    *memoryStore // on_error local: the buckets while Redis fails
+	failOpen bool         // on_error allow
+}
+
+func (e *onErrorLayer) take(ctx context.Context, r *request) (bool, error) {
+	allowed, err := e.next.take(ctx, r)
+	if err == nil || ctx.Err() != nil {
+		return allowed, err
+	}
+	if err == errMemoryFull {
+		e.h.warnFull()
+	}
+	if e.local != nil {
+		for i := range r.buckets {
+			r.buckets[i].unknown = false // a Cluster group that failed left them so; every bucket answers here
+		}
+		allowed, err := e.local.takeInProcess(time.Now(), r.buckets)
+		if err != nil { // full: as on_error allow
+			r.fail(decisionErrorAllowed)
+			return true, nil
+		}
+		r.admitted, r.refused, r.local = decisionErrorLocalAllowed, decisionErrorLocalDenied, true
+		return allowed, nil
+	}
+	switch {
+	case err == errMemoryFull:
+		r.fail(decisionOverflow)
+	case e.failOpen:
+		r.fail(decisionErrorAllowed)
+	default:
+		r.fail(decisionErrorDenied)
+	}
+	return e.failOpen, err
+}

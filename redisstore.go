@@ -1,0 +1,70 @@
+package ratelimit
+
+import (
+	"context"
+	"time"
+)
+
+// redisStore keeps a handler's buckets in Redis, through the limiter its
+// redis setting shares: one script call a request, or on a Cluster whose
+// hash slots the request's buckets span, one per slot group
+// (slotgroups.go).
+type redisStore struct {
+	h       *Handler
+	limiter *limiter
+	groups  [][]*limit // on Cluster, limits by hash slot, when they span several
+	holding bool       // some limit is held while a request is served (kind.heldWhileServed)
+}
+
+// take takes a request's buckets in Redis. A refusal while a release of
+// one of its slots is on its way waits for that release, then asks once
+// more; a take whose reply was lost gives back the slots it may have
+// taken (concurrent.go).
+func (s *redisStore) take(ctx context.Context, r *request) (bool, error) {
+	buckets := r.buckets
+	releasing := s.holding && s.limiter.releases.pending(buckets)
+	allowed, err := s.takeAll(ctx, r.sent, buckets)
+	if releasing && err == nil && !allowed && s.limiter.awaitReleases(buckets, r.sent.Add(s.limiter.timeout/2)) {
+		allowed, err = s.takeAll(ctx, r.sent, buckets) // a slot of this key was on its way back
+	}
+	if err != nil && s.holding {
+		s.h.releaseLostTake(buckets, err)
+	}
+	s.h.answeredByRedis(ctx, r, allowed, err)
+	return allowed, err
+}
+
+// takeAll takes a request's buckets in Redis: in one call, or on a
+// Cluster whose hash slots they span, a call per slot group.
+func (s *redisStore) takeAll(ctx context.Context, sent time.Time, buckets []bucket) (bool, error) {
+	if s.groups == nil {
+		return s.limiter.take(ctx, sent, buckets)
+	}
+	return s.h.takeGroups(ctx, sent, buckets)
+}
+
+// answeredByRedis completes what Redis answered to a request's take
+// (sent at r.sent): the metric of its time, a full concurrent bucket's
+// wait, and a line for a failure, throttled (an open breaker was logged
+// when it opened).
+func (h *Handler) answeredByRedis(ctx context.Context, r *request, allowed bool, err error) {
+	if h.metrics != nil && err != errBreakerOpen {
+		h.metrics.redisDuration.Observe(time.Since(r.sent).Seconds())
+	}
+	switch err.(type) {
+	case nil:
+		slotsAnswered(r.buckets, allowed) // concurrent.go
+	case overloadError:
+		if ctx.Err() != nil {
+			break // the client left; whatever happened is not worth a line
+		}
+		h.warnOverloaded(err)
+	case *quotaClockError:
+		h.warnQuotaClock(err)
+	default:
+		if err == errBreakerOpen || ctx.Err() != nil {
+			break // a client that left says nothing about Redis
+		}
+		h.warnRedisFailed(err)
+	}
+}

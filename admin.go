@@ -254,7 +254,7 @@ func serveBuckets(w http.ResponseWriter, r *http.Request, zone string) error {
 			continue
 		}
 		if r.Method == http.MethodDelete {
-			if err := h.resetBucket(ctx, b.key); err != nil {
+			if err := h.store.reset(ctx, b.key); err != nil {
 				return caddy.APIError{HTTPStatus: http.StatusServiceUnavailable, Err: fmt.Errorf("resetting %s: %w", b.key, err)}
 			}
 			reset = append(reset, b.key)
@@ -282,7 +282,7 @@ func serveBuckets(w http.ResponseWriter, r *http.Request, zone string) error {
 // shows a bucket of tokens (the token bucket's, and the quota's with
 // more), and what it read.
 func (h *Handler) peekInfo(ctx context.Context, b bucket) (bucketInfo, bucketView, error) {
-	view, err := h.peekBucket(ctx, b)
+	view, err := h.store.peek(ctx, b)
 	if err != nil {
 		return bucketInfo{}, view, err
 	}
@@ -291,37 +291,6 @@ func (h *Handler) peekInfo(ctx context.Context, b bucket) (bucketInfo, bucketVie
 	info.Tokens = strconv.FormatFloat(math.Round(view.tokens*1e6)/1e6, 'f', -1, 64) // to the millionth
 	info.RetryAfter, info.ExpiresIn = view.wait.Seconds(), view.expiresIn.Seconds()
 	return info, view, nil
-}
-
-// peekBucket reads a bucket where its handler keeps it.
-func (h *Handler) peekBucket(ctx context.Context, b bucket) (bucketView, error) {
-	if h.memory != nil {
-		return h.memory.peek(time.Now(), b), nil
-	}
-	views, err := h.limiter.peek(ctx, []bucket{b})
-	if err != nil {
-		return bucketView{}, err
-	}
-	return views[0], nil
-}
-
-// resetBucket makes a bucket full where its handler keeps it, and in the
-// local buckets of on_error local.
-func (h *Handler) resetBucket(ctx context.Context, key string) error {
-	if h.local != nil {
-		h.local.reset([]string{key})
-		h.local.resetSlots([]string{key})
-	}
-	if h.memory != nil {
-		h.memory.reset([]string{key})
-		h.memory.resetSlots([]string{key})
-		return nil
-	}
-	if h.limiter == nil {
-		return nil
-	}
-	h.forgetDenials([]string{key}) // at once here; other instances within the pub/sub's delay
-	return h.limiter.reset(ctx, []string{key})
 }
 
 // placeholderName is a placeholder as a key template names it, from the

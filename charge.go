@@ -409,20 +409,17 @@ var resultChargeMissing any = "charge_missing"
 
 // serveCharged serves an admitted request whose limits charge by the
 // response: through a writer that watches the response, then settles.
-// local says the reservation was taken from on_error local's buckets.
-func (h *Handler) serveCharged(w http.ResponseWriter, r *http.Request, next caddyhttp.Handler, repl *caddy.Replacer,
-	buckets []bucket, local bool) error {
-
+func (h *Handler) serveCharged(w http.ResponseWriter, r *http.Request, next caddyhttp.Handler, repl *caddy.Replacer, req *request) error {
 	cw := newChargeWriter(w, h.charging)
 	served := false
 	defer func() {
 		if !served { // a handler that aborts the response panics (reverse_proxy, when the client left mid-stream)
-			h.settleResponse(cw.end(errAborted, r.Context().Err() != nil), cw, repl, buckets, local)
+			h.settleResponse(cw.end(errAborted, r.Context().Err() != nil), cw, repl, req)
 		}
 	}()
 	err := next.ServeHTTP(cw, r)
 	served = true
-	h.settleResponse(cw.end(err, r.Context().Err() != nil), cw, repl, buckets, local)
+	h.settleResponse(cw.end(err, r.Context().Err() != nil), cw, repl, req)
 	return err
 }
 
@@ -442,9 +439,9 @@ type settling struct {
 // its response cost, sets the placeholders, and settles the differences
 // from the reservations: in the process at once, or in Redis after the
 // response (off the request path: nothing waits for it).
-func (h *Handler) settleResponse(end responseEnd, cw *chargeWriter, repl *caddy.Replacer, buckets []bucket, local bool) {
-	var inline [maxInlineBuckets]settling
-	items := inline[:0]
+func (h *Handler) settleResponse(end responseEnd, cw *chargeWriter, repl *caddy.Replacer, req *request) {
+	buckets := req.buckets
+	items := req.settling[:0]
 	for i := range buckets {
 		b := &buckets[i]
 		rule := b.limit.charge
@@ -468,13 +465,6 @@ func (h *Handler) settleResponse(end responseEnd, cw *chargeWriter, repl *caddy.
 		}
 		items = append(items, settling{bucket: i, cost: cost, diff: cost - reserved})
 	}
-	var store *memoryStore
-	switch {
-	case local:
-		store = h.local
-	case h.memory != nil:
-		store = h.memory
-	}
 	unsettled := items[:0]
 	for _, it := range items {
 		if it.diff == 0 {
@@ -483,14 +473,8 @@ func (h *Handler) settleResponse(end responseEnd, cw *chargeWriter, repl *caddy.
 			unsettled = append(unsettled, it)
 		}
 	}
-	switch {
-	case len(unsettled) == 0:
-	case store != nil:
-		h.settleInProcess(store, buckets, unsettled)
-	case h.leases != nil:
-		h.settleLeased(buckets, unsettled)
-	default:
-		h.settleInRedis(buckets, unsettled)
+	if len(unsettled) > 0 {
+		h.store.settle(req, unsettled)
 	}
 }
 

@@ -420,13 +420,11 @@ func (s *slotHold) slotN(i int) any {
 // when the response has ended, however it ended: the deferred release
 // also runs when a later handler panics, or returns because the client
 // left.
-func (h *Handler) serveHolding(w http.ResponseWriter, r *http.Request, next caddyhttp.Handler, repl *caddy.Replacer,
-	buckets []bucket, store *memoryStore, local bool) error {
-
-	hold := h.holdSlots(buckets, store)
+func (h *Handler) serveHolding(w http.ResponseWriter, r *http.Request, next caddyhttp.Handler, repl *caddy.Replacer, req *request) error {
+	hold := h.store.hold(req)
 	defer hold.release()
 	if h.charging != nil {
-		return h.serveCharged(w, r, next, repl, buckets, local)
+		return h.serveCharged(w, r, next, repl, req)
 	}
 	return next.ServeHTTP(w, r)
 }
@@ -1044,15 +1042,10 @@ type slotView struct {
 	expiries []time.Duration // of the slots in Redis, soonest first
 }
 
-// peekSlots reads a concurrent limit's slots without changing them.
-func (h *Handler) peekSlots(ctx context.Context, b bucket) (slotView, error) {
-	switch {
-	case h.memory != nil:
-		return slotView{inUse: h.memory.slotsInUse(b.key)}, nil
-	case h.limiter == nil:
-		return slotView{}, nil
-	}
-	reply, err := h.limiter.client.Eval(ctx, peekSlotsSource, []string{b.key}).Int64Slice()
+// peekSlots reads the slots of a concurrent limit's set in Redis without
+// changing them.
+func (l *limiter) peekSlots(ctx context.Context, key string) (slotView, error) {
+	reply, err := l.client.Eval(ctx, peekSlotsSource, []string{key}).Int64Slice()
 	if err != nil {
 		return slotView{}, err
 	}
@@ -1087,7 +1080,7 @@ func (s *slotRule) limitInfo(l *limit) limitInfo {
 // bucketInfo shows how many of its slots are held, and when each held
 // slot expires unless renewed.
 func (*slotRule) bucketInfo(ctx context.Context, h *Handler, b bucket) (bucketInfo, error) {
-	view, err := h.peekSlots(ctx, b)
+	view, err := h.store.peekSlots(ctx, b)
 	if err != nil {
 		return bucketInfo{}, err
 	}

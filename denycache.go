@@ -166,7 +166,7 @@ func (c *denyCache) makeRoom(now time.Time) {
 // buckets is known to refuse, and asks the store below it otherwise,
 // keeping what that store answered.
 type denyLayer struct {
-	next       store
+	store      // below: asked what the cache cannot answer, and the rest
 	cache      *denyCache
 	perRequest bool // some limit's values come from the request
 }
@@ -175,7 +175,7 @@ func (d *denyLayer) take(ctx context.Context, r *request) (bool, error) {
 	if d.cache.answer(r.buckets, r.sent) {
 		return false, nil
 	}
-	allowed, err := d.next.take(ctx, r)
+	allowed, err := d.store.take(ctx, r)
 	if err == nil {
 		d.cache.answered(r.buckets, r.sent, allowed, d.perRequest)
 	}

@@ -26,7 +26,12 @@ var (
 // leaseLayer decides the requests of a handler with lease, from this
 // instance's leases when it can (checkLeased), else in Redis, where its
 // call lends the leases more.
-type leaseLayer struct{ h *Handler }
+type leaseLayer struct {
+	*redisStore // lease.lua's calls go through its limiter; its peeks, holds and resets are the layer's
+}
+
+// settle settles in the leases first (settleLeased).
+func (l leaseLayer) settle(r *request, items []settling) { l.h.settleLeased(r.buckets, items) }
 
 func (l leaseLayer) take(ctx context.Context, r *request) (bool, error) {
 	h := l.h

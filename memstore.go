@@ -1,7 +1,6 @@
 package ratelimit
 
 import (
-	"context"
 	"errors"
 	"hash/maphash"
 	"slices"
@@ -138,12 +137,6 @@ func (s *memoryStore) storedKey(key string) string {
 		return rest
 	}
 	return key // not a handler's key (it is, by construction of the store's name)
-}
-
-// take is the store's take: the buckets' tokens, and the slots of its
-// concurrent limits (takeInProcess).
-func (s *memoryStore) take(_ context.Context, r *request) (bool, error) {
-	return s.takeInProcess(r.sent, r.buckets)
 }
 
 // takeTokens checks and takes every bucket's requested tokens, all or

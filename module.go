@@ -576,16 +576,12 @@ func (h *Handler) answer(w http.ResponseWriter, r *http.Request, next caddyhttp.
 	}
 	if allowed && h.holding && firstHeld(buckets) < len(buckets) {
 		// Served from here: the slots go back when the response has ended.
-		store := h.memory
-		if req.local {
-			store = h.local
-		}
-		return false, h.serveHolding(w, r, next, repl, buckets, store, req.local)
+		return false, h.serveHolding(w, r, next, repl, req)
 	}
 	if allowed && h.charging != nil {
 		// Served from here, not from ServeHTTP: settling the charge needs
 		// the buckets once the response is done.
-		return false, h.serveCharged(w, r, next, repl, buckets, req.local)
+		return false, h.serveCharged(w, r, next, repl, req)
 	}
 	return true, nil
 }
@@ -600,18 +596,21 @@ func (h *Handler) buildStore() {
 	var s store
 	switch {
 	case h.memory != nil:
-		s = h.memory
+		s = inProcess{h: h, s: h.memory}
 	case h.limiter == nil:
-		return // hard blocks only: nothing ever asks a store
-	case h.leases != nil:
-		s = leaseLayer{h}
+		s = noStore{} // hard blocks only: nothing ever asks a store
 	default:
-		s = &redisStore{h: h, limiter: h.limiter, groups: h.groups, holding: h.holding}
-		if h.useDenyCache {
-			s = &denyLayer{next: s, cache: h.denied, perRequest: h.perRequest}
+		redis := &redisStore{h: h, limiter: h.limiter, groups: h.groups, holding: h.holding}
+		switch {
+		case h.leases != nil:
+			s = leaseLayer{redis}
+		case h.useDenyCache:
+			s = &denyLayer{store: redis, cache: h.denied, perRequest: h.perRequest}
+		default:
+			s = redis
 		}
 	}
-	h.store = &onErrorLayer{h: h, next: s, local: h.local, failOpen: h.failOpen}
+	h.store = &onErrorLayer{store: s, h: h, local: h.local, failOpen: h.failOpen}
 }
 
 // The warnings of check, throttled, each in a function of its own: their

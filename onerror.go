@@ -11,14 +11,14 @@ import (
 // client left is not decided: it ends with 499. A request decided
 // without its buckets is marked failed, and keeps err, the cause.
 type onErrorLayer struct {
+	store    // below: asked first
 	h        *Handler
-	next     store
 	local    *memoryStore // on_error local: the buckets while Redis fails
 	failOpen bool         // on_error allow
 }
 
 func (e *onErrorLayer) take(ctx context.Context, r *request) (bool, error) {
-	allowed, err := e.next.take(ctx, r)
+	allowed, err := e.store.take(ctx, r)
 	if err == nil || ctx.Err() != nil {
 		return allowed, err
 	}
@@ -46,4 +46,29 @@ func (e *onErrorLayer) take(ctx context.Context, r *request) (bool, error) {
 		r.fail(decisionErrorDenied)
 	}
 	return e.failOpen, err
+}
+
+// settle and hold go where the request's buckets were taken.
+func (e *onErrorLayer) settle(r *request, items []settling) {
+	if r.local {
+		e.h.settleInProcess(e.local, r.buckets, items)
+		return
+	}
+	e.store.settle(r, items)
+}
+
+func (e *onErrorLayer) hold(r *request) *slotHold {
+	if r.local {
+		return e.h.holdSlots(r.buckets, e.local)
+	}
+	return e.store.hold(r)
+}
+
+// reset resets the key in the local buckets too.
+func (e *onErrorLayer) reset(ctx context.Context, key string) error {
+	if e.local != nil {
+		e.local.reset([]string{key})
+		e.local.resetSlots([]string{key})
+	}
+	return e.store.reset(ctx, key)
 }

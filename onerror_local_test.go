@@ -123,7 +123,7 @@ func TestOnErrorLocalDescribesEveryBucketAfterAPartialRedisAnswer(t *testing.T) 
 		buckets[0].unknown = unknown // as takeGroups leaves a later group's bucket
 		req := acquireRequest()
 		req.buckets = append(req.buckets, buckets...)
-		layer := &onErrorLayer{h: h, next: failedStore{errors.New("Redis is down")}, local: h.local}
+		layer := &onErrorLayer{h: h, store: failedStore{err: errors.New("Redis is down")}, local: h.local}
 		allowed, err := layer.take(context.Background(), req)
 		if err != nil || req.failed || !req.local {
 			t.Fatalf("on_error local: err %v, failed %v, local %v", err, req.failed, req.local)
@@ -246,6 +246,9 @@ http://localhost:9080 {
 
 // failedStore is a store whose every take fails with err: what a layer
 // above Redis sees while Redis fails.
-type failedStore struct{ err error }
+type failedStore struct {
+	noStore
+	err error
+}
 
 func (s failedStore) take(context.Context, *request) (bool, error) { return false, s.err }

@@ -366,7 +366,7 @@ func TestQuotaChargedByTheResponseCountsTheCost(t *testing.T) {
 				send(200)
 				want := float64(4 * (i + 1))
 				eventually(t, 2*time.Second, fmt.Sprintf("used %v", want), func() bool {
-					view, err := h.peekBucket(context.Background(), policyBuckets(t, h, "X-Key", "a")["q"])
+					view, err := h.store.peek(context.Background(), policyBuckets(t, h, "X-Key", "a")["q"])
 					return err == nil && 10-view.tokens == want
 				})
 			}

@@ -68,3 +68,25 @@ func (h *Handler) answeredByRedis(ctx context.Context, r *request, allowed bool,
 		h.warnRedisFailed(err)
 	}
 }
+
+func (s *redisStore) settle(r *request, items []settling) { s.h.settleInRedis(r.buckets, items) }
+func (s *redisStore) hold(r *request) *slotHold           { return s.h.holdSlots(r.buckets, nil) }
+
+func (s *redisStore) peek(ctx context.Context, b bucket) (bucketView, error) {
+	views, err := s.limiter.peek(ctx, []bucket{b})
+	if err != nil {
+		return bucketView{}, err
+	}
+	return views[0], nil
+}
+
+func (s *redisStore) peekSlots(ctx context.Context, b bucket) (slotView, error) {
+	return s.limiter.peekSlots(ctx, b.key)
+}
+
+// reset forgets this instance's cached denials of the key at once;
+// other instances forget theirs when the reset's message reaches them.
+func (s *redisStore) reset(ctx context.Context, key string) error {
+	s.h.forgetDenials([]string{key})
+	return s.limiter.reset(ctx, []string{key})
+}

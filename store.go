@@ -2,6 +2,7 @@ package ratelimit
 
 import (
 	"context"
+	"errors"
 	"sync"
 	"time"
 )
@@ -18,7 +19,57 @@ type store interface {
 	// answer (remaining, wait). err is a failure to decide; a layer that
 	// decides despite it (on_error) says so in r.
 	take(ctx context.Context, r *request) (allowed bool, err error)
+	// settle settles the charges of a served request, items, where its
+	// buckets were taken (charge.go).
+	settle(r *request, items []settling)
+	// hold holds the slots of an admitted request while its response is
+	// served, where they were taken; the hold's release gives them back
+	// (concurrent.go).
+	hold(r *request) *slotHold
+	// peek reads a bucket without changing it, and peekSlots a concurrent
+	// limit's slots, for the admin API.
+	peek(ctx context.Context, b bucket) (bucketView, error)
+	peekSlots(ctx context.Context, b bucket) (slotView, error)
+	// reset makes the bucket (or slots) at key full again.
+	reset(ctx context.Context, key string) error
 }
+
+// inProcess is store memory: a handler's buckets in the process's memory
+// (memstore.go), which handlers of the same zone share.
+type inProcess struct {
+	h *Handler
+	s *memoryStore
+}
+
+func (p inProcess) take(_ context.Context, r *request) (bool, error) {
+	return p.s.takeInProcess(r.sent, r.buckets)
+}
+func (p inProcess) settle(r *request, items []settling) { p.h.settleInProcess(p.s, r.buckets, items) }
+func (p inProcess) hold(r *request) *slotHold           { return p.h.holdSlots(r.buckets, p.s) }
+func (p inProcess) peek(_ context.Context, b bucket) (bucketView, error) {
+	return p.s.peek(time.Now(), b), nil
+}
+func (p inProcess) peekSlots(_ context.Context, b bucket) (slotView, error) {
+	return slotView{inUse: p.s.slotsInUse(b.key)}, nil
+}
+func (p inProcess) reset(_ context.Context, key string) error {
+	p.s.reset([]string{key})
+	p.s.resetSlots([]string{key})
+	return nil
+}
+
+// noStore is the store of a handler whose limits all block (burst 0):
+// none is ever asked to take, and it keeps nothing.
+type noStore struct{}
+
+func (noStore) take(context.Context, *request) (bool, error)        { return false, errNoStore }
+func (noStore) settle(*request, []settling)                         {}
+func (noStore) hold(*request) *slotHold                             { return nil }
+func (noStore) peek(context.Context, bucket) (bucketView, error)    { return bucketView{}, nil }
+func (noStore) peekSlots(context.Context, bucket) (slotView, error) { return slotView{}, nil }
+func (noStore) reset(context.Context, string) error                 { return nil }
+
+var errNoStore = errors.New("no store: every limit blocks")
 
 // request is what a handler's stack knows of one request while deciding
 // it: its buckets and how it was decided. It is pooled, not on the
@@ -41,6 +92,9 @@ type request struct {
 	// local says the request's buckets were taken from on_error local's
 	// store: its slots are held there, its charges settle there.
 	local bool
+	// settling holds a charged request's settlements (charge.go), here
+	// for the reason the buckets are.
+	settling [maxInlineBuckets]settling
 }
 
 var requests = sync.Pool{New: func() any { return new(request) }}

@@ -407,25 +407,6 @@ func (r *chargeRule) maxDebtArg(b *bucket) any {
 // could not be read, boxed once.
 var resultChargeMissing any = "charge_missing"
 
-// serveCharged serves an admitted request whose limits charge by the
-// response: through a writer that watches the response, then settles.
-func (h *Handler) serveCharged(w http.ResponseWriter, r *http.Request, next caddyhttp.Handler, repl *caddy.Replacer, req *request) error {
-	cw := newChargeWriter(w, h.charging)
-	served := false
-	defer func() {
-		if !served { // a handler that aborts the response panics (reverse_proxy, when the client left mid-stream)
-			h.settleResponse(cw.end(errAborted, r.Context().Err() != nil), cw, repl, req)
-		}
-	}()
-	err := next.ServeHTTP(cw, r)
-	served = true
-	h.settleResponse(cw.end(err, r.Context().Err() != nil), cw, repl, req)
-	return err
-}
-
-// errAborted stands for the error of a handler that panicked.
-var errAborted = errors.New("the response was aborted")
-
 // settling is one bucket's settlement: the bucket's index in the
 // request's buckets (an index, not a pointer, so that they stay on the
 // stack), its cost, and the difference from its reservation.

@@ -27,7 +27,6 @@ import (
 	"unsafe"
 
 	"github.com/caddyserver/caddy/v2"
-	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 	"go.uber.org/zap"
 )
 
@@ -413,20 +412,6 @@ func (s *slotHold) slotN(i int) any {
 		return s.slots[i]
 	}
 	return s.limits[i].args[1]
-}
-
-// serveHolding serves an admitted request that holds slots, through
-// next (and charging, when a limit charges), and gives the slots back
-// when the response has ended, however it ended: the deferred release
-// also runs when a later handler panics, or returns because the client
-// left.
-func (h *Handler) serveHolding(w http.ResponseWriter, r *http.Request, next caddyhttp.Handler, repl *caddy.Replacer, req *request) error {
-	hold := h.store.hold(req)
-	defer hold.release()
-	if h.charging != nil {
-		return h.serveCharged(w, r, next, repl, req)
-	}
-	return next.ServeHTTP(w, r)
 }
 
 // holdSlots records the slots a request was admitted with, starts their

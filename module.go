@@ -465,152 +465,20 @@ func (h *Handler) Cleanup() error {
 	return releaseLimiter(h.limiterKey)
 }
 
-// maxInlineBuckets is how many buckets a request holds without
-// allocating: enough for most policies.
-const maxInlineBuckets = 4
-
-// ServeHTTP takes tokens from the request's buckets or denies it.
+// ServeHTTP takes tokens from the request's buckets or denies it. It
+// reads as a request goes: limit resolves its buckets, decides it with
+// the handler's store and answers it (headers, placeholders, metric,
+// log); an admitted request is then served, and finished when the
+// decision registered something for after its response.
 func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyhttp.Handler) error {
-	// Decided in a call of its own, whose stack frame (with the request's
-	// buckets) is gone before the next handler runs: the handlers after
-	// this one then run about 1 KB less deep, where Caddy's server is deep
-	// already, and requests no more grow their goroutine's stack again
-	// after each GC shrank it (runtime.newstack: 1.8% of Caddy's CPU under
-	// make bench's memory@64 load with the frames of this handler below the
-	// next ones, 1.3% without, most of it now in the runtime's allocation).
-	if pass, err := h.limit(w, r, next); !pass {
+	req, pass, err := h.limit(w, r)
+	switch {
+	case !pass:
 		return err
+	case req == nil:
+		return next.ServeHTTP(w, r)
 	}
-	return next.ServeHTTP(w, r)
-}
-
-// limit decides a request: pass says it goes on to the next handler,
-// else it ends with err (nil when the denial was written here). A
-// request that holds slots or is charged is served from here, through
-// next.
-func (h *Handler) limit(w http.ResponseWriter, r *http.Request, next caddyhttp.Handler) (pass bool, err error) {
-	repl := r.Context().Value(caddy.ReplacerCtxKey).(*caddy.Replacer)
-	req := acquireRequest()
-	defer req.free()
-	req.buckets, err = h.resolve(w, r, repl, req.buckets)
-	if req.buckets == nil {
-		return err == nil, err
-	}
-	req.sent = time.Now()
-	allowed, err := h.store.take(r.Context(), req)
-	switch {
-	case req.failed:
-		return h.answerFailed(w, r, repl, req, allowed, err)
-	case err != nil:
-		// The client went away; that says nothing about Redis.
-		return false, caddyhttp.Error(499, r.Context().Err())
-	}
-	return h.answer(w, r, next, repl, req, allowed)
-}
-
-// resolve finds a request's buckets. None (nil) when the request is
-// decided without asking a store: no limit applies (err nil: it goes
-// on), or it is refused (err).
-func (h *Handler) resolve(w http.ResponseWriter, r *http.Request, repl *caddy.Replacer, inline []bucket) ([]bucket, error) {
-	buckets, skipped, err := h.resolveBuckets(r, repl, inline)
-	switch {
-	case err == errEmptyKey:
-		h.record(repl, decisionEmptyKey, nil, -1)
-		return nil, reject(w, r, h.errEmptyKey)
-	case err != nil:
-		return nil, h.refuseInvalid(w, r, repl, err)
-	case len(buckets) == 0:
-		h.record(repl, skipped, nil, -1)
-		return nil, nil
-	}
-	if blocked := blockedBucket(buckets); blocked >= 0 {
-		buckets[blocked].remaining, buckets[blocked].retryAfter = 0, -1
-		h.headers.set(w.Header(), buckets, blocked, false)
-		h.record(repl, decisionDenied, buckets, blocked)
-		return nil, reject(w, r, h.errBlocked)
-	}
-	return buckets, nil
-}
-
-// answerFailed ends the decision on a request that on_error decided
-// without its buckets' answers (req.failed): pass when on_error allows
-// it, else a denial that does not say the cause, err.
-func (h *Handler) answerFailed(w http.ResponseWriter, r *http.Request, repl *caddy.Replacer, req *request, pass bool, err error) (bool, error) {
-	buckets := req.buckets
-	buckets[0].remaining = -1
-	h.headers.set(w.Header(), buckets[:1], 0, false)
-	h.record(repl, req.failure, buckets, 0)
-	switch {
-	case pass:
-		return true, nil
-	case err == errMemoryFull:
-		return false, reject(w, r, prebuiltError(http.StatusServiceUnavailable, err))
-	}
-	// Not err: a Redis error names internal addresses ("dial tcp
-	// 10.0.0.5:6379", "MOVED ..."), which {http.error.message} would hand
-	// to clients.
-	return false, reject(w, r, h.errRedis)
-}
-
-// answer ends the decision on a request whose buckets answered: the
-// headers, then on to the next handler, or a denial with Retry-After (in
-// shadow mode, on).
-func (h *Handler) answer(w http.ResponseWriter, r *http.Request, next caddyhttp.Handler, repl *caddy.Replacer,
-	req *request, allowed bool) (pass bool, err error) {
-
-	buckets := req.buckets
-	if !allowed && h.ResetJitter > 0 {
-		jitterRefusal(buckets, time.Duration(h.ResetJitter)) // before anything says the wait
-	}
-	described := describe(buckets, allowed)
-	h.headers.set(w.Header(), buckets, described, !allowed && !h.Shadow)
-	switch {
-	case allowed:
-		h.record(repl, req.admitted, buckets, described)
-	case h.Shadow:
-		h.record(repl, decisionShadowDenied, buckets, described)
-		h.logShadowDenial(buckets, described)
-	default:
-		h.record(repl, req.refused, buckets, described)
-		return false, reject(w, r, h.errDenied)
-	}
-	if allowed && h.holding && firstHeld(buckets) < len(buckets) {
-		// Served from here: the slots go back when the response has ended.
-		return false, h.serveHolding(w, r, next, repl, req)
-	}
-	if allowed && h.charging != nil {
-		// Served from here, not from ServeHTTP: settling the charge needs
-		// the buckets once the response is done.
-		return false, h.serveCharged(w, r, next, repl, req)
-	}
-	return true, nil
-}
-
-// errEmptyKey marks a request whose key for some limit resolved to
-// nothing, with deny_empty_key.
-var errEmptyKey = errors.New("empty key")
-
-// buildStore builds the handler's stack of a store and its layers, once
-// the store's parts are set up (Provision).
-func (h *Handler) buildStore() {
-	var s store
-	switch {
-	case h.memory != nil:
-		s = inProcess{h: h, s: h.memory}
-	case h.limiter == nil:
-		s = noStore{} // hard blocks only: nothing ever asks a store
-	default:
-		redis := &redisStore{h: h, limiter: h.limiter, groups: h.groups, holding: h.holding}
-		switch {
-		case h.leases != nil:
-			s = leaseLayer{redis}
-		case h.useDenyCache:
-			s = &denyLayer{store: redis, cache: h.denied, perRequest: h.perRequest}
-		default:
-			s = redis
-		}
-	}
-	h.store = &onErrorLayer{store: s, h: h, local: h.local, failOpen: h.failOpen}
+	return h.serveAndFinish(w, r, next, req)
 }
 
 // The warnings of check, throttled, each in a function of its own: their

@@ -128,7 +128,7 @@ func TestOnErrorLocalDescribesEveryBucketAfterAPartialRedisAnswer(t *testing.T) 
 		if err != nil || req.failed || !req.local {
 			t.Fatalf("on_error local: err %v, failed %v, local %v", err, req.failed, req.local)
 		}
-		pass, err := h.answer(w, r, okHandler, repl, req, allowed)
+		pass, err := h.answer(w, r, repl, req, allowed)
 		req.free()
 		if pass {
 			err = okHandler.ServeHTTP(w, r)

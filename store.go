@@ -3,7 +3,6 @@ package ratelimit
 import (
 	"context"
 	"errors"
-	"sync"
 	"time"
 )
 
@@ -71,50 +70,25 @@ func (noStore) reset(context.Context, string) error                 { return nil
 
 var errNoStore = errors.New("no store: every limit blocks")
 
-// request is what a handler's stack knows of one request while deciding
-// it: its buckets and how it was decided. It is pooled, not on the
-// stack: the buckets go down the stack through an interface, which would
-// move a stack array of them to the heap (768 bytes a request).
-type request struct {
-	buckets []bucket
-	inline  [maxInlineBuckets]bucket
-	// sent is when the request's decision started: its take is as at
-	// then, and its call's timeout runs from then.
-	sent time.Time
-	// admitted and refused name the decision for the metrics and
-	// {http.rate_limit.result}: allowed and denied, unless on_error local
-	// decided.
-	admitted, refused decision
-	// failed says that on_error decided without any bucket's answer
-	// (allow, deny, or local with its store full), as failure.
-	failed  bool
-	failure decision
-	// local says the request's buckets were taken from on_error local's
-	// store: its slots are held there, its charges settle there.
-	local bool
-	// settling holds a charged request's settlements (charge.go), here
-	// for the reason the buckets are.
-	settling [maxInlineBuckets]settling
-}
-
-var requests = sync.Pool{New: func() any { return new(request) }}
-
-// acquireRequest is a request from the pool, its buckets empty.
-func acquireRequest() *request {
-	r := requests.Get().(*request)
-	r.buckets = r.inline[:0]
-	r.admitted, r.refused, r.failed, r.local = decisionAllowed, decisionDenied, false, false
-	return r
-}
-
-// free puts r back in the pool. Nothing may keep r's buckets after: a
-// goroutine or a call that outlives the request takes a copy.
-func (r *request) free() {
-	if cap(r.buckets) > maxInlineBuckets {
-		r.buckets = nil // not the pool's to keep
+// buildStore builds the handler's stack of a store and its layers, once
+// the store's parts are set up (Provision).
+func (h *Handler) buildStore() {
+	var s store
+	switch {
+	case h.memory != nil:
+		s = inProcess{h: h, s: h.memory}
+	case h.limiter == nil:
+		s = noStore{} // hard blocks only: nothing ever asks a store
+	default:
+		redis := &redisStore{h: h, limiter: h.limiter, groups: h.groups, holding: h.holding}
+		switch {
+		case h.leases != nil:
+			s = leaseLayer{redis}
+		case h.useDenyCache:
+			s = &denyLayer{store: redis, cache: h.denied, perRequest: h.perRequest}
+		default:
+			s = redis
+		}
 	}
-	requests.Put(r)
+	h.store = &onErrorLayer{store: s, h: h, local: h.local, failOpen: h.failOpen}
 }
-
-// fail records that on_error decided the request without its buckets.
-func (r *request) fail(d decision) { r.failed, r.failure = true, d }

@@ -1,0 +1,472 @@
+package ratelimit
+
+// The slots an admitted request holds in Redis while it is served: its
+// hold, renewed until the response ends, then released (concurrent.go
+// has the limit itself; slotqueue.go sends the renewals and releases).
+
+import (
+	"context"
+	"errors"
+	"hash/maphash"
+	"net"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"go.uber.org/zap"
+)
+
+// response has ended; it renews those in Redis every third of the
+// shortest hold.
+type slotHold struct {
+	h      *Handler
+	store  *memoryStore // the in-process slots; nil when they are in Redis
+	id     any          // the slot id, as the script took it
+	keys   []string
+	limits []*limit
+	// slots are, in Redis, each limit's slots n for this request as
+	// script argument when one resolves them per request (plans); nil
+	// when every limit's n is fixed, in its args (slotN).
+	slots []any
+	gens  []uint64 // in-process: each slot's generation
+	every time.Duration
+	// Room for the slices of a request with one concurrent limit, the
+	// usual, so that its hold is one allocation of 208 bytes (320 with
+	// room for maxInlineBuckets: BenchmarkServeHTTPConcurrentParallel
+	// 1436 -> 1330 B/op).
+	inlineKeys   [1]string
+	inlineLimits [1]*limit
+	inlineGens   [1]uint64
+
+	mu       sync.Mutex
+	released bool
+
+	// Where the limiter's renewals keep it while it holds slots in Redis
+	// (slotRenewals), under their lock: renewing counts its keys whose
+	// renewal is queued or on its way, and a release meanwhile waits for
+	// them (releaseAfter). renewedAt is on the monotonic clock of
+	// clockStart: a time.Time would take two more words.
+	releaseAfter bool
+	renewing     int32
+	prev, next   *slotHold
+	renewedAt    time.Duration
+}
+
+// slotN is the slots n of held slot i, as script argument.
+func (s *slotHold) slotN(i int) any {
+	if s.slots != nil {
+		return s.slots[i]
+	}
+	return s.limits[i].args[1]
+}
+
+// holdSlots records the slots a request was admitted with, starts their
+// renewal and counts them in the in_flight gauge.
+func (h *Handler) holdSlots(buckets []bucket, store *memoryStore) *slotHold {
+	k := firstHeld(buckets)
+	hold := &slotHold{h: h, store: store}
+	hold.keys, hold.limits, hold.gens = hold.inlineKeys[:0], hold.inlineLimits[:0], hold.inlineGens[:0]
+	perRequest := false
+	for i := k; i < len(buckets); i++ {
+		b := &buckets[i]
+		hold.id = b.args[2]
+		hold.keys = append(hold.keys, b.key)
+		hold.limits = append(hold.limits, b.limit)
+		perRequest = perRequest || !b.limit.fixed
+		if store != nil {
+			hold.gens = append(hold.gens, b.slotGen)
+		}
+		if every := b.limit.slotRule().hold / 3; hold.every == 0 || every < hold.every {
+			hold.every = every
+		}
+		if h.metrics != nil {
+			h.metrics.inFlight[b.limit.index].Inc()
+		}
+	}
+	if store == nil && perRequest {
+		for i := k; i < len(buckets); i++ {
+			hold.slots = append(hold.slots, buckets[i].args[1])
+		}
+	}
+	if store == nil {
+		h.limiter.renewals.add(hold)
+	}
+	return hold
+}
+
+// release gives the slots back, once.
+func (s *slotHold) release() {
+	s.mu.Lock()
+	if s.released {
+		s.mu.Unlock()
+		return
+	}
+	s.released = true
+	s.mu.Unlock()
+	h := s.h
+	if h.metrics != nil {
+		for _, l := range s.limits {
+			h.metrics.inFlight[l.index].Dec()
+		}
+	}
+	if s.store != nil {
+		for i, key := range s.keys {
+			s.store.releaseSlot(key, s.gens[i])
+		}
+		return
+	}
+	// Pending from now, so that a refused request of these keys waits for
+	// it (awaitReleases); queued once no renewal of the slots is on its
+	// way, and before the hold stops keeping the limiter open (Destruct).
+	l := h.limiter
+	l.releases.add(s.keys, 1)
+	if l.renewals.leave(s) {
+		l.queueRelease(s)
+		l.renewals.left()
+	}
+}
+
+// groupEnd is the end of the Cluster slot group of held slots that
+// starts at start (the slots of one group are consecutive).
+func (s *slotHold) groupEnd(start int) int {
+	end := start + 1
+	for end < len(s.keys) && s.limits[end].group == s.limits[start].group {
+		end++
+	}
+	return end
+}
+
+// call is concurrent.lua's release of the held slots start to end, of
+// one Cluster slot group.
+func (s *slotHold) call(start, end int) *call {
+	c := calls.Get().(*call)
+	c.keys = append(c.keys, s.keys[start:end]...)
+	c.command(concurrentScript)
+	c.args = append(c.args, releaseArg)
+	for range s.keys[start:end] {
+		c.args = append(c.args, s.id)
+	}
+	return c
+}
+
+// pendingReleases counts the releases queued and not yet answered, per
+// slot key, so that a request of a key refused meanwhile waits for its
+// own key's releases (awaitReleases), and for no other key's. A count by
+// hash, read without a lock, answers the usual question (no release of
+// any of these keys is on its way) with one atomic load; only when it is
+// not zero does the key's own count, under its shard's lock, say. (A
+// count by hash alone made a refusal wait for, and ask again after, the
+// releases of unrelated keys of the same hash: 220 µs to 3.44 ms, and a
+// second script call, with 4 of them busy.)
+type pendingReleases struct {
+	shards [1024]pendingShard
+}
+
+type pendingShard struct {
+	n    atomic.Int32 // the releases pending of this shard's keys
+	mu   sync.Mutex
+	keys map[string]int32 // each key's, none at zero
+}
+
+var pendingSeed = maphash.MakeSeed()
+
+func (p *pendingReleases) of(key string) *pendingShard {
+	return &p.shards[maphash.String(pendingSeed, key)%uint64(len(p.shards))]
+}
+
+func (p *pendingReleases) add(keys []string, n int32) {
+	for _, key := range keys {
+		sh := p.of(key)
+		sh.mu.Lock()
+		if sh.keys == nil {
+			sh.keys = make(map[string]int32)
+		}
+		if left := sh.keys[key] + n; left != 0 {
+			sh.keys[key] = left
+		} else {
+			delete(sh.keys, key)
+		}
+		sh.n.Add(n)
+		sh.mu.Unlock()
+	}
+}
+
+// pending says whether a release of any of the buckets' slot keys is
+// pending.
+func (p *pendingReleases) pending(buckets []bucket) bool {
+	for i := firstHeld(buckets); i < len(buckets); i++ {
+		if p.keyPending(buckets[i].key) {
+			return true
+		}
+	}
+	return false
+}
+
+func (p *pendingReleases) keyPending(key string) bool {
+	sh := p.of(key)
+	if sh.n.Load() == 0 {
+		return false
+	}
+	sh.mu.Lock()
+	defer sh.mu.Unlock()
+	return sh.keys[key] > 0
+}
+
+// total is how many releases are pending, of every key.
+func (p *pendingReleases) total() int64 {
+	var n int64
+	for i := range p.shards {
+		n += int64(p.shards[i].n.Load())
+	}
+	return n
+}
+
+// awaitReleases waits, after a refusal by a full concurrent limit of a
+// request sent while a release of one of its keys was on its way (and
+// may have reached Redis after it), until the releases of its keys are
+// answered, at most until the deadline; it says whether the request
+// should ask again.
+func (l *limiter) awaitReleases(buckets []bucket, deadline time.Time) bool {
+	full := false
+	for i := firstHeld(buckets); i < len(buckets); i++ {
+		full = full || buckets[i].remaining == 0
+	}
+	if !full {
+		return false
+	}
+	for l.releases.pending(buckets) {
+		if time.Now().After(deadline) {
+			return false
+		}
+		time.Sleep(100 * time.Microsecond)
+	}
+	return true
+}
+
+// slotRenewals are the slot holds of a limiter's requests in flight, in
+// a ring, renewed by one ticker for all of them (renewSlots), where a
+// timer for each cost every request an allocation and two changes of
+// the runtime's timer heap (make bench, concurrent@64: 0.817 -> 0.845 of
+// allowed@64; BenchmarkServeHTTPConcurrentParallel 13 -> 12 allocs).
+type slotRenewals struct {
+	start sync.Once
+	mu    sync.Mutex
+	ring  slotHold // the ring's head, no hold
+	// held counts the holds whose release is not queued yet: in the ring,
+	// or waiting for their renewal's answer. The limiter lives while
+	// there are any (Destruct).
+	held int
+}
+
+// renewTick is how often the renewals look for holds due: a hold renews
+// on the last tick before a third of its own has passed since its last
+// renewal (or take), so every third of it at the latest, and at most a
+// sixth of the shortest hold early: a slot always has two thirds of its
+// hold left, less a round trip. A renewal that failed is due again at
+// the next tick.
+const renewTick = minSlotHold / 6
+
+// add puts a hold that took its slots now in the ring, and starts the
+// ticker with the first.
+func (r *slotRenewals) add(s *slotHold) {
+	r.start.Do(func() {
+		r.ring.prev, r.ring.next = &r.ring, &r.ring
+		go r.renewSlots(s.h.limiter)
+	})
+	now := time.Since(clockStart)
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	s.renewedAt = now
+	s.prev, s.next = r.ring.prev, &r.ring
+	r.ring.prev.next = s
+	r.ring.prev = s
+	r.held++
+}
+
+// holding says whether any request holds slots, or has its release
+// still to queue.
+func (r *slotRenewals) holding() bool {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return r.held > 0
+}
+
+// leave takes a released hold out of the ring. It says false when a
+// renewal of its slots is queued or on its way: its answer then queues
+// the release (renewed). Sent meanwhile, the release could land first,
+// and the renewal bring the slot back.
+func (r *slotRenewals) leave(s *slotHold) bool {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if s.next != nil {
+		s.prev.next, s.next.prev = s.next, s.prev
+		s.prev, s.next = nil, nil
+	}
+	if s.renewing > 0 {
+		s.releaseAfter = true
+		return false
+	}
+	return true
+}
+
+// left counts a hold whose release is queued.
+func (r *slotRenewals) left() {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	r.held--
+}
+
+// renewed takes the answer to the renewal of holds' slots (a hold once
+// per key): a failed one is due again at the next tick, and a hold
+// released meanwhile has its release queued now.
+func (r *slotRenewals) renewed(l *limiter, holds []*slotHold, failed bool) {
+	var release []*slotHold
+	now := time.Since(clockStart)
+	r.mu.Lock()
+	for _, s := range holds {
+		if failed {
+			s.renewedAt = now - s.every // due
+		}
+		if s.renewing--; s.renewing == 0 && s.releaseAfter {
+			release = append(release, s)
+		}
+	}
+	r.mu.Unlock()
+	for _, s := range release {
+		l.queueRelease(s)
+		r.left()
+	}
+}
+
+// renewSlots queues, every renewTick until the limiter stops, the
+// renewal of each hold whose last renewal (or take) will be a third of
+// its hold ago before the next tick, unless one is on its way already,
+// and wakes a worker: the workers send them spread over their batches
+// (slotQueue.calls).
+func (r *slotRenewals) renewSlots(l *limiter) {
+	ticker := time.NewTicker(renewTick)
+	defer ticker.Stop()
+	var due []*slotHold
+	for {
+		select {
+		case <-l.stop:
+			return
+		case tick := <-ticker.C:
+			now := tick.Sub(clockStart)
+			r.mu.Lock()
+			for s := r.ring.next; s != &r.ring; s = s.next {
+				if s.renewing == 0 && now-s.renewedAt+renewTick > s.every {
+					s.renewedAt, s.renewing = now, int32(len(s.keys))
+					due = append(due, s)
+				}
+			}
+			r.mu.Unlock()
+			if len(due) > 0 {
+				l.renewQueue.add(renewArg, due...)
+				l.wakeWorker()
+			}
+			clear(due)
+			due = due[:0]
+		}
+	}
+}
+
+// send releases the held slots through the batcher, one call per
+// Cluster hash slot group, and waits for the answer, within the timeout,
+// so that the slot is free in Redis before the request's answer: its
+// client may ask again at once. A call is sent at most once; a release
+// lost to a failure expires with its hold.
+func (s *slotHold) send() {
+	h := s.h
+	for start := 0; start < len(s.keys); {
+		end := s.groupEnd(start)
+		c := s.call(start, end)
+		// Sent even when the client has left.
+		c, err := h.limiter.send(context.Background(), time.Now(), c)
+		if err != nil {
+			h.slotsFailed(releaseArg, err)
+		}
+		if c != nil {
+			c.release()
+		}
+		start = end
+	}
+}
+
+// slotsFailed warns, throttled, of a renewal or release that Redis
+// failed (one refused by an open breaker was told when it opened).
+func (h *Handler) slotsFailed(op any, err error) {
+	if err == errBreakerOpen {
+		return
+	}
+	if ok, suppressed := h.redisWarns.allow(); ok {
+		h.logger.Warn("Redis failed while renewing or releasing concurrency slots; a slot not released expires with its hold",
+			zap.String("zone", h.Zone), zap.Any("op", op), zap.Error(err), suppressedField(suppressed))
+	}
+}
+
+// slotGone tells, at debug level, of a slot gone at its renewal (expired,
+// freed by the admin API, or lost with Redis's data): the renewal brought
+// it back (reply 2), or found every slot taken (0).
+func (h *Handler) slotGone(reply int64) {
+	msg := "a concurrency slot was gone at its renewal and every slot of its limit is taken; its request runs on uncounted, and its next renewal tries again"
+	if reply == 2 {
+		msg = "a concurrency slot was gone at its renewal; it is back"
+	}
+	if ce := h.logger.Check(zap.DebugLevel, msg); ce != nil {
+		ce.Write(zap.String("zone", h.Zone))
+	}
+}
+
+// releaseTaken gives back the slots of buckets a request took in an
+// earlier Cluster group, when a later group refused, and returns the
+// token buckets among them, for giveBack.
+func (h *Handler) releaseTaken(taken []bucket) []bucket {
+	k := firstHeld(taken)
+	if k == len(taken) {
+		return taken
+	}
+	tokens := taken[:0:0]
+	hold := &slotHold{h: h}
+	for i := range taken {
+		b := &taken[i]
+		if !b.kind().heldWhileServed() {
+			tokens = append(tokens, *b)
+			continue
+		}
+		hold.id = b.args[2]
+		hold.keys = append(hold.keys, b.key)
+		hold.limits = append(hold.limits, b.limit)
+	}
+	hold.released = true
+	hold.send()
+	return tokens
+}
+
+// releaseLostTake releases the slots of a request whose take failed with
+// err after it may have run in Redis: its reply was cut, or came after
+// the timeout. The request follows on_error without a slot, so nothing
+// else would release them, and they would stay taken for their hold. A
+// release is idempotent: one of slots the take never got frees nothing.
+// Not sent for a take that never left (this instance's overload, an
+// open breaker, a closed limiter, a client that left first, a connection
+// that could not be opened).
+func (h *Handler) releaseLostTake(buckets []bucket, err error) {
+	var overload overloadError
+	var dial *net.OpError
+	if errors.As(err, &overload) || err == errBreakerOpen || err == errLimiterClosed || errors.Is(err, context.Canceled) ||
+		errors.As(err, &dial) && dial.Op == "dial" {
+		return
+	}
+	hold := &slotHold{h: h, released: true}
+	for i := firstHeld(buckets); i < len(buckets); i++ {
+		b := &buckets[i]
+		hold.id = b.args[2]
+		hold.keys = append(hold.keys, b.key)
+		hold.limits = append(hold.limits, b.limit)
+	}
+	if len(hold.keys) > 0 {
+		h.limiter.releases.add(hold.keys, 1)
+		h.limiter.queueRelease(hold)
+	}
+}

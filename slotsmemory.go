@@ -1,0 +1,113 @@
+package ratelimit
+
+// A concurrent limit's slots in the process, for store memory and
+// on_error local (concurrent.go has the limit itself).
+
+import (
+	"sync"
+	"time"
+)
+
+// In-process slots, for store memory and on_error local: a count per key,
+// with a generation that an admin reset renews, so that the releases of
+// requests admitted before the reset do not free slots taken after it.
+
+type slotCounts struct {
+	mu      sync.Mutex
+	entries map[string]*slotEntry
+	gen     uint64
+}
+
+type slotEntry struct {
+	used int64
+	gen  uint64
+}
+
+// takeInProcess takes a request's token buckets from s and its slots from
+// s's slot counts, all or nothing: the slot counts stay locked while the
+// tokens are taken. Each slot's bucket gets the generation of the count
+// it was taken from (slotGen), for its release: read later, it could be
+// a count that an admin reset and another take made meanwhile.
+func (s *memoryStore) takeInProcess(now time.Time, buckets []bucket) (bool, error) {
+	k := firstHeld(buckets)
+	if k == len(buckets) {
+		return s.takeTokens(now, buckets)
+	}
+	sc := &s.slots
+	sc.mu.Lock()
+	defer sc.mu.Unlock()
+	if sc.entries == nil {
+		sc.entries = make(map[string]*slotEntry)
+	}
+	free := true
+	for i := k; i < len(buckets); i++ {
+		b := &buckets[i]
+		used := int64(0)
+		if e := sc.entries[s.storedKey(b.key)]; e != nil {
+			used = e.used
+		}
+		b.remaining, b.retryAfter = max(0, b.values.burst-used), 0
+		free = free && used < b.values.burst
+	}
+	if !free {
+		for i := range k {
+			buckets[i].unknown = true // not asked: the slots refused first
+		}
+		slotsAnswered(buckets, false)
+		return false, nil
+	}
+	allowed := true
+	if k > 0 {
+		var err error
+		if allowed, err = s.takeTokens(now, buckets[:k]); err != nil || !allowed {
+			return allowed, err
+		}
+	}
+	for i := k; i < len(buckets); i++ {
+		b := &buckets[i]
+		key := s.storedKey(b.key)
+		e := sc.entries[key]
+		if e == nil {
+			sc.gen++
+			e = &slotEntry{gen: sc.gen}
+			sc.entries[key] = e
+		}
+		e.used++
+		b.remaining--
+		b.slotGen = e.gen
+	}
+	return true, nil
+}
+
+// releaseSlot gives back a slot taken in generation gen.
+func (s *memoryStore) releaseSlot(key string, gen uint64) {
+	key = s.storedKey(key)
+	s.slots.mu.Lock()
+	defer s.slots.mu.Unlock()
+	if e := s.slots.entries[key]; e != nil && e.gen == gen {
+		if e.used--; e.used <= 0 {
+			delete(s.slots.entries, key)
+		}
+	}
+}
+
+// slotsInUse is how many slots of a key are held.
+func (s *memoryStore) slotsInUse(key string) int64 {
+	s.slots.mu.Lock()
+	defer s.slots.mu.Unlock()
+	if e := s.slots.entries[s.storedKey(key)]; e != nil {
+		return e.used
+	}
+	return 0
+}
+
+// resetSlots frees every slot of the keys.
+func (s *memoryStore) resetSlots(keys []string) {
+	s.slots.mu.Lock()
+	defer s.slots.mu.Unlock()
+	for _, key := range keys {
+		delete(s.slots.entries, s.storedKey(key))
+	}
+}
+
+// slotHold is the slots one request holds, from admission until its

@@ -3,6 +3,8 @@ package ratelimit
 import (
 	"context"
 	"time"
+
+	"go.uber.org/zap"
 )
 
 // onErrorLayer decides, as on_error says, a request that the store below
@@ -71,4 +73,12 @@ func (e *onErrorLayer) reset(ctx context.Context, key string) error {
 		e.local.resetSlots([]string{key})
 	}
 	return e.store.reset(ctx, key)
+}
+
+// warnFull: see the warnings of redisstore.go.
+func (h *Handler) warnFull() {
+	if ok, suppressed := h.fullWarns.allow(); ok {
+		h.logger.Warn("in-memory store full: a new client's request follows on_error", zap.String("zone", h.Zone),
+			zap.Int64("max_keys", h.MaxKeys), zap.String("on_error", h.OnError), suppressedField(suppressed))
+	}
 }

@@ -1,0 +1,124 @@
+package ratelimit
+
+import (
+	"crypto/sha256"
+	"encoding/hex"
+	"errors"
+	"fmt"
+	"math"
+	"regexp"
+	"strconv"
+	"time"
+)
+
+// The handler's own settings: their checks, each judging one value (or a
+// limit's values together), and the zone's default name. The Caddyfile
+// parser calls the checks where the value is written, so the message
+// gets the line; Validate calls them for JSON configs.
+
+// Values of on_error and store.
+const (
+	onErrorAllow = "allow"
+	onErrorDeny  = "deny"
+	onErrorLocal = "local"
+	storeRedis   = "redis"
+	storeMemory  = "memory"
+)
+
+// defaultMaxKeys is max_keys when the config leaves it out.
+const defaultMaxKeys = 1_000_000
+
+const wantStatus = "want an HTTP status from 200 to 599 (a 1xx status cannot end a request)"
+
+var zonePattern = regexp.MustCompile(`^[A-Za-z0-9_.:-]+$`)
+
+func checkZone(zone string) error {
+	if !zonePattern.MatchString(zone) {
+		return fmt.Errorf("zone '%s': use only letters, digits, '-', '_', '.' and ':'", zone)
+	}
+	return nil
+}
+
+func checkStatus(subdirective string, code int) error {
+	if code < 200 || code > 599 {
+		return fmt.Errorf("%s '%d': %s", subdirective, code, wantStatus)
+	}
+	return nil
+}
+
+func checkOnError(v string) error {
+	if v != onErrorAllow && v != onErrorDeny && v != onErrorLocal {
+		return fmt.Errorf("on_error '%s': want 'allow', 'deny' or 'local'", v)
+	}
+	return nil
+}
+
+// checkMaxKeys judges max_keys: a store that may hold no bucket would
+// send every request to on_error.
+func checkMaxKeys(n int64) error {
+	if n < 1 {
+		return fmt.Errorf("max_keys '%d': want a whole number of buckets, 1 or more", n)
+	}
+	return nil
+}
+
+// checkLease judges lease: its size and hold, and that there is a Redis
+// to lease from.
+func checkLease(l *Lease, store string) error {
+	switch {
+	case l == nil:
+	case store == storeMemory:
+		return errors.New("lease with store 'memory': the buckets are in this process already; remove lease")
+	case l.MaxTokens < 1:
+		return fmt.Errorf("lease '%d': want the most tokens a call may lease, 1 or more", l.MaxTokens)
+	case l.Hold < 0 || time.Duration(l.Hold) > maxLeaseHold:
+		return fmt.Errorf("lease hold '%v': want a duration of at most %v (default %v)", time.Duration(l.Hold), maxLeaseHold, defaultLeaseHold)
+	}
+	return nil
+}
+
+// checkStore judges store with what depends on it: a redis block, and
+// on_error local.
+func checkStore(store string, redis bool, onError string) error {
+	switch {
+	case store != storeRedis && store != storeMemory:
+		return fmt.Errorf("store '%s': want 'redis' or 'memory'", store)
+	case store == storeMemory && redis:
+		return errors.New("store 'memory' keeps the buckets in this Caddy process, so the 'redis' block has nothing to do: remove it, or use store redis")
+	case store == storeMemory && onError == onErrorLocal:
+		return errors.New("on_error 'local' with store 'memory': the buckets are local already; use on_error allow or deny for a full store")
+	}
+	return nil
+}
+
+func checkHeaders(v string) error {
+	switch v {
+	case headersSpring, headersIETF, headersBoth, headersNone:
+		return nil
+	}
+	return fmt.Errorf("headers '%s': want spring, ietf, both or none", v)
+}
+
+// derivedZone names the buckets of a handler without a zone, the same on
+// every instance with the same configuration: from its key template, rate
+// and burst (as it always has for one fixed limit), and its limits'.
+func (h *Handler) derivedZone() string {
+	var text []byte
+	if rate, err := strconv.ParseFloat(string(h.ReplenishRate), 64); err == nil || h.ReplenishRate == "" {
+		burst := int64(math.Ceil(rate)) // the default
+		if b, err := strconv.ParseInt(string(h.BurstCapacity), 10, 64); err == nil {
+			burst = b
+		}
+		text = fmt.Appendf(nil, "%s\x00%v\x00%d", h.Key, rate, burst)
+	} else {
+		text = fmt.Appendf(nil, "%s\x00%s\x00%s", h.Key, h.ReplenishRate, h.BurstCapacity)
+	}
+	for _, l := range h.Limits {
+		text = fmt.Appendf(text, "\x00%s\x00%s\x00%s\x00%s", l.Name, l.Key, l.ReplenishRate, l.BurstCapacity)
+	}
+	for _, c := range h.Concurrent {
+		text = fmt.Appendf(text, "\x00c\x00%s\x00%s\x00%s", c.Name, c.Key, c.Slots)
+	}
+	sum := sha256.Sum256(text)
+	return "auto-" + hex.EncodeToString(sum[:6])
+}

@@ -254,7 +254,7 @@ func serveBuckets(w http.ResponseWriter, r *http.Request, zone string) error {
 			continue
 		}
 		if r.Method == http.MethodDelete {
-			if err := h.store.reset(ctx, b.key); err != nil {
+			if err := h.store.reset(ctx, b); err != nil {
 				return caddy.APIError{HTTPStatus: http.StatusServiceUnavailable, Err: fmt.Errorf("resetting %s: %w", b.key, err)}
 			}
 			reset = append(reset, b.key)

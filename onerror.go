@@ -67,12 +67,12 @@ func (e *onErrorLayer) hold(r *request) *slotHold {
 }
 
 // reset resets the key in the local buckets too.
-func (e *onErrorLayer) reset(ctx context.Context, key string) error {
+func (e *onErrorLayer) reset(ctx context.Context, b bucket) error {
 	if e.local != nil {
-		e.local.reset([]string{key})
-		e.local.resetSlots([]string{key})
+		e.local.reset([]string{b.key})
+		e.local.resetSlots([]string{b.key})
 	}
-	return e.store.reset(ctx, key)
+	return e.store.reset(ctx, b)
 }
 
 // warnFull: see the warnings of redisstore.go.

@@ -88,9 +88,9 @@ func (s *redisStore) peekSlots(ctx context.Context, b bucket) (slotView, error) 
 
 // reset forgets this instance's cached denials of the key at once;
 // other instances forget theirs when the reset's message reaches them.
-func (s *redisStore) reset(ctx context.Context, key string) error {
-	s.h.forgetDenials([]string{key})
-	return s.limiter.reset(ctx, []string{key})
+func (s *redisStore) reset(ctx context.Context, b bucket) error {
+	s.h.forgetDenials([]string{b.key})
+	return s.limiter.reset(ctx, []string{b.key})
 }
 
 // The warnings of a store's take, throttled, each in a function of its

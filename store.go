@@ -29,8 +29,8 @@ type store interface {
 	// limit's slots, for the admin API.
 	peek(ctx context.Context, b bucket) (bucketView, error)
 	peekSlots(ctx context.Context, b bucket) (slotView, error)
-	// reset makes the bucket (or slots) at key full again.
-	reset(ctx context.Context, key string) error
+	// reset makes a bucket (or its slots) full again.
+	reset(ctx context.Context, b bucket) error
 }
 
 // inProcess is store memory: a handler's buckets in the process's memory
@@ -51,9 +51,9 @@ func (p inProcess) peek(_ context.Context, b bucket) (bucketView, error) {
 func (p inProcess) peekSlots(_ context.Context, b bucket) (slotView, error) {
 	return slotView{inUse: p.s.slotsInUse(b.key)}, nil
 }
-func (p inProcess) reset(_ context.Context, key string) error {
-	p.s.reset([]string{key})
-	p.s.resetSlots([]string{key})
+func (p inProcess) reset(_ context.Context, b bucket) error {
+	p.s.reset([]string{b.key})
+	p.s.resetSlots([]string{b.key})
 	return nil
 }
 
@@ -66,7 +66,7 @@ func (noStore) settle(*request, []settling)                         {}
 func (noStore) hold(*request) *slotHold                             { return nil }
 func (noStore) peek(context.Context, bucket) (bucketView, error)    { return bucketView{}, nil }
 func (noStore) peekSlots(context.Context, bucket) (slotView, error) { return slotView{}, nil }
-func (noStore) reset(context.Context, string) error                 { return nil }
+func (noStore) reset(context.Context, bucket) error                 { return nil }
 
 var errNoStore = errors.New("no store: every limit blocks")
 

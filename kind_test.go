@@ -78,9 +78,7 @@ func (fixedWindow) heldWhileServed() bool                                       
 // Its headers: the count, spread over the window as the replenish rate;
 // its RateLimit-Policy item has the window's seconds as w. RateLimit's t
 // is its wait, as a token bucket's: the end of the window once it has no
-// room, else 0. (The window's end for every request would need a field
-// of the request's bucket, which has one for a quota's period,
-// bucket.quota, and none for a kind the package does not know.)
+// room, else 0.
 
 func (w fixedWindow) rate(count int64) string {
 	return strconv.FormatFloat(float64(count)/w.window.Seconds(), 'f', -1, 64)

@@ -168,11 +168,6 @@ type bucket struct {
 	retryAfter time.Duration
 	// unknown: a denial from the deny cache says nothing of this bucket.
 	unknown bool
-	// quotaShift is the period a quota's take counted in, as the store
-	// answered it: -1, 0 or 1 for the one before quota's, quota's or the
-	// one after (the store's clock picks it). Its settlement names it.
-	// (Here, where it fits in unknown's padding.)
-	quotaShift int8
 	// fromLease is, when the request's tokens came from this instance's
 	// lease, the lease's reports at that time (see lease.reports); 0
 	// otherwise. A charged response settles there first (charge.go).
@@ -182,12 +177,14 @@ type bucket struct {
 	// counts as lent to it after the call.
 	lease              *lease
 	held, want, leased int64
-	// quota is the period of a quota's bucket (quota.go), whose bounds
-	// follow args in the script call; nil for a token bucket.
-	quota *quotaPeriod
-	// slotGen is, for a concurrent limit's slot taken in process, the
-	// generation of the count it was taken from (concurrent.go).
-	slotGen uint64
+	// kindRef and kindN are what the request knows of its bucket that is
+	// its kind's own, set and read by the kind alone (begin, readReply,
+	// its arithmetic in the process): a quota's period and the period its
+	// take counted in (quota.go); the generation of the count that a
+	// concurrent limit's slot was taken from in the process
+	// (slotsmemory.go). A new kind keeps its own there too.
+	kindRef any
+	kindN   int64
 }
 
 // ownLimit is the handler's own limit when it has no `limits`.

@@ -164,8 +164,8 @@ func (e *quotaClockError) Error() string {
 // longer than the period), when now lies outside it and its neighbours;
 // the process has the calendar, so it names the period now is in.
 func (b *bucket) quotaAt(now time.Time) {
-	if us := now.UnixMicro(); us < b.quota.bounds[0] || us >= b.quota.bounds[3] {
-		b.quota = b.limit.kind.(*quota).at(now, b.limit)
+	if us := now.UnixMicro(); us < b.period().bounds[0] || us >= b.period().bounds[3] {
+		b.kindRef = b.limit.kind.(*quota).at(now, b.limit)
 	}
 }
 
@@ -330,7 +330,7 @@ func (q *quota) bucketInfo(ctx context.Context, h *Handler, b bucket) (bucketInf
 
 // view is a quota's admin view at now, from what it holds (view).
 func (q *quota) view(b bucket, view bucketView, now time.Time) *quotaInfo {
-	start, end, _ := b.quota.span(now.UnixMicro())
+	start, end, _ := b.period().span(now.UnixMicro())
 	loc := q.period.Location()
 	left := int64(math.Floor(view.tokens))
 	return &quotaInfo{
@@ -352,7 +352,7 @@ func (q *quota) view(b bucket, view bucketView, now time.Time) *quotaInfo {
 func jitterRefusal(buckets []bucket, jitter time.Duration) {
 	for i := range buckets {
 		b := &buckets[i]
-		if b.quota == nil || b.unknown || b.retryAfter <= 0 {
+		if b.period() == nil || b.unknown || b.retryAfter <= 0 {
 			continue
 		}
 		h := fnv.New64a()
@@ -373,13 +373,13 @@ func (*quota) scriptArgs(v limitValues) [3]any { return quotaArgs(v) }
 
 // begin names the bucket's period by the request's clock.
 func (q *quota) begin(b bucket, shared requestShared) (bucket, requestShared) {
-	b.quota = q.at(shared.clock(), b.limit)
+	b.kindRef = q.at(shared.clock(), b.limit)
 	return b, shared
 }
 
 // appendArgs appends "q", count and cost, then the period's bounds.
 func (*quota) appendArgs(args []any, b bucket) []any {
-	return append(append(args, b.args[:]...), b.quota.args[:]...)
+	return append(append(args, b.args[:]...), b.period().args[:]...)
 }
 
 func (*quota) heldWhileServed() bool { return false }
@@ -393,11 +393,11 @@ func (*quota) replyWords() int { return 1 }
 func (*quota) readReply(b bucket, reply []int64, at int) (bucket, error) {
 	switch shift := reply[at]; {
 	case shift > 1: // Redis time, outside the periods
-		return b, &quotaClockError{redis: shift, caddy: time.Now().UnixMicro(), bounds: b.quota.bounds}
+		return b, &quotaClockError{redis: shift, caddy: time.Now().UnixMicro(), bounds: b.period().bounds}
 	case shift < -1:
 		return b, fmt.Errorf("unexpected script reply %v", reply)
 	default:
-		b.quotaShift = int8(shift)
+		b.kindN = int64(shift)
 		return b, nil
 	}
 }
@@ -419,26 +419,26 @@ func (*quota) fixedHeaders(l *limit, lh *limitHeaders) bool {
 // period as the replenish rate.
 func (*quota) setSpring(hdr http.Header, v *headerValues, b bucket, lh *limitHeaders) {
 	if b.limit.fixed {
-		v.put(hdr, "X-Ratelimit-Replenish-Rate", b.quota.rate)
+		v.put(hdr, "X-Ratelimit-Replenish-Rate", b.period().rate)
 		v.put(hdr, "X-Ratelimit-Burst-Capacity", lh.burst)
 		v.put(hdr, "X-Ratelimit-Requested-Tokens", lh.requested)
 		return
 	}
-	v.put(hdr, "X-Ratelimit-Replenish-Rate", quotaRate(b.values.burst, b.quota.window()))
+	v.put(hdr, "X-Ratelimit-Replenish-Rate", quotaRate(b.values.burst, b.period().window()))
 	v.put(hdr, "X-Ratelimit-Burst-Capacity", countText(b.values.burst))
 	v.put(hdr, "X-Ratelimit-Requested-Tokens", countText(b.values.requested))
 }
 
 func (*quota) appendPolicy(policy []byte, lh *limitHeaders, b bucket) []byte {
-	if b.quota.policy != "" && b.limit.fixed {
-		return append(policy, b.quota.policy...)
+	if b.period().policy != "" && b.limit.fixed {
+		return append(policy, b.period().policy...)
 	}
-	return append(policy, quotaPolicyItem(lh.quoted, b.values.burst, b.quota.window())...)
+	return append(policy, quotaPolicyItem(lh.quoted, b.values.burst, b.period().window())...)
 }
 
 // resetIn is the end of the period it counted in, or its wait if later.
 func (*quota) resetIn(b bucket) time.Duration {
-	return max(b.retryAfter, b.quota.untilEnd(time.Now(), b.quotaShift))
+	return max(b.retryAfter, b.period().untilEnd(time.Now(), b.shift()))
 }
 
 // denialTTL is its wait: until its period ends (with reset_jitter's share).
@@ -447,3 +447,16 @@ func (*quota) denialTTL(b bucket) time.Duration { return b.retryAfter }
 // cachedRemaining is what it held when refused: it renews only at its
 // boundary.
 func (*quota) cachedRemaining(_ bucket, remaining int64, _ time.Duration) int64 { return remaining }
+
+// period is a quota's bucket's period (kind state: bucket.kindRef),
+// whose bounds follow its args in the script call; nil before begin.
+func (b *bucket) period() *quotaPeriod {
+	p, _ := b.kindRef.(*quotaPeriod)
+	return p
+}
+
+// shift is the period a quota's take counted in, as the store answered
+// it (bucket.kindN): -1, 0 or 1 for the one before the bucket's period,
+// that one or the one after (the store's clock picks it). Its settlement
+// names it.
+func (b *bucket) shift() int8 { return int8(b.kindN) }

@@ -650,7 +650,7 @@ func TestQuotaScriptPicksThePeriodByRedisTime(t *testing.T) {
 			}
 			key := "quota-pick-" + strconv.Itoa(c.start)
 			take := func() (bool, bucket) {
-				b := []bucket{{limit: ql, key: key, values: values, args: quotaArgs(values), quota: testQuotaPeriod(bounds)}}
+				b := []bucket{{limit: ql, key: key, values: values, args: quotaArgs(values), kindRef: testQuotaPeriod(bounds)}}
 				allowed, err := l.take(context.Background(), time.Now(), b)
 				if err != nil {
 					t.Fatal(err)
@@ -692,8 +692,8 @@ func TestQuotaScriptAgreesWithMemoryStore(t *testing.T) {
 	for i := range 200 {
 		v := limitValues{burst: 20, requested: 1 + rng.Int64N(4)}
 		key := "agree-" + strconv.Itoa(rng.IntN(3))
-		rb := []bucket{{limit: ql, key: key, values: v, args: quotaArgs(v), quota: p}}
-		mb := []bucket{{limit: ql, key: key, values: v, args: quotaArgs(v), quota: p}}
+		rb := []bucket{{limit: ql, key: key, values: v, args: quotaArgs(v), kindRef: p}}
+		mb := []bucket{{limit: ql, key: key, values: v, args: quotaArgs(v), kindRef: p}}
 		ra, err := l.take(context.Background(), time.Now(), rb)
 		if err != nil {
 			t.Fatal(err)
@@ -994,13 +994,13 @@ func TestQuotaChargeSettlesInThePeriodItsReservationWasTakenIn(t *testing.T) {
 		// The request's period is Caddy's now; its take comes in the next
 		// one (a take reads the clock again, after the period was named).
 		buckets := []bucket{policyBuckets(t, h, "X-Key", "a")["tokens"]}
-		next := time.UnixMicro(buckets[0].quota.bounds[2]).Add(10 * time.Millisecond)
+		next := time.UnixMicro(buckets[0].period().bounds[2]).Add(10 * time.Millisecond)
 		if allowed, err := h.memory.takeInProcess(next, buckets); err != nil || !allowed {
 			t.Fatalf("take: %v %v, want admitted", allowed, err)
 		}
 		h.settleInProcess(h.memory, buckets, []settling{{bucket: 0, cost: 600, diff: 500}})
 		used, start := quotaState(t, h.memory, buckets[0].key)
-		if want := buckets[0].quota.bounds[2]; used != 600 || start != want {
+		if want := buckets[0].period().bounds[2]; used != 600 || start != want {
 			t.Errorf("quota used %v in the period starting %d, want 600 in the one starting %d (where the reservation was taken)", used, start, want)
 		}
 		if got := counterValue(t, charged("quota_cross_memory")) - before; got != 600 {
@@ -1089,7 +1089,7 @@ func TestQuotaScriptCountsInNoPeriodWhenRedisTimeIsOutsideThoseGiven(t *testing.
 			for range 40 {
 				buckets := policyBuckets(t, h, "X-Key", client)
 				b := []bucket{buckets["second"], buckets["q"]}
-				b[1].quota = skewed
+				b[1].kindRef = skewed
 				allowed, err := decide(context.Background(), h, b)
 				switch {
 				case err == nil && allowed:
@@ -1129,7 +1129,7 @@ func TestQuotaInProcessTakeLongAfterItsPeriodCountsInThePeriodItIsIn(t *testing.
 	h := provision(t, &Handler{Zone: "quota_late_take", Key: "{http.request.header.X-Key}", Store: storeMemory,
 		Quotas: []Quota{{Name: "q", Count: "2", Per: "2s"}}})
 	b := policyBuckets(t, h, "X-Key", "a")["q"]
-	later := time.UnixMicro(b.quota.bounds[3]).Add(5 * time.Second) // two periods past the last one the request named
+	later := time.UnixMicro(b.period().bounds[3]).Add(5 * time.Second) // two periods past the last one the request named
 	start := later.Truncate(2 * time.Second)
 	for i := range 3 {
 		buckets := []bucket{b}

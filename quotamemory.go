@@ -42,8 +42,8 @@ func takeQuota(used float64, start, end, wall, t int64, v limitValues, take bool
 // script answers it. A denial stores nothing.
 func (*quota) take(state memoryBucket, ok bool, now time.Time, t int64, b bucket, allowed bool) (bucket, memoryBucket, bool) {
 	wall := now.UnixMicro()
-	start, end, shift := b.quota.span(wall)
-	b.quotaShift = shift
+	start, end, shift := b.period().span(wall)
+	b.kindN = int64(shift)
 	after, _, remaining, wait := takeQuota(quotaUsed(state, ok, t, start), start, end, wall, t, b.values, allowed)
 	b.remaining, b.retryAfter = remaining, time.Duration(wait)*time.Microsecond
 	return b, after, allowed
@@ -53,7 +53,7 @@ func (*quota) take(state memoryBucket, ok bool, now time.Time, t int64, b bucket
 // the period now is in (quotaAt).
 func (*quota) holds(state memoryBucket, ok bool, now time.Time, t int64, b bucket) (bucket, bool) {
 	b.quotaAt(now)
-	start, _, _ := b.quota.span(now.UnixMicro())
+	start, _, _ := b.period().span(now.UnixMicro())
 	return b, quotaUsed(state, ok, t, start)+float64(b.values.requested) <= float64(b.values.burst)
 }
 
@@ -61,7 +61,7 @@ func (*quota) holds(state memoryBucket, ok bool, now time.Time, t int64, b bucke
 // left of the count.
 func (*quota) peek(state memoryBucket, ok bool, now time.Time, t int64, b bucket) bucketView {
 	wall := now.UnixMicro()
-	start, end, _ := b.quota.span(wall)
+	start, end, _ := b.period().span(wall)
 	used := quotaUsed(state, ok, t, start)
 	_, _, _, wait := takeQuota(used, start, end, wall, t, b.values, false)
 	view := bucketView{tokens: float64(b.values.burst) - used, wait: time.Duration(wait) * time.Microsecond}
@@ -86,14 +86,14 @@ func settleQuotaUse(state memoryBucket, v limitValues, diff, maxDebt int64) (aft
 
 // settleArg is "q" and the start of the period the reservation was taken
 // in: settled only in that period.
-func (*quota) settleArg(b bucket) any { return b.quota.settleKinds[b.quotaShift+1] }
+func (*quota) settleArg(b bucket) any { return b.period().settleKinds[b.shift()+1] }
 
 // settleHeld settles in the period the reservation was taken in
 // (settleQuotaUse). When its period is over, or it was reset, or it
 // counts another period than the reservation's, nothing settles, and the
 // reservation is what it charged.
 func (*quota) settleHeld(state memoryBucket, ok bool, t int64, b bucket, diff, cost, maxDebt int64) (memoryBucket, bool, float64, float64) {
-	if !ok || state.expires <= t || state.at != b.quota.bounds[b.quotaShift+1] {
+	if !ok || state.expires <= t || state.at != b.period().bounds[b.shift()+1] {
 		return state, false, float64(b.values.requested), 0
 	}
 	after, forgiven := settleQuotaUse(state, b.values, diff, maxDebt)

@@ -97,7 +97,7 @@ func (h *Handler) takeGroups(clientCtx context.Context, sent time.Time, buckets 
 		j := 0
 		for i := range buckets {
 			if buckets[i].limit.group == g {
-				buckets[i].remaining, buckets[i].retryAfter, buckets[i].quotaShift = group[j].remaining, group[j].retryAfter, group[j].quotaShift
+				buckets[i].remaining, buckets[i].retryAfter, buckets[i].kindN = group[j].remaining, group[j].retryAfter, group[j].kindN
 				j++
 			} else if buckets[i].limit.group > g {
 				buckets[i].unknown = !allowed || err != nil

@@ -74,7 +74,7 @@ func (h *Handler) holdSlots(buckets []bucket, store *memoryStore) *slotHold {
 		hold.limits = append(hold.limits, b.limit)
 		perRequest = perRequest || !b.limit.fixed
 		if store != nil {
-			hold.gens = append(hold.gens, b.slotGen)
+			hold.gens = append(hold.gens, uint64(b.kindN))
 		}
 		if every := b.limit.slotRule().hold / 3; hold.every == 0 || every < hold.every {
 			hold.every = every

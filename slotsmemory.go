@@ -74,7 +74,7 @@ func (s *memoryStore) takeInProcess(now time.Time, buckets []bucket) (bool, erro
 		}
 		e.used++
 		b.remaining--
-		b.slotGen = e.gen
+		b.kindN = int64(e.gen)
 	}
 	return true, nil
 }

@@ -209,20 +209,6 @@ type bucketInfo struct {
 	SlotExpiry []float64 `json:"slot_expires_in,omitempty"`
 }
 
-// quotaInfo is a client's quota in its current period: its count, what
-// it used (past the count when responses cost more than they reserved)
-// and what is left, when the period started and when it renews (RFC
-// 3339, in the quota's time zone), and the seconds until then.
-type quotaInfo struct {
-	Per         string  `json:"per"`
-	Count       int64   `json:"count"`
-	Used        int64   `json:"used"`
-	Remaining   int64   `json:"remaining"`
-	PeriodStart string  `json:"period_start"`
-	ResetsAt    string  `json:"resets_at"`
-	ResetsIn    float64 `json:"resets_in"`
-}
-
 // adminTimeout bounds the Redis calls of one admin request.
 const adminTimeout = 5 * time.Second
 

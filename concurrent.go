@@ -242,20 +242,6 @@ func newSlotID() any {
 	return &id.text
 }
 
-// slotsAnswered completes the answer of a request's concurrent buckets:
-// one that was full waits retry_after, since slots come back by release,
-// not by time (the script says 0).
-func slotsAnswered(buckets []bucket, allowed bool) {
-	if allowed {
-		return
-	}
-	for i := firstHeld(buckets); i < len(buckets); i++ {
-		if b := &buckets[i]; b.remaining == 0 && !b.unknown {
-			b.retryAfter = b.limit.slotRule().retryAfter
-		}
-	}
-}
-
 // slotPolicyItem is a concurrent limit's RateLimit-Policy item: its slots
 // as the quota, in the IETF unit of concurrent requests.
 func slotPolicyItem(quoted string, v limitValues) string {
@@ -395,7 +381,16 @@ func (*slotRule) appendPolicy(policy []byte, lh *limitHeaders, b bucket) []byte 
 	return append(policy, slotPolicyItem(lh.quoted, b.values)...)
 }
 
-// resetIn is its wait: retry_after when it was full (slotsAnswered).
+// refused waits retry_after when it was full: slots come back by
+// release, not by time (the script says 0).
+func (s *slotRule) refused(b bucket) bucket {
+	if b.remaining == 0 && !b.unknown {
+		b.retryAfter = s.retryAfter
+	}
+	return b
+}
+
+// resetIn is its wait: retry_after when it was full (refused).
 func (*slotRule) resetIn(b bucket) time.Duration { return b.retryAfter }
 
 // denialTTL is 0: slots come back by release, not by time.

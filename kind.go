@@ -70,6 +70,11 @@ type kind interface {
 	// is back (its wait, or later).
 	resetIn(b bucket) time.Duration
 
+	// refused completes the answer of a bucket of a refused request, as
+	// a store answered it (a full concurrent limit waits its
+	// retry_after: slots come back by release, not by time).
+	refused(b bucket) bucket
+
 	// denialTTL is how long the deny cache may keep the bucket's refusal:
 	// 0 for one that it must not keep.
 	denialTTL(b bucket) time.Duration
@@ -111,6 +116,23 @@ type kind interface {
 	// bucketInfo reads a client's bucket of the kind where h keeps it,
 	// and is what the admin API shows of it.
 	bucketInfo(ctx context.Context, h *Handler, b bucket) (bucketInfo, error)
+}
+
+// kindError is a kind's reason for a store's answer that decides
+// nothing (say a quota whose period Redis's clock does not fall in):
+// the request follows on_error, and warning is the line the log gives
+// it, throttled as Redis failures are.
+type kindError interface {
+	error
+	warning() string
+}
+
+// completeRefusal completes the answers of a refused request's buckets
+// (kind.refused).
+func completeRefusal(buckets []bucket) {
+	for i := range buckets {
+		buckets[i] = buckets[i].kind().refused(buckets[i])
+	}
 }
 
 // firstHeld is the index of a request's first bucket held while it is

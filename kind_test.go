@@ -115,6 +115,7 @@ func (w fixedWindow) appendPolicy(policy []byte, lh *limitHeaders, b bucket) []b
 }
 
 func (fixedWindow) resetIn(b bucket) time.Duration { return b.retryAfter }
+func (fixedWindow) refused(b bucket) bucket        { return b }
 
 // Its arithmetic in the memory store.
 

@@ -147,6 +147,10 @@ type quotaClockError struct {
 	bounds       calendar.Bounds
 }
 
+func (e *quotaClockError) warning() string {
+	return "Redis's clock is more than a quota's period away from Caddy's"
+}
+
 func (e *quotaClockError) Error() string {
 	format := func(us int64) string { return time.UnixMicro(us).UTC().Format("2006-01-02T15:04:05.000Z") }
 	skew, way := time.Duration(e.redis-e.caddy)*time.Microsecond, "ahead of"
@@ -328,6 +332,20 @@ func (q *quota) bucketInfo(ctx context.Context, h *Handler, b bucket) (bucketInf
 	return info, nil
 }
 
+// quotaInfo is a client's quota in its current period: its count, what
+// it used (past the count when responses cost more than they reserved)
+// and what is left, when the period started and when it renews (RFC
+// 3339, in the quota's time zone), and the seconds until then.
+type quotaInfo struct {
+	Per         string  `json:"per"`
+	Count       int64   `json:"count"`
+	Used        int64   `json:"used"`
+	Remaining   int64   `json:"remaining"`
+	PeriodStart string  `json:"period_start"`
+	ResetsAt    string  `json:"resets_at"`
+	ResetsIn    float64 `json:"resets_in"`
+}
+
 // view is a quota's admin view at now, from what it holds (view).
 func (q *quota) view(b bucket, view bucketView, now time.Time) *quotaInfo {
 	start, end, _ := b.period().span(now.UnixMicro())
@@ -435,6 +453,9 @@ func (*quota) appendPolicy(policy []byte, lh *limitHeaders, b bucket) []byte {
 	}
 	return append(policy, quotaPolicyItem(lh.quoted, b.values.burst, b.period().window())...)
 }
+
+// refused: the store's answer is the whole answer.
+func (*quota) refused(b bucket) bucket { return b }
 
 // resetIn is the end of the period it counted in, or its wait if later.
 func (*quota) resetIn(b bucket) time.Duration {

@@ -53,16 +53,18 @@ func (h *Handler) answeredByRedis(ctx context.Context, r *request, allowed bool,
 	if h.metrics != nil && err != errBreakerOpen {
 		h.metrics.redisDuration.Observe(time.Since(r.sent).Seconds())
 	}
-	switch err.(type) {
+	switch e := err.(type) {
 	case nil:
-		slotsAnswered(r.buckets, allowed) // concurrent.go
+		if !allowed {
+			completeRefusal(r.buckets)
+		}
 	case overloadError:
 		if ctx.Err() != nil {
 			break // the client left; whatever happened is not worth a line
 		}
 		h.warnOverloaded(err)
-	case *quotaClockError:
-		h.warnQuotaClock(err)
+	case kindError:
+		h.warnKind(e)
 	default:
 		if err == errBreakerOpen || ctx.Err() != nil {
 			break // a client that left says nothing about Redis
@@ -106,9 +108,9 @@ func (h *Handler) warnOverloaded(err error) {
 	}
 }
 
-func (h *Handler) warnQuotaClock(err error) {
+func (h *Handler) warnKind(err kindError) {
 	if ok, suppressed := h.redisWarns.allow(); ok {
-		h.logger.Warn("Redis's clock is more than a quota's period away from Caddy's; following on_error", zap.String("zone", h.Zone),
+		h.logger.Warn(err.warning()+"; following on_error", zap.String("zone", h.Zone),
 			zap.String("on_error", h.OnError), zap.Error(err), suppressedField(suppressed))
 	}
 }

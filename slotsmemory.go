@@ -53,7 +53,7 @@ func (s *memoryStore) takeInProcess(now time.Time, buckets []bucket) (bool, erro
 		for i := range k {
 			buckets[i].unknown = true // not asked: the slots refused first
 		}
-		slotsAnswered(buckets, false)
+		completeRefusal(buckets)
 		return false, nil
 	}
 	allowed := true

@@ -236,6 +236,9 @@ func policyItem(quoted string, v limitValues) string {
 // resetIn is the bucket's wait: it refills by time.
 func (tokenBucket) resetIn(b bucket) time.Duration { return b.retryAfter }
 
+// refused: the store's answer is the whole answer.
+func (tokenBucket) refused(b bucket) bucket { return b }
+
 // denialTTL is the bucket's wait: it refills by time.
 func (tokenBucket) denialTTL(b bucket) time.Duration { return b.retryAfter }
 

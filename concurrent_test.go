@@ -21,6 +21,7 @@ import (
 	"go.uber.org/zap/zaptest/observer"
 
 	"github.com/caddy-redis/ratelimit/internal/caddyproc"
+	"github.com/caddy-redis/ratelimit/internal/redisbatch"
 	"github.com/caddy-redis/ratelimit/internal/redistest"
 )
 
@@ -820,7 +821,7 @@ func TestConcurrentSlotsFromPlaceholderPerRequest(t *testing.T) {
 }
 
 // Releases that meet in one batch go out as one script call
-// (limiter.merge); each frees its own slot.
+// (redisbatch.MergedKind); each frees its own slot.
 func TestConcurrentReleasesMergedInABatchFreeEachSlot(t *testing.T) {
 	srv := redistest.Start(t)
 	h := concurrentHandler(t, srv, `key {http.request.header.X-Key}
@@ -954,9 +955,7 @@ func TestConcurrentReleaseAfterTheLimiterClosedIsNotLeftPending(t *testing.T) {
 	logs := observeLogs(h, zapcore.WarnLevel)
 	l := h.limiter
 	eventually(t, 5*time.Second, "the unloaded limiter closed", func() bool {
-		l.closing.RLock()
-		defer l.closing.RUnlock()
-		return l.closed
+		return l.batcher.Closed()
 	})
 	h.holdSlots(requestBuckets(t, h, "k"), nil).release()
 	if n := l.releases.total(); n != 0 {
@@ -980,7 +979,7 @@ func TestConcurrentBurstOfLongRequestsRenewsEverySlot(t *testing.T) {
 	key := slotKey(t, h, "gen", "k")
 	// More slots than the batcher's queue holds calls, taken within one
 	// tick of the renewals: all of them are due on the same tick.
-	const n = queueLength + 1000
+	const n = redisbatch.QueueLength + 1000
 	ids := make([]string, n)
 	pipe := rdb.Pipeline()
 	for i := range ids {
@@ -1481,7 +1480,7 @@ func TestConcurrentBurstOfLongRequestsOnClusterRenewsAndReleasesEverySlot(t *tes
 }`, strings.Join(c.Addrs, " ")))
 	logs := observeLogs(h, zapcore.WarnLevel)
 	l := h.limits[len(h.limits)-1]
-	const n = queueLength + 2000
+	const n = redisbatch.QueueLength + 2000
 	keys, ids := make([]string, n), make([]string, n)
 	pipe := cc.Pipeline()
 	for i := range n {
@@ -1492,8 +1491,8 @@ func TestConcurrentBurstOfLongRequestsOnClusterRenewsAndReleasesEverySlot(t *tes
 		t.Fatal(err)
 	}
 	for _, key := range keys[:20] {
-		if want := cc.ClusterKeySlot(ctx, key).Val(); int64(hashSlot(key)) != want {
-			t.Fatalf("hashSlot(%q) = %d, the Cluster says %d", key, hashSlot(key), want)
+		if want := cc.ClusterKeySlot(ctx, key).Val(); int64(redisbatch.Slot(key)) != want {
+			t.Fatalf("redisbatch.Slot(%q) = %d, the Cluster says %d", key, redisbatch.Slot(key), want)
 		}
 	}
 	holds := make([]*slotHold, n)
@@ -1539,13 +1538,13 @@ func TestHashSlotIsRedisClusters(t *testing.T) {
 		"somekey":          11058,
 		"foo{hash_tag}":    2515,
 		"bar{hash_tag}":    2515,
-		"{}key":            hashSlot("{}key"), // an empty tag is no tag
-		"a{b}c{d}":         hashSlot("b"),
-		"{user1000}.x":     hashSlot("user1000"),
-		"prefix{z|t|k}|gn": hashSlot("z|t|k"),
+		"{}key":            redisbatch.Slot("{}key"), // an empty tag is no tag
+		"a{b}c{d}":         redisbatch.Slot("b"),
+		"{user1000}.x":     redisbatch.Slot("user1000"),
+		"prefix{z|t|k}|gn": redisbatch.Slot("z|t|k"),
 	} {
-		if got := hashSlot(key); got != want {
-			t.Errorf("hashSlot(%q) = %d, want %d", key, got, want)
+		if got := redisbatch.Slot(key); got != want {
+			t.Errorf("redisbatch.Slot(%q) = %d, want %d", key, got, want)
 		}
 	}
 }

@@ -97,7 +97,7 @@ func (l *limiter) listenResets() {
 		_ = ps.Close()
 		if !dead {
 			select {
-			case <-l.stop:
+			case <-l.batcher.Done():
 				return
 			case <-time.After(resetsRetry):
 			}
@@ -131,7 +131,7 @@ func (l *limiter) receiveResets(ctx context.Context, ps *redis.PubSub, subscribe
 			// A broken connection, or a failed dial: go-redis dials again
 			// at the next receive.
 			select {
-			case <-l.stop:
+			case <-l.batcher.Done():
 				return false
 			case <-time.After(resetsRetry):
 			}

@@ -662,7 +662,7 @@ type settlement struct {
 // settleInRedis queues the settlement of a request's buckets, one script
 // call for all of them (one per slot group on a Cluster), before the
 // request returns, so that it precedes the client's next request in the
-// queue; what Redis answers is read by the batcher's worker (takeAnswer),
+// queue; what Redis answers is read by the batcher's worker (TakeAnswer),
 // off the request path. A call is sent at most once: one lost to a
 // failure is counted and logged, and the reservation stands.
 func (h *Handler) settleInRedis(buckets []bucket, items []settling) {
@@ -718,7 +718,7 @@ func diffArg(diff int64) any {
 	return strconv.FormatInt(diff, 10)
 }
 
-// takeAnswer reads what Redis answered to a settlement call, in the
+// TakeAnswer reads what Redis answered to a settlement call, in the
 // batcher's worker: it counts what was charged and forgiven, and
 // releases the call and itself.
 func (s *settleCall) TakeAnswer(c *redisbatch.Call) {

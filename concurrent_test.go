@@ -1530,25 +1530,6 @@ func TestConcurrentBurstOfLongRequestsOnClusterRenewsAndReleasesEverySlot(t *tes
 	}
 }
 
-// hashSlot computes the hash slot Redis Cluster gives a key (CLUSTER
-// KEYSLOT), by which renewals and releases are grouped into calls.
-func TestHashSlotIsRedisClusters(t *testing.T) {
-	for key, want := range map[string]int{
-		"123456789":        12739, // CRC16/XMODEM's check value 0x31C3
-		"somekey":          11058,
-		"foo{hash_tag}":    2515,
-		"bar{hash_tag}":    2515,
-		"{}key":            redisbatch.Slot("{}key"), // an empty tag is no tag
-		"a{b}c{d}":         redisbatch.Slot("b"),
-		"{user1000}.x":     redisbatch.Slot("user1000"),
-		"prefix{z|t|k}|gn": redisbatch.Slot("z|t|k"),
-	} {
-		if got := redisbatch.Slot(key); got != want {
-			t.Errorf("redisbatch.Slot(%q) = %d, want %d", key, got, want)
-		}
-	}
-}
-
 // A take that never reached Redis (its connection was refused) took no
 // slot: no release follows it, only the take's own warning.
 func TestConcurrentTakeRefusedAConnectionSendsNoRelease(t *testing.T) {

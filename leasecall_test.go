@@ -368,17 +368,9 @@ func TestLeaseScriptStateIsScriptLuas(t *testing.T) {
 }
 
 // TestLeaseRecordKeySharesTheBucketsSlot: a lease record lives in its
-// bucket's Redis Cluster hash slot, tagged or not; and the slot
-// function is Redis's (the examples of the Cluster specification).
+// bucket's Redis Cluster hash slot, tagged or not (the slot function
+// is Redis's: redisbatch's TestSlotIsRedisClusters).
 func TestLeaseRecordKeySharesTheBucketsSlot(t *testing.T) {
-	for key, slot := range map[string]int{"123456789": 0x31C3 % redisbatch.Slots, "foo": 12182, "{user1000}.following": redisbatch.Slot("user1000"), "foo{}{bar}": redisbatch.Slot("foo{}{bar}")} {
-		if got := redisbatch.Slot(key); got != slot {
-			t.Errorf("slot of %q: %d, want %d", key, got, slot)
-		}
-	}
-	if got := redisbatch.CRC16("123456789"); got != 0x31C3 {
-		t.Errorf("crc16: %#x, want 0x31c3", got)
-	}
 	for i := range 20000 {
 		key := fmt.Sprintf("rate_limit:zone|tag|client%d", i)
 		if i%2 == 1 {

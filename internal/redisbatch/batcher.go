@@ -122,9 +122,6 @@ func newBatcher(c Config) *Batcher {
 	return b
 }
 
-// Timeout is how long a call may take, from its queueing to its answer.
-func (b *Batcher) Timeout() time.Duration { return b.timeout }
-
 // Done is closed when the batcher closes.
 func (b *Batcher) Done() <-chan struct{} { return b.stop }
 
@@ -194,13 +191,6 @@ func (b *Batcher) Wake() {
 // Idle says whether no call waits in the queue and none came for d.
 func (b *Batcher) Idle(d time.Duration) bool {
 	return time.Since(time.Unix(0, b.lastCall.Load())) >= d && len(b.queue) == 0
-}
-
-// Closed says whether Close has begun.
-func (b *Batcher) Closed() bool {
-	b.closing.RLock()
-	defer b.closing.RUnlock()
-	return b.closed
 }
 
 // Close refuses calls from now on, answers every queued call, and stops

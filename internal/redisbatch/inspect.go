@@ -12,6 +12,13 @@ import (
 // Node is the name of the one node, when the client is not a Cluster's.
 func (b *Batcher) Node() string { return b.node }
 
+// Closed says whether Close has begun.
+func (b *Batcher) Closed() bool {
+	b.closing.RLock()
+	defer b.closing.RUnlock()
+	return b.closed
+}
+
 // BreakerState is what the breaker of node counts now: failures in a
 // row, and whether it is open; known says the batcher has one for node.
 func (b *Batcher) BreakerState(node string) (failures int64, open, known bool) {

@@ -821,7 +821,7 @@ func TestConcurrentSlotsFromPlaceholderPerRequest(t *testing.T) {
 }
 
 // Releases that meet in one batch go out as one script call
-// (redisbatch.MergedKind); each frees its own slot.
+// (slotQueue.calls); each frees its own slot.
 func TestConcurrentReleasesMergedInABatchFreeEachSlot(t *testing.T) {
 	srv := redistest.Start(t)
 	h := concurrentHandler(t, srv, `key {http.request.header.X-Key}

@@ -12,11 +12,10 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/caddy-redis/ratelimit/internal/redisbatch"
 	"github.com/caddyserver/caddy/v2"
 	"github.com/redis/go-redis/v9"
 	"go.uber.org/zap"
-
-	"github.com/caddy-redis/ratelimit/internal/redisbatch"
 )
 
 // The scripts: check-and-take, give back, settle, the admin API's read,

@@ -13,6 +13,7 @@ import (
 	"time"
 
 	"github.com/caddy-redis/ratelimit/internal/redisbatch"
+	"github.com/caddy-redis/ratelimit/internal/redisresets"
 	"github.com/caddyserver/caddy/v2"
 	"github.com/redis/go-redis/v9"
 	"go.uber.org/zap"
@@ -67,9 +68,8 @@ type limiter struct {
 	watchers   map[limiterWatcher]struct{}
 	// resets is the pub/sub channel on which every instance that shares
 	// the Redis learns of buckets the admin API reset (resets.go).
-	resets    string
+	resets    *redisresets.Channel
 	keyPrefix string
-	resetSub  resetSubscription
 
 	// releases counts the releases of concurrent limits' slots on their
 	// way to Redis; releaseQueue and renewQueue hold the releases and
@@ -138,12 +138,10 @@ func newLimiter(c RedisConfig, files tlsFiles) (*limiter, error) {
 		client:    redis.NewUniversalClient(opts),
 		timeout:   time.Duration(c.Timeout),
 		watchers:  make(map[limiterWatcher]struct{}),
-		resets:    c.KeyPrefix + "reset",
 		keyPrefix: c.KeyPrefix,
 	}
 	l.cluster, _ = l.client.(*redis.ClusterClient)
-	l.resetSub.warns.every = 10 * time.Second
-	l.filterResetsConns() // before the first dial
+	l.resets = redisresets.New(l.client, c.KeyPrefix+"reset", c.KeyPrefix, newResetReceiver(l)) // before the first dial
 	node := opts.Addrs[0]
 	if opts.MasterName != "" {
 		node = "master " + opts.MasterName
@@ -151,7 +149,7 @@ func newLimiter(c RedisConfig, files tlsFiles) (*limiter, error) {
 	l.batcher = redisbatch.New(redisbatch.Config{Client: l.client, Node: node, Timeout: l.timeout,
 		Hooks: batchHooks{l}, Settlements: settlements})
 	go l.loadScript(time.Duration(c.DialTimeout) + l.timeout)
-	go l.listenResets()
+	go l.resets.Listen(l.batcher.Done())
 	return l, nil
 }
 
@@ -247,7 +245,7 @@ func (l *limiter) Destruct() error {
 			}
 		}
 		l.batcher.Close()
-		l.resetSub.close()
+		l.resets.Close()
 		_ = l.client.Close()
 	}()
 	return nil
@@ -358,7 +356,7 @@ func (l *limiter) reset(ctx context.Context, keys []string) error {
 	for _, key := range keys {
 		pipe.Del(ctx, key)
 	}
-	pipe.Publish(ctx, l.resets, strings.Join(keys, "\n"))
+	pipe.Publish(ctx, l.resets.Name(), strings.Join(keys, "\n"))
 	_, err := pipe.Exec(ctx)
 	return err
 }

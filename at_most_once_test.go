@@ -10,6 +10,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/caddy-redis/ratelimit/internal/redisbatch"
 	"github.com/caddy-redis/ratelimit/internal/redistest"
 )
 
@@ -64,16 +65,16 @@ func cutRequests(t *testing.T, h *Handler, proxies []*redisProxy) []string {
 		t.Errorf("request alone through a cut connection: %d remaining %q, want on_error allow", status, remaining)
 	}
 	// One pipeline, built as a worker builds it (worker 0 is idle now).
-	batch := make([]*call, 40)
+	batch := make([]*redisbatch.Call, 40)
 	for i := range batch {
 		key := "batched-" + strconv.Itoa(i)
 		keys = append(keys, key)
 		batch[i] = newTestCall(h.limits[0].keyPrefix+key, h.limits[0].args, time.Now().Add(time.Second))
 	}
-	h.limiter.sendBatch(0, batch)
+	h.limiter.batcher.SendBatch(batch)
 	for _, c := range batch {
-		if c.err == nil {
-			t.Errorf("batched call %s through a cut connection: reply %v, want an error", c.keys[0], c.reply)
+		if c.Err == nil {
+			t.Errorf("batched call %s through a cut connection: reply %v, want an error", c.Keys[0], c.Reply)
 		}
 	}
 	return keys

@@ -8,6 +8,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/caddy-redis/ratelimit/internal/redisbatch"
 	"github.com/caddy-redis/ratelimit/internal/redistest"
 	"go.uber.org/zap"
 )
@@ -126,18 +127,18 @@ func TestFailedBatchCountsOnceTowardBreaker(t *testing.T) {
 	addr := redistest.StartBlackhole(t)
 	l := newTestLimiter(t, addr, 100*time.Millisecond)
 	deadline := time.Now().Add(100 * time.Millisecond)
-	batch := make([]*call, 2*breakerThreshold)
+	batch := make([]*redisbatch.Call, 2*redisbatch.BreakerThreshold)
 	for i := range batch {
 		batch[i] = newTestCall("k"+strconv.Itoa(i), limitArgs(1, 5, 1), deadline)
 	}
-	l.sendBatch(0, batch) // as worker 0, idle: nothing else is queued
+	l.batcher.SendBatch(batch) // as worker 0, idle: nothing else is queued
 	for i, c := range batch {
-		if c.err == nil {
-			t.Fatalf("call %d to a Redis that never answers: reply %v, want an error", i, c.reply)
+		if c.Err == nil {
+			t.Fatalf("call %d to a Redis that never answers: reply %v, want an error", i, c.Reply)
 		}
 	}
-	b := l.breakers.get(l.node)
-	if n := b.failures.Load(); n != 1 || b.isOpen() {
+	b := nodeBreakerOf(l)
+	if n := b.failures; n != 1 || b.isOpen() {
 		t.Fatalf("one failed batch of %d calls: %d failures counted, breaker open %v; want 1 failure, closed",
 			len(batch), n, b.isOpen())
 	}
@@ -154,43 +155,42 @@ func TestScriptReplyOfAnotherShapeFailsItsCall(t *testing.T) {
 	srv := redistest.Start(t)
 	l := newTestLimiter(t, srv.Addr, 2*time.Second)
 	deadline := time.Now().Add(2 * time.Second)
-	newCall := func(key, body string) *call {
+	newCall := func(key, body string) *redisbatch.Call {
 		c := newTestCall(key, limitArgs(1, 10, 1), deadline)
 		if body != "" {
-			c.script = newLuaScript(body)
+			c.Script = redisbatch.NewScript(body)
 		}
-		c.breaker = l.breakers.get(l.node)
 		return c
 	}
-	expectAdmitted := func(what string, c *call) {
+	expectAdmitted := func(what string, c *redisbatch.Call) {
 		t.Helper()
-		if c.err != nil {
-			t.Fatalf("%s: %v", what, c.err)
+		if c.Err != nil {
+			t.Fatalf("%s: %v", what, c.Err)
 		}
 		b := []bucket{{}}
-		if allowed, err := readTake(c.reply, b, false); err != nil || !allowed || b[0].remaining != 9 {
-			t.Fatalf("%s: read %v as %v (%+v), %v; want admitted with 9 left", what, c.reply, allowed, b, err)
+		if allowed, err := readTake(c.Reply, b, false); err != nil || !allowed || b[0].remaining != 9 {
+			t.Fatalf("%s: read %v as %v (%+v), %v; want admitted with 9 left", what, c.Reply, allowed, b, err)
 		}
 	}
 	// ("with the sources": nothing is cached in this server.)
 	failing, good := newCall("shape:error", "return redis.error_reply('WRONGTYPE boom')"), newCall("shape:good0", "")
-	l.pipeline(context.Background(), []*call{failing, good}, true)
-	if failing.err == nil {
-		t.Errorf("an error reply answered %v without an error", failing.reply)
+	l.batcher.Pipeline(context.Background(), []*redisbatch.Call{failing, good}, true)
+	if failing.Err == nil {
+		t.Errorf("an error reply answered %v without an error", failing.Reply)
 	}
 	expectAdmitted("the call batched after an error reply", good)
 
 	for i, body := range []string{"return 'OK'", "return {1, {2}, 3}", "return {1, 'x', 0}"} {
 		bad, after := newCall(fmt.Sprint("shape:bad", i), body), newCall(fmt.Sprint("shape:after", i), "")
-		l.pipeline(context.Background(), []*call{bad, after}, true)
-		if bad.err == nil {
-			t.Errorf("script %q: answered %v without an error", body, bad.reply)
+		l.batcher.Pipeline(context.Background(), []*redisbatch.Call{bad, after}, true)
+		if bad.Err == nil {
+			t.Errorf("script %q: answered %v without an error", body, bad.Reply)
 		}
-		if after.err == nil {
+		if after.Err == nil {
 			expectAdmitted("the call batched after "+body, after)
 		}
 		next := newCall(fmt.Sprint("shape:next", i), "")
-		l.pipeline(context.Background(), []*call{next}, true)
+		l.batcher.Pipeline(context.Background(), []*redisbatch.Call{next}, true)
 		expectAdmitted("the next batch after "+body, next)
 	}
 }

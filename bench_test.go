@@ -27,6 +27,7 @@ import (
 	"time"
 
 	"github.com/caddy-redis/ratelimit/internal/calendar"
+	"github.com/caddy-redis/ratelimit/internal/redisbatch"
 	"github.com/caddy-redis/ratelimit/internal/redistest"
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
@@ -542,8 +543,8 @@ func BenchmarkScriptsRedisCPU(b *testing.B) {
 			ctx := context.Background()
 			rdb := redis.NewClient(&redis.Options{Addr: srv.Addr})
 			defer rdb.Close()
-			for _, s := range []*luaScript{takeScript, concurrentScript} {
-				if err := rdb.ScriptLoad(ctx, s.source).Err(); err != nil {
+			for _, s := range []*redisbatch.Script{takeScript, concurrentScript} {
+				if err := rdb.ScriptLoad(ctx, s.Source).Err(); err != nil {
 					b.Fatal(err)
 				}
 			}
@@ -567,7 +568,7 @@ func BenchmarkScriptsRedisCPU(b *testing.B) {
 			for done := 0; done < b.N; done += batch {
 				pipe := rdb.Pipeline()
 				if prev != nil {
-					pipe.EvalSha(ctx, concurrentScript.sha.(string), prev[0].([]string), append([]any{"release"}, prev[1:]...)...)
+					pipe.EvalSha(ctx, concurrentScript.SHA(), prev[0].([]string), append([]any{"release"}, prev[1:]...)...)
 				}
 				var rel []any
 				var relKeys []string
@@ -589,7 +590,7 @@ func BenchmarkScriptsRedisCPU(b *testing.B) {
 						ks = append(ks, "rate_limit:{b|"+strconv.Itoa(k)+"}|day")
 						args = append(args, "q", "1000000000", "1", bounds[0], bounds[1], bounds[2], bounds[3])
 					}
-					pipe.EvalSha(ctx, takeScript.sha.(string), ks, args...)
+					pipe.EvalSha(ctx, takeScript.SHA(), ks, args...)
 				}
 				if _, err := pipe.Exec(ctx); err != nil {
 					b.Fatal(err)

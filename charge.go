@@ -13,6 +13,7 @@ import (
 	"sync"
 	"time"
 
+	"github.com/caddy-redis/ratelimit/internal/redisbatch"
 	"github.com/caddy-redis/ratelimit/internal/scan"
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
@@ -661,7 +662,7 @@ type settlement struct {
 // settleInRedis queues the settlement of a request's buckets, one script
 // call for all of them (one per slot group on a Cluster), before the
 // request returns, so that it precedes the client's next request in the
-// queue; what Redis answers is read by the batcher's worker (takeAnswer),
+// queue; what Redis answers is read by the batcher's worker (TakeAnswer),
 // off the request path. A call is sent at most once: one lost to a
 // failure is counted and logged, and the reservation stands.
 func (h *Handler) settleInRedis(buckets []bucket, items []settling) {
@@ -683,33 +684,22 @@ func (h *Handler) settleInRedis(buckets []bucket, items []settling) {
 		}
 		s := settleCalls.Get().(*settleCall)
 		s.h = h
-		c := calls.Get().(*call)
-		c.args = append(c.args, "evalsha", settleScript.sha, keyCountArg(len(group)))
+		c := redisbatch.NewCall()
 		for _, it := range group {
-			c.keys = append(c.keys, buckets[it.bucket].key)
+			c.Keys = append(c.Keys, buckets[it.bucket].key)
 		}
-		for i := range c.keys {
-			c.args = append(c.args, &c.keys[i])
-		}
+		c.Command(settleScript)
 		for _, it := range group {
 			b := &buckets[it.bucket]
-			c.args = append(c.args, b.kind().settleArg(*b), b.args[1], diffArg(it.diff), b.limit.charge.maxDebtArg(b))
+			c.Args = append(c.Args, b.kind().settleArg(*b), b.args[1], diffArg(it.diff), b.limit.charge.maxDebtArg(b))
 			s.items = append(s.items, settlement{limit: b.limit, cost: it.cost, reserved: b.values.requested, diff: it.diff})
 		}
-		c.script, c.clientCtx, c.then = settleScript, context.Background(), s // sent even when the client has left
-		if err := h.limiter.enqueue(c, now); err != nil {
-			c.err = err
-			s.takeAnswer(c)
+		c.ClientCtx, c.Then = context.Background(), s // sent even when the client has left
+		if err := h.limiter.batcher.Enqueue(c, now); err != nil {
+			c.Err = err
+			s.TakeAnswer(c)
 		}
 	}
-}
-
-// keyCountArg is a call's number of keys as its argument.
-func keyCountArg(n int) any {
-	if n < len(keyCounts) {
-		return keyCounts[n]
-	}
-	return strconv.Itoa(n)
 }
 
 // smallDiffs are the differences of -512 to 511 as script arguments,
@@ -728,14 +718,14 @@ func diffArg(diff int64) any {
 	return strconv.FormatInt(diff, 10)
 }
 
-// takeAnswer reads what Redis answered to a settlement call, in the
+// TakeAnswer reads what Redis answered to a settlement call, in the
 // batcher's worker: it counts what was charged and forgiven, and
 // releases the call and itself.
-func (s *settleCall) takeAnswer(c *call) {
+func (s *settleCall) TakeAnswer(c *redisbatch.Call) {
 	h := s.h
-	err := c.err
-	if err == nil && len(c.reply) != 2*len(s.items) {
-		err = fmt.Errorf("unexpected settle reply %v", c.reply)
+	err := c.Err
+	if err == nil && len(c.Reply) != 2*len(s.items) {
+		err = fmt.Errorf("unexpected settle reply %v", c.Reply)
 	}
 	if err != nil {
 		h.countSettleFailure(nil, nil, err)
@@ -745,7 +735,7 @@ func (s *settleCall) takeAnswer(c *call) {
 	} else {
 		gaveBack, unsettled := false, false
 		for i, it := range s.items {
-			if r := c.reply[2*i]; r < 0 {
+			if r := c.Reply[2*i]; r < 0 {
 				// -2: a quota whose reservation's period is no longer
 				// counted, with nothing to settle; else its key holds
 				// another type, or the write was refused.
@@ -753,7 +743,7 @@ func (s *settleCall) takeAnswer(c *call) {
 				h.countCharged(it.limit, float64(it.reserved), 0)
 				continue
 			}
-			forgiven := float64(c.reply[2*i]) + float64(c.reply[2*i+1])/1e6
+			forgiven := float64(c.Reply[2*i]) + float64(c.Reply[2*i+1])/1e6
 			h.countCharged(it.limit, float64(it.cost)-forgiven, forgiven)
 			gaveBack = gaveBack || it.diff < 0
 		}
@@ -763,21 +753,22 @@ func (s *settleCall) takeAnswer(c *call) {
 		if gaveBack && h.useDenyCache {
 			// Tokens came back sooner than time alone would bring them: a
 			// cached denial of these buckets would refuse what now fits.
-			h.denied.forget(c.keys...)
+			h.denied.forget(c.Keys...)
 		}
 	}
-	c.release()
+	c.Release()
 	clear(s.items)
 	s.h, s.items = nil, s.items[:0]
 	settleCalls.Put(s)
 }
 
-// settlements are merged per batch (limiter.merge): settle.lua settles
-// each bucket on its own (make bench, charge@64: scripts/req 2.00 ->
-// 1.05, Redis µs per request 15.6 -> 13.6; BenchmarkServeHTTPCharged 15
-// -> 13 allocs).
-var settlements = &mergedKind{name: "settle", script: settleScript, width: 2,
-	is: func(c *call) bool { return c.script == settleScript && c.then != nil }}
+// settlements are merged per batch (redisbatch.MergedKind): settle.lua
+// settles each bucket on its own (make bench, charge@64: scripts/req
+// 2.00 -> 1.05, Redis µs per request 15.6 -> 13.6;
+// BenchmarkServeHTTPCharged 15 -> 13 allocs). The batcher also keeps
+// them ahead of the calls queued after them.
+var settlements = &redisbatch.MergedKind{Name: "settle", Script: settleScript, Width: 2,
+	Is: func(c *redisbatch.Call) bool { return c.Script == settleScript && c.Then != nil }}
 
 // errUnsettled is a bucket that settle.lua could not settle.
 var errUnsettled = errors.New("a bucket was not settled: its key holds another type, or Redis refused the write")
@@ -793,7 +784,7 @@ func (h *Handler) countSettleFailure(buckets []bucket, items []settling, err err
 	if h.metrics != nil {
 		h.metrics.settleFailures.Inc()
 	}
-	if err == errBreakerOpen {
+	if err == redisbatch.ErrBreakerOpen {
 		return // logged when the breaker opened
 	}
 	if ok, suppressed := h.redisWarns.allow(); ok {

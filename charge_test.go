@@ -27,6 +27,7 @@ import (
 	"time"
 
 	"github.com/caddy-redis/ratelimit/internal/caddyproc"
+	"github.com/caddy-redis/ratelimit/internal/redisbatch"
 	"github.com/caddy-redis/ratelimit/internal/redistest"
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
@@ -109,7 +110,7 @@ func storeSettleStep(t *testing.T, rdb *redis.Client, key string, b scriptBucket
 			p.Del(ctx, key)
 		}
 		before, clock0 = p.Get(ctx, key), p.Time(ctx)
-		settle = p.EvalSha(ctx, settleScript.sha.(string), []string{key}, args...)
+		settle = p.EvalSha(ctx, settleScript.SHA(), []string{key}, args...)
 		clock1, then, pttl = p.Time(ctx), p.Get(ctx, key), p.PTTL(ctx, key)
 		return nil
 	})
@@ -2205,7 +2206,7 @@ func replayBucket(t *testing.T, lines []string, key string, v limitValues) (admi
 		}
 		nkeys, _ := strconv.Atoi(call[2])
 		per := 3 // a take's arguments per bucket
-		if call[1] == settleScript.sha {
+		if call[1] == settleScript.SHA() {
 			per = 4
 		}
 		for k := range nkeys {
@@ -2218,7 +2219,7 @@ func replayBucket(t *testing.T, lines []string, key string, v limitValues) (admi
 				wrote = &writes[0]
 			}
 			switch call[1] {
-			case takeScript.sha:
+			case takeScript.SHA():
 				if wrote == nil {
 					continue // a refusal
 				}
@@ -2231,7 +2232,7 @@ func replayBucket(t *testing.T, lines []string, key string, v limitValues) (admi
 						arg(2), wrote.at, tokens, wrote.tokens)
 				}
 				admitted++
-			case settleScript.sha:
+			case settleScript.SHA():
 				if wrote == nil { // a give-back to a bucket that stays full
 					if present || arg(2) >= 0 {
 						t.Fatalf("a settlement of %d did not write the bucket", arg(2))
@@ -2352,31 +2353,28 @@ type answerRecorder struct {
 	err   error
 }
 
-func (a *answerRecorder) takeAnswer(c *call) {
-	a.reply, a.err = append([]int64(nil), c.reply...), c.err
-	c.release()
+func (a *answerRecorder) TakeAnswer(c *redisbatch.Call) {
+	a.reply, a.err = append([]int64(nil), c.Reply...), c.Err
+	c.Release()
 }
 
 // newSettleCall is a settlement call of the buckets in diffs (each
 // with args, a max debt of 5, and its difference), as settleInRedis
 // queues it, whose answer rec takes.
-func newSettleCall(rec answerTaker, args [3]any, diffs map[string]int64) *call {
-	c := calls.Get().(*call)
+func newSettleCall(rec redisbatch.AnswerTaker, args [3]any, diffs map[string]int64) *redisbatch.Call {
+	c := redisbatch.NewCall()
 	keys := slices.Sorted(maps.Keys(diffs))
-	c.keys = append(c.keys, keys...)
-	c.args = append(c.args, "evalsha", settleScript.sha, keyCountArg(len(keys)))
-	for i := range c.keys {
-		c.args = append(c.args, &c.keys[i])
-	}
+	c.Keys = append(c.Keys, keys...)
+	c.Command(settleScript)
 	for _, k := range keys {
-		c.args = append(c.args, args[0], args[1], diffArg(diffs[k]), "5")
+		c.Args = append(c.Args, args[0], args[1], diffArg(diffs[k]), "5")
 	}
-	c.script, c.clientCtx, c.then = settleScript, context.Background(), rec
+	c.ClientCtx, c.Then = context.Background(), rec
 	return c
 }
 
 // TestSettlementsOfABatchShareOneScriptCall: the settlement calls that
-// one batch sends go to Redis as one call (limiter.merge), where the
+// one batch sends go to Redis as one call (redisbatch.MergedKind), where the
 // first of them stood (not after every other call of the batch, where a
 // take of a bucket queued after its settlement did not see it), and each
 // gets the answer for its own buckets; other calls go as they are.
@@ -2386,29 +2384,30 @@ func TestSettlementsOfABatchShareOneScriptCall(t *testing.T) {
 	l := newTestLimiter(t, srv.Addr, 2*time.Second)
 	v := limitValues{rate: 0.001, burst: 100, requested: 10}
 	args := v.scriptArgs()
-	settle := func(rec *answerRecorder, diffs map[string]int64) *call { return newSettleCall(rec, args, diffs) }
+	settle := func(rec *answerRecorder, diffs map[string]int64) *redisbatch.Call {
+		return newSettleCall(rec, args, diffs)
+	}
 	// m:bad holds a list: its settlement fails, and only its own.
 	if err := rdb.LPush(context.Background(), "m:bad", "x").Err(); err != nil {
 		t.Fatal(err)
 	}
 	var a, b, bad answerRecorder
 	take := newTestCall("m:take", args, time.Now().Add(time.Second))
-	batch := []*call{settle(&a, map[string]int64{"m:a": 30, "m:b": -5}), take, settle(&bad, map[string]int64{"m:bad": 3}),
+	batch := []*redisbatch.Call{settle(&a, map[string]int64{"m:a": 30, "m:b": -5}), take, settle(&bad, map[string]int64{"m:bad": 3}),
 		settle(&b, map[string]int64{"m:c": 200})}
-	send := l.merge(batch, settlements)
-	if len(send) != 2 || len(send[0].keys) != 4 || send[1] != take {
+	send := l.batcher.Merge(batch, settlements)
+	if len(send) != 2 || len(send[0].Keys) != 4 || send[1] != take {
 		t.Fatalf("merged into %d calls, want one settlement of 4 buckets where the first stood, then the take", len(send))
 	}
 	scriptsLoaded(t, rdb) // the limiter loads them in the background; this pipeline sends by SHA only
 	before := commandCalls(t, rdb)["evalsha"]
+	l.batcher.Pipeline(context.Background(), send, false)
 	for _, c := range send {
-		c.breaker = l.breakers.get(l.node)
+		c.Answer()
 	}
-	l.pipeline(context.Background(), send, false)
-	for _, c := range send {
-		c.answer()
+	if answered, _ := take.Wait(); !answered {
+		t.Fatal("the take was not answered")
 	}
-	<-take.done
 	if calls := commandCalls(t, rdb)["evalsha"] - before; calls != 2 {
 		t.Errorf("%d script calls, want 2", calls)
 	}
@@ -2426,7 +2425,7 @@ func TestSettlementsOfABatchShareOneScriptCall(t *testing.T) {
 	if n, _ := rdb.Exists(context.Background(), "m:b").Result(); n != 0 {
 		t.Errorf("m:b, full and given back tokens, was written")
 	}
-	take.release()
+	take.Release()
 }
 
 // TestMergedSettlementsNeverPassACallOfTheirBucket: a batch queued as
@@ -2448,25 +2447,24 @@ func TestMergedSettlementsNeverPassACallOfTheirBucket(t *testing.T) {
 	takeX, takeY := newTestCall("o:x", args, deadline), newTestCall("o:y", args, deadline)
 	refundX, refundY := newSettleCall(&refunds, args, map[string]int64{"o:x": -50}), newSettleCall(&refunds, args, map[string]int64{"o:y": -50})
 	debtX := newSettleCall(&debt, args, map[string]int64{"o:x": 30})
-	send := l.merge([]*call{refundX, takeX, refundY, debtX, takeY}, settlements)
-	if len(send) != 4 || len(send[0].keys) != 2 || send[1] != takeX || send[2] != debtX || send[3] != takeY {
+	send := l.batcher.Merge([]*redisbatch.Call{refundX, takeX, refundY, debtX, takeY}, settlements)
+	if len(send) != 4 || len(send[0].Keys) != 2 || send[1] != takeX || send[2] != debtX || send[3] != takeY {
 		t.Errorf("merged into %d calls, want the refunds of x and y where x's stood, the take of x, the debt of x, the take of y", len(send))
 	}
 	scriptsLoaded(t, rdb)
+	l.batcher.Pipeline(context.Background(), send, false)
 	for _, c := range send {
-		c.breaker = l.breakers.get(l.node)
+		c.Answer()
 	}
-	l.pipeline(context.Background(), send, false)
-	for _, c := range send {
-		c.answer()
-	}
-	for _, take := range []*call{takeX, takeY} {
-		<-take.done
-		b := []bucket{{}}
-		if allowed, err := readTake(take.reply, b, false); err != nil || !allowed || b[0].remaining != 30 {
-			t.Errorf("the take of %s after its refund: %v, %v with %d left; want admitted with 90 - 60 = 30 left", take.keys[0], allowed, err, b[0].remaining)
+	for _, take := range []*redisbatch.Call{takeX, takeY} {
+		if answered, _ := take.Wait(); !answered {
+			t.Fatalf("the take of %s was not answered", take.Keys[0])
 		}
-		take.release()
+		b := []bucket{{}}
+		if allowed, err := readTake(take.Reply, b, false); err != nil || !allowed || b[0].remaining != 30 {
+			t.Errorf("the take of %s after its refund: %v, %v with %d left; want admitted with 90 - 60 = 30 left", take.Keys[0], allowed, err, b[0].remaining)
+		}
+		take.Release()
 	}
 	if st, err := parseBucket(rdb.Get(context.Background(), "o:x")); err != nil || math.Abs(st.tokens) > 0.01 {
 		t.Errorf("o:x holds %+v %v, want 30 - 30 = 0: the debt after the take", st, err)

@@ -22,6 +22,7 @@ import (
 	"time"
 	"unsafe"
 
+	"github.com/caddy-redis/ratelimit/internal/redisbatch"
 	"github.com/caddyserver/caddy/v2"
 )
 
@@ -86,7 +87,7 @@ func (l *limit) slotRule() *slotRule { return l.kind.(*slotRule) }
 //go:embed concurrent.lua
 var concurrentSource string
 
-var concurrentScript = newLuaScript(concurrentSource)
+var concurrentScript = redisbatch.NewScript(concurrentSource)
 
 // Script arguments of concurrent.lua, boxed once.
 var (

@@ -21,6 +21,7 @@ import (
 	"go.uber.org/zap/zaptest/observer"
 
 	"github.com/caddy-redis/ratelimit/internal/caddyproc"
+	"github.com/caddy-redis/ratelimit/internal/redisbatch"
 	"github.com/caddy-redis/ratelimit/internal/redistest"
 )
 
@@ -820,7 +821,7 @@ func TestConcurrentSlotsFromPlaceholderPerRequest(t *testing.T) {
 }
 
 // Releases that meet in one batch go out as one script call
-// (limiter.merge); each frees its own slot.
+// (slotQueue.calls); each frees its own slot.
 func TestConcurrentReleasesMergedInABatchFreeEachSlot(t *testing.T) {
 	srv := redistest.Start(t)
 	h := concurrentHandler(t, srv, `key {http.request.header.X-Key}
@@ -954,9 +955,7 @@ func TestConcurrentReleaseAfterTheLimiterClosedIsNotLeftPending(t *testing.T) {
 	logs := observeLogs(h, zapcore.WarnLevel)
 	l := h.limiter
 	eventually(t, 5*time.Second, "the unloaded limiter closed", func() bool {
-		l.closing.RLock()
-		defer l.closing.RUnlock()
-		return l.closed
+		return l.batcher.Closed()
 	})
 	h.holdSlots(requestBuckets(t, h, "k"), nil).release()
 	if n := l.releases.total(); n != 0 {
@@ -984,7 +983,7 @@ func TestConcurrentBurstOfLongRequestsRenewsEverySlot(t *testing.T) {
 	// their renewals once the pipeline is done, which a loaded machine may
 	// make much later than the first slots were taken; each renewal then
 	// gives a slot the limit's hold.
-	const n = queueLength + 1000
+	const n = redisbatch.QueueLength + 1000
 	ids := make([]string, n)
 	pipe := rdb.Pipeline()
 	for i := range ids {
@@ -1485,7 +1484,7 @@ func TestConcurrentBurstOfLongRequestsOnClusterRenewsAndReleasesEverySlot(t *tes
 }`, strings.Join(c.Addrs, " ")))
 	logs := observeLogs(h, zapcore.WarnLevel)
 	l := h.limits[len(h.limits)-1]
-	const n = queueLength + 2000
+	const n = redisbatch.QueueLength + 2000
 	keys, ids := make([]string, n), make([]string, n)
 	pipe := cc.Pipeline()
 	for i := range n {
@@ -1496,8 +1495,8 @@ func TestConcurrentBurstOfLongRequestsOnClusterRenewsAndReleasesEverySlot(t *tes
 		t.Fatal(err)
 	}
 	for _, key := range keys[:20] {
-		if want := cc.ClusterKeySlot(ctx, key).Val(); int64(hashSlot(key)) != want {
-			t.Fatalf("hashSlot(%q) = %d, the Cluster says %d", key, hashSlot(key), want)
+		if want := cc.ClusterKeySlot(ctx, key).Val(); int64(redisbatch.Slot(key)) != want {
+			t.Fatalf("redisbatch.Slot(%q) = %d, the Cluster says %d", key, redisbatch.Slot(key), want)
 		}
 	}
 	holds := make([]*slotHold, n)
@@ -1532,25 +1531,6 @@ func TestConcurrentBurstOfLongRequestsOnClusterRenewsAndReleasesEverySlot(t *tes
 	eventually(t, 1500*time.Millisecond, "every slot released", func() bool { return live() == 0 })
 	if got := countLogs(logs, "Redis failed while renewing"); got > 0 {
 		t.Logf("%d renewal or release failures logged", got)
-	}
-}
-
-// hashSlot computes the hash slot Redis Cluster gives a key (CLUSTER
-// KEYSLOT), by which renewals and releases are grouped into calls.
-func TestHashSlotIsRedisClusters(t *testing.T) {
-	for key, want := range map[string]int{
-		"123456789":        12739, // CRC16/XMODEM's check value 0x31C3
-		"somekey":          11058,
-		"foo{hash_tag}":    2515,
-		"bar{hash_tag}":    2515,
-		"{}key":            hashSlot("{}key"), // an empty tag is no tag
-		"a{b}c{d}":         hashSlot("b"),
-		"{user1000}.x":     hashSlot("user1000"),
-		"prefix{z|t|k}|gn": hashSlot("z|t|k"),
-	} {
-		if got := hashSlot(key); got != want {
-			t.Errorf("hashSlot(%q) = %d, want %d", key, got, want)
-		}
 	}
 }
 

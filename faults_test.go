@@ -12,6 +12,7 @@ import (
 	"time"
 
 	"github.com/caddy-redis/ratelimit/internal/caddyproc"
+	"github.com/caddy-redis/ratelimit/internal/redisbatch"
 	"github.com/caddy-redis/ratelimit/internal/redistest"
 	"github.com/redis/go-redis/v9"
 	"go.uber.org/zap"
@@ -43,9 +44,9 @@ func openBreaker(t *testing.T, h *Handler) {
 		}
 	}
 	if !opened {
-		t.Fatalf("breaker still closed after 10 failed requests (failures %d)", standaloneBreaker(h).failures.Load())
+		t.Fatalf("breaker still closed after 10 failed requests (failures %d)", standaloneBreaker(h).failures)
 	}
-	// The next probe is breakerCooldown (500ms) away: these skip Redis,
+	// The next probe is redisbatch.BreakerCooldown (500ms) away: these skip Redis,
 	// but for one probe per cooldown that passes meanwhile (on a loaded
 	// machine, 20 requests can take longer than one). The Redis step
 	// counts the requests that asked Redis.
@@ -57,7 +58,7 @@ func openBreaker(t *testing.T, h *Handler) {
 		}
 	}
 	elapsed := time.Since(start)
-	if n, probes := redisCalls(t, h)-asked, uint64(elapsed/breakerCooldown)+1; n > probes {
+	if n, probes := redisCalls(t, h)-asked, uint64(elapsed/redisbatch.BreakerCooldown)+1; n > probes {
 		t.Errorf("%d of 20 requests with the breaker open asked Redis in %v, want at most %d (a probe per cooldown)", n, elapsed, probes)
 	}
 }
@@ -132,7 +133,7 @@ func TestRedisBlackholeOpensBreaker(t *testing.T) {
 	openBreaker(t, h)
 	// After the cooldown one request probes, fails within the timeout,
 	// and the breaker stays open.
-	time.Sleep(breakerCooldown + 50*time.Millisecond)
+	time.Sleep(redisbatch.BreakerCooldown + 50*time.Millisecond)
 	if status, remaining, took := hit(h, "stalled"); status != 200 || remaining != "-1" || took > stallBound {
 		t.Fatalf("probe: %d remaining %q in %v, want 200 with -1 within %v", status, remaining, took, stallBound)
 	}
@@ -182,9 +183,9 @@ func TestCanceledRequestsDoNotTripBreaker(t *testing.T) {
 	wg.Wait()
 	// Let abandoned calls finish in the batcher: they must not count either.
 	time.Sleep(timeout + 100*time.Millisecond)
-	if standaloneBreaker(h).isOpen() || standaloneBreaker(h).failures.Load() != 0 {
+	if standaloneBreaker(h).isOpen() || standaloneBreaker(h).failures != 0 {
 		t.Fatalf("breaker open %v with %d failures after canceled requests; a client going away is no Redis failure",
-			standaloneBreaker(h).isOpen(), standaloneBreaker(h).failures.Load())
+			standaloneBreaker(h).isOpen(), standaloneBreaker(h).failures)
 	}
 	if n := logs.FilterLevelExact(zap.WarnLevel).Len(); n != 0 {
 		t.Fatalf("%d warnings for canceled requests: %v", n, logs.All())
@@ -349,7 +350,21 @@ func TestOutOfMemoryIsRedisFailure(t *testing.T) {
 }
 
 // standaloneBreaker is the breaker of the one Redis node h uses.
-func standaloneBreaker(h *Handler) *breaker { return h.limiter.breakers.get(h.limiter.node) }
+func standaloneBreaker(h *Handler) breakerCount { return nodeBreakerOf(h.limiter) }
+
+// breakerCount is what a node's breaker counts at one moment.
+type breakerCount struct {
+	failures int64
+	open     bool
+}
+
+func (b breakerCount) isOpen() bool { return b.open }
+
+// nodeBreakerOf is the breaker of the one Redis node l uses.
+func nodeBreakerOf(l *limiter) breakerCount {
+	failures, open, _ := l.batcher.BreakerState(l.batcher.Node())
+	return breakerCount{failures, open}
+}
 
 func TestOutageWithOnErrorDenyLogsAHandfulOfLines(t *testing.T) {
 	srv := redistest.Start(t)
@@ -397,14 +412,14 @@ func TestOverloadFollowsOnErrorWithoutOpeningBreaker(t *testing.T) {
 	logs := observeLogs(h, zap.DebugLevel)
 	// A limiter with no worker and no room in its queue: every call is
 	// refused at once, as when Redis is far behind.
-	full := &limiter{timeout: 100 * time.Millisecond, node: "overloaded-node", queue: make(chan *call), stop: make(chan struct{})}
-	full.timers[0] = newBatchTimer()
+	full := &limiter{timeout: 100 * time.Millisecond,
+		batcher: redisbatch.NewStalled(redisbatch.Config{Node: "overloaded-node", Timeout: 100 * time.Millisecond}, 0)}
 	shared := h.limiter
 	h.limiter = full
 	h.buildStore()
 	t.Cleanup(func() { h.limiter = shared }) // before the handler's own cleanup
 
-	for range 2 * breakerThreshold {
+	for range 2 * redisbatch.BreakerThreshold {
 		if status, remaining, _ := hit(h, "a"); status != 200 || remaining != "-1" {
 			t.Fatalf("overloaded: %d remaining %q, want on_error allow (200, -1)", status, remaining)
 		}
@@ -417,12 +432,13 @@ func TestOverloadFollowsOnErrorWithoutOpeningBreaker(t *testing.T) {
 	}
 
 	// A call whose deadline passed while it waited is answered unsent.
-	c := &call{deadline: time.Now().Add(-time.Millisecond), clientCtx: context.Background(), done: make(chan struct{}, 1)}
-	full.sendBatch(0, []*call{c})
-	if c.err != errExpiredInQueue {
-		t.Errorf("expired call: err %v, want %v", c.err, errExpiredInQueue)
+	c := redisbatch.NewCall()
+	c.Deadline, c.ClientCtx = time.Now().Add(-time.Millisecond), context.Background()
+	full.batcher.SendBatch([]*redisbatch.Call{c})
+	if c.Err != redisbatch.ErrExpiredInQueue {
+		t.Errorf("expired call: err %v, want %v", c.Err, redisbatch.ErrExpiredInQueue)
 	}
-	if b := full.breakers.get(full.node); b.failures.Load() != 0 || b.isOpen() {
-		t.Errorf("overload counted against the node: %d failures, open %v", b.failures.Load(), b.isOpen())
+	if b := nodeBreakerOf(full); b.failures != 0 || b.isOpen() {
+		t.Errorf("overload counted against the node: %d failures, open %v", b.failures, b.isOpen())
 	}
 }

@@ -31,6 +31,7 @@ import (
 	"time"
 
 	"github.com/caddy-redis/ratelimit/internal/caddyproc"
+	"github.com/caddy-redis/ratelimit/internal/redisbatch"
 	"github.com/caddy-redis/ratelimit/internal/testproc"
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/caddyconfig"
@@ -364,11 +365,8 @@ func mustTake(t *testing.T, l *limiter, key string, args [3]any) takeResult {
 
 // newTestCall is a check-and-take call on one bucket, as the limiter
 // queues it, due by deadline.
-func newTestCall(key string, args [3]any, deadline time.Time) *call {
-	c := &call{keys: []string{key}, script: takeScript, deadline: deadline,
-		clientCtx: context.Background(), done: make(chan struct{}, 1)}
-	c.args = []any{"evalsha", takeScript.sha, "1", &c.keys[0], args[0], args[1], args[2]}
-	return c
+func newTestCall(key string, args [3]any, deadline time.Time) *redisbatch.Call {
+	return redisbatch.TestCall(takeScript, []string{key}, args[:], deadline)
 }
 
 // infoStat reads one integer field of INFO.

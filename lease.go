@@ -11,6 +11,7 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/caddy-redis/ratelimit/internal/redisbatch"
 	"github.com/caddyserver/caddy/v2"
 )
 
@@ -152,7 +153,7 @@ func newLeases(c *Lease, timeout time.Duration) *leases {
 func (h *Handler) provisionLeases(keyPrefix string) error {
 	if h.limiter.cluster != nil {
 		for _, l := range h.limits {
-			if probe := l.keyPrefix + "x" + l.keySuffix; clusterSlot(leaseRecordKey(probe)) != clusterSlot(probe) {
+			if probe := l.keyPrefix + "x" + l.keySuffix; redisbatch.Slot(leaseRecordKey(probe)) != redisbatch.Slot(probe) {
 				return fmt.Errorf("lease with key_prefix '%s': its braces keep a bucket's lease record out of the bucket's Redis Cluster hash slot; "+
 					"use a key_prefix without braces, or with a hash tag such as '{rl}:'", keyPrefix)
 			}

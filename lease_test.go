@@ -22,6 +22,7 @@ import (
 	"time"
 
 	"github.com/caddy-redis/ratelimit/internal/caddyproc"
+	"github.com/caddy-redis/ratelimit/internal/redisbatch"
 	"github.com/caddy-redis/ratelimit/internal/redistest"
 	"github.com/caddyserver/caddy/v2"
 	"github.com/prometheus/client_golang/prometheus"
@@ -151,7 +152,7 @@ func scriptsLoaded(t *testing.T, rdbs ...*redis.Client) {
 	t.Helper()
 	eventually(t, 5*time.Second, "the scripts loaded", func() bool {
 		for _, rdb := range rdbs {
-			loaded, err := rdb.ScriptExists(context.Background(), scriptSHA, giveBackScript.sha.(string), leaseScript.sha.(string), settleScript.sha.(string)).Result()
+			loaded, err := rdb.ScriptExists(context.Background(), scriptSHA, giveBackScript.SHA(), leaseScript.SHA(), settleScript.SHA()).Result()
 			if err != nil || slices.Contains(loaded, false) {
 				return false
 			}
@@ -491,8 +492,8 @@ func TestLeaseTable(t *testing.T) {
 	if failed == nil {
 		t.Fatal("no renewal at 2 of 5 lent")
 	}
-	ls.land(failed, failed.buckets, t2, errBreakerOpen)
-	ls.finish(failed, failed.buckets, errBreakerOpen)
+	ls.land(failed, failed.buckets, t2, redisbatch.ErrBreakerOpen)
+	ls.finish(failed, failed.buckets, redisbatch.ErrBreakerOpen)
 	if held("a") != 2 || ls.get("a").until != t2.Add(hold) {
 		t.Errorf("after a failed renewal: %d held until %v; want 2 until %v", held("a"), ls.get("a").until, t2.Add(hold))
 	}
@@ -512,8 +513,8 @@ func TestLeaseTable(t *testing.T) {
 	if back, _ := ls.take(t2.Add(hold), false); len(back) != 0 {
 		t.Errorf("gave back %+v while a call was in flight", back)
 	}
-	ls.land(inFlightF, inFlight, t2.Add(hold), errBreakerOpen)
-	ls.finish(inFlightF, inFlight, errBreakerOpen)
+	ls.land(inFlightF, inFlight, t2.Add(hold), redisbatch.ErrBreakerOpen)
+	ls.finish(inFlightF, inFlight, redisbatch.ErrBreakerOpen)
 	back, _ := ls.take(t2.Add(hold), false)
 	if len(back) != 1 || back[0].key != "a" || back[0].held != 2 || ls.get("a").counted {
 		t.Fatalf("at the end of the hold gave back %+v; want bucket a, its 2", back)

@@ -3,10 +3,10 @@ package ratelimit
 import (
 	"context"
 	"fmt"
-	"strings"
 	"sync"
 	"time"
 
+	"github.com/caddy-redis/ratelimit/internal/redisbatch"
 	"go.uber.org/zap"
 )
 
@@ -292,22 +292,22 @@ func (h *Handler) warnGiveBack(err error) {
 // remaining, retryAfter and leased, what Redis counts as lent to this
 // instance now.
 func (ls *leases) call(clientCtx context.Context, l *limiter, sent time.Time, mode any, seq int64, buckets []bucket) (allowed bool, err error) {
-	c := calls.Get().(*call)
+	c := redisbatch.NewCall()
 	for i := range buckets {
-		c.keys = append(c.keys, buckets[i].key, buckets[i].lease.record)
+		c.Keys = append(c.Keys, buckets[i].key, buckets[i].lease.record)
 	}
-	c.command(leaseScript)
-	c.args = append(c.args, mode, ls.idArg, seq, ls.lifeArg)
+	c.Command(leaseScript)
+	c.Args = append(c.Args, mode, ls.idArg, seq, ls.lifeArg)
 	for i := range buckets {
 		b := &buckets[i]
-		c.args = append(c.args, b.args[0], b.args[1], b.args[2], b.held, b.want)
+		c.Args = append(c.Args, b.args[0], b.args[1], b.args[2], b.held, b.want)
 	}
-	c, err = l.send(clientCtx, sent, c)
+	c, err = l.batcher.Send(clientCtx, sent, c)
 	if err == nil {
-		allowed, err = readTake(c.reply, buckets, true)
+		allowed, err = readTake(c.Reply, buckets, true)
 	}
 	if c != nil {
-		c.release()
+		c.Release()
 	}
 	return allowed, err
 }
@@ -321,54 +321,18 @@ const leaseRecordSuffix = "|lease"
 // same Redis Cluster hash slot, so that one script reads both. A key with
 // a hash tag keeps it; one without gets a tag that hashes to its slot.
 func leaseRecordKey(key string) string {
-	if _, tagged := hashTag(key); tagged {
+	if _, tagged := redisbatch.HashTag(key); tagged {
 		return key + leaseRecordSuffix
 	}
-	return key + leaseRecordSuffix + "{" + slotTags()[clusterSlot(key)] + "}"
-}
-
-// hashTag is the part of key that Redis Cluster hashes when it has a
-// hash tag: between the first '{' and the first '}' after it, if not
-// empty.
-func hashTag(key string) (string, bool) {
-	if s := strings.IndexByte(key, '{'); s >= 0 {
-		if e := strings.IndexByte(key[s+1:], '}'); e > 0 {
-			return key[s+1 : s+1+e], true
-		}
-	}
-	return key, false
-}
-
-// clusterSlot is the Redis Cluster hash slot of key.
-func clusterSlot(key string) int {
-	tag, _ := hashTag(key)
-	return int(crc16(tag) % clusterSlots)
-}
-
-const clusterSlots = 16384
-
-// crc16 is the CRC-16/XMODEM of s, as Redis Cluster computes it.
-func crc16(s string) uint16 {
-	var crc uint16
-	for i := 0; i < len(s); i++ {
-		crc ^= uint16(s[i]) << 8
-		for range 8 {
-			if crc&0x8000 != 0 {
-				crc = crc<<1 ^ 0x1021
-			} else {
-				crc <<= 1
-			}
-		}
-	}
-	return crc
+	return key + leaseRecordSuffix + "{" + slotTags()[redisbatch.Slot(key)] + "}"
 }
 
 // slotTags are, for each Cluster hash slot, the shortest string of
 // letters and digits that hashes to it (found once, in a few ms).
-var slotTags = sync.OnceValue(func() *[clusterSlots]string {
+var slotTags = sync.OnceValue(func() *[redisbatch.Slots]string {
 	const alphabet = "0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
-	tags := new([clusterSlots]string)
-	missing := clusterSlots
+	tags := new([redisbatch.Slots]string)
+	missing := redisbatch.Slots
 	for _, length := range []int{1, 2, 3, 4} {
 		var digits [4]int
 		buf := make([]byte, length)
@@ -376,7 +340,7 @@ var slotTags = sync.OnceValue(func() *[clusterSlots]string {
 			for i := range length {
 				buf[i] = alphabet[digits[i]]
 			}
-			if slot := crc16(string(buf)) % clusterSlots; tags[slot] == "" {
+			if slot := redisbatch.CRC16(string(buf)) % redisbatch.Slots; tags[slot] == "" {
 				tags[slot] = string(buf)
 				if missing--; missing == 0 {
 					return tags
@@ -429,26 +393,26 @@ func (h *Handler) settleLeased(buckets []bucket, items []settling) {
 	go func() {
 		ls := h.leases
 		for _, p := range parts {
-			c := calls.Get().(*call)
-			c.keys = append(c.keys, p.key, p.record)
-			c.command(leaseScript)
-			c.args = append(c.args, leaseModeSettle, ls.idArg, ls.seq.Add(1), ls.lifeArg, p.rate, p.burst, diffArg(p.diff), p.maxDebt, 0)
-			c, err := h.limiter.send(context.Background(), time.Now(), c)
-			if err == nil && (len(c.reply) != 4 || c.reply[3] < 0) {
-				err = fmt.Errorf("unexpected settle reply %v", c.reply)
+			c := redisbatch.NewCall()
+			c.Keys = append(c.Keys, p.key, p.record)
+			c.Command(leaseScript)
+			c.Args = append(c.Args, leaseModeSettle, ls.idArg, ls.seq.Add(1), ls.lifeArg, p.rate, p.burst, diffArg(p.diff), p.maxDebt, 0)
+			c, err := h.limiter.batcher.Send(context.Background(), time.Now(), c)
+			if err == nil && (len(c.Reply) != 4 || c.Reply[3] < 0) {
+				err = fmt.Errorf("unexpected settle reply %v", c.Reply)
 			}
 			if err != nil {
 				h.countSettleFailure(nil, nil, err)
 				h.countCharged(p.limit, float64(p.reserved), 0)
 			} else {
-				forgiven := float64(c.reply[3])
+				forgiven := float64(c.Reply[3])
 				h.countCharged(p.limit, float64(p.cost)-forgiven, forgiven)
 				if p.diff < 0 && h.useDenyCache {
 					h.denied.forget(p.key)
 				}
 			}
 			if c != nil {
-				c.release()
+				c.Release()
 			}
 		}
 	}()

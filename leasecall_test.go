@@ -12,6 +12,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/caddy-redis/ratelimit/internal/redisbatch"
 	"github.com/caddy-redis/ratelimit/internal/redistest"
 	"github.com/redis/go-redis/v9"
 )
@@ -367,30 +368,22 @@ func TestLeaseScriptStateIsScriptLuas(t *testing.T) {
 }
 
 // TestLeaseRecordKeySharesTheBucketsSlot: a lease record lives in its
-// bucket's Redis Cluster hash slot, tagged or not; and the slot
-// function is Redis's (the examples of the Cluster specification).
+// bucket's Redis Cluster hash slot, tagged or not (the slot function
+// is Redis's: redisbatch's TestSlotIsRedisClusters).
 func TestLeaseRecordKeySharesTheBucketsSlot(t *testing.T) {
-	for key, slot := range map[string]int{"123456789": 0x31C3 % clusterSlots, "foo": 12182, "{user1000}.following": clusterSlot("user1000"), "foo{}{bar}": clusterSlot("foo{}{bar}")} {
-		if got := clusterSlot(key); got != slot {
-			t.Errorf("slot of %q: %d, want %d", key, got, slot)
-		}
-	}
-	if got := crc16("123456789"); got != 0x31C3 {
-		t.Errorf("crc16: %#x, want 0x31c3", got)
-	}
 	for i := range 20000 {
 		key := fmt.Sprintf("rate_limit:zone|tag|client%d", i)
 		if i%2 == 1 {
 			key = fmt.Sprintf("rate_limit:{zone|tag|client%d}|second", i)
 		}
 		record := leaseRecordKey(key)
-		if clusterSlot(record) != clusterSlot(key) || !strings.HasPrefix(record, key+leaseRecordSuffix) {
-			t.Fatalf("record %q of %q: slot %d, want %d", record, key, clusterSlot(record), clusterSlot(key))
+		if redisbatch.Slot(record) != redisbatch.Slot(key) || !strings.HasPrefix(record, key+leaseRecordSuffix) {
+			t.Fatalf("record %q of %q: slot %d, want %d", record, key, redisbatch.Slot(record), redisbatch.Slot(key))
 		}
 	}
 	for slot, tag := range slotTags() {
-		if clusterSlot(tag) != slot || len(tag) > 3 {
-			t.Fatalf("tag %q for slot %d: its slot is %d", tag, slot, clusterSlot(tag))
+		if redisbatch.Slot(tag) != slot || len(tag) > 3 {
+			t.Fatalf("tag %q for slot %d: its slot is %d", tag, slot, redisbatch.Slot(tag))
 		}
 	}
 }

@@ -2,19 +2,18 @@ package ratelimit
 
 import (
 	"context"
-	"crypto/sha1"
 	_ "embed"
-	"encoding/hex"
 	"encoding/json"
 	"errors"
 	"fmt"
-	"net"
 	"strconv"
 	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
 
+	"github.com/caddy-redis/ratelimit/internal/redisbatch"
+	"github.com/caddy-redis/ratelimit/internal/redisresets"
 	"github.com/caddyserver/caddy/v2"
 	"github.com/redis/go-redis/v9"
 	"go.uber.org/zap"
@@ -34,35 +33,12 @@ var (
 	//go:embed lease.lua
 	leaseSource string
 
-	takeScript     = newLuaScript(scriptSource)
-	giveBackScript = newLuaScript(giveBackSource)
-	settleScript   = newLuaScript(settleSource)
-	leaseScript    = newLuaScript(leaseSource)
-	scriptSHA      = takeScript.sha.(string)
+	takeScript     = redisbatch.NewScript(scriptSource)
+	giveBackScript = redisbatch.NewScript(giveBackSource)
+	settleScript   = redisbatch.NewScript(settleSource)
+	leaseScript    = redisbatch.NewScript(leaseSource)
+	scriptSHA      = takeScript.SHA()
 )
-
-// luaScript is a script as the batcher sends it: by its SHA (EVALSHA),
-// and by its source only when the server has lost its script cache.
-type luaScript struct {
-	source string
-	// sha is boxed once: a string variable turned into a command word
-	// costs an allocation per call (16 B; BenchmarkServeHTTPAllowed 17 -> 16).
-	sha any
-}
-
-func newLuaScript(source string) *luaScript {
-	sum := sha1.Sum([]byte(source))
-	return &luaScript{source: source, sha: hex.EncodeToString(sum[:])}
-}
-
-// keyCounts are the numbers of keys of a call, boxed once
-// (BenchmarkServeHTTPAllowed 17 -> 16).
-var keyCounts = func() (v [maxInlineBuckets + 1]any) {
-	for i := range v {
-		v[i] = strconv.Itoa(i)
-	}
-	return v
-}()
 
 func init() {
 	redis.SetLogger(redisLogger{})
@@ -79,53 +55,29 @@ func (redisLogger) Printf(_ context.Context, format string, v ...any) {
 	}
 }
 
-// limiter is one Redis client with its batcher (batch.go), shared by
-// every handler with the same Redis settings, also across config
-// reloads.
+// limiter is one Redis client with its batcher, shared by every
+// handler with the same Redis settings, also across config reloads.
 type limiter struct {
 	client  redis.UniversalClient
 	cluster *redis.ClusterClient // the same client, when it is a Cluster's
-	node    string               // the one node's name, when not a Cluster
 	timeout time.Duration
-	queue   chan *call
-	stop    chan struct{}
-	workers sync.WaitGroup
-	timers  [pipelinesInFlight]*batchTimer // one per worker
-	order   batchOrder                     // keeps settlements ahead of the calls queued after them
-
-	breakers nodeBreakers
-	// rtt estimates how long a pipeline takes now (batch.go).
-	rtt roundTrips
-	// outcomes is each worker's room for what a batch's nodes answered.
-	outcomes [pipelinesInFlight][]nodeOutcome
+	batcher *redisbatch.Batcher
 	// watchers are the handlers using the limiter, told when a node's
 	// breaker opens or closes, and when buckets were reset.
 	watchersMu sync.Mutex
 	watchers   map[limiterWatcher]struct{}
 	// resets is the pub/sub channel on which every instance that shares
 	// the Redis learns of buckets the admin API reset (resets.go).
-	resets    string
+	resets    *redisresets.Channel
 	keyPrefix string
-	resetSub  resetSubscription
-
-	// closing guards closed: once set, no call enters the queue, so every
-	// queued call is answered before the workers stop.
-	closing sync.RWMutex
-	closed  bool
-	// lastCall is when the latest call was queued, in Unix nanoseconds.
-	lastCall atomic.Int64
-
-	// lastReload throttles cluster slot reloads after network errors.
-	lastReload atomic.Int64
 
 	// releases counts the releases of concurrent limits' slots on their
 	// way to Redis; releaseQueue and renewQueue hold the releases and
-	// renewals not sent yet, and wake tells a worker of them
-	// (concurrent.go).
+	// renewals not sent yet, which the batcher takes into each batch
+	// (FirstCalls, LastCalls).
 	releases     pendingReleases
 	releaseQueue slotQueue
 	renewQueue   slotQueue
-	wake         chan struct{}
 	// renewals renew the slots of requests in flight (concurrent.go).
 	renewals slotRenewals
 
@@ -185,30 +137,19 @@ func newLimiter(c RedisConfig, files tlsFiles) (*limiter, error) {
 	l := &limiter{
 		client:    redis.NewUniversalClient(opts),
 		timeout:   time.Duration(c.Timeout),
-		queue:     make(chan *call, queueLength),
-		stop:      make(chan struct{}),
-		wake:      make(chan struct{}, 1),
 		watchers:  make(map[limiterWatcher]struct{}),
-		resets:    c.KeyPrefix + "reset",
 		keyPrefix: c.KeyPrefix,
 	}
 	l.cluster, _ = l.client.(*redis.ClusterClient)
-	l.resetSub.warns.every = 10 * time.Second
-	l.filterResetsConns() // before the first dial
-	l.node = opts.Addrs[0]
+	l.resets = redisresets.New(l.client, c.KeyPrefix+"reset", c.KeyPrefix, newResetReceiver(l)) // before the first dial
+	node := opts.Addrs[0]
 	if opts.MasterName != "" {
-		l.node = "master " + opts.MasterName
+		node = "master " + opts.MasterName
 	}
-	for i := range pipelinesInFlight {
-		l.timers[i] = newBatchTimer()
-		l.workers.Add(1)
-		go l.work(i)
-	}
+	l.batcher = redisbatch.New(redisbatch.Config{Client: l.client, Node: node, Timeout: l.timeout,
+		Hooks: batchHooks{l}, Settlements: settlements})
 	go l.loadScript(time.Duration(c.DialTimeout) + l.timeout)
-	go l.listenResets()
-	if l.cluster != nil {
-		go l.pruneBreakers()
-	}
+	go l.resets.Listen(l.batcher.Done())
 	return l, nil
 }
 
@@ -237,38 +178,38 @@ func (l *limiter) watcherList() []limiterWatcher {
 	return list
 }
 
-// breakerChanged counts a node's breaker opening or closing and tells the
-// watchers. It runs in a batch worker, never on a request's path.
-func (l *limiter) breakerChanged(b *breaker) {
-	changed, open := l.breakers.sync(b)
-	if !changed {
-		return
+// batchHooks is what the limiter gives its batcher: the slot releases
+// and renewals queued (slotqueue.go), and the watchers to tell of
+// breaker changes. Its methods run in a batch worker, never on a
+// request's path.
+type batchHooks struct{ l *limiter }
+
+// FirstCalls: queued releases go first, so that a slot given back before
+// a take of its key in the same batch is free for it; each batch takes
+// at most maxSlotsPerCall of them.
+func (h batchHooks) FirstCalls(now time.Time, batch []*redisbatch.Call) ([]*redisbatch.Call, bool) {
+	return h.l.releaseQueue.calls(h.l, releaseArg, now, batch)
+}
+
+// LastCalls: queued renewals go last, at most maxSlotsPerCall a batch.
+func (h batchHooks) LastCalls(now time.Time, batch []*redisbatch.Call) ([]*redisbatch.Call, bool) {
+	return h.l.renewQueue.calls(h.l, renewArg, now, batch)
+}
+
+func (h batchHooks) BreakerChanged(node string, open bool, failures int64) {
+	for _, w := range h.l.watcherList() {
+		w.breakerChanged(node, open, failures)
 	}
-	failures := b.failures.Load()
-	for _, w := range l.watcherList() {
-		w.breakerChanged(b.node, open, failures)
+}
+
+func (h batchHooks) BreakerDropped(node string) {
+	for _, w := range h.l.watcherList() {
+		w.breakerDropped(node)
 	}
 }
 
 // openBreakers is how many of the limiter's node breakers are open.
-func (l *limiter) openBreakers() int64 { return l.breakers.open.Load() }
-
-// nodeBreaker returns the breaker of the master that serves key. A
-// Cluster client that cannot load its slot map at all has one breaker
-// for that; resolved says whether the map was there, so that a batch
-// tries to load it once, not once per call.
-func (l *limiter) nodeBreaker(ctx context.Context, key string, resolved *bool) *breaker {
-	if l.cluster == nil {
-		return l.breakers.get(l.node)
-	}
-	if *resolved {
-		if master, err := l.cluster.MasterForKey(ctx, key); err == nil {
-			return l.breakers.get(master.Options().Addr)
-		}
-		*resolved = false
-	}
-	return l.breakers.get(unknownSlots)
-}
+func (l *limiter) openBreakers() int64 { return l.batcher.OpenBreakers() }
 
 // loadScript loads the script ahead of the first request (on every
 // master of a cluster), so that request needs no second round trip. It
@@ -288,9 +229,6 @@ func (l *limiter) loadScript(within time.Duration) {
 // requests; those keep being limited rather than failing.
 const lingerIdle = time.Second
 
-// errLimiterClosed answers calls that arrive after the limiter closed.
-var errLimiterClosed = errors.New("the Redis client of an unloaded config is closed")
-
 // Destruct closes the limiter once its last requests are done: when none
 // holds a concurrency slot (their renewals and releases need it, however
 // long they run) and no call has come for lingerIdle. It returns at once.
@@ -301,17 +239,13 @@ func (l *limiter) Destruct() error {
 		for range tick.C {
 			// Holds first: a hold leaves them once its release is queued,
 			// which the queue's checks then see.
-			if !l.renewals.holding() && time.Since(time.Unix(0, l.lastCall.Load())) >= lingerIdle &&
-				len(l.queue) == 0 && !l.releaseQueue.queued() && !l.renewQueue.queued() {
+			if !l.renewals.holding() && l.batcher.Idle(lingerIdle) &&
+				!l.releaseQueue.queued() && !l.renewQueue.queued() {
 				break
 			}
 		}
-		l.closing.Lock()
-		l.closed = true
-		l.closing.Unlock()
-		close(l.stop)
-		l.workers.Wait()
-		l.resetSub.close()
+		l.batcher.Close()
+		l.resets.Close()
 		_ = l.client.Close()
 	}()
 	return nil
@@ -324,10 +258,10 @@ func (l *limiter) Destruct() error {
 func (l *limiter) take(clientCtx context.Context, now time.Time, buckets []bucket) (allowed bool, err error) {
 	c, err := l.call(clientCtx, now, takeScript, buckets)
 	if err == nil {
-		allowed, err = readTake(c.reply, buckets, false)
+		allowed, err = readTake(c.Reply, buckets, false)
 	}
 	if c != nil {
-		c.release()
+		c.Release()
 	}
 	return allowed, err
 }
@@ -337,7 +271,7 @@ func (l *limiter) take(clientCtx context.Context, now time.Time, buckets []bucke
 func (l *limiter) giveBack(clientCtx context.Context, now time.Time, buckets []bucket) error {
 	c, err := l.call(clientCtx, now, giveBackScript, buckets)
 	if c != nil {
-		c.release()
+		c.Release()
 	}
 	return err
 }
@@ -346,71 +280,16 @@ func (l *limiter) giveBack(clientCtx context.Context, now time.Time, buckets []b
 // the batcher and returns the answered call, for the caller to read and
 // release; nil when the timeout ran out first (the worker releases it
 // then).
-func (l *limiter) call(clientCtx context.Context, now time.Time, script *luaScript, buckets []bucket) (*call, error) {
-	c := calls.Get().(*call)
+func (l *limiter) call(clientCtx context.Context, now time.Time, script *redisbatch.Script, buckets []bucket) (*redisbatch.Call, error) {
+	c := redisbatch.NewCall()
 	for i := range buckets {
-		c.keys = append(c.keys, buckets[i].key)
+		c.Keys = append(c.Keys, buckets[i].key)
 	}
-	c.command(script)
+	c.Command(script)
 	for i := range buckets {
-		c.args = buckets[i].kind().appendArgs(c.args, buckets[i])
+		c.Args = buckets[i].kind().appendArgs(c.Args, buckets[i])
 	}
-	return l.send(clientCtx, now, c)
-}
-
-// command starts the call's arguments: the script by its SHA, and the
-// keys, all of which the caller appended to c.keys; its own arguments
-// follow.
-func (c *call) command(script *luaScript) {
-	var n any
-	if len(c.keys) < len(keyCounts) {
-		n = keyCounts[len(c.keys)]
-	} else {
-		n = strconv.Itoa(len(c.keys))
-	}
-	c.args = append(c.args, "evalsha", script.sha, n)
-	for i := range c.keys {
-		c.args = append(c.args, &c.keys[i]) // a *string costs no allocation; a string would (BenchmarkServeHTTPAllowed 17 -> 16)
-	}
-	c.script = script
-}
-
-// send queues a call made with command and its arguments, and waits for
-// its answer, which comes within the timeout from now. It returns the
-// answered call, for the caller to read and release; nil when the
-// timeout ran out first (the worker releases it then).
-func (l *limiter) send(clientCtx context.Context, now time.Time, c *call) (*call, error) {
-	c.clientCtx = clientCtx
-	if err := l.enqueue(c, now); err != nil {
-		return c, err
-	}
-	if answered, sent := c.wait(); !answered {
-		if sent {
-			return nil, errNoAnswer
-		}
-		return nil, errWaitedOut
-	}
-	return c, c.err
-}
-
-// enqueue queues a call that is ready but for its deadline, which the
-// timeout from now sets; the caller waits on it (call.wait), or its then
-// takes the answer, unless this refuses it (the limiter closed, or its
-// queue full).
-func (l *limiter) enqueue(c *call, now time.Time) error {
-	c.deadline = now.Add(l.timeout)
-	l.lastCall.Store(now.UnixNano())
-	l.closing.RLock()
-	defer l.closing.RUnlock()
-	if l.closed {
-		return errLimiterClosed
-	}
-	select {
-	case l.queue <- c:
-		return nil
-	default:
-		return errQueueFull
-	}
+	return l.batcher.Send(clientCtx, now, c)
 }
 
 // bucketView is what a bucket holds now, for the admin API.
@@ -477,7 +356,7 @@ func (l *limiter) reset(ctx context.Context, keys []string) error {
 	for _, key := range keys {
 		pipe.Del(ctx, key)
 	}
-	pipe.Publish(ctx, l.resets, strings.Join(keys, "\n"))
+	pipe.Publish(ctx, l.resets.Name(), strings.Join(keys, "\n"))
 	_, err := pipe.Exec(ctx)
 	return err
 }
@@ -533,24 +412,4 @@ func readTake(reply []int64, buckets []bucket, leasing bool) (allowed bool, err 
 		buckets[i].remaining, buckets[i].retryAfter = remaining, time.Duration(wait)*time.Microsecond
 	}
 	return reply[0] == 1, nil
-}
-
-// reloadSlotsAfter makes a cluster client find a failed-over master
-// sooner: go-redis reloads its slot map only on MOVED or once a minute.
-func (l *limiter) reloadSlotsAfter(err error) {
-	if l.cluster == nil || !isNetworkError(err) {
-		return
-	}
-	now := time.Now().UnixNano()
-	last := l.lastReload.Load()
-	if now-last < int64(250*time.Millisecond) || !l.lastReload.CompareAndSwap(last, now) {
-		return
-	}
-	l.cluster.ReloadState(context.Background())
-}
-
-func isNetworkError(err error) bool {
-	var ne net.Error
-	return errors.As(err, &ne) || errors.Is(err, context.DeadlineExceeded) ||
-		redis.HasErrorPrefix(err, "CLUSTERDOWN") || strings.Contains(err.Error(), "connection refused")
 }

@@ -9,6 +9,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/caddy-redis/ratelimit/internal/redisbatch"
 	"github.com/caddy-redis/ratelimit/internal/redistest"
 	"github.com/caddyserver/caddy/v2"
 )
@@ -195,35 +196,33 @@ func TestScriptBatchKeepsResultsApart(t *testing.T) {
 	// One batch, built by hand: 3 buckets, one of them asked for more than
 	// its burst, and a malformed call whose error must stay its own.
 	deadline := time.Now().Add(time.Second)
-	batch := []*call{
+	batch := []*redisbatch.Call{
 		newTestCall("a", limitArgs(1, 2, 1), deadline),
 		newTestCall("b", limitArgs(1, 5, 5), deadline),
 		newTestCall("a", limitArgs(1, 2, 1), deadline),
 		newTestCall("bad", [3]any{"not-a-number", "x", "y"}, deadline),
 		newTestCall("a", limitArgs(1, 2, 1), deadline),
 	}
-	b.sendBatch(0, batch) // as worker 0, which is idle: nothing else is queued
+	b.batcher.SendBatch(batch) // as worker 0, which is idle: nothing else is queued
 	want := []struct {
 		allowed   bool
 		remaining int64
 		err       bool
 	}{{true, 1, false}, {true, 0, false}, {true, 0, false}, {false, 0, true}, {false, 0, false}}
 	for i, c := range batch {
-		select {
-		case <-c.done:
-		default:
+		if answered, _ := c.Wait(); !answered {
 			t.Fatalf("call %d not delivered", i)
 		}
-		if (c.err != nil) != want[i].err {
-			t.Fatalf("call %d: err %v, want error %v", i, c.err, want[i].err)
+		if (c.Err != nil) != want[i].err {
+			t.Fatalf("call %d: err %v, want error %v", i, c.Err, want[i].err)
 		}
-		if c.err != nil {
+		if c.Err != nil {
 			continue
 		}
 		b := []bucket{{}}
-		allowed, err := readTake(c.reply, b, false)
+		allowed, err := readTake(c.Reply, b, false)
 		if err != nil || allowed != want[i].allowed || b[0].remaining != want[i].remaining {
-			t.Fatalf("call %d: reply %v (%v), want %+v", i, c.reply, err, want[i])
+			t.Fatalf("call %d: reply %v (%v), want %+v", i, c.Reply, err, want[i])
 		}
 	}
 }
@@ -236,7 +235,7 @@ func TestBackendTimeoutBoundsWait(t *testing.T) {
 	defer cancel()
 	start := time.Now()
 	_, err := takeOne(ctx, b, time.Now(), "k", limitArgs(1, 1, 1))
-	if !isNetworkError(err) { // the caller's deadline or the pipeline's read timeout, whichever fired first
+	if !redisbatch.IsNetworkError(err) { // the caller's deadline or the pipeline's read timeout, whichever fired first
 		t.Fatalf("err %v, want a timeout", err)
 	}
 	// A blackhole never answers: without the timeout the call would wait
@@ -288,7 +287,7 @@ func TestBatchedCallGivingUpLeavesNeighboursAlone(t *testing.T) {
 	// own, so that the calls below wait in the queue.
 	go rdb.Do(context.Background(), "DEBUG", "SLEEP", "0.3")
 	time.Sleep(50 * time.Millisecond)
-	for i := range pipelinesInFlight {
+	for i := range redisbatch.PipelinesInFlight {
 		go takeOne(context.Background(), b, time.Now(), "blocker"+strconv.Itoa(i), args)
 		time.Sleep(10 * time.Millisecond)
 	}

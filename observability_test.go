@@ -14,6 +14,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/caddy-redis/ratelimit/internal/redisbatch"
 	"github.com/caddy-redis/ratelimit/internal/redistest"
 )
 
@@ -258,8 +259,8 @@ http://localhost:9080 {
 	if got := outage.samples[breakerOpen]; got != 1 {
 		t.Errorf("%s = %v after %d failures in a row, want 1", breakerOpen, got, down)
 	}
-	if calls := outage.samples[redisCalls] - mid.samples[redisCalls]; calls < breakerThreshold || calls > down {
-		t.Errorf("Redis calls during the outage: %v, want %d (breaker threshold) to %d", calls, breakerThreshold, down)
+	if calls := outage.samples[redisCalls] - mid.samples[redisCalls]; calls < redisbatch.BreakerThreshold || calls > down {
+		t.Errorf("Redis calls during the outage: %v, want %d (breaker threshold) to %d", calls, redisbatch.BreakerThreshold, down)
 	}
 
 	// Two reloads with Redis back: the scrape still works (the
@@ -268,7 +269,7 @@ http://localhost:9080 {
 	// belongs to the shared client and so outlives the reload, closes on
 	// the first answer: the first request after its cooldown probes.
 	srv.Restart(t)
-	time.Sleep(breakerCooldown)
+	time.Sleep(redisbatch.BreakerCooldown)
 	last := outage
 	for generation := 1; generation <= 2; generation++ {
 		loadCaddyfile(t, tester, config(generation))

@@ -4,6 +4,7 @@ import (
 	"context"
 	"time"
 
+	"github.com/caddy-redis/ratelimit/internal/redisbatch"
 	"go.uber.org/zap"
 )
 
@@ -50,7 +51,7 @@ func (s *redisStore) takeAll(ctx context.Context, sent time.Time, buckets []buck
 // wait, and a line for a failure, throttled (an open breaker was logged
 // when it opened).
 func (h *Handler) answeredByRedis(ctx context.Context, r *request, allowed bool, err error) {
-	if h.metrics != nil && err != errBreakerOpen {
+	if h.metrics != nil && err != redisbatch.ErrBreakerOpen {
 		h.metrics.redisDuration.Observe(time.Since(r.sent).Seconds())
 	}
 	switch e := err.(type) {
@@ -58,7 +59,7 @@ func (h *Handler) answeredByRedis(ctx context.Context, r *request, allowed bool,
 		if !allowed {
 			completeRefusal(r.buckets)
 		}
-	case overloadError:
+	case redisbatch.OverloadError:
 		if ctx.Err() != nil {
 			break // the client left; whatever happened is not worth a line
 		}
@@ -66,7 +67,7 @@ func (h *Handler) answeredByRedis(ctx context.Context, r *request, allowed bool,
 	case kindError:
 		h.warnKind(e)
 	default:
-		if err == errBreakerOpen || ctx.Err() != nil {
+		if err == redisbatch.ErrBreakerOpen || ctx.Err() != nil {
 			break // a client that left says nothing about Redis
 		}
 		h.warnRedisFailed(err)
@@ -138,7 +139,7 @@ func (h *Handler) breakerChanged(node string, open bool, failures int64) {
 // stood for is known again.
 func (h *Handler) breakerDropped(node string) {
 	msg := "circuit breaker closed: the Redis node serves no slots any more; its keys are served by other nodes"
-	if node == unknownSlots {
+	if node == redisbatch.UnknownSlots {
 		msg = "circuit breaker closed: the Cluster's slot map is known again; requests go to its masters"
 	}
 	h.logger.Info(msg, zap.String("zone", h.Zone), zap.String("node", node))

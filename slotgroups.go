@@ -2,7 +2,6 @@ package ratelimit
 
 import (
 	"context"
-	"strings"
 	"time"
 
 	"go.uber.org/zap"
@@ -13,29 +12,6 @@ import (
 // one script call; a request whose limits span several groups takes them
 // in order, and gives back what earlier groups took when a later one
 // refuses.
-
-// hashSlot is the Redis Cluster hash slot of a key, as Redis computes
-// it: CRC16 (XMODEM) of its hash tag, the text between its first '{' and
-// the next '}' when not empty, else of the whole key, modulo 16384.
-func hashSlot(key string) int {
-	if open := strings.IndexByte(key, '{'); open >= 0 {
-		if end := strings.IndexByte(key[open+1:], '}'); end > 0 {
-			key = key[open+1 : open+1+end]
-		}
-	}
-	var crc uint16
-	for i := 0; i < len(key); i++ {
-		crc ^= uint16(key[i]) << 8
-		for range 8 {
-			if crc&0x8000 != 0 {
-				crc = crc<<1 ^ 0x1021
-			} else {
-				crc <<= 1
-			}
-		}
-	}
-	return int(crc) % 16384
-}
 
 // slotGroups splits the limits by Cluster hash slot, in the order their
 // key templates first appear.

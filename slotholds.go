@@ -13,6 +13,7 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/caddy-redis/ratelimit/internal/redisbatch"
 	"go.uber.org/zap"
 )
 
@@ -138,13 +139,13 @@ func (s *slotHold) groupEnd(start int) int {
 
 // call is concurrent.lua's release of the held slots start to end, of
 // one Cluster slot group.
-func (s *slotHold) call(start, end int) *call {
-	c := calls.Get().(*call)
-	c.keys = append(c.keys, s.keys[start:end]...)
-	c.command(concurrentScript)
-	c.args = append(c.args, releaseArg)
+func (s *slotHold) call(start, end int) *redisbatch.Call {
+	c := redisbatch.NewCall()
+	c.Keys = append(c.Keys, s.keys[start:end]...)
+	c.Command(concurrentScript)
+	c.Args = append(c.Args, releaseArg)
 	for range s.keys[start:end] {
-		c.args = append(c.args, s.id)
+		c.Args = append(c.Args, s.id)
 	}
 	return c
 }
@@ -349,7 +350,7 @@ func (r *slotRenewals) renewSlots(l *limiter) {
 	var due []*slotHold
 	for {
 		select {
-		case <-l.stop:
+		case <-l.batcher.Done():
 			return
 		case tick := <-ticker.C:
 			now := tick.Sub(clockStart)
@@ -363,7 +364,7 @@ func (r *slotRenewals) renewSlots(l *limiter) {
 			r.mu.Unlock()
 			if len(due) > 0 {
 				l.renewQueue.add(renewArg, due...)
-				l.wakeWorker()
+				l.batcher.Wake()
 			}
 			clear(due)
 			due = due[:0]
@@ -382,12 +383,12 @@ func (s *slotHold) send() {
 		end := s.groupEnd(start)
 		c := s.call(start, end)
 		// Sent even when the client has left.
-		c, err := h.limiter.send(context.Background(), time.Now(), c)
+		c, err := h.limiter.batcher.Send(context.Background(), time.Now(), c)
 		if err != nil {
 			h.slotsFailed(releaseArg, err)
 		}
 		if c != nil {
-			c.release()
+			c.Release()
 		}
 		start = end
 	}
@@ -396,7 +397,7 @@ func (s *slotHold) send() {
 // slotsFailed warns, throttled, of a renewal or release that Redis
 // failed (one refused by an open breaker was told when it opened).
 func (h *Handler) slotsFailed(op any, err error) {
-	if err == errBreakerOpen {
+	if err == redisbatch.ErrBreakerOpen {
 		return
 	}
 	if ok, suppressed := h.redisWarns.allow(); ok {
@@ -452,9 +453,9 @@ func (h *Handler) releaseTaken(taken []bucket) []bucket {
 // open breaker, a closed limiter, a client that left first, a connection
 // that could not be opened).
 func (h *Handler) releaseLostTake(buckets []bucket, err error) {
-	var overload overloadError
+	var overload redisbatch.OverloadError
 	var dial *net.OpError
-	if errors.As(err, &overload) || err == errBreakerOpen || err == errLimiterClosed || errors.Is(err, context.Canceled) ||
+	if errors.As(err, &overload) || err == redisbatch.ErrBreakerOpen || err == redisbatch.ErrClosed || errors.Is(err, context.Canceled) ||
 		errors.As(err, &dial) && dial.Op == "dial" {
 		return
 	}

@@ -9,6 +9,8 @@ import (
 	"slices"
 	"sync"
 	"time"
+
+	"github.com/caddy-redis/ratelimit/internal/redisbatch"
 )
 
 // queueRelease queues the release of a hold's slots in Redis, counted
@@ -18,31 +20,14 @@ import (
 // waits for it and asks again (awaitReleases): a client that sends its
 // requests one after another never finds its own previous slot still
 // taken. Sent at most once; a release lost to a failure expires with its
-// hold. A release is a call as the queue's are (enqueue): it keeps an
-// unloaded config's limiter open for lingerIdle, and every release queued
-// before the limiter closed is answered; one that meets it closed is
-// answered as failed.
+// hold. A release is a call as the queue's are (Batcher.WhileOpen): it
+// keeps an unloaded config's limiter open for lingerIdle, and every
+// release queued before the limiter closed is answered; one that meets
+// it closed is answered as failed.
 func (l *limiter) queueRelease(s *slotHold) {
-	l.lastCall.Store(time.Now().UnixNano())
-	l.closing.RLock()
-	closed := l.closed
-	if !closed {
-		l.releaseQueue.add(releaseArg, s)
-		l.wakeWorker()
-	}
-	l.closing.RUnlock()
-	if closed {
+	if !l.batcher.WhileOpen(func() { l.releaseQueue.add(releaseArg, s) }) {
 		l.releases.add(s.keys, -1)
-		s.h.slotsFailed(releaseArg, errLimiterClosed)
-	}
-}
-
-// wakeWorker wakes a worker for queued releases or renewals, unless one
-// is woken already.
-func (l *limiter) wakeWorker() {
-	select {
-	case l.wake <- struct{}{}:
-	default:
+		s.h.slotsFailed(releaseArg, redisbatch.ErrClosed)
 	}
 }
 
@@ -102,7 +87,7 @@ func (q *slotQueue) queued() bool {
 // concurrent.lua's op appended to batch: one call on one Redis server,
 // one per hash slot on a Cluster (the keys of a call must share one).
 // more says some are left.
-func (q *slotQueue) calls(l *limiter, op any, now time.Time, batch []*call) (_ []*call, more bool) {
+func (q *slotQueue) calls(l *limiter, op any, now time.Time, batch []*redisbatch.Call) (_ []*redisbatch.Call, more bool) {
 	q.mu.Lock()
 	defer q.mu.Unlock()
 	n := min(len(q.keys), maxSlotsPerCall)
@@ -127,12 +112,12 @@ func (q *slotQueue) calls(l *limiter, op any, now time.Time, batch []*call) (_ [
 
 // hashSlotCalls appends to batch a call of op per Cluster hash slot of
 // keys (with their args and holds, as slotsCall takes them).
-func (l *limiter) hashSlotCalls(op any, keys []string, args []any, holds []*slotHold, now time.Time, batch []*call) []*call {
+func (l *limiter) hashSlotCalls(op any, keys []string, args []any, holds []*slotHold, now time.Time, batch []*redisbatch.Call) []*redisbatch.Call {
 	w := argsPerSlot(op)
 	order := make([]int, len(keys))
 	slot := make([]int, len(keys))
 	for i, key := range keys {
-		order[i], slot[i] = i, hashSlot(key)
+		order[i], slot[i] = i, redisbatch.Slot(key)
 	}
 	slices.SortStableFunc(order, func(a, b int) int { return cmp.Compare(slot[a], slot[b]) })
 	var groupKeys []string
@@ -159,15 +144,15 @@ func (l *limiter) hashSlotCalls(op any, keys []string, args []any, holds []*slot
 // requests in one Redis server's hash slot (keys, and their arguments in
 // the script's order), which a slotBatch answers in the worker; holds
 // are whose slot each key is. It copies what it is given.
-func (l *limiter) slotsCall(op any, keys []string, args []any, holds []*slotHold, now time.Time) *call {
-	c := calls.Get().(*call)
-	c.keys = append(c.keys, keys...)
-	c.command(concurrentScript)
-	c.args = append(append(c.args, op), args...)
+func (l *limiter) slotsCall(op any, keys []string, args []any, holds []*slotHold, now time.Time) *redisbatch.Call {
+	c := redisbatch.NewCall()
+	c.Keys = append(c.Keys, keys...)
+	c.Command(concurrentScript)
+	c.Args = append(append(c.Args, op), args...)
 	answer := slotBatches.Get().(*slotBatch)
 	answer.limiter, answer.op = l, op
 	answer.holds = append(answer.holds, holds...)
-	c.clientCtx, c.deadline, c.then = context.Background(), now.Add(l.timeout), answer
+	c.ClientCtx, c.Deadline, c.Then = context.Background(), now.Add(l.timeout), answer
 	return c
 }
 
@@ -183,25 +168,25 @@ type slotBatch struct {
 
 var slotBatches = sync.Pool{New: func() any { return new(slotBatch) }}
 
-func (b *slotBatch) takeAnswer(c *call) {
+func (b *slotBatch) TakeAnswer(c *redisbatch.Call) {
 	l := b.limiter
 	if b.op == releaseArg {
-		l.releases.add(c.keys, -1)
+		l.releases.add(c.Keys, -1)
 	}
 	for i, s := range b.holds {
 		switch {
-		case c.err != nil:
+		case c.Err != nil:
 			if !slices.ContainsFunc(b.holds[:i], func(o *slotHold) bool { return o.h == s.h }) {
-				s.h.slotsFailed(b.op, c.err)
+				s.h.slotsFailed(b.op, c.Err)
 			}
-		case b.op == renewArg && i < len(c.reply) && c.reply[i] != 1:
-			s.h.slotGone(c.reply[i])
+		case b.op == renewArg && i < len(c.Reply) && c.Reply[i] != 1:
+			s.h.slotGone(c.Reply[i])
 		}
 	}
 	if b.op == renewArg {
-		l.renewals.renewed(l, b.holds, c.err != nil)
+		l.renewals.renewed(l, b.holds, c.Err != nil)
 	}
-	c.release()
+	c.Release()
 	clear(b.holds)
 	b.limiter, b.op, b.holds = nil, nil, b.holds[:0]
 	slotBatches.Put(b)

@@ -12,6 +12,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/caddy-redis/ratelimit/internal/redisbatch"
 	"github.com/caddy-redis/ratelimit/internal/redistest"
 	"github.com/prometheus/client_golang/prometheus"
 	"go.uber.org/zap"
@@ -665,10 +666,7 @@ func TestUnknownSlotsBreakerIsDroppedOnceTheSlotMapLoads(t *testing.T) {
 		}
 		hit(h, "k"+strconv.Itoa(i))
 	}
-	h.limiter.breakers.mu.RLock()
-	b := h.limiter.breakers.byNode[unknownSlots]
-	h.limiter.breakers.mu.RUnlock()
-	if b == nil || !b.isOpen() {
+	if _, open, known := h.limiter.batcher.BreakerState(redisbatch.UnknownSlots); !known || !open {
 		t.Fatal("the open breaker is not the unknown slot map's")
 	}
 	resumed := eventually(t, 10*time.Second, "limiting resumes", func() bool {
@@ -681,8 +679,8 @@ func TestUnknownSlotsBreakerIsDroppedOnceTheSlotMapLoads(t *testing.T) {
 	})
 	t.Logf("limiting resumed %v after the breaker opened; the gauge read 0 %v later", resumed.Round(time.Millisecond), dropped.Round(time.Millisecond))
 	closed := logs.FilterMessageSnippet("circuit breaker closed").All()
-	if len(closed) != 1 || closed[0].ContextMap()["node"] != unknownSlots {
-		t.Errorf("'circuit breaker closed' logged for %v, want once for %q", closed, unknownSlots)
+	if len(closed) != 1 || closed[0].ContextMap()["node"] != redisbatch.UnknownSlots {
+		t.Errorf("'circuit breaker closed' logged for %v, want once for %q", closed, redisbatch.UnknownSlots)
 	}
 	for _, e := range closed {
 		t.Logf("logged: %s", e.Message)

@@ -1,7 +1,10 @@
-package ratelimit
+package redisbatch
 
 import (
 	"context"
+	"errors"
+	"net"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -9,13 +12,13 @@ import (
 	"github.com/redis/go-redis/v9"
 )
 
-// Circuit breaker settings: after breakerThreshold failures in a row of
+// Circuit breaker settings: after BreakerThreshold failures in a row of
 // one Redis node (a failed batch is one failure, however many calls it
 // held), calls to that node skip Redis (and follow on_error at once) for
-// breakerCooldown, after which one call probes it again.
+// BreakerCooldown, after which one call probes it again.
 const (
-	breakerThreshold = 5
-	breakerCooldown  = 500 * time.Millisecond
+	BreakerThreshold = 5
+	BreakerCooldown  = 500 * time.Millisecond
 )
 
 // breaker keeps a failing Redis node from costing every request its
@@ -40,7 +43,7 @@ func (b *breaker) allow() bool {
 		return true
 	}
 	now := time.Now().UnixNano()
-	return now >= until && b.openUntil.CompareAndSwap(until, now+int64(breakerCooldown))
+	return now >= until && b.openUntil.CompareAndSwap(until, now+int64(BreakerCooldown))
 }
 
 // success records an answer from the node; closed says it closed the
@@ -56,23 +59,23 @@ func (b *breaker) success() (closed bool) {
 // breaker, after failures in a row.
 func (b *breaker) failure() (opened bool) {
 	n := b.failures.Add(1)
-	if n < breakerThreshold || b.openUntil.Load() != 0 {
+	if n < BreakerThreshold || b.openUntil.Load() != 0 {
 		return false
 	}
-	return b.openUntil.CompareAndSwap(0, time.Now().Add(breakerCooldown).UnixNano())
+	return b.openUntil.CompareAndSwap(0, time.Now().Add(BreakerCooldown).UnixNano())
 }
 
 func (b *breaker) isOpen() bool { return b.openUntil.Load() != 0 }
 
-// unknownSlots names the breaker of a Cluster whose slot map could not be
+// UnknownSlots names the breaker of a Cluster whose slot map could not be
 // loaded: no call can be routed to a node then.
-const unknownSlots = "cluster (slot map unknown)"
+const UnknownSlots = "cluster (slot map unknown)"
 
 // nodeBreakers holds one breaker per Redis master: a dead Cluster master
 // fails its own keys fast while the other masters' keys are limited as
 // usual. Standalone and Sentinel have one. A Cluster's breakers follow
 // its topology: a node that no longer serves slots has its breaker
-// dropped (see limiter.pruneBreakers).
+// dropped (see Batcher.pruneBreakers).
 type nodeBreakers struct {
 	mu     sync.RWMutex
 	byNode map[string]*breaker
@@ -148,36 +151,33 @@ const (
 	pruneIdle      = time.Minute
 )
 
-// pruneBreakers runs beside a Cluster's limiter until it closes, never on
+// pruneBreakers runs beside a Cluster's batcher until it closes, never on
 // a request's path: it drops the breakers of nodes that serve no slots
 // any more (a master that failed over to its replica, a node removed),
 // and the one of an unknown slot map once the map is known. Otherwise a
 // breaker that opened for a dead master would stay open for good, since
 // no call goes to that node again: counted by the gauge, never logged as
 // closed. Each check asks the cluster for its slot map (CLUSTER SLOTS).
-func (l *limiter) pruneBreakers() {
+func (b *Batcher) pruneBreakers() {
 	tick := time.NewTicker(pruneWhileOpen)
 	defer tick.Stop()
 	checked := time.Now()
 	for {
 		select {
-		case <-l.stop:
+		case <-b.stop:
 			return
 		case <-tick.C:
 		}
-		if l.breakers.open.Load() == 0 && time.Since(checked) < pruneIdle {
+		if b.breakers.open.Load() == 0 && time.Since(checked) < pruneIdle {
 			continue
 		}
 		checked = time.Now()
-		masters, err := l.clusterMasters()
+		masters, err := b.clusterMasters()
 		if err != nil {
-			continue // no slot map: keep everything, the unknownSlots breaker too
+			continue // no slot map: keep everything, the UnknownSlots breaker too
 		}
-		closed := l.breakers.retain(func(node string) bool { return masters[node] })
-		for _, w := range l.watcherList() {
-			for _, node := range closed {
-				w.breakerDropped(node)
-			}
+		for _, node := range b.breakers.retain(func(node string) bool { return masters[node] }) {
+			b.hooks.BreakerDropped(node)
 		}
 	}
 }
@@ -185,16 +185,68 @@ func (l *limiter) pruneBreakers() {
 // clusterMasters reloads the slot map and returns the masters that serve
 // slots in it, by the addresses the client routes to (as nodeBreaker
 // names them).
-func (l *limiter) clusterMasters() (map[string]bool, error) {
+func (b *Batcher) clusterMasters() (map[string]bool, error) {
 	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
 	defer cancel()
 	var mu sync.Mutex
 	masters := make(map[string]bool)
-	err := l.cluster.ForEachMaster(ctx, func(_ context.Context, c *redis.Client) error {
+	err := b.cluster.ForEachMaster(ctx, func(_ context.Context, c *redis.Client) error {
 		mu.Lock()
 		masters[c.Options().Addr] = true
 		mu.Unlock()
 		return nil
 	})
 	return masters, err
+}
+
+// breakerChanged counts a node's breaker opening or closing and tells
+// the hooks. It runs in a worker, never on a caller's path.
+func (b *Batcher) breakerChanged(br *breaker) {
+	changed, open := b.breakers.sync(br)
+	if !changed {
+		return
+	}
+	b.hooks.BreakerChanged(br.node, open, br.failures.Load())
+}
+
+// OpenBreakers is how many of the node breakers are open.
+func (b *Batcher) OpenBreakers() int64 { return b.breakers.open.Load() }
+
+// nodeBreaker returns the breaker of the master that serves key. A
+// Cluster client that cannot load its slot map at all has one breaker
+// for that; resolved says whether the map was there, so that a batch
+// tries to load it once, not once per call.
+func (b *Batcher) nodeBreaker(ctx context.Context, key string, resolved *bool) *breaker {
+	if b.cluster == nil {
+		return b.breakers.get(b.node)
+	}
+	if *resolved {
+		if master, err := b.cluster.MasterForKey(ctx, key); err == nil {
+			return b.breakers.get(master.Options().Addr)
+		}
+		*resolved = false
+	}
+	return b.breakers.get(UnknownSlots)
+}
+
+// reloadSlotsAfter makes a cluster client find a failed-over master
+// sooner: go-redis reloads its slot map only on MOVED or once a minute.
+func (b *Batcher) reloadSlotsAfter(err error) {
+	if b.cluster == nil || !IsNetworkError(err) {
+		return
+	}
+	now := time.Now().UnixNano()
+	last := b.lastReload.Load()
+	if now-last < int64(250*time.Millisecond) || !b.lastReload.CompareAndSwap(last, now) {
+		return
+	}
+	b.cluster.ReloadState(context.Background())
+}
+
+// IsNetworkError says whether err is the network's or a timeout's, or a
+// Cluster's that lost a node: one after which the slot map may be stale.
+func IsNetworkError(err error) bool {
+	var ne net.Error
+	return errors.As(err, &ne) || errors.Is(err, context.DeadlineExceeded) ||
+		redis.HasErrorPrefix(err, "CLUSTERDOWN") || strings.Contains(err.Error(), "connection refused")
 }

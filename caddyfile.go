@@ -42,6 +42,10 @@ func parseCaddyfile(h httpcaddyfile.Helper) (caddyhttp.MiddlewareHandler, error)
 //		charge_status    <code|class>...
 //		max_debt         <tokens>
 //		max_body         <size>
+//		request_body {
+//			json     <path>...
+//			max_size <size>
+//		}
 //		limit <name> [<replenish_rate> <burst_capacity> [<requested_tokens>]] {
 //			key              <template with placeholders>
 //			replenish_rate   <rate>
@@ -161,6 +165,8 @@ func (h *Handler) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 				h.MaxBody = n
 				return err
 			})
+		case "request_body":
+			err = h.unmarshalRequestBody(d) // requestbody.go
 		case "max_keys":
 			err = value(func(v string) error {
 				n, err := strconv.ParseInt(v, 10, 64)

@@ -70,6 +70,7 @@ func init() {
 // `{http.rate_limit.key}` | the client key as stored (escaped, or hashed when long), only with `log_key` (else empty)
 // `{http.rate_limit.charged}` | with `charge` or `charge_status`, after the response: the tokens it was charged (of the first limit that charges)
 // `{http.rate_limit.charged.<limit>}` | the same, for each named limit that charges
+// `{http.rate_limit.request.<path>}` | with `request_body`, before the keys are resolved: the value at that path of the request's JSON body
 //
 // It counts its decisions in the `caddy_rate_limit_requests_total`
 // metric (labels `zone`, `result` and `limit`), times Redis in
@@ -191,6 +192,12 @@ type Handler struct {
 	// Default: no bound, every body is read to its end.
 	MaxBody int64 `json:"max_body,omitempty"`
 
+	// RequestBody names values of the request's JSON body (an LLM
+	// request's `model`, its `max_tokens`) that become placeholders
+	// before keys and values are resolved (see RequestBody). Default:
+	// none; the body is not read.
+	RequestBody *RequestBody `json:"request_body,omitempty"`
+
 	// DenyEmptyKey denies requests whose key resolves to the empty string
 	// with `empty_key_status`; when false they pass that limit unlimited.
 	// Default: true.
@@ -257,11 +264,12 @@ type Handler struct {
 	Redis *RedisConfig `json:"redis,omitempty"`
 
 	logger       *zap.Logger
-	memory       *memoryStore // with store memory: the buckets
-	local        *memoryStore // with on_error local: the buckets while Redis fails
-	limiter      *limiter     // nil when no limit ever asks Redis
-	leases       *leases      // with lease
-	charging     *charging    // when a limit charges by the response (charge.go)
+	memory       *memoryStore   // with store memory: the buckets
+	local        *memoryStore   // with on_error local: the buckets while Redis fails
+	limiter      *limiter       // nil when no limit ever asks Redis
+	leases       *leases        // with lease
+	charging     *charging      // when a limit charges by the response (charge.go)
+	request      *requestReader // with request_body (requestbody.go)
 	limiterKey   string
 	limits       []*limit
 	groups       [][]*limit // on Cluster, limits by hash slot, when they span several
@@ -323,6 +331,9 @@ func (h *Handler) Provision(ctx caddy.Context) (err error) {
 	if err := h.setUpCharging(); err != nil {
 		return err
 	}
+	if err := h.setUpRequestBody(); err != nil {
+		return err
+	}
 	style := h.Headers
 	if h.IncludeHeaders != nil && !*h.IncludeHeaders || h.Shadow {
 		style = headersNone
@@ -349,6 +360,9 @@ func (h *Handler) Provision(ctx caddy.Context) (err error) {
 	if !h.DisableMetrics {
 		if h.metrics, err = newZoneMetrics(ctx.GetMetricsRegistry(), h.Zone, h.limits); err != nil {
 			return fmt.Errorf("registering metrics: %w", err)
+		}
+		if h.request != nil {
+			h.request.unread = unreadCounters(h.Zone)
 		}
 	}
 
@@ -434,6 +448,7 @@ func (h *Handler) Validate() error {
 		checkLease(h.Lease, h.Store),
 		h.checkLimits(),
 		h.checkCharging(),
+		checkRequestBody(h.RequestBody),
 	} {
 		if err != nil {
 			return err
@@ -488,6 +503,9 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyht
 // request is served from here, through next.
 func (h *Handler) limit(w http.ResponseWriter, r *http.Request, next caddyhttp.Handler) (pass bool, err error) {
 	repl := r.Context().Value(caddy.ReplacerCtxKey).(*caddy.Replacer)
+	if h.request != nil {
+		h.readRequestBody(r, repl) // requestbody.go
+	}
 	var inline [maxInlineBuckets]bucket
 	buckets, skipped, err := h.resolveBuckets(r, repl, inline[:0])
 	switch {

@@ -263,35 +263,36 @@ type Handler struct {
 	// Redis says where the buckets live. Default: `127.0.0.1:6379`.
 	Redis *RedisConfig `json:"redis,omitempty"`
 
-	logger       *zap.Logger
-	memory       *memoryStore   // with store memory: the buckets
-	local        *memoryStore   // with on_error local: the buckets while Redis fails
-	limiter      *limiter       // nil when no limit ever asks Redis
-	leases       *leases        // with lease
-	charging     *charging      // when a limit charges by the response (charge.go)
-	request      *requestReader // with request_body (requestbody.go)
-	limiterKey   string
-	limits       []*limit
-	groups       [][]*limit // on Cluster, limits by hash slot, when they span several
-	useDenyCache bool       // see takeGroups
-	perRequest   bool       // some limit's values come from the request
-	holding      bool       // some limit is held while a request is served (kind.heldWhileServed)
-	denyEmpty    bool
-	failOpen     bool
-	headers      rateLimitHeaders
-	errDenied    caddyhttp.HandlerError
-	errEmptyKey  caddyhttp.HandlerError
-	errBlocked   caddyhttp.HandlerError
-	errRedis     caddyhttp.HandlerError // Redis failed, on_error deny: the cause goes to the log, not to clients
-	denied       *denyCache
-	redisWarns   *logThrottle // Redis failures: a line per 10 s
-	overloaded   *logThrottle // calls this instance could not send in time: the same
-	fullWarns    *logThrottle // the in-memory store full: the same
-	paramWarns   *logThrottle // values out of range in requests: the same
-	shadowKeys   *keyThrottle // shadow denials: a line per key per 5 s ...
-	shadowLines  *logThrottle // ... and at most ten a second
-	metrics      *zoneMetrics
-	zoneValue    any // the zone as a placeholder value, boxed once (BenchmarkServeHTTPDenied 6 -> 5 allocs)
+	logger        *zap.Logger
+	memory        *memoryStore   // with store memory: the buckets
+	local         *memoryStore   // with on_error local: the buckets while Redis fails
+	limiter       *limiter       // nil when no limit ever asks Redis
+	leases        *leases        // with lease
+	charging      *charging      // when a limit charges by the response (charge.go)
+	request       *requestReader // with request_body (requestbody.go)
+	chargeWeights bool           // some charge json weight has placeholders (weights.go)
+	limiterKey    string
+	limits        []*limit
+	groups        [][]*limit // on Cluster, limits by hash slot, when they span several
+	useDenyCache  bool       // see takeGroups
+	perRequest    bool       // some limit's values come from the request
+	holding       bool       // some limit is held while a request is served (kind.heldWhileServed)
+	denyEmpty     bool
+	failOpen      bool
+	headers       rateLimitHeaders
+	errDenied     caddyhttp.HandlerError
+	errEmptyKey   caddyhttp.HandlerError
+	errBlocked    caddyhttp.HandlerError
+	errRedis      caddyhttp.HandlerError // Redis failed, on_error deny: the cause goes to the log, not to clients
+	denied        *denyCache
+	redisWarns    *logThrottle // Redis failures: a line per 10 s
+	overloaded    *logThrottle // calls this instance could not send in time: the same
+	fullWarns     *logThrottle // the in-memory store full: the same
+	paramWarns    *logThrottle // values out of range in requests: the same
+	shadowKeys    *keyThrottle // shadow denials: a line per key per 5 s ...
+	shadowLines   *logThrottle // ... and at most ten a second
+	metrics       *zoneMetrics
+	zoneValue     any // the zone as a placeholder value, boxed once (BenchmarkServeHTTPDenied 6 -> 5 allocs)
 }
 
 // CaddyModule returns the Caddy module information.
@@ -517,6 +518,11 @@ func (h *Handler) limit(w http.ResponseWriter, r *http.Request, next caddyhttp.H
 	case len(buckets) == 0:
 		h.record(repl, skipped, nil, -1)
 		return true, nil
+	}
+	if h.chargeWeights {
+		if err := h.checkChargeWeights(buckets, repl); err != nil { // weights.go
+			return false, h.refuseInvalid(w, r, repl, err)
+		}
 	}
 	if blocked := blockedBucket(buckets); blocked >= 0 {
 		buckets[blocked].remaining, buckets[blocked].retryAfter = 0, -1

@@ -32,7 +32,8 @@ import (
 // (`Content-Encoding`), is cut off by the client, or reaches `max_size`
 // before a path is found leaves the placeholders not found empty; the
 // request goes on, and `deny_empty_key`, a placeholder's default
-// (`{http.rate_limit.request.max_tokens:1000}`) and the values' checks
+// (`{http.rate_limit.request.max_tokens:1000}`, which this handler
+// answers for its placeholders) and the values' checks
 // decide it, as for a missing header. A debug line and the
 // `caddy_rate_limit_request_body_unread_total` metric (labels `zone` and
 // `reason`) say why.
@@ -205,6 +206,7 @@ var requestBuffers = sync.Pool{New: func() any { b := make([]byte, 0, requestBuf
 // within the server's read timeouts.
 func (h *Handler) readRequestBody(r *http.Request, repl *caddy.Replacer) {
 	rr := h.request
+	repl.Map(func(key string) (any, bool) { return requestDefault(repl, key) })
 	if r.Body == nil || r.Body == http.NoBody {
 		return // no body, no values; nothing to say
 	}
@@ -272,6 +274,24 @@ func (h *Handler) readRequestBody(r *http.Request, repl *caddy.Replacer) {
 		requestBuffers.Put(bufp) // grown: the pooled one is free now
 	}
 	r.Body = body
+}
+
+// requestDefault answers `{http.rate_limit.request.<path>:<default>}`:
+// the value at path, or, when it is empty, the default. (Caddy's
+// replacer has no defaults of its own at run time.)
+func requestDefault(repl *caddy.Replacer, key string) (any, bool) {
+	rest, ok := strings.CutPrefix(key, requestPlaceholderPrefix)
+	if !ok {
+		return nil, false
+	}
+	path, def, ok := strings.Cut(rest, ":")
+	if !ok {
+		return nil, false
+	}
+	if v, _ := repl.GetString(requestPlaceholderPrefix + path); v != "" {
+		return v, true
+	}
+	return def, true
 }
 
 // requestUnread counts, and logs at debug level, why a request's values

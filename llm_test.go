@@ -20,8 +20,11 @@ import (
 	"time"
 
 	"github.com/caddy-redis/ratelimit/internal/redistest"
+	"github.com/caddyserver/caddy/v2"
+	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 	"github.com/openai/openai-go/v3"
 	"github.com/openai/openai-go/v3/option"
+	"go.uber.org/zap"
 )
 
 // llmUpstream is an OpenAI-compatible upstream of the test's own: it
@@ -625,3 +628,88 @@ func (r repeatByte) Read(p []byte) (int, error) {
 	}
 	return len(p), nil
 }
+
+// BenchmarkServeHTTPLLM is BenchmarkServeHTTPCharged's charge_header case
+// for an LLM gateway as make bench's llm@64: a 2 KiB JSON request body
+// whose model and max_tokens request_body reads (max_tokens at its end),
+// a key per model, prices as a map would give them, a weighted
+// reservation and a weighted settlement from a JSON answer's usage; the
+// next handler reads the body, as a proxy does. "no_paths" is the same
+// handler without request_body, reservation or settlement from the body
+// (a fixed requested_tokens, charge json usage.total_tokens), for scale.
+func BenchmarkServeHTTPLLM(b *testing.B) {
+	payload, err := os.ReadFile("bench/llm-request.json")
+	if err != nil {
+		b.Fatal(err)
+	}
+	answer := []byte(`{"id":"chatcmpl-1","object":"chat.completion","created":1,"model":"gpt-4o","choices":[{"index":0,"message":{"role":"assistant","content":"Hi"},"finish_reason":"stop"}],"usage":{"prompt_tokens":500,"completion_tokens":100,"total_tokens":600}}`)
+	jsonType := []string{"application/json"}
+	upstream := caddyhttp.HandlerFunc(func(w http.ResponseWriter, r *http.Request) error {
+		if _, err := io.Copy(io.Discard, r.Body); err != nil {
+			return err
+		}
+		w.Header()["Content-Type"] = jsonType
+		w.WriteHeader(http.StatusOK)
+		_, err := w.Write(answer)
+		return err
+	})
+	for _, c := range []struct {
+		name      string
+		configure func(h *Handler)
+	}{
+		{"no_paths", func(h *Handler) {
+			h.RequestedTokens = "3280"
+			h.Charge = &Charge{JSON: []string{"usage.total_tokens"}}
+		}},
+		{"llm", func(h *Handler) {
+			h.Key = "{http.request.header.X-Key}:{http.rate_limit.request.model}"
+			h.RequestBody = &RequestBody{JSON: []string{"model", "max_tokens"}}
+			h.RequestedTokens = "{http.rate_limit.request.max_tokens:4096}*{out_price} {http.request.header.Content-Length}*{in_byte_price}"
+			h.Charge = &Charge{JSON: []string{"usage.prompt_tokens*{in_price}", "usage.completion_tokens*{out_price}"}}
+		}},
+	} {
+		b.Run(c.name, func(b *testing.B) {
+			srv := redistest.Start(b)
+			h := &Handler{Zone: "bench-llm", Key: "{http.request.header.X-Key}", ReplenishRate: "1e9", BurstCapacity: "1000000000",
+				Redis: &RedisConfig{Addresses: []string{srv.Addr}, Timeout: caddy.Duration(2 * time.Second)}}
+			c.configure(h)
+			provision(b, h)
+			observeLogs(h, zap.InfoLevel)
+			// The map's outputs, boxed once as map's would be per request.
+			prices := [][2]any{{"in_price", "2.5"}, {"out_price", "10"}, {"in_byte_price", "0.625"}}
+			length := []string{strconv.Itoa(len(payload))}
+			var clients atomic.Int64
+			b.SetParallelism(32)
+			b.ReportAllocs()
+			cpu := processCPU()
+			b.ResetTimer()
+			b.RunParallel(func(pb *testing.PB) {
+				n := clients.Add(1)
+				r, w := benchRequest(fmt.Sprintf("192.0.2.%d", n%250+1), "client-"+strconv.FormatInt(n, 10))
+				r.Method = http.MethodPost
+				r.Header["Content-Length"] = length
+				repl := r.Context().Value(caddy.ReplacerCtxKey).(*caddy.Replacer)
+				for _, p := range prices {
+					repl.Set(p[0].(string), p[1])
+				}
+				body := new(benchBody)
+				for pb.Next() {
+					w.h = freshHeader()
+					body.Reset(payload)
+					r.Body = body
+					if err := h.ServeHTTP(w, r, upstream); err != nil || w.status != http.StatusOK {
+						b.Errorf("goroutine %d: %v %d", n, err, w.status)
+						return
+					}
+				}
+			})
+			b.StopTimer()
+			b.ReportMetric(float64(processCPU()-cpu)/float64(b.N), "cpu-ns/op")
+		})
+	}
+}
+
+// benchBody is a request body read again for each request.
+type benchBody struct{ bytes.Reader }
+
+func (*benchBody) Close() error { return nil }

@@ -486,6 +486,9 @@ const maxInlineBuckets = 4
 
 // ServeHTTP takes tokens from the request's buckets or denies it.
 func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyhttp.Handler) error {
+	if h.request != nil {
+		return h.serveReadingBody(w, r, next) // requestbody.go
+	}
 	// Decided in a call of its own, whose stack frame (with the request's
 	// buckets) is gone before the next handler runs: the handlers after
 	// this one then run about 1 KB less deep, where Caddy's server is deep
@@ -504,9 +507,6 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyht
 // request is served from here, through next.
 func (h *Handler) limit(w http.ResponseWriter, r *http.Request, next caddyhttp.Handler) (pass bool, err error) {
 	repl := r.Context().Value(caddy.ReplacerCtxKey).(*caddy.Replacer)
-	if h.request != nil {
-		h.readRequestBody(r, repl) // requestbody.go
-	}
 	var inline [maxInlineBuckets]bucket
 	buckets, skipped, err := h.resolveBuckets(r, repl, inline[:0])
 	switch {

@@ -1,16 +1,21 @@
 package ratelimit
 
 import (
+	"bytes"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
 	"net/http"
+	"regexp"
+	"slices"
 	"strings"
 	"sync"
 
 	"github.com/caddy-redis/ratelimit/internal/scan"
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
+	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 	"go.uber.org/zap"
 )
 
@@ -33,7 +38,7 @@ import (
 // before a path is found leaves the placeholders not found empty; the
 // request goes on, and `deny_empty_key`, a placeholder's default
 // (`{http.rate_limit.request.max_tokens:1000}`, which this handler
-// answers for its placeholders) and the values' checks
+// answers where its own config writes it) and the values' checks
 // decide it, as for a missing header. A debug line and the
 // `caddy_rate_limit_request_body_unread_total` metric (labels `zone` and
 // `reason`) say why.
@@ -141,11 +146,50 @@ func checkRequestBody(rb *RequestBody) error {
 
 // requestReader reads a handler's request_body paths.
 type requestReader struct {
-	paths   scan.Paths
-	bits    []uint16 // each path's, in paths' order
-	keys    []string // each path's placeholder
-	maxSize int
-	unread  map[string]counter // by reason; nil without metrics
+	paths    scan.Paths
+	bits     []uint16 // each path's, in paths' order
+	keys     []string // each path's placeholder
+	defaults []placeholderDefault
+	maxSize  int
+	unread   map[string]counter // by reason; nil without metrics
+}
+
+// placeholderDefault is a `{http.rate_limit.request.<path>:<default>}`
+// that the handler's config writes: set per request, to the value at
+// path, or else to the default. (Caddy's replacer has no defaults of its
+// own at run time.)
+type placeholderDefault struct {
+	path  int    // in bits and keys
+	key   string // the placeholder, default and all
+	value any    // the default, boxed once
+}
+
+// defaultPattern finds the placeholders with a default of the config.
+var defaultPattern = regexp.MustCompile(`\{http\.rate_limit\.request\.([^{}:]+):([^{}]*)\}`)
+
+// findDefaults notes the request placeholders with defaults that config
+// (the handler's, as JSON) writes.
+func (rr *requestReader) findDefaults(config []byte) {
+	for _, m := range defaultPattern.FindAllSubmatch(config, -1) {
+		key := string(m[0][1 : len(m[0])-1])
+		i := slices.Index(rr.keys, requestPlaceholderPrefix+string(m[1]))
+		if i < 0 || slices.ContainsFunc(rr.defaults, func(d placeholderDefault) bool { return d.key == key }) {
+			continue // not a path it reads: as any unknown placeholder
+		}
+		rr.defaults = append(rr.defaults, placeholderDefault{path: i, key: key, value: string(m[2])})
+	}
+}
+
+// setDefaults sets the placeholders with defaults, from the request's
+// values (nil: none).
+func (rr *requestReader) setDefaults(repl *caddy.Replacer, values []any) {
+	for _, d := range rr.defaults {
+		if values != nil && values[d.path] != nil {
+			repl.Set(d.key, values[d.path])
+		} else {
+			repl.Set(d.key, d.value)
+		}
+	}
 }
 
 // counter is the one method of a Prometheus counter used here.
@@ -181,6 +225,11 @@ func (h *Handler) setUpRequestBody() error {
 			rr.keys = append(rr.keys, requestPlaceholderPrefix+p)
 		}
 	}
+	config, err := json.Marshal(h)
+	if err != nil {
+		return fmt.Errorf("reading the config for request_body's defaults: %w", err)
+	}
+	rr.findDefaults(config)
 	h.request = rr
 	return nil
 }
@@ -200,19 +249,35 @@ const requestBufferSize = 16 << 10
 
 var requestBuffers = sync.Pool{New: func() any { b := make([]byte, 0, requestBufferSize); return &b }}
 
+// serveReadingBody is ServeHTTP for a handler with request_body: the
+// body's values first, then the limits, then the next handler. Once
+// that returned, the buffer goes back to the pool (replayBody.done).
+func (h *Handler) serveReadingBody(w http.ResponseWriter, r *http.Request, next caddyhttp.Handler) error {
+	repl := r.Context().Value(caddy.ReplacerCtxKey).(*caddy.Replacer)
+	if body := h.readRequestBody(r, repl); body != nil {
+		defer body.done()
+	}
+	if pass, err := h.limit(w, r, next); !pass {
+		return err
+	}
+	return next.ServeHTTP(w, r)
+}
+
 // readRequestBody reads the request's body as far as its paths need,
 // sets their placeholders, and leaves in r.Body what was read ahead of
-// the rest. No lock is held: a slow client holds only its own request,
-// within the server's read timeouts.
-func (h *Handler) readRequestBody(r *http.Request, repl *caddy.Replacer) {
+// the rest (also returned; nil when it read nothing). No lock is held:
+// a slow client holds only its own request, within the server's read
+// timeouts.
+func (h *Handler) readRequestBody(r *http.Request, repl *caddy.Replacer) *replayBody {
 	rr := h.request
-	repl.Map(func(key string) (any, bool) { return requestDefault(repl, key) })
 	if r.Body == nil || r.Body == http.NoBody {
-		return // no body, no values; nothing to say
+		rr.setDefaults(repl, nil) // no body, no values; nothing to say
+		return nil
 	}
 	if enc := r.Header.Get("Content-Encoding"); enc != "" && !strings.EqualFold(enc, "identity") {
 		h.requestUnread(unreadEncoded, "the body is encoded (Content-Encoding)")
-		return
+		rr.setDefaults(repl, nil)
+		return nil
 	}
 	bufp := requestBuffers.Get().(*[]byte)
 	buf := (*bufp)[:0]
@@ -247,6 +312,8 @@ func (h *Handler) readRequestBody(r *http.Request, repl *caddy.Replacer) {
 	if why == "" {
 		why = v.Why()
 	}
+	var inline [scan.MaxPaths]any
+	values := inline[:len(rr.bits)]
 	if why != unreadCutOff && why != unreadNotJSON {
 		for i, bit := range rr.bits {
 			value, bad := v.Value(bit, buf)
@@ -255,16 +322,18 @@ func (h *Handler) readRequestBody(r *http.Request, repl *caddy.Replacer) {
 				continue
 			}
 			if len(value) > 0 {
-				repl.Set(rr.keys[i], string(value))
+				values[i] = string(value)
+				repl.Set(rr.keys[i], values[i])
 			}
 		}
 	}
+	rr.setDefaults(repl, values)
 	if why != "" {
 		h.requestUnread(why, "")
 	}
 	if len(buf) == 0 {
 		requestBuffers.Put(bufp) // the body was empty: nothing to replay
-		return
+		return nil
 	}
 	body := &replayBody{rest: buf, body: r.Body}
 	if !grown {
@@ -274,24 +343,7 @@ func (h *Handler) readRequestBody(r *http.Request, repl *caddy.Replacer) {
 		requestBuffers.Put(bufp) // grown: the pooled one is free now
 	}
 	r.Body = body
-}
-
-// requestDefault answers `{http.rate_limit.request.<path>:<default>}`:
-// the value at path, or, when it is empty, the default. (Caddy's
-// replacer has no defaults of its own at run time.)
-func requestDefault(repl *caddy.Replacer, key string) (any, bool) {
-	rest, ok := strings.CutPrefix(key, requestPlaceholderPrefix)
-	if !ok {
-		return nil, false
-	}
-	path, def, ok := strings.Cut(rest, ":")
-	if !ok {
-		return nil, false
-	}
-	if v, _ := repl.GetString(requestPlaceholderPrefix + path); v != "" {
-		return v, true
-	}
-	return def, true
+	return body
 }
 
 // requestUnread counts, and logs at debug level, why a request's values
@@ -340,6 +392,19 @@ func (b *replayBody) Close() error {
 	b.release()
 	b.mu.Unlock()
 	return b.body.Close()
+}
+
+// done is called once the handlers returned: the buffer goes back to the
+// pool, and what was not given out yet (a handler that did not read the
+// body, or a proxy's transport still sending it) is kept in a copy of its
+// own.
+func (b *replayBody) done() {
+	b.mu.Lock()
+	if b.pooled != nil && len(b.rest) > 0 {
+		b.rest = bytes.Clone(b.rest)
+	}
+	b.release()
+	b.mu.Unlock()
 }
 
 // release gives the buffer back to the pool, once; b.mu is held.

@@ -73,8 +73,12 @@ func TestRequestBodyValuesSetBeforeKeysAndBodyReplayed(t *testing.T) {
 	if status, _, _ := postThrough(t, h, strings.NewReader(`{"model":"gpt-4o"}`)); status != 429 {
 		t.Fatalf("gpt-4o again: %d, want 429", status)
 	}
-	if status, _, seen := postThrough(t, h, strings.NewReader(`{"model":"o3"}`)); status != 200 || seen("{http.rate_limit.request.max_tokens:7}") != "7" {
-		t.Fatalf("o3 without max_tokens: %d, default %q", status, seen("{http.rate_limit.request.max_tokens:7}"))
+	// The default the config writes, for a body without max_tokens.
+	if status, _, seen := postThrough(t, h, strings.NewReader(`{"model":"o3"}`)); status != 200 || seen("{http.rate_limit.request.max_tokens:1}") != "1" {
+		t.Fatalf("o3 without max_tokens: %d, default %q", status, seen("{http.rate_limit.request.max_tokens:1}"))
+	}
+	if _, _, seen := postThrough(t, h, strings.NewReader(`{"model":"o4","max_tokens":2}`)); seen("{http.rate_limit.request.max_tokens:1}") != "2" {
+		t.Fatalf("o4 with max_tokens 2: %q", seen("{http.rate_limit.request.max_tokens:1}"))
 	}
 	for _, tc := range []struct{ name, body, encoding string }{
 		{"no model", `{"max_tokens":1}`, ""},

@@ -393,7 +393,7 @@ func (h *Handler) setUpCharging() error {
 				rule.fields = append(rule.fields, bits)
 			}
 			for _, w := range charge.jsonWeights() {
-				t := costTerm{weight: w}
+				t := costTerm{weight: w, weightKey: onePlaceholder(w)}
 				t.w, t.fixedW, _ = checkWeight("charge json", w, w) // judged by checkCharge
 				rule.weights = append(rule.weights, t)
 				h.chargeWeights = h.chargeWeights || !t.fixedW
@@ -588,7 +588,7 @@ func (r *chargeRule) weightedSum(cw *chargeWriter, repl *caddy.Replacer) (sum fl
 		w := r.weights[i].w
 		if !r.weights[i].fixedW {
 			var err error
-			if w, err = resolveWeight(r.weights[i].weight, repl); err != nil {
+			if w, err = resolveWeight(r.weights[i].weight, r.weights[i].weightKey, repl); err != nil {
 				return 0, err.Error()
 			}
 		}

@@ -31,6 +31,29 @@ type costTerm struct {
 	v, w          float64 // their numbers, when fixed
 	fixedV        bool
 	fixedW        bool
+	// valueKey and weightKey are the placeholder a value or weight is,
+	// when it is one and nothing else: read with Get, without building a
+	// string (8 allocs less per request of make bench's llm@64 handler:
+	// BenchmarkServeHTTPLLM/llm 40 -> 32).
+	valueKey, weightKey string
+}
+
+// onePlaceholder is the name of the placeholder that text is, when it is
+// one and nothing else (`{out_price}`), else "".
+func onePlaceholder(text string) string {
+	if len(text) > 2 && text[0] == '{' && text[len(text)-1] == '}' && strings.Count(text, "{") == 1 && strings.Count(text, "}") == 1 {
+		return text[1 : len(text)-1]
+	}
+	return ""
+}
+
+// resolveText is text with its placeholders replaced for a request.
+func resolveText(text, key string, repl *caddy.Replacer) string {
+	if key != "" {
+		v, _ := repl.GetString(key)
+		return v
+	}
+	return repl.ReplaceAll(text, "")
 }
 
 // maxTerms bounds the terms of one sum.
@@ -107,7 +130,7 @@ func parseCostTerms(text string) (terms []costTerm, sum int64, fixed bool, err e
 	fixed = true
 	for _, f := range fields {
 		value, weight := splitTerm(f)
-		t := costTerm{value: value, weight: weight}
+		t := costTerm{value: value, weight: weight, valueKey: onePlaceholder(value), weightKey: onePlaceholder(weight)}
 		if t.w, t.fixedW, err = checkWeight("requested_tokens", f, weight); err != nil {
 			return nil, 0, false, err
 		}
@@ -163,7 +186,7 @@ func resolveTerms(terms []costTerm, repl *caddy.Replacer) (int64, error) {
 		t := &terms[i]
 		v, w := t.v, t.w
 		if !t.fixedV {
-			text := repl.ReplaceAll(t.value, "")
+			text := resolveText(t.value, t.valueKey, repl)
 			if text == "" {
 				return 0, badValue("requested_tokens", t.value, "resolved to nothing for this request")
 			}
@@ -174,7 +197,7 @@ func resolveTerms(terms []costTerm, repl *caddy.Replacer) (int64, error) {
 		}
 		if !t.fixedW {
 			var err error
-			if w, err = resolveWeight(t.weight, repl); err != nil {
+			if w, err = resolveWeight(t.weight, t.weightKey, repl); err != nil {
 				return 0, err
 			}
 		}
@@ -184,8 +207,8 @@ func resolveTerms(terms []costTerm, repl *caddy.Replacer) (int64, error) {
 }
 
 // resolveWeight resolves a weight with placeholders for a request.
-func resolveWeight(weight string, repl *caddy.Replacer) (float64, error) {
-	text := repl.ReplaceAll(weight, "")
+func resolveWeight(weight, key string, repl *caddy.Replacer) (float64, error) {
+	text := resolveText(weight, key, repl)
 	w, err := parseAmount(text)
 	if err != nil {
 		return 0, &paramError{"weight", fmt.Sprintf("weight '%s' resolved to '%s', which %s; %s (check the map or variable that sets it)",
@@ -211,7 +234,7 @@ func (h *Handler) checkChargeWeights(buckets []bucket, repl *caddy.Replacer) err
 			if w.fixedW {
 				continue
 			}
-			if _, err := resolveWeight(w.weight, repl); err != nil {
+			if _, err := resolveWeight(w.weight, w.weightKey, repl); err != nil {
 				if name := buckets[i].limit.name; name != "" {
 					return fmt.Errorf("limit %s: charge json: %w", name, err)
 				}

@@ -45,7 +45,11 @@ type Charge struct {
 
 	// JSON lists paths of numbers in the response body, summed: keys
 	// separated by `.`, an array element by its index
-	// (`usage.total_tokens`, `choices.0.n`). A JSON body is read to its
+	// (`usage.total_tokens`, `choices.0.n`). A path may carry a weight,
+	// `<path>*<weight>` (a number or placeholders, 0 or more, fractions
+	// allowed: `usage.prompt_tokens*{in_price}`); the weighted sum is
+	// rounded up. A weight with placeholders is resolved before the
+	// request too, which it refuses with 500 when out of range. A JSON body is read to its
 	// end, or to `max_body` when set. In an event stream
 	// (`text/event-stream`) each path takes the last value seen in any
 	// event's `data:` JSON, and in newline-delimited JSON

@@ -114,8 +114,13 @@ type Handler struct {
 	BurstCapacity Param `json:"burst_capacity,omitempty"`
 
 	// RequestedTokens is how many tokens each request takes: a whole
-	// number, or placeholders resolved per request (a cost from a header).
-	// A value out of range refuses the request with 400. Default: 1.
+	// number, or placeholders resolved per request (a cost from a header),
+	// or a weighted sum of terms separated by spaces, each `<value>` or
+	// `<value>*<weight>` (a number or placeholders; a weight 0 or more,
+	// fractions allowed), rounded up to whole tokens, at least 1:
+	// `{http.rate_limit.request.max_tokens}*{out_price} 100`. A value out
+	// of range refuses the request with 400; a weight with placeholders
+	// out of range (negative, not a number, infinite) with 500. Default: 1.
 	RequestedTokens Param `json:"requested_tokens,omitempty"`
 
 	// IPv4Prefix and IPv6Prefix cut every client address in a key

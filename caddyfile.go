@@ -35,13 +35,17 @@ func parseCaddyfile(h httpcaddyfile.Helper) (caddyhttp.MiddlewareHandler, error)
 //		key              <template with placeholders>
 //		replenish_rate   <tokens per second, or <count>/<duration> like 100/1m>
 //		burst_capacity   <integer>
-//		requested_tokens <integer>
+//		requested_tokens <integer> | <value>[*<weight>]...
 //		ipv4_prefix      <bits>
 //		ipv6_prefix      <bits>
-//		charge           header <name> | json <path>... | json { <field> <path>... } | placeholder <{placeholder}>
+//		charge           header <name> | json <path>[*<weight>]... | json { <field> <path>... } | placeholder <{placeholder}>
 //		charge_status    <code|class>...
 //		max_debt         <tokens>
 //		max_body         <size>
+//		request_body {
+//			json     <path>...
+//			max_size <size>
+//		}
 //		limit <name> [<replenish_rate> <burst_capacity> [<requested_tokens>]] {
 //			key              <template with placeholders>
 //			replenish_rate   <rate>
@@ -161,6 +165,8 @@ func (h *Handler) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 				h.MaxBody = n
 				return err
 			})
+		case "request_body":
+			err = h.unmarshalRequestBody(d) // requestbody.go
 		case "max_keys":
 			err = value(func(v string) error {
 				n, err := strconv.ParseInt(v, 10, 64)
@@ -220,10 +226,10 @@ func (h *Handler) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 //		key              <template>
 //		replenish_rate   <rate>
 //		burst_capacity   <integer>
-//		requested_tokens <integer>
+//		requested_tokens <integer> | <value>[*<weight>]...
 //		ipv4_prefix      <bits>
 //		ipv6_prefix      <bits>
-//		charge           header <name> | json <path>... | json { <field> <path>... } | placeholder <{placeholder}>
+//		charge           header <name> | json <path>[*<weight>]... | json { <field> <path>... } | placeholder <{placeholder}>
 //		charge_status    <code|class>...
 //		max_debt         <tokens>
 //	}
@@ -500,7 +506,16 @@ func (f limitFields) set(d *caddyfile.Dispenser, block, sub string) (known bool,
 			*f.maxDebt = &n
 			return inBlock(checkMaxDebt(&n))
 		})
-	case "key", "replenish_rate", "burst_capacity", "requested_tokens", "ipv4_prefix", "ipv6_prefix":
+	case "requested_tokens": // one value, or the terms of a weighted sum (weights.go)
+		args := d.RemainingArgs()
+		if len(args) == 0 {
+			return true, argErr(d, strings.TrimSpace(block+" "+sub))
+		}
+		if err := f.setValue(sub, strings.Join(args, " ")); err != nil {
+			return true, d.WrapErr(inBlock(err))
+		}
+		return true, nil
+	case "key", "replenish_rate", "burst_capacity", "ipv4_prefix", "ipv6_prefix":
 		return true, oneValue(d, block, func(v string) error {
 			err := f.setValue(sub, v)
 			if err != nil && block != "" {
@@ -611,7 +626,11 @@ func (f limitFields) setValue(sub, v string) error {
 		}
 		*f.burst = p
 	case "requested_tokens":
-		if !p.perRequest() {
+		if isWeighted(v) { // weights.go
+			if _, err := normalizeCost(p); err != nil {
+				return err
+			}
+		} else if !p.perRequest() {
 			n, err := strconv.ParseInt(v, 10, 64)
 			if err != nil {
 				return badValue(sub, v, "is not a whole number")

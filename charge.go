@@ -46,7 +46,11 @@ type Charge struct {
 
 	// JSON lists paths of numbers in the response body, summed: keys
 	// separated by `.`, an array element by its index
-	// (`usage.total_tokens`, `choices.0.n`). A JSON body is read to its
+	// (`usage.total_tokens`, `choices.0.n`). A path may carry a weight,
+	// `<path>*<weight>` (a number or placeholders, 0 or more, fractions
+	// allowed: `usage.prompt_tokens*{in_price}`); the weighted sum is
+	// rounded up. A weight with placeholders is resolved before the
+	// request too, which it refuses with 500 when out of range. A JSON body is read to its
 	// end, or to `max_body` when set. In an event stream
 	// (`text/event-stream`) each path takes the last value seen in any
 	// event's `data:` JSON, and in newline-delimited JSON
@@ -102,8 +106,12 @@ func checkCharge(c *Charge) error {
 	case c.Placeholder != "" && !strings.Contains(c.Placeholder, "{"):
 		return fmt.Errorf("charge placeholder '%s': want a placeholder, such as {http.reverse_proxy.upstream.duration_ms}", c.Placeholder)
 	}
-	for _, p := range c.JSON {
+	for _, term := range c.JSON {
+		p, weight := chargeTerm(term) // weights.go
 		if err := checkJSONPath(p); err != nil {
+			return err
+		}
+		if _, _, err := checkWeight("charge json", term, weight); err != nil {
 			return err
 		}
 	}
@@ -127,11 +135,13 @@ func checkCharge(c *Charge) error {
 }
 
 // jsonFields are a charge's JSON paths by field, a field per path of JSON
-// (a path given twice counts once), in a fixed order.
+// (a term given twice counts once), in a fixed order, without their
+// weights (jsonWeights).
 func (c *Charge) jsonFields() [][]string {
 	var fields [][]string
-	for i, p := range c.JSON {
-		if !slices.Contains(c.JSON[:i], p) {
+	for i, term := range c.JSON {
+		if !slices.Contains(c.JSON[:i], term) {
+			p, _ := chargeTerm(term)
 			fields = append(fields, []string{p})
 		}
 	}
@@ -139,6 +149,27 @@ func (c *Charge) jsonFields() [][]string {
 		fields = append(fields, c.JSONFields[name])
 	}
 	return fields
+}
+
+// jsonWeights are the weights of jsonFields' fields, as written ("" for
+// 1), or nil when no term of JSON has one.
+func (c *Charge) jsonWeights() []string {
+	var weights []string
+	weighted := false
+	for i, term := range c.JSON {
+		if !slices.Contains(c.JSON[:i], term) {
+			_, w := chargeTerm(term)
+			weights = append(weights, w)
+			weighted = weighted || w != ""
+		}
+	}
+	if !weighted {
+		return nil
+	}
+	for range c.JSONFields {
+		weights = append(weights, "")
+	}
+	return weights
 }
 
 // isHeaderName says whether s is a header field name: a token of
@@ -295,11 +326,12 @@ func (h *Handler) chargeOf(c Limit) (*Charge, []int, *int64) {
 
 // chargeRule is how one limit charges, ready for requests.
 type chargeRule struct {
-	header      string   // canonical, for charge header
-	trailer     string   // http.TrailerPrefix and header: an undeclared trailer's key
-	headerIndex int      // its index in the handler's charging.headers
-	paths       uint16   // for charge json: bits of the handler's scan paths
-	fields      []uint16 // the bits of each field (of each path of JSON)
+	header      string     // canonical, for charge header
+	trailer     string     // http.TrailerPrefix and header: an undeclared trailer's key
+	headerIndex int        // its index in the handler's charging.headers
+	paths       uint16     // for charge json: bits of the handler's scan paths
+	fields      []uint16   // the bits of each field (of each path of JSON)
+	weights     []costTerm // with weights: each field's (weights.go); nil without
 	placeholder string
 	statuses    []int // empty: every status
 	// maxDebt is max_debt; -1 when it is the bucket's burst. maxArg is it
@@ -364,6 +396,12 @@ func (h *Handler) setUpCharging() error {
 				}
 				rule.paths |= bits
 				rule.fields = append(rule.fields, bits)
+			}
+			for _, w := range charge.jsonWeights() {
+				t := costTerm{weight: w, weightKey: onePlaceholder(w)}
+				t.w, t.fixedW, _ = checkWeight("charge json", w, w) // judged by checkCharge
+				rule.weights = append(rule.weights, t)
+				h.chargeWeights = h.chargeWeights || !t.fixedW
 			}
 		}
 		l.charge = rule
@@ -491,6 +529,9 @@ func (r *chargeRule) costOf(end responseEnd, cw *chargeWriter, repl *caddy.Repla
 	case r.paths != 0:
 		var sum float64
 		sum, why = cw.body.Sum(r.fields...)
+		if why == "" && r.weights != nil {
+			sum, why = r.weightedSum(cw, repl)
+		}
 		if why == "" {
 			cost = ceilTokens(sum)
 		}
@@ -504,6 +545,26 @@ func (r *chargeRule) costOf(end responseEnd, cw *chargeWriter, repl *caddy.Repla
 		return reserved, why
 	}
 	return cost, ""
+}
+
+// weightedSum is the sum of a body's fields, each times its weight. A
+// field not in the body counts 0, as in a sum without weights.
+func (r *chargeRule) weightedSum(cw *chargeWriter, repl *caddy.Replacer) (sum float64, why string) {
+	for i, f := range r.fields {
+		v, missing := cw.body.Sum(f)
+		if missing != "" {
+			continue
+		}
+		w := r.weights[i].w
+		if !r.weights[i].fixedW {
+			var err error
+			if w, err = resolveWeight(r.weights[i].weight, r.weights[i].weightKey, repl); err != nil {
+				return 0, err.Error()
+			}
+		}
+		sum += v * w
+	}
+	return sum, ""
 }
 
 // charges says whether a response that answered status is charged: every

@@ -19,6 +19,8 @@ var collectors = struct {
 	charged, forgiven, settleFailures *prometheus.CounterVec
 	// Concurrent limits (concurrent.go): this instance's slots held.
 	inFlight *prometheus.GaugeVec
+	// request_body (requestbody.go): values left empty, by reason.
+	requestUnread *prometheus.CounterVec
 }{}
 
 // zoneMetrics are one zone's series, looked up once at provision time so
@@ -71,9 +73,13 @@ func newZoneMetrics(registry prometheus.Registerer, zone string, limits []*limit
 			Namespace: ns, Subsystem: sub, Name: "in_flight",
 			Help: "Slots of concurrent limits that this instance's requests hold now, by zone and limit.",
 		}, []string{"zone", "limit"})
+		collectors.requestUnread = prometheus.NewCounterVec(prometheus.CounterOpts{
+			Namespace: ns, Subsystem: sub, Name: "request_body_unread_total",
+			Help: "Requests whose request_body values were left empty, by zone and reason (encoded, not_json, too_large, cut_off, repeated, nested, invalid_utf8).",
+		}, []string{"zone", "reason"})
 	})
 	for _, c := range []prometheus.Collector{collectors.requests, collectors.redisDuration, collectors.breakerOpen,
-		collectors.charged, collectors.forgiven, collectors.settleFailures, collectors.inFlight} {
+		collectors.charged, collectors.forgiven, collectors.settleFailures, collectors.inFlight, collectors.requestUnread} {
 		if err := registry.Register(c); err != nil && !errors.As(err, &prometheus.AlreadyRegisteredError{}) {
 			return nil, err
 		}

@@ -63,6 +63,7 @@ func init() {
 // `{http.rate_limit.key}` | the client key as stored (escaped, or hashed when long), only with `log_key` (else empty)
 // `{http.rate_limit.charged}` | with `charge` or `charge_status`, after the response: the tokens it was charged (of the first limit that charges)
 // `{http.rate_limit.charged.<limit>}` | the same, for each named limit that charges
+// `{http.rate_limit.request.<path>}` | with `request_body`, before the keys are resolved: the value at that path of the request's JSON body
 //
 // It counts its decisions in the `caddy_rate_limit_requests_total`
 // metric (labels `zone`, `result` and `limit`), times Redis in
@@ -106,8 +107,13 @@ type Handler struct {
 	BurstCapacity Param `json:"burst_capacity,omitempty"`
 
 	// RequestedTokens is how many tokens each request takes: a whole
-	// number, or placeholders resolved per request (a cost from a header).
-	// A value out of range refuses the request with 400. Default: 1.
+	// number, or placeholders resolved per request (a cost from a header),
+	// or a weighted sum of terms separated by spaces, each `<value>` or
+	// `<value>*<weight>` (a number or placeholders; a weight 0 or more,
+	// fractions allowed), rounded up to whole tokens, at least 1:
+	// `{http.rate_limit.request.max_tokens}*{out_price} 100`. A value out
+	// of range refuses the request with 400; a weight with placeholders
+	// out of range (negative, not a number, infinite) with 500. Default: 1.
 	RequestedTokens Param `json:"requested_tokens,omitempty"`
 
 	// IPv4Prefix and IPv6Prefix cut every client address in a key
@@ -184,6 +190,12 @@ type Handler struct {
 	// Default: no bound, every body is read to its end.
 	MaxBody int64 `json:"max_body,omitempty"`
 
+	// RequestBody names values of the request's JSON body (an LLM
+	// request's `model`, its `max_tokens`) that become placeholders
+	// before keys and values are resolved (see RequestBody). Default:
+	// none; the body is not read.
+	RequestBody *RequestBody `json:"request_body,omitempty"`
+
 	// DenyEmptyKey denies requests whose key resolves to the empty string
 	// with `empty_key_status`; when false they pass that limit unlimited.
 	// Default: true.
@@ -249,35 +261,37 @@ type Handler struct {
 	// Redis says where the buckets live. Default: `127.0.0.1:6379`.
 	Redis *RedisConfig `json:"redis,omitempty"`
 
-	logger       *zap.Logger
-	store        store        // the stack that decides requests (buildStore)
-	memory       *memoryStore // with store memory: the buckets
-	local        *memoryStore // with on_error local: the buckets while Redis fails
-	limiter      *limiter     // nil when no limit ever asks Redis
-	leases       *leases      // with lease
-	charging     *charging    // when a limit charges by the response (charge.go)
-	limiterKey   string
-	limits       []*limit
-	groups       [][]*limit // on Cluster, limits by hash slot, when they span several
-	useDenyCache bool       // see takeGroups
-	perRequest   bool       // some limit's values come from the request
-	holding      bool       // some limit is held while a request is served (kind.heldWhileServed)
-	denyEmpty    bool
-	failOpen     bool
-	headers      rateLimitHeaders
-	errDenied    caddyhttp.HandlerError
-	errEmptyKey  caddyhttp.HandlerError
-	errBlocked   caddyhttp.HandlerError
-	errRedis     caddyhttp.HandlerError // Redis failed, on_error deny: the cause goes to the log, not to clients
-	denied       *denyCache
-	redisWarns   *logThrottle // Redis failures: a line per 10 s
-	overloaded   *logThrottle // calls this instance could not send in time: the same
-	fullWarns    *logThrottle // the in-memory store full: the same
-	paramWarns   *logThrottle // values out of range in requests: the same
-	shadowKeys   *keyThrottle // shadow denials: a line per key per 5 s ...
-	shadowLines  *logThrottle // ... and at most ten a second
-	metrics      *zoneMetrics
-	zoneValue    any // the zone as a placeholder value, boxed once (BenchmarkServeHTTPDenied 6 -> 5 allocs)
+	logger        *zap.Logger
+	store         store          // the stack that decides requests (buildStore)
+	memory        *memoryStore   // with store memory: the buckets
+	local         *memoryStore   // with on_error local: the buckets while Redis fails
+	limiter       *limiter       // nil when no limit ever asks Redis
+	leases        *leases        // with lease
+	charging      *charging      // when a limit charges by the response (charge.go)
+	request       *requestReader // with request_body (requestbody.go)
+	chargeWeights bool           // some charge json weight has placeholders (weights.go)
+	limiterKey    string
+	limits        []*limit
+	groups        [][]*limit // on Cluster, limits by hash slot, when they span several
+	useDenyCache  bool       // see takeGroups
+	perRequest    bool       // some limit's values come from the request
+	holding       bool       // some limit is held while a request is served (kind.heldWhileServed)
+	denyEmpty     bool
+	failOpen      bool
+	headers       rateLimitHeaders
+	errDenied     caddyhttp.HandlerError
+	errEmptyKey   caddyhttp.HandlerError
+	errBlocked    caddyhttp.HandlerError
+	errRedis      caddyhttp.HandlerError // Redis failed, on_error deny: the cause goes to the log, not to clients
+	denied        *denyCache
+	redisWarns    *logThrottle // Redis failures: a line per 10 s
+	overloaded    *logThrottle // calls this instance could not send in time: the same
+	fullWarns     *logThrottle // the in-memory store full: the same
+	paramWarns    *logThrottle // values out of range in requests: the same
+	shadowKeys    *keyThrottle // shadow denials: a line per key per 5 s ...
+	shadowLines   *logThrottle // ... and at most ten a second
+	metrics       *zoneMetrics
+	zoneValue     any // the zone as a placeholder value, boxed once (BenchmarkServeHTTPDenied 6 -> 5 allocs)
 }
 
 // CaddyModule returns the Caddy module information.
@@ -318,6 +332,9 @@ func (h *Handler) Provision(ctx caddy.Context) (err error) {
 	if err := h.setUpCharging(); err != nil {
 		return err
 	}
+	if err := h.setUpRequestBody(); err != nil {
+		return err
+	}
 	style := h.Headers
 	if h.IncludeHeaders != nil && !*h.IncludeHeaders || h.Shadow {
 		style = headersNone
@@ -344,6 +361,9 @@ func (h *Handler) Provision(ctx caddy.Context) (err error) {
 	if !h.DisableMetrics {
 		if h.metrics, err = newZoneMetrics(ctx.GetMetricsRegistry(), h.Zone, h.limits); err != nil {
 			return fmt.Errorf("registering metrics: %w", err)
+		}
+		if h.request != nil {
+			h.request.unread = unreadCounters(h.Zone)
 		}
 	}
 
@@ -429,6 +449,7 @@ func (h *Handler) Validate() error {
 		checkLease(h.Lease, h.Store),
 		h.checkLimits(),
 		h.checkCharging(),
+		checkRequestBody(h.RequestBody),
 	} {
 		if err != nil {
 			return err
@@ -465,6 +486,13 @@ func (h *Handler) Cleanup() error {
 // log); an admitted request is then served, and finished when the
 // decision registered something for after its response.
 func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyhttp.Handler) error {
+	if h.request != nil {
+		// request_body: the body's values first, placeholders that keys
+		// and values may name (requestbody.go).
+		if body := h.readRequestBody(r); body != nil {
+			defer body.done()
+		}
+	}
 	req, pass, err := h.limit(w, r)
 	switch {
 	case !pass:

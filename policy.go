@@ -137,6 +137,9 @@ type limit struct {
 	keyPrefix, keySuffix string
 	group                int // limits with one key template share a Cluster hash slot
 	rate, burst, cost    Param
+	// costTerms: requested_tokens as a weighted sum with placeholders
+	// (weights.go); nil for one value.
+	costTerms []costTerm
 	// fixed: no placeholders, so the values (and arguments) are known.
 	fixed      bool
 	values     limitValues
@@ -260,6 +263,17 @@ func (h *Handler) buildLimits(keyPrefix string) ([]*limit, error) {
 			groups[group] = len(groups)
 		}
 		l.group = groups[group]
+		if isWeighted(string(l.cost)) {
+			terms, sum, fixed, err := parseCostTerms(string(l.cost))
+			switch {
+			case err != nil:
+				return nil, err
+			case fixed:
+				l.cost = Param(strconv.FormatInt(sum, 10))
+			default:
+				l.costTerms = terms
+			}
+		}
 		l.fixed = !l.rate.perRequest() && !l.burst.perRequest() && !l.cost.perRequest()
 		if l.fixed {
 			if l.values, l.exempt, err = l.kind.resolveValues(string(l.rate), string(l.burst), string(l.cost)); err != nil {
@@ -409,6 +423,14 @@ func (l *limit) resolve(repl *caddy.Replacer) (limitValues, bool, error) {
 		name  string
 		value Param
 	}{{"replenish_rate", l.rate}, {l.kind.burstName(), l.burst}, {"requested_tokens", l.cost}} {
+		if i == 2 && l.costTerms != nil {
+			n, err := resolveTerms(l.costTerms, repl) // weights.go
+			if err != nil {
+				return limitValues{}, false, err
+			}
+			text[i] = strconv.FormatInt(n, 10)
+			continue
+		}
 		text[i] = repl.ReplaceAll(string(p.value), "")
 		if text[i] == "" && p.value != "" {
 			return limitValues{}, false, badValue(p.name, string(p.value), "resolved to nothing for this request")

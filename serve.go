@@ -123,6 +123,11 @@ func (h *Handler) resolve(w http.ResponseWriter, r *http.Request, repl *caddy.Re
 		h.record(repl, skipped, nil, -1)
 		return nil, nil
 	}
+	if h.chargeWeights {
+		if err := h.checkChargeWeights(buckets, repl); err != nil { // weights.go
+			return nil, h.refuseInvalid(w, r, repl, err)
+		}
+	}
 	if blocked := blockedBucket(buckets); blocked >= 0 {
 		buckets[blocked].remaining, buckets[blocked].retryAfter = 0, -1
 		h.headers.set(w.Header(), buckets, blocked, false)

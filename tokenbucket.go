@@ -119,6 +119,10 @@ func (v limitValues) scriptArgs() [3]any {
 // What has placeholders is judged per request.
 func checkValues(rate, burst, cost Param, together bool) error {
 	rate, cost = unset(rate), unset(cost)
+	cost, err := normalizeCost(cost) // a weighted sum (weights.go)
+	if err != nil {
+		return err
+	}
 	if together && !rate.perRequest() && !burst.perRequest() && !cost.perRequest() {
 		_, _, err := resolveValues(string(rate), string(burst), string(cost))
 		return err
@@ -127,7 +131,6 @@ func checkValues(rate, burst, cost Param, together bool) error {
 	fixedRate := !rate.perRequest() && rate != "" && rate != unlimited
 	fixedBurst := !burst.perRequest() && burst != "" && burst != unlimited
 	fixedCost := !cost.perRequest() && cost != ""
-	var err error
 	if fixedRate {
 		if v.rate, err = parseRate(string(rate)); err != nil {
 			return badValue("replenish_rate", string(rate), ": "+err.Error())

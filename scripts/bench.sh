@@ -32,6 +32,11 @@
 #   charge@64     as allowed@64 with `charge header X-Cost`: every response
 #                 costs more than its reservation, so every request also
 #                 settles (a second script call, after the response)
+#   llm@64        an LLM gateway as the README's: a 2 KiB JSON request body
+#                 (POST) whose model and max_tokens request_body reads, a
+#                 key per model, prices from map, a weighted reservation
+#                 and a weighted settlement from the JSON answer's usage
+#                 (every request settles; compare with charge@64)
 #   chargestatus@64  as allowed@64 with `charge_status 2xx`: responses keep
 #                 their reservation, no settlement (what the writer costs)
 #   denied@64     rate_limit, one empty bucket: every request gets 429
@@ -175,6 +180,7 @@ CASES=(
 	"nometrics@64 allowed-nometrics 200 -"
 	"charge@64 charge 200 -"
 	"chargestatus@64 chargestatus 200 -"
+	"llm@64 llm 200 -body=$REPO_ROOT/bench/llm-request.json"
 	"denied@64 denied 429 -same-key"
 	"mholt-denied@64 mholt-denied 429,200 -same-key"
 	"allowed@256 allowed 200 -"
@@ -206,7 +212,8 @@ if [[ -n "$baseline_bin" ]]; then
 		twinned+=("$c")
 		read -r name conf rest <<<"$c"
 		case "${name%@*}" in
-		bare | floor | floor3 | memfloor | mholt | mholt-denied) ;;
+		# llm: request_body is newer than most baselines, which refuse its config.
+		bare | floor | floor3 | memfloor | mholt | mholt-denied | llm) ;;
 		*) twinned+=("${name%@*}.base@${name#*@} $conf $rest") ;;
 		esac
 	done

@@ -92,7 +92,15 @@ func run(argv []string) {
 	redisAddr := fs.String("redis", "", "Redis host:port whose INFO deltas to report")
 	serverPID := fs.Int("pid", 0, "PID of the server, whose CPU use to report (Linux /proc)")
 	cpuList := fs.String("cpus", "", "comma-separated CPU numbers whose busy time (any process) to report, e.g. 0,1")
+	bodyFile := fs.String("body", "", "a file whose content every request sends as a JSON body, with POST (default: GET without a body)")
 	_ = fs.Parse(argv)
+	var body []byte
+	if *bodyFile != "" {
+		var err error
+		if body, err = os.ReadFile(*bodyFile); err != nil {
+			fatal(fmt.Errorf("-body: %w", err))
+		}
+	}
 
 	var expect []int
 	for _, f := range strings.Split(*expectList, ",") {
@@ -119,9 +127,14 @@ func run(argv []string) {
 		if *sameKey {
 			key = "conn-0000"
 		}
+		req := []byte("GET / HTTP/1.1\r\nHost: bench.local\r\nUser-Agent: loadgen\r\nX-Conn: " + key + "\r\n\r\n")
+		if body != nil {
+			req = append(fmt.Appendf(nil, "POST /v1/chat/completions HTTP/1.1\r\nHost: bench.local\r\nUser-Agent: loadgen\r\nX-Conn: %s\r\n"+
+				"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n", key, len(body)), body...)
+		}
 		w := &worker{
 			addr:   *addr,
-			req:    []byte("GET / HTTP/1.1\r\nHost: bench.local\r\nUser-Agent: loadgen\r\nX-Conn: " + key + "\r\n\r\n"),
+			req:    req,
 			expect: expect,
 			phase:  &phase,
 		}

@@ -31,6 +31,16 @@ type jsonScanner struct {
 	seq    uint32              // the numbers at paths so far
 	// negative: paths whose last number was negative.
 	negative uint16
+
+	// Capture (Values): where the value of each path lies in the
+	// document, whatever its type, instead of numbers.
+	capture  bool
+	off      int              // the document's offset of the bytes fed now
+	at       uint16           // the paths the value being read is at
+	start    int              // where that value began
+	spans    [MaxPaths][2]int // each path's value: [start, end)
+	repeated uint16           // paths met twice
+	nested   uint16           // paths whose value is an object or an array
 }
 
 type jsonState uint8
@@ -48,6 +58,7 @@ const (
 	jLiteral                      // in true, false or null
 	jDone                         // the document is complete: only space may follow
 	jStop                         // a document it cannot follow
+	jFull                         // capturing: every path has its value, nothing more is read
 )
 
 // maxDepth is the deepest nesting followed (arrays has a bit per depth).
@@ -55,6 +66,7 @@ const maxDepth = 64
 
 func (d *jsonScanner) reset() {
 	d.state, d.depth, d.arrays, d.found, d.negative, d.seq = jValue, 0, 0, 0, 0, 0
+	d.at, d.repeated, d.nested, d.off = 0, 0, 0, 0
 	d.value = 1<<d.paths.n - 1
 }
 
@@ -84,6 +96,9 @@ func (d *jsonScanner) feed(p []byte) {
 					continue
 				}
 				d.value = d.element()
+			}
+			if d.capture {
+				d.mark(c, i)
 			}
 			d.beginValue(c)
 		case jObjectFirst, jKey:
@@ -144,6 +159,9 @@ func (d *jsonScanner) feed(p []byte) {
 					d.esc = 1
 					continue
 				}
+				if d.at != 0 {
+					d.captured(i + 1)
+				}
 				d.endValue()
 				break
 			}
@@ -159,11 +177,17 @@ func (d *jsonScanner) feed(p []byte) {
 				}
 				continue
 			}
+			if d.at != 0 {
+				d.captured(i)
+			}
 			d.endNumber()
 			i-- // c comes after the number
 		case jLiteral:
 			if c >= 'a' && c <= 'z' {
 				continue
+			}
+			if d.at != 0 {
+				d.captured(i)
 			}
 			d.endValue()
 			i--
@@ -171,7 +195,7 @@ func (d *jsonScanner) feed(p []byte) {
 			if !isSpace(c) {
 				d.state = jStop
 			}
-		case jStop:
+		case jStop, jFull:
 			return
 		}
 	}
@@ -326,6 +350,10 @@ func (d *jsonScanner) endNumber() {
 
 // endValue ends a value: the document, or on to what follows it.
 func (d *jsonScanner) endValue() {
+	if d.capture && d.found == 1<<d.paths.n-1 {
+		d.state = jFull
+		return
+	}
 	if d.depth == 0 {
 		d.state = jDone
 	} else {
@@ -342,4 +370,36 @@ func (d *jsonScanner) close(c byte) {
 	}
 	d.depth--
 	d.endValue()
+}
+
+// mark notes where a value begins, at p[i] (c) of the bytes fed now,
+// and the paths it is at. A path met before is repeated; an object or an
+// array at a path is nested: neither has a value then.
+func (d *jsonScanner) mark(c byte, i int) {
+	d.at = 0
+	if d.depth > MaxKeys {
+		return
+	}
+	on := d.value & d.paths.exact[d.depth]
+	if on == 0 {
+		return
+	}
+	d.repeated |= on & d.found
+	if c == '{' || c == '[' {
+		d.nested |= on
+		d.found |= on // met, without a value
+		return
+	}
+	d.at, d.start = on, d.off+i
+}
+
+// captured ends the value begun at d.start before p[i] of the bytes fed
+// now: its span, for the paths it is at.
+func (d *jsonScanner) captured(i int) {
+	for m := d.at; m != 0; m &= m - 1 {
+		p := bits.TrailingZeros16(m)
+		d.spans[p] = [2]int{d.start, d.off + i}
+	}
+	d.found |= d.at
+	d.at = 0
 }

@@ -1,0 +1,95 @@
+package scan
+
+import (
+	"strings"
+	"testing"
+)
+
+// readValues reads doc in pieces of size n (the body as a client sends
+// it) and returns each path's value or why it has none, and how many
+// bytes were read before reading stopped.
+func readValues(t *testing.T, doc string, n int, paths ...string) (map[string]string, int) {
+	t.Helper()
+	var ps Paths
+	bits := map[string]uint16{}
+	for _, p := range paths {
+		bit, err := ps.Add(p)
+		if err != nil {
+			t.Fatal(err)
+		}
+		bits[p] = bit
+	}
+	var v Values
+	v.Reset(&ps)
+	read := 0
+	over := false
+	for read < len(doc) && !over {
+		end := min(read+n, len(doc))
+		over = v.Write([]byte(doc[read:end]))
+		read = end
+	}
+	if !over {
+		v.End()
+	}
+	out := map[string]string{}
+	for _, p := range paths {
+		value, why := v.Value(bits[p], []byte(doc[:read]))
+		switch {
+		case v.Why() != "":
+			out[p] = "!" + v.Why()
+		case why != "":
+			out[p] = "!" + why
+		default:
+			out[p] = string(value)
+		}
+	}
+	return out, read
+}
+
+func TestValuesFindsStringsNumbersAndBooleansAtTheirPaths(t *testing.T) {
+	doc := `{"model": "gpt-4o", "messages": [{"role": "user", "content": "a \"quoted\" } { text"}], "max_tokens": 512, "stream": true, "n": null, "name": "caf\u00e9"}`
+	for _, n := range []int{1, 3, 7, len(doc)} {
+		got, _ := readValues(t, doc, n, "model", "max_tokens", "stream", "n", "messages.0.role", "name", "absent")
+		want := map[string]string{"model": "gpt-4o", "max_tokens": "512", "stream": "true", "n": "", "messages.0.role": "user", "name": "café", "absent": ""}
+		for p, w := range want {
+			if got[p] != w {
+				t.Errorf("pieces of %d: %s = %q, want %q", n, p, got[p], w)
+			}
+		}
+	}
+}
+
+func TestValuesStopsReadingOnceEveryPathIsFound(t *testing.T) {
+	doc := `{"model":"m","max_tokens":7,"messages":[` + strings.Repeat(`{"role":"user","content":"xxxxxxxx"},`, 1000) + `{}]}`
+	got, read := readValues(t, doc, 16, "model", "max_tokens")
+	if got["model"] != "m" || got["max_tokens"] != "7" {
+		t.Fatalf("values %v", got)
+	}
+	if read > 48 {
+		t.Fatalf("read %d bytes of %d, want to stop within the piece after max_tokens", read, len(doc))
+	}
+}
+
+func TestValuesLeavesBadValuesEmptyAndSaysWhy(t *testing.T) {
+	deep := `{"model":"m","x":` + strings.Repeat("[", 100_000) + strings.Repeat("]", 100_000) + `,"max_tokens":1}`
+	for _, tc := range []struct {
+		name, doc, path, want string
+	}{
+		{"a number", `{"model": 42}`, "model", "42"},
+		{"an object", `{"model": {"id": "x"}}`, "model", "!nested"},
+		{"an array", `{"model": ["a", "b"]}`, "model", "!nested"},
+		{"a path twice", `{"model": "cheap", "x": 1, "model": "dear"}`, "model", "!repeated"},
+		{"invalid UTF-8", "{\"model\": \"a\xff\xfeb\"}", "model", "!invalid_utf8"},
+		{"not JSON", `model=gpt-4o&max_tokens=5`, "model", "!not_json"},
+		{"cut short", `{"model": "gpt`, "model", "!not_json"},
+		{"nested 100,000 deep", deep, "max_tokens", "!not_json"},
+		{"a huge number", `{"max_tokens": 1e308}`, "max_tokens", "1e308"},
+		{"a negative number", `{"max_tokens": -5}`, "max_tokens", "-5"},
+		{"a string", `{"max_tokens": "abc"}`, "max_tokens", "abc"},
+	} {
+		got, _ := readValues(t, tc.doc, 5, tc.path, "never")
+		if got[tc.path] != tc.want {
+			t.Errorf("%s: %s = %q, want %q", tc.name, tc.path, got[tc.path], tc.want)
+		}
+	}
+}

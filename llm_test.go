@@ -1,0 +1,720 @@
+package ratelimit
+
+import (
+	"bytes"
+	"compress/gzip"
+	"context"
+	"crypto/sha256"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"net/http"
+	"net/http/httptest"
+	"os"
+	"strconv"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/caddy-redis/ratelimit/internal/redistest"
+	"github.com/caddyserver/caddy/v2"
+	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
+	"github.com/openai/openai-go/v3"
+	"github.com/openai/openai-go/v3/option"
+	"go.uber.org/zap"
+)
+
+// llmUpstream is an OpenAI-compatible upstream of the test's own: it
+// answers chat completions, as JSON or, when the body asks, as an event
+// stream (with usage when stream_options.include_usage), and records
+// each body it received under its X-Body-Id. Usage is X-Prompt-Tokens
+// (default 1000) and X-Completion-Tokens (default 200). X-Hold: 1 holds
+// the answer until release is closed, after the body was recorded.
+type llmUpstream struct {
+	*httptest.Server
+	release  chan struct{}
+	received chan string // X-Body-Id of each body recorded
+	mu       sync.Mutex
+	bodies   map[string]receivedBody
+	answered atomic.Int64 // responses with usage
+	spent    atomic.Int64 // completion tokens of those
+}
+
+type receivedBody struct {
+	sum  [32]byte
+	size int
+}
+
+func startLLMUpstream(t *testing.T) *llmUpstream {
+	u := &llmUpstream{release: make(chan struct{}), received: make(chan string, 1024), bodies: map[string]receivedBody{}}
+	u.Server = httptest.NewServer(http.HandlerFunc(u.serve))
+	t.Cleanup(u.Close)
+	return u
+}
+
+func (u *llmUpstream) host() string { return strings.TrimPrefix(u.URL, "http://") }
+
+func (u *llmUpstream) serve(w http.ResponseWriter, r *http.Request) {
+	h := sha256.New()
+	var head bytes.Buffer // the first 64 KiB, to read the request
+	n, err := io.Copy(io.MultiWriter(h, &limitedBuffer{&head, 64 << 10}), r.Body)
+	if err != nil {
+		http.Error(w, err.Error(), http.StatusBadRequest)
+		return
+	}
+	var rb receivedBody
+	copy(rb.sum[:], h.Sum(nil))
+	rb.size = int(n)
+	if id := r.Header.Get("X-Body-Id"); id != "" {
+		u.mu.Lock()
+		u.bodies[id] = rb
+		u.mu.Unlock()
+		u.received <- id
+	}
+	if r.Header.Get("X-Hold") == "1" {
+		<-u.release
+	}
+	var req struct {
+		Model         string `json:"model"`
+		Stream        bool   `json:"stream"`
+		StreamOptions struct {
+			IncludeUsage bool `json:"include_usage"`
+		} `json:"stream_options"`
+	}
+	_ = json.Unmarshal(head.Bytes(), &req) // a body that is not JSON gets an answer too
+	num := func(name string, def int64) int64 {
+		if v, err := strconv.ParseInt(r.Header.Get(name), 10, 64); err == nil {
+			return v
+		}
+		return def
+	}
+	prompt, completion := num("X-Prompt-Tokens", 1000), num("X-Completion-Tokens", 200)
+	usage := fmt.Sprintf(`{"prompt_tokens":%d,"completion_tokens":%d,"total_tokens":%d}`, prompt, completion, prompt+completion)
+	u.answered.Add(1)
+	u.spent.Add(completion)
+	if !req.Stream {
+		w.Header().Set("Content-Type", "application/json")
+		fmt.Fprintf(w, `{"id":"chatcmpl-1","object":"chat.completion","created":1,"model":%q,"choices":[{"index":0,"message":{"role":"assistant","content":"Hi"},"finish_reason":"stop"}],"usage":%s}`, req.Model, usage)
+		return
+	}
+	w.Header().Set("Content-Type", "text/event-stream")
+	for _, part := range []string{"Hi", " there"} {
+		fmt.Fprintf(w, "data: {\"id\":\"chatcmpl-1\",\"object\":\"chat.completion.chunk\",\"created\":1,\"model\":%q,\"choices\":[{\"index\":0,\"delta\":{\"content\":%q}}]}\n\n", req.Model, part)
+		w.(http.Flusher).Flush()
+	}
+	if req.StreamOptions.IncludeUsage {
+		fmt.Fprintf(w, "data: {\"id\":\"chatcmpl-1\",\"object\":\"chat.completion.chunk\",\"created\":1,\"model\":%q,\"choices\":[],\"usage\":%s}\n\n", req.Model, usage)
+	}
+	fmt.Fprint(w, "data: [DONE]\n\n")
+}
+
+// limitedBuffer keeps the first max bytes written to it.
+type limitedBuffer struct {
+	b   *bytes.Buffer
+	max int
+}
+
+func (l *limitedBuffer) Write(p []byte) (int, error) {
+	if room := l.max - l.b.Len(); room > 0 {
+		l.b.Write(p[:min(room, len(p))])
+	}
+	return len(p), nil
+}
+
+// body is what the upstream received under id, waiting for it.
+func (u *llmUpstream) body(t *testing.T, id string) receivedBody {
+	t.Helper()
+	deadline := time.After(10 * time.Second)
+	for {
+		u.mu.Lock()
+		rb, ok := u.bodies[id]
+		u.mu.Unlock()
+		if ok {
+			return rb
+		}
+		select {
+		case <-u.received:
+		case <-deadline:
+			t.Fatalf("the upstream received no body %s within 10 s", id)
+		}
+	}
+}
+
+// readmeLLMGateway is the README's "LLM gateway" Caddyfile with its site
+// address, its upstream and a redis line replaced.
+func startReadmeLLMGateway(t *testing.T, redisAddr string, up *llmUpstream) *chargeCaddy {
+	t.Helper()
+	block := readmeExample(t, "LLM gateway")
+	if !strings.HasPrefix(block, "llm.example.com {") || !strings.Contains(block, "reverse_proxy localhost:8000\n") {
+		t.Fatalf("the README's LLM gateway is not the site expected:\n%s", block)
+	}
+	site := strings.Replace(block, "llm.example.com {", "http://127.0.0.1:{{http_port}} {", 1)
+	site = strings.Replace(site, "reverse_proxy localhost:8000", "reverse_proxy %[2]s", 1)
+	site = strings.Replace(site, "\t\tzone llm-gateway\n", "\t\tzone llm-gateway\n\t\tredis %[1]s\n", 1)
+	return startChargeCaddy(t, site, redisAddr, up.host())
+}
+
+// openAIClient is openai-go's client of the gateway with an API key; it
+// never retries, and records each body it sends, by X-Body-Id.
+func openAIClient(c *chargeCaddy, apiKey string, sent map[string][]byte, mu *sync.Mutex) openai.Client {
+	return openai.NewClient(option.WithBaseURL(c.URL+"/v1/"), option.WithAPIKey(apiKey), option.WithMaxRetries(0),
+		option.WithMiddleware(func(r *http.Request, next option.MiddlewareNext) (*http.Response, error) {
+			if sent != nil && r.Body != nil {
+				b, err := io.ReadAll(r.Body)
+				if err != nil {
+					return nil, err
+				}
+				mu.Lock()
+				sent[r.Header.Get("X-Body-Id")] = b
+				mu.Unlock()
+				r.Body = io.NopCloser(bytes.NewReader(b))
+			}
+			return next(r)
+		}))
+}
+
+func chat(model string, maxTokens int64) openai.ChatCompletionNewParams {
+	p := openai.ChatCompletionNewParams{Model: model, Messages: []openai.ChatCompletionMessageParamUnion{openai.UserMessage("Say hi.")}}
+	if maxTokens > 0 {
+		p.MaxTokens = openai.Int(maxTokens)
+	}
+	return p
+}
+
+// statusOfErr is the HTTP status of an openai-go error, 200 for none.
+func statusOfErr(t *testing.T, err error) int {
+	t.Helper()
+	if err == nil {
+		return 200
+	}
+	var apiErr *openai.Error
+	if errors.As(err, &apiErr) {
+		return apiErr.StatusCode
+	}
+	t.Fatalf("not an API error: %v", err)
+	return 0
+}
+
+// gatewayQuery names a client of the README's gateway in the admin API:
+// its API key and model.
+func gatewayQuery(apiKey, model string) map[string][]string {
+	return q("header.Authorization", "Bearer "+apiKey, "http.rate_limit.request.model", model,
+		// The values the admin API resolves with the keys: any will do.
+		"http.rate_limit.request.max_tokens:4096", "1", "header.Content-Length", "1", "in_byte_price", "1", "out_price", "1")
+}
+
+const gatewayBudget = 50_000_000 // micro-dollars a day
+
+// TestLLMGatewayReadmeExampleRunsAsWritten: the README's LLM gateway, as
+// written, through openai-go, streamed and not: two models spend the
+// money budget at their prices, exactly after each response; each
+// request reserves what its max_tokens allows; a model whose tokens per
+// minute are spent is refused while the other is admitted.
+func TestLLMGatewayReadmeExampleRunsAsWritten(t *testing.T) {
+	srv := redistest.Start(t)
+	up := startLLMUpstream(t)
+	c := startReadmeLLMGateway(t, srv.Addr, up)
+	var mu sync.Mutex
+	sent := map[string][]byte{}
+	client := openAIClient(c, "sk-1", sent, &mu)
+	ctx := context.Background()
+	dollars := func() float64 { return gatewayTokens(t, c, "sk-1", "gpt-4o", "dollars") }
+
+	// The budget, exact after each response: 1,000 prompt and 200
+	// completion tokens cost 1000 × 2.5 + 200 × 10 on gpt-4o, 1000 × 0.15
+	// + 200 × 0.6 on gpt-4o-mini.
+	spent := 0.0
+	for i, tc := range []struct {
+		model  string
+		stream bool
+		cost   float64
+	}{
+		{"gpt-4o", false, 4500},
+		{"gpt-4o-mini", false, 270},
+		{"gpt-4o", true, 4500},
+		{"gpt-4o-mini", true, 270},
+	} {
+		id := option.WithHeader("X-Body-Id", fmt.Sprintf("budget-%d", i))
+		if tc.stream {
+			params := chat(tc.model, 300)
+			params.StreamOptions.IncludeUsage = openai.Bool(true)
+			stream := client.Chat.Completions.NewStreaming(ctx, params, id)
+			var acc openai.ChatCompletionAccumulator
+			for stream.Next() {
+				acc.AddChunk(stream.Current())
+			}
+			if err := stream.Err(); err != nil {
+				t.Fatalf("%s streamed: %v", tc.model, err)
+			}
+			if acc.Usage.TotalTokens != 1200 || acc.Choices[0].Message.Content != "Hi there" {
+				t.Fatalf("%s streamed: usage %+v, content %q", tc.model, acc.Usage, acc.Choices[0].Message.Content)
+			}
+		} else {
+			resp, err := client.Chat.Completions.New(ctx, chat(tc.model, 300), id)
+			if err != nil {
+				t.Fatalf("%s: %v", tc.model, err)
+			}
+			if resp.Model != tc.model || resp.Usage.TotalTokens != 1200 {
+				t.Fatalf("%s: model %q, usage %+v", tc.model, resp.Model, resp.Usage)
+			}
+		}
+		spent += tc.cost
+		eventually(t, 3*time.Second, fmt.Sprintf("response %d (%s) charged exactly", i, tc.model),
+			func() bool { return dollars() == gatewayBudget-spent })
+	}
+
+	// The reservation follows max_tokens: while the upstream holds the
+	// answer, the budget of a fresh key holds max_tokens × 10 +
+	// Content-Length × 0.625 (rounded up) less; its model's tokens,
+	// max_tokens + Content-Length / 4 (and what refilled since).
+	for _, maxTokens := range []int64{1000, 7000} {
+		key := fmt.Sprintf("sk-reserve-%d", maxTokens)
+		id := key
+		done := make(chan error, 1)
+		up.release = make(chan struct{})
+		start := time.Now()
+		go func() {
+			fresh := openAIClient(c, key, nil, nil)
+			_, err := fresh.Chat.Completions.New(ctx, chat("gpt-4o", maxTokens), option.WithHeader("X-Body-Id", id), option.WithHeader("X-Hold", "1"))
+			done <- err
+		}()
+		size := float64(up.body(t, id).size)
+		if got, want := gatewayTokens(t, c, key, "gpt-4o", "dollars"), gatewayBudget-float64(maxTokens)*10-ceilF(size*0.625); got != want {
+			t.Errorf("max_tokens %d: the budget holds %v while the answer is held, want %v (a reservation of max_tokens × 10 + %v bytes × 0.625)",
+				maxTokens, got, want, size)
+		}
+		reserved := float64(maxTokens) + ceilF(size/4)
+		tokens := gatewayTokens(t, c, key, "gpt-4o", "tokens")
+		refilled := time.Since(start).Seconds()*100000/60 + 1 // and a token for Redis's clock against this one
+		if tokens < 100000-reserved || tokens > 100000-reserved+refilled {
+			t.Errorf("max_tokens %d: the model's tokens hold %v, want %v less (and at most %.0f refilled)", maxTokens, tokens, reserved, refilled)
+		}
+		close(up.release)
+		if err := <-done; err != nil {
+			t.Fatal(err)
+		}
+		eventually(t, 3*time.Second, "the held answer charged", func() bool { return gatewayTokens(t, c, key, "gpt-4o", "dollars") == gatewayBudget-4500 })
+	}
+
+	// Per model: an answer of 150,000 tokens takes gpt-4o's minute below
+	// zero; gpt-4o is refused, gpt-4o-mini is not.
+	if _, err := client.Chat.Completions.New(ctx, chat("gpt-4o", 300), option.WithHeader("X-Completion-Tokens", "150000")); err != nil {
+		t.Fatal(err)
+	}
+	eventually(t, 3*time.Second, "gpt-4o's tokens in debt", func() bool {
+		return gatewayTokens(t, c, "sk-1", "gpt-4o", "tokens") < 0
+	})
+	_, err := client.Chat.Completions.New(ctx, chat("gpt-4o", 300))
+	if status := statusOfErr(t, err); status != http.StatusTooManyRequests {
+		t.Fatalf("gpt-4o after its minute was spent: %d, want 429", status)
+	}
+	if _, err := client.Chat.Completions.New(ctx, chat("gpt-4o-mini", 300)); err != nil {
+		t.Fatalf("gpt-4o-mini while gpt-4o is refused: %v", err)
+	}
+	other := openAIClient(c, "sk-2", nil, nil)
+	if _, err := other.Chat.Completions.New(ctx, chat("gpt-4o", 300)); err != nil {
+		t.Fatalf("another key's gpt-4o: %v", err)
+	}
+
+	// Each body the client sent reached the upstream byte for byte.
+	mu.Lock()
+	defer mu.Unlock()
+	for id, b := range sent {
+		if id == "" {
+			continue
+		}
+		if got := up.body(t, id); got.sum != sha256.Sum256(b) || got.size != len(b) {
+			t.Errorf("body %s: the upstream received %d bytes, not the %d sent", id, got.size, len(b))
+		}
+	}
+}
+
+// gatewayTokens is what the bucket of a limit or quota of the README's
+// gateway holds for a key and model (admin API).
+func gatewayTokens(t *testing.T, c *chargeCaddy, apiKey, model, limit string) float64 {
+	t.Helper()
+	var got struct {
+		Buckets []struct {
+			Limit  string          `json:"limit"`
+			Tokens string          `json:"tokens"`
+			Other  json.RawMessage `json:"quota"`
+		} `json:"buckets"`
+	}
+	q := gatewayQuery(apiKey, model)
+	resp, body := send(t, c.client, c.admin+bucketsPath("llm-gateway", q))
+	if resp.StatusCode != 200 {
+		t.Fatalf("admin API: %d %s", resp.StatusCode, body)
+	}
+	if err := json.Unmarshal([]byte(body), &got); err != nil {
+		t.Fatalf("admin API: %v: %s", err, body)
+	}
+	for _, b := range got.Buckets {
+		if b.Limit == limit {
+			v, err := strconv.ParseFloat(b.Tokens, 64)
+			if err != nil {
+				t.Fatalf("admin API: tokens %q", b.Tokens)
+			}
+			return v
+		}
+	}
+	t.Fatalf("admin API: no bucket of %s in %s", limit, body)
+	return 0
+}
+
+func ceilF(v float64) float64 { return float64(ceilTokens(v)) }
+
+// TestLLMBudgetUnderConcurrencyNeverPassesTheBoundPlusMaxDebt: 32
+// clients of one API key, 8 requests each, each on a model of its own
+// (so that no model's tokens per minute refuse it first; unknown models
+// pay the map's default prices), whose answers cost 6 dollars each
+// against a reservation of about a thousandth of that: the budget of the
+// README's gateway is charged no more than its 50 dollars plus
+// max_debt's one, however many were in flight at once.
+func TestLLMBudgetUnderConcurrencyNeverPassesTheBoundPlusMaxDebt(t *testing.T) {
+	srv := redistest.Start(t)
+	up := startLLMUpstream(t)
+	c := startReadmeLLMGateway(t, srv.Addr, up)
+	client := openAIClient(c, "sk-many", nil, nil)
+	var admitted, refused atomic.Int64
+	var wg sync.WaitGroup
+	for g := range 32 {
+		wg.Go(func() {
+			for i := range 8 {
+				// 1,000 × 10 + 149,750 × 40: 6 dollars at the default prices.
+				model := fmt.Sprintf("model-%d-%d", g, i)
+				_, err := client.Chat.Completions.New(context.Background(), chat(model, 100), option.WithHeader("X-Completion-Tokens", "149750"))
+				switch status := statusOfErr(t, err); status {
+				case 200:
+					admitted.Add(1)
+				case 429:
+					refused.Add(1)
+				default:
+					t.Errorf("status %d", status)
+				}
+			}
+		})
+	}
+	wg.Wait()
+	const maxDebt = 1_000_000
+	charged := func() float64 {
+		return scrapeMetricsAt(t, c.admin).samples[chargeSeries("charged_total", "llm-gateway", "dollars")]
+	}
+	eventually(t, 5*time.Second, "every settlement", func() bool {
+		return gatewayTokens(t, c, "sk-many", "gpt-4o", "dollars") < 0
+	})
+	time.Sleep(200 * time.Millisecond) // the last settlements, queued before their responses ended
+	got := charged()
+	left := gatewayTokens(t, c, "sk-many", "gpt-4o", "dollars")
+	t.Logf("admitted %d, refused %d; charged %.0f, the budget holds %.0f", admitted.Load(), refused.Load(), got, left)
+	if got > gatewayBudget+maxDebt || left < -maxDebt {
+		t.Fatalf("charged %.0f with the budget at %.0f: more than %d + max_debt %d", got, left, gatewayBudget, maxDebt)
+	}
+	if admitted.Load()*6_000_000 < gatewayBudget || refused.Load() == 0 {
+		t.Fatalf("admitted %d, refused %d: the test did not reach the budget", admitted.Load(), refused.Load())
+	}
+}
+
+// requestBodySites passes every request on, whatever its values
+// (deny_empty_key false), with a bound of 4 KiB, so that the upstream
+// shows what each body became.
+const requestBodySites = `
+http://127.0.0.1:{{http_port}} {
+	rate_limit {
+		zone bodies
+		redis %[1]s
+		key {http.request.header.X-Body-Id}:{http.rate_limit.request.model}
+		deny_empty_key false
+		replenish_rate 1000
+		burst_capacity 1000000
+		request_body {
+			json model max_tokens
+			max_size 4KiB
+		}
+	}
+	reverse_proxy %[2]s
+}
+`
+
+// post sends body to path with the headers (name, value, ...), and
+// reads the answer. A body of a *bytes.Reader or *strings.Reader is sent
+// with its Content-Length, any other chunked, unless a header
+// Content-Length says its length.
+func post(t *testing.T, client *http.Client, url string, body io.Reader, headers ...string) (int, string) {
+	t.Helper()
+	req, err := http.NewRequest(http.MethodPost, url, body)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for i := 0; i+1 < len(headers); i += 2 {
+		if headers[i] == "Content-Length" {
+			req.ContentLength, _ = strconv.ParseInt(headers[i+1], 10, 64)
+		}
+	}
+	for i := 0; i+1 < len(headers); i += 2 {
+		req.Header.Set(headers[i], headers[i+1])
+	}
+	resp, err := client.Do(req)
+	if err != nil {
+		t.Fatalf("POST %s: %v", url, err)
+	}
+	defer resp.Body.Close()
+	b, _ := io.ReadAll(resp.Body)
+	return resp.StatusCode, string(b)
+}
+
+// TestLLMUpstreamReceivesEveryBodyByteForByte: bodies that the limiter
+// read in part, all, past its bound, or not at all (gzip) reach the
+// upstream byte for byte, with and without Content-Length.
+func TestLLMUpstreamReceivesEveryBodyByteForByte(t *testing.T) {
+	srv := redistest.Start(t)
+	up := startLLMUpstream(t)
+	c := startChargeCaddy(t, requestBodySites, srv.Addr, up.host())
+	var gz bytes.Buffer
+	zw := gzip.NewWriter(&gz)
+	fmt.Fprintf(zw, `{"model":"gpt-4o","max_tokens":5,"messages":[{"role":"user","content":%q}]}`, strings.Repeat("compressed ", 1000))
+	zw.Close()
+	bodies := map[string][]byte{
+		"small":         []byte(`{"model":"gpt-4o","max_tokens":5,"messages":[{"role":"user","content":"hi"}]}`),
+		"found-early":   fmt.Appendf(nil, `{"model":"gpt-4o","max_tokens":5,"messages":[{"role":"user","content":%q}]}`, strings.Repeat("x", 3<<20)),
+		"past-bound":    fmt.Appendf(nil, `{"messages":[{"role":"user","content":%q}],"model":"gpt-4o","max_tokens":5}`, strings.Repeat("y", 64<<10)),
+		"at-the-bound":  fmt.Appendf(nil, `{"messages":[{"content":%q}],"model":"m"}`, strings.Repeat("z", 4096-len(`{"messages":[{"content":""}],"model":"m"}`))),
+		"gzip":          gz.Bytes(),
+		"not-json":      []byte("model=gpt-4o&max_tokens=5"),
+		"empty":         nil,
+		"binary":        bytes.Repeat([]byte{0, 0xff, '{', '"'}, 10000),
+		"one-byte-over": fmt.Appendf(nil, `{"messages":[{"content":%q}],"model":"m"}`, strings.Repeat("z", 4097-len(`{"messages":[{"content":""}],"model":"m"}`))),
+	}
+	for id, b := range bodies {
+		for _, chunked := range []bool{false, true} {
+			var r io.Reader = bytes.NewReader(b)
+			if chunked {
+				r = io.MultiReader(r) // hides the length: sent chunked
+			}
+			name := fmt.Sprintf("%s/chunked=%v", id, chunked)
+			headers := []string{"X-Body-Id", name, "Content-Type", "application/json"}
+			if id == "gzip" {
+				headers = append(headers, "Content-Encoding", "gzip")
+			}
+			if status, answer := post(t, c.client, c.URL+"/v1/chat/completions", r, headers...); status != 200 {
+				t.Fatalf("%s: %d %s", name, status, answer)
+			}
+			if got := up.body(t, name); got.sum != sha256.Sum256(b) || got.size != len(b) {
+				t.Errorf("%s: the upstream received %d bytes (sha256 %x), not the %d sent", name, got.size, got.sum[:4], len(b))
+			}
+		}
+	}
+	// What each read set, as the buckets' keys show it.
+	for id, model := range map[string]string{"small": "gpt-4o", "found-early": "gpt-4o", "at-the-bound": "m"} {
+		if b := getAdminBuckets(t, c.admin, "bodies", q("header.X-Body-Id", id+"/chunked=true", "http.rate_limit.request.model", model)); len(b) == 0 || b[0].Tokens == "" {
+			t.Errorf("%s: no bucket keyed by the model %q", id, model)
+		}
+	}
+	unread := scrapeMetricsAt(t, c.admin).samples
+	for _, reason := range []string{"encoded", "not_json", "too_large"} {
+		if n := unread[fmt.Sprintf(`caddy_rate_limit_request_body_unread_total{reason=%q,zone="bodies"}`, reason)]; n < 2 {
+			t.Errorf("request_body_unread_total{reason=%q}: %v, want at least 2", reason, n)
+		}
+	}
+}
+
+// vmHWM is the peak resident memory of a process, in bytes (Linux).
+func vmHWM(t *testing.T, pid int) int64 {
+	t.Helper()
+	raw, err := os.ReadFile(fmt.Sprintf("/proc/%d/status", pid))
+	if err != nil {
+		t.Skipf("no /proc: %v", err)
+	}
+	for _, line := range strings.Split(string(raw), "\n") {
+		if rest, ok := strings.CutPrefix(line, "VmHWM:"); ok {
+			kb, _ := strconv.ParseInt(strings.TrimSpace(strings.TrimSuffix(strings.TrimSpace(rest), "kB")), 10, 64)
+			return kb << 10
+		}
+	}
+	t.Fatal("no VmHWM")
+	return 0
+}
+
+// TestLLMBadRequestBodiesAnsweredByTheRules: through the README's
+// gateway, bad bodies are answered as its rules say: a model that is not
+// a string, number or boolean, a path given twice, invalid UTF-8 and a
+// body too deep to follow leave the model empty (403, the key is
+// empty); a max_tokens out of range is refused (400); a 100 MB body
+// whose values come first passes, whole, and one whose values are past
+// the bound is refused, with Caddy's memory well within 100 MB.
+func TestLLMBadRequestBodiesAnsweredByTheRules(t *testing.T) {
+	srv := redistest.Start(t)
+	up := startLLMUpstream(t)
+	c := startReadmeLLMGateway(t, srv.Addr, up)
+	deep := `{"model":"gpt-4o","x":` + strings.Repeat("[", 100_000) + strings.Repeat("]", 100_000) + `,"max_tokens":5}`
+	for _, tc := range []struct {
+		name, body string
+		status     int
+	}{
+		{"model as a number", `{"model":42,"max_tokens":5}`, 200},
+		{"model as an object", `{"model":{"id":"gpt-4o"},"max_tokens":5}`, 403},
+		{"model as an array", `{"model":["gpt-4o"],"max_tokens":5}`, 403},
+		{"model twice", `{"model":"gpt-4o-mini","messages":[],"model":"gpt-4o","max_tokens":5}`, 403},
+		{"invalid UTF-8", "{\"model\":\"gpt-4o\xff\",\"max_tokens\":5}", 403},
+		{"nested 100,000 deep", deep, 403},
+		{"max_tokens 1e308", `{"model":"gpt-4o","max_tokens":1e308}`, 400},
+		{"max_tokens -5", `{"model":"gpt-4o","max_tokens":-5}`, 400},
+		{"max_tokens abc", `{"model":"gpt-4o","max_tokens":"abc"}`, 400},
+		{"not JSON", `model=gpt-4o`, 403},
+	} {
+		status, answer := post(t, c.client, c.URL+"/v1/chat/completions", strings.NewReader(tc.body),
+			"Authorization", "Bearer sk-bad", "X-Body-Id", tc.name, "Content-Type", "application/json")
+		if status != tc.status {
+			t.Errorf("%s: %d %s, want %d", tc.name, status, answer, tc.status)
+		}
+		if status == 200 {
+			if got := up.body(t, tc.name); got.sum != sha256.Sum256([]byte(tc.body)) {
+				t.Errorf("%s: the upstream received another body", tc.name)
+			}
+		}
+	}
+
+	// 100 MB: more than the model's tokens could ever reserve at a
+	// quarter token a byte.
+	big := io.MultiReader(strings.NewReader(`{"model":"gpt-4o","max_tokens":5,"messages":[{"role":"user","content":"`), io.LimitReader(repeatByte('a'), 100<<20))
+	if status, answer := post(t, c.client, c.URL+"/v1/chat/completions", big, "Content-Length", strconv.Itoa(100<<20+100),
+		"Authorization", "Bearer sk-big", "X-Body-Id", "100MB", "Content-Type", "application/json"); status != 400 {
+		t.Fatalf("100 MB: %d %s, want 400 (its reservation is more than the burst)", status, answer)
+	}
+}
+
+// TestLLMHundredMegabyteBodiesPassWholeWithinTheBound: a 100 MB body
+// whose values come first is read as far as they are, then streamed
+// through; one whose values lie past the bound leaves them empty. Both
+// reach the upstream whole, and Caddy's peak memory grows by far less
+// than a body.
+func TestLLMHundredMegabyteBodiesPassWholeWithinTheBound(t *testing.T) {
+	srv := redistest.Start(t)
+	up := startLLMUpstream(t)
+	c := startChargeCaddy(t, requestBodySites, srv.Addr, up.host())
+	if status, _ := post(t, c.client, c.URL+"/", strings.NewReader(`{"model":"warm"}`), "X-Body-Id", "warm-up"); status != 200 {
+		t.Fatalf("warm-up: %d", status)
+	}
+	before := vmHWM(t, c.PID())
+	const size = 100 << 20
+	for _, tc := range []struct{ name, head, tail, model string }{
+		{"values-first", `{"model":"gpt-4o","max_tokens":5,"messages":[{"role":"user","content":"`, `"}]}`, "gpt-4o"},
+		{"values-last", `{"messages":[{"role":"user","content":"`, `"}],"model":"gpt-4o","max_tokens":5}`, ""},
+	} {
+		hash := sha256.New()
+		body := io.MultiReader(strings.NewReader(tc.head), io.LimitReader(repeatByte('a'), size), strings.NewReader(tc.tail))
+		length := len(tc.head) + size + len(tc.tail)
+		if status, answer := post(t, c.client, c.URL+"/v1/chat/completions", io.TeeReader(body, hash), "Content-Length", strconv.Itoa(length),
+			"X-Body-Id", tc.name, "Content-Type", "application/json"); status != 200 {
+			t.Fatalf("%s: %d %s", tc.name, status, answer)
+		}
+		if got := up.body(t, tc.name); got.size != length || !bytes.Equal(got.sum[:], hash.Sum(nil)) {
+			t.Fatalf("%s: the upstream received %d bytes, not the same %d", tc.name, got.size, length)
+		}
+		if tc.model != "" {
+			if b := getAdminBuckets(t, c.admin, "bodies", q("header.X-Body-Id", tc.name, "http.rate_limit.request.model", tc.model)); len(b) == 0 {
+				t.Errorf("%s: no bucket keyed by the model %q", tc.name, tc.model)
+			}
+		}
+	}
+	if grew := vmHWM(t, c.PID()) - before; grew > 32<<20 {
+		t.Fatalf("Caddy's peak memory grew by %d MiB for two bodies of 100 MB, want at most 32 MiB (the bound is 4 KiB)", grew>>20)
+	}
+}
+
+// repeatByte reads b forever.
+type repeatByte byte
+
+func (r repeatByte) Read(p []byte) (int, error) {
+	for i := range p {
+		p[i] = byte(r)
+	}
+	return len(p), nil
+}
+
+// BenchmarkServeHTTPLLM is BenchmarkServeHTTPCharged's charge_header case
+// for an LLM gateway as make bench's llm@64: a 2 KiB JSON request body
+// whose model and max_tokens request_body reads (max_tokens at its end),
+// a key per model, prices as a map would give them, a weighted
+// reservation and a weighted settlement from a JSON answer's usage; the
+// next handler reads the body, as a proxy does. "no_paths" is the same
+// handler without request_body, reservation or settlement from the body
+// (a fixed requested_tokens, charge json usage.total_tokens), for scale.
+func BenchmarkServeHTTPLLM(b *testing.B) {
+	payload, err := os.ReadFile("bench/llm-request.json")
+	if err != nil {
+		b.Fatal(err)
+	}
+	answer := []byte(`{"id":"chatcmpl-1","object":"chat.completion","created":1,"model":"gpt-4o","choices":[{"index":0,"message":{"role":"assistant","content":"Hi"},"finish_reason":"stop"}],"usage":{"prompt_tokens":500,"completion_tokens":100,"total_tokens":600}}`)
+	jsonType := []string{"application/json"}
+	upstream := caddyhttp.HandlerFunc(func(w http.ResponseWriter, r *http.Request) error {
+		if _, err := io.Copy(io.Discard, r.Body); err != nil {
+			return err
+		}
+		w.Header()["Content-Type"] = jsonType
+		w.WriteHeader(http.StatusOK)
+		_, err := w.Write(answer)
+		return err
+	})
+	for _, c := range []struct {
+		name      string
+		configure func(h *Handler)
+	}{
+		{"no_paths", func(h *Handler) {
+			h.RequestedTokens = "3280"
+			h.Charge = &Charge{JSON: []string{"usage.total_tokens"}}
+		}},
+		{"llm", func(h *Handler) {
+			h.Key = "{http.request.header.X-Key}:{http.rate_limit.request.model}"
+			h.RequestBody = &RequestBody{JSON: []string{"model", "max_tokens"}}
+			h.RequestedTokens = "{http.rate_limit.request.max_tokens:4096}*{out_price} {http.request.header.Content-Length}*{in_byte_price}"
+			h.Charge = &Charge{JSON: []string{"usage.prompt_tokens*{in_price}", "usage.completion_tokens*{out_price}"}}
+		}},
+	} {
+		b.Run(c.name, func(b *testing.B) {
+			srv := redistest.Start(b)
+			h := &Handler{Zone: "bench-llm", Key: "{http.request.header.X-Key}", ReplenishRate: "1e9", BurstCapacity: "1000000000",
+				Redis: &RedisConfig{Addresses: []string{srv.Addr}, Timeout: caddy.Duration(2 * time.Second)}}
+			c.configure(h)
+			provision(b, h)
+			observeLogs(h, zap.InfoLevel)
+			// The map's outputs, boxed once as map's would be per request.
+			prices := [][2]any{{"in_price", "2.5"}, {"out_price", "10"}, {"in_byte_price", "0.625"}}
+			length := []string{strconv.Itoa(len(payload))}
+			var clients atomic.Int64
+			b.SetParallelism(32)
+			b.ReportAllocs()
+			cpu := processCPU()
+			b.ResetTimer()
+			b.RunParallel(func(pb *testing.PB) {
+				n := clients.Add(1)
+				r, w := benchRequest(fmt.Sprintf("192.0.2.%d", n%250+1), "client-"+strconv.FormatInt(n, 10))
+				r.Method = http.MethodPost
+				r.Header["Content-Length"] = length
+				repl := r.Context().Value(caddy.ReplacerCtxKey).(*caddy.Replacer)
+				for _, p := range prices {
+					repl.Set(p[0].(string), p[1])
+				}
+				body := new(benchBody)
+				for pb.Next() {
+					w.h = freshHeader()
+					body.Reset(payload)
+					r.Body = body
+					if err := h.ServeHTTP(w, r, upstream); err != nil || w.status != http.StatusOK {
+						b.Errorf("goroutine %d: %v %d", n, err, w.status)
+						return
+					}
+				}
+			})
+			b.StopTimer()
+			b.ReportMetric(float64(processCPU()-cpu)/float64(b.N), "cpu-ns/op")
+		})
+	}
+}
+
+// benchBody is a request body read again for each request.
+type benchBody struct{ bytes.Reader }
+
+func (*benchBody) Close() error { return nil }

@@ -86,9 +86,9 @@ func (r *request) fail(d decision) { r.failed, r.failure = true, d }
 func (h *Handler) limit(w http.ResponseWriter, r *http.Request) (_ *request, pass bool, err error) {
 	repl := r.Context().Value(caddy.ReplacerCtxKey).(*caddy.Replacer)
 	req := acquireRequest()
-	if req.buckets, err = h.resolve(w, r, repl, req.buckets); req.buckets == nil {
+	if req.buckets, pass, err = h.resolve(w, r, repl, req.buckets); req.buckets == nil {
 		req.free()
-		return nil, err == nil, err
+		return nil, pass, err
 	}
 	req.sent = time.Now()
 	allowed, err := h.store.take(r.Context(), req)
@@ -109,19 +109,19 @@ func (h *Handler) limit(w http.ResponseWriter, r *http.Request) (_ *request, pas
 }
 
 // resolve finds a request's buckets. None (nil) when the request is
-// decided without asking a store: no limit applies (err nil: it goes
-// on), or it is refused (err).
-func (h *Handler) resolve(w http.ResponseWriter, r *http.Request, repl *caddy.Replacer, inline []bucket) ([]bucket, error) {
+// decided without asking a store: no limit applies (pass: it goes on),
+// or it is refused (the denial written, or err).
+func (h *Handler) resolve(w http.ResponseWriter, r *http.Request, repl *caddy.Replacer, inline []bucket) (_ []bucket, pass bool, err error) {
 	buckets, skipped, err := h.resolveBuckets(r, repl, inline)
 	switch {
 	case err == errEmptyKey:
 		h.record(repl, decisionEmptyKey, nil, -1)
-		return nil, reject(w, r, h.errEmptyKey)
+		return nil, false, reject(w, r, h.errEmptyKey)
 	case err != nil:
-		return nil, h.refuseInvalid(w, r, repl, err)
+		return nil, false, h.refuseInvalid(w, r, repl, err)
 	case len(buckets) == 0:
 		h.record(repl, skipped, nil, -1)
-		return nil, nil
+		return nil, true, nil
 	}
 	if h.chargeWeights {
 		if err := h.checkChargeWeights(buckets, repl); err != nil { // weights.go
@@ -132,9 +132,9 @@ func (h *Handler) resolve(w http.ResponseWriter, r *http.Request, repl *caddy.Re
 		buckets[blocked].remaining, buckets[blocked].retryAfter = 0, -1
 		h.headers.set(w.Header(), buckets, blocked, false)
 		h.record(repl, decisionDenied, buckets, blocked)
-		return nil, reject(w, r, h.errBlocked)
+		return nil, false, reject(w, r, h.errBlocked)
 	}
-	return buckets, nil
+	return buckets, true, nil
 }
 
 // answerFailed ends the decision on a request that on_error decided

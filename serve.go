@@ -125,7 +125,7 @@ func (h *Handler) resolve(w http.ResponseWriter, r *http.Request, repl *caddy.Re
 	}
 	if h.chargeWeights {
 		if err := h.checkChargeWeights(buckets, repl); err != nil { // weights.go
-			return nil, h.refuseInvalid(w, r, repl, err)
+			return nil, false, h.refuseInvalid(w, r, repl, err)
 		}
 	}
 	if blocked := blockedBucket(buckets); blocked >= 0 {

@@ -34,9 +34,12 @@ import (
 // `{http.rate_limit.request.model}`. A string is its text, a number or
 // a boolean as written; null, an object, an array, a path met twice, a
 // string that is not valid UTF-8 and a path not in the body leave it
-// empty (unset). A body that is not JSON, is encoded
-// (`Content-Encoding`), is cut off by the client, or reaches `max_size`
-// before a path is found leaves the placeholders not found empty; the
+// empty (unset). The body is read to its end, so that a path met twice
+// anywhere has no value: a client that names a cheap model first and a
+// dear one last must not be limited as the first and served the last. A
+// body that is not JSON, is encoded (`Content-Encoding`), is cut off by
+// the client, or is larger than `max_size` leaves every placeholder
+// empty; the
 // request goes on, and `deny_empty_key`, a placeholder's default
 // (`{http.rate_limit.request.max_tokens:1000}`, which this handler
 // answers where its own config writes it) and the values' checks
@@ -46,13 +49,14 @@ import (
 type RequestBody struct {
 	// JSON lists the paths to read, as `charge json` writes them: keys
 	// separated by `.`, an array element by its index (`messages.0.role`).
-	// Reading stops once each has its value. At most 16 paths, of at most
-	// 8 keys each. Required.
+	// At most 16 paths, of at most 8 keys each. Required.
 	JSON []string `json:"json,omitempty"`
 
 	// MaxSize is the most bytes of a request body read to find the
-	// paths, and so the most memory a request holds for it: a path not
-	// found within it is empty. Default: 1 MiB (1048576 bytes).
+	// paths, and so the most memory a request holds for it: a larger
+	// body leaves every path empty (its rest could name a path again), so
+	// set it above the largest body the limits must read, such as a
+	// request with images. Default: 1 MiB (1048576 bytes).
 	MaxSize int64 `json:"max_size,omitempty"`
 }
 
@@ -112,7 +116,7 @@ const requestPlaceholderPrefix = "http.rate_limit.request."
 const (
 	unreadEncoded  = "encoded"      // Content-Encoding
 	unreadNotJSON  = "not_json"     // not JSON, or nested deeper than followed
-	unreadTooLarge = "too_large"    // max_size reached before every path was found
+	unreadTooLarge = "too_large"    // the body is larger than max_size
 	unreadCutOff   = "cut_off"      // the client's body ended in an error
 	unreadRepeated = "repeated"     // a path met twice
 	unreadNested   = "nested"       // an object or an array at a path
@@ -315,17 +319,18 @@ func (h *Handler) readRequestBody(r *http.Request) *replayBody {
 	v.Reset(&rr.paths)
 	var why string
 	grown := false
+	most := rr.maxSize + 1 // a byte past max_size tells a larger body from one of max_size
 	for over := false; !over; {
-		if len(buf) == cap(buf) || len(buf) == rr.maxSize {
-			if len(buf) >= rr.maxSize {
-				why = unreadTooLarge
-				break
-			}
-			bigger := make([]byte, len(buf), min(2*cap(buf), rr.maxSize)) // never past max_size
+		if len(buf) == cap(buf) {
+			bigger := make([]byte, len(buf), min(2*cap(buf), most)) // never past it
 			buf, grown = bigger[:copy(bigger, buf)], true
 		}
-		n, err := r.Body.Read(buf[len(buf):min(cap(buf), rr.maxSize)])
+		n, err := r.Body.Read(buf[len(buf):min(cap(buf), most)])
 		if n > 0 {
+			if len(buf)+n > rr.maxSize {
+				buf, why = buf[:len(buf)+n], unreadTooLarge
+				break
+			}
 			over = v.Write(buf[len(buf) : len(buf)+n])
 			buf = buf[:len(buf)+n]
 		}
@@ -344,7 +349,9 @@ func (h *Handler) readRequestBody(r *http.Request) *replayBody {
 	}
 	var inline [scan.MaxPaths]any
 	values := inline[:len(rr.bits)]
-	if why != unreadCutOff && why != unreadNotJSON {
+	// A body past max_size may hold a second value of a path further on,
+	// which the upstream would serve: no value is known then.
+	if why != unreadCutOff && why != unreadNotJSON && why != unreadTooLarge {
 		for i, bit := range rr.bits {
 			value, bad := v.Value(bit, buf)
 			if bad != "" {

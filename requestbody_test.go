@@ -50,7 +50,8 @@ func postThrough(t *testing.T, h *Handler, body io.Reader, headers ...string) (s
 // TestRequestBodyValuesSetBeforeKeysAndBodyReplayed: the values of the
 // named paths are placeholders when the key resolves and for the next
 // handler, which receives the body byte for byte, in small reads and
-// whole.
+// whole. A body that names a path twice, also after every path was
+// found, or that is larger than max_size, has no values.
 func TestRequestBodyValuesSetBeforeKeysAndBodyReplayed(t *testing.T) {
 	h := bodyMemoryHandler(t, `	key {http.rate_limit.request.model}
 	replenish_rate 1
@@ -58,7 +59,7 @@ func TestRequestBodyValuesSetBeforeKeysAndBodyReplayed(t *testing.T) {
 	requested_tokens {http.rate_limit.request.max_tokens:1}
 	request_body {
 		json model max_tokens
-		max_size 64KiB
+		max_size 128KiB
 	}`)
 	body := `{"model":"gpt-4o","max_tokens":2,"messages":[{"role":"user","content":"` + strings.Repeat("x", 100<<10) + `"}]}`
 	status, received, seen := postThrough(t, h, strings.NewReader(body))
@@ -84,6 +85,8 @@ func TestRequestBodyValuesSetBeforeKeysAndBodyReplayed(t *testing.T) {
 		{"no model", `{"max_tokens":1}`, ""},
 		{"gzip", `{"model":"x"}`, "gzip"},
 		{"not JSON", `model=x`, ""},
+		{"a second model after every path", `{"model":"o3","max_tokens":1,"model":"o4"}`, ""},
+		{"larger than max_size", `{"model":"o3","messages":[{"content":"` + strings.Repeat("x", 200<<10) + `"}]}`, ""},
 	} {
 		status, received, _ := postThrough(t, h, strings.NewReader(tc.body), "Content-Encoding", tc.encoding)
 		if status != 403 || received != nil {

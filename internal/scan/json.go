@@ -58,7 +58,6 @@ const (
 	jLiteral                      // in true, false or null
 	jDone                         // the document is complete: only space may follow
 	jStop                         // a document it cannot follow
-	jFull                         // capturing: every path has its value, nothing more is read
 )
 
 // maxDepth is the deepest nesting followed (arrays has a bit per depth).
@@ -195,7 +194,7 @@ func (d *jsonScanner) feed(p []byte) {
 			if !isSpace(c) {
 				d.state = jStop
 			}
-		case jStop, jFull:
+		case jStop:
 			return
 		}
 	}
@@ -350,10 +349,6 @@ func (d *jsonScanner) endNumber() {
 
 // endValue ends a value: the document, or on to what follows it.
 func (d *jsonScanner) endValue() {
-	if d.capture && d.found == 1<<d.paths.n-1 {
-		d.state = jFull
-		return
-	}
 	if d.depth == 0 {
 		d.state = jDone
 	} else {

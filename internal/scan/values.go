@@ -8,12 +8,14 @@ import (
 )
 
 // Values finds the values at its paths in one JSON document that its
-// caller holds (a request body's first bytes): strings, numbers and
-// booleans, as text. It reads the document as the caller appends to it,
-// and says when every path has its value, so that the caller reads no
-// further. It holds no copy of the document, only where each value lies
-// in it. A path met twice, or whose value is an object or an array, has
-// no value; neither has any path of a document it cannot follow (not
+// caller holds (a request body): strings, numbers and booleans, as text.
+// It reads the document as the caller appends to it, to its end: a path
+// met twice has no value, wherever the second one is (a client that
+// writes a cheap model first and a dear one last must not be limited as
+// the first and served the last, which is what a parser that keeps the
+// last value serves). It holds no copy of the document, only where each
+// value lies in it. A path whose value is an object or an array has no
+// value either; neither has any path of a document it cannot follow (not
 // JSON, nested deeper than it follows).
 //
 // A Values is used as Reset, Write (any number of times, each with the
@@ -32,11 +34,11 @@ func (v *Values) Reset(paths *Paths) {
 }
 
 // Write reads the next bytes of the document, and says whether reading
-// is over: every path has its value, or the document cannot be followed.
+// is over: the document cannot be followed.
 func (v *Values) Write(p []byte) (over bool) {
 	v.doc.feed(p)
 	v.doc.off += len(p)
-	return v.doc.state == jFull || v.doc.state == jStop
+	return v.doc.state == jStop
 }
 
 // End says that the document ended (the body did).
@@ -49,8 +51,6 @@ func (v *Values) End() {
 // cannot follow, or, after End, one that is not whole.
 func (v *Values) Why() string {
 	switch v.doc.state {
-	case jFull:
-		return ""
 	case jStop:
 		return "not_json"
 	case jDone:

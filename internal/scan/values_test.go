@@ -59,14 +59,20 @@ func TestValuesFindsStringsNumbersAndBooleansAtTheirPaths(t *testing.T) {
 	}
 }
 
-func TestValuesStopsReadingOnceEveryPathIsFound(t *testing.T) {
-	doc := `{"model":"m","max_tokens":7,"messages":[` + strings.Repeat(`{"role":"user","content":"xxxxxxxx"},`, 1000) + `{}]}`
-	got, read := readValues(t, doc, 16, "model", "max_tokens")
-	if got["model"] != "m" || got["max_tokens"] != "7" {
-		t.Fatalf("values %v", got)
+// TestValuesReadsToTheEndSoAPathMetTwiceLateHasNoValue: every path found
+// early does not end the reading: a second model at the end of the
+// document (which a parser keeping the last value would serve) empties
+// the value, and a document read whole has its values.
+func TestValuesReadsToTheEndSoAPathMetTwiceLateHasNoValue(t *testing.T) {
+	messages := strings.Repeat(`{"role":"user","content":"xxxxxxxx"},`, 1000) + `{}`
+	got, read := readValues(t, `{"model":"cheap","max_tokens":7,"messages":[`+messages+`],"model":"dear"}`, 16, "model", "max_tokens")
+	if got["model"] != "!repeated" || got["max_tokens"] != "7" {
+		t.Fatalf("values %v, want model repeated and max_tokens 7", got)
 	}
-	if read > 48 {
-		t.Fatalf("read %d bytes of %d, want to stop within the piece after max_tokens", read, len(doc))
+	doc := `{"model":"m","max_tokens":7,"messages":[` + messages + `]}`
+	got, read = readValues(t, doc, 16, "model", "max_tokens")
+	if got["model"] != "m" || got["max_tokens"] != "7" || read != len(doc) {
+		t.Fatalf("values %v after %d bytes of %d", got, read, len(doc))
 	}
 }
 

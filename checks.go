@@ -6,15 +6,17 @@ import (
 	"errors"
 	"fmt"
 	"math"
+	"net/http"
 	"regexp"
 	"strconv"
 	"time"
 )
 
-// The handler's own settings: their checks, each judging one value (or a
-// limit's values together), and the zone's default name. The Caddyfile
-// parser calls the checks where the value is written, so the message
-// gets the line; Validate calls them for JSON configs.
+// The handler's own settings: their checks, each judging one value (or
+// a limit's values together), their defaults, and the zone's default
+// name. The Caddyfile parser calls the checks where the value is
+// written, so the message gets the line; Validate calls them for JSON
+// configs.
 
 // Values of on_error and store.
 const (
@@ -121,4 +123,33 @@ func (h *Handler) derivedZone() string {
 	}
 	sum := sha256.Sum256(text)
 	return "auto-" + hex.EncodeToString(sum[:6])
+}
+
+// applyDefaults fills in what the config left out.
+func (h *Handler) applyDefaults() {
+	if h.Key == "" {
+		h.Key = "{http.vars.client_ip}"
+	}
+	h.ReplenishRate, h.RequestedTokens = unset(h.ReplenishRate), unset(h.RequestedTokens) // in JSON, 0 means unset
+	if h.StatusCode == 0 {
+		h.StatusCode = http.StatusTooManyRequests
+	}
+	if h.EmptyKeyStatus == 0 {
+		h.EmptyKeyStatus = http.StatusForbidden
+	}
+	if h.OnError == "" {
+		h.OnError = onErrorAllow
+	}
+	if h.Headers == "" {
+		h.Headers = headersSpring
+	}
+	if h.Store == "" {
+		h.Store = storeRedis
+	}
+	if h.MaxKeys == 0 {
+		h.MaxKeys = defaultMaxKeys
+	}
+	if h.Zone == "" {
+		h.Zone = h.derivedZone()
+	}
 }

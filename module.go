@@ -406,35 +406,6 @@ func (h *Handler) Provision(ctx caddy.Context) (err error) {
 	return nil
 }
 
-// applyDefaults fills in what the config left out.
-func (h *Handler) applyDefaults() {
-	if h.Key == "" {
-		h.Key = "{http.vars.client_ip}"
-	}
-	h.ReplenishRate, h.RequestedTokens = unset(h.ReplenishRate), unset(h.RequestedTokens) // in JSON, 0 means unset
-	if h.StatusCode == 0 {
-		h.StatusCode = http.StatusTooManyRequests
-	}
-	if h.EmptyKeyStatus == 0 {
-		h.EmptyKeyStatus = http.StatusForbidden
-	}
-	if h.OnError == "" {
-		h.OnError = onErrorAllow
-	}
-	if h.Headers == "" {
-		h.Headers = headersSpring
-	}
-	if h.Store == "" {
-		h.Store = storeRedis
-	}
-	if h.MaxKeys == 0 {
-		h.MaxKeys = defaultMaxKeys
-	}
-	if h.Zone == "" {
-		h.Zone = h.derivedZone()
-	}
-}
-
 // Validate refuses what no default can fix. Its checks are the parser's,
 // whose messages name the subdirective and the value.
 func (h *Handler) Validate() error {

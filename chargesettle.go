@@ -1,0 +1,453 @@
+package ratelimit
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"math"
+	"net/http"
+	"strconv"
+	"strings"
+	"sync"
+	"time"
+
+	"github.com/caddy-redis/ratelimit/internal/redisbatch"
+	"github.com/caddyserver/caddy/v2"
+	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
+	"github.com/prometheus/client_golang/prometheus"
+	"go.uber.org/zap"
+)
+
+// What a served response cost each charging limit, and its settlement:
+// in the process, or as a call to settle.lua that the batch worker
+// answers (charge.go has the limits' charge rules).
+
+// resultChargeMissing is {http.rate_limit.result} once a response's cost
+// could not be read, boxed once.
+var resultChargeMissing any = "charge_missing"
+
+// settling is one bucket's settlement: the bucket's index in the
+// request's buckets (an index, not a pointer, so that they stay on the
+// stack), its cost, and the difference from its reservation.
+type settling struct {
+	bucket int
+	cost   int64
+	diff   int64
+}
+
+// settleResponse charges each charging bucket of a served request what
+// its response cost, sets the placeholders, and settles the differences
+// from the reservations: in the process at once, or in Redis after the
+// response (off the request path: nothing waits for it).
+func (h *Handler) settleResponse(end responseEnd, cw *chargeWriter, repl *caddy.Replacer, req *request) {
+	buckets := req.buckets
+	items := req.settling[:0]
+	for i := range buckets {
+		b := &buckets[i]
+		rule := b.limit.charge
+		if rule == nil {
+			continue
+		}
+		reserved := b.values.requested
+		cost, why := rule.costOf(end, cw, repl, reserved)
+		switch {
+		case why != "":
+			h.warnChargeMissing(b.limit, why)
+			repl.Set("http.rate_limit.result", resultChargeMissing)
+		case rule.paths != 0 && cw.body.Stopped():
+			h.warnScanStopped(b.limit)
+		}
+		if b.limit == h.charging.first {
+			repl.Set("http.rate_limit.charged", cost)
+		}
+		if rule.chargedKey != "" {
+			repl.Set(rule.chargedKey, cost)
+		}
+		items = append(items, settling{bucket: i, cost: cost, diff: cost - reserved})
+	}
+	unsettled := items[:0]
+	for _, it := range items {
+		if it.diff == 0 {
+			h.countCharged(buckets[it.bucket].limit, float64(it.cost), 0)
+		} else {
+			unsettled = append(unsettled, it)
+		}
+	}
+	if len(unsettled) > 0 {
+		h.store.settle(req, unsettled)
+	}
+}
+
+// costOf is what a response that ended so costs a limit whose
+// reservation was reserved: nothing when it answered a status not
+// charged, else what the source says, or the reservation without a
+// source. why says why the source could not be read (the reservation is
+// the cost then). A response cut short costs at least its reservation:
+// a client must not pay less by leaving.
+func (r *chargeRule) costOf(end responseEnd, cw *chargeWriter, repl *caddy.Replacer, reserved int64) (cost int64, why string) {
+	if end.status != 0 && !r.charges(end.status) {
+		return 0, ""
+	}
+	switch {
+	case end.status == http.StatusSwitchingProtocols && r.paths != 0:
+		return reserved, "" // an upgraded connection has no body to read
+	case r.header != "":
+		value, ok := cw.costHeader(r)
+		if !ok {
+			cost, why = reserved, "no "+r.header+" header"
+			break
+		}
+		cost, why = parseCost(value)
+		if why != "" {
+			why = "header " + r.header + " " + why
+		}
+	case r.placeholder != "":
+		cost, why = parseCost(repl.ReplaceAll(r.placeholder, ""))
+		if why != "" {
+			why = "placeholder " + r.placeholder + " " + why
+		}
+	case r.paths != 0:
+		var sum float64
+		sum, why = cw.body.Sum(r.fields...)
+		if why == "" && r.weights != nil {
+			sum, why = r.weightedSum(cw, repl)
+		}
+		if why == "" {
+			cost = ceilTokens(sum)
+		}
+	default:
+		return reserved, ""
+	}
+	switch {
+	case end.cutShort && (why != "" || cost < reserved):
+		return reserved, "" // what it reported so far, if more
+	case why != "":
+		return reserved, why
+	}
+	return cost, ""
+}
+
+// weightedSum is the sum of a body's fields, each times its weight. A
+// field not in the body counts 0, as in a sum without weights.
+func (r *chargeRule) weightedSum(cw *chargeWriter, repl *caddy.Replacer) (sum float64, why string) {
+	for i, f := range r.fields {
+		v, missing := cw.body.Sum(f)
+		if missing != "" {
+			continue
+		}
+		w := r.weights[i].w
+		if !r.weights[i].fixedW {
+			var err error
+			if w, err = resolveWeight(r.weights[i].weight, r.weights[i].weightKey, repl); err != nil {
+				return 0, err.Error()
+			}
+		}
+		sum += v * w
+	}
+	return sum, ""
+}
+
+// charges says whether a response that answered status is charged: every
+// status without charge_status. An upgrade (101, a WebSocket) is the
+// success of its request: a 2xx class charges it, as 101 and 1xx do.
+func (r *chargeRule) charges(status int) bool {
+	if len(r.statuses) == 0 {
+		return true
+	}
+	for _, s := range r.statuses {
+		if caddyhttp.StatusCodeMatches(status, s) || status == http.StatusSwitchingProtocols && s == 2 {
+			return true
+		}
+	}
+	return false
+}
+
+// parseCost reads a cost: a number of tokens, not negative, rounded up.
+func parseCost(text string) (int64, string) {
+	v, err := strconv.ParseFloat(strings.TrimSpace(text), 64)
+	switch {
+	case err != nil || math.IsNaN(v) || math.IsInf(v, 0):
+		return 0, fmt.Sprintf("'%s' is not a number", cutShort(text))
+	case v < 0:
+		return 0, fmt.Sprintf("'%s' is negative", cutShort(text))
+	}
+	return ceilTokens(v), ""
+}
+
+// ceilTokens rounds a cost up to whole tokens, at most 2^53.
+func ceilTokens(v float64) int64 {
+	return int64(math.Min(math.Ceil(v), maxExactTokens))
+}
+
+// cutShort cuts a value from a response to what a log line quotes.
+func cutShort(s string) string {
+	if len(s) <= chargeValueShow {
+		return s
+	}
+	return s[:chargeValueShow] + "..."
+}
+
+// warnChargeMissing logs, throttled, that a response's cost could not be
+// read.
+func (h *Handler) warnChargeMissing(l *limit, why string) {
+	if ok, suppressed := h.charging.warns.allow(); ok {
+		fields := []zap.Field{zap.String("zone", h.Zone), zap.String("reason", why), suppressedField(suppressed)}
+		if l.name != "" {
+			fields = append(fields, zap.String("limit", l.name))
+		}
+		h.logger.Warn("the cost of a response could not be read; it is charged its reservation", fields...)
+	}
+}
+
+// warnScanStopped logs, throttled with warnChargeMissing, that a
+// response's cost was read from the part of its body before max_body.
+func (h *Handler) warnScanStopped(l *limit) {
+	if ok, suppressed := h.charging.warns.allow(); ok {
+		fields := []zap.Field{zap.String("zone", h.Zone), suppressedField(suppressed),
+			zap.String("reason", fmt.Sprintf("the body is larger than max_body (%d bytes), the most of a response the scan reads", h.charging.maxBody))}
+		if l.name != "" {
+			fields = append(fields, zap.String("limit", l.name))
+		}
+		h.logger.Warn("a response is charged what the first max_body bytes of its body report; what came after was not read", fields...)
+	}
+}
+
+// countCharged counts what a limit charged and forgave, in tokens.
+func (h *Handler) countCharged(l *limit, charged, forgiven float64) {
+	if h.metrics == nil {
+		return
+	}
+	h.metrics.charged[l.index].Add(charged)
+	if forgiven > 0 {
+		h.metrics.forgiven[l.index].Add(forgiven)
+	}
+}
+
+// settleBucket is settle.lua for one bucket at t (microseconds): refill
+// by the time elapsed, then take diff tokens (diff > 0), leaving the
+// bucket no lower than -maxDebt and never raising it, or give -diff back,
+// capped at the burst. forgiven is what the take could not take. Every
+// step is the script's, in the same order, so both agree to the bit
+// (TestSettleScriptAgreesWithMemoryStore).
+func settleBucket(state memoryBucket, t int64, v limitValues, diff, maxDebt int64) (after memoryBucket, forgiven float64) {
+	tokens := refill(state, t, v)
+	var left float64
+	if diff < 0 {
+		left = math.Min(float64(v.burst), tokens-float64(diff))
+	} else {
+		left = tokens - float64(diff)
+		if floor := math.Min(tokens, -float64(maxDebt)); left < floor {
+			forgiven = floor - left
+			left = floor
+		}
+	}
+	ttl := math.Max(1000, math.Ceil((float64(v.burst)-left)*1000/v.rate)) // milliseconds, as the key's TTL
+	return memoryBucket{tokens: left, at: t, expires: t + int64(ttl)*1000}, forgiven
+}
+
+// settleInProcess settles in the memory store (store memory, or the
+// buckets of on_error local), at once: no I/O. A bucket that is gone
+// (swept) is full, as an expired key; one that a take would bring back
+// while the store is full cannot be, and its settlement is lost.
+func (h *Handler) settleInProcess(s *memoryStore, buckets []bucket, items []settling) {
+	var inlineKeys [maxInlineBuckets]string
+	var inlineShards [maxInlineBuckets]int
+	keys := inlineKeys[:0]
+	for _, it := range items {
+		keys = append(keys, s.storedKey(buckets[it.bucket].key))
+	}
+	shards := s.lock(keys, inlineShards[:0])
+	defer s.unlock(shards)
+	t := memoryNow(time.Now())
+	for i, it := range items {
+		b := &buckets[it.bucket]
+		shard := s.shardIndex(keys[i])
+		stored := s.shards[shard].buckets[keys[i]]
+		state, ok := held(stored)
+		after, store, charged, forgiven := b.kind().settleHeld(state, ok, t, *b, it.diff, it.cost, b.limit.charge.maxDebtFor(b.values))
+		switch {
+		case !store:
+		case !ok && !s.reserve(1):
+			h.countSettleFailure(buckets, items[i:i+1], errMemoryFull)
+			continue
+		default:
+			s.put(shard, keys[i], stored, after)
+		}
+		h.countCharged(b.limit, charged, forgiven)
+	}
+}
+
+// settleCall is one settlement call on its way to Redis (a request's
+// buckets, or on a Cluster those of one slot group) and what each of its
+// buckets charged, read when Redis answers. Pooled, with its call: a
+// settlement costs no goroutine and no allocation of its own.
+type settleCall struct {
+	h      *Handler
+	items  []settlement
+	inline [maxInlineBuckets]settlement
+}
+
+var settleCalls = sync.Pool{New: func() any {
+	s := new(settleCall)
+	s.items = s.inline[:0]
+	return s
+}}
+
+// settlement is one bucket's part of a settleCall.
+type settlement struct {
+	limit          *limit
+	cost, reserved int64
+	diff           int64
+}
+
+// settleInRedis queues the settlement of a request's buckets, one script
+// call for all of them (one per slot group on a Cluster), before the
+// request returns, so that it precedes the client's next request in the
+// queue; what Redis answers is read by the batcher's worker (TakeAnswer),
+// off the request path. A call is sent at most once: one lost to a
+// failure is counted and logged, and the reservation stands.
+func (h *Handler) settleInRedis(buckets []bucket, items []settling) {
+	groups := 1
+	if h.groups != nil {
+		groups = len(h.groups)
+	}
+	now := time.Now()
+	var inline [maxInlineBuckets]settling
+	for g := range groups {
+		group := inline[:0]
+		for _, it := range items {
+			if h.groups == nil || buckets[it.bucket].limit.group == g {
+				group = append(group, it)
+			}
+		}
+		if len(group) == 0 {
+			continue
+		}
+		s := settleCalls.Get().(*settleCall)
+		s.h = h
+		c := redisbatch.NewCall()
+		for _, it := range group {
+			c.Keys = append(c.Keys, buckets[it.bucket].key)
+		}
+		c.Command(settleScript)
+		for _, it := range group {
+			b := &buckets[it.bucket]
+			c.Args = append(c.Args, b.kind().settleArg(*b), b.args[1], diffArg(it.diff), b.limit.charge.maxDebtArg(b))
+			s.items = append(s.items, settlement{limit: b.limit, cost: it.cost, reserved: b.values.requested, diff: it.diff})
+		}
+		c.ClientCtx, c.Then = context.Background(), s // sent even when the client has left
+		if err := h.limiter.batcher.Enqueue(c, now); err != nil {
+			c.Err = err
+			s.TakeAnswer(c)
+		}
+	}
+}
+
+// smallDiffs are the differences of -512 to 511 as script arguments,
+// boxed once.
+var smallDiffs = func() (v [1024]any) {
+	for i := range v {
+		v[i] = strconv.Itoa(i - 512)
+	}
+	return v
+}()
+
+func diffArg(diff int64) any {
+	if diff >= -512 && diff < 512 {
+		return smallDiffs[diff+512]
+	}
+	return strconv.FormatInt(diff, 10)
+}
+
+// TakeAnswer reads what Redis answered to a settlement call, in the
+// batcher's worker: it counts what was charged and forgiven, and
+// releases the call and itself.
+func (s *settleCall) TakeAnswer(c *redisbatch.Call) {
+	h := s.h
+	err := c.Err
+	if err == nil && len(c.Reply) != 2*len(s.items) {
+		err = fmt.Errorf("unexpected settle reply %v", c.Reply)
+	}
+	if err != nil {
+		h.countSettleFailure(nil, nil, err)
+		for _, it := range s.items {
+			h.countCharged(it.limit, float64(it.reserved), 0)
+		}
+	} else {
+		gaveBack, unsettled := false, false
+		for i, it := range s.items {
+			if r := c.Reply[2*i]; r < 0 {
+				// -2: a quota whose reservation's period is no longer
+				// counted, with nothing to settle; else its key holds
+				// another type, or the write was refused.
+				unsettled = unsettled || r != -2
+				h.countCharged(it.limit, float64(it.reserved), 0)
+				continue
+			}
+			forgiven := float64(c.Reply[2*i]) + float64(c.Reply[2*i+1])/1e6
+			h.countCharged(it.limit, float64(it.cost)-forgiven, forgiven)
+			gaveBack = gaveBack || it.diff < 0
+		}
+		if unsettled {
+			h.countSettleFailure(nil, nil, errUnsettled)
+		}
+		if gaveBack && h.useDenyCache {
+			// Tokens came back sooner than time alone would bring them: a
+			// cached denial of these buckets would refuse what now fits.
+			h.denied.forget(c.Keys...)
+		}
+	}
+	c.Release()
+	clear(s.items)
+	s.h, s.items = nil, s.items[:0]
+	settleCalls.Put(s)
+}
+
+// settlements are merged per batch (redisbatch.MergedKind): settle.lua
+// settles each bucket on its own (make bench, charge@64: scripts/req
+// 2.00 -> 1.05, Redis µs per request 15.6 -> 13.6;
+// BenchmarkServeHTTPCharged 15 -> 13 allocs). The batcher also keeps
+// them ahead of the calls queued after them.
+var settlements = &redisbatch.MergedKind{Name: "settle", Script: settleScript, Width: 2,
+	Is: func(c *redisbatch.Call) bool { return c.Script == settleScript && c.Then != nil }}
+
+// errUnsettled is a bucket that settle.lua could not settle.
+var errUnsettled = errors.New("a bucket was not settled: its key holds another type, or Redis refused the write")
+
+// countSettleFailure counts settlements lost, and logs (throttled) why:
+// the reservations of their buckets stand. items, when given, are
+// counted as charged their reservations.
+func (h *Handler) countSettleFailure(buckets []bucket, items []settling, err error) {
+	for _, it := range items {
+		b := &buckets[it.bucket]
+		h.countCharged(b.limit, float64(b.values.requested), 0)
+	}
+	if h.metrics != nil {
+		h.metrics.settleFailures.Inc()
+	}
+	if err == redisbatch.ErrBreakerOpen {
+		return // logged when the breaker opened
+	}
+	if ok, suppressed := h.redisWarns.allow(); ok {
+		h.logger.Warn("settling a response's cost failed; its reservation stands, and the settlement is not sent again",
+			zap.String("zone", h.Zone), zap.Error(err), suppressedField(suppressed))
+	}
+}
+
+// chargeCounters are a zone's charging series, by limit index (nil for a
+// limit that does not charge).
+func chargeCounters(zone string, limits []*limit) (charged, forgiven []prometheus.Counter, failures prometheus.Counter) {
+	charged, forgiven = make([]prometheus.Counter, len(limits)), make([]prometheus.Counter, len(limits))
+	charges := false
+	for i, l := range limits {
+		if l.charge != nil {
+			charged[i] = collectors.charged.WithLabelValues(zone, l.name)
+			forgiven[i] = collectors.forgiven.WithLabelValues(zone, l.name)
+			charges = true
+		}
+	}
+	if charges {
+		failures = collectors.settleFailures.WithLabelValues(zone)
+	}
+	return charged, forgiven, failures
+}

@@ -254,7 +254,7 @@ func serveBuckets(w http.ResponseWriter, r *http.Request, zone string) error {
 			continue
 		}
 		if r.Method == http.MethodDelete {
-			if err := h.resetBucket(ctx, b.key); err != nil {
+			if err := h.resetBucket(ctx, b); err != nil {
 				return caddy.APIError{HTTPStatus: http.StatusServiceUnavailable, Err: fmt.Errorf("resetting %s: %w", b.key, err)}
 			}
 			reset = append(reset, b.key)
@@ -307,7 +307,8 @@ func (h *Handler) peekBucket(ctx context.Context, b bucket) (bucketView, error) 
 
 // resetBucket makes a bucket full where its handler keeps it, and in the
 // local buckets of on_error local.
-func (h *Handler) resetBucket(ctx context.Context, key string) error {
+func (h *Handler) resetBucket(ctx context.Context, b bucket) error {
+	key := b.key
 	if h.local != nil {
 		h.local.reset([]string{key})
 		h.local.resetSlots([]string{key})
@@ -321,6 +322,9 @@ func (h *Handler) resetBucket(ctx context.Context, key string) error {
 		return nil
 	}
 	h.forgetDenials([]string{key}) // at once here; other instances within the pub/sub's delay
+	if h.leases != nil {
+		return h.leases.reset(ctx, h.limiter, b)
+	}
 	return h.limiter.reset(ctx, []string{key})
 }
 

@@ -823,6 +823,9 @@ type scriptBucket struct {
 	tokens  float64
 	at      int64 // Redis time, microseconds
 	present bool
+	// lent and until: the mark of a bucket that has lent (lease.lua), what
+	// its leases held and when the last expires (Redis time, µs); 0 without.
+	lent, until int64
 }
 
 // scriptRefill is the tokens b holds at now (microseconds), as the
@@ -864,13 +867,20 @@ func parseBucket(state *redis.StringCmd) (scriptBucket, error) {
 	if err != nil {
 		return scriptBucket{}, err
 	}
-	tokens, at, ok := strings.Cut(v, " ")
+	f := strings.Fields(v)
 	b := scriptBucket{present: true}
-	if b.tokens, err = strconv.ParseFloat(tokens, 64); err == nil {
-		b.at, err = strconv.ParseInt(at, 10, 64)
+	if len(f) == 2 || len(f) == 4 {
+		if b.tokens, err = strconv.ParseFloat(f[0], 64); err == nil {
+			b.at, err = strconv.ParseInt(f[1], 10, 64)
+		}
 	}
-	if !ok || err != nil {
-		return scriptBucket{}, fmt.Errorf("bucket state %q: want \"<tokens> <microseconds>\"", v)
+	if len(f) == 4 && err == nil {
+		if b.lent, err = strconv.ParseInt(f[2], 10, 64); err == nil {
+			b.until, err = strconv.ParseInt(f[3], 10, 64)
+		}
+	}
+	if len(f) != 2 && len(f) != 4 || err != nil {
+		return scriptBucket{}, fmt.Errorf("bucket state %q: want \"<tokens> <microseconds>\" or, lent, \"<tokens> <microseconds> <lent> <until>\"", v)
 	}
 	return b, nil
 }

@@ -21,6 +21,7 @@ var (
 	leaseModeGive   any = "give"
 	leaseModeRefund any = "refund"
 	leaseModeSettle any = "settle"
+	leaseModeReset  any = "reset"
 )
 
 // checkLeased decides a request of a handler with lease: from its
@@ -253,6 +254,19 @@ func (ls *leases) close() {
 	ls.closed.Store(true)
 	close(ls.stop)
 	<-ls.done
+}
+
+// reset makes the bucket b full less what it has lent (lease.lua's
+// reset; deleting it would drop its mark, and the plain script would then
+// refill it into lent tokens), and has every instance forget its cached
+// denials of it, as limiter.reset does.
+func (ls *leases) reset(ctx context.Context, l *limiter, b bucket) error {
+	b.args = b.values.scriptArgs()
+	b.lease, b.held, b.want = &lease{record: leaseRecordKey(b.key)}, 0, 0
+	if _, err := ls.call(ctx, l, time.Now(), leaseModeReset, ls.seq.Add(1), []bucket{b}); err != nil {
+		return err
+	}
+	return l.client.Publish(ctx, l.resets, b.key).Err()
 }
 
 // warnGiveBack logs a failed refund, throttled.

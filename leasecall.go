@@ -29,7 +29,11 @@ var (
 // of its buckets is in flight, after that call, which it shares a
 // failure with; else from the deny cache; else with a call of its own,
 // which takes its tokens and lends its leases more (asked: the caller
-// records it as a Redis call).
+// records it as a Redis call). A cold request (no lease, no hot key:
+// leases.acquire) is decided as without lease, by the plain script,
+// which refills a bucket only up to what its leases leave; on a Cluster
+// whose slots its buckets span, by lease.lua, which refunds the groups
+// before a refusal under that cap (giveback.lua would not know it).
 func (h *Handler) checkLeased(clientCtx context.Context, sent time.Time, buckets []bucket) (allowed, asked bool, err error) {
 	ls := h.leases
 	now, counted, lead := sent, false, false
@@ -41,6 +45,12 @@ func (h *Handler) checkLeased(clientCtx context.Context, sent time.Time, buckets
 				go h.renewLeases(f)
 			}
 			return true, false, nil
+		case outcome == leaseCold && h.groups == nil:
+			if h.useDenyCache && h.denied.answer(buckets, sent) {
+				return false, false, nil
+			}
+			allowed, err = h.limiter.take(clientCtx, now, buckets)
+			return allowed, true, err
 		case outcome == leaseWait:
 			select {
 			case <-f.done:

@@ -829,9 +829,25 @@ type scriptBucket struct {
 }
 
 // scriptRefill is the tokens b holds at now (microseconds), as the
-// memory store's refill (memstore.go) computes them.
+// memory store's refill (memstore.go) computes them; for a bucket with
+// lease.lua's mark, as script.lua does: up to the burst less what is
+// lent until the mark's end.
 func scriptRefill(b scriptBucket, now int64, rate float64, burst int64) float64 {
-	return refill(b.state(now, burst), now, limitValues{rate, burst, 1})
+	if !b.present || b.lent == 0 {
+		return refill(b.state(now, burst), now, limitValues{rate, burst, 1})
+	}
+	t, from := b.tokens, min(b.at, now)
+	if b.until > from {
+		to := min(b.until, now)
+		if limit := float64(burst - b.lent); t < limit {
+			t = min(limit, t+float64(to-from)*rate/1e6)
+		}
+		from = to
+	}
+	if t < float64(burst) {
+		t = min(float64(burst), t+float64(now-from)*rate/1e6)
+	}
+	return t
 }
 
 // scriptTake is the memory store's takeBucket (memstore.go), the token

@@ -114,10 +114,15 @@ func redisCalls(t *testing.T, h *Handler) uint64 {
 	return m.GetHistogram().GetSampleCount()
 }
 
-// setBucket stores a bucket holding tokens now, as the script stores it.
+// setBucket stores a bucket holding tokens now, as the script stores it:
+// with the mark it had while that lives (what is lent, until when).
 func setBucket(t *testing.T, rdb redis.Cmdable, key string, tokens float64) {
 	t.Helper()
-	state := fmt.Sprintf("%.17g %d", tokens, redisNow(t, rdb))
+	now := redisNow(t, rdb)
+	state := fmt.Sprintf("%.17g %d", tokens, now)
+	if b, err := parseBucket(rdb.Get(context.Background(), key)); err == nil && b.lent > 0 && b.until > now {
+		state += fmt.Sprintf(" %d %d", b.lent, b.until)
+	}
 	if err := rdb.Set(context.Background(), key, state, time.Minute).Err(); err != nil {
 		t.Fatal(err)
 	}

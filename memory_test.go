@@ -92,7 +92,7 @@ func TestRedisMemoryPerBucket(t *testing.T) {
 // maxBytesPerLeasingBucket bounds what a bucket costs Redis while it has
 // lent: the bucket with its mark, and its lease record (a second key,
 // one instance's lease in it), each with its TTL.
-const maxBytesPerLeasingBucket = 400
+const maxBytesPerLeasingBucket = 500
 
 // TestRedisMemoryPerLeasingBucket creates many buckets through lease.lua,
 // each lending one instance a lease, and measures Redis's used_memory

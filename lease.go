@@ -21,6 +21,11 @@ import (
 // `burst_capacity + replenish_rate × T`, with or without leases, on any
 // number of instances.
 //
+// Only a hot key gets a lease: one this instance sees twice within
+// `hold`. The requests of the others go to Redis as without lease, at
+// the same cost (one key read and written), with nothing kept for them
+// here; a key that cools goes back to them.
+//
 // A lease is sized to the key's recent rate on this instance (what it
 // will use within `hold`, at most `max_tokens`) and renewed in the
 // background when it falls to half of what the last call lent, or its

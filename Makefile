@@ -73,7 +73,7 @@ fuzz: ## Run each fuzz test for FUZZTIME (5s)
 		go test -run '^$$' -fuzz "^$$target\$$" -fuzztime $(FUZZTIME) . || exit 1; \
 	done
 
-bench: bin/caddy-bench bin/caddy-mholt ## Load benchmark, side by side (BENCH_ROUNDS=5 BENCH_DURATION=3s BENCH_WARMUP=1s BENCH_CASES="bare@64 memory@64" BENCH_GOGC=100 BENCH_PROFILE=dir BENCH_PROFILE_CASE=allowed BENCH_BASELINE=<rev>)
+bench: bin/caddy-bench bin/caddy-mholt ## Load benchmark, side by side (BENCH_ROUNDS=5 BENCH_DURATION=3s BENCH_WARMUP=1s BENCH_CASES="bare@64 memory@64 lease-keys@64 lease-mixed@64" BENCH_KEYS=10000 BENCH_HOT=8 BENCH_HOT_SHARE=0.9 BENCH_GOGC=100 BENCH_PROFILE=dir BENCH_PROFILE_CASE=allowed BENCH_BASELINE=<rev> BENCH_BASELINE_CASES="lease-mixed@64")
 	@bash scripts/bench.sh
 
 soak: ## Load against two Caddy instances while Redis is stopped, restarted and flushed (SOAK_DURATION=3m)

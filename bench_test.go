@@ -243,6 +243,49 @@ func BenchmarkServeHTTPLease(b *testing.B) {
 	serveFresh(b, "192.0.2.1", "client-1", http.StatusOK, serveHandler(h))
 }
 
+// BenchmarkServeHTTPColdKeys is one client at a time, each request on
+// the next of 10,000 keys (make bench's allowed-keys and lease-keys): a
+// zone with lease, whose keys are all cold, against the same zone
+// without. Both make one call of the plain script per request, and
+// allocate alike: nothing is kept for a cold key.
+func BenchmarkServeHTTPColdKeys(b *testing.B) {
+	for _, lease := range []bool{false, true} {
+		b.Run(fmt.Sprintf("lease=%v", lease), func(b *testing.B) {
+			srv := redistest.Start(b)
+			h := benchHandler(b, srv, "bench-cold", 1e9, 1_000_000_000, func(h *Handler) {
+				if lease {
+					h.Lease = &Lease{MaxTokens: 32}
+				}
+			})
+			serveOne(b, h, "192.0.2.1", "warm", http.StatusOK) // loads the script
+			const keys = 10_000
+			reqs := make([]*http.Request, freshBatch)
+			ws := make([]*benchWriter, freshBatch)
+			b.ReportAllocs()
+			b.ResetTimer()
+			for i := range b.N {
+				j := i % freshBatch
+				if j == 0 {
+					b.StopTimer()
+					for k := range reqs {
+						ws[k] = &benchWriter{h: freshHeader(), status: http.StatusOK}
+						reqs[k] = prepareRequestOn(&caddyhttp.Server{}, "192.0.2.1", "key-"+strconv.Itoa((i+k)%keys), ws[k])
+					}
+					b.StartTimer()
+				}
+				err := h.ServeHTTP(ws[j], reqs[j], okHandler)
+				if got := statusOf(err, ws[j].status); got != http.StatusOK {
+					b.Fatalf("status %d (err %v)", got, err)
+				}
+			}
+			b.StopTimer()
+			if lease && leaseEntries(h) != 0 {
+				b.Errorf("%d entries in the lease table after cold keys only", leaseEntries(h))
+			}
+		})
+	}
+}
+
 // BenchmarkServeHTTPAllowedParallel is many clients at once, each with its
 // own key, so the batcher pipelines. Sub-benchmarks set how many
 // goroutines per GOMAXPROCS.
@@ -610,5 +653,29 @@ func BenchmarkScriptsRedisCPU(b *testing.B) {
 				}
 			}
 		})
+	}
+}
+
+// BenchmarkLeaseAcquireCold is what a leasing zone adds to a cold key's
+// request in Caddy before its plain call: the lease table's lock, the
+// key's hash and its sighting (10,000 keys in turn, none hot).
+func BenchmarkLeaseAcquireCold(b *testing.B) {
+	ls := newLeases(&Lease{MaxTokens: 32}, time.Second)
+	keys := make([]string, 10_000)
+	for i := range keys {
+		keys[i] = "rate_limit:bench-lease|127.0.0.1:key-" + strconv.Itoa(i)
+	}
+	buckets := make([]bucket, 1)
+	now := time.Now()
+	b.ReportAllocs()
+	i := 0
+	for b.Loop() {
+		buckets[0] = bucket{key: keys[i%len(keys)]}
+		now = now.Add(20 * time.Microsecond) // each key seen every 200 ms, two holds
+		counted := false
+		if o, _ := ls.acquire(now, buckets, &counted, false); o != leaseCold {
+			b.Fatalf("outcome %v; want cold", o)
+		}
+		i++
 	}
 }

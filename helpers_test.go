@@ -821,12 +821,31 @@ type scriptBucket struct {
 	tokens  float64
 	at      int64 // Redis time, microseconds
 	present bool
+	// lent and until: the mark of a bucket that has lent (lease.lua), what
+	// its leases held and when the last expires (Redis time, µs); 0 without.
+	lent, until int64
 }
 
 // scriptRefill is the tokens b holds at now (microseconds), as the
-// memory store's refill (memstore.go) computes them.
+// memory store's refill (memstore.go) computes them; for a bucket with
+// lease.lua's mark, as script.lua does: up to the burst less what is
+// lent until the mark's end.
 func scriptRefill(b scriptBucket, now int64, rate float64, burst int64) float64 {
-	return refill(b.state(now, burst), now, limitValues{rate, burst, 1})
+	if !b.present || b.lent == 0 {
+		return refill(b.state(now, burst), now, limitValues{rate, burst, 1})
+	}
+	t, from := b.tokens, min(b.at, now)
+	if b.until > from {
+		to := min(b.until, now)
+		if limit := float64(burst - b.lent); t < limit {
+			t = min(limit, t+float64(to-from)*rate/1e6)
+		}
+		from = to
+	}
+	if t < float64(burst) {
+		t = min(float64(burst), t+float64(now-from)*rate/1e6)
+	}
+	return t
 }
 
 // scriptTake is the memory store's takeBucket (memstore.go), the token
@@ -862,13 +881,20 @@ func parseBucket(state *redis.StringCmd) (scriptBucket, error) {
 	if err != nil {
 		return scriptBucket{}, err
 	}
-	tokens, at, ok := strings.Cut(v, " ")
+	f := strings.Fields(v)
 	b := scriptBucket{present: true}
-	if b.tokens, err = strconv.ParseFloat(tokens, 64); err == nil {
-		b.at, err = strconv.ParseInt(at, 10, 64)
+	if len(f) == 2 || len(f) == 4 {
+		if b.tokens, err = strconv.ParseFloat(f[0], 64); err == nil {
+			b.at, err = strconv.ParseInt(f[1], 10, 64)
+		}
 	}
-	if !ok || err != nil {
-		return scriptBucket{}, fmt.Errorf("bucket state %q: want \"<tokens> <microseconds>\"", v)
+	if len(f) == 4 && err == nil {
+		if b.lent, err = strconv.ParseInt(f[2], 10, 64); err == nil {
+			b.until, err = strconv.ParseInt(f[3], 10, 64)
+		}
+	}
+	if len(f) != 2 && len(f) != 4 || err != nil {
+		return scriptBucket{}, fmt.Errorf("bucket state %q: want \"<tokens> <microseconds>\" or, lent, \"<tokens> <microseconds> <lent> <until>\"", v)
 	}
 	return b, nil
 }

@@ -22,6 +22,11 @@ import (
 // `burst_capacity + replenish_rate × T`, with or without leases, on any
 // number of instances.
 //
+// Only a hot key gets a lease: one this instance sees twice within
+// `hold`. The requests of the others go to Redis as without lease, at
+// the same cost (one key read and written), with nothing kept for them
+// here; a key that cools goes back to them.
+//
 // A lease is sized to the key's recent rate on this instance (what it
 // will use within `hold`, at most `max_tokens`) and renewed in the
 // background when it falls to half of what the last call lent, or its
@@ -74,10 +79,26 @@ type leases struct {
 const leaseShards = 64
 
 type leaseShard struct {
-	mu     sync.Mutex
-	byKey  map[string]*lease
-	padded [40]byte // a cache line of its own
+	mu    sync.Mutex
+	byKey map[string]*lease
+	// sighted are the keys of the shard without a lease seen lately:
+	// leaseSightedSets sets of leaseSightedWays, each a key's fingerprint
+	// (its hash's top 32 bits, never 0) and the µs it was last seen
+	// (Unix, its low 32 bits), the oldest of a set replaced first. A key
+	// seen twice within a hold is hot and gets a lease; any other goes to
+	// Redis as without lease, with nothing made for it.
+	sighted *[leaseSightedSets][leaseSightedWays]uint64
+	padded  [32]byte // a cache line of its own
 }
+
+// The sightings of a shard: 64 shards × 32 sets × 4 ways, 8192 keys in
+// 64 KiB per leasing handler. A key pushed out before its second request
+// is seen once more (it costs a plain call, no more); four ways keep hot
+// keys from pushing each other out.
+const (
+	leaseSightedSets = 32
+	leaseSightedWays = 4
+)
 
 // lease is this instance's lease on one bucket, and what sizes it.
 type lease struct {
@@ -141,8 +162,49 @@ func newLeases(c *Lease, timeout time.Duration) *leases {
 	ls.idArg, ls.lifeArg = ls.id, strconv.FormatInt(ls.life.Microseconds(), 10)
 	for i := range ls.shards {
 		ls.shards[i].byKey = make(map[string]*lease)
+		ls.shards[i].sighted = new([leaseSightedSets][leaseSightedWays]uint64)
 	}
 	return ls
+}
+
+// sight records that the key of hash, in shard sh (locked), was seen at
+// now without a lease, and answers whether it is hot: seen before within
+// a hold, at since.
+func (ls *leases) sight(sh *leaseShard, hash uint64, now time.Time) (hot bool, since time.Time) {
+	set := &sh.sighted[hash/leaseShards%leaseSightedSets]
+	fp := hash>>32 | 1
+	us := uint32(now.UnixMicro())
+	oldest, age := 0, uint32(0)
+	for i, e := range set {
+		d := us - uint32(e) // wraps every 71 minutes: at worst a key seen then is hot once
+		if e>>32 == fp {
+			set[i] = fp<<32 | uint64(us)
+			if int64(d) < ls.hold.Microseconds() {
+				return true, now.Add(-time.Duration(d) * time.Microsecond)
+			}
+			return false, time.Time{}
+		}
+		if e == 0 {
+			d = math.MaxUint32
+		}
+		if d >= age {
+			oldest, age = i, d
+		}
+	}
+	set[oldest] = fp<<32 | uint64(us)
+	return false, time.Time{}
+}
+
+// unsight forgets the sighting of the key of hash in shard sh (locked):
+// it is seen anew, twice within a hold, before it is hot again.
+func (ls *leases) unsight(sh *leaseShard, hash uint64) {
+	set := &sh.sighted[hash/leaseShards%leaseSightedSets]
+	fp := hash>>32 | 1
+	for i, e := range set {
+		if e>>32 == fp {
+			set[i] = 0
+		}
+	}
 }
 
 // provisionLeases sets lease up: the leases, their give-back loop, and
@@ -190,6 +252,7 @@ const (
 	leaseAdmitted leaseOutcome = iota // from the leases
 	leaseWait                         // for the flight in progress
 	leaseMiss                         // ask Redis (when leading, through the flight acquire made)
+	leaseCold                         // no bucket has a lease, none is hot: ask Redis as without lease
 )
 
 // acquire admits a request from its buckets' leases when each holds one
@@ -201,22 +264,37 @@ const (
 // send. Otherwise, when a call is in flight for a bucket whose lease
 // falls short, the request waits for it. Otherwise it misses; leading, it
 // then gets the flight that its own call to Redis is, registered on every
-// bucket. Until counted is set, the request counts into the rates of its
-// buckets' leases (those that exist).
+// bucket. A request none of whose buckets has a lease, or is hot (seen
+// before within a hold: see sight), is cold: it goes to Redis as without
+// lease, and nothing is made for it. On its first try (counted unset,
+// then set), a request counts into the rates of its buckets' leases
+// (those that exist) and is sighted on the others.
 func (ls *leases) acquire(now time.Time, buckets []bucket, counted *bool, lead bool) (leaseOutcome, *leaseFlight) {
 	var inline [maxInlineBuckets]int
 	shards := ls.lock(buckets, inline[:0])
 	defer ls.unlock(shards)
+	first := !*counted
+	*counted = true
 	admit, found := true, false
 	var wait *leaseFlight
 	for i := range buckets {
 		b := &buckets[i]
-		l := ls.get(b.key)
+		hash := maphash.String(ls.seed, b.key)
+		sh := &ls.shards[hash%leaseShards]
+		l := sh.byKey[b.key]
+		if l == nil && first {
+			// A key without a lease: hot when seen before within a hold,
+			// and its lease is made, its rate counted from then.
+			if hot, since := ls.sight(sh, hash, now); hot {
+				l = &lease{record: leaseRecordKey(b.key), values: b.values, since: since}
+				sh.byKey[b.key] = l
+			}
+		}
 		if l == nil {
 			admit = false
 			continue
 		}
-		if found = true; !*counted {
+		if found = true; first {
 			l.seen++
 		}
 		// !counted: picked for a give-back, which may hand back the tokens
@@ -229,8 +307,9 @@ func (ls *leases) acquire(now time.Time, buckets []bucket, counted *bool, lead b
 			}
 		}
 	}
-	*counted = *counted || found
 	switch {
+	case !found && !lead:
+		return leaseCold, nil
 	case admit:
 		renew := false
 		for i := range buckets {
@@ -333,7 +412,9 @@ func (ls *leases) grant(l *lease, now time.Time, requested int64) int64 {
 // failed call (err) changes no lease: Redis counts each as long as this
 // instance may admit from it, so it is used until its hold ends.
 // Buckets whose call was not answered are passed with err set too. Once
-// the leases are closed, what they hold is returned, for a give-back.
+// the leases are closed, what they hold is returned, for a give-back. A
+// lease whose measured rate asked for nothing, and that holds nothing, is
+// forgotten: its key is cold again.
 func (ls *leases) land(f *leaseFlight, buckets []bucket, now time.Time, err error) (back []bucket) {
 	var inline [maxInlineBuckets]int
 	shards := ls.lock(buckets, inline[:0])
@@ -361,6 +442,16 @@ func (ls *leases) land(f *leaseFlight, buckets []bucket, now time.Time, err erro
 		l.spent = 0
 		if closed && l.counted {
 			back = append(back, ls.giveBackBucket(b.key, l, false))
+		}
+		if err == nil && b.leased == 0 && b.want == 0 && l.rated {
+			// Cooled: its rate asked for nothing and nothing is lent. Its
+			// requests go to Redis as without lease until it is hot again.
+			hash := maphash.String(ls.seed, b.key)
+			sh := &ls.shards[hash%leaseShards]
+			if sh.byKey[b.key] == l {
+				delete(sh.byKey, b.key)
+				ls.unsight(sh, hash)
+			}
 		}
 	}
 	return back

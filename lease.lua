@@ -4,10 +4,16 @@
 -- exceed the burst, and over any interval T a bucket admits at most
 -- burst + rate * T, wherever its tokens were spent.
 --
--- KEYS[2i-1]   bucket i, stored as script.lua stores it: "<tokens> <µs>"
+-- KEYS[2i-1]   bucket i, stored as script.lua stores it: "<tokens> <µs>",
+--              or, while it has lent, "<tokens> <µs> <lent> <until µs>":
+--              the tokens its leases held then and when the last expires
+--              (the mark, which script.lua keeps and refills under)
 -- KEYS[2i]     what bucket i has lent, in the same Cluster hash slot: one
 --              "<instance> <tokens> <expiry µs> <seq>" per lease, joined
---              by ","; the key expires with its last lease
+--              by ","; the key expires with its last lease. It is read
+--              only when its bucket's mark says a lease lives, and
+--              written only when one does: a bucket without leases costs
+--              what it costs script.lua, one key read and written.
 -- ARGV[1]      what the call does:
 --                take    the caller's request waits: take its requested
 --                        tokens from every bucket, all or none; then, if
@@ -19,6 +25,9 @@
 --                        caller any more
 --                refund  return each bucket's requested tokens, taken by a
 --                        request that another slot group then refused
+--                reset   make each bucket full less what is lent (the
+--                        admin API's reset: deleting the bucket would
+--                        drop its mark, and with it what is lent)
 --                settle  settle what responses cost (charge): take each
 --                        bucket's difference (its requested tokens here),
 --                        down to minus its max debt (its held tokens
@@ -122,18 +131,32 @@ local function waitFor(tokens, need, rate, burst, leases)
 end
 
 local rate, burst, requested, held, want = {}, {}, {}, {}, {}
-local tokens, leases, own, forgiven, stale = {}, {}, {}, {}, {}
+local tokens, leases, own, forgiven, stale, recorded = {}, {}, {}, {}, {}, {}
 local allowed, fresh = 1, true
 for i = 1, n do
   local a = 4 + 5 * (i - 1)
   rate[i], burst[i], requested[i] = tonumber(ARGV[a + 1]), tonumber(ARGV[a + 2]), tonumber(ARGV[a + 3])
   held[i], want[i] = tonumber(ARGV[a + 4]), tonumber(ARGV[a + 5])
-  leases[i] = readLeases(KEYS[2 * i])
   local state = redis.call('GET', KEYS[2 * i - 1])
-  local stored, at
+  local stored, at, marklent, marktill
   if state then
     stored, at = string.match(state, '^(%S+) (%d+)$')
+    if not stored then
+      stored, at, marklent, marktill = string.match(state, '^(%S+) (%d+) (%d+) (%d+)$')
+      marklent, marktill = tonumber(marklent), tonumber(marktill)
+    end
     stored, at = tonumber(stored), tonumber(at)
+  end
+  -- The leases: none without a mark; from the record while the mark says
+  -- one lives. A mark whose leases all expired (or whose record was
+  -- lost) stands for one lease of all it counted, until its end: the
+  -- bucket refills under it until then, as script.lua refills it.
+  leases[i] = {}
+  if marktill and marktill > now then
+    leases[i], recorded[i] = readLeases(KEYS[2 * i]), true
+  end
+  if marktill and #leases[i] == 0 then
+    leases[i][1] = {id = '0', tokens = marklent, expiry = marktill, seq = 0}
   end
   if stored and at then
     -- A stored time ahead of now (a failover to a server whose clock is
@@ -166,7 +189,7 @@ end
 -- An answered report renews the lease's life here, as the caller renews
 -- its hold. A give-back reports bucket by bucket (see ARGV[3]); a take or
 -- renewal, which lends to all its buckets in lockstep, all or nothing.
-if (fresh or mode == 'give') and mode ~= 'refund' and mode ~= 'settle' then
+if (fresh or mode == 'give') and mode ~= 'refund' and mode ~= 'settle' and mode ~= 'reset' then
   for i = 1, n do
     if own[i] and not stale[i] then
       own[i].tokens, own[i].expiry, own[i].seq = math.min(held[i], own[i].tokens), now + life, seq
@@ -183,7 +206,11 @@ if (fresh or mode == 'give') and mode ~= 'refund' and mode ~= 'settle' then
   end
 end
 
-if mode == 'refund' then
+if mode == 'reset' then
+  for i = 1, n do
+    tokens[i] = burst[i] - lentAt(leases[i], now)
+  end
+elseif mode == 'refund' then
   for i = 1, n do
     local cap = burst[i] - lentAt(leases[i], now)
     if tokens[i] < cap then
@@ -252,13 +279,17 @@ for i = 1, n do
     end
   end
   -- The bucket lives until it would be full with every lease expired;
-  -- what is lent lives as long as its last lease.
+  -- what is lent lives as long as its last lease, and the bucket's mark
+  -- says so.
   local ttl = math.max(1000, math.ceil((burst[i] - tokens[i]) * 1000 / rate[i]) + math.ceil((last - now) / 1000))
-  redis.call('SET', KEYS[2 * i - 1], string.format('%.17g %d', tokens[i], now), 'PX', ttl)
   if #text > 0 then
+    redis.call('SET', KEYS[2 * i - 1], string.format('%.17g %d %d %d', tokens[i], now, lent, last), 'PX', ttl)
     redis.call('SET', KEYS[2 * i], table.concat(text, ','), 'PX', math.ceil((last - now) / 1000))
   else
-    redis.call('DEL', KEYS[2 * i])
+    redis.call('SET', KEYS[2 * i - 1], string.format('%.17g %d', tokens[i], now), 'PX', ttl)
+    if recorded[i] then
+      redis.call('DEL', KEYS[2 * i])
+    end
   end
   local wait = 0
   if mode ~= 'settle' and tokens[i] < requested[i] then

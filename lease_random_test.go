@@ -102,17 +102,25 @@ type randomSchedule struct {
 	hold               time.Duration
 	instances, workers int
 	cuts, deaths       int
+	// plain instances (the first ones) run without lease: the plain
+	// script, as a leasing zone's cold keys do; a share cold of the
+	// workers' requests go to other keys, each seen about once.
+	plain int
+	cold  float64
 }
 
 func (s randomSchedule) String() string {
-	return fmt.Sprintf("rate %v burst %d cost %d lease %d %v; %d instances × %d workers; %d cuts, %d deaths",
-		s.rate, s.burst, s.cost, s.maxTokens, s.hold, s.instances, s.workers, s.cuts, s.deaths)
+	return fmt.Sprintf("rate %v burst %d cost %d lease %d %v; %d instances (%d without lease) × %d workers, %.0f%% to cold keys; %d cuts, %d deaths",
+		s.rate, s.burst, s.cost, s.maxTokens, s.hold, s.instances, s.plain, s.workers, 100*s.cold, s.cuts, s.deaths)
 }
 
 // TestLeaseBoundAtRandom runs schedules of instances, each a handler of
 // its own behind a proxy to one Redis, whose workers send requests on
-// one key in busy phases (rushes, floods, or a request every so often)
-// between quiet ones, while at random times a proxy cuts its connections
+// one key in busy phases (rushes, floods, a request every so often, or
+// about one per hold, so that the key turns hot and cold on an instance,
+// leased or taken by the plain script) between quiet ones, with requests
+// to cold keys mixed in and an instance without lease beside (the plain
+// script under the others' leases), while at random times a proxy cuts its connections
 // for a while (calls run in Redis, their answers are lost) and an
 // instance dies (its workers stop and nothing of it reaches Redis any
 // more: its leases are never given back and expire). Every window of
@@ -151,6 +159,8 @@ func TestLeaseBoundAtRandom(t *testing.T) {
 			workers:   1 + rng.IntN(4),
 			cuts:      rng.IntN(4),
 			deaths:    rng.IntN(2),
+			plain:     rng.IntN(2),
+			cold:      []float64{0, 0, 0.5, 0.9}[rng.IntN(4)],
 		}
 		s.rate = float64(s.burst) * []float64{0.2, 1}[rng.IntN(2)]
 		s.cost = []int64{1, 1, 2}[rng.IntN(3)]
@@ -193,7 +203,7 @@ func runSchedule(t *testing.T, rng *rand.Rand, zone, redisAddr string, s randomS
 			if rng.IntN(3) == 0 {
 				d = time.Duration(5+rng.IntN(25)) * time.Millisecond // a short rush: leases lent, then left
 			}
-			gap := []time.Duration{0, 2 * time.Millisecond, 10 * time.Millisecond, 50 * time.Millisecond, 200 * time.Millisecond}[rng.IntN(5)]
+			gap := []time.Duration{0, 2 * time.Millisecond, 10 * time.Millisecond, 50 * time.Millisecond, 200 * time.Millisecond, s.hold / 2, 2 * s.hold}[rng.IntN(7)]
 			busy = append(busy, phase{at, at + d, gap})
 			at += d + time.Duration(100+rng.IntN(900))*time.Millisecond
 		}
@@ -211,7 +221,8 @@ func runSchedule(t *testing.T, rng *rand.Rand, zone, redisAddr string, s randomS
 		}
 		return phase{}, false
 	}
-	body := fmt.Sprintf("replenish_rate %v\n\tburst_capacity %d\n\trequested_tokens %d\n\tlease %d %v", s.rate, s.burst, s.cost, s.maxTokens, s.hold)
+	plainBody := fmt.Sprintf("replenish_rate %v\n\tburst_capacity %d\n\trequested_tokens %d", s.rate, s.burst, s.cost)
+	body := plainBody + fmt.Sprintf("\n\tlease %d %v", s.maxTokens, s.hold)
 	type instance struct {
 		h     *Handler
 		proxy *redisProxy
@@ -232,7 +243,7 @@ func runSchedule(t *testing.T, rng *rand.Rand, zone, redisAddr string, s randomS
 	redis %s {
 		timeout 150ms
 	}
-}`, zone, body, p.addr))
+}`, zone, cond(i < s.plain, plainBody, body), p.addr))
 		in := &instance{h: h, proxy: p, seed: rng.Uint64(), busy: shared}
 		if !together {
 			in.busy = phases()
@@ -295,6 +306,10 @@ func runSchedule(t *testing.T, rng *rand.Rand, zone, redisAddr string, s randomS
 					if p.gap > 0 {
 						time.Sleep(time.Duration(r.Int64N(int64(2 * p.gap))))
 					}
+					if s.cold > 0 && r.Float64() < s.cold {
+						hit(in.h, "c"+strconv.Itoa(r.IntN(1_000_000))) // not the key checked
+						continue
+					}
 					start := log.now()
 					status, _, _ := hit(in.h, "k")
 					switch {
@@ -311,4 +326,12 @@ func runSchedule(t *testing.T, rng *rand.Rand, zone, redisAddr string, s randomS
 	}
 	wg.Wait()
 	return &log, [2]int64{denied.Load(), failed.Load()}
+}
+
+// cond is a if c, else b.
+func cond[T any](c bool, a, b T) T {
+	if c {
+		return a
+	}
+	return b
 }

@@ -115,10 +115,15 @@ func redisCalls(t *testing.T, h *Handler) uint64 {
 	return m.GetHistogram().GetSampleCount()
 }
 
-// setBucket stores a bucket holding tokens now, as the script stores it.
+// setBucket stores a bucket holding tokens now, as the script stores it:
+// with the mark it had while that lives (what is lent, until when).
 func setBucket(t *testing.T, rdb redis.Cmdable, key string, tokens float64) {
 	t.Helper()
-	state := fmt.Sprintf("%.17g %d", tokens, redisNow(t, rdb))
+	now := redisNow(t, rdb)
+	state := fmt.Sprintf("%.17g %d", tokens, now)
+	if b, err := parseBucket(rdb.Get(context.Background(), key)); err == nil && b.lent > 0 && b.until > now {
+		state += fmt.Sprintf(" %d %d", b.lent, b.until)
+	}
 	if err := rdb.Set(context.Background(), key, state, time.Minute).Err(); err != nil {
 		t.Fatal(err)
 	}
@@ -415,14 +420,23 @@ func TestLeaseTable(t *testing.T) {
 		ls.finish(f, bs, nil)
 	}
 
-	// Nothing leased: a miss. Leading, the request's call is the flight.
+	// A key seen once, or again a hold later, is cold: nothing is made
+	// for it, its request goes to Redis as without lease.
+	for _, at := range []time.Time{t0.Add(-hold - 10*time.Millisecond), t0.Add(-10 * time.Millisecond)} {
+		if o, f := acq(at, ask(v, "a"), true, false); o != leaseCold || f != nil || ls.get("a") != nil {
+			t.Fatalf("a key not seen within a hold: %v %v, entry %v; want it cold, nothing made", o, f, ls.get("a"))
+		}
+	}
+	// Seen again within a hold, it is hot: a miss. Leading, the request's
+	// call is the flight, asking for what its rate (one request in 10 ms)
+	// makes in a hold: 10.
 	a := ask(v, "a")
 	if o, f := acq(t0, a, true, false); o != leaseMiss || f != nil {
-		t.Fatalf("no lease: %v %v; want a miss", o, f)
+		t.Fatalf("a hot key without a lease: %v %v; want a miss", o, f)
 	}
 	o, f := acq(t0, a, false, true)
-	if o != leaseMiss || f == nil || a[0].lease == nil || a[0].held != 0 || a[0].want != 0 {
-		t.Fatalf("leading: %v %v %+v; want a flight, asking for nothing (the rate is unknown)", o, f, a[0])
+	if o != leaseMiss || f == nil || a[0].lease == nil || a[0].held != 0 || a[0].want != 10 {
+		t.Fatalf("leading: %v %v %+v; want a flight, asking for 10", o, f, a[0])
 	}
 	if o, f2 := acq(t0, ask(v, "a"), true, false); o != leaseWait || f2 != f {
 		t.Fatalf("another miss during the call: %v; want it to wait for the flight", o)
@@ -1444,6 +1458,121 @@ func TestLeaseBoundWithLeasesOutOnThreeInstances(t *testing.T) {
 	wg.Wait()
 	windows, _ := log.check(t, burst, rate)
 	t.Logf("%d lent on three instances; %d admitted in all; %d windows checked", lent, log.len(), windows)
+}
+
+// leaseEntries counts the keys h's lease table holds.
+func leaseEntries(h *Handler) int {
+	n := 0
+	for i := range h.leases.shards {
+		s := &h.leases.shards[i]
+		s.mu.Lock()
+		n += len(s.byKey)
+		s.mu.Unlock()
+	}
+	return n
+}
+
+// TestLeaseColdKeysCostThePlainScript: in a zone with lease, keys seen
+// less than once per hold get no lease, nothing in the lease table, and
+// cost Redis one key read and written per request, as without lease: no
+// lease record, no mark. A key that turns hot gets its lease; once it
+// cools, the lease goes back, the key leaves the table, and its requests
+// are cold again.
+func TestLeaseColdKeysCostThePlainScript(t *testing.T) {
+	srv := redistest.Start(t)
+	rdb := srv.Client(t)
+	ctx := context.Background()
+	const hold = 50 * time.Millisecond
+	h := leaseHandler(t, "cold", "replenish_rate 1000\n\tburst_capacity 1000\n\tlease 32 50ms", srv.Addr)
+	scriptsLoaded(t, rdb)
+
+	const keys = 300
+	before := commandCalls(t, rdb)
+	for i := range keys {
+		if status, _, _ := hit(h, fmt.Sprintf("cold-%d", i)); status != 200 {
+			t.Fatalf("cold key %d: %d", i, status)
+		}
+	}
+	after := commandCalls(t, rdb)
+	gets, sets := after["get"]-before["get"], after["set"]-before["set"]
+	if gets != keys || sets != keys || after["del"] != before["del"] {
+		t.Errorf("%d cold requests: %d GET, %d SET, %d DEL in Redis; want one GET and one SET each", keys, gets, sets, after["del"]-before["del"])
+	}
+	if n := leaseEntries(h); n != 0 {
+		t.Errorf("%d cold keys left %d entries in the lease table; want none", keys, n)
+	}
+	if records, _ := rdb.Keys(ctx, "*"+leaseRecordSuffix+"*").Result(); len(records) != 0 {
+		t.Errorf("lease records of cold keys: %v", records)
+	}
+
+	// Hot: leased from its second request within a hold.
+	hot := limitKey(t, h, "", "hot")
+	warmLease(t, h, "hot", hot)
+	if b, err := parseBucket(rdb.Get(ctx, hot)); err != nil || b.lent == 0 {
+		t.Errorf("the hot key's bucket: %+v %v; want it marked as lending", b, err)
+	}
+	// Cooled: a request every two holds. Within a few holds the lease is
+	// back and the key out of the table; then its requests stay cold.
+	eventually(t, 2*time.Second, "the cooled key's lease given back and forgotten", func() bool {
+		hit(h, "hot")
+		time.Sleep(2 * hold)
+		b, _ := parseBucket(rdb.Get(ctx, hot))
+		return leaseEntries(h) == 0 && b.lent == 0 && rdb.Exists(ctx, leaseRecordKey(hot)).Val() == 0
+	})
+	for range 3 {
+		hit(h, "hot")
+		if n := leaseEntries(h); n != 0 {
+			t.Fatalf("a request every two holds made %d entries in the lease table; want none", n)
+		}
+		time.Sleep(2 * hold)
+	}
+}
+
+// TestLeaseBoundWithAPlainInstanceBeside: leases out on two instances,
+// and a third sharing the bucket without lease, so that all its requests
+// take the plain script (as cold keys of a leasing zone do): the plain
+// script never refills into what the leases hold, and every window stays
+// within burst + rate × T. (Before the bucket carried what it lent, the
+// plain script refilled it to its burst under the leases.)
+func TestLeaseBoundWithAPlainInstanceBeside(t *testing.T) {
+	srv := redistest.Start(t)
+	rdb := srv.Client(t)
+	const rate, burst = 30.0, 30
+	body := fmt.Sprintf("replenish_rate %v\n\tburst_capacity %d", rate, burst)
+	hs := []*Handler{
+		leaseHandler(t, "plainbeside", body+"\n\tlease 8 1s", srv.Addr),
+		leaseHandler(t, "plainbeside", body+"\n\tlease 8 1s", srv.Addr),
+	}
+	plain := leaseHandler(t, "plainbeside", body, srv.Addr) // no lease
+	scriptsLoaded(t, rdb)
+	key := limitKey(t, hs[0], "", "k")
+	var log admissionLog
+	var lent int64
+	for _, h := range hs {
+		for range warmLease(t, h, "k", key) {
+			log.add(log.now())
+		}
+		lent += leaseHeld(h, key)
+	}
+	time.Sleep(850 * time.Millisecond) // the bucket would be full again; the leases hold a while yet
+	all := []*Handler{hs[0], hs[1], plain}
+	var wg sync.WaitGroup
+	stop := time.Now().Add(100 * time.Millisecond)
+	for w := range 12 {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for time.Now().Before(stop) {
+				start := log.now()
+				if status, _, _ := hit(all[w%3], "k"); status == 200 {
+					log.add(start)
+				}
+			}
+		}()
+	}
+	wg.Wait()
+	windows, _ := log.check(t, burst, rate)
+	t.Logf("%d lent on two instances, a third without lease; %d admitted in all; %d windows checked", lent, log.len(), windows)
 }
 
 // TestLeaseBoundAcrossInstances: instances with leases hammer one key

@@ -21,6 +21,7 @@ var (
 	leaseModeGive   any = "give"
 	leaseModeRefund any = "refund"
 	leaseModeSettle any = "settle"
+	leaseModeReset  any = "reset"
 )
 
 // leaseLayer decides the requests of a handler with lease, from this
@@ -32,6 +33,14 @@ type leaseLayer struct {
 
 // settle settles in the leases first (settleLeased).
 func (l leaseLayer) settle(r *request, items []settling) { l.h.settleLeased(r.buckets, items) }
+
+// reset makes a bucket full less what its leases hold (deleting it would
+// drop its mark, and with it what is lent), after this instance's cached
+// denials of it are dropped.
+func (l leaseLayer) reset(ctx context.Context, b bucket) error {
+	l.h.forgetDenials([]string{b.key})
+	return l.h.leases.reset(ctx, l.limiter, b)
+}
 
 func (l leaseLayer) take(ctx context.Context, r *request) (bool, error) {
 	h := l.h
@@ -50,7 +59,11 @@ func (l leaseLayer) take(ctx context.Context, r *request) (bool, error) {
 // of its buckets is in flight, after that call, which it shares a
 // failure with; else from the deny cache; else with a call of its own,
 // which takes its tokens and lends its leases more (asked: the caller
-// records it as a Redis call).
+// records it as a Redis call). A cold request (no lease, no hot key:
+// leases.acquire) is decided as without lease, by the plain script,
+// which refills a bucket only up to what its leases leave; on a Cluster
+// whose slots its buckets span, by lease.lua, which refunds the groups
+// before a refusal under that cap (giveback.lua would not know it).
 func (h *Handler) checkLeased(clientCtx context.Context, sent time.Time, buckets []bucket) (allowed, asked bool, err error) {
 	ls := h.leases
 	now, counted, lead := sent, false, false
@@ -62,6 +75,12 @@ func (h *Handler) checkLeased(clientCtx context.Context, sent time.Time, buckets
 				go h.renewLeases(f)
 			}
 			return true, false, nil
+		case outcome == leaseCold && h.groups == nil:
+			if h.useDenyCache && h.denied.answer(buckets, sent) {
+				return false, false, nil
+			}
+			allowed, err = h.limiter.take(clientCtx, now, buckets)
+			return allowed, true, err
 		case outcome == leaseWait:
 			select {
 			case <-f.done:
@@ -275,6 +294,19 @@ func (ls *leases) close() {
 	ls.closed.Store(true)
 	close(ls.stop)
 	<-ls.done
+}
+
+// reset makes the bucket b full less what it has lent (lease.lua's
+// reset; deleting it would drop its mark, and the plain script would then
+// refill it into lent tokens), and has every instance forget its cached
+// denials of it, as limiter.reset does.
+func (ls *leases) reset(ctx context.Context, l *limiter, b bucket) error {
+	b.args = b.values.scriptArgs()
+	b.lease, b.held, b.want = &lease{record: leaseRecordKey(b.key)}, 0, 0
+	if _, err := ls.call(ctx, l, time.Now(), leaseModeReset, ls.seq.Add(1), []bucket{b}); err != nil {
+		return err
+	}
+	return l.client.Publish(ctx, l.resets.Name(), b.key).Err()
 }
 
 // warnGiveBack logs a failed refund, throttled.

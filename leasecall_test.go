@@ -89,10 +89,16 @@ func leaseRecords(t *testing.T, rdb *redis.Client, key string) map[string]leaseR
 }
 
 // setLeaseRecord stores a bucket's lease record: id tokens expiry seq,
-// each expiry as an offset from Redis's now.
+// each expiry as an offset from Redis's now; and marks the bucket (if
+// stored) with what they hold and the last expiry, as lease.lua leaves
+// it. The record lives until its last lease expires, as lease.lua stores
+// it: one whose leases all expired is gone already.
 func setLeaseRecord(t *testing.T, rdb *redis.Client, key string, now int64, leases ...string) {
 	t.Helper()
+	ctx := context.Background()
 	var entries []string
+	var lent int64
+	last := int64(math.MinInt64)
 	for _, l := range leases {
 		f := strings.Fields(l)
 		in, err := time.ParseDuration(f[2])
@@ -100,9 +106,22 @@ func setLeaseRecord(t *testing.T, rdb *redis.Client, key string, now int64, leas
 			t.Fatalf("lease %q: want <id> <tokens> <expiry from now> <seq>", l)
 		}
 		entries = append(entries, fmt.Sprintf("%s %s %d %s", f[0], f[1], now+in.Microseconds(), f[3]))
+		lent += mustAtoi(t, f[1])
+		last = max(last, now+in.Microseconds())
 	}
-	if err := rdb.Set(context.Background(), leaseRecordKey(key), strings.Join(entries, ","), time.Minute).Err(); err != nil {
+	if last > now {
+		if err := rdb.Set(ctx, leaseRecordKey(key), strings.Join(entries, ","), time.Duration(last-now)*time.Microsecond).Err(); err != nil {
+			t.Fatal(err)
+		}
+	}
+	b, err := parseBucket(rdb.Get(ctx, key))
+	if err != nil {
 		t.Fatal(err)
+	}
+	if b.present {
+		if err := rdb.Set(ctx, key, fmt.Sprintf("%.17g %d %d %d", b.tokens, b.at, lent, last), time.Minute).Err(); err != nil {
+			t.Fatal(err)
+		}
 	}
 }
 
@@ -220,11 +239,16 @@ func TestLeaseScriptExpiredLeaseCountsAsSpentAtItsExpiry(t *testing.T) {
 		t.Errorf("the expired lease is still recorded: %v", leaseRecords(t, rdb, a.key))
 	}
 
-	// A missing bucket is full: up to what is lent.
-	b := leaseArg{key: "rl:missing", rate: 100, burst: 100, requested: 1}
-	setLeaseRecord(t, rdb, b.key, redisNow(t, rdb), "other 30 1m 1")
+	// A reset bucket (the admin API's) is full: up to what is lent.
+	b := leaseArg{key: "rl:reset", rate: 100, burst: 100, requested: 1}
+	now = redisNow(t, rdb)
+	setBucketAt(t, rdb, b.key, 10, now)
+	setLeaseRecord(t, rdb, b.key, now, "other 30 1m 1")
+	if r := evalLease(t, rdb, "reset", "admin", 1, time.Minute, b); r.remaining[0] != 70 || leaseRecords(t, rdb, b.key)["other"].tokens != 30 {
+		t.Errorf("a bucket reset with 30 lent: %d; want 70, the lease untouched", r.remaining[0])
+	}
 	if r := evalLease(t, rdb, "take", "i1", 2, time.Minute, b); r.remaining[0] != 69 {
-		t.Errorf("a missing bucket with 30 lent: %d left after one; want 69", r.remaining[0])
+		t.Errorf("a reset bucket with 30 lent: %d left after one; want 69", r.remaining[0])
 	}
 
 	// A denial's wait counts the refill that the leases hold back: empty,
@@ -239,6 +263,114 @@ func TestLeaseScriptExpiredLeaseCountsAsSpentAtItsExpiry(t *testing.T) {
 	elapsed := time.Duration(redisNow(t, rdb)-now) * time.Microsecond
 	if r.allowed || r.wait[0] < 600*time.Millisecond-elapsed || r.wait[0] > 600*time.Millisecond {
 		t.Errorf("empty, all lent for 0.5 s: %+v; want denied with a wait of 0.6 s less up to %v", r, elapsed)
+	}
+}
+
+// TestLeaseScriptMarksTheBucketOnlyWhileItLends: a bucket that lends
+// carries a mark (what is lent, until when), and its lease record; once
+// its leases are back, neither. A call on a bucket without leases that
+// lends nothing reads and writes the bucket alone, as script.lua does:
+// one GET, one SET, nothing of the record.
+func TestLeaseScriptMarksTheBucketOnlyWhileItLends(t *testing.T) {
+	srv := redistest.Start(t)
+	rdb := srv.Client(t)
+	ctx := context.Background()
+	a := leaseArg{key: "rl:mark", rate: 0.001, burst: 100, requested: 1}
+	if err := rdb.ScriptLoad(ctx, leaseSource).Err(); err != nil {
+		t.Fatal(err)
+	}
+	calls := func(f func()) map[string]int64 {
+		before := commandCalls(t, rdb)
+		f()
+		after := commandCalls(t, rdb)
+		for k := range after {
+			after[k] -= before[k]
+		}
+		return after
+	}
+
+	// Cold: nothing lent, nothing asked.
+	c := calls(func() { evalLease(t, rdb, "take", "i1", 1, time.Minute, a) })
+	if c["get"] != 1 || c["set"] != 1 || c["del"] != 0 || c["pexpire"] != 0 {
+		t.Errorf("a take on a bucket without leases ran get %d, set %d, del %d; want one GET and one SET", c["get"], c["set"], c["del"])
+	}
+	if n, _ := rdb.Exists(ctx, leaseRecordKey(a.key)).Result(); n != 0 {
+		t.Error("a bucket that never lent has a lease record")
+	}
+	if b, err := parseBucket(rdb.Get(ctx, a.key)); err != nil || b.lent != 0 || math.Floor(b.tokens) != 99 {
+		t.Errorf("the cold bucket: %+v %v; want 99 tokens, no mark", b, err)
+	}
+
+	// Lending marks it: 10 lent until the lease's expiry, a minute on.
+	lend := a
+	lend.want = 10
+	evalLease(t, rdb, "take", "i1", 2, time.Minute, lend)
+	b, err := parseBucket(rdb.Get(ctx, a.key))
+	now := redisNow(t, rdb)
+	if err != nil || b.lent != 10 || b.until < now+50_000_000 || b.until > now+60_000_000 {
+		t.Errorf("the bucket that lent 10 for a minute: %+v %v; want its mark: 10 lent for a minute", b, err)
+	}
+	if ttl := rdb.PTTL(ctx, leaseRecordKey(a.key)).Val(); ttl < 50*time.Second || ttl > time.Minute {
+		t.Errorf("the lease record lives %v; want as long as its lease, a minute", ttl)
+	}
+
+	// Given back: no mark, no record.
+	give := a
+	give.held = 10
+	evalLease(t, rdb, "give", "i1", 3, time.Minute, give)
+	if b, err := parseBucket(rdb.Get(ctx, a.key)); err != nil || b.lent != 0 || math.Floor(b.tokens) != 98 {
+		t.Errorf("after the give-back: %+v %v; want 98 tokens, no mark", b, err)
+	}
+	if n, _ := rdb.Exists(ctx, leaseRecordKey(a.key)).Result(); n != 0 {
+		t.Error("the lease record outlived its last lease")
+	}
+	c = calls(func() { evalLease(t, rdb, "take", "i1", 4, time.Minute, a) })
+	if c["get"] != 1 || c["set"] != 1 || c["del"] != 0 {
+		t.Errorf("a take once the leases are back ran get %d, set %d, del %d; want one GET and one SET", c["get"], c["set"], c["del"])
+	}
+}
+
+// TestScriptRefillsUnderAMark: script.lua, taking from a bucket that has
+// lent (lease.lua's mark), refills it only up to the burst less what is
+// lent until the last lease expires, keeps the mark, and waits for it;
+// then refills to the burst and drops the mark. It reads and writes the
+// bucket alone.
+func TestScriptRefillsUnderAMark(t *testing.T) {
+	srv := redistest.Start(t)
+	rdb := srv.Client(t)
+	ctx := context.Background()
+	l := newTestLimiter(t, srv.Addr, time.Second)
+	key := "rl:marked"
+	// Empty a second ago, 100 tokens a second up to 100, 40 lent for
+	// 300 ms more: it refilled to 60, and stays there.
+	now := redisNow(t, rdb)
+	setBucketAt(t, rdb, key, 0, now-1_000_000)
+	setLeaseRecord(t, rdb, key, now, "other 40 300ms 1")
+	before := commandCalls(t, rdb)
+	if res := mustTake(t, l, key, limitArgs(100, 100, 1)); res.Remaining != 59 {
+		t.Errorf("40 lent of 100: %d left after one; want 59", res.Remaining)
+	}
+	after := commandCalls(t, rdb)
+	if after["get"]-before["get"] != 1 || after["set"]-before["set"] != 1 {
+		t.Errorf("script.lua on a marked bucket ran %d GET, %d SET; want one each", after["get"]-before["get"], after["set"]-before["set"])
+	}
+	b, err := parseBucket(rdb.Get(ctx, key))
+	if err != nil || b.lent != 40 || b.until != now+300_000 {
+		t.Errorf("after the take: %+v %v; want the mark kept", b, err)
+	}
+	// Asking more than the cap leaves: denied, with a wait past the
+	// lease's end.
+	res := mustTake(t, l, key, limitArgs(100, 100, 70))
+	if res.Allowed || res.RetryAfter < 100*time.Millisecond {
+		t.Errorf("70 of 59, the cap 60 for up to 300 ms: %+v; want denied, waiting past the lease's end", res)
+	}
+	// Past its end: up to the burst, the mark dropped.
+	time.Sleep(time.Until(time.UnixMicro(now + 400_000)))
+	if res := mustTake(t, l, key, limitArgs(100, 100, 1)); res.Remaining < 68 || res.Remaining > 99 {
+		t.Errorf("after the lease's end: %d left; want above the cap of 60", res.Remaining)
+	}
+	if b, err := parseBucket(rdb.Get(ctx, key)); err != nil || b.lent != 0 {
+		t.Errorf("after the lease's end: %+v %v; want no mark", b, err)
 	}
 }
 

@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"os"
 	"strconv"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -85,6 +86,121 @@ func TestRedisMemoryPerBucket(t *testing.T) {
 	if perSecond > maxBytesPerBucket || perFirst > maxBytesPerBucket {
 		t.Errorf("a bucket costs %.1f bytes of Redis memory (%.1f with whole tokens), over the bound of %d",
 			perSecond, perFirst, maxBytesPerBucket)
+	}
+}
+
+// maxBytesPerLeasingBucket bounds what a bucket costs Redis while it has
+// lent: the bucket with its mark, and its lease record (a second key,
+// one instance's lease in it), each with its TTL.
+const maxBytesPerLeasingBucket = 500
+
+// TestRedisMemoryPerLeasingBucket creates many buckets through lease.lua,
+// each lending one instance a lease, and measures Redis's used_memory
+// growth per bucket, beside as many plain buckets (script.lua) on the
+// same server, emptied between; 100,000 keys by default,
+// RATELIMIT_MEMORY_KEYS=1000000 for a larger run. A lease record lives
+// as long as its lease and no longer: its TTL is checked, and on a
+// short-lived lease, that it is gone once the lease expired, leaving the
+// bucket without its mark.
+func TestRedisMemoryPerLeasingBucket(t *testing.T) {
+	n := 100_000
+	if s := os.Getenv("RATELIMIT_MEMORY_KEYS"); s != "" {
+		v, err := strconv.Atoi(s)
+		if err != nil || v < 1000 {
+			t.Fatalf("RATELIMIT_MEMORY_KEYS=%q: want a whole number of at least 1000", s)
+		}
+		n = v
+	}
+	srv := redistest.Start(t)
+	ctx := context.Background()
+	rdb := redis.NewClient(&redis.Options{Addr: srv.Addr, ReadTimeout: 30 * time.Second, PoolSize: 4})
+	t.Cleanup(func() { rdb.Close() })
+	plain, leasing := redis.NewScript(scriptSource), redis.NewScript(leaseSource)
+	for _, s := range []*redis.Script{plain, leasing} {
+		if err := s.Load(ctx, rdb).Err(); err != nil {
+			t.Fatal(err)
+		}
+	}
+	prefix := bucketPrefix(defaultKeyPrefix, "api", "{http.vars.client_ip}")
+
+	// Plain: as TestRedisMemoryPerBucket, two takes (the second stores a
+	// refilled fraction).
+	before := settledUsedMemory(t, rdb)
+	args := []any{"0.01", "100", "1"}
+	takeAll(t, rdb, plain.Hash(), prefix, n, args, 0)
+	takeAll(t, rdb, plain.Hash(), prefix, n, args, 99)
+	perPlain := float64(settledUsedMemory(t, rdb)-before) / float64(n)
+	if err := rdb.FlushAll(ctx).Err(); err != nil {
+		t.Fatal(err)
+	}
+
+	// Leasing: each bucket lends instance 0123456789abcdef a lease of 8
+	// for 10 minutes (the test's span), then is taken from again, its
+	// lease renewed: a fraction in the bucket, a lease in the record.
+	before = settledUsedMemory(t, rdb)
+	const id = "0123456789abcdef"
+	life := (10 * time.Minute).Microseconds()
+	leaseAll(t, rdb, leasing.Hash(), prefix, n, []any{"take", id, 1, life, "0.01", "100", "1", 0, 8}, 0)
+	leaseAll(t, rdb, leasing.Hash(), prefix, n, []any{"take", id, 2, life, "0.01", "100", "1", 8, 8}, 99)
+	afterLeasing := settledUsedMemory(t, rdb)
+	if got := rdb.DBSize(ctx).Val(); got != int64(2*n) {
+		t.Fatalf("DBSIZE %d after %d leasing buckets; want a bucket and a record each", got, 2*n)
+	}
+	perLeasing := float64(afterLeasing-before) / float64(n)
+	sample := prefix + ipv4Key(n/2)
+	record := leaseRecordKey(sample)
+	t.Logf("bytes per bucket at %d keys: %.1f plain, %.1f leasing (bucket %q, record %q = %q): %.2f× a plain one",
+		n, perPlain, perLeasing, rdb.Get(ctx, sample).Val(), record, rdb.Get(ctx, record).Val(), perLeasing/perPlain)
+	if perLeasing > maxBytesPerLeasingBucket {
+		t.Errorf("a leasing bucket costs %.1f bytes of Redis memory, over the bound of %d", perLeasing, maxBytesPerLeasingBucket)
+	}
+	if ttl := rdb.PTTL(ctx, record).Val(); ttl <= 0 || ttl > 10*time.Minute {
+		t.Errorf("a lease record lives %v; want at most its lease's life, 10 minutes", ttl)
+	}
+
+	// A short lease: its record goes when it expires; the bucket, taken
+	// from after, has no mark left.
+	short := prefix + "short"
+	keys := []string{short, leaseRecordKey(short)}
+	if err := leasing.EvalSha(ctx, rdb, keys, "take", id, 3, 200_000, "0.01", "100", "1", 0, 8).Err(); err != nil {
+		t.Fatal(err)
+	}
+	if ttl := rdb.PTTL(ctx, keys[1]).Val(); ttl <= 0 || ttl > 200*time.Millisecond {
+		t.Errorf("a lease of 200 ms: its record lives %v; want at most 200 ms", ttl)
+	}
+	time.Sleep(300 * time.Millisecond)
+	if n := rdb.Exists(ctx, keys[1]).Val(); n != 0 {
+		t.Error("a lease record outlived its lease")
+	}
+	if err := plain.EvalSha(ctx, rdb, keys[:1], "0.01", "100", "1").Err(); err != nil {
+		t.Fatal(err)
+	}
+	if v := rdb.Get(ctx, short).Val(); len(strings.Fields(v)) != 2 {
+		t.Errorf("the bucket after its lease expired: %q; want it without a mark", v)
+	}
+}
+
+// leaseAll runs lease.lua once for each of n buckets with args, as takeAll
+// runs script.lua, and checks every reply lends.
+func leaseAll(t *testing.T, rdb *redis.Client, sha, prefix string, n int, args []any, rotate int) {
+	t.Helper()
+	const batch = 1000
+	ctx := context.Background()
+	for lo := 0; lo < n; lo += batch {
+		pipe := rdb.Pipeline()
+		cmds := make([]*redis.Cmd, 0, batch)
+		for i := lo; i < min(lo+batch, n); i++ {
+			key := prefix + ipv4Key((i+rotate)%n)
+			cmds = append(cmds, pipe.EvalSha(ctx, sha, []string{key, leaseRecordKey(key)}, args...))
+		}
+		if _, err := pipe.Exec(ctx); err != nil {
+			t.Fatal(err)
+		}
+		for _, c := range cmds {
+			if v, err := c.Int64Slice(); err != nil || len(v) != 4 || v[0] != 1 || v[3] != 8 {
+				t.Fatalf("lease.lua reply %v, %v: want an allowed take lending 8", v, err)
+			}
+		}
 	}
 }
 

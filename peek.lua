@@ -50,7 +50,9 @@ for i = 1, #KEYS do
     a = a + 3
     tokens = burst
     if state then
-      local stored, at = string.match(state, '^(%S+) (%d+)$')
+      -- (a lending bucket's mark, after these, is not read: the view is
+      -- of the tokens in the bucket, without what it has lent)
+      local stored, at = string.match(state, '^(%S+) (%d+)')
       stored, at = tonumber(stored), tonumber(at)
       if stored and at then
         tokens = math.min(burst, stored + math.max(0, now - at) * rate / 1000000)

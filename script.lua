@@ -32,6 +32,15 @@
 -- they need longer); an expired bucket reads as full, which is what it
 -- would be.
 --
+-- A bucket that has lent tokens (`lease`, lease.lua) carries a mark:
+-- "<tokens> <microseconds> <lent> <until>", the tokens its leases held
+-- then and the Redis time its last lease expires. Until then it refills
+-- only up to its burst less what is lent (or less: a lease may expire
+-- sooner), and a take keeps the mark; from then on the mark is dropped.
+-- So a take here never refills into tokens an instance holds lent, and
+-- reads one key as without leases. The key lives until the bucket would
+-- be full with every lease expired.
+--
 -- A quota is one string "<used> <period start, microseconds>": the tokens
 -- taken in the period that starts then (more than the count when
 -- responses cost more than they reserved: settle.lua). A state of
@@ -53,8 +62,8 @@
 -- (a charged quota's settlement names that one, settle.lua), or Redis
 -- time (Unix microseconds) when it lies outside them all: that quota
 -- counts in none, and the call takes nothing (allowed 0, and the quota's
--- remaining and wait 0)}. (Buckets with `lease` use lease.lua, which
--- reads and writes them alike.)
+-- remaining and wait 0)}. (Buckets with `lease` use lease.lua while
+-- their instance holds or wants a lease; it reads and writes them alike.)
 
 -- Redis time, not the caller's, so instances with skewed clocks agree.
 -- 1.7e15 microseconds is well inside a double's exact integers (2^53).
@@ -63,6 +72,9 @@ local now = tonumber(time[1]) * 1000000 + tonumber(time[2])
 
 local n = #KEYS
 local rate, burst, requested, tokens, rewound, present = {}, {}, {}, {}, {}, {}
+-- lent and till: the mark of a bucket whose leases live past now (made
+-- for the first such bucket of a call only).
+local lent, till
 local allowed = 1
 local a = 1 -- the index of the key's first argument
 -- quota (issue 22): its period's start and end by key (qstart, qend),
@@ -175,7 +187,10 @@ local function checkBucket(i)
   tokens[i] = burst[i]
   local state = redis.call('GET', KEYS[i])
   if state then
-    local stored, at = string.match(state, '^(%S+) (%d+)$')
+    local stored, at, marklent, marktill = string.match(state, '^(%S+) (%d+)$')
+    if not stored then
+      stored, at, marklent, marktill = string.match(state, '^(%S+) (%d+) (%d+) (%d+)$')
+    end
     stored, at = tonumber(stored), tonumber(at)
     if stored and at then
       present[i] = true
@@ -183,7 +198,33 @@ local function checkBucket(i)
       -- time can lie ahead: count from now instead, and store now (below),
       -- or the bucket would not refill until the clock caught up.
       rewound[i] = at > now
-      tokens[i] = math.min(burst[i], stored + math.max(0, now - at) * rate[i] / 1000000)
+      local from = math.min(at, now)
+      if marklent then
+        -- Lent: up to the burst less what is lent until the last lease
+        -- expires, then up to the burst (tokens above a cap are kept,
+        -- never refilled, as lease.lua does).
+        marklent, marktill = tonumber(marklent), tonumber(marktill)
+        local t = stored
+        if marktill > from then
+          local to = math.min(marktill, now)
+          if t < burst[i] - marklent then
+            t = math.min(burst[i] - marklent, t + (to - from) * rate[i] / 1000000)
+          end
+          from = to
+        end
+        if t < burst[i] then
+          t = math.min(burst[i], t + (now - from) * rate[i] / 1000000)
+        end
+        tokens[i] = t
+        if marktill > now then
+          if not lent then
+            lent, till = {}, {}
+          end
+          lent[i], till[i] = marklent, marktill
+        end
+      else
+        tokens[i] = math.min(burst[i], stored + (now - from) * rate[i] / 1000000)
+      end
     end
   end
   if tokens[i] < requested[i] then
@@ -197,9 +238,16 @@ local function takeBucket(i)
     tokens[i] = tokens[i] - requested[i]
   end
   -- The key lives as long as its missing tokens take to refill (at
-  -- least 1 s), so an idle key lives no longer than needed.
+  -- least 1 s), so an idle key lives no longer than needed; a lent one
+  -- as long after its last lease expires.
   local fill = math.ceil((burst[i] - tokens[i]) * 1000 / rate[i])
-  if allowed == 1 or rewound[i] then
+  local marked = lent and lent[i]
+  if marked then
+    fill = math.max(1000, fill) + math.ceil((till[i] - now) / 1000)
+  end
+  if marked and (allowed == 1 or rewound[i]) then
+    redis.call('SET', KEYS[i], string.format('%.17g %d %d %d', tokens[i], now, lent[i], till[i]), 'PX', fill)
+  elseif allowed == 1 or rewound[i] then
     redis.call('SET', KEYS[i], string.format('%.17g %d', tokens[i], now), 'PX', math.max(1000, fill))
   elseif present[i] then
     -- A denial stores nothing, but the key's expiry was set at the values
@@ -215,6 +263,15 @@ local function takeBucket(i)
   local wait = 0
   if tokens[i] < requested[i] then
     wait = math.ceil((requested[i] - tokens[i]) * 1000000 / rate[i])
+    if marked then
+      -- The cap holds the refill back until the last lease expires.
+      local t, cap = tokens[i], burst[i] - lent[i]
+      local by = t + (till[i] - now) * rate[i] / 1000000
+      if cap < requested[i] or by < requested[i] then
+        t = math.min(math.max(t, cap), by)
+        wait = till[i] - now + math.max(0, math.ceil((requested[i] - t) * 1000000 / rate[i]))
+      end
+    end
   end
   return math.max(0, math.floor(tokens[i])), wait
 end

@@ -51,6 +51,24 @@
 #   mholt-denied@64  the peer with events 100 per 1s: all but about 100
 #                 requests a second denied (denied@64 is set beside it)
 #
+# Many keys (BENCH_KEYS, 10000): each connection cycles the X-Conn values
+# key-000000.. instead of sending its own, so each key sees one request
+# per BENCH_KEYS (a few a second: cold, far less than once per hold):
+#   allowed-keys@64  allowed@64 over the many keys
+#   lease-keys@64    lease@64 over them: every key cold, so every request
+#                 goes to Redis as without lease (the `vs allowed` table
+#                 sets it beside allowed-keys@64)
+#   memory-keys@64   memory@64 over them
+#   mholt-keys@64    the peer keyed by X-Conn (bench/mholt-keys: events 100
+#                 per 1s per key, all allowed) over them
+# Mixed (a real API's shape): a share BENCH_HOT_SHARE (0.9) of each
+# connection's requests go to BENCH_HOT (8) hot keys, the rest cycle the
+# BENCH_KEYS cold ones:
+#   allowed-mixed@64  allowed@64 on that traffic
+#   lease-mixed@64    lease@64 on it: the hot keys leased, the cold ones
+#                 at the plain script's price
+#   memory-mixed@64   memory@64 on it (the in-process ceiling)
+#
 # Every case but the peer's runs on bin/caddy-bench; the peer's on
 # bin/caddy-mholt (both plugins register rate_limit, so they cannot share
 # a binary). Caddy runs alone on CPU 0 with GOMAXPROCS=1; Redis and the load
@@ -63,6 +81,7 @@
 # pipeline) and script calls (cmdstat_evalsha + cmdstat_eval).
 #
 # Environment: BENCH_ROUNDS (5), BENCH_DURATION (3s), BENCH_WARMUP (1s),
+# BENCH_KEYS (10000), BENCH_HOT (8), BENCH_HOT_SHARE (0.9),
 # BENCH_CASES (all; or a list such as "bare@64 memory@64": fewer cases per
 # round set the ones compared closer together in time, which matters on
 # a machine whose speed swings from one minute to the next).
@@ -75,6 +94,8 @@
 # bin/caddy-bench-<commit>), right after the same case on this build, as
 # "<name>.base@<conns>"; the table then sets each case beside its twin:
 # the one measurement a change that must not cost speed needs.
+# BENCH_BASELINE_CASES (all) names the cases that get a baseline twin,
+# e.g. "lease-keys@64 lease-mixed@64".
 # BENCH_PROFILE=<dir> adds one more 64-connection run of the Caddyfile
 # BENCH_PROFILE_CASE names (allowed; or memory, denied, charge, ...) with
 # Caddy's admin endpoint on, saves a 5 s CPU profile and allocation
@@ -94,6 +115,9 @@ caddy_bin="$REPO_ROOT/bin/caddy-bench"
 mholt_bin="$REPO_ROOT/bin/caddy-mholt"
 PROFILE_CASE="${BENCH_PROFILE_CASE:-allowed}"
 GOGC_CADDY="${BENCH_GOGC:-100}"
+KEYS="${BENCH_KEYS:-10000}"
+HOT="${BENCH_HOT:-8}"
+HOT_SHARE="${BENCH_HOT_SHARE:-0.9}"
 baseline_bin=""
 
 bench_start=$SECONDS
@@ -189,6 +213,13 @@ CASES=(
 	"memfloor@256 memfloor 200 -"
 	"floor@256 floor 200 -"
 	"bare@256 bare 200 -"
+	"allowed-keys@64 allowed 200 -keys $KEYS"
+	"lease-keys@64 lease 200 -keys $KEYS"
+	"memory-keys@64 memory 200 -keys $KEYS"
+	"mholt-keys@64 mholt-keys 200 -keys $KEYS"
+	"allowed-mixed@64 allowed 200 -keys $KEYS -hot $HOT -hot-share $HOT_SHARE"
+	"lease-mixed@64 lease 200 -keys $KEYS -hot $HOT -hot-share $HOT_SHARE"
+	"memory-mixed@64 memory 200 -keys $KEYS -hot $HOT -hot-share $HOT_SHARE"
 )
 
 if [[ -n "${BENCH_CASES:-}" ]]; then
@@ -211,9 +242,12 @@ if [[ -n "$baseline_bin" ]]; then
 	for c in "${CASES[@]}"; do
 		twinned+=("$c")
 		read -r name conf rest <<<"$c"
+		if [[ -n "${BENCH_BASELINE_CASES:-}" && " $BENCH_BASELINE_CASES " != *" $name "* ]]; then
+			continue
+		fi
 		case "${name%@*}" in
 		# llm: request_body is newer than most baselines, which refuse its config.
-		bare | floor | floor3 | memfloor | mholt | mholt-denied | llm) ;;
+		bare | floor | floor3 | memfloor | mholt | mholt-denied | mholt-keys | llm) ;;
 		*) twinned+=("${name%@*}.base@${name#*@} $conf $rest") ;;
 		esac
 	done

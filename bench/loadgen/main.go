@@ -5,7 +5,13 @@
 // soon as the previous response is read. Latency goes into a log-linear
 // histogram (256 sub-buckets per power of two, under 0.4 % error).
 //
-//	loadgen run -addr 127.0.0.1:8080 -c 64 -warmup 1s -d 5s [-same-key] [-expect 200[,429]] [-redis 127.0.0.1:6390] [-pid N] [-cpus 0,1]
+// With -keys N, the requests cycle N X-Conn values instead ("key-<n>"):
+// connection i starts at key i×N/c and sends the next key each time, so
+// every key sees one request per N; with -hot H as well, a share -hot-share
+// of each connection's requests (at random) go to H hot keys ("hot-<n>",
+// in turn), the rest cycle the N cold ones.
+//
+//	loadgen run -addr 127.0.0.1:8080 -c 64 -warmup 1s -d 5s [-same-key | -keys 10000 [-hot 8 -hot-share 0.9]] [-expect 200[,429]] [-redis 127.0.0.1:6390] [-pid N] [-cpus 0,1]
 //	loadgen table [-warmup 1s -d 3s -cpus 0,1] RESULTS
 //	loadgen freeport
 //
@@ -32,6 +38,7 @@ import (
 	"fmt"
 	"io"
 	"math/bits"
+	"math/rand/v2"
 	"net"
 	"os"
 	"slices"
@@ -88,6 +95,9 @@ func run(argv []string) {
 	dur := fs.Duration("d", 5*time.Second, "measured duration")
 	warmup := fs.Duration("warmup", time.Second, "warm-up before measuring")
 	sameKey := fs.Bool("same-key", false, "every connection sends the same X-Conn value (one bucket)")
+	keys := fs.Int("keys", 0, "cycle this many X-Conn values across the connections (0: one per connection)")
+	hot := fs.Int("hot", 0, "with -keys: this many hot X-Conn values, which -hot-share of the requests go to")
+	hotShare := fs.Float64("hot-share", 0.9, "with -hot: the share of requests that go to the hot keys")
 	expectList := fs.String("expect", "200", "expected statuses, comma-separated; others count as unexpected")
 	redisAddr := fs.String("redis", "", "Redis host:port whose INFO deltas to report")
 	serverPID := fs.Int("pid", 0, "PID of the server, whose CPU use to report (Linux /proc)")
@@ -120,6 +130,25 @@ func run(argv []string) {
 		defer rinfo.close()
 	}
 
+	if *keys < 0 || *hot < 0 || *hot > 0 && *keys == 0 || *hotShare < 0 || *hotShare > 1 || *sameKey && *keys > 0 {
+		fatal(fmt.Errorf("-keys %d -hot %d -hot-share %v: want -keys >= 0, -hot only with -keys, a share in [0, 1], no -same-key with -keys", *keys, *hot, *hotShare))
+	}
+	request := func(key string) []byte {
+		if body != nil {
+			return append(fmt.Appendf(nil, "POST /v1/chat/completions HTTP/1.1\r\nHost: bench.local\r\nUser-Agent: loadgen\r\nX-Conn: %s\r\n"+
+				"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n", key, len(body)), body...)
+		}
+		return []byte("GET / HTTP/1.1\r\nHost: bench.local\r\nUser-Agent: loadgen\r\nX-Conn: " + key + "\r\n\r\n")
+	}
+	// The requests of -keys and -hot, built once and shared (read only).
+	var cold, hotReqs [][]byte
+	for i := range *keys {
+		cold = append(cold, request(fmt.Sprintf("key-%06d", i)))
+	}
+	for i := range *hot {
+		hotReqs = append(hotReqs, request(fmt.Sprintf("hot-%04d", i)))
+	}
+
 	var phase atomic.Int32
 	workers := make([]*worker, *conns)
 	for i := range workers {
@@ -127,16 +156,17 @@ func run(argv []string) {
 		if *sameKey {
 			key = "conn-0000"
 		}
-		req := []byte("GET / HTTP/1.1\r\nHost: bench.local\r\nUser-Agent: loadgen\r\nX-Conn: " + key + "\r\n\r\n")
-		if body != nil {
-			req = append(fmt.Appendf(nil, "POST /v1/chat/completions HTTP/1.1\r\nHost: bench.local\r\nUser-Agent: loadgen\r\nX-Conn: %s\r\n"+
-				"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n", key, len(body)), body...)
-		}
 		w := &worker{
-			addr:   *addr,
-			req:    req,
-			expect: expect,
-			phase:  &phase,
+			addr:     *addr,
+			req:      request(key),
+			expect:   expect,
+			phase:    &phase,
+			cold:     cold,
+			next:     i * len(cold) / *conns,
+			hot:      hotReqs,
+			nextHot:  i % max(1, len(hotReqs)),
+			hotShare: *hotShare,
+			rng:      rand.New(rand.NewPCG(uint64(i), 1)),
 		}
 		if err := w.dial(); err != nil {
 			fatal(err)
@@ -230,6 +260,16 @@ type worker struct {
 	expect []int
 	phase  *atomic.Int32
 
+	// With -keys: the cold keys' requests, cycled from next, and the hot
+	// keys' (with -hot), cycled from nextHot, which a share of hotShare of
+	// the requests go to.
+	cold     [][]byte
+	next     int
+	hot      [][]byte
+	nextHot  int
+	hotShare float64
+	rng      *rand.Rand
+
 	conn net.Conn
 	br   *bufio.Reader
 
@@ -298,9 +338,22 @@ func (w *worker) loop() {
 
 var errMalformed = errors.New("malformed response")
 
+// request is the next request to send.
+func (w *worker) request() []byte {
+	switch {
+	case len(w.hot) > 0 && w.rng.Float64() < w.hotShare:
+		w.nextHot = (w.nextHot + 1) % len(w.hot)
+		return w.hot[w.nextHot]
+	case len(w.cold) > 0:
+		w.next = (w.next + 1) % len(w.cold)
+		return w.cold[w.next]
+	}
+	return w.req
+}
+
 // roundTrip writes the request and reads the whole response.
 func (w *worker) roundTrip() (status int, keepAlive bool, err error) {
-	if _, err = w.conn.Write(w.req); err != nil {
+	if _, err = w.conn.Write(w.request()); err != nil {
 		return 0, false, err
 	}
 	line, err := w.br.ReadSlice('\n')

@@ -282,3 +282,64 @@ allowed@256       256     6500   9.00ms  18.50ms         -     0.325          - 
  what other processes took of CPU 0 / CPU 1 meanwhile (well above 0: the figures are not clean);
  errors: transport errors + unexpected statuses, summed over rounds)
 `
+
+func TestTableManyKeysBesideAllowedOfTheirShape(t *testing.T) {
+	// A case over many keys is set beside allowed and the peer over the
+	// same keys, never beside a floor (one key per connection); the lease
+	// table beside allowed shows both's costs.
+	results := `case=allowed-keys@64 round=1 requests=1000 rps=100 server_cpu=50 redis_cpu=10 scripts=1000 p99_us=2000
+case=lease-keys@64 round=1 requests=990 rps=99 server_cpu=50 redis_cpu=10 scripts=990 p99_us=2100
+case=mholt-keys@64 round=1 requests=2000 rps=200
+case=floor@64 round=1 requests=500 rps=50
+case=allowed-mixed@64 round=1 requests=1000 rps=100 scripts=1000
+case=lease-mixed@64 round=1 requests=3000 rps=300 scripts=150
+`
+	rows := tableOf(t, results)
+	if r := rows["lease-keys@64"]; r == nil || r[colAllowed] != "0.990" || r[colMholt] != "0.495" || r[colFloor] != "-" {
+		t.Errorf("lease-keys@64 row %v; want 0.990 vs allowed-keys, 0.495 vs mholt-keys, no floor", r)
+	}
+	if r := rows["lease-mixed@64"]; r == nil || r[colAllowed] != "3.000" {
+		t.Errorf("lease-mixed@64 row %v; want 3.000 vs allowed-mixed", r)
+	}
+	cases, err := readResults(strings.NewReader(results), "0", "1")
+	if err != nil {
+		t.Fatal(err)
+	}
+	var b strings.Builder
+	writeTable(&b, cases, "0", "1", "1s", "3s")
+	beside := map[string][]string{}
+	for _, line := range strings.Split(b.String(), "\n") {
+		if f := strings.Fields(line); len(f) == 9 && strings.HasPrefix(f[0], "lease-") {
+			beside[f[0]] = f
+		}
+	}
+	if r := beside["lease-keys@64"]; r == nil || r[1] != "0.990" || r[2] != "+0.10ms" || r[7] != "1.000" || r[8] != "1.000" {
+		t.Errorf("lease-keys@64 beside allowed-keys: %v", r)
+	}
+	if r := beside["lease-mixed@64"]; r == nil || r[1] != "3.000" || r[7] != "0.050" || r[8] != "1.000" {
+		t.Errorf("lease-mixed@64 beside allowed-mixed: %v", r)
+	}
+}
+
+func TestWorkerCyclesKeys(t *testing.T) {
+	// -keys: each request the next key after next, around; -hot: about hotShare of
+	// them to the hot keys, in turn.
+	w := &worker{cold: [][]byte{[]byte("a"), []byte("b"), []byte("c")}, next: 1, rng: rand.New(rand.NewPCG(1, 2))}
+	var got []string
+	for range 4 {
+		got = append(got, string(w.request()))
+	}
+	if strings.Join(got, "") != "cabc" {
+		t.Errorf("cycling 3 keys from 1: %v", got)
+	}
+	w.hot, w.hotShare = [][]byte{[]byte("H")}, 0.9
+	hot := 0
+	for range 10000 {
+		if string(w.request()) == "H" {
+			hot++
+		}
+	}
+	if hot < 8800 || hot > 9200 {
+		t.Errorf("%d of 10000 requests to the hot key; want about 9000", hot)
+	}
+}

@@ -19,7 +19,8 @@ import (
 // round), which follows the machine's drift from round to round better
 // than a ratio of medians. Every case is set beside bare@64, and beside
 // bare@<conns>, its floor (see floorOf), allowed@<conns> (a single
-// limit) and the peer plugin (see mholtOf) of its own connection count;
+// limit; allowed-keys or allowed-mixed for a case over many keys: see
+// shapeOf) and the peer plugin (see mholtOf) of its own connection count;
 // p99-bare is the median of the rounds' own differences of p99 from
 // bare@<conns>'s.
 func table(argv []string) {
@@ -127,8 +128,12 @@ func writeTable(w io.Writer, cases []*benchCase, caddyCPU, loadCPU, warmup, dur 
 		byName[c.name] = c
 		rounds = max(rounds, len(c.rounds))
 	}
-	fmt.Fprintf(w, "%-15s %5s %8s %8s %8s %9s %9s %10s %8s %10s %8s %9s %9s %11s %9s %6s %6s %6s %6s %6s %6s\n",
-		"case", "conns", "req/s", "p50", "p99", "p99-bare", "vs bare64", "vs bare256", "vs floor", "vs allowed", "vs mholt", "caddy-us", "reads/req",
+	width := 15 // of the case column: the longest name
+	for _, c := range cases {
+		width = max(width, len(c.name))
+	}
+	fmt.Fprintf(w, "%-*s %5s %8s %8s %8s %9s %9s %10s %8s %10s %8s %9s %9s %11s %9s %6s %6s %6s %6s %6s %6s\n",
+		width, "case", "conns", "req/s", "p50", "p99", "p99-bare", "vs bare64", "vs bare256", "vs floor", "vs allowed", "vs mholt", "caddy-us", "reads/req",
 		"scripts/req", "redis-us", "caddy%", "load%", "redis%", "other0", "other1", "errors")
 	for _, c := range cases {
 		med := func(field func(roundFigures) float64) float64 {
@@ -142,13 +147,13 @@ func writeTable(w io.Writer, cases []*benchCase, caddyCPU, loadCPU, warmup, dur 
 		if c.conns == "256" {
 			vsBare256 = ratio(c, byName["bare@256"])
 		}
-		fmt.Fprintf(w, "%-15s %5s %8.0f %6.2fms %6.2fms %9s %9s %10s %8s %10s %8s %9.1f %9.3f %11.3f %9.1f %6.0f %6.0f %6.0f %6.0f %6.0f %6d\n",
-			c.name, c.conns,
+		fmt.Fprintf(w, "%-*s %5s %8.0f %6.2fms %6.2fms %9s %9s %10s %8s %10s %8s %9.1f %9.3f %11.3f %9.1f %6.0f %6.0f %6.0f %6.0f %6.0f %6d\n",
+			width, c.name, c.conns,
 			med(func(r roundFigures) float64 { return r.rps }),
 			med(func(r roundFigures) float64 { return r.p50ms }),
 			med(func(r roundFigures) float64 { return r.p99ms }),
 			p99Above(c, byName["bare@"+c.conns]),
-			ratio(c, byName["bare@64"]), vsBare256, ratio(c, byName[floorOf(c.name)+"@"+c.conns]), ratio(c, byName["allowed@"+c.conns]),
+			ratio(c, byName["bare@64"]), vsBare256, ratio(c, byName[floorOf(c.name)+"@"+c.conns]), ratio(c, byName["allowed"+shapeOf(c.name)+"@"+c.conns]),
 			ratio(c, byName[mholtOf(c.name)+"@"+c.conns]),
 			med(func(r roundFigures) float64 { return r.caddyUSPerReq }),
 			med(func(r roundFigures) float64 { return r.readsPerReq }),
@@ -168,7 +173,56 @@ func writeTable(w io.Writer, cases []*benchCase, caddyCPU, loadCPU, warmup, dur 
  errors: transport errors + unexpected statuses, summed over rounds)
 `, rounds, warmup, dur, caddyCPU, loadCPU, caddyCPU, loadCPU)
 	writeVersus(w, cases, byName, "lease", "memory")
+	writeBeside(w, cases, byName, "lease", "allowed")
 	writeBaseline(w, cases, byName)
+}
+
+// shapeOf is the traffic a case's name says, past its configuration:
+// "-keys" (many cold keys), "-mixed" (a few hot keys among them), or ""
+// (a key per connection). A case is set beside allowed of its own shape.
+func shapeOf(name string) string {
+	base, _, _ := strings.Cut(name, "@")
+	base = strings.TrimSuffix(base, baselineSuffix)
+	for _, shape := range []string{"-keys", "-mixed"} {
+		if strings.HasSuffix(base, shape) {
+			return shape
+		}
+	}
+	return ""
+}
+
+// writeBeside sets each case of config name over many keys (each shape
+// of shapeOf but a key per connection) beside config base on the same
+// traffic, when both ran: req/s ratio and p99 difference (medians of the
+// rounds' own), then Caddy's and Redis's CPU per request and script
+// calls per request of each (medians).
+func writeBeside(w io.Writer, cases []*benchCase, byName map[string]*benchCase, name, base string) {
+	header := false
+	for _, c := range cases {
+		n, conns, _ := strings.Cut(c.name, "@")
+		shape := shapeOf(c.name)
+		b := byName[base+shape+"@"+conns]
+		if shape == "" || n != name+shape || b == nil {
+			continue
+		}
+		if !header {
+			fmt.Fprintf(w, "\n%-17s %10s %12s %9s %9s %9s %9s %11s %11s   (%s against %s on the same keys, medians of the rounds' own figures)\n",
+				"case", "vs "+base, "p99-"+base, "caddy-us", "base-us", "redis-us", "base-us", "scripts/req", "base", name, base)
+			header = true
+		}
+		med := func(c *benchCase, field func(roundFigures) float64) float64 {
+			vs := make([]float64, len(c.rounds))
+			for i, r := range c.rounds {
+				vs[i] = field(r)
+			}
+			return median(vs)
+		}
+		caddyUS := func(r roundFigures) float64 { return r.caddyUSPerReq }
+		redisUS := func(r roundFigures) float64 { return r.redisUSPerReq }
+		scripts := func(r roundFigures) float64 { return r.scriptsPerReq }
+		fmt.Fprintf(w, "%-17s %10s %12s %9.1f %9.1f %9.1f %9.1f %11.3f %11.3f\n", c.name, ratio(c, b), p99Above(c, b),
+			med(c, caddyUS), med(b, caddyUS), med(c, redisUS), med(b, redisUS), med(c, scripts), med(b, scripts))
+	}
 }
 
 // baselineSuffix marks a case run on the baseline build (BENCH_BASELINE):
@@ -252,6 +306,9 @@ func ratio(c, base *benchCase) string {
 // in-process bucket keyed by placeholders) for the cases decided in the
 // process, floor for the others.
 func floorOf(name string) string {
+	if shapeOf(name) != "" {
+		return "" // the floors send a key per connection
+	}
 	switch base, _, _ := strings.Cut(name, "@"); base {
 	case "multi", "quota":
 		return "floor3"
@@ -268,6 +325,8 @@ func mholtOf(name string) string {
 	switch base, _, _ := strings.Cut(name, "@"); base {
 	case "memory", "lease", "memfloor":
 		return "mholt"
+	case "memory-keys", "lease-keys", "allowed-keys":
+		return "mholt-keys"
 	case "denied":
 		return "mholt-denied"
 	}

@@ -29,18 +29,8 @@ const maxBytesPerBucket = 200
 // bucket holds in steady state. Both figures are logged; the bound is
 // checked on the second.
 func TestRedisMemoryPerBucket(t *testing.T) {
-	n := 100_000
-	if s := os.Getenv("RATELIMIT_MEMORY_KEYS"); s != "" {
-		v, err := strconv.Atoi(s)
-		if err != nil || v < 1000 {
-			t.Fatalf("RATELIMIT_MEMORY_KEYS=%q: want a whole number of at least 1000", s)
-		}
-		n = v
-	}
-	srv := redistest.Start(t)
+	n, rdb := memoryTestKeys(t), memoryTestRedis(t)
 	ctx := context.Background()
-	rdb := redis.NewClient(&redis.Options{Addr: srv.Addr, ReadTimeout: 30 * time.Second, PoolSize: 4})
-	t.Cleanup(func() { rdb.Close() })
 
 	script := redis.NewScript(scriptSource)
 	if err := script.Load(ctx, rdb).Err(); err != nil {
@@ -103,18 +93,8 @@ const maxBytesPerLeasingBucket = 500
 // short-lived lease, that it is gone once the lease expired, leaving the
 // bucket without its mark.
 func TestRedisMemoryPerLeasingBucket(t *testing.T) {
-	n := 100_000
-	if s := os.Getenv("RATELIMIT_MEMORY_KEYS"); s != "" {
-		v, err := strconv.Atoi(s)
-		if err != nil || v < 1000 {
-			t.Fatalf("RATELIMIT_MEMORY_KEYS=%q: want a whole number of at least 1000", s)
-		}
-		n = v
-	}
-	srv := redistest.Start(t)
+	n, rdb := memoryTestKeys(t), memoryTestRedis(t)
 	ctx := context.Background()
-	rdb := redis.NewClient(&redis.Options{Addr: srv.Addr, ReadTimeout: 30 * time.Second, PoolSize: 4})
-	t.Cleanup(func() { rdb.Close() })
 	plain, leasing := redis.NewScript(scriptSource), redis.NewScript(leaseSource)
 	for _, s := range []*redis.Script{plain, leasing} {
 		if err := s.Load(ctx, rdb).Err(); err != nil {
@@ -276,4 +256,29 @@ func settledUsedMemory(t *testing.T, rdb *redis.Client) int64 {
 		last = v
 	}
 	return last
+}
+
+// memoryTestKeys is how many buckets a memory test creates: 100,000, or
+// RATELIMIT_MEMORY_KEYS.
+func memoryTestKeys(t *testing.T) int {
+	t.Helper()
+	n := 100_000
+	if s := os.Getenv("RATELIMIT_MEMORY_KEYS"); s != "" {
+		v, err := strconv.Atoi(s)
+		if err != nil || v < 1000 {
+			t.Fatalf("RATELIMIT_MEMORY_KEYS=%q: want a whole number of at least 1000", s)
+		}
+		n = v
+	}
+	return n
+}
+
+// memoryTestRedis is a client of a Redis server of the test's own, with
+// room for the long pipelines of a memory test.
+func memoryTestRedis(t *testing.T) *redis.Client {
+	t.Helper()
+	srv := redistest.Start(t)
+	rdb := redis.NewClient(&redis.Options{Addr: srv.Addr, ReadTimeout: 30 * time.Second, PoolSize: 4})
+	t.Cleanup(func() { rdb.Close() })
+	return rdb
 }

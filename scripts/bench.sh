@@ -37,6 +37,9 @@
 #                 key per model, prices from map, a weighted reservation
 #                 and a weighted settlement from the JSON answer's usage
 #                 (every request settles; compare with charge@64)
+#   llmbare@64    llm@64's request and answer without rate_limit: its
+#                 caddy-us less bare@64's is what the POST and the JSON
+#                 answer cost before any limiter (llm@64's ceiling)
 #   chargestatus@64  as allowed@64 with `charge_status 2xx`: responses keep
 #                 their reservation, no settlement (what the writer costs)
 #   denied@64     rate_limit, one empty bucket: every request gets 429
@@ -205,6 +208,7 @@ CASES=(
 	"charge@64 charge 200 -"
 	"chargestatus@64 chargestatus 200 -"
 	"llm@64 llm 200 -body=$REPO_ROOT/bench/llm-request.json"
+	"llmbare@64 llmbare 200 -body=$REPO_ROOT/bench/llm-request.json"
 	"denied@64 denied 429 -same-key"
 	"mholt-denied@64 mholt-denied 429,200 -same-key"
 	"allowed@256 allowed 200 -"
@@ -247,7 +251,7 @@ if [[ -n "$baseline_bin" ]]; then
 		fi
 		case "${name%@*}" in
 		# llm: request_body is newer than most baselines, which refuse its config.
-		bare | floor | floor3 | memfloor | mholt | mholt-denied | mholt-keys | llm) ;;
+		bare | floor | floor3 | memfloor | mholt | mholt-denied | mholt-keys | llm | llmbare) ;;
 		*) twinned+=("${name%@*}.base@${name#*@} $conf $rest") ;;
 		esac
 	done

@@ -7,6 +7,7 @@ package ratelimit
 // bucket costs the heap, behind -short like TestRedisMemoryPerBucket.
 
 import (
+	"context"
 	"encoding/json"
 	"fmt"
 	"net/http"
@@ -469,6 +470,26 @@ func TestMemoryStoreMaxKeysSendsNewClientsToOnErrorWithoutDroppingLiveBuckets(t 
 			t.Error("no client admitted")
 		}
 	})
+}
+
+// TestMemoryStoreFullWarnsAlsoForAClientThatLeft: the store being full is
+// worth its warning whoever met it; a client that left ends with 499,
+// and still the warning says that new clients follow on_error.
+func TestMemoryStoreFullWarnsAlsoForAClientThatLeft(t *testing.T) {
+	h := memoryHandler(t, "0.01 2", "zone mkeys-left\nkey {http.request.header.X-Key}\nmax_keys 1")
+	logs := observeLogs(h, zapcore.DebugLevel)
+	if status, _, _ := hit(h, "ann"); status != 200 {
+		t.Fatalf("ann: %d, want 200", status)
+	}
+	r, w := newRequest("192.0.2.1", "ben")
+	ctx, cancel := context.WithCancel(r.Context())
+	cancel()
+	if status := statusOf(h.ServeHTTP(w, r.WithContext(ctx), okHandler), w.Code); status != 499 {
+		t.Fatalf("ben, who left: %d, want 499", status)
+	}
+	if n := countLogs(logs, "in-memory store full"); n != 1 {
+		t.Fatalf("%d warnings that the store is full, want 1", n)
+	}
 }
 
 // flood sends perWorker requests from each of workers goroutines, each

@@ -21,11 +21,11 @@ type onErrorLayer struct {
 
 func (e *onErrorLayer) take(ctx context.Context, r *request) (bool, error) {
 	allowed, err := e.store.take(ctx, r)
+	if err == errMemoryFull {
+		e.h.warnFull() // also when the client left: the store is full all the same
+	}
 	if err == nil || ctx.Err() != nil {
 		return allowed, err
-	}
-	if err == errMemoryFull {
-		e.h.warnFull()
 	}
 	if e.local != nil {
 		for i := range r.buckets {

@@ -91,15 +91,6 @@ type leaseShard struct {
 	padded  [32]byte // a cache line of its own
 }
 
-// The sightings of a shard: 64 shards × 32 sets × 4 ways, 8192 keys in
-// 64 KiB per leasing handler. A key pushed out before its second request
-// is seen once more (it costs a plain call, no more); four ways keep hot
-// keys from pushing each other out.
-const (
-	leaseSightedSets = 32
-	leaseSightedWays = 4
-)
-
 // lease is this instance's lease on one bucket, and what sizes it.
 type lease struct {
 	record string      // the key of the bucket's lease record (leaseRecordKey)
@@ -165,46 +156,6 @@ func newLeases(c *Lease, timeout time.Duration) *leases {
 		ls.shards[i].sighted = new([leaseSightedSets][leaseSightedWays]uint64)
 	}
 	return ls
-}
-
-// sight records that the key of hash, in shard sh (locked), was seen at
-// now without a lease, and answers whether it is hot: seen before within
-// a hold, at since.
-func (ls *leases) sight(sh *leaseShard, hash uint64, now time.Time) (hot bool, since time.Time) {
-	set := &sh.sighted[hash/leaseShards%leaseSightedSets]
-	fp := hash>>32 | 1
-	us := uint32(now.UnixMicro())
-	oldest, age := 0, uint32(0)
-	for i, e := range set {
-		d := us - uint32(e) // wraps every 71 minutes: at worst a key seen then is hot once
-		if e>>32 == fp {
-			set[i] = fp<<32 | uint64(us)
-			if int64(d) < ls.hold.Microseconds() {
-				return true, now.Add(-time.Duration(d) * time.Microsecond)
-			}
-			return false, time.Time{}
-		}
-		if e == 0 {
-			d = math.MaxUint32
-		}
-		if d >= age {
-			oldest, age = i, d
-		}
-	}
-	set[oldest] = fp<<32 | uint64(us)
-	return false, time.Time{}
-}
-
-// unsight forgets the sighting of the key of hash in shard sh (locked):
-// it is seen anew, twice within a hold, before it is hot again.
-func (ls *leases) unsight(sh *leaseShard, hash uint64) {
-	set := &sh.sighted[hash/leaseShards%leaseSightedSets]
-	fp := hash>>32 | 1
-	for i, e := range set {
-		if e>>32 == fp {
-			set[i] = 0
-		}
-	}
 }
 
 // provisionLeases sets lease up: the leases, their give-back loop, and

@@ -1441,21 +1441,7 @@ func TestLeaseBoundWithLeasesOutOnThreeInstances(t *testing.T) {
 		lent += leaseHeld(h, key)
 	}
 	time.Sleep(850 * time.Millisecond) // the bucket would be full again; the leases hold a while yet
-	var wg sync.WaitGroup
-	stop := time.Now().Add(100 * time.Millisecond)
-	for w := range 12 {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			for time.Now().Before(stop) {
-				start := log.now()
-				if status, _, _ := hit(hs[w%3], "k"); status == 200 {
-					log.add(start)
-				}
-			}
-		}()
-	}
-	wg.Wait()
+	hitTogether(hs, "k", 100*time.Millisecond, &log)
 	windows, _ := log.check(t, burst, rate)
 	t.Logf("%d lent on three instances; %d admitted in all; %d windows checked", lent, log.len(), windows)
 }
@@ -1555,22 +1541,7 @@ func TestLeaseBoundWithAPlainInstanceBeside(t *testing.T) {
 		lent += leaseHeld(h, key)
 	}
 	time.Sleep(850 * time.Millisecond) // the bucket would be full again; the leases hold a while yet
-	all := []*Handler{hs[0], hs[1], plain}
-	var wg sync.WaitGroup
-	stop := time.Now().Add(100 * time.Millisecond)
-	for w := range 12 {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			for time.Now().Before(stop) {
-				start := log.now()
-				if status, _, _ := hit(all[w%3], "k"); status == 200 {
-					log.add(start)
-				}
-			}
-		}()
-	}
-	wg.Wait()
+	hitTogether([]*Handler{hs[0], hs[1], plain}, "k", 100*time.Millisecond, &log)
 	windows, _ := log.check(t, burst, rate)
 	t.Logf("%d lent on two instances, a third without lease; %d admitted in all; %d windows checked", lent, log.len(), windows)
 }
@@ -1781,4 +1752,24 @@ func TestLeaseOnCluster(t *testing.T) {
 		eventually(t, 3*time.Second, "the lease given back", func() bool { return leaseRecords(t, rdb, clientKey) == nil })
 		expectTokens(t, rdb, clientKey, 100, 98, "the client's bucket after the hold")
 	})
+}
+
+// hitTogether sends requests for key through the handlers, four clients
+// on each, one after another for d, and logs each admission's start.
+func hitTogether(hs []*Handler, key string, d time.Duration, log *admissionLog) {
+	var wg sync.WaitGroup
+	stop := time.Now().Add(d)
+	for w := range 4 * len(hs) {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for time.Now().Before(stop) {
+				start := log.now()
+				if status, _, _ := hit(hs[w%len(hs)], key); status == 200 {
+					log.add(start)
+				}
+			}
+		}()
+	}
+	wg.Wait()
 }

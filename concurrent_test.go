@@ -1218,14 +1218,27 @@ func TestConcurrentSlotOfATakeWhoseReplyIsLostIsReleased(t *testing.T) {
 			eventually(t, 2*time.Second, "the first requests' slots released", func() bool {
 				return rdb.DBSize(ctx).Val() == 0
 			})
-			ran := tc.lose(t, rdb, proxy)
-			if status, _ := serve(ctx, h, "k"); status != 200 {
-				t.Fatalf("with the reply lost: %d, want 200 (on_error allow)", status)
+			// The proxy loses the reply of the next call; on a loaded
+			// machine that call may be another than the take (a late
+			// release of the warming), so the take is tried again, up to
+			// three times, until its own reply was lost.
+			for attempt := 1; ; attempt++ {
+				ran := tc.lose(t, rdb, proxy)
+				if status, _ := serve(ctx, h, "k"); status != 200 {
+					t.Fatalf("with the reply lost: %d, want 200 (on_error allow)", status)
+				}
+				n := countLogs(logs, "following on_error")
+				ran()
+				if n == 1 {
+					break
+				}
+				if n > 1 || attempt == 3 {
+					t.Fatalf("%d warnings of a failed take after %d attempts, want 1: the take's reply was not lost", n, attempt)
+				}
+				eventually(t, 5*time.Second, "the slot of a take that was answered released", func() bool {
+					return rdb.DBSize(ctx).Val() == 0
+				})
 			}
-			if n := countLogs(logs, "following on_error"); n != 1 {
-				t.Fatalf("%d warnings of a failed take, want 1: the take's reply was not lost", n)
-			}
-			ran()
 			took := eventually(t, 5*time.Second, "the lost take's slot free (hold 30s)", func() bool {
 				return rdb.ZCard(ctx, key).Val() == 0 && rdb.Exists(ctx, key).Val() == 0
 			})

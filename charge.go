@@ -12,6 +12,7 @@ import (
 	"time"
 
 	"github.com/caddy-redis/ratelimit/internal/scan"
+	"github.com/caddyserver/caddy/v2"
 )
 
 // Charging: limits whose real cost only the response knows (tokens an
@@ -404,8 +405,27 @@ func (h *Handler) setUpCharging() error {
 	}
 	if c.first != nil {
 		h.charging = c
+		h.addStep(chargeStep{h})
 	}
 	return nil
+}
+
+// chargeStep is the step (steps.go) of a handler whose limits charge by
+// the response: an admitted request's response passes through a writer
+// that watches it for its cost, settled once the response has ended.
+type chargeStep struct{ h *Handler }
+
+func (s chargeStep) register(req *request) bool {
+	req.charge = newChargeWriter(req.w, s.h.charging)
+	req.w = req.charge
+	return true
+}
+
+func (s chargeStep) finish(r *http.Request, req *request, err error) {
+	if cw := req.charge; cw != nil {
+		repl := r.Context().Value(caddy.ReplacerCtxKey).(*caddy.Replacer)
+		s.h.settleResponse(cw.end(err, r.Context().Err() != nil), cw, repl, req)
+	}
 }
 
 // maxDebtFor is how far below zero a bucket with values v may go: its

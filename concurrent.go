@@ -331,6 +331,28 @@ func (s *slotRule) appendArgs(args []any, b bucket) []any {
 	return append(append(args, b.args[:]...), s.holdArg)
 }
 
+// finishing: a request that holds slots gives them back once its
+// response has ended.
+func (*slotRule) finishing(h *Handler) step { return slotStep{h} }
+
+// slotStep is the step (steps.go) of a handler with concurrent limits:
+// an admitted request holds its slots while its response is served,
+// where its store took them, and gives them back once it has ended.
+type slotStep struct{ h *Handler }
+
+func (s slotStep) register(req *request) bool {
+	if firstHeld(req.buckets) < len(req.buckets) {
+		req.hold = s.h.store.hold(req)
+	}
+	return req.hold != nil
+}
+
+func (slotStep) finish(_ *http.Request, req *request, _ error) {
+	if req.hold != nil {
+		req.hold.release()
+	}
+}
+
 // heldWhileServed: a request holds its slot until its response has
 // ended (serveHolding).
 func (*slotRule) heldWhileServed() bool { return true }

@@ -109,6 +109,11 @@ type kind interface {
 	// while its response is served, and gives it back when the response
 	// has ended (concurrent.go). Such limits come last (buildLimits).
 	heldWhileServed() bool
+	// finishing is the step (steps.go) that a handler with limits of the
+	// kind runs on an admitted request, to do what must follow its
+	// response (give a slot back); nil for none. The limits of a kind
+	// share it.
+	finishing(h *Handler) step
 
 	// limitInfo is the limit as the admin API lists it, with the
 	// defaults filled in where its values are fixed.

@@ -74,6 +74,7 @@ func (fixedWindow) readReply(b bucket, _ []int64, _ int) (bucket, error) {
 
 func (fixedWindow) begin(b bucket, shared requestShared) (bucket, requestShared) { return b, shared }
 func (fixedWindow) heldWhileServed() bool                                        { return false }
+func (fixedWindow) finishing(*Handler) step                                      { return nil }
 
 // Its headers: the count, spread over the window as the replenish rate;
 // its RateLimit-Policy item has the window's seconds as w. RateLimit's t

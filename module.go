@@ -269,6 +269,8 @@ type Handler struct {
 	leases        *leases        // with lease
 	charging      *charging      // when a limit charges by the response (charge.go)
 	request       *requestReader // with request_body (requestbody.go)
+	before        []preStep      // what runs before a request's buckets are resolved (steps.go)
+	steps         []step         // what an admitted request registers for after its response (steps.go)
 	chargeWeights bool           // some charge json weight has placeholders (weights.go)
 	limiterKey    string
 	limits        []*limit
@@ -312,6 +314,7 @@ func (h *Handler) Provision(ctx caddy.Context) (err error) {
 		}
 	}()
 	h.logger = ctx.Logger()
+	h.before, h.steps = nil, nil
 	h.applyDefaults()
 	h.denyEmpty = h.DenyEmptyKey == nil || *h.DenyEmptyKey
 	h.failOpen = h.OnError == onErrorAllow
@@ -334,6 +337,11 @@ func (h *Handler) Provision(ctx caddy.Context) (err error) {
 	}
 	if err := h.setUpRequestBody(); err != nil {
 		return err
+	}
+	for _, l := range h.limits { // after the charge's step: a charge is settled before slots are given back
+		if s := l.kind.finishing(h); s != nil {
+			h.addStep(s)
+		}
 	}
 	style := h.Headers
 	if h.IncludeHeaders != nil && !*h.IncludeHeaders || h.Shadow {
@@ -457,12 +465,14 @@ func (h *Handler) Cleanup() error {
 // log); an admitted request is then served, and finished when the
 // decision registered something for after its response.
 func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyhttp.Handler) error {
-	if h.request != nil {
-		// request_body: the body's values first, placeholders that keys
-		// and values may name (requestbody.go).
-		if body := h.readRequestBody(r); body != nil {
-			defer body.done()
+	if len(h.before) > 0 {
+		// Values first, placeholders that keys and values may name (a
+		// request body's, requestbody.go).
+		var ends [maxPreSteps]ender
+		for i, s := range h.before {
+			ends[i] = s.before(r)
 		}
+		defer endAll(ends)
 	}
 	req, pass, err := h.limit(w, r)
 	switch {
@@ -471,7 +481,7 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyht
 	case req == nil:
 		return next.ServeHTTP(w, r)
 	}
-	return h.serveAndFinish(w, r, next, req)
+	return h.serveAndFinish(r, next, req)
 }
 
 // Interface guards

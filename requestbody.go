@@ -278,6 +278,18 @@ func (h *Handler) setUpRequestBody() error {
 	}
 	rr.findDefaults(config)
 	h.request = rr
+	h.before = append(h.before, requestBodyStep{h})
+	return nil
+}
+
+// requestBodyStep is request_body's step (steps.go): the body's values
+// are read before the buckets are resolved.
+type requestBodyStep struct{ h *Handler }
+
+func (s requestBodyStep) before(r *http.Request) ender {
+	if body := s.h.readRequestBody(r); body != nil {
+		return body
+	}
 	return nil
 }
 

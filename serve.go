@@ -44,11 +44,15 @@ type request struct {
 	// for the reason the buckets are.
 	settling [maxInlineBuckets]settling
 
-	// What an admitted request registered for after its response
-	// (register): the slots it holds until then, the writer that watches
-	// the response for its charge.
-	hold   *slotHold
-	charge *chargeWriter
+	// What an admitted request's steps registered for after its
+	// response (steps.go): w is the writer the next handler writes to
+	// (one that watches the response for its charge, charge.go); hold the
+	// slots it holds until then (concurrent.go). registered says some
+	// step has something to do then.
+	w          http.ResponseWriter
+	hold       *slotHold
+	charge     *chargeWriter
+	registered bool
 }
 
 var requests = sync.Pool{New: func() any { return new(request) }}
@@ -58,7 +62,7 @@ func acquireRequest() *request {
 	r := requests.Get().(*request)
 	r.buckets = r.inline[:0]
 	r.admitted, r.refused, r.failed, r.local = decisionAllowed, decisionDenied, false, false
-	r.hold, r.charge = nil, nil
+	r.w, r.hold, r.charge, r.registered = nil, nil, nil, false
 	return r
 }
 
@@ -68,6 +72,7 @@ func (r *request) free() {
 	if cap(r.buckets) > maxInlineBuckets {
 		r.buckets = nil // not the pool's to keep
 	}
+	r.w = nil // nor the response's writer
 	requests.Put(r)
 }
 
@@ -101,7 +106,7 @@ func (h *Handler) limit(w http.ResponseWriter, r *http.Request) (_ *request, pas
 	default:
 		pass, err = h.answer(w, r, repl, req, allowed)
 	}
-	if pass && (req.hold != nil || req.charge != nil) {
+	if pass && req.registered {
 		return req, true, nil
 	}
 	req.free()
@@ -184,32 +189,28 @@ func (h *Handler) answer(w http.ResponseWriter, r *http.Request, repl *caddy.Rep
 	return true, nil
 }
 
-// register registers what must follow the response of an admitted
-// request: its slots are held until then (concurrent.go), its charge
-// settled once the response is known (charge.go).
+// register runs the handler's steps (steps.go) on an admitted request:
+// each registers what must follow its response.
 func (h *Handler) register(w http.ResponseWriter, req *request) {
-	if h.holding && firstHeld(req.buckets) < len(req.buckets) {
-		req.hold = h.store.hold(req)
-	}
-	if h.charging != nil {
-		req.charge = newChargeWriter(w, h.charging)
+	req.w = w
+	for _, s := range h.steps {
+		if s.register(req) {
+			req.registered = true
+		}
 	}
 }
 
 // serveAndFinish serves an admitted request through next, then finishes
 // it, however the response ended: also when a later handler panics
 // (reverse_proxy aborts a response so when the client left mid-stream).
-func (h *Handler) serveAndFinish(w http.ResponseWriter, r *http.Request, next caddyhttp.Handler, req *request) error {
+func (h *Handler) serveAndFinish(r *http.Request, next caddyhttp.Handler, req *request) error {
 	served := false
 	defer func() {
 		if !served {
 			h.finish(r, req, errAborted)
 		}
 	}()
-	if req.charge != nil {
-		w = req.charge
-	}
-	err := next.ServeHTTP(w, r)
+	err := next.ServeHTTP(req.w, r)
 	served = true
 	h.finish(r, req, err)
 	return err
@@ -218,15 +219,12 @@ func (h *Handler) serveAndFinish(w http.ResponseWriter, r *http.Request, next ca
 // errAborted stands for the error of a handler that panicked.
 var errAborted = errors.New("the response was aborted")
 
-// finish does what the request registered for after its response, which
-// ended with err: settles its charge, then gives its slots back.
+// finish does what the request's steps registered for after its
+// response, which ended with err, in their order (a charge is settled
+// before slots are given back).
 func (h *Handler) finish(r *http.Request, req *request, err error) {
-	if cw := req.charge; cw != nil {
-		repl := r.Context().Value(caddy.ReplacerCtxKey).(*caddy.Replacer)
-		h.settleResponse(cw.end(err, r.Context().Err() != nil), cw, repl, req)
-	}
-	if req.hold != nil {
-		req.hold.release()
+	for _, s := range h.steps {
+		s.finish(r, req, err)
 	}
 	req.free()
 }

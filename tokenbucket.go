@@ -175,6 +175,8 @@ func (tokenBucket) appendArgs(args []any, b bucket) []any { return append(args, 
 
 func (tokenBucket) heldWhileServed() bool { return false }
 
+func (tokenBucket) finishing(*Handler) step { return nil }
+
 // replyWords is 0: a token bucket's answer is its remaining and wait.
 func (tokenBucket) replyWords() int                                      { return 0 }
 func (tokenBucket) readReply(b bucket, _ []int64, _ int) (bucket, error) { return b, nil }

@@ -251,28 +251,23 @@ func (h *Handler) checkCharging() error {
 			return err
 		}
 	}
-	configs, named := h.limitConfigs()
-	quotas := len(configs) - len(h.Quotas)
 	paths, headers := map[string]bool{}, map[string]bool{}
 	charges, readsBody := false, false
-	for i, c := range configs {
+	for _, c := range h.limitConfigs() {
+		if !c.charges {
+			continue
+		}
 		err := errors.Join(checkCharge(c.Charge), checkChargeStatus(c.ChargeStatus), checkMaxDebt(c.MaxDebt))
-		charge, statuses, maxDebt := h.chargeOf(c)
+		charge, statuses, maxDebt := h.chargeOf(c.Limit)
 		if err == nil && maxDebt != nil && charge == nil && statuses == nil {
 			err = fmt.Errorf("max_debt '%d': nothing can run into debt without charge or charge_status; add one, or remove max_debt", *maxDebt)
 		}
-		if err == nil && maxDebt != nil && i < quotas { // a quota's debt is paid back at its boundary
-			if rate, perr := parseRate(string(or(unset(c.ReplenishRate), unset(h.ReplenishRate)))); perr == nil && float64(*maxDebt)/rate > maxFillSeconds {
-				err = fmt.Errorf("max_debt '%d': a debt that large takes more than a year to pay back at replenish_rate '%v'; lower it to at most %d",
-					*maxDebt, rate, int64(rate*maxFillSeconds))
-			}
+		if err == nil && maxDebt != nil && c.checkDebt != nil {
+			err = c.checkDebt(*maxDebt)
 		}
 		if err != nil {
-			switch {
-			case i >= quotas:
-				return fmt.Errorf("quota %s: %w", c.Name, err)
-			case named:
-				return fmt.Errorf("limit %s: %w", c.Name, err)
+			if c.what != "" {
+				return fmt.Errorf("%s %s: %w", c.what, c.Name, err)
 			}
 			return err
 		}
@@ -350,11 +345,10 @@ type charging struct {
 // setUpCharging makes each limit's charge rule and the handler's
 // charging, when some limit charges (h.charging stays nil otherwise).
 func (h *Handler) setUpCharging() error {
-	configs, _ := h.limitConfigs()
 	c := &charging{maxBody: h.MaxBody, warns: &logThrottle{every: 10 * time.Second}}
-	for i, config := range configs {
-		charge, statuses, maxDebt := h.chargeOf(config)
-		if charge == nil && statuses == nil {
+	for i, config := range h.limitConfigs() {
+		charge, statuses, maxDebt := h.chargeOf(config.Limit)
+		if !config.charges || charge == nil && statuses == nil {
 			continue
 		}
 		l := h.limits[i]
@@ -436,7 +430,7 @@ func (r *chargeRule) maxDebtFor(v limitValues) int64 {
 	if debt < 0 {
 		debt = v.burst
 	}
-	if v.rate == 0 { // a quota (no limit that charges has no rate otherwise): the debt ends with its period
+	if v.rate == 0 { // a limit without a rate: its debt ends with its period
 		return debt
 	}
 	return min(debt, int64(v.rate*maxFillSeconds))

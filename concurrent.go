@@ -9,7 +9,6 @@ package ratelimit
 // instance that dies loses its slots within a hold.
 
 import (
-	"cmp"
 	"context"
 	_ "embed"
 	"encoding/hex"
@@ -166,21 +165,17 @@ func resolveSlots(s string) (v limitValues, isUnlimited bool, err error) {
 	return limitValues{burst: n, requested: 1}, false, err
 }
 
-// buildConcurrent makes the handler's concurrent limits, after its other
-// limits (index from first). Their keys are named limits' keys with a
-// suffix of their own, so a slot set never meets a bucket; groups are
-// the Cluster hash slot groups by key template so far.
-func (h *Handler) buildConcurrent(keyPrefix string, first int, groups map[string]int) ([]*limit, error) {
-	limits := make([]*limit, 0, len(h.Concurrent))
-	for i, c := range h.Concurrent {
-		key := or(c.Key, h.Key)
-		template, err := parseKeyTemplate(key)
-		if err != nil {
-			return nil, err
-		}
-		template.ipv4Bits = *cmp.Or(c.IPv4Prefix, h.IPv4Prefix, new(32))
-		template.ipv6Bits = *cmp.Or(c.IPv6Prefix, h.IPv6Prefix, new(64))
-		prefix := bucketPrefix(keyPrefix, h.Zone, key)
+func init() {
+	registerKind(kindConfig{order: 2, configs: concurrentConfigs, check: (*Handler).checkConcurrent})
+}
+
+// concurrentConfigs are the handler's concurrent limits, after its
+// other limits: a request's slots follow its buckets. Their keys are
+// named limits' keys with a suffix of their own, so a slot set never
+// meets a bucket.
+func concurrentConfigs(h *Handler) []limitConfig {
+	configs := make([]limitConfig, 0, len(h.Concurrent))
+	for _, c := range h.Concurrent {
 		hold := time.Duration(c.Hold)
 		if hold == 0 {
 			hold = defaultSlotHold
@@ -189,29 +184,17 @@ func (h *Handler) buildConcurrent(keyPrefix string, first int, groups map[string
 		if retry == 0 {
 			retry = defaultSlotRetry
 		}
-		l := &limit{
-			index: first + i, name: c.Name, nameValue: c.Name, ietfName: h.Zone + "." + c.Name,
-			keyText: key, template: template, burst: c.Slots, kind: &slotRule{hold: hold, holdArg: strconv.FormatInt(hold.Microseconds(), 10),
-				retryAfter: time.Duration(retry) * time.Second},
-			keyPrefix: prefix[:len(keyPrefix)] + "{" + prefix[len(keyPrefix):],
-			keySuffix: "}" + keySeparator + c.Name + keySeparator + "slots",
-		}
-		group := fmt.Sprintf("%s/%d/%d", key, template.ipv4Bits, template.ipv6Bits)
-		if _, ok := groups[group]; !ok {
-			groups[group] = len(groups)
-		}
-		l.group = groups[group]
-		l.fixed = !c.Slots.perRequest()
-		if l.fixed {
-			if l.values, l.exempt, err = resolveSlots(string(c.Slots)); err != nil {
-				return nil, err
-			}
-			l.args = l.kind.scriptArgs(l.values)
-			l.burstValue = l.values.burst
-		}
-		limits = append(limits, l)
+		configs = append(configs, limitConfig{
+			Limit:     Limit{Name: c.Name, Key: c.Key, BurstCapacity: c.Slots, IPv4Prefix: c.IPv4Prefix, IPv6Prefix: c.IPv6Prefix},
+			what:      "concurrent",
+			keySuffix: keySeparator + "slots",
+			newKind: func() (kind, error) {
+				return &slotRule{hold: hold, holdArg: strconv.FormatInt(hold.Microseconds(), 10),
+					retryAfter: time.Duration(retry) * time.Second}, nil
+			},
+		})
 	}
-	return limits, nil
+	return configs
 }
 
 // instanceID starts every slot id of this process: slots of instances

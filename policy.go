@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"net/http"
 	"regexp"
+	"slices"
 	"strconv"
 	"strings"
 	"time"
@@ -190,74 +191,112 @@ type bucket struct {
 	kindN   int64
 }
 
-// ownLimit is the handler's own limit when it has no `limits`.
-var ownLimit = []Limit{{}}
-
-// hasOwnLimit says whether the handler's own fields make a limit: when
-// it has no `limits`, and, with quotas or concurrent limits, a rate or
-// burst of its own.
-func (h *Handler) hasOwnLimit() bool {
-	return len(h.Limits) == 0 && (len(h.Quotas) == 0 && len(h.Concurrent) == 0 || unset(h.ReplenishRate) != "" || h.BurstCapacity != "")
+// limitConfig is one limit of a handler as its kind reads it from the
+// config (kindConfigs): its fields, with the handler's filled in where
+// the kind takes them.
+type limitConfig struct {
+	Limit
+	// what names the limit in messages ("quota", "limit", with its
+	// name); "" for the handler's own limit.
+	what string
+	// own says it is the handler's own limit, of no `limits`: its key
+	// has no hash tag and no name, and its RateLimit items only the zone.
+	own bool
+	// keySuffix follows the name in its keys, to set them apart from
+	// another kind's of the same name.
+	keySuffix string
+	// charges says the response may charge it (Charge, ChargeStatus,
+	// MaxDebt); checkDebt judges a max_debt against its values.
+	charges   bool
+	checkDebt func(maxDebt int64) error
+	// newKind makes its kind when the handler is provisioned; an error
+	// names the limit.
+	newKind func() (kind, error)
 }
 
-// limitConfigs are the handler's limits as configured: its `limits`, or
-// its own limit (named says which), then its quotas as limits.
-func (h *Handler) limitConfigs() (configs []Limit, named bool) {
-	configs, named = h.Limits, len(h.Limits) > 0
-	if h.hasOwnLimit() {
-		configs = ownLimit
+// A kindConfig is how a kind of limit reads its limits from a handler's
+// config, and judges them: each kind registers its own (registerKind).
+type kindConfig struct {
+	// order is where its limits come among a handler's, and so among a
+	// request's buckets.
+	order int
+	// configs reads the handler's limits of the kind.
+	configs func(h *Handler) []limitConfig
+	// check judges them as configured, before provisioning: the parser
+	// calls it at the end of the directive, Validate for JSON. names
+	// holds the names of the limits judged before, which the kinds share.
+	check func(h *Handler, names map[string]bool) error
+}
+
+// kindConfigs are the kinds of limit, in the order their limits come.
+var kindConfigs []kindConfig
+
+// registerKind adds a kind of limit's config (from its file's init).
+func registerKind(k kindConfig) {
+	kindConfigs = append(kindConfigs, k)
+	slices.SortStableFunc(kindConfigs, func(a, b kindConfig) int { return cmp.Compare(a.order, b.order) })
+}
+
+// limitConfigs are the handler's limits as configured, of every kind, in
+// the order of its limits.
+func (h *Handler) limitConfigs() []limitConfig {
+	var configs []limitConfig
+	for _, k := range kindConfigs {
+		configs = append(configs, k.configs(h)...)
 	}
-	if len(h.Quotas) > 0 {
-		configs = append(configs[:len(configs):len(configs)], make([]Limit, 0, len(h.Quotas))...)
-		for _, q := range h.Quotas {
-			configs = append(configs, q.asLimit())
+	return configs
+}
+
+// hasOwnLimit says whether the handler's own fields make a limit: when
+// it has no `limits`, and, with limits of other kinds, a rate or burst
+// of its own.
+func (h *Handler) hasOwnLimit() bool {
+	switch {
+	case len(h.Limits) > 0:
+		return false
+	case unset(h.ReplenishRate) != "" || h.BurstCapacity != "":
+		return true
+	}
+	for _, k := range kindConfigs {
+		if k.order > 0 && len(k.configs(h)) > 0 {
+			return false
 		}
 	}
-	return configs, named
+	return true
 }
 
 // buildLimits makes the handler's limits from its config.
 func (h *Handler) buildLimits(keyPrefix string) ([]*limit, error) {
-	configs, named := h.limitConfigs()
-	quotas := len(configs) - len(h.Quotas) // the index of the first quota
+	configs := h.limitConfigs()
 	groups := map[string]int{}
 	limits := make([]*limit, len(configs))
 	for i, c := range configs {
+		k, err := c.newKind()
+		if err != nil {
+			return nil, err
+		}
 		l := &limit{
 			index: i, name: c.Name, nameValue: c.Name, ietfName: h.Zone,
-			rate: or(unset(c.ReplenishRate), unset(h.ReplenishRate)), burst: or(c.BurstCapacity, h.BurstCapacity),
-			cost: or(unset(c.RequestedTokens), unset(h.RequestedTokens)),
-			kind: tokenBucket{},
-		}
-		isQuota := i >= quotas
-		if isQuota { // the count is the quota's own; there is no rate
-			q, err := newQuota(h.Quotas[i-quotas])
-			if err != nil {
-				return nil, fmt.Errorf("quota %s: %w", c.Name, err)
-			}
-			l.rate, l.burst, l.kind = "", c.BurstCapacity, q
+			rate: c.ReplenishRate, burst: c.BurstCapacity, cost: c.RequestedTokens, kind: k,
 		}
 		key := or(c.Key, h.Key)
 		l.keyText = key
-		var err error
 		if l.template, err = parseKeyTemplate(key); err != nil {
 			return nil, err
 		}
 		l.template.ipv4Bits = *cmp.Or(c.IPv4Prefix, h.IPv4Prefix, new(32))
 		l.template.ipv6Bits = *cmp.Or(c.IPv6Prefix, h.IPv6Prefix, new(64))
 		prefix := bucketPrefix(keyPrefix, h.Zone, key)
-		if named || isQuota {
+		group := fmt.Sprintf("%s/%d/%d", key, l.template.ipv4Bits, l.template.ipv6Bits)
+		if c.own {
+			l.keyPrefix = prefix
+			group = "\x00own" // the own limit's key has no hash tag: a slot of its own
+		} else {
 			// Limits with one key template share a hash tag: their
 			// buckets live in one Cluster slot, for one script call.
 			l.ietfName = h.Zone + "." + c.Name
 			l.keyPrefix = prefix[:len(keyPrefix)] + "{" + prefix[len(keyPrefix):]
-			l.keySuffix = "}" + keySeparator + c.Name
-		} else {
-			l.keyPrefix = prefix
-		}
-		group := fmt.Sprintf("%s/%d/%d", key, l.template.ipv4Bits, l.template.ipv6Bits)
-		if !named && !isQuota {
-			group = "\x00own" // the own limit's key has no hash tag: a slot of its own
+			l.keySuffix = "}" + keySeparator + c.Name + c.keySuffix
 		}
 		if _, ok := groups[group]; !ok {
 			groups[group] = len(groups)
@@ -283,12 +322,7 @@ func (h *Handler) buildLimits(keyPrefix string) ([]*limit, error) {
 		}
 		limits[i] = l
 	}
-	// Concurrent limits last: a request's slots follow its buckets.
-	concurrent, err := h.buildConcurrent(keyPrefix, len(limits), groups)
-	if err != nil {
-		return nil, err
-	}
-	return append(limits, concurrent...), nil
+	return limits, nil
 }
 
 // or is the first of its values that is set.
@@ -300,35 +334,13 @@ func (h *Handler) checkLimits() error {
 	if err := checkPrefixes(h.IPv4Prefix, h.IPv6Prefix); err != nil {
 		return err
 	}
-	if err := checkValues(h.ReplenishRate, h.BurstCapacity, h.RequestedTokens, h.hasOwnLimit()); err != nil {
-		return err
-	}
-	seen := map[string]bool{}
-	for _, l := range h.Limits {
-		if err := checkLimitName(l.Name); err != nil {
+	seen := map[string]bool{} // the kinds' limits share their names
+	for _, k := range kindConfigs {
+		if err := k.check(h, seen); err != nil {
 			return err
 		}
-		if seen[l.Name] {
-			return fmt.Errorf("limit '%s' is given twice: limit names must be unique in a handler", l.Name)
-		}
-		seen[l.Name] = true
-		err := checkPrefixes(l.IPv4Prefix, l.IPv6Prefix)
-		if err == nil && l.Key != "" {
-			_, err = parseKeyTemplate(l.Key)
-		}
-		if err == nil {
-			err = checkValues(or(unset(l.ReplenishRate), unset(h.ReplenishRate)), or(l.BurstCapacity, h.BurstCapacity),
-				or(unset(l.RequestedTokens), unset(h.RequestedTokens)), true)
-		}
-		if err != nil {
-			return fmt.Errorf("limit %s: %w", l.Name, err)
-		}
 	}
-	// Quotas and concurrent limits share the limits' names.
-	if err := h.checkQuotas(seen); err != nil {
-		return err
-	}
-	return h.checkConcurrent(seen)
+	return nil
 }
 
 // unset is a rate or cost as JSON means it: 0 stands for unset.

@@ -67,11 +67,29 @@ type Quota struct {
 	MaxDebt      *int64  `json:"max_debt,omitempty"`
 }
 
-// asLimit is the quota as the limit it is built into: count in the
-// burst's place, no rate.
-func (q Quota) asLimit() Limit {
-	return Limit{Name: q.Name, Key: q.Key, BurstCapacity: q.Count, RequestedTokens: q.RequestedTokens,
-		IPv4Prefix: q.IPv4Prefix, IPv6Prefix: q.IPv6Prefix, Charge: q.Charge, ChargeStatus: q.ChargeStatus, MaxDebt: q.MaxDebt}
+func init() {
+	registerKind(kindConfig{order: 1, configs: quotaConfigs, check: (*Handler).checkQuotas})
+}
+
+// quotaConfigs are the handler's quotas as the limits they are built
+// into: the count in the burst's place, no rate.
+func quotaConfigs(h *Handler) []limitConfig {
+	configs := make([]limitConfig, 0, len(h.Quotas))
+	for _, q := range h.Quotas {
+		configs = append(configs, limitConfig{
+			Limit: Limit{Name: q.Name, Key: q.Key, BurstCapacity: q.Count, RequestedTokens: or(unset(q.RequestedTokens), unset(h.RequestedTokens)),
+				IPv4Prefix: q.IPv4Prefix, IPv6Prefix: q.IPv6Prefix, Charge: q.Charge, ChargeStatus: q.ChargeStatus, MaxDebt: q.MaxDebt},
+			what: "quota", charges: true, // a quota's debt is paid back at its boundary: no checkDebt
+			newKind: func() (kind, error) {
+				k, err := newQuota(q)
+				if err != nil {
+					return nil, fmt.Errorf("quota %s: %w", q.Name, err)
+				}
+				return k, nil
+			},
+		})
+	}
+	return configs
 }
 
 // quotaKeySlack is how long a quota's key outlives its period: the

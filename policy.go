@@ -152,9 +152,8 @@ type limit struct {
 	// requested_tokens is its cost.
 	charge *chargeRule
 
-	// kind is its kind of limit (kind.go): a token bucket, a quota (its
-	// values' burst is then the quota's count) or a concurrent limit (n
-	// as the burst, one slot per request).
+	// kind is its kind of limit (kind.go), whose values its values are
+	// (what stands for the burst, say, is the kind's: burstName).
 	kind kind
 }
 
@@ -183,10 +182,9 @@ type bucket struct {
 	held, want, leased int64
 	// kindRef and kindN are what the request knows of its bucket that is
 	// its kind's own, set and read by the kind alone (begin, readReply,
-	// its arithmetic in the process): a quota's period and the period its
-	// take counted in (quota.go); the generation of the count that a
-	// concurrent limit's slot was taken from in the process
-	// (slotsmemory.go). A new kind keeps its own there too.
+	// its arithmetic in the process), such as a period and the period its
+	// take counted in, or the generation of a count in the process. A
+	// new kind keeps its own there too.
 	kindRef any
 	kindN   int64
 }
@@ -196,8 +194,8 @@ type bucket struct {
 // the kind takes them.
 type limitConfig struct {
 	Limit
-	// what names the limit in messages ("quota", "limit", with its
-	// name); "" for the handler's own limit.
+	// what names the limit in messages (its subdirective, "limit", with
+	// its name); "" for the handler's own limit.
 	what string
 	// own says it is the handler's own limit, of no `limits`: its key
 	// has no hash tag and no name, and its RateLimit items only the zone.
@@ -414,8 +412,8 @@ func (h *Handler) resolveBuckets(r *http.Request, repl *caddy.Replacer, buckets 
 // requestShared is what a request's buckets share, whatever their kind,
 // made by the first that needs it (kind.begin).
 type requestShared struct {
-	now  time.Time // the clock when the request's periods were named (quota.go)
-	slot any       // the request's slot id (concurrent.go)
+	now  time.Time // the clock when the request's periods were named (kind.begin)
+	slot any       // the request's slot id (kind.begin)
 }
 
 // clock is the request's time: read once, when a bucket first asks.

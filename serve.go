@@ -46,9 +46,9 @@ type request struct {
 
 	// What an admitted request's steps registered for after its
 	// response (steps.go): w is the writer the next handler writes to
-	// (one that watches the response for its charge, charge.go); hold the
-	// slots it holds until then (concurrent.go). registered says some
-	// step has something to do then.
+	// (one that watches the response for its charge, charge.go); hold what
+	// its kinds' step holds until then (kind.finishing). registered says
+	// some step has something to do then.
 	w          http.ResponseWriter
 	hold       *slotHold
 	charge     *chargeWriter

@@ -365,13 +365,19 @@ func (h *Handler) asksRedis() bool {
 // placeholders where the config has them. skipped is the decision when no
 // limit applies: `exempt`, or `empty_key` (with deny_empty_key false).
 func (h *Handler) resolveBuckets(r *http.Request, repl *caddy.Replacer, buckets []bucket) (_ []bucket, skipped decision, err error) {
+	return h.resolveBucketsWith(r, repl, buckets, nil)
+}
+
+// resolveBucketsWith is resolveBuckets remembering the weights it
+// resolves in memo (nil: none), for the rest of the request.
+func (h *Handler) resolveBucketsWith(r *http.Request, repl *caddy.Replacer, buckets []bucket, memo *weightMemo) (_ []bucket, skipped decision, err error) {
 	skipped = decisionEmptyKey
 	rv := requestValues{r: r, repl: repl} // one pass over the request's placeholders, for every limit
 	var shared requestShared
 	for _, l := range h.limits {
 		values, args, exempt := l.values, l.args, l.exempt
 		if !l.fixed {
-			if values, exempt, err = l.resolve(repl); err != nil {
+			if values, exempt, err = l.resolve(repl, memo); err != nil {
 				if l.name != "" {
 					err = fmt.Errorf("limit %s: %w", l.name, err)
 				}
@@ -417,14 +423,14 @@ func (s *requestShared) clock() time.Time {
 // resolve resolves the limit's values from a request's placeholders. A
 // value the config sets that resolves to nothing is an error, not the
 // default: a fallback belongs in the config (`map`'s `default`).
-func (l *limit) resolve(repl *caddy.Replacer) (limitValues, bool, error) {
+func (l *limit) resolve(repl *caddy.Replacer, memo *weightMemo) (limitValues, bool, error) {
 	var text [3]string
 	for i, p := range [3]struct {
 		name  string
 		value Param
 	}{{"replenish_rate", l.rate}, {l.kind.burstName(), l.burst}, {"requested_tokens", l.cost}} {
 		if i == 2 && l.costTerms != nil {
-			n, err := resolveTerms(l.costTerms, repl) // weights.go
+			n, err := resolveTerms(l.costTerms, repl, memo) // weights.go
 			if err != nil {
 				return limitValues{}, false, err
 			}

@@ -356,7 +356,7 @@ func clientBuckets(limits []*limit, query url.Values) (map[*limit]bucket, map[*l
 		}
 		values, isExempt, err := l.values, l.exempt, error(nil)
 		if !l.fixed {
-			values, isExempt, err = l.resolve(repl)
+			values, isExempt, err = l.resolve(repl, nil)
 		}
 		if err != nil {
 			return nil, nil, err

@@ -386,7 +386,7 @@ func (h *Handler) setUpCharging() error {
 				rule.fields = append(rule.fields, bits)
 			}
 			for _, w := range charge.jsonWeights() {
-				t := costTerm{weight: w, weightKey: onePlaceholder(w)}
+				t := costTerm{weight: w, weightKey: onePlaceholder(w), slot: -1}
 				t.w, t.fixedW, _ = checkWeight("charge json", w, w) // judged by checkCharge
 				rule.weights = append(rule.weights, t)
 				h.chargeWeights = h.chargeWeights || !t.fixedW
@@ -410,7 +410,7 @@ func (h *Handler) setUpCharging() error {
 type chargeStep struct{ h *Handler }
 
 func (s chargeStep) register(req *request) bool {
-	req.charge = newChargeWriter(req.w, s.h.charging)
+	req.charge = req.chargeWriter.reset(req.w, s.h.charging, &req.scanBody)
 	req.w = req.charge
 	return true
 }

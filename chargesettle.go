@@ -49,7 +49,7 @@ func (h *Handler) settleResponse(end responseEnd, cw *chargeWriter, repl *caddy.
 			continue
 		}
 		reserved := b.values.requested
-		cost, why := rule.costOf(end, cw, repl, reserved)
+		cost, why := rule.costOf(end, cw, repl, &req.weights, reserved)
 		switch {
 		case why != "":
 			h.warnChargeMissing(b.limit, why)
@@ -84,7 +84,7 @@ func (h *Handler) settleResponse(end responseEnd, cw *chargeWriter, repl *caddy.
 // source. why says why the source could not be read (the reservation is
 // the cost then). A response cut short costs at least its reservation:
 // a client must not pay less by leaving.
-func (r *chargeRule) costOf(end responseEnd, cw *chargeWriter, repl *caddy.Replacer, reserved int64) (cost int64, why string) {
+func (r *chargeRule) costOf(end responseEnd, cw *chargeWriter, repl *caddy.Replacer, memo *weightMemo, reserved int64) (cost int64, why string) {
 	if end.status != 0 && !r.charges(end.status) {
 		return 0, ""
 	}
@@ -110,7 +110,7 @@ func (r *chargeRule) costOf(end responseEnd, cw *chargeWriter, repl *caddy.Repla
 		var sum float64
 		sum, why = cw.body.Sum(r.fields...)
 		if why == "" && r.weights != nil {
-			sum, why = r.weightedSum(cw, repl)
+			sum, why = r.weightedSum(cw, repl, memo)
 		}
 		if why == "" {
 			cost = ceilTokens(sum)
@@ -128,19 +128,18 @@ func (r *chargeRule) costOf(end responseEnd, cw *chargeWriter, repl *caddy.Repla
 }
 
 // weightedSum is the sum of a body's fields, each times its weight. A
-// field not in the body counts 0, as in a sum without weights.
-func (r *chargeRule) weightedSum(cw *chargeWriter, repl *caddy.Replacer) (sum float64, why string) {
+// field not in the body counts 0, as in a sum without weights. The
+// weights with placeholders are those the request's check resolved
+// (memo), not resolved again.
+func (r *chargeRule) weightedSum(cw *chargeWriter, repl *caddy.Replacer, memo *weightMemo) (sum float64, why string) {
 	for i, f := range r.fields {
 		v, missing := cw.body.Sum(f)
 		if missing != "" {
 			continue
 		}
-		w := r.weights[i].w
-		if !r.weights[i].fixedW {
-			var err error
-			if w, err = resolveWeight(r.weights[i].weight, r.weights[i].weightKey, repl); err != nil {
-				return 0, err.Error()
-			}
+		w, err := memo.weight(&r.weights[i], repl)
+		if err != nil {
+			return 0, err.Error()
 		}
 		sum += v * w
 	}

@@ -32,9 +32,15 @@ type chargeWriter struct {
 }
 
 func newChargeWriter(w http.ResponseWriter, c *charging) *chargeWriter {
-	cw := &chargeWriter{ResponseWriterWrapper: caddyhttp.ResponseWriterWrapper{ResponseWriter: w}, charging: c}
+	return new(chargeWriter).reset(w, c, new(scan.Body))
+}
+
+// reset makes cw a new writer watching w, which scans with body when c
+// has JSON paths.
+func (cw *chargeWriter) reset(w http.ResponseWriter, c *charging, body *scan.Body) *chargeWriter {
+	*cw = chargeWriter{ResponseWriterWrapper: caddyhttp.ResponseWriterWrapper{ResponseWriter: w}, charging: c}
 	if c.paths.Len() > 0 {
-		cw.body = new(scan.Body)
+		cw.body = body
 		cw.body.Reset(&c.paths, c.maxBody)
 	}
 	return cw

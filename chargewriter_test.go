@@ -238,7 +238,7 @@ func TestChargeCostOfHowTheResponseEnded(t *testing.T) {
 		if tc.written != 0 {
 			cw.WriteHeader(tc.written)
 		}
-		cost, why := tc.rule.costOf(tc.end, cw, caddy.NewReplacer(), reserved)
+		cost, why := tc.rule.costOf(tc.end, cw, caddy.NewReplacer(), nil, reserved)
 		if cost != tc.want || tc.end.cutShort && why != "" {
 			t.Errorf("%s: cost %d (%q), want %d (and no warning for a response cut short)", tc.name, cost, why, tc.want)
 		}

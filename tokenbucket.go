@@ -78,28 +78,33 @@ func resolveValues(rate, burst, requested string) (v limitValues, isUnlimited bo
 
 // check judges a limit's values together; its messages name each value
 // and say what would fix it.
+//
+// The values are formatted only for a message: a limit whose values come
+// from the request is judged on each one (3 allocs less per request of
+// make bench's llm@64: BenchmarkServeHTTPLLM/llm).
 func (v limitValues) check() error {
-	rate, burst := strconv.FormatFloat(v.rate, 'g', -1, 64), strconv.FormatInt(v.burst, 10)
-	requested := strconv.FormatInt(v.requested, 10)
+	rate := func() string { return strconv.FormatFloat(v.rate, 'g', -1, 64) }
+	burst := func() string { return strconv.FormatInt(v.burst, 10) }
+	requested := func() string { return strconv.FormatInt(v.requested, 10) }
 	switch {
 	case v.burst < 0:
-		return badValue("burst_capacity", burst, "must not be negative")
+		return badValue("burst_capacity", burst(), "must not be negative")
 	case v.burst == 0:
 		return nil // blocks everything; rate and cost do not matter
 	case !(v.rate > 0) || math.IsInf(v.rate, 0):
-		return badValue("replenish_rate", rate, ": "+wantRate)
+		return badValue("replenish_rate", rate(), ": "+wantRate)
 	case float64(v.burst) < v.rate:
-		return badValue("burst_capacity", burst, fmt.Sprintf("is smaller than replenish_rate '%s': the bucket could never hold one second's refill, "+
-			"so clients would be held below the configured rate; raise burst_capacity to at least %v", rate, math.Ceil(v.rate)))
+		return badValue("burst_capacity", burst(), fmt.Sprintf("is smaller than replenish_rate '%s': the bucket could never hold one second's refill, "+
+			"so clients would be held below the configured rate; raise burst_capacity to at least %v", rate(), math.Ceil(v.rate)))
 	case v.burst > maxExactTokens:
-		return badValue("burst_capacity", burst, "is above 2^53, where the script's numbers stop being exact; lower it")
+		return badValue("burst_capacity", burst(), "is above 2^53, where the script's numbers stop being exact; lower it")
 	case float64(v.burst)/v.rate > maxFillSeconds:
-		return badValue("replenish_rate", rate, fmt.Sprintf("is so small that an empty bucket of %d tokens would take %.3g days to fill "+
+		return badValue("replenish_rate", rate(), fmt.Sprintf("is so small that an empty bucket of %d tokens would take %.3g days to fill "+
 			"(more than a year, past what Retry-After can say); raise it to at least %v", v.burst, float64(v.burst)/v.rate/86400, float64(v.burst)/maxFillSeconds))
 	case v.requested < 1:
-		return badValue("requested_tokens", requested, "must be at least 1")
+		return badValue("requested_tokens", requested(), "must be at least 1")
 	case v.requested > v.burst:
-		return badValue("requested_tokens", requested, fmt.Sprintf("is more than burst_capacity '%d': no request could ever be admitted", v.burst))
+		return badValue("requested_tokens", requested(), fmt.Sprintf("is more than burst_capacity '%d': no request could ever be admitted", v.burst))
 	}
 	return nil
 }

@@ -3,6 +3,7 @@ package ratelimit
 import (
 	"fmt"
 	"math"
+	"slices"
 	"strconv"
 	"strings"
 
@@ -36,6 +37,72 @@ type costTerm struct {
 	// string (8 allocs less per request of make bench's llm@64 handler:
 	// BenchmarkServeHTTPLLM/llm 40 -> 32).
 	valueKey, weightKey string
+	// slot is the weight's in a request's weightMemo, when it has
+	// placeholders and one is free; else -1 (resolved at each use).
+	slot int
+}
+
+// maxWeightSlots bounds the distinct weights with placeholders a
+// request remembers; more are resolved at each use.
+const maxWeightSlots = 16
+
+// weightMemo is a request's weights with placeholders, each resolved
+// once: the reservation, the check of charge json's weights and the
+// settlement read the same `{out_price}` of a `map`, which would
+// otherwise walk the replacer's providers and run the map again each
+// time (6 map lookups per request of make bench's llm@64 -> 3).
+// The settlement so charges with the weights the request was admitted
+// with, those the check judged.
+type weightMemo struct {
+	known  uint16 // a bit per slot resolved
+	values [maxWeightSlots]float64
+}
+
+// weight is t's weight for the request: fixed, remembered, or resolved
+// now (and remembered). m may be nil: nothing is remembered.
+func (m *weightMemo) weight(t *costTerm, repl *caddy.Replacer) (float64, error) {
+	if t.fixedW {
+		return t.w, nil
+	}
+	if m == nil || t.slot < 0 {
+		return resolveWeight(t.weight, t.weightKey, repl)
+	}
+	bit := uint16(1) << t.slot
+	if m.known&bit != 0 {
+		return m.values[t.slot], nil
+	}
+	w, err := resolveWeight(t.weight, t.weightKey, repl)
+	if err == nil {
+		m.values[t.slot], m.known = w, m.known|bit
+	}
+	return w, err
+}
+
+// assignWeightSlots gives each distinct weight with placeholders of the
+// handler's requested_tokens and charge json a slot of the weightMemo.
+func (h *Handler) assignWeightSlots() {
+	var slots []string
+	assign := func(t *costTerm) {
+		t.slot = -1
+		if t.fixedW {
+			return
+		}
+		i := slices.Index(slots, t.weight)
+		if i < 0 && len(slots) < maxWeightSlots {
+			i, slots = len(slots), append(slots, t.weight)
+		}
+		t.slot = i
+	}
+	for _, l := range h.limits {
+		for i := range l.costTerms {
+			assign(&l.costTerms[i])
+		}
+		if l.charge != nil {
+			for i := range l.charge.weights {
+				assign(&l.charge.weights[i])
+			}
+		}
+	}
 }
 
 // onePlaceholder is the name of the placeholder that text is, when it is
@@ -130,7 +197,7 @@ func parseCostTerms(text string) (terms []costTerm, sum int64, fixed bool, err e
 	fixed = true
 	for _, f := range fields {
 		value, weight := splitTerm(f)
-		t := costTerm{value: value, weight: weight, valueKey: onePlaceholder(value), weightKey: onePlaceholder(weight)}
+		t := costTerm{value: value, weight: weight, valueKey: onePlaceholder(value), weightKey: onePlaceholder(weight), slot: -1}
 		if t.w, t.fixedW, err = checkWeight("requested_tokens", f, weight); err != nil {
 			return nil, 0, false, err
 		}
@@ -180,7 +247,7 @@ func normalizeCost(cost Param) (Param, error) {
 // resolveTerms sums a request's terms. A value that resolves to nothing
 // or to no amount is the request's fault (400, as a requested_tokens
 // out of range); a weight is the configuration's (500).
-func resolveTerms(terms []costTerm, repl *caddy.Replacer) (int64, error) {
+func resolveTerms(terms []costTerm, repl *caddy.Replacer, memo *weightMemo) (int64, error) {
 	var total float64
 	for i := range terms {
 		t := &terms[i]
@@ -197,7 +264,7 @@ func resolveTerms(terms []costTerm, repl *caddy.Replacer) (int64, error) {
 		}
 		if !t.fixedW {
 			var err error
-			if w, err = resolveWeight(t.weight, t.weightKey, repl); err != nil {
+			if w, err = memo.weight(t, repl); err != nil {
 				return 0, err
 			}
 		}
@@ -223,18 +290,18 @@ func chargeTerm(term string) (path, weight string) { return splitTerm(term) }
 // checkChargeWeights resolves, before a request is admitted, the
 // weights with placeholders of the charge json of its limits, so that a
 // weight out of range refuses it (500) rather than costing its response
-// nothing. Settlement resolves them again, to the same values.
-func (h *Handler) checkChargeWeights(buckets []bucket, repl *caddy.Replacer) error {
+// nothing. Settlement reads them from memo, the values judged here.
+func (h *Handler) checkChargeWeights(buckets []bucket, repl *caddy.Replacer, memo *weightMemo) error {
 	for i := range buckets {
 		rule := buckets[i].limit.charge
 		if rule == nil {
 			continue
 		}
-		for _, w := range rule.weights {
-			if w.fixedW {
+		for j := range rule.weights {
+			if rule.weights[j].fixedW {
 				continue
 			}
-			if _, err := resolveWeight(w.weight, w.weightKey, repl); err != nil {
+			if _, err := memo.weight(&rule.weights[j], repl); err != nil {
 				if name := buckets[i].limit.name; name != "" {
 					return fmt.Errorf("limit %s: charge json: %w", name, err)
 				}

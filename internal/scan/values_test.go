@@ -1,6 +1,7 @@
 package scan
 
 import (
+	"os"
 	"strings"
 	"testing"
 )
@@ -96,6 +97,44 @@ func TestValuesLeavesBadValuesEmptyAndSaysWhy(t *testing.T) {
 		got, _ := readValues(t, tc.doc, 5, tc.path, "never")
 		if got[tc.path] != tc.want {
 			t.Errorf("%s: %s = %q, want %q", tc.name, tc.path, got[tc.path], tc.want)
+		}
+	}
+}
+
+// TestValuesStringsWithEscapes: a string's escapes, an escaped quote
+// among them, hide nothing from the scan however the document is cut.
+func TestValuesStringsWithEscapes(t *testing.T) {
+	doc := `{"a":"x\"y\\\\","s":"` + strings.Repeat(`ab\n\"`, 300) + `","model":"m\"1","n":5}`
+	for _, n := range []int{1, 2, 3, 7, 64, len(doc)} {
+		got, _ := readValues(t, doc, n, "model", "n")
+		if got["model"] != `m"1` || got["n"] != "5" {
+			t.Errorf("pieces of %d: %v", n, got)
+		}
+	}
+}
+
+// BenchmarkValuesLLMBody reads model and max_tokens from make bench's
+// llm@64 request body, 2 KiB, max_tokens at its end.
+func BenchmarkValuesLLMBody(b *testing.B) {
+	doc, err := os.ReadFile("../../bench/llm-request.json")
+	if err != nil {
+		b.Fatal(err)
+	}
+	var ps Paths
+	model, _ := ps.Add("model")
+	tokens, _ := ps.Add("max_tokens")
+	var v Values
+	b.SetBytes(int64(len(doc)))
+	b.ReportAllocs()
+	for b.Loop() {
+		v.Reset(&ps)
+		v.Write(doc)
+		v.End()
+		if m, _ := v.Value(model, doc); len(m) == 0 {
+			b.Fatal("no model")
+		}
+		if m, _ := v.Value(tokens, doc); len(m) == 0 {
+			b.Fatal("no max_tokens")
 		}
 	}
 }

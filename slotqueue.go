@@ -19,15 +19,32 @@ import (
 // answer. A request of the same client refused meanwhile for that key
 // waits for it and asks again (awaitReleases): a client that sends its
 // requests one after another never finds its own previous slot still
-// taken. Sent at most once; a release lost to a failure expires with its
-// hold. A release is a call as the queue's are (Batcher.WhileOpen): it
-// keeps an unloaded config's limiter open for lingerIdle, and every
-// release queued before the limiter closed is answered; one that meets
-// it closed is answered as failed.
+// taken. A release that fails is tried again at the renewals' next
+// tick, until its hold would have ended anyway (slotRenewals.retry). A
+// release is a call as the queue's are (Batcher.WhileOpen): it keeps an
+// unloaded config's limiter open for lingerIdle, and every release
+// queued before the limiter closed is answered; one that meets it
+// closed is answered as failed.
 func (l *limiter) queueRelease(s *slotHold) {
 	if !l.batcher.WhileOpen(func() { l.releaseQueue.add(releaseArg, s) }) {
 		l.releases.add(s.keys, -1)
 		s.h.slotsFailed(releaseArg, redisbatch.ErrClosed)
+	}
+}
+
+// queueRetries queues again the releases that failed (slotRenewals.retry).
+func (l *limiter) queueRetries(due []slotRetry) {
+	for i := range due {
+		l.releases.add(due[i].key[:], 1)
+	}
+	if !l.batcher.WhileOpen(func() {
+		for _, x := range due {
+			l.releaseQueue.addRelease(x.key[0], x.hold)
+		}
+	}) {
+		for i := range due {
+			l.releases.add(due[i].key[:], -1)
+		}
 	}
 }
 
@@ -74,6 +91,15 @@ func (q *slotQueue) add(op any, holds ...*slotHold) {
 			}
 		}
 	}
+}
+
+// addRelease queues the release of one slot of s, in key.
+func (q *slotQueue) addRelease(key string, s *slotHold) {
+	q.mu.Lock()
+	defer q.mu.Unlock()
+	q.keys = append(q.keys, key)
+	q.holds = append(q.holds, s)
+	q.args = append(q.args, s.id)
 }
 
 // queued says whether slots wait to be sent.
@@ -171,6 +197,9 @@ var slotBatches = sync.Pool{New: func() any { return new(slotBatch) }}
 func (b *slotBatch) TakeAnswer(c *redisbatch.Call) {
 	l := b.limiter
 	if b.op == releaseArg {
+		if c.Err != nil && c.Err != redisbatch.ErrClosed {
+			l.renewals.retry(l, c.Keys, b.holds) // before the count drops: the limiter stays open for it
+		}
 		l.releases.add(c.Keys, -1)
 	}
 	for i, s := range b.holds {

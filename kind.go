@@ -1,8 +1,12 @@
 package ratelimit
 
 import (
+	"cmp"
 	"context"
+	"fmt"
 	"net/http"
+	"slices"
+	"strconv"
 	"time"
 )
 
@@ -159,4 +163,163 @@ func (b *bucket) kind() kind {
 		return tokenBucket{}
 	}
 	return b.limit.kind
+}
+
+// limitConfig is one limit of a handler as its kind reads it from the
+// config (kindConfigs): its fields, with the handler's filled in where
+// the kind takes them.
+type limitConfig struct {
+	Limit
+	// what names the limit in messages (its subdirective, "limit", with
+	// its name); "" for the handler's own limit.
+	what string
+	// own says it is the handler's own limit, of no `limits`: its key
+	// has no hash tag and no name, and its RateLimit items only the zone.
+	own bool
+	// keySuffix follows the name in its keys, to set them apart from
+	// another kind's of the same name.
+	keySuffix string
+	// charges says the response may charge it (Charge, ChargeStatus,
+	// MaxDebt); checkDebt judges a max_debt against its values.
+	charges   bool
+	checkDebt func(maxDebt int64) error
+	// newKind makes its kind when the handler is provisioned; an error
+	// names the limit.
+	newKind func() (kind, error)
+}
+
+// A kindConfig is how a kind of limit reads its limits from a handler's
+// config, and judges them: each kind registers its own (registerKind).
+type kindConfig struct {
+	// order is where its limits come among a handler's, and so among a
+	// request's buckets.
+	order int
+	// configs reads the handler's limits of the kind.
+	configs func(h *Handler) []limitConfig
+	// check judges them as configured, before provisioning: the parser
+	// calls it at the end of the directive, Validate for JSON. names
+	// holds the names of the limits judged before, which the kinds share.
+	check func(h *Handler, names map[string]bool) error
+}
+
+// kindConfigs are the kinds of limit, in the order their limits come.
+var kindConfigs []kindConfig
+
+// registerKind adds a kind of limit's config (from its file's init).
+func registerKind(k kindConfig) {
+	kindConfigs = append(kindConfigs, k)
+	slices.SortStableFunc(kindConfigs, func(a, b kindConfig) int { return cmp.Compare(a.order, b.order) })
+}
+
+// limitConfigs are the handler's limits as configured, of every kind, in
+// the order of its limits.
+func (h *Handler) limitConfigs() []limitConfig {
+	var configs []limitConfig
+	for _, k := range kindConfigs {
+		configs = append(configs, k.configs(h)...)
+	}
+	return configs
+}
+
+// hasOwnLimit says whether the handler's own fields make a limit: when
+// it has no `limits`, and, with limits of other kinds, a rate or burst
+// of its own.
+func (h *Handler) hasOwnLimit() bool {
+	switch {
+	case len(h.Limits) > 0:
+		return false
+	case unset(h.ReplenishRate) != "" || h.BurstCapacity != "":
+		return true
+	}
+	for _, k := range kindConfigs {
+		if k.order > 0 && len(k.configs(h)) > 0 {
+			return false
+		}
+	}
+	return true
+}
+
+// buildLimits makes the handler's limits from its config.
+func (h *Handler) buildLimits(keyPrefix string) ([]*limit, error) {
+	configs := h.limitConfigs()
+	groups := map[string]int{}
+	limits := make([]*limit, len(configs))
+	for i, c := range configs {
+		k, err := c.newKind()
+		if err != nil {
+			return nil, err
+		}
+		l := &limit{
+			index: i, name: c.Name, nameValue: c.Name, ietfName: h.Zone,
+			rate: c.ReplenishRate, burst: c.BurstCapacity, cost: c.RequestedTokens, kind: k,
+		}
+		key := or(c.Key, h.Key)
+		l.keyText = key
+		if l.template, err = parseKeyTemplate(key); err != nil {
+			return nil, err
+		}
+		l.template.ipv4Bits = *cmp.Or(c.IPv4Prefix, h.IPv4Prefix, new(32))
+		l.template.ipv6Bits = *cmp.Or(c.IPv6Prefix, h.IPv6Prefix, new(64))
+		prefix := bucketPrefix(keyPrefix, h.Zone, key)
+		group := fmt.Sprintf("%s/%d/%d", key, l.template.ipv4Bits, l.template.ipv6Bits)
+		if c.own {
+			l.keyPrefix = prefix
+			group = "\x00own" // the own limit's key has no hash tag: a slot of its own
+		} else {
+			// Limits with one key template share a hash tag: their
+			// buckets live in one Cluster slot, for one script call.
+			l.ietfName = h.Zone + "." + c.Name
+			l.keyPrefix = prefix[:len(keyPrefix)] + "{" + prefix[len(keyPrefix):]
+			l.keySuffix = "}" + keySeparator + c.Name + c.keySuffix
+		}
+		if _, ok := groups[group]; !ok {
+			groups[group] = len(groups)
+		}
+		l.group = groups[group]
+		if isWeighted(string(l.cost)) {
+			terms, sum, fixed, err := parseCostTerms(string(l.cost))
+			switch {
+			case err != nil:
+				return nil, err
+			case fixed:
+				l.cost = Param(strconv.FormatInt(sum, 10))
+			default:
+				l.costTerms = terms
+			}
+		}
+		l.fixed = !l.rate.perRequest() && !l.burst.perRequest() && !l.cost.perRequest()
+		if l.fixed {
+			if l.values, l.exempt, err = l.kind.resolveValues(string(l.rate), string(l.burst), string(l.cost)); err != nil {
+				return nil, err
+			}
+			l.args, l.burstValue = l.kind.scriptArgs(l.values), l.values.burst
+		}
+		if _, bucket := l.kind.(tokenBucket); bucket && !l.fixed && l.costTerms != nil && !l.rate.perRequest() && !l.burst.perRequest() {
+			// As resolve would find them, with a cost of 1 for now; a
+			// rate or burst out of range is left to resolve to refuse.
+			if base, exempt, err := l.kind.resolveValues(string(l.rate), string(l.burst), ""); err == nil && !exempt && base.burst > 0 {
+				l.costOnly, l.base, l.baseArgs = true, base, l.kind.scriptArgs(base)
+			}
+		}
+		limits[i] = l
+	}
+	return limits, nil
+}
+
+// or is the first of its values that is set.
+func or[T ~string](values ...T) T { return cmp.Or(values...) }
+
+// checkLimits judges the limits as configured, before provisioning: the
+// parser calls it at the end of the directive, Validate for JSON.
+func (h *Handler) checkLimits() error {
+	if err := checkPrefixes(h.IPv4Prefix, h.IPv6Prefix); err != nil {
+		return err
+	}
+	seen := map[string]bool{} // the kinds' limits share their names
+	for _, k := range kindConfigs {
+		if err := k.check(h, seen); err != nil {
+			return err
+		}
+	}
+	return nil
 }

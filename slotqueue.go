@@ -1,13 +1,16 @@
 package ratelimit
 
 // The queue of slot renewals and releases that the batcher's workers
-// send to Redis, many slots a script call.
+// send to Redis, many slots a script call, and the count of releases
+// on their way that a refused request of the same key waits for.
 
 import (
 	"cmp"
 	"context"
+	"hash/maphash"
 	"slices"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/caddy-redis/ratelimit/internal/redisbatch"
@@ -219,4 +222,98 @@ func (b *slotBatch) TakeAnswer(c *redisbatch.Call) {
 	clear(b.holds)
 	b.limiter, b.op, b.holds = nil, nil, b.holds[:0]
 	slotBatches.Put(b)
+}
+
+// pendingReleases counts the releases queued and not yet answered, per
+// slot key, so that a request of a key refused meanwhile waits for its
+// own key's releases (awaitReleases), and for no other key's. A count by
+// hash, read without a lock, answers the usual question (no release of
+// any of these keys is on its way) with one atomic load; only when it is
+// not zero does the key's own count, under its shard's lock, say. (A
+// count by hash alone made a refusal wait for, and ask again after, the
+// releases of unrelated keys of the same hash: 220 µs to 3.44 ms, and a
+// second script call, with 4 of them busy.)
+type pendingReleases struct {
+	shards [1024]pendingShard
+}
+
+type pendingShard struct {
+	n    atomic.Int32 // the releases pending of this shard's keys
+	mu   sync.Mutex
+	keys map[string]int32 // each key's, none at zero
+}
+
+var pendingSeed = maphash.MakeSeed()
+
+func (p *pendingReleases) of(key string) *pendingShard {
+	return &p.shards[maphash.String(pendingSeed, key)%uint64(len(p.shards))]
+}
+
+func (p *pendingReleases) add(keys []string, n int32) {
+	for _, key := range keys {
+		sh := p.of(key)
+		sh.mu.Lock()
+		if sh.keys == nil {
+			sh.keys = make(map[string]int32)
+		}
+		if left := sh.keys[key] + n; left != 0 {
+			sh.keys[key] = left
+		} else {
+			delete(sh.keys, key)
+		}
+		sh.n.Add(n)
+		sh.mu.Unlock()
+	}
+}
+
+// pending says whether a release of any of the buckets' slot keys is
+// pending.
+func (p *pendingReleases) pending(buckets []bucket) bool {
+	for i := firstHeld(buckets); i < len(buckets); i++ {
+		if p.keyPending(buckets[i].key) {
+			return true
+		}
+	}
+	return false
+}
+
+func (p *pendingReleases) keyPending(key string) bool {
+	sh := p.of(key)
+	if sh.n.Load() == 0 {
+		return false
+	}
+	sh.mu.Lock()
+	defer sh.mu.Unlock()
+	return sh.keys[key] > 0
+}
+
+// total is how many releases are pending, of every key.
+func (p *pendingReleases) total() int64 {
+	var n int64
+	for i := range p.shards {
+		n += int64(p.shards[i].n.Load())
+	}
+	return n
+}
+
+// awaitReleases waits, after a refusal by a full concurrent limit of a
+// request sent while a release of one of its keys was on its way (and
+// may have reached Redis after it), until the releases of its keys are
+// answered, at most until the deadline; it says whether the request
+// should ask again.
+func (l *limiter) awaitReleases(buckets []bucket, deadline time.Time) bool {
+	full := false
+	for i := firstHeld(buckets); i < len(buckets); i++ {
+		full = full || buckets[i].remaining == 0
+	}
+	if !full {
+		return false
+	}
+	for l.releases.pending(buckets) {
+		if time.Now().After(deadline) {
+			return false
+		}
+		time.Sleep(100 * time.Microsecond)
+	}
+	return true
 }

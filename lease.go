@@ -482,26 +482,3 @@ func (ls *leases) take(now time.Time, everything bool) (back []bucket, seq int64
 	}
 	return back, seq
 }
-
-// settle settles what a charged response cost (diff: cost less
-// reservation) in the lease of a bucket whose request it admitted, when
-// that lease is still held with the request's values and has reported
-// nothing since (so Redis still counts the request's tokens as lent): a
-// smaller cost gives the rest back to the lease it came from (tokens the
-// lease would hold had the request not taken them), a larger one takes
-// the rest from the lease when it holds it. It reports whether it
-// settled; otherwise the settlement goes to Redis.
-func (ls *leases) settle(b *bucket, diff int64, now time.Time) bool {
-	sh := &ls.shards[ls.shardIndex(b.key)]
-	sh.mu.Lock()
-	defer sh.mu.Unlock()
-	l := sh.byKey[b.key]
-	if l == nil || l.reports != b.fromLease || !l.counted || !now.Before(l.until) || l.values != b.values || l.tokens < diff || ls.closed.Load() {
-		return false
-	}
-	l.tokens -= diff
-	if l.flight != nil {
-		l.spent += diff // the call in flight reported the lease as it was: land counts this
-	}
-	return true
-}

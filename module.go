@@ -460,31 +460,6 @@ func (h *Handler) Cleanup() error {
 	return releaseLimiter(h.limiterKey)
 }
 
-// ServeHTTP takes tokens from the request's buckets or denies it. It
-// reads as a request goes: limit resolves its buckets, decides it with
-// the handler's store and answers it (headers, placeholders, metric,
-// log); an admitted request is then served, and finished when the
-// decision registered something for after its response.
-func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyhttp.Handler) error {
-	if len(h.before) > 0 {
-		// Values first, placeholders that keys and values may name (a
-		// request body's, requestbody.go).
-		var ends [maxPreSteps]ender
-		for i, s := range h.before {
-			ends[i] = s.before(r)
-		}
-		defer endAll(ends)
-	}
-	req, pass, err := h.limit(w, r)
-	switch {
-	case !pass:
-		return err
-	case req == nil:
-		return next.ServeHTTP(w, r)
-	}
-	return h.serveAndFinish(r, next, req)
-}
-
 // Interface guards
 var (
 	_ caddy.Provisioner           = (*Handler)(nil)

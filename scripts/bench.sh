@@ -94,9 +94,11 @@
 # puts every case in that regime, so that ratios show per-request work.
 # BENCH_BASELINE=<git revision or caddy-bench binary> also runs every
 # case of this plugin on the build of that revision (built once into
-# bin/caddy-bench-<commit>), right after the same case on this build, as
-# "<name>.base@<conns>"; the table then sets each case beside its twin:
-# the one measurement a change that must not cost speed needs.
+# bin/caddy-bench-<commit>), next to the same case on this build, as
+# "<name>.base@<conns>": right after it in odd rounds, right before it in
+# even ones, so that neither build always has the second place. The
+# table then sets each case beside its twin (medians of per-round
+# ratios): the one measurement a change that must not cost speed needs.
 # BENCH_BASELINE_CASES (all) names the cases that get a baseline twin,
 # e.g. "lease-keys@64 lease-mixed@64".
 # BENCH_PROFILE=<dir> adds one more 64-connection run of the Caddyfile
@@ -276,8 +278,27 @@ start_caddy() { # caddyfile-name [admin-address [binary]] -> sets caddy_pid, cad
 results="$work/results"
 : >"$results"
 log "$ROUNDS rounds of ${#CASES[@]} cases, $WARMUP warm-up + $DURATION each; Caddy on CPU $CADDY_CPU (GOMAXPROCS=1, GOGC=$GOGC_CADDY), Redis + load generator on CPU $LOAD_CPU"
+# round_order is the cases of round $1. A case and its baseline twin
+# swap places every other round: the second of two neighbours gains a
+# few percent (the machine's caches and clock are warm from the first),
+# which would otherwise always go to the same build.
+round_order() {
+	ORDER=("${CASES[@]}")
+	(($1 % 2 == 0)) || return 0
+	local i
+	for ((i = 0; i + 1 < ${#ORDER[@]}; i++)); do
+		if [[ "${ORDER[i + 1]%% *}" == *.base@* && "${ORDER[i]%% *}" != *.base@* ]]; then
+			local first="${ORDER[i]}"
+			ORDER[i]="${ORDER[i + 1]}"
+			ORDER[i + 1]="$first"
+			((i++)) || true
+		fi
+	done
+}
+
 for ((round = 1; round <= ROUNDS; round++)); do
-	for c in "${CASES[@]}"; do
+	round_order "$round"
+	for c in "${ORDER[@]}"; do
 		read -r name conf expect flags <<<"$c"
 		conns="${name#*@}"
 		[[ "$flags" == - ]] && flags=""

@@ -74,6 +74,9 @@ type leases struct {
 	closed         atomic.Bool // set by close: nothing more is lent; what lands goes back
 	stop           chan struct{}
 	done           chan struct{}
+	// refused are the refusals kept below the lease layer, which it asks
+	// and tells itself (set when the stack is built; noRefusals for none).
+	refused refusals
 }
 
 const leaseShards = 64
@@ -149,7 +152,7 @@ func newLeases(c *Lease, timeout time.Duration) *leases {
 	var id [8]byte
 	_, _ = rand.Read(id[:]) // never fails (crypto/rand)
 	ls := &leases{hold: hold, life: 2*hold + timeout, max: c.MaxTokens, id: hex.EncodeToString(id[:]),
-		seed: maphash.MakeSeed(), stop: make(chan struct{}), done: make(chan struct{})}
+		seed: maphash.MakeSeed(), stop: make(chan struct{}), done: make(chan struct{}), refused: noRefusals{}}
 	ls.idArg, ls.lifeArg = ls.id, strconv.FormatInt(ls.life.Microseconds(), 10)
 	for i := range ls.shards {
 		ls.shards[i].byKey = make(map[string]*lease)
@@ -158,9 +161,7 @@ func newLeases(c *Lease, timeout time.Duration) *leases {
 	return ls
 }
 
-// provisionLeases sets lease up: the leases, their give-back loop, and
-// the deny cache's limit (a cached denial lasts at most a hold: leases
-// given back or reported spent may refill a bucket sooner than its wait).
+// provisionLeases sets lease up: the leases and their give-back loop.
 // On a Cluster, a bucket's lease record must share its hash slot, which
 // a key_prefix with unbalanced braces prevents.
 func (h *Handler) provisionLeases(keyPrefix string) error {
@@ -173,7 +174,6 @@ func (h *Handler) provisionLeases(keyPrefix string) error {
 		}
 	}
 	h.leases = newLeases(h.Lease, h.limiter.timeout)
-	h.denied.maxWait = h.leases.hold
 	go h.giveBackEvery()
 	return nil
 }

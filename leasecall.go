@@ -25,21 +25,38 @@ var (
 )
 
 // leaseLayer decides the requests of a handler with lease, from this
-// instance's leases when it can (checkLeased), else in Redis, where its
-// call lends the leases more.
+// instance's leases when it can (checkLeased), else in Redis with
+// lease.lua, where its call lends the leases more. Its calls are its
+// own, not the store's below it: it takes the place of a layer below
+// that keeps refusals, and asks those itself (leases.refused).
 type leaseLayer struct {
-	*redisStore // lease.lua's calls go through its limiter; its peeks, holds and resets are the layer's
+	store // below: its holds and peeks are the layer's
+	h     *Handler
+}
+
+// With lease, the leases decide first.
+func init() {
+	registerLayer(storeConfig{order: 20, build: func(h *Handler, below store) store {
+		if h.leases == nil {
+			return below
+		}
+		below, h.leases.refused = takeRefusals(below)
+		// Leases given back or reported spent may refill a bucket sooner
+		// than its wait: a refusal is kept at most a hold.
+		h.leases.refused.keepAtMost(h.leases.hold)
+		return leaseLayer{store: below, h: h}
+	}})
 }
 
 // settle settles in the leases first (settleLeased).
 func (l leaseLayer) settle(r *request, items []settling) { l.h.settleLeased(r.buckets, items) }
 
 // reset makes a bucket full less what its leases hold (deleting it would
-// drop its mark, and with it what is lent), after this instance's cached
-// denials of it are dropped.
+// drop its mark, and with it what is lent), after this instance's
+// refusals of it are forgotten.
 func (l leaseLayer) reset(ctx context.Context, b bucket) error {
-	l.h.forgetDenials([]string{b.key})
-	return l.h.leases.reset(ctx, l.limiter, b)
+	l.h.leases.refused.forget(b.key)
+	return l.h.leases.reset(ctx, l.h.limiter, b)
 }
 
 func (l leaseLayer) take(ctx context.Context, r *request) (bool, error) {
@@ -47,8 +64,8 @@ func (l leaseLayer) take(ctx context.Context, r *request) (bool, error) {
 	allowed, asked, err := h.checkLeased(ctx, r.sent, r.buckets)
 	if asked {
 		h.answeredByRedis(ctx, r, allowed, err)
-		if err == nil && h.useDenyCache {
-			h.denied.answered(r.buckets, r.sent, allowed, h.perRequest)
+		if err == nil {
+			h.leases.refused.answered(r.buckets, r.sent, allowed)
 		}
 	}
 	return allowed, err
@@ -57,7 +74,7 @@ func (l leaseLayer) take(ctx context.Context, r *request) (bool, error) {
 // checkLeased decides a request of a handler with lease: from its
 // buckets' leases when they hold its tokens; else, when a call for one
 // of its buckets is in flight, after that call, which it shares a
-// failure with; else from the deny cache; else with a call of its own,
+// failure with; else from the refusals kept; else with a call of its own,
 // which takes its tokens and lends its leases more (asked: the caller
 // records it as a Redis call). A cold request (no lease, no hot key:
 // leases.acquire) is decided as without lease, by the plain script,
@@ -76,7 +93,7 @@ func (h *Handler) checkLeased(clientCtx context.Context, sent time.Time, buckets
 			}
 			return true, false, nil
 		case outcome == leaseCold && h.groups == nil:
-			if h.useDenyCache && h.denied.answer(buckets, sent) {
+			if ls.refused.answer(buckets, sent) {
 				return false, false, nil
 			}
 			allowed, err = h.limiter.take(clientCtx, now, buckets)
@@ -92,7 +109,7 @@ func (h *Handler) checkLeased(clientCtx context.Context, sent time.Time, buckets
 			}
 			now, lead = time.Now(), false
 		case !lead:
-			if h.useDenyCache && h.denied.answer(buckets, sent) {
+			if ls.refused.answer(buckets, sent) {
 				return false, false, nil
 			}
 			lead = true
@@ -266,7 +283,7 @@ func (h *Handler) giveBackLeases(back []bucket, seq int64) {
 		for i := range chunk {
 			keys[i] = chunk[i].key
 		}
-		h.denied.forget(keys...)
+		h.leases.refused.forget(keys...)
 	}
 }
 
@@ -439,8 +456,8 @@ func (h *Handler) settleLeased(buckets []bucket, items []settling) {
 			} else {
 				forgiven := float64(c.Reply[3])
 				h.countCharged(p.limit, float64(p.cost)-forgiven, forgiven)
-				if p.diff < 0 && h.useDenyCache {
-					h.denied.forget(p.key)
+				if p.diff < 0 {
+					ls.refused.forget(p.key)
 				}
 			}
 			if c != nil {

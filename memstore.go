@@ -102,6 +102,16 @@ func (s *memoryStore) release() error {
 	return err
 }
 
+// With store memory, the handler's buckets are in the process's memory.
+func init() {
+	registerStore(storeConfig{order: 0, build: func(h *Handler, below store) store {
+		if h.memory == nil {
+			return below
+		}
+		return inProcess{h: h, s: h.memory}
+	}})
+}
+
 // memorySweepEvery is how often the sweep goes over every bucket.
 const memorySweepEvery = 5 * time.Second
 

@@ -2,8 +2,8 @@ package ratelimit
 
 import (
 	"context"
+	_ "embed"
 	"fmt"
-	"sync"
 	"time"
 
 	"github.com/caddy-redis/ratelimit/internal/redisbatch"
@@ -13,6 +13,13 @@ import (
 // The calls of a handler with lease: a request whose leases fall short
 // takes its tokens with lease.lua (and is lent a lease); renewals go in
 // the background; give-backs every half hold. lease.go holds the leases.
+
+// lease.lua, the script of the calls.
+var (
+	//go:embed lease.lua
+	leaseSource string
+	leaseScript = registerScript(leaseSource)
+)
 
 // The modes of lease.lua, boxed once.
 var (
@@ -319,7 +326,7 @@ func (ls *leases) close() {
 // denials of it, as limiter.reset does.
 func (ls *leases) reset(ctx context.Context, l *limiter, b bucket) error {
 	b.args = b.values.scriptArgs()
-	b.lease, b.held, b.want = &lease{record: leaseRecordKey(b.key)}, 0, 0
+	b.layer = layerBucket{lease: &lease{record: leaseRecordKey(b.key)}}
 	if _, err := ls.call(ctx, l, time.Now(), leaseModeReset, ls.seq.Add(1), []bucket{b}); err != nil {
 		return err
 	}
@@ -343,72 +350,32 @@ func (h *Handler) warnGiveBack(err error) {
 func (ls *leases) call(clientCtx context.Context, l *limiter, sent time.Time, mode any, seq int64, buckets []bucket) (allowed bool, err error) {
 	c := redisbatch.NewCall()
 	for i := range buckets {
-		c.Keys = append(c.Keys, buckets[i].key, buckets[i].lease.record)
+		c.Keys = append(c.Keys, buckets[i].key, buckets[i].layer.lease.record)
 	}
 	c.Command(leaseScript)
 	c.Args = append(c.Args, mode, ls.idArg, seq, ls.lifeArg)
 	for i := range buckets {
 		b := &buckets[i]
-		c.Args = append(c.Args, b.args[0], b.args[1], b.args[2], b.held, b.want)
+		c.Args = append(c.Args, b.args[0], b.args[1], b.args[2], b.layer.held, b.layer.want)
 	}
 	c, err = l.batcher.Send(clientCtx, sent, c)
 	if err == nil {
-		allowed, err = readTake(c.Reply, buckets, true)
+		var inline [maxInlineBuckets]int64
+		leased := inline[:]
+		if len(buckets) > len(leased) {
+			leased = make([]int64, len(buckets))
+		}
+		leased = leased[:len(buckets)]
+		allowed, err = readTake(c.Reply, buckets, leased)
+		for i := range buckets {
+			buckets[i].layer.leased = leased[i]
+		}
 	}
 	if c != nil {
 		c.Release()
 	}
 	return allowed, err
 }
-
-// leaseRecordSuffix follows a bucket's key in the key of its lease
-// record. No bucket key ends so: values escape '|', and limit names have
-// none.
-const leaseRecordSuffix = "|lease"
-
-// leaseRecordKey is the key of what the bucket at key has lent: in the
-// same Redis Cluster hash slot, so that one script reads both. A key with
-// a hash tag keeps it; one without gets a tag that hashes to its slot.
-func leaseRecordKey(key string) string {
-	if _, tagged := redisbatch.HashTag(key); tagged {
-		return key + leaseRecordSuffix
-	}
-	return key + leaseRecordSuffix + "{" + slotTags()[redisbatch.Slot(key)] + "}"
-}
-
-// slotTags are, for each Cluster hash slot, the shortest string of
-// letters and digits that hashes to it (found once, in a few ms).
-var slotTags = sync.OnceValue(func() *[redisbatch.Slots]string {
-	const alphabet = "0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
-	tags := new([redisbatch.Slots]string)
-	missing := redisbatch.Slots
-	for _, length := range []int{1, 2, 3, 4} {
-		var digits [4]int
-		buf := make([]byte, length)
-		for {
-			for i := range length {
-				buf[i] = alphabet[digits[i]]
-			}
-			if slot := redisbatch.CRC16(string(buf)) % redisbatch.Slots; tags[slot] == "" {
-				tags[slot] = string(buf)
-				if missing--; missing == 0 {
-					return tags
-				}
-			}
-			i := 0
-			for ; i < length; i++ {
-				if digits[i]++; digits[i] < len(alphabet) {
-					break
-				}
-				digits[i] = 0
-			}
-			if i == length {
-				break
-			}
-		}
-	}
-	panic(fmt.Sprintf("no tag for %d Cluster slots", missing)) // 62^4 strings cover every slot
-})
 
 // settleLeased settles the costs of a lending handler's responses
 // (charge.go) with lease.lua, in the background: a lending bucket refills
@@ -428,7 +395,7 @@ func (h *Handler) settleLeased(buckets []bucket, items []settling) {
 	now := time.Now()
 	for _, it := range items {
 		b := &buckets[it.bucket]
-		if b.fromLease != 0 && h.leases.settle(b, it.diff, now) {
+		if b.layer.fromLease != 0 && h.leases.settle(b, it.diff, now) {
 			h.countCharged(b.limit, float64(it.cost), 0)
 			continue
 		}
@@ -480,7 +447,7 @@ func (ls *leases) settle(b *bucket, diff int64, now time.Time) bool {
 	sh.mu.Lock()
 	defer sh.mu.Unlock()
 	l := sh.byKey[b.key]
-	if l == nil || l.reports != b.fromLease || !l.counted || !now.Before(l.until) || l.values != b.values || l.tokens < diff || ls.closed.Load() {
+	if l == nil || l.reports != b.layer.fromLease || !l.counted || !now.Before(l.until) || l.values != b.values || l.tokens < diff || ls.closed.Load() {
 		return false
 	}
 	l.tokens -= diff

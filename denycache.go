@@ -19,14 +19,13 @@ const denyCacheSize = 16384
 // with the same rate, burst and cost could be admitted sooner. This holds
 // while every handler sharing the zone refills at the same rate and the
 // bucket survives in Redis; see TestDenyCacheNeverDeniesWhatRedisWouldAdmit.
-// With lease, tokens also come back when a lease is given back or reported
-// spent, at any time: a denial is then cached for at most a hold
-// (maxWait).
+// When a layer above may bring tokens back at any time, a denial is
+// cached for at most what it says (maxWait, keepAtMost).
 type denyCache struct {
 	mu      sync.Mutex
 	entries map[string]denial
-	// maxWait, when set, is the longest a denial is cached (with lease,
-	// a hold: tokens given back may return sooner than by refill).
+	// maxWait, when set, is the longest a denial is cached: tokens a
+	// layer above gives back may return sooner than by refill.
 	maxWait time.Duration
 	// forgotten is when a denial of a key of each share (by hash) was
 	// last forgotten, and forgottenAll when all were: a denial of a call

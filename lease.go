@@ -3,6 +3,7 @@ package ratelimit
 import (
 	"crypto/rand"
 	"encoding/hex"
+	"errors"
 	"fmt"
 	"hash/maphash"
 	"math"
@@ -51,6 +52,21 @@ const (
 	defaultLeaseHold = 100 * time.Millisecond
 	maxLeaseHold     = time.Second
 )
+
+// checkLease judges lease: its size and hold, and that there is a Redis
+// to lease from.
+func checkLease(l *Lease, store string) error {
+	switch {
+	case l == nil:
+	case store == storeMemory:
+		return errors.New("lease with store 'memory': the buckets are in this process already; remove lease")
+	case l.MaxTokens < 1:
+		return fmt.Errorf("lease '%d': want the most tokens a call may lease, 1 or more", l.MaxTokens)
+	case l.Hold < 0 || time.Duration(l.Hold) > maxLeaseHold:
+		return fmt.Errorf("lease hold '%v': want a duration of at most %v (default %v)", time.Duration(l.Hold), maxLeaseHold, defaultLeaseHold)
+	}
+	return nil
+}
 
 // leases holds this handler's leases, by bucket, sharded like the memory
 // store. The calls to Redis are in leasecall.go.

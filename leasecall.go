@@ -86,7 +86,7 @@ func (l leaseLayer) take(ctx context.Context, r *request) (bool, error) {
 // records it as a Redis call). A cold request (no lease, no hot key:
 // leases.acquire) is decided as without lease, by the plain script,
 // which refills a bucket only up to what its leases leave; on a Cluster
-// whose slots its buckets span, by lease.lua, which refunds the groups
+// whose hash slots its buckets span, by lease.lua, which refunds the groups
 // before a refusal under that cap (giveback.lua would not know it).
 func (h *Handler) checkLeased(clientCtx context.Context, sent time.Time, buckets []bucket) (allowed, asked bool, err error) {
 	ls := h.leases
@@ -207,7 +207,7 @@ func groupOf(buckets []bucket, g int, dst []bucket) []bucket {
 }
 
 // refundGroups returns what a request took from earlier slot groups, a
-// call per group (one slot each), whether or not the client is still
+// call per group (one hash slot each), whether or not the client is still
 // there: the tokens must not stay taken. A failure is logged; those
 // buckets then stay short until they refill.
 func (h *Handler) refundGroups(taken []bucket) {
@@ -341,7 +341,7 @@ func (h *Handler) warnGiveBack(err error) {
 	}
 }
 
-// call runs lease.lua in mode over the buckets (of one Cluster slot),
+// call runs lease.lua in mode over the buckets (of one hash slot),
 // each with its lease's record, what the lease holds unused and the most
 // it should hold, as call seq of this instance (ls.seq.Add(1) as it
 // leaves, but for a give-back), and reads each bucket's answer:
@@ -381,7 +381,7 @@ func (ls *leases) call(clientCtx context.Context, l *limiter, sent time.Time, mo
 // (charge.go) with lease.lua, in the background: a lending bucket refills
 // only up to what its leases leave, and settle.lua, which knows nothing
 // of leases, would refill and give back into lent tokens. One call per
-// bucket: a bucket and its lease record share a Cluster slot, two
+// bucket: a bucket and its lease record share a hash slot, two
 // buckets may not. A request admitted from a lease settles in that lease
 // when it can (leases.settle), without a call.
 func (h *Handler) settleLeased(buckets []bucket, items []settling) {

@@ -105,17 +105,17 @@ const leaseRecordSuffix = "|lease"
 
 // leaseRecordKey is the key of what the bucket at key has lent: in the
 // same Redis Cluster hash slot, so that one script reads both. A key with
-// a hash tag keeps it; one without gets a tag that hashes to its slot.
+// a hash tag keeps it; one without gets a tag that hashes to its hash slot.
 func leaseRecordKey(key string) string {
 	if _, tagged := redisbatch.HashTag(key); tagged {
 		return key + leaseRecordSuffix
 	}
-	return key + leaseRecordSuffix + "{" + slotTags()[redisbatch.Slot(key)] + "}"
+	return key + leaseRecordSuffix + "{" + hashSlotTags()[redisbatch.Slot(key)] + "}"
 }
 
-// slotTags are, for each Cluster hash slot, the shortest string of
+// hashSlotTags are, for each Cluster hash slot, the shortest string of
 // letters and digits that hashes to it (found once, in a few ms).
-var slotTags = sync.OnceValue(func() *[redisbatch.Slots]string {
+var hashSlotTags = sync.OnceValue(func() *[redisbatch.Slots]string {
 	const alphabet = "0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
 	tags := new([redisbatch.Slots]string)
 	missing := redisbatch.Slots
@@ -126,8 +126,8 @@ var slotTags = sync.OnceValue(func() *[redisbatch.Slots]string {
 			for i := range length {
 				buf[i] = alphabet[digits[i]]
 			}
-			if slot := redisbatch.CRC16(string(buf)) % redisbatch.Slots; tags[slot] == "" {
-				tags[slot] = string(buf)
+			if hashSlot := redisbatch.CRC16(string(buf)) % redisbatch.Slots; tags[hashSlot] == "" {
+				tags[hashSlot] = string(buf)
 				if missing--; missing == 0 {
 					return tags
 				}

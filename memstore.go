@@ -293,8 +293,8 @@ func (sh *memoryShard) mutex() *sync.Mutex { return &sh.mu }
 
 // lockShards locks the shards at the indexes, each once and in order, so
 // that requests over several shards never wait on each other in a
-// circle; it returns the indexes locked, for unlockShards. The memory
-// store and the leases shard their maps alike.
+// circle; it returns the indexes locked, for unlockShards. Whatever
+// shards its maps by key locks them so.
 func lockShards[T any, P interface {
 	*T
 	mutex() *sync.Mutex

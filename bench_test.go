@@ -559,7 +559,7 @@ func BenchmarkLeaseCall(b *testing.B) {
 		Lease: &Lease{MaxTokens: 32}, Redis: &RedisConfig{Addresses: []string{srv.Addr}, Timeout: caddy.Duration(2 * time.Second)}})
 	values := h.limits[0].values
 	l := &lease{record: leaseRecordKey("rate_limit:bench-leasecall|k"), values: values}
-	buckets := []bucket{{key: "rate_limit:bench-leasecall|k", values: values, args: values.scriptArgs(), lease: l, held: 0, want: 0}}
+	buckets := []bucket{{key: "rate_limit:bench-leasecall|k", values: values, args: values.scriptArgs(), layer: layerBucket{lease: l}}}
 	b.ReportAllocs()
 	for b.Loop() {
 		if _, err := h.leases.call(context.Background(), h.limiter, time.Now(), leaseModeRenew, h.leases.seq.Add(1), buckets); err != nil {

@@ -390,10 +390,8 @@ func (s *settleCall) TakeAnswer(c *redisbatch.Call) {
 		if unsettled {
 			h.countSettleFailure(nil, nil, errUnsettled)
 		}
-		if gaveBack && h.useDenyCache {
-			// Tokens came back sooner than time alone would bring them: a
-			// cached denial of these buckets would refuse what now fits.
-			h.denied.forget(c.Keys...)
+		if gaveBack {
+			h.forgetRefilled(c.Keys)
 		}
 	}
 	c.Release()

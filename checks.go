@@ -9,7 +9,6 @@ import (
 	"net/http"
 	"regexp"
 	"strconv"
-	"time"
 )
 
 // The handler's own settings: their checks, each judging one value (or
@@ -60,21 +59,6 @@ func checkOnError(v string) error {
 func checkMaxKeys(n int64) error {
 	if n < 1 {
 		return fmt.Errorf("max_keys '%d': want a whole number of buckets, 1 or more", n)
-	}
-	return nil
-}
-
-// checkLease judges lease: its size and hold, and that there is a Redis
-// to lease from.
-func checkLease(l *Lease, store string) error {
-	switch {
-	case l == nil:
-	case store == storeMemory:
-		return errors.New("lease with store 'memory': the buckets are in this process already; remove lease")
-	case l.MaxTokens < 1:
-		return fmt.Errorf("lease '%d': want the most tokens a call may lease, 1 or more", l.MaxTokens)
-	case l.Hold < 0 || time.Duration(l.Hold) > maxLeaseHold:
-		return fmt.Errorf("lease hold '%v': want a duration of at most %v (default %v)", time.Duration(l.Hold), maxLeaseHold, defaultLeaseHold)
 	}
 	return nil
 }

@@ -4,8 +4,8 @@ package ratelimit
 // across every instance that shares the Redis. A request takes a slot of
 // each concurrent limit together with the tokens of the other limits, in
 // the same script call, all or nothing (script.lua), and gives it back
-// when its response has ended. A slot is a lease in Redis: it expires
-// after its hold unless the request that holds it renews it, so an
+// when its response has ended. A slot is held in Redis for a time: it
+// expires after its hold unless the request that holds it renews it, so an
 // instance that dies loses its slots within a hold.
 
 import (
@@ -111,9 +111,6 @@ func (h *Handler) checkConcurrent(seen map[string]bool) error {
 		if err := checkConcurrentValues(c); err != nil {
 			return fmt.Errorf("concurrent %s: %w", c.Name, err)
 		}
-	}
-	if len(h.Concurrent) > 0 && h.Lease != nil {
-		return errors.New("lease with concurrent limits: a lease admits requests without asking Redis, where the slots are; remove lease, or the concurrent limits")
 	}
 	return nil
 }
@@ -402,6 +399,6 @@ func (*slotRule) resetIn(b bucket) time.Duration { return b.retryAfter }
 // denialTTL is 0: slots come back by release, not by time.
 func (*slotRule) denialTTL(bucket) time.Duration { return 0 }
 
-// cachedRemaining is what it held: the deny cache never keeps a
-// concurrent limit's refusal (denialTTL).
+// cachedRemaining is what it held: a concurrent limit's refusal is never
+// remembered (denialTTL).
 func (*slotRule) cachedRemaining(_ bucket, remaining int64, _ time.Duration) int64 { return remaining }

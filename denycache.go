@@ -19,14 +19,13 @@ const denyCacheSize = 16384
 // with the same rate, burst and cost could be admitted sooner. This holds
 // while every handler sharing the zone refills at the same rate and the
 // bucket survives in Redis; see TestDenyCacheNeverDeniesWhatRedisWouldAdmit.
-// With lease, tokens also come back when a lease is given back or reported
-// spent, at any time: a denial is then cached for at most a hold
-// (maxWait).
+// When a layer above may bring tokens back at any time, a denial is
+// cached for at most what it says (maxWait, keepAtMost).
 type denyCache struct {
 	mu      sync.Mutex
 	entries map[string]denial
-	// maxWait, when set, is the longest a denial is cached (with lease,
-	// a hold: tokens given back may return sooner than by refill).
+	// maxWait, when set, is the longest a denial is cached: tokens a
+	// layer above gives back may return sooner than by refill.
 	maxWait time.Duration
 	// forgotten is when a denial of a key of each share (by hash) was
 	// last forgotten, and forgottenAll when all were: a denial of a call
@@ -164,12 +163,36 @@ func (c *denyCache) makeRoom(now time.Time) {
 
 // denyLayer answers from the deny cache a request that one of its
 // buckets is known to refuse, and asks the store below it otherwise,
-// keeping what that store answered.
+// keeping what that store answered. It is the handler's refusals: a
+// layer above that decides with calls of its own takes its place, and
+// asks them itself (takeRefusals).
 type denyLayer struct {
 	store      // below: asked what the cache cannot answer, and the rest
 	cache      *denyCache
 	perRequest bool // some limit's values come from the request
 }
+
+// The deny cache answers for the buckets in Redis, unless the Cluster
+// groups of a request's buckets are taken one by one (see useDenyCache).
+func init() {
+	registerLayer(storeConfig{order: 10, build: func(h *Handler, below store) store {
+		if !h.useDenyCache || h.limiter == nil {
+			return below
+		}
+		return &denyLayer{store: below, cache: h.denied, perRequest: h.perRequest}
+	}})
+}
+
+func (d *denyLayer) keeper() (store, refusals) { return d.store, d }
+
+func (d *denyLayer) answer(buckets []bucket, now time.Time) bool { return d.cache.answer(buckets, now) }
+func (d *denyLayer) answered(buckets []bucket, sent time.Time, allowed bool) {
+	d.cache.answered(buckets, sent, allowed, d.perRequest)
+}
+func (d *denyLayer) forget(keys ...string) { d.cache.forget(keys...) }
+
+// keepAtMost sets maxWait.
+func (d *denyLayer) keepAtMost(wait time.Duration) { d.cache.maxWait = wait }
 
 func (d *denyLayer) take(ctx context.Context, r *request) (bool, error) {
 	if d.cache.answer(r.buckets, r.sent) {
@@ -198,5 +221,25 @@ func (c *denyCache) answered(buckets []bucket, sent time.Time, allowed, perReque
 			keys = append(keys, buckets[i].key)
 		}
 		c.forget(keys...)
+	}
+}
+
+// forgetDenials drops the cached denials of buckets the admin API reset,
+// one at a time: requests do not wait for the whole list.
+func (h *Handler) forgetDenials(keys []string) {
+	for _, key := range keys {
+		h.denied.forget(key)
+	}
+}
+
+// forgetAllDenials drops every cached denial: resets may have been missed.
+func (h *Handler) forgetAllDenials() { h.denied.forgetAll() }
+
+// forgetRefilled drops the cached denials of the buckets at keys, to
+// which a settlement gave tokens back: they came back sooner than time
+// alone would bring them, and a cached denial would refuse what now fits.
+func (h *Handler) forgetRefilled(keys []string) {
+	if h.useDenyCache {
+		h.denied.forget(keys...)
 	}
 }

@@ -165,15 +165,19 @@ func FuzzParseReply(f *testing.F) {
 				wellFormed = reply[1+2*i] >= 0 && reply[2+2*i] >= 0 && reply[2+2*i] <= maxRetryMicros && (!leasing || reply[1+2*n+i] >= 0)
 			}
 		}
-		allowed, err := readTake(reply, buckets, leasing)
+		var leased []int64
+		if leasing {
+			leased = make([]int64, len(buckets))
+		}
+		allowed, err := readTake(reply, buckets, leased)
 		if wellFormed != (err == nil) {
 			t.Fatalf("reply %v: error %v; well-formed %v", reply, err, wellFormed)
 		}
-		for _, bk := range buckets {
-			if err == nil && shape%8 == 3 && (allowed != (a == 1) || bk.remaining != b || bk.retryAfter.Microseconds() != c || leasing && bk.leased != b) {
-				t.Fatalf("reply %v read as %v %+v", reply, allowed, buckets)
+		for i, bk := range buckets {
+			if err == nil && shape%8 == 3 && (allowed != (a == 1) || bk.remaining != b || bk.retryAfter.Microseconds() != c || leasing && leased[i] != b) {
+				t.Fatalf("reply %v read as %v %+v %v", reply, allowed, buckets, leased)
 			}
-			if err == nil && (bk.remaining < 0 || bk.retryAfter < 0 || bk.leased < 0) {
+			if err == nil && (bk.remaining < 0 || bk.retryAfter < 0 || leasing && leased[i] < 0) {
 				t.Fatalf("reply %v read as negative counts %+v", reply, buckets)
 			}
 		}

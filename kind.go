@@ -26,7 +26,7 @@ import (
 //   - its admin view (admin.go);
 //   - whether a request holds it while the response is served, to give
 //     it back when the response ends (a concurrent limit's slot).
-//   - how long the deny cache may keep its refusal (denycache.go).
+//   - how long a layer may remember its refusal (refusals).
 //
 // What a request knows of a bucket of the kind stays in the request's
 // bucket (policy.go): a kind holds what every request of its limit
@@ -79,10 +79,10 @@ type kind interface {
 	// retry_after: slots come back by release, not by time).
 	refused(b bucket) bucket
 
-	// denialTTL is how long the deny cache may keep the bucket's refusal:
-	// 0 for one that it must not keep.
+	// denialTTL is how long a layer may remember the bucket's refusal
+	// (refusals): 0 for one that it must not keep.
 	denialTTL(b bucket) time.Duration
-	// cachedRemaining is what a bucket that the deny cache answers for
+	// cachedRemaining is what a bucket whose refusal a layer remembered
 	// holds now, remaining when Redis refused it, wait before the time
 	// it holds the requested tokens again.
 	cachedRemaining(b bucket, remaining int64, wait time.Duration) int64
@@ -157,7 +157,7 @@ func firstHeld(buckets []bucket) int {
 }
 
 // kind is the bucket's kind of limit: its limit's; a bucket of no limit
-// (a lease's renewal, lease.go) is a token bucket.
+// (one a layer makes for calls of its own) is a token bucket.
 func (b *bucket) kind() kind {
 	if b.limit == nil {
 		return tokenBucket{}
@@ -321,5 +321,5 @@ func (h *Handler) checkLimits() error {
 			return err
 		}
 	}
-	return nil
+	return h.checkLayersWithLimits()
 }

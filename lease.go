@@ -3,6 +3,7 @@ package ratelimit
 import (
 	"crypto/rand"
 	"encoding/hex"
+	"errors"
 	"fmt"
 	"hash/maphash"
 	"math"
@@ -52,6 +53,21 @@ const (
 	maxLeaseHold     = time.Second
 )
 
+// checkLease judges lease: its size and hold, and that there is a Redis
+// to lease from.
+func checkLease(l *Lease, store string) error {
+	switch {
+	case l == nil:
+	case store == storeMemory:
+		return errors.New("lease with store 'memory': the buckets are in this process already; remove lease")
+	case l.MaxTokens < 1:
+		return fmt.Errorf("lease '%d': want the most tokens a call may lease, 1 or more", l.MaxTokens)
+	case l.Hold < 0 || time.Duration(l.Hold) > maxLeaseHold:
+		return fmt.Errorf("lease hold '%v': want a duration of at most %v (default %v)", time.Duration(l.Hold), maxLeaseHold, defaultLeaseHold)
+	}
+	return nil
+}
+
 // leases holds this handler's leases, by bucket, sharded like the memory
 // store. The calls to Redis are in leasecall.go.
 type leases struct {
@@ -74,6 +90,9 @@ type leases struct {
 	closed         atomic.Bool // set by close: nothing more is lent; what lands goes back
 	stop           chan struct{}
 	done           chan struct{}
+	// refused are the refusals kept below the lease layer, which it asks
+	// and tells itself (set when the stack is built; noRefusals for none).
+	refused refusals
 }
 
 const leaseShards = 64
@@ -130,6 +149,20 @@ type lease struct {
 	rated bool
 }
 
+// layerBucket is what the lease layer knows of a request's bucket
+// (bucket.layer).
+type layerBucket struct {
+	// fromLease is, when the request's tokens came from this instance's
+	// lease, the lease's reports at that time (see lease.reports); 0
+	// otherwise. A charged response settles there first (settleLeased).
+	fromLease int64
+	// The bucket's lease, what it held unused and the most it should hold
+	// when its call left, and what Redis counts as lent to it after the
+	// call.
+	lease              *lease
+	held, want, leased int64
+}
+
 // leaseFlight is a lease call in flight. Requests whose leases are empty
 // wait for it, then try their leases again; they share its error.
 type leaseFlight struct {
@@ -149,7 +182,7 @@ func newLeases(c *Lease, timeout time.Duration) *leases {
 	var id [8]byte
 	_, _ = rand.Read(id[:]) // never fails (crypto/rand)
 	ls := &leases{hold: hold, life: 2*hold + timeout, max: c.MaxTokens, id: hex.EncodeToString(id[:]),
-		seed: maphash.MakeSeed(), stop: make(chan struct{}), done: make(chan struct{})}
+		seed: maphash.MakeSeed(), stop: make(chan struct{}), done: make(chan struct{}), refused: noRefusals{}}
 	ls.idArg, ls.lifeArg = ls.id, strconv.FormatInt(ls.life.Microseconds(), 10)
 	for i := range ls.shards {
 		ls.shards[i].byKey = make(map[string]*lease)
@@ -158,9 +191,7 @@ func newLeases(c *Lease, timeout time.Duration) *leases {
 	return ls
 }
 
-// provisionLeases sets lease up: the leases, their give-back loop, and
-// the deny cache's limit (a cached denial lasts at most a hold: leases
-// given back or reported spent may refill a bucket sooner than its wait).
+// provisionLeases sets lease up: the leases and their give-back loop.
 // On a Cluster, a bucket's lease record must share its hash slot, which
 // a key_prefix with unbalanced braces prevents.
 func (h *Handler) provisionLeases(keyPrefix string) error {
@@ -173,7 +204,6 @@ func (h *Handler) provisionLeases(keyPrefix string) error {
 		}
 	}
 	h.leases = newLeases(h.Lease, h.limiter.timeout)
-	h.denied.maxWait = h.leases.hold
 	go h.giveBackEvery()
 	return nil
 }
@@ -281,7 +311,7 @@ func (ls *leases) acquire(now time.Time, buckets []bucket, counted *bool, lead b
 			if l.flight != nil {
 				l.spent += b.values.requested
 			}
-			b.fromLease = l.reports
+			b.layer.fromLease = l.reports
 			b.remaining, b.retryAfter = l.remaining+l.tokens, 0
 			renew = renew || now.After(l.calm) && (l.tokens <= l.renewAt || !now.Before(l.renewBy))
 		}
@@ -330,41 +360,9 @@ func (ls *leases) register(now time.Time, f *leaseFlight, buckets []bucket) {
 		}
 		l.flight, l.spent = f, 0
 		l.reports++
-		b.lease, b.held = l, l.tokens
-		b.want = min(ls.max, l.tokens+ls.grant(l, now, b.values.requested))
+		b.layer.lease, b.layer.held = l, l.tokens
+		b.layer.want = min(ls.max, l.tokens+ls.grant(l, now, b.values.requested))
 	}
-}
-
-// grant is what a call at now should lend l: what the key's requests use
-// within one hold at its rate, in whole requests (on top of what l
-// holds, up to max_tokens in all); nothing for a key seen once (whose
-// rate is unknown) and nothing once the leases are closed. The rate is
-// measured over windows of at least half a hold (a shorter one, between
-// calls close together, holds too few requests to tell), weighed against
-// the rate before by how long the window was, in holds: a burst a moment
-// ago still counts, and a key idle for a few holds is known by its
-// latest requests. Within a window, a rate is raised at once to what the
-// requests seen so far make over half a hold.
-func (ls *leases) grant(l *lease, now time.Time, requested int64) int64 {
-	window := now.Sub(l.since).Seconds()
-	switch {
-	case l.since.IsZero():
-		l.seen, l.since = 0, now
-	case !l.rated:
-		l.rate, l.rated = float64(l.seen)/max(window, 1e-6), true
-		l.seen, l.since = 0, now
-	case window < ls.hold.Seconds()/2:
-		l.rate = max(l.rate, float64(l.seen)/(ls.hold.Seconds()/2))
-	default:
-		keep := math.Exp(-window / ls.hold.Seconds())
-		l.rate = l.rate*keep + float64(l.seen)/window*(1-keep)
-		l.seen, l.since = 0, now
-	}
-	if !l.rated || ls.closed.Load() {
-		return 0
-	}
-	requests := l.rate * ls.hold.Seconds()
-	return min(ls.max, int64(min(requests, float64(ls.max)))*requested)
 }
 
 // land records what a call answered at now for the buckets, which the
@@ -384,18 +382,18 @@ func (ls *leases) land(f *leaseFlight, buckets []bucket, now time.Time, err erro
 	closed := ls.closed.Load() // under the locks: close's last give-back comes after
 	for i := range buckets {
 		b := &buckets[i]
-		l := b.lease
+		l := b.layer.lease
 		if l == nil || l.flight != f {
 			continue
 		}
 		if err != nil {
 			l.calm = now.Add(ls.hold / 8)
 		} else {
-			l.tokens = max(0, b.leased-l.spent)
+			l.tokens = max(0, b.layer.leased-l.spent)
 			rtt := now.Sub(f.sent)
 			l.rtt = max(rtt, (l.rtt+rtt)/2)
-			l.renewAt = max(max(0, b.leased-b.held)/2, int64(math.Ceil(4*l.rate*l.rtt.Seconds()))*b.values.requested)
-			l.counted = b.leased > 0
+			l.renewAt = max(max(0, b.layer.leased-b.layer.held)/2, int64(math.Ceil(4*l.rate*l.rtt.Seconds()))*b.values.requested)
+			l.counted = b.layer.leased > 0
 			l.until = f.sent.Add(ls.hold)
 			l.renewBy = l.until.Add(-max(ls.hold/4, 2*l.rtt))
 			l.remaining, l.values = b.remaining, b.values
@@ -405,7 +403,7 @@ func (ls *leases) land(f *leaseFlight, buckets []bucket, now time.Time, err erro
 		if closed && l.counted {
 			back = append(back, ls.giveBackBucket(b.key, l, false))
 		}
-		if err == nil && b.leased == 0 && b.want == 0 && l.rated {
+		if err == nil && b.layer.leased == 0 && b.layer.want == 0 && l.rated {
 			// Cooled: its rate asked for nothing and nothing is lent. Its
 			// requests go to Redis as without lease until it is hot again.
 			hash := maphash.String(ls.seed, b.key)
@@ -425,7 +423,7 @@ func (ls *leases) finish(f *leaseFlight, buckets []bucket, err error) {
 	var inline [maxInlineBuckets]int
 	shards := ls.lock(buckets, inline[:0])
 	for i := range buckets {
-		if l := buckets[i].lease; l != nil && l.flight == f {
+		if l := buckets[i].layer.lease; l != nil && l.flight == f {
 			l.flight = nil
 		}
 	}
@@ -439,7 +437,7 @@ func (ls *leases) finish(f *leaseFlight, buckets []bucket, err error) {
 // tokens until its next call when keep is set (see take), else they go
 // at once. The caller holds the bucket's shard locked.
 func (ls *leases) giveBackBucket(key string, l *lease, keep bool) bucket {
-	b := bucket{key: key, values: l.values, args: l.values.scriptArgs(), lease: l, held: l.tokens}
+	b := bucket{key: key, values: l.values, args: l.values.scriptArgs(), layer: layerBucket{lease: l, held: l.tokens}}
 	l.counted = false
 	if !keep {
 		l.tokens = 0

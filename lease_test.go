@@ -412,7 +412,7 @@ func TestLeaseTable(t *testing.T) {
 	answer := func(f *leaseFlight, bs []bucket, leased, remaining int64) {
 		t.Helper()
 		for i := range bs {
-			bs[i].leased, bs[i].remaining = leased, remaining
+			bs[i].layer.leased, bs[i].remaining = leased, remaining
 		}
 		if back := ls.land(f, bs, f.sent, nil); len(back) != 0 {
 			t.Fatalf("landing gave back %+v", back)
@@ -435,7 +435,7 @@ func TestLeaseTable(t *testing.T) {
 		t.Fatalf("a hot key without a lease: %v %v; want a miss", o, f)
 	}
 	o, f := acq(t0, a, false, true)
-	if o != leaseMiss || f == nil || a[0].lease == nil || a[0].held != 0 || a[0].want != 10 {
+	if o != leaseMiss || f == nil || a[0].layer.lease == nil || a[0].layer.held != 0 || a[0].layer.want != 10 {
 		t.Fatalf("leading: %v %v %+v; want a flight, asking for 10", o, f, a[0])
 	}
 	if o, f2 := acq(t0, ask(v, "a"), true, false); o != leaseWait || f2 != f {
@@ -457,8 +457,8 @@ func TestLeaseTable(t *testing.T) {
 	a = ask(v, "a")
 	acq(t1, a, true, false)
 	_, f = acq(t1, a, false, true)
-	if a[0].want != 10 {
-		t.Errorf("after 10 requests in 10ms: wants %d, want 10", a[0].want)
+	if a[0].layer.want != 10 {
+		t.Errorf("after 10 requests in 10ms: wants %d, want 10", a[0].layer.want)
 	}
 	answer(f, a, 10, 88)
 	if a[0].remaining != 98 || held("a") != 10 {
@@ -483,7 +483,7 @@ func TestLeaseTable(t *testing.T) {
 		acq(t1, ask(v, "a"), true, false)
 	}
 	o, renewal := acq(t1, ask(v, "a"), true, false)
-	if o != leaseAdmitted || renewal == nil || len(renewal.buckets) != 1 || renewal.buckets[0].held != 5 {
+	if o != leaseAdmitted || renewal == nil || len(renewal.buckets) != 1 || renewal.buckets[0].layer.held != 5 {
 		t.Fatalf("at 5 of 10: %v, renewal %+v; want admitted, and a renewal reporting 5", o, renewal)
 	}
 	if o, again := acq(t1, ask(v, "a"), true, false); o != leaseAdmitted || again != nil {
@@ -530,7 +530,7 @@ func TestLeaseTable(t *testing.T) {
 	ls.land(inFlightF, inFlight, t2.Add(hold), redisbatch.ErrBreakerOpen)
 	ls.finish(inFlightF, inFlight, redisbatch.ErrBreakerOpen)
 	back, _ := ls.take(t2.Add(hold), false)
-	if len(back) != 1 || back[0].key != "a" || back[0].held != 2 || ls.get("a").counted {
+	if len(back) != 1 || back[0].key != "a" || back[0].layer.held != 2 || ls.get("a").counted {
 		t.Fatalf("at the end of the hold gave back %+v; want bucket a, its 2", back)
 	}
 	// Kept for the lease's next call to report (its hold is over: none is
@@ -548,8 +548,8 @@ func TestLeaseTable(t *testing.T) {
 	acq(t2, e, true, true)
 	_, fe := acq(t2, e, false, true)
 	ls.closed.Store(true)
-	e[0].leased = 7
-	if back := ls.land(fe, e, t2, nil); len(back) != 1 || back[0].held != 7 || held("e") != 0 {
+	e[0].layer.leased = 7
+	if back := ls.land(fe, e, t2, nil); len(back) != 1 || back[0].layer.held != 7 || held("e") != 0 {
 		t.Errorf("a call landing after close: %+v, e holds %d; want e's 7 back, nothing kept", back, held("e"))
 	}
 }
@@ -574,7 +574,7 @@ func TestLeaseRenewsSoonerWhenCallsAreSlow(t *testing.T) {
 		{time.Millisecond, 6, 26 * time.Millisecond},       // 13ms: 5.2 in four
 		{time.Millisecond, 5, 25 * time.Millisecond},       // 7ms: 2.8 in four, under half of the 10
 	} {
-		b := []bucket{{key: "k", values: v, lease: l, leased: 10}}
+		b := []bucket{{key: "k", values: v, layer: layerBucket{lease: l, leased: 10}}}
 		f := &leaseFlight{done: make(chan struct{}), sent: t0}
 		l.flight = f
 		ls.land(f, b, t0.Add(tc.rtt), nil)

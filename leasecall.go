@@ -2,8 +2,8 @@ package ratelimit
 
 import (
 	"context"
+	_ "embed"
 	"fmt"
-	"sync"
 	"time"
 
 	"github.com/caddy-redis/ratelimit/internal/redisbatch"
@@ -13,6 +13,13 @@ import (
 // The calls of a handler with lease: a request whose leases fall short
 // takes its tokens with lease.lua (and is lent a lease); renewals go in
 // the background; give-backs every half hold. lease.go holds the leases.
+
+// lease.lua, the script of the calls.
+var (
+	//go:embed lease.lua
+	leaseSource string
+	leaseScript = registerScript(leaseSource)
+)
 
 // The modes of lease.lua, boxed once.
 var (
@@ -25,21 +32,38 @@ var (
 )
 
 // leaseLayer decides the requests of a handler with lease, from this
-// instance's leases when it can (checkLeased), else in Redis, where its
-// call lends the leases more.
+// instance's leases when it can (checkLeased), else in Redis with
+// lease.lua, where its call lends the leases more. Its calls are its
+// own, not the store's below it: it takes the place of a layer below
+// that keeps refusals, and asks those itself (leases.refused).
 type leaseLayer struct {
-	*redisStore // lease.lua's calls go through its limiter; its peeks, holds and resets are the layer's
+	store // below: its holds and peeks are the layer's
+	h     *Handler
+}
+
+// With lease, the leases decide first.
+func init() {
+	registerLayer(storeConfig{order: 20, build: func(h *Handler, below store) store {
+		if h.leases == nil {
+			return below
+		}
+		below, h.leases.refused = takeRefusals(below)
+		// Leases given back or reported spent may refill a bucket sooner
+		// than its wait: a refusal is kept at most a hold.
+		h.leases.refused.keepAtMost(h.leases.hold)
+		return leaseLayer{store: below, h: h}
+	}})
 }
 
 // settle settles in the leases first (settleLeased).
 func (l leaseLayer) settle(r *request, items []settling) { l.h.settleLeased(r.buckets, items) }
 
 // reset makes a bucket full less what its leases hold (deleting it would
-// drop its mark, and with it what is lent), after this instance's cached
-// denials of it are dropped.
+// drop its mark, and with it what is lent), after this instance's
+// refusals of it are forgotten.
 func (l leaseLayer) reset(ctx context.Context, b bucket) error {
-	l.h.forgetDenials([]string{b.key})
-	return l.h.leases.reset(ctx, l.limiter, b)
+	l.h.leases.refused.forget(b.key)
+	return l.h.leases.reset(ctx, l.h.limiter, b)
 }
 
 func (l leaseLayer) take(ctx context.Context, r *request) (bool, error) {
@@ -47,8 +71,8 @@ func (l leaseLayer) take(ctx context.Context, r *request) (bool, error) {
 	allowed, asked, err := h.checkLeased(ctx, r.sent, r.buckets)
 	if asked {
 		h.answeredByRedis(ctx, r, allowed, err)
-		if err == nil && h.useDenyCache {
-			h.denied.answered(r.buckets, r.sent, allowed, h.perRequest)
+		if err == nil {
+			h.leases.refused.answered(r.buckets, r.sent, allowed)
 		}
 	}
 	return allowed, err
@@ -57,12 +81,12 @@ func (l leaseLayer) take(ctx context.Context, r *request) (bool, error) {
 // checkLeased decides a request of a handler with lease: from its
 // buckets' leases when they hold its tokens; else, when a call for one
 // of its buckets is in flight, after that call, which it shares a
-// failure with; else from the deny cache; else with a call of its own,
+// failure with; else from the refusals kept; else with a call of its own,
 // which takes its tokens and lends its leases more (asked: the caller
 // records it as a Redis call). A cold request (no lease, no hot key:
 // leases.acquire) is decided as without lease, by the plain script,
 // which refills a bucket only up to what its leases leave; on a Cluster
-// whose slots its buckets span, by lease.lua, which refunds the groups
+// whose hash slots its buckets span, by lease.lua, which refunds the groups
 // before a refusal under that cap (giveback.lua would not know it).
 func (h *Handler) checkLeased(clientCtx context.Context, sent time.Time, buckets []bucket) (allowed, asked bool, err error) {
 	ls := h.leases
@@ -76,7 +100,7 @@ func (h *Handler) checkLeased(clientCtx context.Context, sent time.Time, buckets
 			}
 			return true, false, nil
 		case outcome == leaseCold && h.groups == nil:
-			if h.useDenyCache && h.denied.answer(buckets, sent) {
+			if ls.refused.answer(buckets, sent) {
 				return false, false, nil
 			}
 			allowed, err = h.limiter.take(clientCtx, now, buckets)
@@ -92,7 +116,7 @@ func (h *Handler) checkLeased(clientCtx context.Context, sent time.Time, buckets
 			}
 			now, lead = time.Now(), false
 		case !lead:
-			if h.useDenyCache && h.denied.answer(buckets, sent) {
+			if ls.refused.answer(buckets, sent) {
 				return false, false, nil
 			}
 			lead = true
@@ -183,7 +207,7 @@ func groupOf(buckets []bucket, g int, dst []bucket) []bucket {
 }
 
 // refundGroups returns what a request took from earlier slot groups, a
-// call per group (one slot each), whether or not the client is still
+// call per group (one hash slot each), whether or not the client is still
 // there: the tokens must not stay taken. A failure is logged; those
 // buckets then stay short until they refill.
 func (h *Handler) refundGroups(taken []bucket) {
@@ -266,7 +290,7 @@ func (h *Handler) giveBackLeases(back []bucket, seq int64) {
 		for i := range chunk {
 			keys[i] = chunk[i].key
 		}
-		h.denied.forget(keys...)
+		h.leases.refused.forget(keys...)
 	}
 }
 
@@ -302,7 +326,7 @@ func (ls *leases) close() {
 // denials of it, as limiter.reset does.
 func (ls *leases) reset(ctx context.Context, l *limiter, b bucket) error {
 	b.args = b.values.scriptArgs()
-	b.lease, b.held, b.want = &lease{record: leaseRecordKey(b.key)}, 0, 0
+	b.layer = layerBucket{lease: &lease{record: leaseRecordKey(b.key)}}
 	if _, err := ls.call(ctx, l, time.Now(), leaseModeReset, ls.seq.Add(1), []bucket{b}); err != nil {
 		return err
 	}
@@ -317,7 +341,7 @@ func (h *Handler) warnGiveBack(err error) {
 	}
 }
 
-// call runs lease.lua in mode over the buckets (of one Cluster slot),
+// call runs lease.lua in mode over the buckets (of one hash slot),
 // each with its lease's record, what the lease holds unused and the most
 // it should hold, as call seq of this instance (ls.seq.Add(1) as it
 // leaves, but for a give-back), and reads each bucket's answer:
@@ -326,17 +350,26 @@ func (h *Handler) warnGiveBack(err error) {
 func (ls *leases) call(clientCtx context.Context, l *limiter, sent time.Time, mode any, seq int64, buckets []bucket) (allowed bool, err error) {
 	c := redisbatch.NewCall()
 	for i := range buckets {
-		c.Keys = append(c.Keys, buckets[i].key, buckets[i].lease.record)
+		c.Keys = append(c.Keys, buckets[i].key, buckets[i].layer.lease.record)
 	}
 	c.Command(leaseScript)
 	c.Args = append(c.Args, mode, ls.idArg, seq, ls.lifeArg)
 	for i := range buckets {
 		b := &buckets[i]
-		c.Args = append(c.Args, b.args[0], b.args[1], b.args[2], b.held, b.want)
+		c.Args = append(c.Args, b.args[0], b.args[1], b.args[2], b.layer.held, b.layer.want)
 	}
 	c, err = l.batcher.Send(clientCtx, sent, c)
 	if err == nil {
-		allowed, err = readTake(c.Reply, buckets, true)
+		var inline [maxInlineBuckets]int64
+		leased := inline[:]
+		if len(buckets) > len(leased) {
+			leased = make([]int64, len(buckets))
+		}
+		leased = leased[:len(buckets)]
+		allowed, err = readTake(c.Reply, buckets, leased)
+		for i := range buckets {
+			buckets[i].layer.leased = leased[i]
+		}
 	}
 	if c != nil {
 		c.Release()
@@ -344,60 +377,11 @@ func (ls *leases) call(clientCtx context.Context, l *limiter, sent time.Time, mo
 	return allowed, err
 }
 
-// leaseRecordSuffix follows a bucket's key in the key of its lease
-// record. No bucket key ends so: values escape '|', and limit names have
-// none.
-const leaseRecordSuffix = "|lease"
-
-// leaseRecordKey is the key of what the bucket at key has lent: in the
-// same Redis Cluster hash slot, so that one script reads both. A key with
-// a hash tag keeps it; one without gets a tag that hashes to its slot.
-func leaseRecordKey(key string) string {
-	if _, tagged := redisbatch.HashTag(key); tagged {
-		return key + leaseRecordSuffix
-	}
-	return key + leaseRecordSuffix + "{" + slotTags()[redisbatch.Slot(key)] + "}"
-}
-
-// slotTags are, for each Cluster hash slot, the shortest string of
-// letters and digits that hashes to it (found once, in a few ms).
-var slotTags = sync.OnceValue(func() *[redisbatch.Slots]string {
-	const alphabet = "0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
-	tags := new([redisbatch.Slots]string)
-	missing := redisbatch.Slots
-	for _, length := range []int{1, 2, 3, 4} {
-		var digits [4]int
-		buf := make([]byte, length)
-		for {
-			for i := range length {
-				buf[i] = alphabet[digits[i]]
-			}
-			if slot := redisbatch.CRC16(string(buf)) % redisbatch.Slots; tags[slot] == "" {
-				tags[slot] = string(buf)
-				if missing--; missing == 0 {
-					return tags
-				}
-			}
-			i := 0
-			for ; i < length; i++ {
-				if digits[i]++; digits[i] < len(alphabet) {
-					break
-				}
-				digits[i] = 0
-			}
-			if i == length {
-				break
-			}
-		}
-	}
-	panic(fmt.Sprintf("no tag for %d Cluster slots", missing)) // 62^4 strings cover every slot
-})
-
 // settleLeased settles the costs of a lending handler's responses
 // (charge.go) with lease.lua, in the background: a lending bucket refills
 // only up to what its leases leave, and settle.lua, which knows nothing
 // of leases, would refill and give back into lent tokens. One call per
-// bucket: a bucket and its lease record share a Cluster slot, two
+// bucket: a bucket and its lease record share a hash slot, two
 // buckets may not. A request admitted from a lease settles in that lease
 // when it can (leases.settle), without a call.
 func (h *Handler) settleLeased(buckets []bucket, items []settling) {
@@ -411,7 +395,7 @@ func (h *Handler) settleLeased(buckets []bucket, items []settling) {
 	now := time.Now()
 	for _, it := range items {
 		b := &buckets[it.bucket]
-		if b.fromLease != 0 && h.leases.settle(b, it.diff, now) {
+		if b.layer.fromLease != 0 && h.leases.settle(b, it.diff, now) {
 			h.countCharged(b.limit, float64(it.cost), 0)
 			continue
 		}
@@ -439,8 +423,8 @@ func (h *Handler) settleLeased(buckets []bucket, items []settling) {
 			} else {
 				forgiven := float64(c.Reply[3])
 				h.countCharged(p.limit, float64(p.cost)-forgiven, forgiven)
-				if p.diff < 0 && h.useDenyCache {
-					h.denied.forget(p.key)
+				if p.diff < 0 {
+					ls.refused.forget(p.key)
 				}
 			}
 			if c != nil {
@@ -463,7 +447,7 @@ func (ls *leases) settle(b *bucket, diff int64, now time.Time) bool {
 	sh.mu.Lock()
 	defer sh.mu.Unlock()
 	l := sh.byKey[b.key]
-	if l == nil || l.reports != b.fromLease || !l.counted || !now.Before(l.until) || l.values != b.values || l.tokens < diff || ls.closed.Load() {
+	if l == nil || l.reports != b.layer.fromLease || !l.counted || !now.Before(l.until) || l.values != b.values || l.tokens < diff || ls.closed.Load() {
 		return false
 	}
 	l.tokens -= diff

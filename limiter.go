@@ -19,8 +19,8 @@ import (
 	"go.uber.org/zap"
 )
 
-// The scripts: check-and-take, give back, settle, the admin API's read,
-// and leases.
+// The scripts: check-and-take, give back, settle, and the admin API's
+// read. A part with a script of its own registers it (registerScript).
 var (
 	//go:embed script.lua
 	scriptSource string
@@ -30,15 +30,23 @@ var (
 	peekSource string
 	//go:embed settle.lua
 	settleSource string
-	//go:embed lease.lua
-	leaseSource string
 
 	takeScript     = redisbatch.NewScript(scriptSource)
 	giveBackScript = redisbatch.NewScript(giveBackSource)
 	settleScript   = redisbatch.NewScript(settleSource)
-	leaseScript    = redisbatch.NewScript(leaseSource)
 	scriptSHA      = takeScript.SHA()
 )
+
+// scriptSources are the scripts loadScript loads: the limiter's, then
+// those registered.
+var scriptSources = []string{scriptSource, giveBackSource, settleSource}
+
+// registerScript adds a part's script to those loaded ahead of the
+// first request (from a package-level var of its file), and returns it.
+func registerScript(source string) *redisbatch.Script {
+	scriptSources = append(scriptSources, source)
+	return redisbatch.NewScript(source)
+}
 
 func init() {
 	redis.SetLogger(redisLogger{})
@@ -217,10 +225,9 @@ func (l *limiter) openBreakers() int64 { return l.batcher.OpenBreakers() }
 func (l *limiter) loadScript(within time.Duration) {
 	ctx, cancel := context.WithTimeout(context.Background(), within)
 	defer cancel()
-	_ = l.client.ScriptLoad(ctx, scriptSource).Err()
-	_ = l.client.ScriptLoad(ctx, giveBackSource).Err()
-	_ = l.client.ScriptLoad(ctx, settleSource).Err()
-	_ = l.client.ScriptLoad(ctx, leaseSource).Err()
+	for _, source := range scriptSources {
+		_ = l.client.ScriptLoad(ctx, source).Err()
+	}
 	_ = l.client.ScriptLoad(ctx, concurrentSource).Err()
 }
 
@@ -258,7 +265,7 @@ func (l *limiter) Destruct() error {
 func (l *limiter) take(clientCtx context.Context, now time.Time, buckets []bucket) (allowed bool, err error) {
 	c, err := l.call(clientCtx, now, takeScript, buckets)
 	if err == nil {
-		allowed, err = readTake(c.Reply, buckets, false)
+		allowed, err = readTake(c.Reply, buckets, nil)
 	}
 	if c != nil {
 		c.Release()
@@ -368,16 +375,16 @@ func (l *limiter) reset(ctx context.Context, keys []string) error {
 const maxRetryMicros = max(2*maxFillSeconds*1_000_000, 2*int64(maxPeriod/time.Microsecond))
 
 // readTake reads the check-and-take reply, {allowed, then per bucket:
-// remaining, microseconds until it holds its requested tokens; with
-// leases, then the tokens each lent; then per quota, the period it
-// counted in: each kind's replyWords}, into the buckets. A quota that
+// remaining, microseconds until it holds its requested tokens; from a
+// layer's script, then a count per bucket, which words receives (nil
+// for a script without); then each kind's replyWords}, into the buckets. A quota that
 // counted in none (Redis's clock outside its periods) is a
 // quotaClockError. Anything else is no answer at all: never read as a
 // denial.
-func readTake(reply []int64, buckets []bucket, leasing bool) (allowed bool, err error) {
+func readTake(reply []int64, buckets []bucket, words []int64) (allowed bool, err error) {
 	n := len(buckets)
 	want := 1 + 2*n
-	if leasing {
+	if words != nil {
 		want += n
 	}
 	kindWords := want
@@ -396,12 +403,9 @@ func readTake(reply []int64, buckets []bucket, leasing bool) (allowed bool, err 
 			kindWords += words
 		}
 	}
-	for i := range buckets {
-		buckets[i].leased = 0
-		if leasing {
-			if buckets[i].leased = reply[1+2*n+i]; buckets[i].leased < 0 {
-				return false, fmt.Errorf("unexpected script reply %v", reply)
-			}
+	for i := range words {
+		if words[i] = reply[1+2*n+i]; words[i] < 0 {
+			return false, fmt.Errorf("unexpected script reply %v", reply)
 		}
 	}
 	for i := range buckets {

@@ -102,6 +102,16 @@ func (s *memoryStore) release() error {
 	return err
 }
 
+// With store memory, the handler's buckets are in the process's memory.
+func init() {
+	registerStore(storeConfig{order: 0, build: func(h *Handler, below store) store {
+		if h.memory == nil {
+			return below
+		}
+		return inProcess{h: h, s: h.memory}
+	}})
+}
+
 // memorySweepEvery is how often the sweep goes over every bucket.
 const memorySweepEvery = 5 * time.Second
 
@@ -283,8 +293,8 @@ func (sh *memoryShard) mutex() *sync.Mutex { return &sh.mu }
 
 // lockShards locks the shards at the indexes, each once and in order, so
 // that requests over several shards never wait on each other in a
-// circle; it returns the indexes locked, for unlockShards. The memory
-// store and the leases shard their maps alike.
+// circle; it returns the indexes locked, for unlockShards. Whatever
+// shards its maps by key locks them so.
 func lockShards[T any, P interface {
 	*T
 	mutex() *sync.Mutex

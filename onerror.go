@@ -19,6 +19,13 @@ type onErrorLayer struct {
 	failOpen bool         // on_error allow
 }
 
+// on_error tops every stack: it decides what the stack below could not.
+func init() {
+	registerLayer(storeConfig{order: 100, build: func(h *Handler, below store) store {
+		return &onErrorLayer{store: below, h: h, local: h.local, failOpen: h.failOpen}
+	}})
+}
+
 func (e *onErrorLayer) take(ctx context.Context, r *request) (bool, error) {
 	allowed, err := e.store.take(ctx, r)
 	if err == errMemoryFull {
@@ -75,7 +82,8 @@ func (e *onErrorLayer) reset(ctx context.Context, b bucket) error {
 	return e.store.reset(ctx, b)
 }
 
-// warnFull: see the warnings of redisstore.go.
+// warnFull is throttled, and a function of its own, as the warnings of
+// a store's take are.
 func (h *Handler) warnFull() {
 	if ok, suppressed := h.fullWarns.allow(); ok {
 		h.logger.Warn("in-memory store full: a new client's request follows on_error", zap.String("zone", h.Zone),

@@ -175,17 +175,13 @@ type bucket struct {
 	// retryAfter is how long until the bucket holds the requested tokens;
 	// negative when never (burst 0).
 	retryAfter time.Duration
-	// unknown: a denial from the deny cache says nothing of this bucket.
+	// unknown: a refusal a layer remembered (refusals) says nothing of
+	// this bucket.
 	unknown bool
-	// fromLease is, when the request's tokens came from this instance's
-	// lease, the lease's reports at that time (see lease.reports); 0
-	// otherwise. A charged response settles there first (charge.go).
-	fromLease int64
-	// With lease (leasecall.go): the bucket's lease, what it held unused
-	// and the most it should hold when its call left, and what Redis
-	// counts as lent to it after the call.
-	lease              *lease
-	held, want, leased int64
+	// layer is what the layer that decides the request knows of its
+	// bucket, set and read by that layer alone; its type is the layer's
+	// (layerBucket).
+	layer layerBucket
 	// kindRef and kindN are what the request knows of its bucket that is
 	// its kind's own, set and read by the kind alone (begin, readReply,
 	// its arithmetic in the process), such as a period and the period its

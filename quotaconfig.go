@@ -42,9 +42,6 @@ func (h *Handler) checkQuotas(names map[string]bool) error {
 	if h.ResetJitter < 0 || h.ResetJitter > 0 && len(h.Quotas) == 0 {
 		return fmt.Errorf("reset_jitter '%v': spreads the Retry-After of quotas past their boundary; use a positive duration with quotas, or remove it", time.Duration(h.ResetJitter))
 	}
-	if len(h.Quotas) > 0 && h.Lease != nil {
-		return fmt.Errorf("lease with quotas: a lease takes tokens ahead for this instance, which a quota would count as used; remove lease, or the quotas")
-	}
 	for _, q := range h.Quotas {
 		if err := checkLimitName(q.Name); err != nil {
 			return fmt.Errorf("quota: %w", err)

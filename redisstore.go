@@ -19,6 +19,17 @@ type redisStore struct {
 	holding bool       // some limit is held while a request is served (kind.heldWhileServed)
 }
 
+// Without store memory, and unless every limit blocks, the handler's
+// buckets are in Redis.
+func init() {
+	registerStore(storeConfig{order: 1, build: func(h *Handler, below store) store {
+		if h.limiter == nil {
+			return below
+		}
+		return &redisStore{h: h, limiter: h.limiter, groups: h.groups, holding: h.holding}
+	}})
+}
+
 // take takes a request's buckets in Redis. A refusal while a release of
 // one of its slots is on its way waits for that release, then asks once
 // more; a take whose reply was lost gives back the slots it may have
@@ -144,14 +155,3 @@ func (h *Handler) breakerDropped(node string) {
 	}
 	h.logger.Info(msg, zap.String("zone", h.Zone), zap.String("node", node))
 }
-
-// forgetDenials drops the cached denials of buckets the admin API reset,
-// one at a time: requests do not wait for the whole list.
-func (h *Handler) forgetDenials(keys []string) {
-	for _, key := range keys {
-		h.denied.forget(key)
-	}
-}
-
-// forgetAllDenials drops every cached denial: resets may have been missed.
-func (h *Handler) forgetAllDenials() { h.denied.forgetAll() }

@@ -1,17 +1,18 @@
 package ratelimit
 
 import (
+	"cmp"
 	"context"
 	"errors"
+	"slices"
 	"time"
 )
 
-// store decides requests with the buckets it keeps: Redis (redisstore.go)
-// or the process's memory (memstore.go, store memory). The deny cache
-// (denycache.go), leases (leasecall.go) and on_error (onerror.go) are
-// layers: stores that wrap another and answer the same call. Provision
-// builds a handler's stack once (buildStore); the request path calls its
-// top and never asks what it holds.
+// store decides requests with the buckets it keeps. A layer is a store
+// that wraps another and answers the same call. Each registers how the
+// handler's config asks for it (registerStore, registerLayer, from its
+// file's init); Provision builds a handler's stack once (buildStore),
+// and the request path calls its top and never asks what it holds.
 type store interface {
 	// take takes the request's tokens (and slots) from every one of its
 	// buckets, or from none, as at r.sent, and fills in each bucket's
@@ -70,25 +71,90 @@ func (noStore) reset(context.Context, bucket) error                 { return nil
 
 var errNoStore = errors.New("no store: every limit blocks")
 
+// A storeConfig is how a store or a layer joins a handler's stack, from
+// its file's init (registerStore, registerLayer).
+type storeConfig struct {
+	// order is its place: among the stores, the first that the config
+	// asks for is the bottom; the layers wrap it in order.
+	order int
+	// build makes it for h over below, the stack built so far (nil for a
+	// store), or returns below when h's config does not ask for it.
+	build func(h *Handler, below store) store
+}
+
+// storeConfigs and layerConfigs are the stores and the layers, in order.
+var storeConfigs, layerConfigs []storeConfig
+
+// registerStore adds a store that keeps buckets; registerLayer a layer.
+func registerStore(c storeConfig) { storeConfigs = addStoreConfig(storeConfigs, c) }
+func registerLayer(c storeConfig) { layerConfigs = addStoreConfig(layerConfigs, c) }
+
+func addStoreConfig(configs []storeConfig, c storeConfig) []storeConfig {
+	configs = append(configs, c)
+	slices.SortStableFunc(configs, func(a, b storeConfig) int { return cmp.Compare(a.order, b.order) })
+	return configs
+}
+
 // buildStore builds the handler's stack of a store and its layers, once
-// the store's parts are set up (Provision).
+// the store's parts are set up (Provision): the first store its config
+// asks for (noStore when none: hard blocks only, nothing ever asks a
+// store), then each layer it asks for, over the stack so far.
 func (h *Handler) buildStore() {
 	var s store
-	switch {
-	case h.memory != nil:
-		s = inProcess{h: h, s: h.memory}
-	case h.limiter == nil:
-		s = noStore{} // hard blocks only: nothing ever asks a store
-	default:
-		redis := &redisStore{h: h, limiter: h.limiter, groups: h.groups, holding: h.holding}
-		switch {
-		case h.leases != nil:
-			s = leaseLayer{redis}
-		case h.useDenyCache:
-			s = &denyLayer{store: redis, cache: h.denied, perRequest: h.perRequest}
-		default:
-			s = redis
+	for _, c := range storeConfigs {
+		if s = c.build(h, nil); s != nil {
+			break
 		}
 	}
-	h.store = &onErrorLayer{store: s, h: h, local: h.local, failOpen: h.failOpen}
+	if s == nil {
+		s = noStore{}
+	}
+	for _, c := range layerConfigs {
+		s = c.build(h, s)
+	}
+	h.store = s
 }
+
+// refusals is what a layer remembers of the store's refusals, to refuse
+// a request again without asking the store. A layer that decides
+// requests with calls of its own, not by asking the store below it,
+// takes the place of such a layer below it, and asks its refusals
+// itself (takeRefusals).
+type refusals interface {
+	// answer refuses a request at now when one of its buckets is known to
+	// refuse it, and fills in the answer of each such bucket; the others
+	// are marked unknown.
+	answer(buckets []bucket, now time.Time) bool
+	// answered keeps what the store answered to a request sent at sent.
+	answered(buckets []bucket, sent time.Time, allowed bool)
+	// forget drops what is kept of the buckets at keys: they hold tokens
+	// again sooner than time alone would bring them.
+	forget(keys ...string)
+	// keepAtMost bounds how long a refusal is kept, when the layer above
+	// may bring tokens back at any time.
+	keepAtMost(d time.Duration)
+}
+
+// refusalKeeper is a layer that keeps refusals: under is the store it
+// wraps.
+type refusalKeeper interface {
+	store
+	keeper() (under store, kept refusals)
+}
+
+// takeRefusals is the store under below when below keeps refusals, and
+// those refusals; else below itself, and noRefusals.
+func takeRefusals(below store) (store, refusals) {
+	if k, ok := below.(refusalKeeper); ok {
+		return k.keeper()
+	}
+	return below, noRefusals{}
+}
+
+// noRefusals keeps nothing.
+type noRefusals struct{}
+
+func (noRefusals) answer([]bucket, time.Time) bool    { return false }
+func (noRefusals) answered([]bucket, time.Time, bool) {}
+func (noRefusals) forget(...string)                   {}
+func (noRefusals) keepAtMost(time.Duration)           {}

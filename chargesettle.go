@@ -228,7 +228,7 @@ func (h *Handler) countCharged(l *limit, charged, forgiven float64) {
 // capped at the burst. forgiven is what the take could not take. Every
 // step is the script's, in the same order, so both agree to the bit
 // (TestSettleScriptAgreesWithMemoryStore).
-func settleBucket(state memoryBucket, t int64, v limitValues, diff, maxDebt int64) (after memoryBucket, forgiven float64) {
+func settleBucket(state bucketState, t int64, v limitValues, diff, maxDebt int64) (after bucketState, forgiven float64) {
 	tokens := refill(state, t, v)
 	var left float64
 	if diff < 0 {
@@ -241,7 +241,7 @@ func settleBucket(state memoryBucket, t int64, v limitValues, diff, maxDebt int6
 		}
 	}
 	ttl := math.Max(1000, math.Ceil((float64(v.burst)-left)*1000/v.rate)) // milliseconds, as the key's TTL
-	return memoryBucket{tokens: left, at: t, expires: t + int64(ttl)*1000}, forgiven
+	return bucketState{tokens: left, at: t, expires: t + int64(ttl)*1000}, forgiven
 }
 
 // settleInProcess settles in the memory store (store memory, or the

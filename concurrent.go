@@ -347,15 +347,15 @@ func (*slotRule) readReply(b bucket, _ []int64, _ int) (bucket, error) { return 
 // (takeInProcess), never buckets of the memory store's: a take gives the
 // store only the token buckets before the slots.
 
-func (*slotRule) holds(memoryBucket, bool, time.Time, int64, bucket) (bucket, bool) {
+func (*slotRule) holds(bucketState, bool, time.Time, int64, bucket) (bucket, bool) {
 	panic("concurrent limits take slots (takeInProcess), not tokens")
 }
 
-func (*slotRule) take(memoryBucket, bool, time.Time, int64, bucket, bool) (bucket, memoryBucket, bool) {
+func (*slotRule) take(bucketState, bool, time.Time, int64, bucket, bool) (bucket, bucketState, bool) {
 	panic("concurrent limits take slots (takeInProcess), not tokens")
 }
 
-func (*slotRule) peek(memoryBucket, bool, time.Time, int64, bucket) bucketView {
+func (*slotRule) peek(bucketState, bool, time.Time, int64, bucket) bucketView {
 	panic("concurrent limits are read by peekSlots, not peek")
 }
 
@@ -363,7 +363,7 @@ func (*slotRule) peek(memoryBucket, bool, time.Time, int64, bucket) bucketView {
 
 func (*slotRule) settleArg(bucket) any { panic("concurrent limits charge nothing") }
 
-func (*slotRule) settleHeld(memoryBucket, bool, int64, bucket, int64, int64, int64) (memoryBucket, bool, float64, float64) {
+func (*slotRule) settleHeld(bucketState, bool, int64, bucket, int64, int64, int64) (bucketState, bool, float64, float64) {
 	panic("concurrent limits charge nothing")
 }
 

@@ -20,8 +20,8 @@ import (
 //     a script call: its arguments and its words of the reply
 //     (limiter.go);
 //   - what it puts in the rate-limit headers (headers.go calls it);
-//   - its arithmetic in the process, for store memory and on_error local
-//     (memstore.go);
+//   - its arithmetic on a bucket's state kept in the process
+//     (bucketState);
 //   - how a charge settles in it (charge.go);
 //   - its admin view (admin.go);
 //   - whether a request holds it while the response is served, to give
@@ -87,27 +87,27 @@ type kind interface {
 	// it holds the requested tokens again.
 	cachedRemaining(b bucket, remaining int64, wait time.Duration) int64
 
-	// holds says whether a bucket the memory store holds (state, if ok)
+	// holds says whether a bucket held in the process (state, if ok)
 	// has room for the request at now, t on the store's clock; asked of
 	// every bucket of a take, before take.
-	holds(state memoryBucket, ok bool, now time.Time, t int64, b bucket) (bucket, bool)
-	// take is a bucket's part of a memory store take, once the request is
-	// known to be allowed or not: the bucket with its answer, as the
+	holds(state bucketState, ok bool, now time.Time, t int64, b bucket) (bucket, bool)
+	// take is a bucket's part of a take in the process, once the request
+	// is known to be allowed or not: the bucket with its answer, as the
 	// script's, and the state to store, if store.
-	take(state memoryBucket, ok bool, now time.Time, t int64, b bucket, allowed bool) (answered bucket, after memoryBucket, store bool)
-	// peek is a bucket the memory store holds (state, if ok), as the
-	// admin API shows it.
-	peek(state memoryBucket, ok bool, now time.Time, t int64, b bucket) bucketView
+	take(state bucketState, ok bool, now time.Time, t int64, b bucket, allowed bool) (answered bucket, after bucketState, store bool)
+	// peek is a bucket held in the process (state, if ok), as the admin
+	// API shows it.
+	peek(state bucketState, ok bool, now time.Time, t int64, b bucket) bucketView
 
 	// settleArg is settle.lua's first argument for the bucket: its kind
 	// as the script knows it.
 	settleArg(b bucket) any
-	// settleHeld settles a response's charge in a bucket the memory store
-	// holds (state, if ok) at t on the store's clock: diff tokens more
+	// settleHeld settles a response's charge in a bucket held in the
+	// process (state, if ok) at t on the store's clock: diff tokens more
 	// than the request reserved (fewer when negative), cost in all, in
 	// debt up to maxDebt. after is the state to store, if store; charged
 	// and forgiven are what the metrics count.
-	settleHeld(state memoryBucket, ok bool, t int64, b bucket, diff, cost, maxDebt int64) (after memoryBucket, store bool, charged, forgiven float64)
+	settleHeld(state bucketState, ok bool, t int64, b bucket, diff, cost, maxDebt int64) (after bucketState, store bool, charged, forgiven float64)
 
 	// heldWhileServed says whether a request holds the limit's bucket
 	// while its response is served, and gives it back when the response

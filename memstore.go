@@ -45,13 +45,13 @@ type memoryShard struct {
 	// request's, so needed a copy of the key per take
 	// (BenchmarkServeHTTPMemory 4 -> 3 allocs; a bucket then costs 82 B of
 	// heap instead of 79: TestMemoryStoreHeapPerBucket).
-	buckets map[string]*memoryBucket
+	buckets map[string]*bucketState
 	_       [48]byte // a cache line of its own: 64 bytes in all
 }
 
-// memoryBucket is a bucket's state: the tokens it held at a time, and
+// bucketState is a bucket's state: the tokens it held at a time, and
 // when it would be full again, in microseconds of the store's clock.
-type memoryBucket struct {
+type bucketState struct {
 	tokens      float64
 	at, expires int64
 }
@@ -109,7 +109,7 @@ func newMemoryStore(name, keyPrefix, zone string) *memoryStore {
 	s := &memoryStore{seed: maphash.MakeSeed(), stop: make(chan struct{}), name: name,
 		plainPrefix: keyPrefix + zone + keySeparator, namedPrefix: keyPrefix + "{" + zone}
 	for i := range s.shards {
-		s.shards[i].buckets = make(map[string]*memoryBucket)
+		s.shards[i].buckets = make(map[string]*bucketState)
 	}
 	go s.sweepEvery(memorySweepEvery)
 	return s
@@ -151,7 +151,7 @@ func (s *memoryStore) storedKey(key string) string {
 func (s *memoryStore) takeTokens(now time.Time, buckets []bucket) (bool, error) {
 	var inlineKeys [maxInlineBuckets]string
 	var inlineShards, inlineLocked [maxInlineBuckets]int
-	var inlineStates [maxInlineBuckets]*memoryBucket
+	var inlineStates [maxInlineBuckets]*bucketState
 	keys, shards, states := inlineKeys[:0], inlineShards[:0], inlineStates[:0]
 	for i := range buckets {
 		key := s.storedKey(buckets[i].key)
@@ -189,7 +189,7 @@ func (s *memoryStore) takeTokens(now time.Time, buckets []bucket) (bool, error) 
 	for i := range buckets {
 		b := &buckets[i]
 		state, ok := held(states[i])
-		var after memoryBucket
+		var after bucketState
 		var store bool
 		if *b, after, store = b.kind().take(state, ok, now, t, *b, allowed); store {
 			s.put(shards[i], keys[i], states[i], after)
@@ -200,9 +200,9 @@ func (s *memoryStore) takeTokens(now time.Time, buckets []bucket) (bool, error) 
 
 // held is the state of a bucket the store holds (nil for none), and
 // whether there is one.
-func held(b *memoryBucket) (memoryBucket, bool) {
+func held(b *bucketState) (bucketState, bool) {
 	if b == nil {
-		return memoryBucket{}, false
+		return bucketState{}, false
 	}
 	return *b, true
 }
@@ -211,9 +211,9 @@ func held(b *memoryBucket) (memoryBucket, bool) {
 // else as a new entry under a copy of the stored key, so that the map
 // never keeps the request's (larger) key alive. The caller holds the
 // shard locked.
-func (s *memoryStore) put(shard int, key string, held *memoryBucket, state memoryBucket) {
+func (s *memoryStore) put(shard int, key string, held *bucketState, state bucketState) {
 	if held == nil {
-		held = new(memoryBucket)
+		held = new(bucketState)
 		s.shards[shard].buckets[strings.Clone(key)] = held
 	}
 	*held = state
@@ -239,7 +239,7 @@ func (s *memoryStore) peek(now time.Time, b bucket) bucketView {
 	key := s.storedKey(b.key)
 	sh := s.shard(key)
 	sh.mu.Lock()
-	var state memoryBucket
+	var state bucketState
 	stored := sh.buckets[key]
 	if stored != nil {
 		state = *stored

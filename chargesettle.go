@@ -244,38 +244,6 @@ func settleBucket(state bucketState, t int64, v limitValues, diff, maxDebt int64
 	return bucketState{tokens: left, at: t, expires: t + int64(ttl)*1000}, forgiven
 }
 
-// settleInProcess settles in the memory store (store memory, or the
-// buckets of on_error local), at once: no I/O. A bucket that is gone
-// (swept) is full, as an expired key; one that a take would bring back
-// while the store is full cannot be, and its settlement is lost.
-func (h *Handler) settleInProcess(s *memoryStore, buckets []bucket, items []settling) {
-	var inlineKeys [maxInlineBuckets]string
-	var inlineShards [maxInlineBuckets]int
-	keys := inlineKeys[:0]
-	for _, it := range items {
-		keys = append(keys, s.storedKey(buckets[it.bucket].key))
-	}
-	shards := s.lock(keys, inlineShards[:0])
-	defer s.unlock(shards)
-	t := memoryNow(time.Now())
-	for i, it := range items {
-		b := &buckets[it.bucket]
-		shard := s.shardIndex(keys[i])
-		stored := s.shards[shard].buckets[keys[i]]
-		state, ok := held(stored)
-		after, store, charged, forgiven := b.kind().settleHeld(state, ok, t, *b, it.diff, it.cost, b.limit.charge.maxDebtFor(b.values))
-		switch {
-		case !store:
-		case !ok && !s.reserve(1):
-			h.countSettleFailure(buckets, items[i:i+1], errMemoryFull)
-			continue
-		default:
-			s.put(shard, keys[i], stored, after)
-		}
-		h.countCharged(b.limit, charged, forgiven)
-	}
-}
-
 // settleCall is one settlement call on its way to Redis (a request's
 // buckets, or on a Cluster those of one slot group) and what each of its
 // buckets charged, read when Redis answers. Pooled, with its call: a

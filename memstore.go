@@ -1,6 +1,7 @@
 package ratelimit
 
 import (
+	"context"
 	"errors"
 	"hash/maphash"
 	"slices"
@@ -345,5 +346,66 @@ func (s *memoryStore) sweepShards(shards []int, t int64) {
 				s.live.Add(-1)
 			}
 		}
+	}
+}
+
+// storeFor is s as h's store: where h takes, settles, holds, peeks and
+// resets its buckets.
+func (s *memoryStore) storeFor(h *Handler) store { return inProcess{h: h, s: s} }
+
+// inProcess is a memory store as a handler's store (store memory), or as
+// the buckets a layer takes in the process while the handler's store
+// fails; handlers of the same zone share the memory store.
+type inProcess struct {
+	h *Handler
+	s *memoryStore
+}
+
+func (p inProcess) take(_ context.Context, r *request) (bool, error) {
+	return p.s.takeInProcess(r.sent, r.buckets)
+}
+func (p inProcess) settle(r *request, items []settling) { p.h.settleInProcess(p.s, r.buckets, items) }
+func (p inProcess) hold(r *request) *slotHold           { return p.h.holdSlots(r.buckets, p.s) }
+func (p inProcess) peek(_ context.Context, b bucket) (bucketView, error) {
+	return p.s.peek(time.Now(), b), nil
+}
+func (p inProcess) peekSlots(_ context.Context, b bucket) (slotView, error) {
+	return slotView{inUse: p.s.slotsInUse(b.key)}, nil
+}
+func (p inProcess) reset(_ context.Context, b bucket) error {
+	p.s.reset([]string{b.key})
+	p.s.resetSlots([]string{b.key})
+	return nil
+}
+
+// settleInProcess settles in a memory store (store memory's, or a
+// layer's while the handler's store fails), at once: no I/O. A bucket that is gone
+// (swept) is full, as an expired key; one that a take would bring back
+// while the store is full cannot be, and its settlement is lost.
+func (h *Handler) settleInProcess(s *memoryStore, buckets []bucket, items []settling) {
+	var inlineKeys [maxInlineBuckets]string
+	var inlineShards [maxInlineBuckets]int
+	keys := inlineKeys[:0]
+	for _, it := range items {
+		keys = append(keys, s.storedKey(buckets[it.bucket].key))
+	}
+	shards := s.lock(keys, inlineShards[:0])
+	defer s.unlock(shards)
+	t := memoryNow(time.Now())
+	for i, it := range items {
+		b := &buckets[it.bucket]
+		shard := s.shardIndex(keys[i])
+		stored := s.shards[shard].buckets[keys[i]]
+		state, ok := held(stored)
+		after, store, charged, forgiven := b.kind().settleHeld(state, ok, t, *b, it.diff, it.cost, b.limit.charge.maxDebtFor(b.values))
+		switch {
+		case !store:
+		case !ok && !s.reserve(1):
+			h.countSettleFailure(buckets, items[i:i+1], errMemoryFull)
+			continue
+		default:
+			s.put(shard, keys[i], stored, after)
+		}
+		h.countCharged(b.limit, charged, forgiven)
 	}
 }

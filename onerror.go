@@ -15,8 +15,17 @@ import (
 type onErrorLayer struct {
 	store    // below: asked first
 	h        *Handler
-	local    *memoryStore // on_error local: the buckets while Redis fails
-	failOpen bool         // on_error allow
+	local    store // on_error local: the buckets in the process while Redis fails
+	failOpen bool  // on_error allow
+}
+
+// withFallback puts the on_error layer over the handler's store.
+func (h *Handler) withFallback(below store) store {
+	e := &onErrorLayer{store: below, h: h, failOpen: h.failOpen}
+	if h.local != nil {
+		e.local = h.local.storeFor(h)
+	}
+	return e
 }
 
 func (e *onErrorLayer) take(ctx context.Context, r *request) (bool, error) {
@@ -31,12 +40,13 @@ func (e *onErrorLayer) take(ctx context.Context, r *request) (bool, error) {
 		for i := range r.buckets {
 			r.buckets[i].unknown = false // a Cluster group that failed left them so; every bucket answers here
 		}
-		allowed, err := e.local.takeInProcess(time.Now(), r.buckets)
+		r.sent = time.Now() // the local take is as at now, after Redis failed
+		allowed, err := e.local.take(ctx, r)
 		if err != nil { // full: as on_error allow
 			r.fail(decisionErrorAllowed)
 			return true, nil
 		}
-		r.admitted, r.refused, r.local = decisionErrorLocalAllowed, decisionErrorLocalDenied, true
+		r.admitted, r.refused, r.takenBy = decisionErrorLocalAllowed, decisionErrorLocalDenied, e.local
 		return allowed, nil
 	}
 	switch {
@@ -50,18 +60,19 @@ func (e *onErrorLayer) take(ctx context.Context, r *request) (bool, error) {
 	return e.failOpen, err
 }
 
-// settle and hold go where the request's buckets were taken.
+// settle and hold go where the request's buckets were taken: the local
+// buckets when the layer took them (r.takenBy).
 func (e *onErrorLayer) settle(r *request, items []settling) {
-	if r.local {
-		e.h.settleInProcess(e.local, r.buckets, items)
+	if r.takenBy != nil {
+		r.takenBy.settle(r, items)
 		return
 	}
 	e.store.settle(r, items)
 }
 
 func (e *onErrorLayer) hold(r *request) *slotHold {
-	if r.local {
-		return e.h.holdSlots(r.buckets, e.local)
+	if r.takenBy != nil {
+		return r.takenBy.hold(r)
 	}
 	return e.store.hold(r)
 }
@@ -69,8 +80,7 @@ func (e *onErrorLayer) hold(r *request) *slotHold {
 // reset resets the key in the local buckets too.
 func (e *onErrorLayer) reset(ctx context.Context, b bucket) error {
 	if e.local != nil {
-		e.local.reset([]string{b.key})
-		e.local.resetSlots([]string{b.key})
+		_ = e.local.reset(ctx, b) // in the process: it cannot fail
 	}
 	return e.store.reset(ctx, b)
 }

@@ -63,9 +63,10 @@ type request struct {
 	// (allow, deny, or local with its store full), as failure.
 	failed  bool
 	failure decision
-	// local says the request's buckets were taken from on_error local's
-	// store: its slots are held there, its charges settle there.
-	local bool
+	// takenBy is the store that took the request's buckets when a layer
+	// took them elsewhere than in the store below it (nil: that store
+	// took them): its slots are held there, its charges settle there.
+	takenBy store
 	// settling holds a charged request's settlements (charge.go), here
 	// for the reason the buckets are.
 	settling [maxInlineBuckets]settling
@@ -96,7 +97,7 @@ var requests = sync.Pool{New: func() any { return new(request) }}
 func acquireRequest() *request {
 	r := requests.Get().(*request)
 	r.buckets = r.inline[:0]
-	r.admitted, r.refused, r.failed, r.local = decisionAllowed, decisionDenied, false, false
+	r.admitted, r.refused, r.failed, r.takenBy = decisionAllowed, decisionDenied, false, nil
 	r.w, r.hold, r.charge, r.registered = nil, nil, nil, false
 	r.weights.known = 0
 	return r

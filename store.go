@@ -3,7 +3,6 @@ package ratelimit
 import (
 	"context"
 	"errors"
-	"time"
 )
 
 // store decides requests with the buckets it keeps: Redis (redisstore.go)
@@ -33,30 +32,6 @@ type store interface {
 	reset(ctx context.Context, b bucket) error
 }
 
-// inProcess is store memory: a handler's buckets in the process's memory
-// (memstore.go), which handlers of the same zone share.
-type inProcess struct {
-	h *Handler
-	s *memoryStore
-}
-
-func (p inProcess) take(_ context.Context, r *request) (bool, error) {
-	return p.s.takeInProcess(r.sent, r.buckets)
-}
-func (p inProcess) settle(r *request, items []settling) { p.h.settleInProcess(p.s, r.buckets, items) }
-func (p inProcess) hold(r *request) *slotHold           { return p.h.holdSlots(r.buckets, p.s) }
-func (p inProcess) peek(_ context.Context, b bucket) (bucketView, error) {
-	return p.s.peek(time.Now(), b), nil
-}
-func (p inProcess) peekSlots(_ context.Context, b bucket) (slotView, error) {
-	return slotView{inUse: p.s.slotsInUse(b.key)}, nil
-}
-func (p inProcess) reset(_ context.Context, b bucket) error {
-	p.s.reset([]string{b.key})
-	p.s.resetSlots([]string{b.key})
-	return nil
-}
-
 // noStore is the store of a handler whose limits all block (burst 0):
 // none is ever asked to take, and it keeps nothing.
 type noStore struct{}
@@ -76,7 +51,7 @@ func (h *Handler) buildStore() {
 	var s store
 	switch {
 	case h.memory != nil:
-		s = inProcess{h: h, s: h.memory}
+		s = h.memory.storeFor(h)
 	case h.limiter == nil:
 		s = noStore{} // hard blocks only: nothing ever asks a store
 	default:
@@ -90,5 +65,5 @@ func (h *Handler) buildStore() {
 			s = redis
 		}
 	}
-	h.store = &onErrorLayer{store: s, h: h, local: h.local, failOpen: h.failOpen}
+	h.store = h.withFallback(s)
 }

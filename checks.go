@@ -18,14 +18,8 @@ import (
 // written, so the message gets the line; Validate calls them for JSON
 // configs.
 
-// Values of on_error and store.
-const (
-	onErrorAllow = "allow"
-	onErrorDeny  = "deny"
-	onErrorLocal = "local"
-	storeRedis   = "redis"
-	storeMemory  = "memory"
-)
+// storeRedis is store's default value.
+const storeRedis = "redis"
 
 // defaultMaxKeys is max_keys when the config leaves it out.
 const defaultMaxKeys = 1_000_000
@@ -48,15 +42,8 @@ func checkStatus(subdirective string, code int) error {
 	return nil
 }
 
-func checkOnError(v string) error {
-	if v != onErrorAllow && v != onErrorDeny && v != onErrorLocal {
-		return fmt.Errorf("on_error '%s': want 'allow', 'deny' or 'local'", v)
-	}
-	return nil
-}
-
 // checkMaxKeys judges max_keys: a store that may hold no bucket would
-// send every request to on_error.
+// decide no request with its buckets.
 func checkMaxKeys(n int64) error {
 	if n < 1 {
 		return fmt.Errorf("max_keys '%d': want a whole number of buckets, 1 or more", n)
@@ -75,20 +62,6 @@ func checkLease(l *Lease, store string) error {
 		return fmt.Errorf("lease '%d': want the most tokens a call may lease, 1 or more", l.MaxTokens)
 	case l.Hold < 0 || time.Duration(l.Hold) > maxLeaseHold:
 		return fmt.Errorf("lease hold '%v': want a duration of at most %v (default %v)", time.Duration(l.Hold), maxLeaseHold, defaultLeaseHold)
-	}
-	return nil
-}
-
-// checkStore judges store with what depends on it: a redis block, and
-// on_error local.
-func checkStore(store string, redis bool, onError string) error {
-	switch {
-	case store != storeRedis && store != storeMemory:
-		return fmt.Errorf("store '%s': want 'redis' or 'memory'", store)
-	case store == storeMemory && redis:
-		return errors.New("store 'memory' keeps the buckets in this Caddy process, so the 'redis' block has nothing to do: remove it, or use store redis")
-	case store == storeMemory && onError == onErrorLocal:
-		return errors.New("on_error 'local' with store 'memory': the buckets are local already; use on_error allow or deny for a full store")
 	}
 	return nil
 }
@@ -137,9 +110,7 @@ func (h *Handler) applyDefaults() {
 	if h.EmptyKeyStatus == 0 {
 		h.EmptyKeyStatus = http.StatusForbidden
 	}
-	if h.OnError == "" {
-		h.OnError = onErrorAllow
-	}
+	h.fallbackDefault()
 	if h.Headers == "" {
 		h.Headers = headersSpring
 	}

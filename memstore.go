@@ -34,6 +34,9 @@ type memoryStore struct {
 	slots slotCounts
 }
 
+// storeMemory is store's value for the memory store.
+const storeMemory = "memory"
+
 // memoryShards spreads the buckets so that requests on different keys
 // rarely wait on one lock, and a shard's sweep holds its lock briefly:
 // 4,000 buckets each at 1,000,000.

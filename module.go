@@ -4,6 +4,7 @@
 package ratelimit
 
 import (
+	"errors"
 	"fmt"
 	"net/http"
 	"time"
@@ -458,6 +459,20 @@ func (h *Handler) Cleanup() error {
 		unwatchBreakers(h.Zone, h.limiter)
 	}
 	return releaseLimiter(h.limiterKey)
+}
+
+// checkStore judges store with what depends on it: a redis block, and
+// on_error local.
+func checkStore(store string, redis bool, onError string) error {
+	switch {
+	case store != storeRedis && store != storeMemory:
+		return fmt.Errorf("store '%s': want 'redis' or 'memory'", store)
+	case store == storeMemory && redis:
+		return errors.New("store 'memory' keeps the buckets in this Caddy process, so the 'redis' block has nothing to do: remove it, or use store redis")
+	case store == storeMemory && onError == onErrorLocal:
+		return errors.New("on_error 'local' with store 'memory': the buckets are local already; use on_error allow or deny for a full store")
+	}
+	return nil
 }
 
 // Interface guards

@@ -2,10 +2,32 @@ package ratelimit
 
 import (
 	"context"
+	"fmt"
 	"time"
 
 	"go.uber.org/zap"
 )
+
+// Values of on_error.
+const (
+	onErrorAllow = "allow"
+	onErrorDeny  = "deny"
+	onErrorLocal = "local"
+)
+
+func checkOnError(v string) error {
+	if v != onErrorAllow && v != onErrorDeny && v != onErrorLocal {
+		return fmt.Errorf("on_error '%s': want 'allow', 'deny' or 'local'", v)
+	}
+	return nil
+}
+
+// fallbackDefault fills in on_error when the config leaves it out.
+func (h *Handler) fallbackDefault() {
+	if h.OnError == "" {
+		h.OnError = onErrorAllow
+	}
+}
 
 // onErrorLayer decides, as on_error says, a request that the store below
 // it could not: allow or deny it without its buckets, or (local) take

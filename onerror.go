@@ -65,19 +65,19 @@ func (e *onErrorLayer) take(ctx context.Context, r *request) (bool, error) {
 		r.sent = time.Now() // the local take is as at now, after Redis failed
 		allowed, err := e.local.take(ctx, r)
 		if err != nil { // full: as on_error allow
-			r.fail(decisionErrorAllowed)
+			r.fail(decisionFailedAllowed)
 			return true, nil
 		}
-		r.admitted, r.refused, r.takenBy = decisionErrorLocalAllowed, decisionErrorLocalDenied, e.local
+		r.admitted, r.refused, r.takenBy = decisionFallbackAllowed, decisionFallbackDenied, e.local
 		return allowed, nil
 	}
 	switch {
 	case err == errMemoryFull:
 		r.fail(decisionOverflow)
 	case e.failOpen:
-		r.fail(decisionErrorAllowed)
+		r.fail(decisionFailedAllowed)
 	default:
-		r.fail(decisionErrorDenied)
+		r.fail(decisionFailedDenied)
 	}
 	return e.failOpen, err
 }
@@ -106,6 +106,18 @@ func (e *onErrorLayer) reset(ctx context.Context, b bucket) error {
 	}
 	return e.store.reset(ctx, b)
 }
+
+// warnFailed logs, for a store that could not decide a request, what
+// failed (words, err), and that the request follows on_error; the store
+// throttles it (suppressed lines before it).
+func (h *Handler) warnFailed(words string, err error, suppressed int64) {
+	h.logger.Warn(words+"; following on_error", zap.String("zone", h.Zone),
+		zap.String("on_error", h.OnError), zap.Error(err), suppressedField(suppressed))
+}
+
+// followFallback is what a store's requests do while it fails, as its
+// warnings say it.
+const followFallback = "follow on_error"
 
 // warnFull: see the warnings of redisstore.go.
 func (h *Handler) warnFull() {

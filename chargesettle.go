@@ -227,7 +227,7 @@ func (h *Handler) countCharged(l *limit, charged, forgiven float64) {
 // bucket no lower than -maxDebt and never raising it, or give -diff back,
 // capped at the burst. forgiven is what the take could not take. Every
 // step is the script's, in the same order, so both agree to the bit
-// (TestSettleScriptAgreesWithMemoryStore).
+// (charge_test.go checks it).
 func settleBucket(state bucketState, t int64, v limitValues, diff, maxDebt int64) (after bucketState, forgiven float64) {
 	tokens := refill(state, t, v)
 	var left float64
@@ -344,7 +344,7 @@ func (s *settleCall) TakeAnswer(c *redisbatch.Call) {
 		gaveBack, unsettled := false, false
 		for i, it := range s.items {
 			if r := c.Reply[2*i]; r < 0 {
-				// -2: a quota whose reservation's period is no longer
+				// -2: a bucket whose reservation's period is no longer
 				// counted, with nothing to settle; else its key holds
 				// another type, or the write was refused.
 				unsettled = unsettled || r != -2

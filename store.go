@@ -5,17 +5,17 @@ import (
 	"errors"
 )
 
-// store decides requests with the buckets it keeps: Redis (redisstore.go)
-// or the process's memory (memstore.go, store memory). The deny cache
-// (denycache.go), leases (leasecall.go) and on_error (onerror.go) are
-// layers: stores that wrap another and answer the same call. Provision
+// store decides requests with the buckets it keeps: in Redis
+// (redisstore.go) or in the process's memory. The deny cache
+// (denycache.go), leases (leasecall.go) and the fallback while a store
+// fails are layers: stores that wrap another and answer the same call. Provision
 // builds a handler's stack once (buildStore); the request path calls its
 // top and never asks what it holds.
 type store interface {
 	// take takes the request's tokens (and slots) from every one of its
 	// buckets, or from none, as at r.sent, and fills in each bucket's
 	// answer (remaining, wait). err is a failure to decide; a layer that
-	// decides despite it (on_error) says so in r.
+	// decides despite it (a fallback) says so in r.
 	take(ctx context.Context, r *request) (allowed bool, err error)
 	// settle settles the charges of a served request, items, where its
 	// buckets were taken (charge.go).

@@ -16,7 +16,7 @@ import (
 // The token bucket, the kind of limit of `limit` and of a handler's own
 // rate: its values (rate, burst, cost), their judgment and its script
 // arguments. Its arithmetic is script.lua's checkBucket and takeBucket,
-// and memstore.go's in the process.
+// and this file's in the process.
 
 // Bounds of a limit: token counts stay exact in the script's doubles,
 // and an empty bucket fills within a year.
@@ -233,8 +233,8 @@ func (tokenBucket) appendPolicy(policy []byte, lh *limitHeaders, b bucket) []byt
 	return append(policy, policyItem(lh.quoted, b.values)...)
 }
 
-// policyItem is a limit's RateLimit-Policy item: its burst as the quota
-// and the seconds an empty bucket takes to fill as the window.
+// policyItem is a limit's RateLimit-Policy item: its burst as the
+// policy's q and the seconds an empty bucket takes to fill as the window.
 func policyItem(quoted string, v limitValues) string {
 	fill := int64(0)
 	if v.rate > 0 {
@@ -259,8 +259,8 @@ func (tokenBucket) cachedRemaining(b bucket, _ int64, wait time.Duration) int64 
 	return max(0, int64(math.Floor(tokens)))
 }
 
-// The token bucket in the process (store memory, on_error local): a
-// bucketState holds its tokens at a time, and expires when it would be
+// The token bucket in the process (for a store or a layer that keeps
+// buckets there): a bucketState holds its tokens at a time, and expires when it would be
 // full again. Every step is script.lua's checkBucket and takeBucket.
 
 // holds says whether the bucket has the requested tokens at t.
@@ -333,7 +333,7 @@ func refill(state bucketState, t int64, v limitValues) float64 {
 // so, and answer the remaining whole tokens and the microseconds until
 // the bucket holds its requested tokens again. The state after holds
 // when the bucket would be full again. Every step is the script's, in the
-// same order, so that both agree to the bit (TestScriptAgreesWithMemoryStore).
+// same order, so that both agree to the bit (script_test.go checks it).
 func takeBucket(state bucketState, t int64, v limitValues, take bool) (after bucketState, took bool, remaining, wait int64) {
 	tokens := refill(state, t, v)
 	requested := float64(v.requested)

@@ -10,8 +10,8 @@ import (
 	"time"
 )
 
-// kind is a kind of limit: the token bucket (tokenbucket.go), the quota
-// (quota.go) or the concurrent limit (concurrent.go). A limit holds its
+// kind is a kind of limit: the token bucket (tokenbucket.go) and the
+// kinds that register their config (registerKind). A limit holds its
 // kind (limit.kind), chosen once when the config is provisioned, and the
 // rest of the package asks the kind what is particular to it instead of
 // asking which kind it is. A kind is responsible for:
@@ -37,7 +37,7 @@ import (
 // 11 allocs).
 type kind interface {
 	// burstName is the name of the burst's value in the config, for
-	// messages: the burst_capacity of a token bucket, a quota's count.
+	// messages: the burst_capacity of a token bucket, another kind's own.
 	burstName() string
 	// resolveValues parses a limit's values as written (placeholders
 	// replaced) and judges them; isUnlimited says the limit does not
@@ -47,7 +47,7 @@ type kind interface {
 	// for fixed values (limit.args).
 	scriptArgs(v limitValues) [3]any
 	// begin completes a request's new bucket with what is the request's
-	// own (a quota's period, a slot id); shared is what the request's
+	// own (a calendar period, a slot id); shared is what the request's
 	// buckets share, returned with what begin made of it.
 	begin(b bucket, shared requestShared) (bucket, requestShared)
 	// appendArgs appends the bucket's arguments of a script call (its
@@ -128,8 +128,8 @@ type kind interface {
 }
 
 // kindError is a kind's reason for a store's answer that decides
-// nothing (say a quota whose period Redis's clock does not fall in):
-// the request follows on_error, and warning is the line the log gives
+// nothing (say a period that Redis's clock does not fall in): the
+// request is decided as when the store fails, and warning is the line the log gives
 // it, throttled as Redis failures are.
 type kindError interface {
 	error

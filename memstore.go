@@ -11,10 +11,11 @@ import (
 	"time"
 
 	"github.com/caddyserver/caddy/v2"
+	"go.uber.org/zap"
 )
 
 // memoryStore keeps buckets in the Caddy process, for `store memory` and
-// for `on_error local`: the token bucket of script.lua, in Go, with the
+// for a layer that keeps them there while Redis fails: the token bucket of script.lua, in Go, with the
 // same arithmetic (takeBucket), so it answers as Redis would. Buckets are
 // sharded, each shard with its own lock: no lock is shared by all
 // requests. A bucket is forgotten once it would be full again, as a Redis
@@ -63,7 +64,7 @@ type bucketState struct {
 // errMemoryFull refuses a request whose bucket would be new while the
 // store holds max_keys live buckets: no live bucket is dropped to make
 // room, which would hand its client a full bucket.
-var errMemoryFull = errors.New("the in-memory store holds max_keys buckets; a new client's request follows on_error")
+var errMemoryFull = errors.New("the in-memory store holds max_keys buckets; a new client's request " + followsFallback)
 
 // clockStart makes the store's clock monotonic: microseconds since the
 // process started, unmoved by changes of the wall clock.
@@ -75,8 +76,8 @@ func memoryNow(t time.Time) int64 { return int64(t.Sub(clockStart) / time.Micros
 // zone share buckets, also across config reloads.
 var memoryStores = caddy.NewUsagePool()
 
-// memoryStoreName names the store of a kind (store memory, or the local
-// buckets of on_error local) for the handlers whose keys start with
+// memoryStoreName names the store of a kind (store memory's, or a
+// layer's buckets kept while Redis fails) for the handlers whose keys start with
 // keyPrefix and zone. Zones cannot contain keySeparator, so no two
 // (zone, key prefix) pairs share a name.
 func memoryStoreName(kind, keyPrefix, zone string) string {
@@ -175,7 +176,7 @@ func (s *memoryStore) takeTokens(now time.Time, buckets []bucket) (bool, error) 
 		states = append(states, state)
 		st, ok := held(state)
 		var holds bool
-		*b, holds = b.kind().holds(st, ok, now, t, *b) // asked of every bucket: a quota names its period here
+		*b, holds = b.kind().holds(st, ok, now, t, *b) // asked of every bucket: a kind may set what the take needs here
 		allowed = allowed && holds
 	}
 	if allowed && absent > 0 && !s.reserve(absent) {
@@ -353,19 +354,35 @@ func (s *memoryStore) sweepShards(shards []int, t int64) {
 }
 
 // storeFor is s as h's store: where h takes, settles, holds, peeks and
-// resets its buckets.
-func (s *memoryStore) storeFor(h *Handler) store { return inProcess{h: h, s: s} }
+// resets its buckets. own says it is the handler's store (store memory),
+// which warns when it is full; a layer's buckets do not.
+func (s *memoryStore) storeFor(h *Handler, own bool) store {
+	return inProcess{h: h, s: s, warnsFull: own}
+}
 
 // inProcess is a memory store as a handler's store (store memory), or as
 // the buckets a layer takes in the process while the handler's store
 // fails; handlers of the same zone share the memory store.
 type inProcess struct {
-	h *Handler
-	s *memoryStore
+	h         *Handler
+	s         *memoryStore
+	warnsFull bool
 }
 
 func (p inProcess) take(_ context.Context, r *request) (bool, error) {
-	return p.s.takeInProcess(r.sent, r.buckets)
+	allowed, err := p.s.takeInProcess(r.sent, r.buckets)
+	if err == errMemoryFull && p.warnsFull {
+		p.h.warnFull() // also when the client left: the store is full all the same
+	}
+	return allowed, err
+}
+
+// warnFull: see the warnings of redisstore.go.
+func (h *Handler) warnFull() {
+	if ok, suppressed := h.fullWarns.allow(); ok {
+		h.logger.Warn("in-memory store full: a new client's request "+followsFallback, zap.String("zone", h.Zone),
+			zap.Int64("max_keys", h.MaxKeys), h.fallbackField(), suppressedField(suppressed))
+	}
 }
 func (p inProcess) settle(r *request, items []settling) { p.h.settleInProcess(p.s, r.buckets, items) }
 func (p inProcess) hold(r *request) *slotHold           { return p.h.holdSlots(r.buckets, p.s) }

@@ -45,16 +45,13 @@ type onErrorLayer struct {
 func (h *Handler) withFallback(below store) store {
 	e := &onErrorLayer{store: below, h: h, failOpen: h.failOpen}
 	if h.local != nil {
-		e.local = h.local.storeFor(h)
+		e.local = h.local.storeFor(h, false)
 	}
 	return e
 }
 
 func (e *onErrorLayer) take(ctx context.Context, r *request) (bool, error) {
 	allowed, err := e.store.take(ctx, r)
-	if err == errMemoryFull {
-		e.h.warnFull() // also when the client left: the store is full all the same
-	}
 	if err == nil || ctx.Err() != nil {
 		return allowed, err
 	}
@@ -112,17 +109,14 @@ func (e *onErrorLayer) reset(ctx context.Context, b bucket) error {
 // throttles it (suppressed lines before it).
 func (h *Handler) warnFailed(words string, err error, suppressed int64) {
 	h.logger.Warn(words+"; following on_error", zap.String("zone", h.Zone),
-		zap.String("on_error", h.OnError), zap.Error(err), suppressedField(suppressed))
+		h.fallbackField(), zap.Error(err), suppressedField(suppressed))
 }
 
-// followFallback is what a store's requests do while it fails, as its
-// warnings say it.
-const followFallback = "follow on_error"
+// What a store's requests do while it fails, as its warnings and errors
+// say it, and the field of its warnings that names the fallback.
+const (
+	followFallback  = "follow on_error"
+	followsFallback = "follows on_error"
+)
 
-// warnFull: see the warnings of redisstore.go.
-func (h *Handler) warnFull() {
-	if ok, suppressed := h.fullWarns.allow(); ok {
-		h.logger.Warn("in-memory store full: a new client's request follows on_error", zap.String("zone", h.Zone),
-			zap.Int64("max_keys", h.MaxKeys), zap.String("on_error", h.OnError), suppressedField(suppressed))
-	}
-}
+func (h *Handler) fallbackField() zap.Field { return zap.String("on_error", h.OnError) }

@@ -51,7 +51,7 @@ func (h *Handler) buildStore() {
 	var s store
 	switch {
 	case h.memory != nil:
-		s = h.memory.storeFor(h)
+		s = h.memory.storeFor(h, true)
 	case h.limiter == nil:
 		s = noStore{} // hard blocks only: nothing ever asks a store
 	default:

@@ -280,15 +280,20 @@ func (q *quota) limitInfo(l *limit) limitInfo {
 }
 
 // bucketInfo shows what is left of its count, and its usage in its
-// current period (Quota); its count is not a burst.
+// current period (quotaPart); its count is not a burst.
 func (q *quota) bucketInfo(ctx context.Context, h *Handler, b bucket) (bucketInfo, error) {
 	info, view, err := h.peekInfo(ctx, b)
 	if err != nil {
 		return info, err
 	}
-	info.BurstCapacity = 0 // its count is in Quota
-	info.Quota = q.view(b, view, time.Now())
+	info.BurstCapacity = 0 // its count is in quota
+	info.kindPart = quotaPart{q.view(b, view, time.Now())}
 	return info, nil
+}
+
+// quotaPart is a quota's part of its bucket's admin view.
+type quotaPart struct {
+	Quota *quotaInfo `json:"quota"`
 }
 
 // quotaInfo is a client's quota in its current period: its count, what

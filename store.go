@@ -8,8 +8,8 @@ import (
 // store decides requests with the buckets it keeps: in Redis
 // (redisstore.go) or in the process's memory. The deny cache
 // (denycache.go), leases (leasecall.go) and the fallback while a store
-// fails are layers: stores that wrap another and answer the same call. Provision
-// builds a handler's stack once (buildStore); the request path calls its
+// fails are layers: stores that wrap another and answer the same call.
+// Provision builds a handler's stack once (buildStore); the request path calls its
 // top and never asks what it holds.
 type store interface {
 	// take takes the request's tokens (and slots) from every one of its

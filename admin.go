@@ -142,7 +142,7 @@ type limitInfo struct {
 	RequestedTokens Param  `json:"requested_tokens"`
 	IPv4Prefix      int    `json:"ipv4_prefix"`
 	IPv6Prefix      int    `json:"ipv6_prefix"`
-	// A quota's count (in place of the rate and burst) and period.
+	// A count per calendar period, in place of the rate and burst.
 	Count Param  `json:"count,omitempty"`
 	Per   string `json:"per,omitempty"`
 	// A concurrent limit's slots and hold (concurrent.go).
@@ -198,15 +198,30 @@ type bucketInfo struct {
 	// when it would be full again (0 when there is no key: it is full).
 	RetryAfter float64 `json:"retry_after"`
 	ExpiresIn  float64 `json:"expires_in"`
-	// Quota is a quota's usage in its current period (Tokens is what is
-	// left of it); nil for a token bucket.
-	Quota *quotaInfo `json:"quota,omitempty"`
+	// kindPart is what the bucket's kind adds to its view: an object
+	// whose fields follow the view's (MarshalJSON); nil for none.
+	kindPart any
 	// A concurrent limit's: its slots, how many are held now, and when
 	// each held slot expires unless renewed, in seconds, soonest first
 	// (Redis only; in-process slots do not expire).
 	Slots      *int64    `json:"slots,omitempty"`
 	InUse      *int64    `json:"in_use,omitempty"`
 	SlotExpiry []float64 `json:"slot_expires_in,omitempty"`
+}
+
+// MarshalJSON writes the bucket's view, then its kind's part (kindPart):
+// a kind's fields come last, and no bucket has two kinds' fields.
+func (b bucketInfo) MarshalJSON() ([]byte, error) {
+	type plain bucketInfo // without this method
+	out, err := json.Marshal(plain(b))
+	if err != nil || b.kindPart == nil {
+		return out, err
+	}
+	part, err := json.Marshal(b.kindPart)
+	if err != nil || len(part) <= 2 || part[0] != '{' { // not an object with fields: nothing to add
+		return out, err
+	}
+	return append(append(out[:len(out)-1], ','), part[1:]...), nil
 }
 
 // adminTimeout bounds the Redis calls of one admin request.
@@ -265,7 +280,7 @@ func serveBuckets(w http.ResponseWriter, r *http.Request, zone string) error {
 }
 
 // peekInfo reads a bucket where its handler keeps it, as the admin API
-// shows a bucket of tokens (the token bucket's, and the quota's with
+// shows a bucket of tokens (the token bucket's, and other kinds' with
 // more), and what it read.
 func (h *Handler) peekInfo(ctx context.Context, b bucket) (bucketInfo, bucketView, error) {
 	view, err := h.store.peek(ctx, b)

@@ -41,10 +41,10 @@ import (
 func TestSettleBucketExamples(t *testing.T) {
 	const t0 = int64(1_700_000_000_000_000)
 	v := limitValues{rate: 10, burst: 100, requested: 20}
-	at := func(tokens float64) memoryBucket { return memoryBucket{tokens: tokens, at: t0} }
+	at := func(tokens float64) bucketState { return bucketState{tokens: tokens, at: t0} }
 	for _, tc := range []struct {
 		name          string
-		state         memoryBucket
+		state         bucketState
 		t             int64
 		diff, maxDebt int64
 		want          float64 // tokens after
@@ -2195,7 +2195,7 @@ http://127.0.0.1:{{http_port}} {
 // went into debt and those that gave back.
 func replayBucket(t *testing.T, lines []string, key string, v limitValues) (admitted, debts, gaveBack int) {
 	t.Helper()
-	last := memoryBucket{tokens: float64(v.burst)}
+	last := bucketState{tokens: float64(v.burst)}
 	present := false
 	var call []string // the script call on key being run, and its writes
 	var writes []scriptBucket
@@ -2225,7 +2225,7 @@ func replayBucket(t *testing.T, lines []string, key string, v limitValues) (admi
 				}
 				before := last
 				if !present {
-					before = memoryBucket{tokens: float64(v.burst), at: wrote.at}
+					before = bucketState{tokens: float64(v.burst), at: wrote.at}
 				}
 				if tokens := refill(before, wrote.at, v); tokens < float64(arg(2)) || wrote.tokens != tokens-float64(arg(2)) {
 					t.Fatalf("a take of %d at %d found %v tokens and left %v: admitted below its reservation, or took another amount",
@@ -2241,7 +2241,7 @@ func replayBucket(t *testing.T, lines []string, key string, v limitValues) (admi
 				}
 				before := last
 				if !present {
-					before = memoryBucket{tokens: float64(v.burst), at: wrote.at}
+					before = bucketState{tokens: float64(v.burst), at: wrote.at}
 				}
 				want, _ := settleBucket(before, wrote.at, v, arg(2), arg(3))
 				if wrote.tokens != want.tokens {
@@ -2256,7 +2256,7 @@ func replayBucket(t *testing.T, lines []string, key string, v limitValues) (admi
 			default:
 				t.Fatalf("a script call that is neither a take nor a settlement: %v", call)
 			}
-			last, present = memoryBucket{tokens: wrote.tokens, at: wrote.at}, true
+			last, present = bucketState{tokens: wrote.tokens, at: wrote.at}, true
 			writes = writes[1:]
 		}
 		if len(writes) > 0 {

@@ -227,8 +227,8 @@ func (h *Handler) countCharged(l *limit, charged, forgiven float64) {
 // bucket no lower than -maxDebt and never raising it, or give -diff back,
 // capped at the burst. forgiven is what the take could not take. Every
 // step is the script's, in the same order, so both agree to the bit
-// (TestSettleScriptAgreesWithMemoryStore).
-func settleBucket(state memoryBucket, t int64, v limitValues, diff, maxDebt int64) (after memoryBucket, forgiven float64) {
+// (charge_test.go checks it).
+func settleBucket(state bucketState, t int64, v limitValues, diff, maxDebt int64) (after bucketState, forgiven float64) {
 	tokens := refill(state, t, v)
 	var left float64
 	if diff < 0 {
@@ -241,39 +241,7 @@ func settleBucket(state memoryBucket, t int64, v limitValues, diff, maxDebt int6
 		}
 	}
 	ttl := math.Max(1000, math.Ceil((float64(v.burst)-left)*1000/v.rate)) // milliseconds, as the key's TTL
-	return memoryBucket{tokens: left, at: t, expires: t + int64(ttl)*1000}, forgiven
-}
-
-// settleInProcess settles in the memory store (store memory, or the
-// buckets of on_error local), at once: no I/O. A bucket that is gone
-// (swept) is full, as an expired key; one that a take would bring back
-// while the store is full cannot be, and its settlement is lost.
-func (h *Handler) settleInProcess(s *memoryStore, buckets []bucket, items []settling) {
-	var inlineKeys [maxInlineBuckets]string
-	var inlineShards [maxInlineBuckets]int
-	keys := inlineKeys[:0]
-	for _, it := range items {
-		keys = append(keys, s.storedKey(buckets[it.bucket].key))
-	}
-	shards := s.lock(keys, inlineShards[:0])
-	defer s.unlock(shards)
-	t := memoryNow(time.Now())
-	for i, it := range items {
-		b := &buckets[it.bucket]
-		shard := s.shardIndex(keys[i])
-		stored := s.shards[shard].buckets[keys[i]]
-		state, ok := held(stored)
-		after, store, charged, forgiven := b.kind().settleHeld(state, ok, t, *b, it.diff, it.cost, b.limit.charge.maxDebtFor(b.values))
-		switch {
-		case !store:
-		case !ok && !s.reserve(1):
-			h.countSettleFailure(buckets, items[i:i+1], errMemoryFull)
-			continue
-		default:
-			s.put(shard, keys[i], stored, after)
-		}
-		h.countCharged(b.limit, charged, forgiven)
-	}
+	return bucketState{tokens: left, at: t, expires: t + int64(ttl)*1000}, forgiven
 }
 
 // settleCall is one settlement call on its way to Redis (a request's
@@ -376,7 +344,7 @@ func (s *settleCall) TakeAnswer(c *redisbatch.Call) {
 		gaveBack, unsettled := false, false
 		for i, it := range s.items {
 			if r := c.Reply[2*i]; r < 0 {
-				// -2: a quota whose reservation's period is no longer
+				// -2: a bucket whose reservation's period is no longer
 				// counted, with nothing to settle; else its key holds
 				// another type, or the write was refused.
 				unsettled = unsettled || r != -2

@@ -12,19 +12,15 @@ import (
 )
 
 // The handler's own settings: their checks, each judging one value (or
-// a limit's values together), their defaults, and the zone's default
-// name. The Caddyfile parser calls the checks where the value is
+// a limit's values together), the checks of settings of several parts
+// together (a store with a layer, a layer with kinds of limit), their
+// defaults, and the zone's default name. A part's own values are judged
+// in its file. The Caddyfile parser calls the checks where the value is
 // written, so the message gets the line; Validate calls them for JSON
 // configs.
 
-// Values of on_error and store.
-const (
-	onErrorAllow = "allow"
-	onErrorDeny  = "deny"
-	onErrorLocal = "local"
-	storeRedis   = "redis"
-	storeMemory  = "memory"
-)
+// storeRedis is store's default value.
+const storeRedis = "redis"
 
 // defaultMaxKeys is max_keys when the config leaves it out.
 const defaultMaxKeys = 1_000_000
@@ -47,15 +43,8 @@ func checkStatus(subdirective string, code int) error {
 	return nil
 }
 
-func checkOnError(v string) error {
-	if v != onErrorAllow && v != onErrorDeny && v != onErrorLocal {
-		return fmt.Errorf("on_error '%s': want 'allow', 'deny' or 'local'", v)
-	}
-	return nil
-}
-
 // checkMaxKeys judges max_keys: a store that may hold no bucket would
-// send every request to on_error.
+// decide no request with its buckets.
 func checkMaxKeys(n int64) error {
 	if n < 1 {
 		return fmt.Errorf("max_keys '%d': want a whole number of buckets, 1 or more", n)
@@ -73,6 +62,28 @@ func checkStore(store string, redis bool, onError string) error {
 		return errors.New("store 'memory' keeps the buckets in this Caddy process, so the 'redis' block has nothing to do: remove it, or use store redis")
 	case store == storeMemory && onError == onErrorLocal:
 		return errors.New("on_error 'local' with store 'memory': the buckets are local already; use on_error allow or deny for a full store")
+	}
+	return nil
+}
+
+// checkLease judges lease: that there is a Redis to lease from, then
+// its size and hold.
+func checkLease(l *Lease, store string) error {
+	if l != nil && store == storeMemory {
+		return errors.New("lease with store 'memory': the buckets are in this process already; remove lease")
+	}
+	return l.check()
+}
+
+// checkLayersWithLimits refuses a layer with the kinds of limit it
+// cannot serve; checkLimits calls it after the kinds' own checks.
+func (h *Handler) checkLayersWithLimits() error {
+	switch {
+	case h.Lease == nil:
+	case len(h.Quotas) > 0:
+		return fmt.Errorf("lease with quotas: a lease takes tokens ahead for this instance, which a quota would count as used; remove lease, or the quotas")
+	case len(h.Concurrent) > 0:
+		return fmt.Errorf("lease with concurrent limits: a lease admits requests without asking Redis, where the slots are; remove lease, or the concurrent limits")
 	}
 	return nil
 }
@@ -121,9 +132,7 @@ func (h *Handler) applyDefaults() {
 	if h.EmptyKeyStatus == 0 {
 		h.EmptyKeyStatus = http.StatusForbidden
 	}
-	if h.OnError == "" {
-		h.OnError = onErrorAllow
-	}
+	h.fallbackDefault()
 	if h.Headers == "" {
 		h.Headers = headersSpring
 	}

@@ -27,7 +27,7 @@ import (
 
 // Concurrent is a concurrency limit: at most Slots requests of one key in
 // flight at once, counted across every Caddy instance that shares the
-// Redis (with `store memory`, in this process). A request takes one slot
+// Redis (or the process, with its buckets in memory). A request takes one slot
 // of each concurrent limit of its handler, together with the tokens of
 // its other limits, all or nothing, and gives it back when its response
 // has ended: finished, failed, panicked, or when the client left. When
@@ -97,8 +97,8 @@ var (
 
 // checkConcurrent judges the handler's concurrent limits as configured:
 // the parser calls it at the end of the directive, Validate for JSON.
-// seen holds the limits' and quotas' names, which a concurrent limit
-// must not take.
+// seen holds the names of the other kinds' limits, which a concurrent
+// limit must not take.
 func (h *Handler) checkConcurrent(seen map[string]bool) error {
 	for _, c := range h.Concurrent {
 		if err := checkLimitName(c.Name); err != nil {
@@ -224,7 +224,7 @@ func newSlotID() any {
 }
 
 // slotPolicyItem is a concurrent limit's RateLimit-Policy item: its slots
-// as the quota, in the IETF unit of concurrent requests.
+// as the policy's q, in the IETF unit of concurrent requests.
 func slotPolicyItem(quoted string, v limitValues) string {
 	return fmt.Sprintf("%s;q=%d;%s", quoted, v.burst, concurrentQuotaIn)
 }
@@ -341,18 +341,18 @@ func (*slotRule) replyWords() int                                      { return 
 func (*slotRule) readReply(b bucket, _ []int64, _ int) (bucket, error) { return b, nil }
 
 // A concurrent limit's slots in the process are counts of their own
-// (takeInProcess), never buckets of the memory store's: a take gives the
-// store only the token buckets before the slots.
+// (slotCounts), never bucket states: a take in the process gives the
+// kinds only the token buckets before the slots.
 
-func (*slotRule) holds(memoryBucket, bool, time.Time, int64, bucket) (bucket, bool) {
-	panic("concurrent limits take slots (takeInProcess), not tokens")
+func (*slotRule) holds(bucketState, bool, time.Time, int64, bucket) (bucket, bool) {
+	panic("concurrent limits take slots (slotCounts), not tokens")
 }
 
-func (*slotRule) take(memoryBucket, bool, time.Time, int64, bucket, bool) (bucket, memoryBucket, bool) {
-	panic("concurrent limits take slots (takeInProcess), not tokens")
+func (*slotRule) take(bucketState, bool, time.Time, int64, bucket, bool) (bucket, bucketState, bool) {
+	panic("concurrent limits take slots (slotCounts), not tokens")
 }
 
-func (*slotRule) peek(memoryBucket, bool, time.Time, int64, bucket) bucketView {
+func (*slotRule) peek(bucketState, bool, time.Time, int64, bucket) bucketView {
 	panic("concurrent limits are read by peekSlots, not peek")
 }
 
@@ -360,7 +360,7 @@ func (*slotRule) peek(memoryBucket, bool, time.Time, int64, bucket) bucketView {
 
 func (*slotRule) settleArg(bucket) any { panic("concurrent limits charge nothing") }
 
-func (*slotRule) settleHeld(memoryBucket, bool, int64, bucket, int64, int64, int64) (memoryBucket, bool, float64, float64) {
+func (*slotRule) settleHeld(bucketState, bool, int64, bucket, int64, int64, int64) (bucketState, bool, float64, float64) {
 	panic("concurrent limits charge nothing")
 }
 

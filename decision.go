@@ -16,17 +16,17 @@ import (
 type decision uint8
 
 const (
-	decisionAllowed           decision = iota // tokens taken
-	decisionDenied                            // a bucket short (or burst_capacity 0)
-	decisionExempt                            // the rate resolved to `unlimited`
-	decisionInvalid                           // a value from the request out of range
-	decisionEmptyKey                          // the key resolved to nothing
-	decisionErrorAllowed                      // Redis failed, on_error allow
-	decisionErrorDenied                       // Redis failed, on_error deny
-	decisionShadowDenied                      // would be denied; shadow mode let it pass
-	decisionOverflow                          // store memory full: a new client follows on_error
-	decisionErrorLocalAllowed                 // Redis failed, on_error local admitted it
-	decisionErrorLocalDenied                  // Redis failed, on_error local refused it
+	decisionAllowed         decision = iota // tokens taken
+	decisionDenied                          // a bucket short (or burst_capacity 0)
+	decisionExempt                          // the rate resolved to `unlimited`
+	decisionInvalid                         // a value from the request out of range
+	decisionEmptyKey                        // the key resolved to nothing
+	decisionFailedAllowed                   // the store failed; the fallback allowed it
+	decisionFailedDenied                    // the store failed; the fallback denied it
+	decisionShadowDenied                    // would be denied; shadow mode let it pass
+	decisionOverflow                        // the store full: a new client's request is decided without its buckets
+	decisionFallbackAllowed                 // the store failed; the fallback's buckets admitted it
+	decisionFallbackDenied                  // the store failed; the fallback's buckets refused it
 	numDecisions
 )
 
@@ -59,7 +59,7 @@ func (h *Handler) record(repl *caddy.Replacer, d decision, buckets []bucket, des
 	label := 0
 	if b != nil {
 		p.limit, p.burst, p.remaining = b.limit, b.values.burst, b.remaining
-		p.refused = d == decisionDenied || d == decisionShadowDenied || d == decisionErrorLocalDenied
+		p.refused = d == decisionDenied || d == decisionShadowDenied || d == decisionFallbackDenied
 		if p.refused {
 			p.retryAfter, label = ceilSeconds(retryAfter(buckets)), b.limit.index+1
 		}

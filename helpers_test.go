@@ -864,11 +864,11 @@ func scriptTake(b scriptBucket, now int64, rate float64, burst, requested int64)
 }
 
 // state is b as the memory store holds it: an absent bucket is full.
-func (b scriptBucket) state(now, burst int64) memoryBucket {
+func (b scriptBucket) state(now, burst int64) bucketState {
 	if !b.present {
-		return memoryBucket{tokens: float64(burst), at: now}
+		return bucketState{tokens: float64(burst), at: now}
 	}
-	return memoryBucket{tokens: b.tokens, at: b.at}
+	return bucketState{tokens: b.tokens, at: b.at}
 }
 
 // parseBucket reads a bucket's state from the reply to GET its key: the

@@ -10,8 +10,8 @@ import (
 	"time"
 )
 
-// kind is a kind of limit: the token bucket (tokenbucket.go), the quota
-// (quota.go) or the concurrent limit (concurrent.go). A limit holds its
+// kind is a kind of limit: the token bucket (tokenbucket.go) and the
+// kinds that register their config (registerKind). A limit holds its
 // kind (limit.kind), chosen once when the config is provisioned, and the
 // rest of the package asks the kind what is particular to it instead of
 // asking which kind it is. A kind is responsible for:
@@ -20,8 +20,8 @@ import (
 //     a script call: its arguments and its words of the reply
 //     (limiter.go);
 //   - what it puts in the rate-limit headers (headers.go calls it);
-//   - its arithmetic in the process, for store memory and on_error local
-//     (memstore.go);
+//   - its arithmetic on a bucket's state kept in the process
+//     (bucketState);
 //   - how a charge settles in it (charge.go);
 //   - its admin view (admin.go);
 //   - whether a request holds it while the response is served, to give
@@ -37,7 +37,7 @@ import (
 // 11 allocs).
 type kind interface {
 	// burstName is the name of the burst's value in the config, for
-	// messages: the burst_capacity of a token bucket, a quota's count.
+	// messages: the burst_capacity of a token bucket, another kind's own.
 	burstName() string
 	// resolveValues parses a limit's values as written (placeholders
 	// replaced) and judges them; isUnlimited says the limit does not
@@ -47,7 +47,7 @@ type kind interface {
 	// for fixed values (limit.args).
 	scriptArgs(v limitValues) [3]any
 	// begin completes a request's new bucket with what is the request's
-	// own (a quota's period, a slot id); shared is what the request's
+	// own (a calendar period, a slot id); shared is what the request's
 	// buckets share, returned with what begin made of it.
 	begin(b bucket, shared requestShared) (bucket, requestShared)
 	// appendArgs appends the bucket's arguments of a script call (its
@@ -87,27 +87,27 @@ type kind interface {
 	// it holds the requested tokens again.
 	cachedRemaining(b bucket, remaining int64, wait time.Duration) int64
 
-	// holds says whether a bucket the memory store holds (state, if ok)
+	// holds says whether a bucket held in the process (state, if ok)
 	// has room for the request at now, t on the store's clock; asked of
 	// every bucket of a take, before take.
-	holds(state memoryBucket, ok bool, now time.Time, t int64, b bucket) (bucket, bool)
-	// take is a bucket's part of a memory store take, once the request is
-	// known to be allowed or not: the bucket with its answer, as the
+	holds(state bucketState, ok bool, now time.Time, t int64, b bucket) (bucket, bool)
+	// take is a bucket's part of a take in the process, once the request
+	// is known to be allowed or not: the bucket with its answer, as the
 	// script's, and the state to store, if store.
-	take(state memoryBucket, ok bool, now time.Time, t int64, b bucket, allowed bool) (answered bucket, after memoryBucket, store bool)
-	// peek is a bucket the memory store holds (state, if ok), as the
-	// admin API shows it.
-	peek(state memoryBucket, ok bool, now time.Time, t int64, b bucket) bucketView
+	take(state bucketState, ok bool, now time.Time, t int64, b bucket, allowed bool) (answered bucket, after bucketState, store bool)
+	// peek is a bucket held in the process (state, if ok), as the admin
+	// API shows it.
+	peek(state bucketState, ok bool, now time.Time, t int64, b bucket) bucketView
 
 	// settleArg is settle.lua's first argument for the bucket: its kind
 	// as the script knows it.
 	settleArg(b bucket) any
-	// settleHeld settles a response's charge in a bucket the memory store
-	// holds (state, if ok) at t on the store's clock: diff tokens more
+	// settleHeld settles a response's charge in a bucket held in the
+	// process (state, if ok) at t on the store's clock: diff tokens more
 	// than the request reserved (fewer when negative), cost in all, in
 	// debt up to maxDebt. after is the state to store, if store; charged
 	// and forgiven are what the metrics count.
-	settleHeld(state memoryBucket, ok bool, t int64, b bucket, diff, cost, maxDebt int64) (after memoryBucket, store bool, charged, forgiven float64)
+	settleHeld(state bucketState, ok bool, t int64, b bucket, diff, cost, maxDebt int64) (after bucketState, store bool, charged, forgiven float64)
 
 	// heldWhileServed says whether a request holds the limit's bucket
 	// while its response is served, and gives it back when the response
@@ -128,8 +128,8 @@ type kind interface {
 }
 
 // kindError is a kind's reason for a store's answer that decides
-// nothing (say a quota whose period Redis's clock does not fall in):
-// the request follows on_error, and warning is the line the log gives
+// nothing (say a period that Redis's clock does not fall in): the
+// request is decided as when the store fails, and warning is the line the log gives
 // it, throttled as Redis failures are.
 type kindError interface {
 	error

@@ -20,7 +20,7 @@ import (
 // fixedWindow is a kind of limit (kind.go) known only to this test: at
 // most count tokens (the limit's burst) per window, a window starting
 // with the first take after the last window ended, on the memory store's
-// clock. A memoryBucket holds the tokens used in the window (tokens), its
+// clock. A bucketState holds the tokens used in the window (tokens), its
 // start (at) and its end (expires); past its end the bucket is gone, and
 // the next take starts a new window.
 //
@@ -123,14 +123,14 @@ func (fixedWindow) refused(b bucket) bucket        { return b }
 // current is the bucket's window that holds t: the tokens used in it,
 // its start and its end. An absent bucket, or one past its end, starts a
 // window at t.
-func (w fixedWindow) current(state memoryBucket, ok bool, t int64) (used float64, start, end int64) {
+func (w fixedWindow) current(state bucketState, ok bool, t int64) (used float64, start, end int64) {
 	if !ok || state.expires <= t {
 		return 0, t, t + w.window.Microseconds()
 	}
 	return state.tokens, state.at, state.expires
 }
 
-func (w fixedWindow) holds(state memoryBucket, ok bool, _ time.Time, t int64, b bucket) (bucket, bool) {
+func (w fixedWindow) holds(state bucketState, ok bool, _ time.Time, t int64, b bucket) (bucket, bool) {
 	used, _, _ := w.current(state, ok, t)
 	return b, used+float64(b.values.requested) <= float64(b.values.burst)
 }
@@ -138,7 +138,7 @@ func (w fixedWindow) holds(state memoryBucket, ok bool, _ time.Time, t int64, b 
 // take counts the request's tokens in the window if it is allowed; the
 // bucket waits until the window's end when the window has no room for
 // another request. A denial stores nothing.
-func (w fixedWindow) take(state memoryBucket, ok bool, _ time.Time, t int64, b bucket, allowed bool) (bucket, memoryBucket, bool) {
+func (w fixedWindow) take(state bucketState, ok bool, _ time.Time, t int64, b bucket, allowed bool) (bucket, bucketState, bool) {
 	used, start, end := w.current(state, ok, t)
 	if allowed {
 		used += float64(b.values.requested)
@@ -147,12 +147,12 @@ func (w fixedWindow) take(state memoryBucket, ok bool, _ time.Time, t int64, b b
 	if used+float64(b.values.requested) > float64(b.values.burst) {
 		b.retryAfter = time.Duration(end-t) * time.Microsecond
 	}
-	return b, memoryBucket{tokens: used, at: start, expires: end}, allowed
+	return b, bucketState{tokens: used, at: start, expires: end}, allowed
 }
 
 // peek is what is left of the count in the window, and the time until
 // the window ends; a bucket with no window now is full.
-func (w fixedWindow) peek(state memoryBucket, ok bool, _ time.Time, t int64, b bucket) bucketView {
+func (w fixedWindow) peek(state bucketState, ok bool, _ time.Time, t int64, b bucket) bucketView {
 	used, _, end := w.current(state, ok, t)
 	view := bucketView{tokens: float64(b.values.burst) - used}
 	if ok && state.expires > t {
@@ -164,7 +164,7 @@ func (w fixedWindow) peek(state memoryBucket, ok bool, _ time.Time, t int64, b b
 	return view
 }
 
-func (fixedWindow) settleHeld(memoryBucket, bool, int64, bucket, int64, int64, int64) (memoryBucket, bool, float64, float64) {
+func (fixedWindow) settleHeld(bucketState, bool, int64, bucket, int64, int64, int64) (bucketState, bool, float64, float64) {
 	panic("the fixed window of kind_test.go charges nothing: its config has no charge")
 }
 

@@ -3,7 +3,6 @@ package ratelimit
 import (
 	"crypto/rand"
 	"encoding/hex"
-	"errors"
 	"fmt"
 	"hash/maphash"
 	"math"
@@ -53,13 +52,11 @@ const (
 	maxLeaseHold     = time.Second
 )
 
-// checkLease judges lease: its size and hold, and that there is a Redis
-// to lease from.
-func checkLease(l *Lease, store string) error {
+// check judges lease's size and hold (module.go's checkLease, which
+// judges it with the store too, calls it).
+func (l *Lease) check() error {
 	switch {
 	case l == nil:
-	case store == storeMemory:
-		return errors.New("lease with store 'memory': the buckets are in this process already; remove lease")
 	case l.MaxTokens < 1:
 		return fmt.Errorf("lease '%d': want the most tokens a call may lease, 1 or more", l.MaxTokens)
 	case l.Hold < 0 || time.Duration(l.Hold) > maxLeaseHold:

@@ -370,16 +370,16 @@ func (l *limiter) reset(ctx context.Context, keys []string) error {
 
 // maxRetryMicros bounds the wait a reply may give: no bucket takes longer
 // than a year to fill (limitValues.check), nor to pay back its debt
-// (maxDebtFor); no quota's period is longer than maxPeriod, and the
+// (maxDebtFor); no calendar period is longer than maxPeriod, and the
 // script counts at most to the end of the period after Caddy's.
 const maxRetryMicros = max(2*maxFillSeconds*1_000_000, 2*int64(maxPeriod/time.Microsecond))
 
 // readTake reads the check-and-take reply, {allowed, then per bucket:
 // remaining, microseconds until it holds its requested tokens; from a
 // layer's script, then a count per bucket, which words receives (nil
-// for a script without); then each kind's replyWords}, into the buckets. A quota that
-// counted in none (Redis's clock outside its periods) is a
-// quotaClockError. Anything else is no answer at all: never read as a
+// for a script without); then each kind's replyWords (a calendar period
+// counted in)}, into the buckets. A kind's words that decide nothing are
+// its kindError (readReply). Anything else is no answer at all: never read as a
 // denial.
 func readTake(reply []int64, buckets []bucket, words []int64) (allowed bool, err error) {
 	n := len(buckets)

@@ -1,6 +1,7 @@
 package ratelimit
 
 import (
+	"context"
 	"errors"
 	"hash/maphash"
 	"slices"
@@ -10,10 +11,11 @@ import (
 	"time"
 
 	"github.com/caddyserver/caddy/v2"
+	"go.uber.org/zap"
 )
 
 // memoryStore keeps buckets in the Caddy process, for `store memory` and
-// for `on_error local`: the token bucket of script.lua, in Go, with the
+// for a layer that keeps them there while Redis fails: the token bucket of script.lua, in Go, with the
 // same arithmetic (takeBucket), so it answers as Redis would. Buckets are
 // sharded, each shard with its own lock: no lock is shared by all
 // requests. A bucket is forgotten once it would be full again, as a Redis
@@ -33,6 +35,9 @@ type memoryStore struct {
 	slots slotCounts
 }
 
+// storeMemory is store's value for the memory store.
+const storeMemory = "memory"
+
 // memoryShards spreads the buckets so that requests on different keys
 // rarely wait on one lock, and a shard's sweep holds its lock briefly:
 // 4,000 buckets each at 1,000,000.
@@ -45,13 +50,13 @@ type memoryShard struct {
 	// request's, so needed a copy of the key per take
 	// (BenchmarkServeHTTPMemory 4 -> 3 allocs; a bucket then costs 82 B of
 	// heap instead of 79: TestMemoryStoreHeapPerBucket).
-	buckets map[string]*memoryBucket
+	buckets map[string]*bucketState
 	_       [48]byte // a cache line of its own: 64 bytes in all
 }
 
-// memoryBucket is a bucket's state: the tokens it held at a time, and
+// bucketState is a bucket's state: the tokens it held at a time, and
 // when it would be full again, in microseconds of the store's clock.
-type memoryBucket struct {
+type bucketState struct {
 	tokens      float64
 	at, expires int64
 }
@@ -59,7 +64,7 @@ type memoryBucket struct {
 // errMemoryFull refuses a request whose bucket would be new while the
 // store holds max_keys live buckets: no live bucket is dropped to make
 // room, which would hand its client a full bucket.
-var errMemoryFull = errors.New("the in-memory store holds max_keys buckets; a new client's request follows on_error")
+var errMemoryFull = errors.New("the in-memory store holds max_keys buckets; a new client's request " + followsFallback)
 
 // clockStart makes the store's clock monotonic: microseconds since the
 // process started, unmoved by changes of the wall clock.
@@ -71,8 +76,8 @@ func memoryNow(t time.Time) int64 { return int64(t.Sub(clockStart) / time.Micros
 // zone share buckets, also across config reloads.
 var memoryStores = caddy.NewUsagePool()
 
-// memoryStoreName names the store of a kind (store memory, or the local
-// buckets of on_error local) for the handlers whose keys start with
+// memoryStoreName names the store of a kind (store memory's, or a
+// layer's buckets kept while Redis fails) for the handlers whose keys start with
 // keyPrefix and zone. Zones cannot contain keySeparator, so no two
 // (zone, key prefix) pairs share a name.
 func memoryStoreName(kind, keyPrefix, zone string) string {
@@ -108,7 +113,7 @@ func init() {
 		if h.memory == nil {
 			return below
 		}
-		return inProcess{h: h, s: h.memory}
+		return h.memory.storeFor(h, true)
 	}})
 }
 
@@ -119,7 +124,7 @@ func newMemoryStore(name, keyPrefix, zone string) *memoryStore {
 	s := &memoryStore{seed: maphash.MakeSeed(), stop: make(chan struct{}), name: name,
 		plainPrefix: keyPrefix + zone + keySeparator, namedPrefix: keyPrefix + "{" + zone}
 	for i := range s.shards {
-		s.shards[i].buckets = make(map[string]*memoryBucket)
+		s.shards[i].buckets = make(map[string]*bucketState)
 	}
 	go s.sweepEvery(memorySweepEvery)
 	return s
@@ -161,7 +166,7 @@ func (s *memoryStore) storedKey(key string) string {
 func (s *memoryStore) takeTokens(now time.Time, buckets []bucket) (bool, error) {
 	var inlineKeys [maxInlineBuckets]string
 	var inlineShards, inlineLocked [maxInlineBuckets]int
-	var inlineStates [maxInlineBuckets]*memoryBucket
+	var inlineStates [maxInlineBuckets]*bucketState
 	keys, shards, states := inlineKeys[:0], inlineShards[:0], inlineStates[:0]
 	for i := range buckets {
 		key := s.storedKey(buckets[i].key)
@@ -181,7 +186,7 @@ func (s *memoryStore) takeTokens(now time.Time, buckets []bucket) (bool, error) 
 		states = append(states, state)
 		st, ok := held(state)
 		var holds bool
-		*b, holds = b.kind().holds(st, ok, now, t, *b) // asked of every bucket: a quota names its period here
+		*b, holds = b.kind().holds(st, ok, now, t, *b) // asked of every bucket: a kind may set what the take needs here
 		allowed = allowed && holds
 	}
 	if allowed && absent > 0 && !s.reserve(absent) {
@@ -199,7 +204,7 @@ func (s *memoryStore) takeTokens(now time.Time, buckets []bucket) (bool, error) 
 	for i := range buckets {
 		b := &buckets[i]
 		state, ok := held(states[i])
-		var after memoryBucket
+		var after bucketState
 		var store bool
 		if *b, after, store = b.kind().take(state, ok, now, t, *b, allowed); store {
 			s.put(shards[i], keys[i], states[i], after)
@@ -210,9 +215,9 @@ func (s *memoryStore) takeTokens(now time.Time, buckets []bucket) (bool, error) 
 
 // held is the state of a bucket the store holds (nil for none), and
 // whether there is one.
-func held(b *memoryBucket) (memoryBucket, bool) {
+func held(b *bucketState) (bucketState, bool) {
 	if b == nil {
-		return memoryBucket{}, false
+		return bucketState{}, false
 	}
 	return *b, true
 }
@@ -221,9 +226,9 @@ func held(b *memoryBucket) (memoryBucket, bool) {
 // else as a new entry under a copy of the stored key, so that the map
 // never keeps the request's (larger) key alive. The caller holds the
 // shard locked.
-func (s *memoryStore) put(shard int, key string, held *memoryBucket, state memoryBucket) {
+func (s *memoryStore) put(shard int, key string, held *bucketState, state bucketState) {
 	if held == nil {
-		held = new(memoryBucket)
+		held = new(bucketState)
 		s.shards[shard].buckets[strings.Clone(key)] = held
 	}
 	*held = state
@@ -249,7 +254,7 @@ func (s *memoryStore) peek(now time.Time, b bucket) bucketView {
 	key := s.storedKey(b.key)
 	sh := s.shard(key)
 	sh.mu.Lock()
-	var state memoryBucket
+	var state bucketState
 	stored := sh.buckets[key]
 	if stored != nil {
 		state = *stored
@@ -355,5 +360,82 @@ func (s *memoryStore) sweepShards(shards []int, t int64) {
 				s.live.Add(-1)
 			}
 		}
+	}
+}
+
+// storeFor is s as h's store: where h takes, settles, holds, peeks and
+// resets its buckets. own says it is the handler's store (store memory),
+// which warns when it is full; a layer's buckets do not.
+func (s *memoryStore) storeFor(h *Handler, own bool) store {
+	return inProcess{h: h, s: s, warnsFull: own}
+}
+
+// inProcess is a memory store as a handler's store (store memory), or as
+// the buckets a layer takes in the process while the handler's store
+// fails; handlers of the same zone share the memory store.
+type inProcess struct {
+	h         *Handler
+	s         *memoryStore
+	warnsFull bool
+}
+
+func (p inProcess) take(_ context.Context, r *request) (bool, error) {
+	allowed, err := p.s.takeInProcess(r.sent, r.buckets)
+	if err == errMemoryFull && p.warnsFull {
+		p.h.warnFull() // also when the client left: the store is full all the same
+	}
+	return allowed, err
+}
+
+// warnFull is throttled, as a store's warnings of a failed take are.
+func (h *Handler) warnFull() {
+	if ok, suppressed := h.fullWarns.allow(); ok {
+		h.logger.Warn("in-memory store full: a new client's request "+followsFallback, zap.String("zone", h.Zone),
+			zap.Int64("max_keys", h.MaxKeys), h.fallbackField(), suppressedField(suppressed))
+	}
+}
+func (p inProcess) settle(r *request, items []settling) { p.h.settleInProcess(p.s, r.buckets, items) }
+func (p inProcess) hold(r *request) *slotHold           { return p.h.holdSlots(r.buckets, p.s) }
+func (p inProcess) peek(_ context.Context, b bucket) (bucketView, error) {
+	return p.s.peek(time.Now(), b), nil
+}
+func (p inProcess) peekSlots(_ context.Context, b bucket) (slotView, error) {
+	return slotView{inUse: p.s.slotsInUse(b.key)}, nil
+}
+func (p inProcess) reset(_ context.Context, b bucket) error {
+	p.s.reset([]string{b.key})
+	p.s.resetSlots([]string{b.key})
+	return nil
+}
+
+// settleInProcess settles in a memory store (store memory's, or a
+// layer's while the handler's store fails), at once: no I/O. A bucket that is gone
+// (swept) is full, as an expired key; one that a take would bring back
+// while the store is full cannot be, and its settlement is lost.
+func (h *Handler) settleInProcess(s *memoryStore, buckets []bucket, items []settling) {
+	var inlineKeys [maxInlineBuckets]string
+	var inlineShards [maxInlineBuckets]int
+	keys := inlineKeys[:0]
+	for _, it := range items {
+		keys = append(keys, s.storedKey(buckets[it.bucket].key))
+	}
+	shards := s.lock(keys, inlineShards[:0])
+	defer s.unlock(shards)
+	t := memoryNow(time.Now())
+	for i, it := range items {
+		b := &buckets[it.bucket]
+		shard := s.shardIndex(keys[i])
+		stored := s.shards[shard].buckets[keys[i]]
+		state, ok := held(stored)
+		after, store, charged, forgiven := b.kind().settleHeld(state, ok, t, *b, it.diff, it.cost, b.limit.charge.maxDebtFor(b.values))
+		switch {
+		case !store:
+		case !ok && !s.reserve(1):
+			h.countSettleFailure(buckets, items[i:i+1], errMemoryFull)
+			continue
+		default:
+			s.put(shard, keys[i], stored, after)
+		}
+		h.countCharged(b.limit, charged, forgiven)
 	}
 }

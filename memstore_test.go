@@ -47,14 +47,14 @@ func storedBuckets(tb testing.TB, s *memoryStore) int {
 }
 
 // storedBucket is the state s holds for the bucket whose key is key.
-func storedBucket(s *memoryStore, key string) (memoryBucket, bool) {
+func storedBucket(s *memoryStore, key string) (bucketState, bool) {
 	stored := s.storedKey(key)
 	sh := s.shard(stored)
 	sh.mu.Lock()
 	defer sh.mu.Unlock()
 	b, ok := sh.buckets[stored]
 	if !ok {
-		return memoryBucket{}, false
+		return bucketState{}, false
 	}
 	return *b, true
 }

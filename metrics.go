@@ -94,7 +94,7 @@ func newZoneMetrics(registry prometheus.Registerer, zone string, limits []*limit
 	}
 	for d := range numDecisions {
 		m.requests[d] = []prometheus.Counter{collectors.requests.WithLabelValues(zone, d.String(), "")}
-		if d != decisionDenied && d != decisionShadowDenied && d != decisionErrorLocalDenied {
+		if d != decisionDenied && d != decisionShadowDenied && d != decisionFallbackDenied {
 			continue
 		}
 		for _, l := range limits {

@@ -438,19 +438,6 @@ func (h *Handler) Validate() error {
 	return nil
 }
 
-// checkLayersWithLimits refuses a layer with the kinds of limit it
-// cannot serve; checkLimits calls it after the kinds' own checks.
-func (h *Handler) checkLayersWithLimits() error {
-	switch {
-	case h.Lease == nil:
-	case len(h.Quotas) > 0:
-		return fmt.Errorf("lease with quotas: a lease takes tokens ahead for this instance, which a quota would count as used; remove lease, or the quotas")
-	case len(h.Concurrent) > 0:
-		return fmt.Errorf("lease with concurrent limits: a lease admits requests without asking Redis, where the slots are; remove lease, or the concurrent limits")
-	}
-	return nil
-}
-
 // Cleanup releases the shared Redis client or in-memory store.
 func (h *Handler) Cleanup() error {
 	unregisterZone(h)

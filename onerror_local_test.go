@@ -123,10 +123,10 @@ func TestOnErrorLocalDescribesEveryBucketAfterAPartialRedisAnswer(t *testing.T) 
 		buckets[0].unknown = unknown // as takeGroups leaves a later group's bucket
 		req := acquireRequest()
 		req.buckets = append(req.buckets, buckets...)
-		layer := &onErrorLayer{h: h, store: failedStore{err: errors.New("Redis is down")}, local: h.local}
+		layer := h.withFallback(failedStore{err: errors.New("Redis is down")})
 		allowed, err := layer.take(context.Background(), req)
-		if err != nil || req.failed || !req.local {
-			t.Fatalf("on_error local: err %v, failed %v, local %v", err, req.failed, req.local)
+		if err != nil || req.failed || req.takenBy == nil {
+			t.Fatalf("on_error local: err %v, failed %v, taken by %v", err, req.failed, req.takenBy)
 		}
 		pass, err := h.answer(w, r, repl, req, allowed)
 		req.free()

@@ -3,8 +3,8 @@ package ratelimit
 // Quotas: a count of tokens per calendar period (per day, per month in a
 // time zone), renewed at the boundary, decided with the token buckets in
 // the same script call. A quota is a limit (policy.go) with a quota rule:
-// this file holds its values, its script arguments, its arithmetic in
-// the memory store, its header items and its admin view.
+// this file holds its values, its script arguments, its header items
+// and its admin view; quotamemory.go its arithmetic in the process.
 
 import (
 	"context"
@@ -134,7 +134,7 @@ func (q *quota) at(now time.Time, l *limit) *quotaPeriod {
 // quotaClockError is a quota that Redis counted in no period: its clock
 // read a time outside the period Caddy named by its own clock and the two
 // beside it, so the two clocks differ by more than a period. The call
-// took nothing; the request follows on_error.
+// took nothing; the request is decided as when Redis fails.
 type quotaClockError struct {
 	redis, caddy int64 // the clocks' readings, Unix microseconds
 	bounds       calendar.Bounds
@@ -157,8 +157,8 @@ func (e *quotaClockError) Error() string {
 
 // quotaAt sets a quota bucket's period for a take in the process at now.
 // The request named its period by the clock when it arrived, and the
-// take may come periods later (on_error local, after a Redis timeout
-// longer than the period), when now lies outside it and its neighbours;
+// take may come periods later (in a fallback's buckets, after a Redis
+// timeout longer than the period), when now lies outside it and its neighbours;
 // the process has the calendar, so it names the period now is in.
 func (b *bucket) quotaAt(now time.Time) {
 	if us := now.UnixMicro(); us < b.period().bounds[0] || us >= b.period().bounds[3] {
@@ -280,15 +280,20 @@ func (q *quota) limitInfo(l *limit) limitInfo {
 }
 
 // bucketInfo shows what is left of its count, and its usage in its
-// current period (Quota); its count is not a burst.
+// current period (quotaPart); its count is not a burst.
 func (q *quota) bucketInfo(ctx context.Context, h *Handler, b bucket) (bucketInfo, error) {
 	info, view, err := h.peekInfo(ctx, b)
 	if err != nil {
 		return info, err
 	}
-	info.BurstCapacity = 0 // its count is in Quota
-	info.Quota = q.view(b, view, time.Now())
+	info.BurstCapacity = 0 // its count is in quota
+	info.kindPart = quotaPart{q.view(b, view, time.Now())}
 	return info, nil
+}
+
+// quotaPart is a quota's part of its bucket's admin view.
+type quotaPart struct {
+	Quota *quotaInfo `json:"quota"`
 }
 
 // quotaInfo is a client's quota in its current period: its count, what

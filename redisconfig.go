@@ -60,7 +60,7 @@ type RedisConfig struct {
 
 	// Timeout bounds the whole Redis step of one request: waiting for a
 	// connection, dialing, sending, retries and the reply. Past it, the
-	// request is handled as `on_error` says. Default: 100ms.
+	// request is handled as if Redis failed. Default: 100ms.
 	Timeout caddy.Duration `json:"timeout,omitempty"`
 
 	// DialTimeout bounds one attempt to connect. Default: the timeout.
@@ -146,7 +146,8 @@ func (c *RedisConfig) withPlaceholders() RedisConfig {
 // loads (`{env.*}`, `{file.*}`, `{system.*}`, ...) and keeps every other
 // byte as written. Caddy's Replacer.ReplaceKnown would also drop the
 // backslash of `\{` and `\}`: a password `ab\{cd` would become `ab{cd`,
-// which Redis refuses (and with on_error allow, limiting would stop).
+// which Redis refuses (and with a fallback that allows, limiting would
+// stop).
 // A replaced value is not read again: an `{env.*}` value is taken whole.
 type knownPlaceholders struct{ repl *caddy.Replacer }
 

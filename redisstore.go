@@ -19,8 +19,9 @@ type redisStore struct {
 	holding bool       // some limit is held while a request is served (kind.heldWhileServed)
 }
 
-// Without store memory, and unless every limit blocks, the handler's
-// buckets are in Redis.
+// A handler with a Redis client (Provision makes one unless the
+// buckets are in the process, or every limit blocks) keeps its buckets
+// in Redis.
 func init() {
 	registerStore(storeConfig{order: 1, build: func(h *Handler, below store) store {
 		if h.limiter == nil {
@@ -113,24 +114,24 @@ func (s *redisStore) reset(ctx context.Context, b bucket) error {
 // goroutine's stack again after each GC shrank it: runtime.newstack took
 // 1.6 to 1.8% of Caddy's CPU under make bench's memory@64 load).
 
+// Each says what failed; the line is the fallback's (warnFailed), which
+// decides the request instead.
+
 func (h *Handler) warnOverloaded(err error) {
 	if ok, suppressed := h.overloaded.allow(); ok {
-		h.logger.Warn("overloaded: this instance could not send requests to Redis in time; following on_error",
-			zap.String("zone", h.Zone), zap.String("on_error", h.OnError), zap.Error(err), suppressedField(suppressed))
+		h.warnFailed("overloaded: this instance could not send requests to Redis in time", err, suppressed)
 	}
 }
 
 func (h *Handler) warnKind(err kindError) {
 	if ok, suppressed := h.redisWarns.allow(); ok {
-		h.logger.Warn(err.warning()+"; following on_error", zap.String("zone", h.Zone),
-			zap.String("on_error", h.OnError), zap.Error(err), suppressedField(suppressed))
+		h.warnFailed(err.warning(), err, suppressed)
 	}
 }
 
 func (h *Handler) warnRedisFailed(err error) {
 	if ok, suppressed := h.redisWarns.allow(); ok {
-		h.logger.Warn("Redis failed; following on_error", zap.String("zone", h.Zone),
-			zap.String("on_error", h.OnError), zap.Error(err), suppressedField(suppressed))
+		h.warnFailed("Redis failed", err, suppressed)
 	}
 }
 
@@ -138,7 +139,7 @@ func (h *Handler) warnRedisFailed(err error) {
 // limiter, which tells every handler that uses it.
 func (h *Handler) breakerChanged(node string, open bool, failures int64) {
 	if open {
-		h.logger.Warn("circuit breaker opened: a Redis node failed repeatedly; requests for its keys skip Redis and follow on_error until it answers",
+		h.logger.Warn("circuit breaker opened: a Redis node failed repeatedly; requests for its keys skip Redis and "+followFallback+" until it answers",
 			zap.String("zone", h.Zone), zap.String("node", node), zap.Int64("consecutive_failures", failures))
 	} else {
 		h.logger.Info("circuit breaker closed: the Redis node answers again", zap.String("zone", h.Zone), zap.String("node", node))

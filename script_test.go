@@ -413,7 +413,7 @@ func TestScriptAndMemoryStoreExpireAlikeAcrossPlanChanges(t *testing.T) {
 		t0, t1, t2 := clock0.Val().UnixMicro(), clock1.Val().UnixMicro(), clock2.Val().UnixMicro()
 		// The key's expiry in Redis time: stored when written, fill-elapsed
 		// ms from then (the store ran right before t0).
-		state := memoryBucket{tokens: b.tokens, at: b.at, expires: b.at + fill*1000}
+		state := bucketState{tokens: b.tokens, at: b.at, expires: b.at + fill*1000}
 		what := fmt.Sprintf("case %d: %+v written at %+v, taken at %+v: reply %v", n, state, was, now, reply)
 		// The script ran at some time in [t0, t1]: an admitted take stores
 		// it; a denial pins it to about a microsecond by its wait. Every

@@ -56,16 +56,17 @@ type request struct {
 	// then, and its call's timeout runs from then.
 	sent time.Time
 	// admitted and refused name the decision for the metrics and
-	// {http.rate_limit.result}: allowed and denied, unless on_error local
-	// decided.
+	// {http.rate_limit.result}: allowed and denied, unless a layer took
+	// the buckets elsewhere (takenBy) and names its own.
 	admitted, refused decision
-	// failed says that on_error decided without any bucket's answer
-	// (allow, deny, or local with its store full), as failure.
+	// failed says that a layer decided without any bucket's answer, as
+	// failure (a fallback while the store fails).
 	failed  bool
 	failure decision
-	// local says the request's buckets were taken from on_error local's
-	// store: its slots are held there, its charges settle there.
-	local bool
+	// takenBy is the store that took the request's buckets when a layer
+	// took them elsewhere than in the store below it (nil: that store
+	// took them): its slots are held there, its charges settle there.
+	takenBy store
 	// settling holds a charged request's settlements (charge.go), here
 	// for the reason the buckets are.
 	settling [maxInlineBuckets]settling
@@ -96,7 +97,7 @@ var requests = sync.Pool{New: func() any { return new(request) }}
 func acquireRequest() *request {
 	r := requests.Get().(*request)
 	r.buckets = r.inline[:0]
-	r.admitted, r.refused, r.failed, r.local = decisionAllowed, decisionDenied, false, false
+	r.admitted, r.refused, r.failed, r.takenBy = decisionAllowed, decisionDenied, false, nil
 	r.w, r.hold, r.charge, r.registered = nil, nil, nil, false
 	r.weights.known = 0
 	return r
@@ -115,7 +116,7 @@ func (r *request) free() {
 	requests.Put(r)
 }
 
-// fail records that on_error decided the request without its buckets.
+// fail records that a layer decided the request without its buckets.
 func (r *request) fail(d decision) { r.failed, r.failure = true, d }
 
 // limit decides a request: pass says it goes on to the next handler,
@@ -181,8 +182,8 @@ func (h *Handler) resolve(w http.ResponseWriter, r *http.Request, repl *caddy.Re
 	return buckets, true, nil
 }
 
-// answerFailed ends the decision on a request that on_error decided
-// without its buckets' answers (req.failed): pass when on_error allows
+// answerFailed ends the decision on a request that a layer decided
+// without its buckets' answers (req.failed): pass when the layer allowed
 // it, else a denial that does not say the cause, err.
 func (h *Handler) answerFailed(w http.ResponseWriter, r *http.Request, repl *caddy.Replacer, req *request, pass bool, err error) (bool, error) {
 	buckets := req.buckets

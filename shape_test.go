@@ -16,7 +16,8 @@ import (
 // The package's shape, as issue 29 states it: each kind of limit, store
 // and layer is named only in its own files, the Caddyfile parser and the
 // config's fields (module.go: the Handler's fields and their docs,
-// Provision and Validate, which read them); no file is over 500 lines;
+// Provision, Validate and Cleanup, which read them; checks.go: the checks
+// of settings of several parts together); no file is over 500 lines;
 // the internal packages do not import this one. These tests read the
 // source, so they run in the fast tier.
 
@@ -36,8 +37,9 @@ var shapeParts = []struct {
 	{"the Redis store", regexp.MustCompile(`(?i)redis ?store`), []string{"redisstore.go"}},
 }
 
-// shapeConfigFiles may name every part: the parser and the config.
-var shapeConfigFiles = []string{"caddyfile.go", "caddyfilefields.go", "caddyfileredis.go", "module.go"}
+// shapeConfigFiles may name every part: the parser, the config and the
+// checks that judge the settings of several parts together (checks.go).
+var shapeConfigFiles = []string{"caddyfile.go", "caddyfilefields.go", "caddyfileredis.go", "module.go", "checks.go"}
 
 // notAPart are phrases that use a part's words for something else: a
 // Redis Cluster's hash slots.

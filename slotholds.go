@@ -405,7 +405,7 @@ func (h *Handler) releaseTaken(taken []bucket) []bucket {
 
 // releaseLostTake releases the slots of a request whose take failed with
 // err after it may have run in Redis: its reply was cut, or came after
-// the timeout. The request follows on_error without a slot, so nothing
+// the timeout. The request is decided without a slot, so nothing
 // else would release them, and they would stay taken for their hold. A
 // release is idempotent: one of slots the take never got frees nothing.
 // Not sent for a take that never left (this instance's overload, an

@@ -1,14 +1,14 @@
 package ratelimit
 
-// A concurrent limit's slots in the process, for store memory and
-// on_error local (concurrent.go has the limit itself).
+// A concurrent limit's slots in the process, for store memory and the
+// buckets a layer keeps there (concurrent.go has the limit itself).
 
 import (
 	"sync"
 	"time"
 )
 
-// In-process slots, for store memory and on_error local: a count per key,
+// In-process slots, for the memory store: a count per key,
 // with a generation that an admin reset renews, so that the releases of
 // requests admitted before the reset do not free slots taken after it.
 

@@ -17,7 +17,7 @@ type store interface {
 	// take takes the request's tokens (and slots) from every one of its
 	// buckets, or from none, as at r.sent, and fills in each bucket's
 	// answer (remaining, wait). err is a failure to decide; a layer that
-	// decides despite it (on_error) says so in r.
+	// decides despite it (a fallback) says so in r.
 	take(ctx context.Context, r *request) (allowed bool, err error)
 	// settle settles the charges of a served request, items, where its
 	// buckets were taken (charge.go).
@@ -32,30 +32,6 @@ type store interface {
 	peekSlots(ctx context.Context, b bucket) (slotView, error)
 	// reset makes a bucket (or its slots) full again.
 	reset(ctx context.Context, b bucket) error
-}
-
-// inProcess is store memory: a handler's buckets in the process's memory
-// (memstore.go), which handlers of the same zone share.
-type inProcess struct {
-	h *Handler
-	s *memoryStore
-}
-
-func (p inProcess) take(_ context.Context, r *request) (bool, error) {
-	return p.s.takeInProcess(r.sent, r.buckets)
-}
-func (p inProcess) settle(r *request, items []settling) { p.h.settleInProcess(p.s, r.buckets, items) }
-func (p inProcess) hold(r *request) *slotHold           { return p.h.holdSlots(r.buckets, p.s) }
-func (p inProcess) peek(_ context.Context, b bucket) (bucketView, error) {
-	return p.s.peek(time.Now(), b), nil
-}
-func (p inProcess) peekSlots(_ context.Context, b bucket) (slotView, error) {
-	return slotView{inUse: p.s.slotsInUse(b.key)}, nil
-}
-func (p inProcess) reset(_ context.Context, b bucket) error {
-	p.s.reset([]string{b.key})
-	p.s.resetSlots([]string{b.key})
-	return nil
 }
 
 // noStore is the store of a handler whose limits all block (burst 0):

@@ -16,7 +16,7 @@ import (
 // The token bucket, the kind of limit of `limit` and of a handler's own
 // rate: its values (rate, burst, cost), their judgment and its script
 // arguments. Its arithmetic is script.lua's checkBucket and takeBucket,
-// and memstore.go's in the process.
+// and this file's in the process.
 
 // Bounds of a limit: token counts stay exact in the script's doubles,
 // and an empty bucket fills within a year.
@@ -233,8 +233,8 @@ func (tokenBucket) appendPolicy(policy []byte, lh *limitHeaders, b bucket) []byt
 	return append(policy, policyItem(lh.quoted, b.values)...)
 }
 
-// policyItem is a limit's RateLimit-Policy item: its burst as the quota
-// and the seconds an empty bucket takes to fill as the window.
+// policyItem is a limit's RateLimit-Policy item: its burst as the
+// policy's q and the seconds an empty bucket takes to fill as the window.
 func policyItem(quoted string, v limitValues) string {
 	fill := int64(0)
 	if v.rate > 0 {
@@ -259,18 +259,18 @@ func (tokenBucket) cachedRemaining(b bucket, _ int64, wait time.Duration) int64 
 	return max(0, int64(math.Floor(tokens)))
 }
 
-// The token bucket in the process (store memory, on_error local): a
-// memoryBucket holds its tokens at a time, and expires when it would be
+// The token bucket in the process (for a store or a layer that keeps
+// buckets there): a bucketState holds its tokens at a time, and expires when it would be
 // full again. Every step is script.lua's checkBucket and takeBucket.
 
 // holds says whether the bucket has the requested tokens at t.
-func (tokenBucket) holds(state memoryBucket, ok bool, _ time.Time, t int64, b bucket) (bucket, bool) {
+func (tokenBucket) holds(state bucketState, ok bool, _ time.Time, t int64, b bucket) (bucket, bool) {
 	current, at := currentState(state, ok, t, b.values)
 	return b, refill(current, at, b.values) >= float64(b.values.requested)
 }
 
 // take is the bucket's part of a take at t (settle).
-func (tokenBucket) take(state memoryBucket, ok bool, _ time.Time, t int64, b bucket, allowed bool) (bucket, memoryBucket, bool) {
+func (tokenBucket) take(state bucketState, ok bool, _ time.Time, t int64, b bucket, allowed bool) (bucket, bucketState, bool) {
 	after, store, remaining, wait := settle(state, ok, t, b.values, allowed)
 	b.remaining, b.retryAfter = remaining, time.Duration(wait)*time.Microsecond
 	return b, after, store
@@ -281,14 +281,14 @@ func (tokenBucket) settleArg(b bucket) any { return b.args[0] }
 
 // settleHeld refills the bucket, then takes or gives back the difference
 // (settleBucket); a full bucket needs no entry.
-func (tokenBucket) settleHeld(state memoryBucket, ok bool, t int64, b bucket, diff, cost, maxDebt int64) (memoryBucket, bool, float64, float64) {
+func (tokenBucket) settleHeld(state bucketState, ok bool, t int64, b bucket, diff, cost, maxDebt int64) (bucketState, bool, float64, float64) {
 	current, at := currentState(state, ok, t, b.values)
 	after, forgiven := settleBucket(current, at, b.values, diff, maxDebt)
 	return after, ok || after.tokens < float64(b.values.burst), float64(cost) - forgiven, forgiven
 }
 
 // peek is what the bucket holds at t, refilled.
-func (tokenBucket) peek(state memoryBucket, ok bool, _ time.Time, t int64, b bucket) bucketView {
+func (tokenBucket) peek(state bucketState, ok bool, _ time.Time, t int64, b bucket) bucketView {
 	v := b.values
 	if !ok || state.expires <= t {
 		return bucketView{tokens: float64(v.burst)}
@@ -302,7 +302,7 @@ func (tokenBucket) peek(state memoryBucket, ok bool, _ time.Time, t int64, b buc
 // settle is one bucket's part of a take at t, once the request is known
 // to be allowed or not: the state to store, if store, and the answer.
 // state is the bucket as held, if ok.
-func settle(state memoryBucket, ok bool, t int64, v limitValues, allowed bool) (after memoryBucket, store bool, remaining, wait int64) {
+func settle(state bucketState, ok bool, t int64, v limitValues, allowed bool) (after bucketState, store bool, remaining, wait int64) {
 	current, at := currentState(state, ok, t, v)
 	after, _, remaining, wait = takeBucket(current, at, v, allowed)
 	if !allowed && ok {
@@ -315,16 +315,16 @@ func settle(state memoryBucket, ok bool, t int64, v limitValues, allowed bool) (
 // take: an absent bucket (not ok), or one past its expiry, is full at t
 // (as an absent or expired Redis key); a bucket taken from after t is
 // taken from at that time (see take).
-func currentState(state memoryBucket, ok bool, t int64, v limitValues) (memoryBucket, int64) {
+func currentState(state bucketState, ok bool, t int64, v limitValues) (bucketState, int64) {
 	if !ok || state.expires <= t {
-		return memoryBucket{tokens: float64(v.burst), at: t}, t
+		return bucketState{tokens: float64(v.burst), at: t}, t
 	}
 	return state, max(t, state.at)
 }
 
 // refill is what a bucket holds at t: script.lua's arithmetic, which
 // also counts from t when the stored time lies ahead.
-func refill(state memoryBucket, t int64, v limitValues) float64 {
+func refill(state bucketState, t int64, v limitValues) float64 {
 	return math.Min(float64(v.burst), state.tokens+float64(max(0, t-state.at))*v.rate/1000000)
 }
 
@@ -333,8 +333,8 @@ func refill(state memoryBucket, t int64, v limitValues) float64 {
 // so, and answer the remaining whole tokens and the microseconds until
 // the bucket holds its requested tokens again. The state after holds
 // when the bucket would be full again. Every step is the script's, in the
-// same order, so that both agree to the bit (TestScriptAgreesWithMemoryStore).
-func takeBucket(state memoryBucket, t int64, v limitValues, take bool) (after memoryBucket, took bool, remaining, wait int64) {
+// same order, so that both agree to the bit (script_test.go checks it).
+func takeBucket(state bucketState, t int64, v limitValues, take bool) (after bucketState, took bool, remaining, wait int64) {
 	tokens := refill(state, t, v)
 	requested := float64(v.requested)
 	if take && tokens >= requested {
@@ -345,7 +345,7 @@ func takeBucket(state memoryBucket, t int64, v limitValues, take bool) (after me
 		wait = int64(math.Ceil((requested - tokens) * 1000000 / v.rate))
 	}
 	ttl := math.Max(1000, math.Ceil((float64(v.burst)-tokens)*1000/v.rate)) // milliseconds, as the key's TTL
-	return memoryBucket{tokens: tokens, at: t, expires: t + int64(ttl)*1000}, took, max(0, int64(math.Floor(tokens))), wait
+	return bucketState{tokens: tokens, at: t, expires: t + int64(ttl)*1000}, took, max(0, int64(math.Floor(tokens))), wait
 }
 
 // extendOnDenial is what a denial at t leaves of a held bucket: its
@@ -354,7 +354,7 @@ func takeBucket(state memoryBucket, t int64, v limitValues, take bool) (after me
 // expires as after (takeBucket's) says. script.lua's PEXPIRE, with its
 // millisecond of slack for the rounding of expiries: at unchanged values
 // a denial changes nothing.
-func extendOnDenial(state, after memoryBucket, t int64, v limitValues) memoryBucket {
+func extendOnDenial(state, after bucketState, t int64, v limitValues) bucketState {
 	fill := math.Ceil((float64(v.burst) - after.tokens) * 1000 / v.rate) // milliseconds, as the script's
 	if state.expires > t && float64(state.expires-t)+1000 < fill*1000 {
 		state.expires = after.expires

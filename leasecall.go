@@ -62,7 +62,7 @@ func (l leaseLayer) take(ctx context.Context, r *request) (bool, error) {
 // records it as a Redis call). A cold request (no lease, no hot key:
 // leases.acquire) is decided as without lease, by the plain script,
 // which refills a bucket only up to what its leases leave; on a Cluster
-// whose slots its buckets span, by lease.lua, which refunds the groups
+// whose hash slots its buckets span, by lease.lua, which refunds the groups
 // before a refusal under that cap (giveback.lua would not know it).
 func (h *Handler) checkLeased(clientCtx context.Context, sent time.Time, buckets []bucket) (allowed, asked bool, err error) {
 	ls := h.leases
@@ -183,7 +183,7 @@ func groupOf(buckets []bucket, g int, dst []bucket) []bucket {
 }
 
 // refundGroups returns what a request took from earlier slot groups, a
-// call per group (one slot each), whether or not the client is still
+// call per group (one hash slot each), whether or not the client is still
 // there: the tokens must not stay taken. A failure is logged; those
 // buckets then stay short until they refill.
 func (h *Handler) refundGroups(taken []bucket) {
@@ -317,7 +317,7 @@ func (h *Handler) warnGiveBack(err error) {
 	}
 }
 
-// call runs lease.lua in mode over the buckets (of one Cluster slot),
+// call runs lease.lua in mode over the buckets (of one Cluster hash slot),
 // each with its lease's record, what the lease holds unused and the most
 // it should hold, as call seq of this instance (ls.seq.Add(1) as it
 // leaves, but for a give-back), and reads each bucket's answer:
@@ -351,17 +351,17 @@ const leaseRecordSuffix = "|lease"
 
 // leaseRecordKey is the key of what the bucket at key has lent: in the
 // same Redis Cluster hash slot, so that one script reads both. A key with
-// a hash tag keeps it; one without gets a tag that hashes to its slot.
+// a hash tag keeps it; one without gets a tag that hashes to its hash slot.
 func leaseRecordKey(key string) string {
 	if _, tagged := redisbatch.HashTag(key); tagged {
 		return key + leaseRecordSuffix
 	}
-	return key + leaseRecordSuffix + "{" + slotTags()[redisbatch.Slot(key)] + "}"
+	return key + leaseRecordSuffix + "{" + hashSlotTags()[redisbatch.Slot(key)] + "}"
 }
 
-// slotTags are, for each Cluster hash slot, the shortest string of
+// hashSlotTags are, for each Cluster hash slot, the shortest string of
 // letters and digits that hashes to it (found once, in a few ms).
-var slotTags = sync.OnceValue(func() *[redisbatch.Slots]string {
+var hashSlotTags = sync.OnceValue(func() *[redisbatch.Slots]string {
 	const alphabet = "0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
 	tags := new([redisbatch.Slots]string)
 	missing := redisbatch.Slots
@@ -372,8 +372,8 @@ var slotTags = sync.OnceValue(func() *[redisbatch.Slots]string {
 			for i := range length {
 				buf[i] = alphabet[digits[i]]
 			}
-			if slot := redisbatch.CRC16(string(buf)) % redisbatch.Slots; tags[slot] == "" {
-				tags[slot] = string(buf)
+			if hashSlot := redisbatch.CRC16(string(buf)) % redisbatch.Slots; tags[hashSlot] == "" {
+				tags[hashSlot] = string(buf)
 				if missing--; missing == 0 {
 					return tags
 				}
@@ -390,14 +390,14 @@ var slotTags = sync.OnceValue(func() *[redisbatch.Slots]string {
 			}
 		}
 	}
-	panic(fmt.Sprintf("no tag for %d Cluster slots", missing)) // 62^4 strings cover every slot
+	panic(fmt.Sprintf("no tag for %d Cluster hash slots", missing)) // 62^4 strings cover every hash slot
 })
 
 // settleLeased settles the costs of a lending handler's responses
 // (charge.go) with lease.lua, in the background: a lending bucket refills
 // only up to what its leases leave, and settle.lua, which knows nothing
 // of leases, would refill and give back into lent tokens. One call per
-// bucket: a bucket and its lease record share a Cluster slot, two
+// bucket: a bucket and its lease record share a Cluster hash slot, two
 // buckets may not. A request admitted from a lease settles in that lease
 // when it can (leases.settle), without a call.
 func (h *Handler) settleLeased(buckets []bucket, items []settling) {

@@ -513,7 +513,7 @@ func TestLeaseRecordKeySharesTheBucketsSlot(t *testing.T) {
 			t.Fatalf("record %q of %q: slot %d, want %d", record, key, redisbatch.Slot(record), redisbatch.Slot(key))
 		}
 	}
-	for slot, tag := range slotTags() {
+	for slot, tag := range hashSlotTags() {
 		if redisbatch.Slot(tag) != slot || len(tag) > 3 {
 			t.Fatalf("tag %q for slot %d: its slot is %d", tag, slot, redisbatch.Slot(tag))
 		}

@@ -335,7 +335,7 @@ func (h *Handler) Provision(ctx caddy.Context) (err error) {
 	if err := h.setUpCharging(); err != nil {
 		return err
 	}
-	h.assignWeightSlots() // weights.go
+	h.assignWeightPlaces() // weights.go
 	if err := h.setUpRequestBody(); err != nil {
 		return err
 	}

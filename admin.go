@@ -145,9 +145,31 @@ type limitInfo struct {
 	// A quota's count (in place of the rate and burst) and period.
 	Count Param  `json:"count,omitempty"`
 	Per   string `json:"per,omitempty"`
-	// A concurrent limit's slots and hold (concurrent.go).
-	Slots Param  `json:"slots,omitempty"`
-	Hold  string `json:"hold,omitempty"`
+	// kindView is what a kind lists of its own beyond these (a struct),
+	// after them (kind.limitInfo).
+	kindView any
+}
+
+func (li limitInfo) MarshalJSON() ([]byte, error) {
+	type fields limitInfo
+	return withKindView(fields(li), li.kindView)
+}
+
+// withKindView is v's JSON object with the fields of a kind's view (a
+// struct, or nil) after v's own.
+func withKindView(v, view any) ([]byte, error) {
+	text, err := json.Marshal(v)
+	if err != nil || view == nil {
+		return text, err
+	}
+	more, err := json.Marshal(view)
+	if err != nil {
+		return nil, err
+	}
+	if len(more) > len("{}") {
+		text = append(append(text[:len(text)-1], ','), more[1:]...)
+	}
+	return text, nil
 }
 
 // limitInfo is what every kind of limit lists of itself: its name, key
@@ -201,12 +223,14 @@ type bucketInfo struct {
 	// Quota is a quota's usage in its current period (Tokens is what is
 	// left of it); nil for a token bucket.
 	Quota *quotaInfo `json:"quota,omitempty"`
-	// A concurrent limit's: its slots, how many are held now, and when
-	// each held slot expires unless renewed, in seconds, soonest first
-	// (Redis only; in-process slots do not expire).
-	Slots      *int64    `json:"slots,omitempty"`
-	InUse      *int64    `json:"in_use,omitempty"`
-	SlotExpiry []float64 `json:"slot_expires_in,omitempty"`
+	// kindView is what a kind shows of its own beyond these (a struct),
+	// after them (kind.bucketInfo).
+	kindView any
+}
+
+func (bi bucketInfo) MarshalJSON() ([]byte, error) {
+	type fields bucketInfo
+	return withKindView(fields(bi), bi.kindView)
 }
 
 // adminTimeout bounds the Redis calls of one admin request.

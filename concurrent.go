@@ -23,6 +23,7 @@ import (
 
 	"github.com/caddy-redis/ratelimit/internal/redisbatch"
 	"github.com/caddyserver/caddy/v2"
+	"github.com/prometheus/client_golang/prometheus"
 )
 
 // Concurrent is a concurrency limit: at most Slots requests of one key in
@@ -78,6 +79,26 @@ type slotRule struct {
 	hold       time.Duration
 	holdArg    any // the hold in microseconds as script argument, boxed once
 	retryAfter time.Duration
+	// inFlight is its zone's series of the in_flight gauge: the slots
+	// this instance's requests hold; nil without metrics.
+	inFlight prometheus.Gauge
+}
+
+// inFlightGauge counts the slots of concurrent limits that this
+// instance's requests hold (slotRule.inFlight).
+var inFlightGauge = prometheus.NewGaugeVec(prometheus.GaugeOpts{
+	Namespace: "caddy", Subsystem: "rate_limit", Name: "in_flight",
+	Help: "Slots of concurrent limits that this instance's requests hold now, by zone and limit.",
+}, []string{"zone", "limit"})
+
+// inFlightSeries gives a zone's concurrent limits their series of the
+// in_flight gauge.
+func inFlightSeries(zone string, limits []*limit) {
+	for _, l := range limits {
+		if s, ok := l.kind.(*slotRule); ok {
+			s.inFlight = inFlightGauge.WithLabelValues(zone, l.name)
+		}
+	}
 }
 
 // slotRule is a concurrent limit's rule.
@@ -166,7 +187,17 @@ func resolveSlots(s string) (v limitValues, isUnlimited bool, err error) {
 }
 
 func init() {
-	registerKind(kindConfig{order: 2, configs: concurrentConfigs, check: (*Handler).checkConcurrent})
+	registerKind(kindConfig{order: 2, configs: concurrentConfigs, check: (*Handler).checkConcurrent, zoneText: concurrentZoneText})
+	registerMetrics(metricPart{collector: inFlightGauge, zone: inFlightSeries})
+}
+
+// concurrentZoneText is what the concurrent limits add to the text that
+// names a handler without a zone (derivedZone).
+func concurrentZoneText(h *Handler, text []byte) []byte {
+	for _, c := range h.Concurrent {
+		text = fmt.Appendf(text, "\x00c\x00%s\x00%s\x00%s", c.Name, c.Key, c.Slots)
+	}
+	return text
 }
 
 // concurrentConfigs are the handler's concurrent limits, after its
@@ -266,11 +297,28 @@ return left`
 
 // The concurrent limit as a kind of limit (kind.go).
 
+// slotLimitInfo is what the admin API lists of a concurrent limit beyond
+// every limit's: its slots and hold.
+type slotLimitInfo struct {
+	Slots Param  `json:"slots,omitempty"`
+	Hold  string `json:"hold,omitempty"`
+}
+
 // limitInfo lists its slots and hold.
 func (s *slotRule) limitInfo(l *limit) limitInfo {
 	li := l.limitInfo()
-	li.Slots, li.Hold = l.burst, s.hold.String()
+	li.kindView = slotLimitInfo{Slots: l.burst, Hold: s.hold.String()}
 	return li
+}
+
+// slotBucketInfo is what the admin API shows of a client's concurrent
+// limit: its slots, how many are held now, and when each held slot
+// expires unless renewed, in seconds, soonest first (Redis only;
+// in-process slots do not expire).
+type slotBucketInfo struct {
+	Slots      int64     `json:"slots"`
+	InUse      int64     `json:"in_use"`
+	SlotExpiry []float64 `json:"slot_expires_in,omitempty"`
 }
 
 // bucketInfo shows how many of its slots are held, and when each held
@@ -280,11 +328,11 @@ func (*slotRule) bucketInfo(ctx context.Context, h *Handler, b bucket) (bucketIn
 	if err != nil {
 		return bucketInfo{}, err
 	}
-	info := bucketInfo{Limit: b.limit.name, Key: b.clientKey(), StoredKey: b.key, Slots: &b.values.burst, InUse: &view.inUse}
+	slots := slotBucketInfo{Slots: b.values.burst, InUse: view.inUse}
 	for _, d := range view.expiries {
-		info.SlotExpiry = append(info.SlotExpiry, d.Seconds())
+		slots.SlotExpiry = append(slots.SlotExpiry, d.Seconds())
 	}
-	return info, nil
+	return bucketInfo{Limit: b.limit.name, Key: b.clientKey(), StoredKey: b.key, kindView: slots}, nil
 }
 
 func (*slotRule) burstName() string { return "slots" }

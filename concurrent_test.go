@@ -412,7 +412,7 @@ func TestConcurrentStoreMemoryAndOnErrorLocal(t *testing.T) {
 			hd := newHolder()
 			ctx := context.Background()
 			a, b := startHeld(t, ctx, h, hd, "k"), startHeld(t, ctx, h, hd, "k")
-			if got := gaugeValue(t, h.metrics.inFlight[1]); got != 2 {
+			if got := gaugeValue(t, h.limits[1].slotRule().inFlight); got != 2 {
 				t.Errorf("in_flight %v with two held, want 2", got)
 			}
 			if status, _ := serve(ctx, h, "k"); status != 429 {
@@ -421,7 +421,7 @@ func TestConcurrentStoreMemoryAndOnErrorLocal(t *testing.T) {
 			close(hd.letGo)
 			<-a
 			<-b
-			if got := gaugeValue(t, h.metrics.inFlight[1]); got != 0 {
+			if got := gaugeValue(t, h.limits[1].slotRule().inFlight); got != 0 {
 				t.Errorf("in_flight %v after both ended, want 0", got)
 			}
 			if status, _ := serve(ctx, h, "k"); status != 200 {

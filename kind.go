@@ -200,6 +200,10 @@ type kindConfig struct {
 	// calls it at the end of the directive, Validate for JSON. names
 	// holds the names of the limits judged before, which the kinds share.
 	check func(h *Handler, names map[string]bool) error
+	// zoneText appends what of its limits names a handler without a
+	// zone (derivedZone), if anything: it names their Redis keys, so it
+	// never changes.
+	zoneText func(h *Handler, text []byte) []byte
 }
 
 // kindConfigs are the kinds of limit, in the order their limits come.

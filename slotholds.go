@@ -81,8 +81,8 @@ func (h *Handler) holdSlots(buckets []bucket, store *memoryStore) *slotHold {
 		if every := b.limit.slotRule().hold / 3; hold.every == 0 || every < hold.every {
 			hold.every = every
 		}
-		if h.metrics != nil {
-			h.metrics.inFlight[b.limit.index].Inc()
+		if g := b.limit.slotRule().inFlight; g != nil {
+			g.Inc()
 		}
 	}
 	if store == nil && perRequest {
@@ -106,9 +106,9 @@ func (s *slotHold) release() {
 	s.released = true
 	s.mu.Unlock()
 	h := s.h
-	if h.metrics != nil {
-		for _, l := range s.limits {
-			h.metrics.inFlight[l.index].Dec()
+	for _, l := range s.limits {
+		if g := l.slotRule().inFlight; g != nil {
+			g.Dec()
 		}
 	}
 	if s.store != nil {

@@ -324,7 +324,7 @@ type slotBucketInfo struct {
 // bucketInfo shows how many of its slots are held, and when each held
 // slot expires unless renewed.
 func (*slotRule) bucketInfo(ctx context.Context, h *Handler, b bucket) (bucketInfo, error) {
-	view, err := h.store.peekSlots(ctx, b)
+	view, err := peekSlots(ctx, h.store.keeper(nil), b.key)
 	if err != nil {
 		return bucketInfo{}, err
 	}
@@ -373,7 +373,9 @@ type slotStep struct{ h *Handler }
 
 func (s slotStep) register(req *request) bool {
 	if firstHeld(req.buckets) < len(req.buckets) {
-		req.hold = s.h.store.hold(req)
+		if hold := s.h.holdSlots(req.buckets, s.h.store.keeper(req)); hold != nil {
+			req.hold = hold
+		}
 	}
 	return req.hold != nil
 }

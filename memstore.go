@@ -29,8 +29,9 @@ type memoryStore struct {
 	// prefix and the zone are the store's, see memoryStoreName), which it
 	// does not hold: see storedKey.
 	plainPrefix, namedPrefix string
-	// slots are the in-process slots of concurrent limits (concurrent.go).
-	slots slotCounts
+	// inUse counts what requests hold of its keys while they are served
+	// (kind.heldWhileServed).
+	inUse heldCounts
 }
 
 // memoryShards spreads the buckets so that requests on different keys
@@ -248,10 +249,12 @@ func (s *memoryStore) peek(now time.Time, b bucket) bucketView {
 	return b.kind().peek(state, stored != nil, now, memoryNow(now), b)
 }
 
-// reset forgets buckets, which makes them full.
+// reset forgets buckets, which makes them full, and frees what
+// requests hold of them.
 func (s *memoryStore) reset(keys []string) {
 	for _, key := range keys {
 		key = s.storedKey(key)
+		s.inUse.free(key)
 		sh := s.shard(key)
 		sh.mu.Lock()
 		if _, ok := sh.buckets[key]; ok {
@@ -280,6 +283,8 @@ func (s *memoryStore) lock(keys []string, shards []int) []int {
 }
 
 func (sh *memoryShard) mutex() *sync.Mutex { return &sh.mu }
+
+func (*memoryStore) keepsBuckets() {}
 
 // lockShards locks the shards at the indexes, each once and in order, so
 // that requests over several shards never wait on each other in a

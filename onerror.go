@@ -50,7 +50,7 @@ func (e *onErrorLayer) take(ctx context.Context, r *request) (bool, error) {
 	return e.failOpen, err
 }
 
-// settle and hold go where the request's buckets were taken.
+// settle and keeper go where the request's buckets were taken.
 func (e *onErrorLayer) settle(r *request, items []settling) {
 	if r.local {
 		e.h.settleInProcess(e.local, r.buckets, items)
@@ -59,18 +59,17 @@ func (e *onErrorLayer) settle(r *request, items []settling) {
 	e.store.settle(r, items)
 }
 
-func (e *onErrorLayer) hold(r *request) *slotHold {
-	if r.local {
-		return e.h.holdSlots(r.buckets, e.local)
+func (e *onErrorLayer) keeper(r *request) keeper {
+	if r != nil && r.local {
+		return e.local
 	}
-	return e.store.hold(r)
+	return e.store.keeper(r)
 }
 
 // reset resets the key in the local buckets too.
 func (e *onErrorLayer) reset(ctx context.Context, b bucket) error {
 	if e.local != nil {
 		e.local.reset([]string{b.key})
-		e.local.resetSlots([]string{b.key})
 	}
 	return e.store.reset(ctx, b)
 }

@@ -118,8 +118,8 @@ var (
 
 // checkConcurrent judges the handler's concurrent limits as configured:
 // the parser calls it at the end of the directive, Validate for JSON.
-// seen holds the limits' and quotas' names, which a concurrent limit
-// must not take.
+// seen holds the names of the limits judged before, which a concurrent
+// limit must not take.
 func (h *Handler) checkConcurrent(seen map[string]bool) error {
 	for _, c := range h.Concurrent {
 		if err := checkLimitName(c.Name); err != nil {
@@ -350,10 +350,10 @@ func (*slotRule) scriptArgs(v limitValues) [3]any {
 // begin gives the bucket the request's slot id, one for all its
 // concurrent limits.
 func (*slotRule) begin(b bucket, shared requestShared) (bucket, requestShared) {
-	if shared.slot == nil {
-		shared.slot = newSlotID()
+	if shared.id == nil {
+		shared.id = newSlotID()
 	}
-	b.args[2] = shared.slot
+	b.args[2] = shared.id
 	return b, shared
 }
 

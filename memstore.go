@@ -144,7 +144,7 @@ func (s *memoryStore) storedKey(key string) string {
 // none, and fills in each bucket's answer, as the script does in Redis.
 //
 // A bucket's time never moves back: the caller reads the clock before
-// the shards are locked, so concurrent requests can reach a bucket out
+// the shards are locked, so simultaneous requests can reach a bucket out
 // of their clocks' order, and a take at a time before the bucket's last
 // one is made at that last time. Counting from the earlier time, as the
 // script does when its server's clock went back, would count the time
@@ -221,9 +221,9 @@ func (s *memoryStore) put(shard int, key string, held *memoryBucket, state memor
 }
 
 // reserve counts n new buckets if they fit under max_keys. Takes on
-// other shards reserve concurrently, so the store never holds more than
+// other shards reserve at the same time, so the store never holds more than
 // max_keys (a reservation that does not fit is undone; meanwhile it may
-// refuse a concurrent one that would have fit).
+// refuse a simultaneous one that would have fit).
 func (s *memoryStore) reserve(n int) bool {
 	if n == 0 {
 		return true

@@ -20,8 +20,8 @@ import (
 // shortest hold.
 type slotHold struct {
 	h      *Handler
-	in     keeper // where the slots are held: in Redis (the limiter), or in the process
-	id     any    // the slot id, as the script took it
+	in     keeper  // where the slots are held: in Redis (the limiter), or in the process
+	id     *string // the slot id, as the script took it (newSlotID): a word less than an any
 	keys   []string
 	limits []*limit
 	// slots are, in Redis, each limit's slots n for this request as
@@ -77,7 +77,7 @@ func (h *Handler) holdSlots(buckets []bucket, in keeper) *slotHold {
 	perRequest := false
 	for i := k; i < len(buckets); i++ {
 		b := &buckets[i]
-		hold.id = b.args[2]
+		hold.id = b.args[2].(*string)
 		hold.keys = append(hold.keys, b.key)
 		hold.limits = append(hold.limits, b.limit)
 		perRequest = perRequest || !b.limit.fixed
@@ -400,7 +400,7 @@ func (h *Handler) releaseTaken(taken []bucket) []bucket {
 			tokens = append(tokens, *b)
 			continue
 		}
-		hold.id = b.args[2]
+		hold.id = b.args[2].(*string)
 		hold.keys = append(hold.keys, b.key)
 		hold.limits = append(hold.limits, b.limit)
 	}
@@ -429,7 +429,7 @@ func (h *Handler) releaseLostTake(buckets []bucket, err error) {
 	hold := &slotHold{h: h, released: true, renewedAt: time.Since(clockStart)}
 	for i := firstHeld(buckets); i < len(buckets); i++ {
 		b := &buckets[i]
-		hold.id = b.args[2]
+		hold.id = b.args[2].(*string)
 		hold.keys = append(hold.keys, b.key)
 		hold.limits = append(hold.limits, b.limit)
 		if every := b.limit.slotRule().hold / 3; hold.every == 0 || every < hold.every {

@@ -47,8 +47,8 @@ type kind interface {
 	// for fixed values (limit.args).
 	scriptArgs(v limitValues) [3]any
 	// begin completes a request's new bucket with what is the request's
-	// own (a period, an id); shared is what the request's
-	// buckets share, returned with what begin made of it.
+	// own (a period, an id); shared is what the request's buckets
+	// share, returned with what begin made of it.
 	begin(b bucket, shared requestShared) (bucket, requestShared)
 	// appendArgs appends the bucket's arguments of a script call (its
 	// args, and what the kind adds).
@@ -115,8 +115,8 @@ type kind interface {
 	heldWhileServed() bool
 	// finishing is the step (steps.go) that a handler with limits of the
 	// kind runs on an admitted request, to do what must follow its
-	// response (give back what it held); nil for none. The limits of a kind
-	// share it.
+	// response (give back what it held); nil for none. The limits of a
+	// kind share it.
 	finishing(h *Handler) step
 
 	// limitInfo is the limit as the admin API lists it, with the

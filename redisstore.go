@@ -25,18 +25,18 @@ type redisStore struct {
 // what it may have taken (heldInRedis).
 func (s *redisStore) take(ctx context.Context, r *request) (bool, error) {
 	buckets := r.buckets
-	var held heldInRedis
+	var kept heldInRedis
 	returning := false
 	if s.holding {
-		held = s.limiter.held
-		returning = held.returning(buckets)
+		kept = s.limiter.held
+		returning = kept.returning(buckets)
 	}
 	allowed, err := s.takeAll(ctx, r.sent, buckets)
-	if returning && err == nil && !allowed && held.awaitReturns(buckets, r.sent.Add(s.limiter.timeout/2)) {
+	if returning && err == nil && !allowed && kept.awaitReturns(buckets, r.sent.Add(s.limiter.timeout/2)) {
 		allowed, err = s.takeAll(ctx, r.sent, buckets) // what its key held was on its way back
 	}
-	if err != nil && held != nil {
-		held.lostTake(s.h, buckets, err)
+	if err != nil && kept != nil {
+		kept.lostTake(s.h, buckets, err)
 	}
 	s.h.answeredByRedis(ctx, r, allowed, err)
 	return allowed, err
@@ -72,8 +72,8 @@ func (s *redisStore) takeAll(ctx context.Context, sent time.Time, buckets []buck
 
 // answeredByRedis completes what Redis answered to a request's take
 // (sent at r.sent): the metric of its time, the refused buckets' waits
-// (kind.refused), and a line for a failure, throttled (an open breaker was logged
-// when it opened).
+// (kind.refused), and a line for a failure, throttled (an open breaker
+// was logged when it opened).
 func (h *Handler) answeredByRedis(ctx context.Context, r *request, allowed bool, err error) {
 	if h.metrics != nil && err != redisbatch.ErrBreakerOpen {
 		h.metrics.redisDuration.Observe(time.Since(r.sent).Seconds())

@@ -117,20 +117,21 @@ func (s *slotHold) release() {
 			g.Dec()
 		}
 	}
-	if m := s.inProcess(); m != nil {
+	if m := s.inMemory(); m != nil {
 		for i, key := range s.keys {
 			m.releaseSlot(key, s.gens[i])
 		}
 		return
 	}
 	// Pending from now, so that a refused request of these keys waits for
-	// it (awaitReleases); queued once no renewal of the slots is on its
+	// it (awaitReturns); queued once no renewal of the slots is on its
 	// way, and before the hold stops keeping the limiter open (Destruct).
 	l := h.limiter
-	l.slots().releases.add(s.keys, 1)
-	if l.slots().renewals.leave(s) {
+	p := l.slots()
+	p.releases.add(s.keys, 1)
+	if p.renewals.leave(s) {
 		l.queueRelease(s)
-		l.slots().renewals.left()
+		p.renewals.left()
 	}
 }
 

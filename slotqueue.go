@@ -73,7 +73,7 @@ func (*limiterSlots) giveBack(h *Handler, taken []bucket) []bucket { return h.re
 // pending by the caller (pendingReleases), and wakes a worker; it does
 // not wait: the response ends meanwhile. A worker sends it and reads the
 // answer. A request of the same client refused meanwhile for that key
-// waits for it and asks again (awaitReleases): a client that sends its
+// waits for it and asks again (awaitReturns): a client that sends its
 // requests one after another never finds its own previous slot still
 // taken. A release that fails is tried again at the renewals' next
 // tick, until its hold would have ended anyway (slotRenewals.retry). A
@@ -279,7 +279,7 @@ func (b *slotBatch) TakeAnswer(c *redisbatch.Call) {
 
 // pendingReleases counts the releases queued and not yet answered, per
 // slot key, so that a request of a key refused meanwhile waits for its
-// own key's releases (awaitReleases), and for no other key's. A count by
+// own key's releases (awaitReturns), and for no other key's. A count by
 // hash, read without a lock, answers the usual question (no release of
 // any of these keys is on its way) with one atomic load; only when it is
 // not zero does the key's own count, under its shard's lock, say. (A

@@ -110,9 +110,9 @@ func (c *heldCounts) free(key string) {
 	delete(c.entries, key)
 }
 
-// inProcess is the memory store that keeps the slots of a hold (in),
-// or nil when Redis keeps them.
-func (s *slotHold) inProcess() *memoryStore {
+// inMemory is the memory store that keeps the slots of a hold (in), or
+// nil when Redis keeps them.
+func (s *slotHold) inMemory() *memoryStore {
 	m, _ := s.in.(*memoryStore)
 	return m
 }

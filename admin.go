@@ -145,9 +145,31 @@ type limitInfo struct {
 	// A count per calendar period, in place of the rate and burst.
 	Count Param  `json:"count,omitempty"`
 	Per   string `json:"per,omitempty"`
-	// A concurrent limit's slots and hold (concurrent.go).
-	Slots Param  `json:"slots,omitempty"`
-	Hold  string `json:"hold,omitempty"`
+	// kindView is what a kind lists of its own beyond these (a struct),
+	// after them (kind.limitInfo).
+	kindView any
+}
+
+func (li limitInfo) MarshalJSON() ([]byte, error) {
+	type fields limitInfo
+	return withKindView(fields(li), li.kindView)
+}
+
+// withKindView is v's JSON object with the fields of a kind's view (a
+// struct, or nil) after v's own.
+func withKindView(v, view any) ([]byte, error) {
+	text, err := json.Marshal(v)
+	if err != nil || view == nil {
+		return text, err
+	}
+	more, err := json.Marshal(view)
+	if err != nil {
+		return nil, err
+	}
+	if len(more) > len("{}") {
+		text = append(append(text[:len(text)-1], ','), more[1:]...)
+	}
+	return text, nil
 }
 
 // limitInfo is what every kind of limit lists of itself: its name, key
@@ -198,30 +220,14 @@ type bucketInfo struct {
 	// when it would be full again (0 when there is no key: it is full).
 	RetryAfter float64 `json:"retry_after"`
 	ExpiresIn  float64 `json:"expires_in"`
-	// kindPart is what the bucket's kind adds to its view: an object
-	// whose fields follow the view's (MarshalJSON); nil for none.
-	kindPart any
-	// A concurrent limit's: its slots, how many are held now, and when
-	// each held slot expires unless renewed, in seconds, soonest first
-	// (Redis only; in-process slots do not expire).
-	Slots      *int64    `json:"slots,omitempty"`
-	InUse      *int64    `json:"in_use,omitempty"`
-	SlotExpiry []float64 `json:"slot_expires_in,omitempty"`
+	// kindView is what a kind shows of its own beyond these (a struct),
+	// after them (kind.bucketInfo).
+	kindView any
 }
 
-// MarshalJSON writes the bucket's view, then its kind's part (kindPart):
-// a kind's fields come last, and no bucket has two kinds' fields.
-func (b bucketInfo) MarshalJSON() ([]byte, error) {
-	type plain bucketInfo // without this method
-	out, err := json.Marshal(plain(b))
-	if err != nil || b.kindPart == nil {
-		return out, err
-	}
-	part, err := json.Marshal(b.kindPart)
-	if err != nil || len(part) <= 2 || part[0] != '{' { // not an object with fields: nothing to add
-		return out, err
-	}
-	return append(append(out[:len(out)-1], ','), part[1:]...), nil
+func (bi bucketInfo) MarshalJSON() ([]byte, error) {
+	type fields bucketInfo
+	return withKindView(fields(bi), bi.kindView)
 }
 
 // adminTimeout bounds the Redis calls of one admin request.

@@ -386,7 +386,7 @@ func (h *Handler) setUpCharging() error {
 				rule.fields = append(rule.fields, bits)
 			}
 			for _, w := range charge.jsonWeights() {
-				t := costTerm{weight: w, weightKey: onePlaceholder(w), slot: -1}
+				t := costTerm{weight: w, weightKey: onePlaceholder(w), place: -1}
 				t.w, t.fixedW, _ = checkWeight("charge json", w, w) // judged by checkCharge
 				rule.weights = append(rule.weights, t)
 				h.chargeWeights = h.chargeWeights || !t.fixedW

@@ -113,8 +113,10 @@ func (h *Handler) derivedZone() string {
 	for _, l := range h.Limits {
 		text = fmt.Appendf(text, "\x00%s\x00%s\x00%s\x00%s", l.Name, l.Key, l.ReplenishRate, l.BurstCapacity)
 	}
-	for _, c := range h.Concurrent {
-		text = fmt.Appendf(text, "\x00c\x00%s\x00%s\x00%s", c.Name, c.Key, c.Slots)
+	for _, k := range kindConfigs {
+		if k.zoneText != nil {
+			text = k.zoneText(h, text)
+		}
 	}
 	sum := sha256.Sum256(text)
 	return "auto-" + hex.EncodeToString(sum[:6])

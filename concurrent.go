@@ -21,8 +21,8 @@ import (
 	"time"
 	"unsafe"
 
-	"github.com/caddy-redis/ratelimit/internal/redisbatch"
 	"github.com/caddyserver/caddy/v2"
+	"github.com/prometheus/client_golang/prometheus"
 )
 
 // Concurrent is a concurrency limit: at most Slots requests of one key in
@@ -78,6 +78,26 @@ type slotRule struct {
 	hold       time.Duration
 	holdArg    any // the hold in microseconds as script argument, boxed once
 	retryAfter time.Duration
+	// inFlight is its zone's series of the in_flight gauge: the slots
+	// this instance's requests hold; nil without metrics.
+	inFlight prometheus.Gauge
+}
+
+// inFlightGauge counts the slots of concurrent limits that this
+// instance's requests hold (slotRule.inFlight).
+var inFlightGauge = prometheus.NewGaugeVec(prometheus.GaugeOpts{
+	Namespace: "caddy", Subsystem: "rate_limit", Name: "in_flight",
+	Help: "Slots of concurrent limits that this instance's requests hold now, by zone and limit.",
+}, []string{"zone", "limit"})
+
+// inFlightSeries gives a zone's concurrent limits their series of the
+// in_flight gauge.
+func inFlightSeries(zone string, limits []*limit) {
+	for _, l := range limits {
+		if s, ok := l.kind.(*slotRule); ok {
+			s.inFlight = inFlightGauge.WithLabelValues(zone, l.name)
+		}
+	}
 }
 
 // slotRule is a concurrent limit's rule.
@@ -86,7 +106,7 @@ func (l *limit) slotRule() *slotRule { return l.kind.(*slotRule) }
 //go:embed concurrent.lua
 var concurrentSource string
 
-var concurrentScript = redisbatch.NewScript(concurrentSource)
+var concurrentScript = registerScript(concurrentSource)
 
 // Script arguments of concurrent.lua, boxed once.
 var (
@@ -97,7 +117,7 @@ var (
 
 // checkConcurrent judges the handler's concurrent limits as configured:
 // the parser calls it at the end of the directive, Validate for JSON.
-// seen holds the names of the other kinds' limits, which a concurrent
+// seen holds the names of the limits judged before, which a concurrent
 // limit must not take.
 func (h *Handler) checkConcurrent(seen map[string]bool) error {
 	for _, c := range h.Concurrent {
@@ -163,7 +183,17 @@ func resolveSlots(s string) (v limitValues, isUnlimited bool, err error) {
 }
 
 func init() {
-	registerKind(kindConfig{order: 2, configs: concurrentConfigs, check: (*Handler).checkConcurrent})
+	registerKind(kindConfig{order: 2, configs: concurrentConfigs, check: (*Handler).checkConcurrent, zoneText: concurrentZoneText})
+	registerMetrics(metricPart{collector: inFlightGauge, zone: inFlightSeries})
+}
+
+// concurrentZoneText is what the concurrent limits add to the text that
+// names a handler without a zone (derivedZone).
+func concurrentZoneText(h *Handler, text []byte) []byte {
+	for _, c := range h.Concurrent {
+		text = fmt.Appendf(text, "\x00c\x00%s\x00%s\x00%s", c.Name, c.Key, c.Slots)
+	}
+	return text
 }
 
 // concurrentConfigs are the handler's concurrent limits, after its
@@ -263,25 +293,42 @@ return left`
 
 // The concurrent limit as a kind of limit (kind.go).
 
+// slotLimitInfo is what the admin API lists of a concurrent limit beyond
+// every limit's: its slots and hold.
+type slotLimitInfo struct {
+	Slots Param  `json:"slots,omitempty"`
+	Hold  string `json:"hold,omitempty"`
+}
+
 // limitInfo lists its slots and hold.
 func (s *slotRule) limitInfo(l *limit) limitInfo {
 	li := l.limitInfo()
-	li.Slots, li.Hold = l.burst, s.hold.String()
+	li.kindView = slotLimitInfo{Slots: l.burst, Hold: s.hold.String()}
 	return li
+}
+
+// slotBucketInfo is what the admin API shows of a client's concurrent
+// limit: its slots, how many are held now, and when each held slot
+// expires unless renewed, in seconds, soonest first (Redis only;
+// in-process slots do not expire).
+type slotBucketInfo struct {
+	Slots      int64     `json:"slots"`
+	InUse      int64     `json:"in_use"`
+	SlotExpiry []float64 `json:"slot_expires_in,omitempty"`
 }
 
 // bucketInfo shows how many of its slots are held, and when each held
 // slot expires unless renewed.
 func (*slotRule) bucketInfo(ctx context.Context, h *Handler, b bucket) (bucketInfo, error) {
-	view, err := h.store.peekSlots(ctx, b)
+	view, err := peekSlots(ctx, h.store.keeper(nil), b.key)
 	if err != nil {
 		return bucketInfo{}, err
 	}
-	info := bucketInfo{Limit: b.limit.name, Key: b.clientKey(), StoredKey: b.key, Slots: &b.values.burst, InUse: &view.inUse}
+	slots := slotBucketInfo{Slots: b.values.burst, InUse: view.inUse}
 	for _, d := range view.expiries {
-		info.SlotExpiry = append(info.SlotExpiry, d.Seconds())
+		slots.SlotExpiry = append(slots.SlotExpiry, d.Seconds())
 	}
-	return info, nil
+	return bucketInfo{Limit: b.limit.name, Key: b.clientKey(), StoredKey: b.key, kindView: slots}, nil
 }
 
 func (*slotRule) burstName() string { return "slots" }
@@ -299,10 +346,10 @@ func (*slotRule) scriptArgs(v limitValues) [3]any {
 // begin gives the bucket the request's slot id, one for all its
 // concurrent limits.
 func (*slotRule) begin(b bucket, shared requestShared) (bucket, requestShared) {
-	if shared.slot == nil {
-		shared.slot = newSlotID()
+	if shared.id == nil {
+		shared.id = newSlotID()
 	}
-	b.args[2] = shared.slot
+	b.args[2] = shared.id
 	return b, shared
 }
 
@@ -322,7 +369,9 @@ type slotStep struct{ h *Handler }
 
 func (s slotStep) register(req *request) bool {
 	if firstHeld(req.buckets) < len(req.buckets) {
-		req.hold = s.h.store.hold(req)
+		if hold := s.h.holdSlots(req.buckets, s.h.store.keeper(req)); hold != nil {
+			req.hold = hold
+		}
 	}
 	return req.hold != nil
 }

@@ -412,7 +412,7 @@ func TestConcurrentStoreMemoryAndOnErrorLocal(t *testing.T) {
 			hd := newHolder()
 			ctx := context.Background()
 			a, b := startHeld(t, ctx, h, hd, "k"), startHeld(t, ctx, h, hd, "k")
-			if got := gaugeValue(t, h.metrics.inFlight[1]); got != 2 {
+			if got := gaugeValue(t, h.limits[1].slotRule().inFlight); got != 2 {
 				t.Errorf("in_flight %v with two held, want 2", got)
 			}
 			if status, _ := serve(ctx, h, "k"); status != 429 {
@@ -421,7 +421,7 @@ func TestConcurrentStoreMemoryAndOnErrorLocal(t *testing.T) {
 			close(hd.letGo)
 			<-a
 			<-b
-			if got := gaugeValue(t, h.metrics.inFlight[1]); got != 0 {
+			if got := gaugeValue(t, h.limits[1].slotRule().inFlight); got != 0 {
 				t.Errorf("in_flight %v after both ended, want 0", got)
 			}
 			if status, _ := serve(ctx, h, "k"); status != 200 {
@@ -957,8 +957,8 @@ func TestConcurrentReleaseAfterTheLimiterClosedIsNotLeftPending(t *testing.T) {
 	eventually(t, 5*time.Second, "the unloaded limiter closed", func() bool {
 		return l.batcher.Closed()
 	})
-	h.holdSlots(requestBuckets(t, h, "k"), nil).release()
-	if n := l.releases.total(); n != 0 {
+	h.holdSlots(requestBuckets(t, h, "k"), h.limiter).release()
+	if n := l.slots().releases.total(); n != 0 {
 		t.Fatalf("%d releases pending after the release met a closed limiter, want 0", n)
 	}
 	if n := countLogs(logs, "releasing concurrency slots"); n != 1 {
@@ -996,7 +996,7 @@ func TestConcurrentBurstOfLongRequestsRenewsEverySlot(t *testing.T) {
 	holds := make([]*slotHold, n)
 	for i := range ids {
 		buckets := []bucket{{limit: l, key: key, args: [3]any{kindConcurrentArg, "10000", &ids[i]}}}
-		holds[i] = h.holdSlots(buckets, nil)
+		holds[i] = h.holdSlots(buckets, h.limiter)
 	}
 	time.Sleep(3300 * time.Millisecond) // past the first hold: every slot was renewed, or it expired
 	left, err := rdb.Eval(ctx, peekSlotsSource, []string{key}).Int64Slice()
@@ -1056,7 +1056,7 @@ func TestConcurrentReleasesLostToRedisAreToldByEachZoneAndNotLeftPending(t *test
 	for _, done := range held {
 		<-done
 	}
-	eventually(t, 5*time.Second, "every pending release answered", func() bool { return l.releases.total() == 0 })
+	eventually(t, 5*time.Second, "every pending release answered", func() bool { return l.slots().releases.total() == 0 })
 	for i, h := range zones {
 		if n := countLogs(logs[i], "releasing concurrency slots"); n != 1 {
 			t.Errorf("zone %s: %d warnings of its lost releases, want 1", h.Zone, n)
@@ -1096,7 +1096,7 @@ func TestConcurrentMemoryReleaseFromBeforeAResetFreesNoSlotTakenAfterIt(t *testi
 	}
 	first := take()
 	key := first[len(first)-1].key
-	s.resetSlots([]string{key}) // DELETE, between the first take and its hold
+	s.reset([]string{key}) // DELETE, between the first take and its hold
 	second := take()
 	firstHold := h.holdSlots(first, s)
 	secondHold := h.holdSlots(second, s)
@@ -1139,12 +1139,12 @@ func TestConcurrentRefusalWaitsForNoReleaseOfAnotherKey(t *testing.T) {
 	done := startHeld(t, ctx, h, hd, "victim")
 	defer func() { close(hd.letGo); <-done }()
 
-	l.releases.add([]string{other}, 1) // the other key's release, on its way for 200 ms
+	l.slots().releases.add([]string{other}, 1) // the other key's release, on its way for 200 ms
 	answered := make(chan struct{})
 	go func() {
 		defer close(answered)
 		time.Sleep(200 * time.Millisecond)
-		l.releases.add([]string{other}, -1)
+		l.slots().releases.add([]string{other}, -1)
 	}()
 	defer func() { <-answered }()
 	calls := scriptCalls(t, rdb)
@@ -1335,7 +1335,7 @@ func TestConcurrentSlotReleasedDuringItsRenewalStaysFree(t *testing.T) {
 	holds := make([]*slotHold, n)
 	for i := range ids {
 		buckets := []bucket{{limit: l, key: key, args: [3]any{kindConcurrentArg, "2000", &ids[i]}}}
-		holds[i] = h.holdSlots(buckets, nil)
+		holds[i] = h.holdSlots(buckets, h.limiter)
 	}
 	// Due a third of a hold after they were taken; they end from a tick
 	// before that to a tick after.
@@ -1346,7 +1346,7 @@ func TestConcurrentSlotReleasedDuringItsRenewalStaysFree(t *testing.T) {
 			time.Sleep(4 * renewTick * 10 / n)
 		}
 	}
-	eventually(t, 5*time.Second, "every release answered", func() bool { return h.limiter.releases.total() == 0 })
+	eventually(t, 5*time.Second, "every release answered", func() bool { return h.limiter.slots().releases.total() == 0 })
 	time.Sleep(2 * renewTick) // a renewal still on its way lands
 	if left := rdb.ZCard(ctx, key).Val(); left != 0 {
 		t.Fatalf("%d of %d slots held after every request released its own: renewals brought them back", left, n)
@@ -1435,7 +1435,7 @@ func TestConcurrentRenewalsOfManySlotsNeverTakeAnAdmissionsDeadline(t *testing.T
 	holds := make([]*slotHold, n)
 	for i := range ids {
 		buckets := []bucket{{limit: l, key: key, args: [3]any{kindConcurrentArg, "20000", &ids[i]}}}
-		holds[i] = h.holdSlots(buckets, nil)
+		holds[i] = h.holdSlots(buckets, h.limiter)
 	}
 	proxy.latency.Store(int64(20 * time.Millisecond))
 	// Admissions of other clients, 8 at a time, for two holds.
@@ -1517,7 +1517,7 @@ func TestConcurrentBurstOfLongRequestsOnClusterRenewsAndReleasesEverySlot(t *tes
 	holds := make([]*slotHold, n)
 	for i := range n {
 		buckets := []bucket{{limit: l, key: keys[i], args: [3]any{kindConcurrentArg, "4", &ids[i]}}}
-		holds[i] = h.holdSlots(buckets, nil)
+		holds[i] = h.holdSlots(buckets, h.limiter)
 	}
 	live := func() int {
 		pipe := cc.Pipeline()
@@ -1612,6 +1612,6 @@ func TestConcurrentSlotWhoseReleaseFailsIsReleasedByARetry(t *testing.T) {
 	if status, _ := serve(ctx, h, "k"); status != 200 {
 		t.Fatalf("the next request: %d, want 200", status)
 	}
-	eventually(t, time.Second, "no release counted pending", func() bool { return h.limiter.releases.total() == 0 })
+	eventually(t, time.Second, "no release counted pending", func() bool { return h.limiter.slots().releases.total() == 0 })
 	t.Logf("the slot free %v after its release failed", took.Round(time.Millisecond))
 }

@@ -183,7 +183,7 @@ func init() {
 	}})
 }
 
-func (d *denyLayer) keeper() (store, refusals) { return d.store, d }
+func (d *denyLayer) refusalsKept() (store, refusals) { return d.store, d }
 
 func (d *denyLayer) answer(buckets []bucket, now time.Time) bool { return d.cache.answer(buckets, now) }
 func (d *denyLayer) answered(buckets []bucket, sent time.Time, allowed bool) {

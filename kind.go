@@ -10,8 +10,8 @@ import (
 	"time"
 )
 
-// kind is a kind of limit: the token bucket (tokenbucket.go) and the
-// kinds that register their config (registerKind). A limit holds its
+// kind is a kind of limit: the token bucket (tokenbucket.go), or another
+// that registers its config (registerKind). A limit holds its
 // kind (limit.kind), chosen once when the config is provisioned, and the
 // rest of the package asks the kind what is particular to it instead of
 // asking which kind it is. A kind is responsible for:
@@ -25,7 +25,7 @@ import (
 //   - how a charge settles in it (charge.go);
 //   - its admin view (admin.go);
 //   - whether a request holds it while the response is served, to give
-//     it back when the response ends (a concurrent limit's slot).
+//     it back when the response ends (heldWhileServed).
 //   - how long a layer may remember its refusal (refusals).
 //
 // What a request knows of a bucket of the kind stays in the request's
@@ -47,7 +47,7 @@ type kind interface {
 	// for fixed values (limit.args).
 	scriptArgs(v limitValues) [3]any
 	// begin completes a request's new bucket with what is the request's
-	// own (a calendar period, a slot id); shared is what the request's
+	// own (a calendar period, an id); shared is what the request's
 	// buckets share, returned with what begin made of it.
 	begin(b bucket, shared requestShared) (bucket, requestShared)
 	// appendArgs appends the bucket's arguments of a script call (its
@@ -75,8 +75,8 @@ type kind interface {
 	resetIn(b bucket) time.Duration
 
 	// refused completes the answer of a bucket of a refused request, as
-	// a store answered it (a full concurrent limit waits its
-	// retry_after: slots come back by release, not by time).
+	// a store answered it (a kind whose buckets come back by release,
+	// not by time, gives the wait of its own).
 	refused(b bucket) bucket
 
 	// denialTTL is how long a layer may remember the bucket's refusal
@@ -111,12 +111,12 @@ type kind interface {
 
 	// heldWhileServed says whether a request holds the limit's bucket
 	// while its response is served, and gives it back when the response
-	// has ended (concurrent.go). Such limits come last (buildLimits).
+	// has ended. Such limits come last (buildLimits).
 	heldWhileServed() bool
 	// finishing is the step (steps.go) that a handler with limits of the
 	// kind runs on an admitted request, to do what must follow its
-	// response (give a slot back); nil for none. The limits of a kind
-	// share it.
+	// response (give back what it held); nil for none. The limits of a
+	// kind share it.
 	finishing(h *Handler) step
 
 	// limitInfo is the limit as the admin API lists it, with the
@@ -200,6 +200,10 @@ type kindConfig struct {
 	// calls it at the end of the directive, Validate for JSON. names
 	// holds the names of the limits judged before, which the kinds share.
 	check func(h *Handler, names map[string]bool) error
+	// zoneText appends what of its limits names a handler without a
+	// zone (derivedZone), if anything: it names their Redis keys, so it
+	// never changes.
+	zoneText func(h *Handler, text []byte) []byte
 }
 
 // kindConfigs are the kinds of limit, in the order their limits come.
@@ -264,10 +268,10 @@ func (h *Handler) buildLimits(keyPrefix string) ([]*limit, error) {
 		group := fmt.Sprintf("%s/%d/%d", key, l.template.ipv4Bits, l.template.ipv6Bits)
 		if c.own {
 			l.keyPrefix = prefix
-			group = "\x00own" // the own limit's key has no hash tag: a slot of its own
+			group = "\x00own" // the own limit's key has no hash tag: a hash slot of its own
 		} else {
 			// Limits with one key template share a hash tag: their
-			// buckets live in one Cluster slot, for one script call.
+			// buckets live in one Cluster hash slot, for one script call.
 			l.ietfName = h.Zone + "." + c.Name
 			l.keyPrefix = prefix[:len(keyPrefix)] + "{" + prefix[len(keyPrefix):]
 			l.keySuffix = "}" + keySeparator + c.Name + c.keySuffix

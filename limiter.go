@@ -6,6 +6,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -79,19 +80,42 @@ type limiter struct {
 	resets    *redisresets.Channel
 	keyPrefix string
 
-	// releases counts the releases of concurrent limits' slots on their
-	// way to Redis; releaseQueue and renewQueue hold the releases and
-	// renewals not sent yet, which the batcher takes into each batch
-	// (FirstCalls, LastCalls).
-	releases     pendingReleases
-	releaseQueue slotQueue
-	renewQueue   slotQueue
-	// renewals renew the slots of requests in flight (concurrent.go).
-	renewals slotRenewals
+	// parts are what parts of the package keep in the limiter
+	// (registerLimiterPart), in their order; held is the one that keeps
+	// what requests hold while served (kind.heldWhileServed), if any.
+	parts []limiterPart
+	held  heldInRedis
 
 	// noEvalRO: the server answered that it knows no EVAL_RO (Redis
 	// before 7), so the admin API's reads use EVAL of the same script.
 	noEvalRO atomic.Bool
+}
+
+// A limiterPart is what a part of the package keeps in each limiter
+// (registerLimiterPart): calls it queues apart from the requests' own,
+// which the batcher takes into each batch (batchHooks), and what keeps
+// the limiter open (Destruct).
+type limiterPart interface {
+	// firstCalls and lastCalls append its queued calls to a batch,
+	// before and after the batch's own; more says some are left.
+	firstCalls(l *limiter, now time.Time, batch []*redisbatch.Call) (_ []*redisbatch.Call, more bool)
+	lastCalls(l *limiter, now time.Time, batch []*redisbatch.Call) (_ []*redisbatch.Call, more bool)
+	// inUse says whether requests still need the limiter, however long
+	// they run; queued whether calls wait to be sent. The limiter closes
+	// once neither is so and it is idle: inUse asked first, queued last.
+	inUse() bool
+	queued() bool
+}
+
+// limiterParts make the parts each new limiter gets. A part's script
+// registers itself (registerScript).
+var limiterParts []func() limiterPart
+
+// registerLimiterPart adds a part to every limiter made from now on
+// (from its file's init), and is its index in limiter.parts.
+func registerLimiterPart(newPart func() limiterPart) int {
+	limiterParts = append(limiterParts, newPart)
+	return len(limiterParts) - 1
 }
 
 // limiterWatcher learns when a node's breaker opens or closes, or is
@@ -149,6 +173,13 @@ func newLimiter(c RedisConfig, files tlsFiles) (*limiter, error) {
 		keyPrefix: c.KeyPrefix,
 	}
 	l.cluster, _ = l.client.(*redis.ClusterClient)
+	for _, p := range limiterParts {
+		part := p()
+		l.parts = append(l.parts, part)
+		if held, ok := part.(heldInRedis); ok {
+			l.held = held
+		}
+	}
 	l.resets = redisresets.New(l.client, c.KeyPrefix+"reset", c.KeyPrefix, newResetReceiver(l)) // before the first dial
 	node := opts.Addrs[0]
 	if opts.MasterName != "" {
@@ -186,22 +217,31 @@ func (l *limiter) watcherList() []limiterWatcher {
 	return list
 }
 
-// batchHooks is what the limiter gives its batcher: the slot releases
-// and renewals queued (slotqueue.go), and the watchers to tell of
-// breaker changes. Its methods run in a batch worker, never on a
-// request's path.
+// batchHooks is what the limiter gives its batcher: the calls its parts
+// queued, and the watchers to tell of breaker changes. Its methods run
+// in a batch worker, never on a request's path.
 type batchHooks struct{ l *limiter }
 
-// FirstCalls: queued releases go first, so that a slot given back before
-// a take of its key in the same batch is free for it; each batch takes
-// at most maxSlotsPerCall of them.
+// FirstCalls: the parts' calls that go ahead of the batch's own.
 func (h batchHooks) FirstCalls(now time.Time, batch []*redisbatch.Call) ([]*redisbatch.Call, bool) {
-	return h.l.releaseQueue.calls(h.l, releaseArg, now, batch)
+	more := false
+	for _, p := range h.l.parts {
+		var left bool
+		batch, left = p.firstCalls(h.l, now, batch)
+		more = more || left
+	}
+	return batch, more
 }
 
-// LastCalls: queued renewals go last, at most maxSlotsPerCall a batch.
+// LastCalls: the parts' calls that go after the batch's own.
 func (h batchHooks) LastCalls(now time.Time, batch []*redisbatch.Call) ([]*redisbatch.Call, bool) {
-	return h.l.renewQueue.calls(h.l, renewArg, now, batch)
+	more := false
+	for _, p := range h.l.parts {
+		var left bool
+		batch, left = p.lastCalls(h.l, now, batch)
+		more = more || left
+	}
+	return batch, more
 }
 
 func (h batchHooks) BreakerChanged(node string, open bool, failures int64) {
@@ -228,7 +268,6 @@ func (l *limiter) loadScript(within time.Duration) {
 	for _, source := range scriptSources {
 		_ = l.client.ScriptLoad(ctx, source).Err()
 	}
-	_ = l.client.ScriptLoad(ctx, concurrentSource).Err()
 }
 
 // lingerIdle is how long a released limiter must go without calls before
@@ -236,18 +275,17 @@ func (l *limiter) loadScript(within time.Duration) {
 // requests; those keep being limited rather than failing.
 const lingerIdle = time.Second
 
-// Destruct closes the limiter once its last requests are done: when none
-// holds a concurrency slot (their renewals and releases need it, however
-// long they run) and no call has come for lingerIdle. It returns at once.
+// Destruct closes the limiter once its last requests are done: when no
+// part has them in use (limiterPart.inUse) nor calls queued, and no call
+// has come for lingerIdle. It returns at once.
 func (l *limiter) Destruct() error {
 	go func() {
 		tick := time.NewTicker(lingerIdle / 4)
 		defer tick.Stop()
 		for range tick.C {
-			// Holds first: a hold leaves them once its release is queued,
-			// which the queue's checks then see.
-			if !l.renewals.holding() && l.batcher.Idle(lingerIdle) &&
-				!l.releaseQueue.queued() && !l.renewQueue.queued() {
+			// In use first: what leaves it queues its calls, which the
+			// queued checks then see.
+			if !l.partsInUse() && l.batcher.Idle(lingerIdle) && !l.partsQueued() {
 				break
 			}
 		}
@@ -256,6 +294,14 @@ func (l *limiter) Destruct() error {
 		_ = l.client.Close()
 	}()
 	return nil
+}
+
+func (l *limiter) partsInUse() bool {
+	return slices.ContainsFunc(l.parts, limiterPart.inUse)
+}
+
+func (l *limiter) partsQueued() bool {
+	return slices.ContainsFunc(l.parts, limiterPart.queued)
 }
 
 // take checks and takes every bucket's requested tokens, all or none,

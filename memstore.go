@@ -31,8 +31,9 @@ type memoryStore struct {
 	// prefix and the zone are the store's, see memoryStoreName), which it
 	// does not hold: see storedKey.
 	plainPrefix, namedPrefix string
-	// slots are the in-process slots of concurrent limits (concurrent.go).
-	slots slotCounts
+	// inUse counts what requests hold of its keys while they are served
+	// (kind.heldWhileServed).
+	inUse heldCounts
 }
 
 // storeMemory is store's value for the memory store.
@@ -158,7 +159,7 @@ func (s *memoryStore) storedKey(key string) string {
 // none, and fills in each bucket's answer, as the script does in Redis.
 //
 // A bucket's time never moves back: the caller reads the clock before
-// the shards are locked, so concurrent requests can reach a bucket out
+// the shards are locked, so simultaneous requests can reach a bucket out
 // of their clocks' order, and a take at a time before the bucket's last
 // one is made at that last time. Counting from the earlier time, as the
 // script does when its server's clock went back, would count the time
@@ -235,9 +236,9 @@ func (s *memoryStore) put(shard int, key string, held *bucketState, state bucket
 }
 
 // reserve counts n new buckets if they fit under max_keys. Takes on
-// other shards reserve concurrently, so the store never holds more than
+// other shards reserve at the same time, so the store never holds more than
 // max_keys (a reservation that does not fit is undone; meanwhile it may
-// refuse a concurrent one that would have fit).
+// refuse a simultaneous one that would have fit).
 func (s *memoryStore) reserve(n int) bool {
 	if n == 0 {
 		return true
@@ -263,10 +264,12 @@ func (s *memoryStore) peek(now time.Time, b bucket) bucketView {
 	return b.kind().peek(state, stored != nil, now, memoryNow(now), b)
 }
 
-// reset forgets buckets, which makes them full.
+// reset forgets buckets, which makes them full, and frees what
+// requests hold of them.
 func (s *memoryStore) reset(keys []string) {
 	for _, key := range keys {
 		key = s.storedKey(key)
+		s.inUse.free(key)
 		sh := s.shard(key)
 		sh.mu.Lock()
 		if _, ok := sh.buckets[key]; ok {
@@ -295,6 +298,8 @@ func (s *memoryStore) lock(keys []string, shards []int) []int {
 }
 
 func (sh *memoryShard) mutex() *sync.Mutex { return &sh.mu }
+
+func (*memoryStore) keepsBuckets() {}
 
 // lockShards locks the shards at the indexes, each once and in order, so
 // that requests over several shards never wait on each other in a
@@ -395,16 +400,12 @@ func (h *Handler) warnFull() {
 	}
 }
 func (p inProcess) settle(r *request, items []settling) { p.h.settleInProcess(p.s, r.buckets, items) }
-func (p inProcess) hold(r *request) *slotHold           { return p.h.holdSlots(r.buckets, p.s) }
+func (p inProcess) keeper(*request) keeper              { return p.s }
 func (p inProcess) peek(_ context.Context, b bucket) (bucketView, error) {
 	return p.s.peek(time.Now(), b), nil
 }
-func (p inProcess) peekSlots(_ context.Context, b bucket) (slotView, error) {
-	return slotView{inUse: p.s.slotsInUse(b.key)}, nil
-}
 func (p inProcess) reset(_ context.Context, b bucket) error {
 	p.s.reset([]string{b.key})
-	p.s.resetSlots([]string{b.key})
 	return nil
 }
 

@@ -17,8 +17,6 @@ var collectors = struct {
 	breakerOpen   *breakerCollector
 	// Charging (charge.go): tokens charged and forgiven, settlements lost.
 	charged, forgiven, settleFailures *prometheus.CounterVec
-	// Concurrent limits (concurrent.go): this instance's slots held.
-	inFlight *prometheus.GaugeVec
 	// request_body (requestbody.go): values left empty, by reason.
 	requestUnread *prometheus.CounterVec
 }{}
@@ -35,9 +33,21 @@ type zoneMetrics struct {
 	// By limit index, for the limits that charge by the response.
 	charged, forgiven []prometheus.Counter
 	settleFailures    prometheus.Counter
-	// inFlight by limit index, for concurrent limits (nil for others).
-	inFlight []prometheus.Gauge
 }
+
+// metricParts are the collectors that parts of the package make and
+// register of their own (registerMetrics), beside those above.
+var metricParts []metricPart
+
+// A metricPart is a part's collector, registered on each config's
+// registry, and zone, which gives a zone's handler its series of it.
+type metricPart struct {
+	collector prometheus.Collector
+	zone      func(zone string, limits []*limit)
+}
+
+// registerMetrics adds a part's collector (from its file's init).
+func registerMetrics(p metricPart) { metricParts = append(metricParts, p) }
 
 func newZoneMetrics(registry prometheus.Registerer, zone string, limits []*limit) (*zoneMetrics, error) {
 	collectors.once.Do(func() {
@@ -69,28 +79,25 @@ func newZoneMetrics(registry prometheus.Registerer, zone string, limits []*limit
 			Namespace: ns, Subsystem: sub, Name: "settle_failures_total",
 			Help: "Settlements of responses' costs lost to a failure (their reservations stand; none is sent again), by zone.",
 		}, []string{"zone"})
-		collectors.inFlight = prometheus.NewGaugeVec(prometheus.GaugeOpts{
-			Namespace: ns, Subsystem: sub, Name: "in_flight",
-			Help: "Slots of concurrent limits that this instance's requests hold now, by zone and limit.",
-		}, []string{"zone", "limit"})
 		collectors.requestUnread = prometheus.NewCounterVec(prometheus.CounterOpts{
 			Namespace: ns, Subsystem: sub, Name: "request_body_unread_total",
 			Help: "Requests whose request_body values were left empty, by zone and reason (encoded, not_json, too_large, cut_off, repeated, nested, invalid_utf8).",
 		}, []string{"zone", "reason"})
 	})
-	for _, c := range []prometheus.Collector{collectors.requests, collectors.redisDuration, collectors.breakerOpen,
-		collectors.charged, collectors.forgiven, collectors.settleFailures, collectors.inFlight, collectors.requestUnread} {
+	all := []prometheus.Collector{collectors.requests, collectors.redisDuration, collectors.breakerOpen,
+		collectors.charged, collectors.forgiven, collectors.settleFailures, collectors.requestUnread}
+	for _, p := range metricParts {
+		all = append(all, p.collector)
+	}
+	for _, c := range all {
 		if err := registry.Register(c); err != nil && !errors.As(err, &prometheus.AlreadyRegisteredError{}) {
 			return nil, err
 		}
 	}
 	m := &zoneMetrics{redisDuration: collectors.redisDuration.WithLabelValues(zone)}
 	m.charged, m.forgiven, m.settleFailures = chargeCounters(zone, limits)
-	m.inFlight = make([]prometheus.Gauge, len(limits))
-	for i, l := range limits {
-		if l.kind.heldWhileServed() {
-			m.inFlight[i] = collectors.inFlight.WithLabelValues(zone, l.name)
-		}
+	for _, p := range metricParts {
+		p.zone(zone, limits)
 	}
 	for d := range numDecisions {
 		m.requests[d] = []prometheus.Counter{collectors.requests.WithLabelValues(zone, d.String(), "")}

@@ -335,7 +335,7 @@ func (h *Handler) Provision(ctx caddy.Context) (err error) {
 	if err := h.setUpCharging(); err != nil {
 		return err
 	}
-	h.assignWeightSlots() // weights.go
+	h.assignWeightPlaces() // weights.go
 	if err := h.setUpRequestBody(); err != nil {
 		return err
 	}
@@ -394,7 +394,7 @@ func (h *Handler) Provision(ctx caddy.Context) (err error) {
 		return fmt.Errorf("setting up the Redis client: %w", err)
 	}
 	if h.limiter.cluster != nil {
-		h.groups = slotGroups(h.limits)
+		h.groups = hashSlotGroups(h.limits)
 		// Buckets of a later group can refuse after an earlier group took
 		// its tokens, which are then given back: a denial seen meanwhile
 		// says nothing about the time tokens come back, so none is cached.

@@ -84,8 +84,8 @@ func (e *onErrorLayer) take(ctx context.Context, r *request) (bool, error) {
 	return e.failOpen, err
 }
 
-// settle and hold go where the request's buckets were taken: the local
-// buckets when the layer took them (r.takenBy).
+// settle and keeper go where the request's buckets were taken: the
+// local buckets when the layer took them (r.takenBy).
 func (e *onErrorLayer) settle(r *request, items []settling) {
 	if r.takenBy != nil {
 		r.takenBy.settle(r, items)
@@ -94,11 +94,11 @@ func (e *onErrorLayer) settle(r *request, items []settling) {
 	e.store.settle(r, items)
 }
 
-func (e *onErrorLayer) hold(r *request) *slotHold {
-	if r.takenBy != nil {
-		return r.takenBy.hold(r)
+func (e *onErrorLayer) keeper(r *request) keeper {
+	if r != nil && r.takenBy != nil {
+		return r.takenBy.keeper(r)
 	}
-	return e.store.hold(r)
+	return e.store.keeper(r)
 }
 
 // reset resets the key in the local buckets too.

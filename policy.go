@@ -272,8 +272,8 @@ func (h *Handler) resolveBucketsWith(r *http.Request, repl *caddy.Replacer, buck
 // requestShared is what a request's buckets share, whatever their kind,
 // made by the first that needs it (kind.begin).
 type requestShared struct {
-	now  time.Time // the clock when the request's periods were named (kind.begin)
-	slot any       // the request's slot id (kind.begin)
+	now time.Time // the clock when the request's periods were named (kind.begin)
+	id  any       // the request's id, one for its buckets (kind.begin)
 }
 
 // clock is the request's time: read once, when a bucket first asks.
@@ -336,7 +336,7 @@ func blockedBucket(buckets []bucket) int {
 func describe(buckets []bucket, allowed bool) int {
 	if allowed {
 		if k := firstHeld(buckets); k > 0 {
-			buckets = buckets[:k] // admitted: the buckets taken, not those held while served (slots)
+			buckets = buckets[:k] // admitted: the buckets taken, not those held while served
 		}
 	}
 	pick := -1

@@ -287,7 +287,7 @@ func (q *quota) bucketInfo(ctx context.Context, h *Handler, b bucket) (bucketInf
 		return info, err
 	}
 	info.BurstCapacity = 0 // its count is in quota
-	info.kindPart = quotaPart{q.view(b, view, time.Now())}
+	info.kindView = quotaPart{q.view(b, view, time.Now())}
 	return info, nil
 }
 

@@ -10,8 +10,8 @@ import (
 
 // redisStore keeps a handler's buckets in Redis, through the limiter its
 // redis setting shares: one script call a request, or on a Cluster whose
-// hash slots the request's buckets span, one per slot group
-// (slotgroups.go).
+// hash slots the request's buckets span, one per group of them
+// (takeGroups).
 type redisStore struct {
 	h       *Handler
 	limiter *limiter
@@ -31,22 +31,46 @@ func init() {
 	}})
 }
 
-// take takes a request's buckets in Redis. A refusal while a release of
-// one of its slots is on its way waits for that release, then asks once
-// more; a take whose reply was lost gives back the slots it may have
-// taken (concurrent.go).
+// take takes a request's buckets in Redis. With buckets held while
+// served, a refusal while what one of them held is on its way back waits
+// for it, then asks once more; a take whose reply was lost gives back
+// what it may have taken (heldInRedis).
 func (s *redisStore) take(ctx context.Context, r *request) (bool, error) {
 	buckets := r.buckets
-	releasing := s.holding && s.limiter.releases.pending(buckets)
-	allowed, err := s.takeAll(ctx, r.sent, buckets)
-	if releasing && err == nil && !allowed && s.limiter.awaitReleases(buckets, r.sent.Add(s.limiter.timeout/2)) {
-		allowed, err = s.takeAll(ctx, r.sent, buckets) // a slot of this key was on its way back
+	var kept heldInRedis
+	returning := false
+	if s.holding {
+		kept = s.limiter.held
+		returning = kept.returning(buckets)
 	}
-	if err != nil && s.holding {
-		s.h.releaseLostTake(buckets, err)
+	allowed, err := s.takeAll(ctx, r.sent, buckets)
+	if returning && err == nil && !allowed && kept.awaitReturns(buckets, r.sent.Add(s.limiter.timeout/2)) {
+		allowed, err = s.takeAll(ctx, r.sent, buckets) // what its key held was on its way back
+	}
+	if err != nil && kept != nil {
+		kept.lostTake(s.h, buckets, err)
 	}
 	s.h.answeredByRedis(ctx, r, allowed, err)
 	return allowed, err
+}
+
+// heldInRedis is what the limiter's part that keeps what requests hold
+// while served (kind.heldWhileServed, limiter.held) does around their
+// takes in Redis.
+type heldInRedis interface {
+	// returning says whether what a request of the buckets held is on its
+	// way back to Redis now: a refusal may be for want of it.
+	returning(buckets []bucket) bool
+	// awaitReturns waits, after a refusal that returning foresaw, until
+	// that is back, at most until deadline; it says whether to ask again.
+	awaitReturns(buckets []bucket, deadline time.Time) bool
+	// lostTake gives back what a take that failed with err, after it may
+	// have run in Redis, may have taken.
+	lostTake(h *Handler, buckets []bucket, err error)
+	// giveBack gives back what the buckets held while served took in an
+	// earlier group of a Cluster, when a later group refused, and returns
+	// the others (takeGroups).
+	giveBack(h *Handler, taken []bucket) []bucket
 }
 
 // takeAll takes a request's buckets in Redis: in one call, or on a
@@ -59,9 +83,9 @@ func (s *redisStore) takeAll(ctx context.Context, sent time.Time, buckets []buck
 }
 
 // answeredByRedis completes what Redis answered to a request's take
-// (sent at r.sent): the metric of its time, a full concurrent bucket's
-// wait, and a line for a failure, throttled (an open breaker was logged
-// when it opened).
+// (sent at r.sent): the metric of its time, the refused buckets' waits
+// (kind.refused), and a line for a failure, throttled (an open breaker
+// was logged when it opened).
 func (h *Handler) answeredByRedis(ctx context.Context, r *request, allowed bool, err error) {
 	if h.metrics != nil && err != redisbatch.ErrBreakerOpen {
 		h.metrics.redisDuration.Observe(time.Since(r.sent).Seconds())
@@ -87,7 +111,7 @@ func (h *Handler) answeredByRedis(ctx context.Context, r *request, allowed bool,
 }
 
 func (s *redisStore) settle(r *request, items []settling) { s.h.settleInRedis(r.buckets, items) }
-func (s *redisStore) hold(r *request) *slotHold           { return s.h.holdSlots(r.buckets, nil) }
+func (s *redisStore) keeper(*request) keeper              { return s.limiter }
 
 func (s *redisStore) peek(ctx context.Context, b bucket) (bucketView, error) {
 	views, err := s.limiter.peek(ctx, []bucket{b})
@@ -95,10 +119,6 @@ func (s *redisStore) peek(ctx context.Context, b bucket) (bucketView, error) {
 		return bucketView{}, err
 	}
 	return views[0], nil
-}
-
-func (s *redisStore) peekSlots(ctx context.Context, b bucket) (slotView, error) {
-	return s.limiter.peekSlots(ctx, b.key)
 }
 
 // reset forgets this instance's cached denials of the key at once;

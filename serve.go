@@ -65,7 +65,8 @@ type request struct {
 	failure decision
 	// takenBy is the store that took the request's buckets when a layer
 	// took them elsewhere than in the store below it (nil: that store
-	// took them): its slots are held there, its charges settle there.
+	// took them): what it holds while served is kept there, its charges
+	// settle there.
 	takenBy store
 	// settling holds a charged request's settlements (charge.go), here
 	// for the reason the buckets are.
@@ -80,7 +81,7 @@ type request struct {
 	// its kinds' step holds until then (kind.finishing). registered says
 	// some step has something to do then.
 	w          http.ResponseWriter
-	hold       *slotHold
+	hold       holding
 	charge     *chargeWriter
 	registered bool
 	// chargeWriter and scanBody are charge's, here rather than allocated
@@ -261,7 +262,7 @@ var errAborted = errors.New("the response was aborted")
 
 // finish does what the request's steps registered for after its
 // response, which ended with err, in their order (a charge is settled
-// before slots are given back).
+// before what a kind held while serving it is given back).
 func (h *Handler) finish(r *http.Request, req *request, err error) {
 	for _, s := range h.steps {
 		s.finish(r, req, err)

@@ -8,14 +8,14 @@ import (
 )
 
 // Cluster slot groups: on a Redis Cluster, the limits of one key
-// template share a hash tag, so their keys live in one slot and go in
+// template share a hash tag, so their keys live in one hash slot and go in
 // one script call; a request whose limits span several groups takes them
 // in order, and gives back what earlier groups took when a later one
 // refuses.
 
-// slotGroups splits the limits by Cluster hash slot, in the order their
+// hashSlotGroups splits the limits by Cluster hash slot, in the order their
 // key templates first appear.
-func slotGroups(limits []*limit) [][]*limit {
+func hashSlotGroups(limits []*limit) [][]*limit {
 	var groups [][]*limit
 	for _, l := range limits {
 		if l.group == len(groups) {
@@ -27,12 +27,14 @@ func slotGroups(limits []*limit) [][]*limit {
 }
 
 // giveBackGroups returns what a request took from earlier slot groups, a
-// script call per group (one slot each), whether or not the client is
+// script call per group (one hash slot each), whether or not the client is
 // still there: the tokens must not stay taken. A failure is logged; those
 // buckets then stay short until they refill.
 func (h *Handler) giveBackGroups(clientCtx context.Context, taken []bucket) {
 	ctx := context.WithoutCancel(clientCtx)
-	taken = h.releaseTaken(taken) // slots of concurrent limits (concurrent.go)
+	if h.holding {
+		taken = h.limiter.held.giveBack(h, taken) // what is held while served goes back its own way
+	}
 	for start := 0; start < len(taken); {
 		end := start + 1
 		for end < len(taken) && taken[end].limit.group == taken[start].limit.group {

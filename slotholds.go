@@ -15,12 +15,13 @@ import (
 	"go.uber.org/zap"
 )
 
+// slotHold is the slots one request holds, from admission until its
 // response has ended; it renews those in Redis every third of the
 // shortest hold.
 type slotHold struct {
 	h      *Handler
-	store  *memoryStore // the in-process slots; nil when they are in Redis
-	id     any          // the slot id, as the script took it
+	in     keeper  // where the slots are held: in Redis (the limiter), or in the process
+	id     *string // the slot id, as the script took it (newSlotID): a word less than an any
 	keys   []string
 	limits []*limit
 	// slots are, in Redis, each limit's slots n for this request as
@@ -62,36 +63,41 @@ func (s *slotHold) slotN(i int) any {
 	return s.limits[i].args[1]
 }
 
-// holdSlots records the slots a request was admitted with, starts their
-// renewal and counts them in the in_flight gauge.
-func (h *Handler) holdSlots(buckets []bucket, store *memoryStore) *slotHold {
+// holdSlots records the slots a request was admitted with, where in
+// keeps them (store.keeper), starts their renewal in Redis and counts
+// them in the in_flight gauge; nil where nothing keeps them.
+func (h *Handler) holdSlots(buckets []bucket, in keeper) *slotHold {
+	if in == nil {
+		return nil
+	}
+	_, inRedis := in.(*limiter)
 	k := firstHeld(buckets)
-	hold := &slotHold{h: h, store: store}
+	hold := &slotHold{h: h, in: in}
 	hold.keys, hold.limits, hold.gens = hold.inlineKeys[:0], hold.inlineLimits[:0], hold.inlineGens[:0]
 	perRequest := false
 	for i := k; i < len(buckets); i++ {
 		b := &buckets[i]
-		hold.id = b.args[2]
+		hold.id = b.args[2].(*string)
 		hold.keys = append(hold.keys, b.key)
 		hold.limits = append(hold.limits, b.limit)
 		perRequest = perRequest || !b.limit.fixed
-		if store != nil {
+		if !inRedis {
 			hold.gens = append(hold.gens, uint64(b.kindN))
 		}
 		if every := b.limit.slotRule().hold / 3; hold.every == 0 || every < hold.every {
 			hold.every = every
 		}
-		if h.metrics != nil {
-			h.metrics.inFlight[b.limit.index].Inc()
+		if g := b.limit.slotRule().inFlight; g != nil {
+			g.Inc()
 		}
 	}
-	if store == nil && perRequest {
+	if inRedis && perRequest {
 		for i := k; i < len(buckets); i++ {
 			hold.slots = append(hold.slots, buckets[i].args[1])
 		}
 	}
-	if store == nil {
-		h.limiter.renewals.add(hold)
+	if inRedis {
+		h.limiter.slots().renewals.add(hold)
 	}
 	return hold
 }
@@ -106,25 +112,26 @@ func (s *slotHold) release() {
 	s.released = true
 	s.mu.Unlock()
 	h := s.h
-	if h.metrics != nil {
-		for _, l := range s.limits {
-			h.metrics.inFlight[l.index].Dec()
+	for _, l := range s.limits {
+		if g := l.slotRule().inFlight; g != nil {
+			g.Dec()
 		}
 	}
-	if s.store != nil {
+	if m := s.inMemory(); m != nil {
 		for i, key := range s.keys {
-			s.store.releaseSlot(key, s.gens[i])
+			m.releaseSlot(key, s.gens[i])
 		}
 		return
 	}
 	// Pending from now, so that a refused request of these keys waits for
-	// it (awaitReleases); queued once no renewal of the slots is on its
+	// it (awaitReturns); queued once no renewal of the slots is on its
 	// way, and before the hold stops keeping the limiter open (Destruct).
 	l := h.limiter
-	l.releases.add(s.keys, 1)
-	if l.renewals.leave(s) {
+	p := l.slots()
+	p.releases.add(s.keys, 1)
+	if p.renewals.leave(s) {
 		l.queueRelease(s)
-		l.renewals.left()
+		p.renewals.left()
 	}
 }
 
@@ -322,7 +329,7 @@ func (r *slotRenewals) renewSlots(l *limiter) {
 				retries = retries[:0]
 			}
 			if len(due) > 0 {
-				l.renewQueue.add(renewArg, due...)
+				l.slots().renewQueue.add(renewArg, due...)
 				l.batcher.Wake()
 			}
 			clear(due)
@@ -394,7 +401,7 @@ func (h *Handler) releaseTaken(taken []bucket) []bucket {
 			tokens = append(tokens, *b)
 			continue
 		}
-		hold.id = b.args[2]
+		hold.id = b.args[2].(*string)
 		hold.keys = append(hold.keys, b.key)
 		hold.limits = append(hold.limits, b.limit)
 	}
@@ -423,7 +430,7 @@ func (h *Handler) releaseLostTake(buckets []bucket, err error) {
 	hold := &slotHold{h: h, released: true, renewedAt: time.Since(clockStart)}
 	for i := firstHeld(buckets); i < len(buckets); i++ {
 		b := &buckets[i]
-		hold.id = b.args[2]
+		hold.id = b.args[2].(*string)
 		hold.keys = append(hold.keys, b.key)
 		hold.limits = append(hold.limits, b.limit)
 		if every := b.limit.slotRule().hold / 3; hold.every == 0 || every < hold.every {
@@ -431,7 +438,7 @@ func (h *Handler) releaseLostTake(buckets []bucket, err error) {
 		}
 	}
 	if len(hold.keys) > 0 {
-		h.limiter.releases.add(hold.keys, 1)
+		h.limiter.slots().releases.add(hold.keys, 1)
 		h.limiter.queueRelease(hold)
 	}
 }

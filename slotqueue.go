@@ -2,7 +2,8 @@ package ratelimit
 
 // The queue of slot renewals and releases that the batcher's workers
 // send to Redis, many slots a script call, and the count of releases
-// on their way that a refused request of the same key waits for.
+// on their way that a refused request of the same key waits for: what
+// a limiter keeps of the concurrent limits.
 
 import (
 	"cmp"
@@ -16,11 +17,63 @@ import (
 	"github.com/caddy-redis/ratelimit/internal/redisbatch"
 )
 
+// limiterSlots is a limiter's part of the concurrent limits
+// (registerLimiterPart): releases counts the releases of slots on their
+// way to Redis; releaseQueue and renewQueue hold the releases and
+// renewals not sent yet, which the batcher takes into each batch
+// (firstCalls, lastCalls); renewals renew the slots of requests in
+// flight.
+type limiterSlots struct {
+	releases     pendingReleases
+	releaseQueue slotQueue
+	renewQueue   slotQueue
+	renewals     slotRenewals
+}
+
+// slotsPart is the index of the limiters' limiterSlots in their parts.
+var slotsPart int
+
+func init() {
+	slotsPart = registerLimiterPart(func() limiterPart { return new(limiterSlots) })
+}
+
+// slots is the limiter's part of the concurrent limits.
+func (l *limiter) slots() *limiterSlots { return l.parts[slotsPart].(*limiterSlots) }
+
+// firstCalls: queued releases go first, so that a slot given back before
+// a take of its key in the same batch is free for it; each batch takes
+// at most maxSlotsPerCall of them.
+func (p *limiterSlots) firstCalls(l *limiter, now time.Time, batch []*redisbatch.Call) ([]*redisbatch.Call, bool) {
+	return p.releaseQueue.calls(l, releaseArg, now, batch)
+}
+
+// lastCalls: queued renewals go last, at most maxSlotsPerCall a batch.
+func (p *limiterSlots) lastCalls(l *limiter, now time.Time, batch []*redisbatch.Call) ([]*redisbatch.Call, bool) {
+	return p.renewQueue.calls(l, renewArg, now, batch)
+}
+
+// inUse: a request holds a slot (its renewals and release need the
+// limiter, however long it runs), or has its release still to queue, or
+// to try again. A hold leaves it once its release is queued, which
+// queued then sees.
+func (p *limiterSlots) inUse() bool { return p.renewals.holding() }
+
+func (p *limiterSlots) queued() bool { return p.releaseQueue.queued() || p.renewQueue.queued() }
+
+// returning: a release of one of the buckets' slots is on its way.
+func (p *limiterSlots) returning(buckets []bucket) bool { return p.releases.pending(buckets) }
+
+func (*limiterSlots) lostTake(h *Handler, buckets []bucket, err error) {
+	h.releaseLostTake(buckets, err)
+}
+
+func (*limiterSlots) giveBack(h *Handler, taken []bucket) []bucket { return h.releaseTaken(taken) }
+
 // queueRelease queues the release of a hold's slots in Redis, counted
 // pending by the caller (pendingReleases), and wakes a worker; it does
 // not wait: the response ends meanwhile. A worker sends it and reads the
 // answer. A request of the same client refused meanwhile for that key
-// waits for it and asks again (awaitReleases): a client that sends its
+// waits for it and asks again (awaitReturns): a client that sends its
 // requests one after another never finds its own previous slot still
 // taken. A release that fails is tried again at the renewals' next
 // tick, until its hold would have ended anyway (slotRenewals.retry). A
@@ -29,8 +82,8 @@ import (
 // queued before the limiter closed is answered; one that meets it
 // closed is answered as failed.
 func (l *limiter) queueRelease(s *slotHold) {
-	if !l.batcher.WhileOpen(func() { l.releaseQueue.add(releaseArg, s) }) {
-		l.releases.add(s.keys, -1)
+	if !l.batcher.WhileOpen(func() { l.slots().releaseQueue.add(releaseArg, s) }) {
+		l.slots().releases.add(s.keys, -1)
 		s.h.slotsFailed(releaseArg, redisbatch.ErrClosed)
 	}
 }
@@ -38,15 +91,15 @@ func (l *limiter) queueRelease(s *slotHold) {
 // queueRetries queues again the releases that failed (slotRenewals.retry).
 func (l *limiter) queueRetries(due []slotRetry) {
 	for i := range due {
-		l.releases.add(due[i].key[:], 1)
+		l.slots().releases.add(due[i].key[:], 1)
 	}
 	if !l.batcher.WhileOpen(func() {
 		for _, x := range due {
-			l.releaseQueue.addRelease(x.key[0], x.hold)
+			l.slots().releaseQueue.addRelease(x.key[0], x.hold)
 		}
 	}) {
 		for i := range due {
-			l.releases.add(due[i].key[:], -1)
+			l.slots().releases.add(due[i].key[:], -1)
 		}
 	}
 }
@@ -201,9 +254,9 @@ func (b *slotBatch) TakeAnswer(c *redisbatch.Call) {
 	l := b.limiter
 	if b.op == releaseArg {
 		if c.Err != nil && c.Err != redisbatch.ErrClosed {
-			l.renewals.retry(l, c.Keys, b.holds) // before the count drops: the limiter stays open for it
+			l.slots().renewals.retry(l, c.Keys, b.holds) // before the count drops: the limiter stays open for it
 		}
-		l.releases.add(c.Keys, -1)
+		l.slots().releases.add(c.Keys, -1)
 	}
 	for i, s := range b.holds {
 		switch {
@@ -216,7 +269,7 @@ func (b *slotBatch) TakeAnswer(c *redisbatch.Call) {
 		}
 	}
 	if b.op == renewArg {
-		l.renewals.renewed(l, b.holds, c.Err != nil)
+		l.slots().renewals.renewed(l, b.holds, c.Err != nil)
 	}
 	c.Release()
 	clear(b.holds)
@@ -226,7 +279,7 @@ func (b *slotBatch) TakeAnswer(c *redisbatch.Call) {
 
 // pendingReleases counts the releases queued and not yet answered, per
 // slot key, so that a request of a key refused meanwhile waits for its
-// own key's releases (awaitReleases), and for no other key's. A count by
+// own key's releases (awaitReturns), and for no other key's. A count by
 // hash, read without a lock, answers the usual question (no release of
 // any of these keys is on its way) with one atomic load; only when it is
 // not zero does the key's own count, under its shard's lock, say. (A
@@ -296,12 +349,12 @@ func (p *pendingReleases) total() int64 {
 	return n
 }
 
-// awaitReleases waits, after a refusal by a full concurrent limit of a
+// awaitReturns waits, after a refusal by a full concurrent limit of a
 // request sent while a release of one of its keys was on its way (and
 // may have reached Redis after it), until the releases of its keys are
 // answered, at most until the deadline; it says whether the request
 // should ask again.
-func (l *limiter) awaitReleases(buckets []bucket, deadline time.Time) bool {
+func (p *limiterSlots) awaitReturns(buckets []bucket, deadline time.Time) bool {
 	full := false
 	for i := firstHeld(buckets); i < len(buckets); i++ {
 		full = full || buckets[i].remaining == 0
@@ -309,7 +362,7 @@ func (l *limiter) awaitReleases(buckets []bucket, deadline time.Time) bool {
 	if !full {
 		return false
 	}
-	for l.releases.pending(buckets) {
+	for p.releases.pending(buckets) {
 		if time.Now().After(deadline) {
 			return false
 		}

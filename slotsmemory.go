@@ -4,6 +4,7 @@ package ratelimit
 // buckets a layer keeps there (concurrent.go has the limit itself).
 
 import (
+	"context"
 	"sync"
 	"time"
 )
@@ -11,8 +12,9 @@ import (
 // In-process slots, for the memory store: a count per key,
 // with a generation that an admin reset renews, so that the releases of
 // requests admitted before the reset do not free slots taken after it.
+// They are what a memory store's requests hold while served (memoryStore.inUse).
 
-type slotCounts struct {
+type heldCounts struct {
 	mu      sync.Mutex
 	entries map[string]*slotEntry
 	gen     uint64
@@ -33,7 +35,7 @@ func (s *memoryStore) takeInProcess(now time.Time, buckets []bucket) (bool, erro
 	if k == len(buckets) {
 		return s.takeTokens(now, buckets)
 	}
-	sc := &s.slots
+	sc := &s.inUse
 	sc.mu.Lock()
 	defer sc.mu.Unlock()
 	if sc.entries == nil {
@@ -82,32 +84,47 @@ func (s *memoryStore) takeInProcess(now time.Time, buckets []bucket) (bool, erro
 // releaseSlot gives back a slot taken in generation gen.
 func (s *memoryStore) releaseSlot(key string, gen uint64) {
 	key = s.storedKey(key)
-	s.slots.mu.Lock()
-	defer s.slots.mu.Unlock()
-	if e := s.slots.entries[key]; e != nil && e.gen == gen {
+	s.inUse.mu.Lock()
+	defer s.inUse.mu.Unlock()
+	if e := s.inUse.entries[key]; e != nil && e.gen == gen {
 		if e.used--; e.used <= 0 {
-			delete(s.slots.entries, key)
+			delete(s.inUse.entries, key)
 		}
 	}
 }
 
 // slotsInUse is how many slots of a key are held.
 func (s *memoryStore) slotsInUse(key string) int64 {
-	s.slots.mu.Lock()
-	defer s.slots.mu.Unlock()
-	if e := s.slots.entries[s.storedKey(key)]; e != nil {
+	s.inUse.mu.Lock()
+	defer s.inUse.mu.Unlock()
+	if e := s.inUse.entries[s.storedKey(key)]; e != nil {
 		return e.used
 	}
 	return 0
 }
 
-// resetSlots frees every slot of the keys.
-func (s *memoryStore) resetSlots(keys []string) {
-	s.slots.mu.Lock()
-	defer s.slots.mu.Unlock()
-	for _, key := range keys {
-		delete(s.slots.entries, s.storedKey(key))
-	}
+// free frees every slot of a stored key (memoryStore.reset).
+func (c *heldCounts) free(key string) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	delete(c.entries, key)
 }
 
-// slotHold is the slots one request holds, from admission until its
+// inMemory is the memory store that keeps the slots of a hold (in), or
+// nil when Redis keeps them.
+func (s *slotHold) inMemory() *memoryStore {
+	m, _ := s.in.(*memoryStore)
+	return m
+}
+
+// peekSlots reads a concurrent limit's slots of key where in keeps
+// them, for the admin API.
+func peekSlots(ctx context.Context, in keeper, key string) (slotView, error) {
+	switch in := in.(type) {
+	case *memoryStore:
+		return slotView{inUse: in.slotsInUse(key)}, nil
+	case *limiter:
+		return in.peekSlots(ctx, key)
+	}
+	return slotView{}, nil
+}

@@ -5,7 +5,8 @@ import "net/http"
 // What the features of a handler do around a request's decision, beside
 // the decision itself: read values before it (request_body), and, for an
 // admitted request, register what must follow its response and do it
-// once the response has ended (a charge settled, slots given back).
+// once the response has ended (a charge settled, what a kind held
+// while serving it given back).
 // Each feature contributes its steps when the handler is provisioned
 // (h.before, h.steps); the request path (serve.go) runs them in order
 // without asking which it has. A step keeps what it registered in the
@@ -47,6 +48,11 @@ type step interface {
 	// says whether the client left.
 	finish(r *http.Request, req *request, err error)
 }
+
+// holding is what a request holds while it is served, where its store
+// took it, for a kind's step to give back once the response has ended
+// (kind.finishing).
+type holding interface{ release() }
 
 // addStep adds s to the handler's steps, once: the limits of a kind
 // share theirs.

@@ -14,36 +14,41 @@ import (
 // file's init); Provision builds a handler's stack once (buildStore),
 // and the request path calls its top and never asks what it holds.
 type store interface {
-	// take takes the request's tokens (and slots) from every one of its
-	// buckets, or from none, as at r.sent, and fills in each bucket's
+	// take takes what the request asks of every one of its buckets, or
+	// of none, as at r.sent, and fills in each bucket's
 	// answer (remaining, wait). err is a failure to decide; a layer that
 	// decides despite it (a fallback) says so in r.
 	take(ctx context.Context, r *request) (allowed bool, err error)
 	// settle settles the charges of a served request, items, where its
 	// buckets were taken (charge.go).
 	settle(r *request, items []settling)
-	// hold holds the slots of an admitted request while its response is
-	// served, where they were taken; the hold's release gives them back
-	// (concurrent.go).
-	hold(r *request) *slotHold
-	// peek reads a bucket without changing it, and peekSlots a concurrent
-	// limit's slots, for the admin API.
+	// keeper is where the store keeps buckets: an admitted request's (r),
+	// where they were taken; with r nil, those the admin API reads. A
+	// kind keeps there what is its own beside its buckets
+	// (kind.finishing, kind.bucketInfo).
+	keeper(r *request) keeper
+	// peek reads a bucket without changing it, for the admin API.
 	peek(ctx context.Context, b bucket) (bucketView, error)
-	peekSlots(ctx context.Context, b bucket) (slotView, error)
-	// reset makes a bucket (or its slots) full again.
+	// reset makes a bucket full again, and frees what requests hold of
+	// it while they are served (kind.heldWhileServed).
 	reset(ctx context.Context, b bucket) error
 }
+
+// A keeper keeps buckets: the limiter of a Redis, or the process's
+// memory (store.keeper).
+type keeper interface{ keepsBuckets() }
+
+func (*limiter) keepsBuckets() {}
 
 // noStore is the store of a handler whose limits all block (burst 0):
 // none is ever asked to take, and it keeps nothing.
 type noStore struct{}
 
-func (noStore) take(context.Context, *request) (bool, error)        { return false, errNoStore }
-func (noStore) settle(*request, []settling)                         {}
-func (noStore) hold(*request) *slotHold                             { return nil }
-func (noStore) peek(context.Context, bucket) (bucketView, error)    { return bucketView{}, nil }
-func (noStore) peekSlots(context.Context, bucket) (slotView, error) { return slotView{}, nil }
-func (noStore) reset(context.Context, bucket) error                 { return nil }
+func (noStore) take(context.Context, *request) (bool, error)     { return false, errNoStore }
+func (noStore) settle(*request, []settling)                      {}
+func (noStore) keeper(*request) keeper                           { return nil }
+func (noStore) peek(context.Context, bucket) (bucketView, error) { return bucketView{}, nil }
+func (noStore) reset(context.Context, bucket) error              { return nil }
 
 var errNoStore = errors.New("no store: every limit blocks")
 
@@ -115,14 +120,14 @@ type refusals interface {
 // wraps.
 type refusalKeeper interface {
 	store
-	keeper() (under store, kept refusals)
+	refusalsKept() (under store, kept refusals)
 }
 
 // takeRefusals is the store under below when below keeps refusals, and
 // those refusals; else below itself, and noRefusals.
 func takeRefusals(below store) (store, refusals) {
 	if k, ok := below.(refusalKeeper); ok {
-		return k.keeper()
+		return k.refusalsKept()
 	}
 	return below, noRefusals{}
 }

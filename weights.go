@@ -37,14 +37,14 @@ type costTerm struct {
 	// string (8 allocs less per request of make bench's llm@64 handler:
 	// BenchmarkServeHTTPLLM/llm 40 -> 32).
 	valueKey, weightKey string
-	// slot is the weight's in a request's weightMemo, when it has
-	// placeholders and one is free; else -1 (resolved at each use).
-	slot int
+	// place is the weight's index in a request's weightMemo, when it
+	// has placeholders and one is free; else -1 (resolved at each use).
+	place int
 }
 
-// maxWeightSlots bounds the distinct weights with placeholders a
+// maxWeightPlaces bounds the distinct weights with placeholders a
 // request remembers; more are resolved at each use.
-const maxWeightSlots = 16
+const maxWeightPlaces = 16
 
 // weightMemo is a request's weights with placeholders, each resolved
 // once: the reservation, the check of charge json's weights and the
@@ -54,8 +54,8 @@ const maxWeightSlots = 16
 // The settlement so charges with the weights the request was admitted
 // with, those the check judged.
 type weightMemo struct {
-	known  uint16 // a bit per slot resolved
-	values [maxWeightSlots]float64
+	known  uint16 // a bit per place resolved
+	values [maxWeightPlaces]float64
 }
 
 // weight is t's weight for the request: fixed, remembered, or resolved
@@ -64,34 +64,34 @@ func (m *weightMemo) weight(t *costTerm, repl *caddy.Replacer) (float64, error) 
 	if t.fixedW {
 		return t.w, nil
 	}
-	if m == nil || t.slot < 0 {
+	if m == nil || t.place < 0 {
 		return resolveWeight(t.weight, t.weightKey, repl)
 	}
-	bit := uint16(1) << t.slot
+	bit := uint16(1) << t.place
 	if m.known&bit != 0 {
-		return m.values[t.slot], nil
+		return m.values[t.place], nil
 	}
 	w, err := resolveWeight(t.weight, t.weightKey, repl)
 	if err == nil {
-		m.values[t.slot], m.known = w, m.known|bit
+		m.values[t.place], m.known = w, m.known|bit
 	}
 	return w, err
 }
 
-// assignWeightSlots gives each distinct weight with placeholders of the
-// handler's requested_tokens and charge json a slot of the weightMemo.
-func (h *Handler) assignWeightSlots() {
-	var slots []string
+// assignWeightPlaces gives each distinct weight with placeholders of the
+// handler's requested_tokens and charge json a place in the weightMemo.
+func (h *Handler) assignWeightPlaces() {
+	var places []string
 	assign := func(t *costTerm) {
-		t.slot = -1
+		t.place = -1
 		if t.fixedW {
 			return
 		}
-		i := slices.Index(slots, t.weight)
-		if i < 0 && len(slots) < maxWeightSlots {
-			i, slots = len(slots), append(slots, t.weight)
+		i := slices.Index(places, t.weight)
+		if i < 0 && len(places) < maxWeightPlaces {
+			i, places = len(places), append(places, t.weight)
 		}
-		t.slot = i
+		t.place = i
 	}
 	for _, l := range h.limits {
 		for i := range l.costTerms {
@@ -197,7 +197,7 @@ func parseCostTerms(text string) (terms []costTerm, sum int64, fixed bool, err e
 	fixed = true
 	for _, f := range fields {
 		value, weight := splitTerm(f)
-		t := costTerm{value: value, weight: weight, valueKey: onePlaceholder(value), weightKey: onePlaceholder(weight), slot: -1}
+		t := costTerm{value: value, weight: weight, valueKey: onePlaceholder(value), weightKey: onePlaceholder(weight), place: -1}
 		if t.w, t.fixedW, err = checkWeight("requested_tokens", f, weight); err != nil {
 			return nil, 0, false, err
 		}

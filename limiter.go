@@ -224,21 +224,22 @@ type batchHooks struct{ l *limiter }
 
 // FirstCalls: the parts' calls that go ahead of the batch's own.
 func (h batchHooks) FirstCalls(now time.Time, batch []*redisbatch.Call) ([]*redisbatch.Call, bool) {
-	more := false
-	for _, p := range h.l.parts {
-		var left bool
-		batch, left = p.firstCalls(h.l, now, batch)
-		more = more || left
-	}
-	return batch, more
+	return h.partsCalls(limiterPart.firstCalls, now, batch)
 }
 
 // LastCalls: the parts' calls that go after the batch's own.
 func (h batchHooks) LastCalls(now time.Time, batch []*redisbatch.Call) ([]*redisbatch.Call, bool) {
+	return h.partsCalls(limiterPart.lastCalls, now, batch)
+}
+
+// partsCalls appends each part's calls (firstCalls or lastCalls) to
+// batch, and says whether some part has more left.
+func (h batchHooks) partsCalls(calls func(limiterPart, *limiter, time.Time, []*redisbatch.Call) ([]*redisbatch.Call, bool),
+	now time.Time, batch []*redisbatch.Call) ([]*redisbatch.Call, bool) {
 	more := false
 	for _, p := range h.l.parts {
 		var left bool
-		batch, left = p.lastCalls(h.l, now, batch)
+		batch, left = calls(p, h.l, now, batch)
 		more = more || left
 	}
 	return batch, more

@@ -168,7 +168,7 @@ func TestScriptReplyOfAnotherShapeFailsItsCall(t *testing.T) {
 			t.Fatalf("%s: %v", what, c.Err)
 		}
 		b := []bucket{{}}
-		if allowed, err := readTake(c.Reply, b, nil); err != nil || !allowed || b[0].remaining != 9 {
+		if allowed, err := readTake(c.Reply, b, false); err != nil || !allowed || b[0].remaining != 9 {
 			t.Fatalf("%s: read %v as %v (%+v), %v; want admitted with 9 left", what, c.Reply, allowed, b, err)
 		}
 	}

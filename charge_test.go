@@ -2461,7 +2461,7 @@ func TestMergedSettlementsNeverPassACallOfTheirBucket(t *testing.T) {
 			t.Fatalf("the take of %s was not answered", take.Keys[0])
 		}
 		b := []bucket{{}}
-		if allowed, err := readTake(take.Reply, b, nil); err != nil || !allowed || b[0].remaining != 30 {
+		if allowed, err := readTake(take.Reply, b, false); err != nil || !allowed || b[0].remaining != 30 {
 			t.Errorf("the take of %s after its refund: %v, %v with %d left; want admitted with 90 - 60 = 30 left", take.Keys[0], allowed, err, b[0].remaining)
 		}
 		take.Release()

@@ -75,15 +75,18 @@ func checkLease(l *Lease, store string) error {
 	return l.check()
 }
 
-// checkLayersWithLimits refuses a layer with the kinds of limit it
-// cannot serve; checkLimits calls it after the kinds' own checks.
-func (h *Handler) checkLayersWithLimits() error {
-	switch {
-	case h.Lease == nil:
-	case len(h.Quotas) > 0:
-		return fmt.Errorf("lease with quotas: a lease takes tokens ahead for this instance, which a quota would count as used; remove lease, or the quotas")
-	case len(h.Concurrent) > 0:
-		return fmt.Errorf("lease with concurrent limits: a lease admits requests without asking Redis, where the slots are; remove lease, or the concurrent limits")
+// checkLayersWith refuses a layer with a kind of limit it cannot serve:
+// n limits of the kind that plural names. Each kind's check asks it
+// where its message has always come among the kind's own.
+func (h *Handler) checkLayersWith(plural string, n int) error {
+	if n == 0 || h.Lease == nil {
+		return nil
+	}
+	switch plural {
+	case "quotas":
+		return errors.New("lease with quotas: a lease takes tokens ahead for this instance, which a quota would count as used; remove lease, or the quotas")
+	case "concurrent limits":
+		return errors.New("lease with concurrent limits: a lease admits requests without asking Redis, where the slots are; remove lease, or the concurrent limits")
 	}
 	return nil
 }

@@ -132,7 +132,7 @@ func (h *Handler) checkConcurrent(seen map[string]bool) error {
 			return fmt.Errorf("concurrent %s: %w", c.Name, err)
 		}
 	}
-	return nil
+	return h.checkLayersWith("concurrent limits", len(h.Concurrent))
 }
 
 // checkConcurrentValues judges one concurrent limit's own values.

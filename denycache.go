@@ -189,7 +189,8 @@ func (d *denyLayer) answer(buckets []bucket, now time.Time) bool { return d.cach
 func (d *denyLayer) answered(buckets []bucket, sent time.Time, allowed bool) {
 	d.cache.answered(buckets, sent, allowed, d.perRequest)
 }
-func (d *denyLayer) forget(keys ...string) { d.cache.forget(keys...) }
+func (d *denyLayer) forget(key string)        { d.cache.forget(key) }
+func (d *denyLayer) forgetKeys(keys []string) { d.cache.forget(keys...) }
 
 // keepAtMost sets maxWait.
 func (d *denyLayer) keepAtMost(wait time.Duration) { d.cache.maxWait = wait }

@@ -165,19 +165,16 @@ func FuzzParseReply(f *testing.F) {
 				wellFormed = reply[1+2*i] >= 0 && reply[2+2*i] >= 0 && reply[2+2*i] <= maxRetryMicros && (!leasing || reply[1+2*n+i] >= 0)
 			}
 		}
-		var leased []int64
-		if leasing {
-			leased = make([]int64, len(buckets))
-		}
-		allowed, err := readTake(reply, buckets, leased)
+		allowed, err := readTake(reply, buckets, leasing)
+		leased := func(i int) int64 { return reply[1+2*len(buckets)+i] } // what the lease layer reads, once readTake judged them
 		if wellFormed != (err == nil) {
 			t.Fatalf("reply %v: error %v; well-formed %v", reply, err, wellFormed)
 		}
 		for i, bk := range buckets {
-			if err == nil && shape%8 == 3 && (allowed != (a == 1) || bk.remaining != b || bk.retryAfter.Microseconds() != c || leasing && leased[i] != b) {
-				t.Fatalf("reply %v read as %v %+v %v", reply, allowed, buckets, leased)
+			if err == nil && shape%8 == 3 && (allowed != (a == 1) || bk.remaining != b || bk.retryAfter.Microseconds() != c || leasing && leased(i) != b) {
+				t.Fatalf("reply %v read as %v %+v", reply, allowed, buckets)
 			}
-			if err == nil && (bk.remaining < 0 || bk.retryAfter < 0 || leasing && leased[i] < 0) {
+			if err == nil && (bk.remaining < 0 || bk.retryAfter < 0 || leasing && leased(i) < 0) {
 				t.Fatalf("reply %v read as negative counts %+v", reply, buckets)
 			}
 		}

@@ -290,7 +290,7 @@ func (h *Handler) giveBackLeases(back []bucket, seq int64) {
 		for i := range chunk {
 			keys[i] = chunk[i].key
 		}
-		h.leases.refused.forget(keys...)
+		h.leases.refused.forgetKeys(keys)
 	}
 }
 
@@ -360,15 +360,12 @@ func (ls *leases) call(clientCtx context.Context, l *limiter, sent time.Time, mo
 	}
 	c, err = l.batcher.Send(clientCtx, sent, c)
 	if err == nil {
-		var inline [maxInlineBuckets]int64
-		leased := inline[:]
-		if len(buckets) > len(leased) {
-			leased = make([]int64, len(buckets))
-		}
-		leased = leased[:len(buckets)]
-		allowed, err = readTake(c.Reply, buckets, leased)
+		allowed, err = readTake(c.Reply, buckets, true)
 		for i := range buckets {
-			buckets[i].layer.leased = leased[i]
+			buckets[i].layer.leased = 0
+			if err == nil {
+				buckets[i].layer.leased = c.Reply[1+2*len(buckets)+i] // the layer's words: what each lent (readTake judged them)
+			}
 		}
 	}
 	if c != nil {

@@ -312,7 +312,7 @@ func (l *limiter) partsQueued() bool {
 func (l *limiter) take(clientCtx context.Context, now time.Time, buckets []bucket) (allowed bool, err error) {
 	c, err := l.call(clientCtx, now, takeScript, buckets)
 	if err == nil {
-		allowed, err = readTake(c.Reply, buckets, nil)
+		allowed, err = readTake(c.Reply, buckets, false)
 	}
 	if c != nil {
 		c.Release()
@@ -423,15 +423,15 @@ const maxRetryMicros = max(2*maxFillSeconds*1_000_000, 2*int64(maxPeriod/time.Mi
 
 // readTake reads the check-and-take reply, {allowed, then per bucket:
 // remaining, microseconds until it holds its requested tokens; from a
-// layer's script, then a count per bucket, which words receives (nil
-// for a script without); then each kind's replyWords (a calendar period
-// counted in)}, into the buckets. A kind's words that decide nothing are
-// its kindError (readReply). Anything else is no answer at all: never read as a
-// denial.
-func readTake(reply []int64, buckets []bucket, words []int64) (allowed bool, err error) {
+// layer's script (layerWords), then a count per bucket, at least 0,
+// which the layer reads from the reply itself; then each kind's
+// replyWords (a calendar period counted in)}, into the buckets. A kind's
+// words that decide nothing are its kindError (readReply). Anything else
+// is no answer at all: never read as a denial.
+func readTake(reply []int64, buckets []bucket, layerWords bool) (allowed bool, err error) {
 	n := len(buckets)
 	want := 1 + 2*n
-	if words != nil {
+	if layerWords {
 		want += n
 	}
 	kindWords := want
@@ -450,8 +450,8 @@ func readTake(reply []int64, buckets []bucket, words []int64) (allowed bool, err
 			kindWords += words
 		}
 	}
-	for i := range words {
-		if words[i] = reply[1+2*n+i]; words[i] < 0 {
+	for i := 0; layerWords && i < n; i++ {
+		if reply[1+2*n+i] < 0 {
 			return false, fmt.Errorf("unexpected script reply %v", reply)
 		}
 	}

@@ -220,7 +220,7 @@ func TestScriptBatchKeepsResultsApart(t *testing.T) {
 			continue
 		}
 		b := []bucket{{}}
-		allowed, err := readTake(c.Reply, b, nil)
+		allowed, err := readTake(c.Reply, b, false)
 		if err != nil || allowed != want[i].allowed || b[0].remaining != want[i].remaining {
 			t.Fatalf("call %d: reply %v (%v), want %+v", i, c.Reply, err, want[i])
 		}

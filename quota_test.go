@@ -1202,3 +1202,17 @@ func TestQuotaResetJitterAppliesToRetryAfterRateLimitAndPlaceholderAlike(t *test
 		t.Errorf("no client of 4 was told to come back past the boundary: reset_jitter 1h applied to none")
 	}
 }
+
+// A lease with quotas is refused before any quota's own mistake, as
+// before the checks of several parts moved to checks.go.
+func TestLeaseWithQuotasIsReportedBeforeAQuotasOwnMistake(t *testing.T) {
+	for name, q := range map[string]Quota{
+		"no per":   {Name: "q", Count: "3"},
+		"bad name": {Name: "bad name", Count: "3", Per: "day"},
+	} {
+		h := &Handler{Lease: &Lease{MaxTokens: 10}, Quotas: []Quota{q}}
+		if err := h.checkLimits(); err == nil || !strings.HasPrefix(err.Error(), "lease with quotas:") {
+			t.Errorf("%s: %v, want lease with quotas first", name, err)
+		}
+	}
+}

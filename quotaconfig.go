@@ -42,6 +42,9 @@ func (h *Handler) checkQuotas(names map[string]bool) error {
 	if h.ResetJitter < 0 || h.ResetJitter > 0 && len(h.Quotas) == 0 {
 		return fmt.Errorf("reset_jitter '%v': spreads the Retry-After of quotas past their boundary; use a positive duration with quotas, or remove it", time.Duration(h.ResetJitter))
 	}
+	if err := h.checkLayersWith("quotas", len(h.Quotas)); err != nil {
+		return err
+	}
 	for _, q := range h.Quotas {
 		if err := checkLimitName(q.Name); err != nil {
 			return fmt.Errorf("quota: %w", err)

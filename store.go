@@ -108,9 +108,13 @@ type refusals interface {
 	answer(buckets []bucket, now time.Time) bool
 	// answered keeps what the store answered to a request sent at sent.
 	answered(buckets []bucket, sent time.Time, allowed bool)
-	// forget drops what is kept of the buckets at keys: they hold tokens
-	// again sooner than time alone would bring them.
-	forget(keys ...string)
+	// forget drops what is kept of the bucket at key, and forgetKeys of
+	// the buckets at keys: they hold tokens again sooner than time alone
+	// would bring them. One key is not a variadic slice: through an
+	// interface that would escape, an allocation per settlement that
+	// gives back (go build -gcflags=-m).
+	forget(key string)
+	forgetKeys(keys []string)
 	// keepAtMost bounds how long a refusal is kept, when the layer above
 	// may bring tokens back at any time.
 	keepAtMost(d time.Duration)
@@ -137,5 +141,6 @@ type noRefusals struct{}
 
 func (noRefusals) answer([]bucket, time.Time) bool    { return false }
 func (noRefusals) answered([]bucket, time.Time, bool) {}
-func (noRefusals) forget(...string)                   {}
+func (noRefusals) forget(string)                      {}
+func (noRefusals) forgetKeys([]string)                {}
 func (noRefusals) keepAtMost(time.Duration)           {}

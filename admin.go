@@ -166,7 +166,7 @@ func withKindView(v, view any) ([]byte, error) {
 	if err != nil {
 		return nil, err
 	}
-	if len(more) > len("{}") {
+	if len(more) > len("{}") && more[0] == '{' { // an object with fields; anything else (a nil pointer's null) adds none
 		text = append(append(text[:len(text)-1], ','), more[1:]...)
 	}
 	return text, nil

@@ -12,18 +12,18 @@ import (
 	"time"
 
 	"github.com/caddy-redis/ratelimit/internal/scan"
-	"github.com/caddyserver/caddy/v2"
 )
 
 // Charging: limits whose real cost only the response knows (tokens an
 // LLM API used, a cost header, failed logins). Before the request a
 // limit takes its requested_tokens as usual: that is the reservation,
-// and the check. Once the response is written the difference between
-// its real cost and the reservation is settled (settle.lua, or
-// settleBucket in the process): a smaller cost gives tokens back, a
-// larger one takes the rest, into debt down to -max_debt. The response
-// passes through a writer that reads its status and, for `charge json`,
-// scans its body as it streams by (chargewriter.go, internal/scan).
+// and the check. Once the real cost is known, at the latest once the
+// response is written, the difference between it and the reservation is
+// settled (settle.lua, or settleBucket in the process): a smaller cost
+// gives tokens back, a larger one takes the rest, into debt down to
+// -max_debt. The response passes through a writer that reads its status
+// and, for `charge json`, scans its body as it streams by, and settles
+// before the end of the answer passes (chargewriter.go, internal/scan).
 
 // Charge says where the real cost of a response comes from: exactly one
 // of its fields is set. A cost that cannot be read (a missing header, not
@@ -50,9 +50,12 @@ type Charge struct {
 	// event's `data:` JSON, and in newline-delimited JSON
 	// (`application/x-ndjson`, `application/jsonl`) in any line (the last
 	// one with or without its newline), of any size; these are summed at
-	// the end. A path not found counts 0; when none is found, the cost
-	// cannot be read. At most 16 paths in a handler, of at most 8 keys
-	// each.
+	// the end. The end of a JSON document, an event whose data starts
+	// with `[DONE]`, or an event named as an API's last (`message_stop`,
+	// `response.completed`) ends the answer: it is settled there, before
+	// those bytes pass on, and nothing after is read. A path not found
+	// counts 0; when none is found, the cost cannot be read. At most 16
+	// paths in a handler, of at most 8 keys each.
 	JSON []string `json:"json,omitempty"`
 
 	// JSONFields reads the body as JSON does, by fields: each name (any,
@@ -410,16 +413,32 @@ func (h *Handler) setUpCharging() error {
 type chargeStep struct{ h *Handler }
 
 func (s chargeStep) register(req *request) bool {
-	req.charge = req.chargeWriter.reset(req.w, s.h.charging, &req.scanBody)
+	req.charge = req.chargeWriter.reset(req.w, s.h.charging, &req.scanBody, s.h, req)
 	req.w = req.charge
 	return true
 }
 
+// finish settles a response that the writer did not settle as it passed
+// (chargeWriter.settleIfKnown).
 func (s chargeStep) finish(r *http.Request, req *request, err error) {
-	if cw := req.charge; cw != nil {
-		repl := r.Context().Value(caddy.ReplacerCtxKey).(*caddy.Replacer)
-		s.h.settleResponse(cw.end(err, r.Context().Err() != nil), cw, repl, req)
+	if cw := req.charge; cw != nil && !cw.settled {
+		cw.settled = true
+		s.h.settleResponse(cw.end(err, r.Context().Err() != nil), cw, req.repl, req)
 	}
+}
+
+// knownAt says whether the cost is known from a response's status on
+// (answered: and from the end of its answer in the body on).
+func (r *chargeRule) knownAt(status int, answered bool) bool {
+	switch {
+	case !r.charges(status):
+		return true // nothing
+	case r.header != "" || r.placeholder != "":
+		return false // a trailer or the placeholder may come last
+	case r.paths != 0:
+		return answered || status == http.StatusSwitchingProtocols
+	}
+	return true // the reservation
 }
 
 // maxDebtFor is how far below zero a bucket with values v may go: its

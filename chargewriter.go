@@ -12,15 +12,26 @@ import (
 
 // chargeWriter watches a response for its charging limits, as Caddy's
 // own `encode` and `intercept` wrap the writer: it notes the status and,
-// for `charge json`, hands the body to a scan (internal/scan) as it
+// for `charge json`, hands the body to a scan (internal/scan) before it
 // passes. Everything goes through untouched and at once: no buffering,
 // every flush passed on; http.ResponseController reaches the writer
 // beneath through Unwrap.
+//
+// It settles the request as soon as every charging limit's cost is
+// known (settleIfKnown), before the bytes that tell the client so pass:
+// a client may send its next request as soon as it has the end of its
+// answer, while the handler still runs (openai-go stops reading at
+// `data: [DONE]`, and the upstream may keep the stream open after it).
 type chargeWriter struct {
 	caddyhttp.ResponseWriterWrapper
 	charging *charging
 	status   int        // the final status written; 0 until then
 	body     *scan.Body // for charge json; nil otherwise
+	// h and req are the handler and the request whose response this is,
+	// to settle it from here; settled says it was, once.
+	h       *Handler
+	req     *request
+	settled bool
 	// costHeaders are the charging.headers as the response was written:
 	// a handler around this one may remove them from the map later
 	// (`header -X-Cost`, deferred to its own WriteHeader). declared says
@@ -31,14 +42,16 @@ type chargeWriter struct {
 	declared    [maxCostHeaders]bool
 }
 
+// newChargeWriter is a writer that watches w and settles nothing itself
+// (the tests' writer).
 func newChargeWriter(w http.ResponseWriter, c *charging) *chargeWriter {
-	return new(chargeWriter).reset(w, c, new(scan.Body))
+	return new(chargeWriter).reset(w, c, new(scan.Body), nil, nil)
 }
 
-// reset makes cw a new writer watching w, which scans with body when c
-// has JSON paths.
-func (cw *chargeWriter) reset(w http.ResponseWriter, c *charging, body *scan.Body) *chargeWriter {
-	*cw = chargeWriter{ResponseWriterWrapper: caddyhttp.ResponseWriterWrapper{ResponseWriter: w}, charging: c}
+// reset makes cw a new writer watching w for req's charges in h, which
+// scans with body when c has JSON paths.
+func (cw *chargeWriter) reset(w http.ResponseWriter, c *charging, body *scan.Body, h *Handler, req *request) *chargeWriter {
+	*cw = chargeWriter{ResponseWriterWrapper: caddyhttp.ResponseWriterWrapper{ResponseWriter: w}, charging: c, h: h, req: req}
 	if c.paths.Len() > 0 {
 		cw.body = body
 		cw.body.Reset(&c.paths, c.maxBody)
@@ -75,18 +88,52 @@ func (cw *chargeWriter) begin(status int) {
 	if cw.body != nil {
 		cw.body.Begin(cw.Header())
 	}
+	cw.settleIfKnown()
 }
 
-// Write passes p on and scans what was written.
+// Write scans p, settles when p holds the end of the answer, and then
+// passes p on.
 func (cw *chargeWriter) Write(p []byte) (int, error) {
 	if cw.status == 0 {
 		cw.begin(http.StatusOK) // as the writer beneath does implicitly
 	}
-	n, err := cw.ResponseWriter.Write(p)
-	if cw.body != nil {
-		_, _ = cw.body.Write(p[:n]) // never fails
+	if cw.body != nil && !cw.settled && !cw.body.Ended() {
+		_, _ = cw.body.Write(p) // never fails
+		if cw.body.Ended() {
+			cw.settleIfKnown()
+		}
 	}
-	return n, err
+	return cw.ResponseWriter.Write(p)
+}
+
+// settleIfKnown settles the request once, at the first moment when the
+// cost of each of its charging limits is known: a status not charged
+// costs nothing, and charge_status alone the reservation, from the
+// status on; charge json once the body holds the end of the answer
+// (scan.Body.Ended); charge header and charge placeholder only once the
+// handler has returned (chargeStep.finish), since a trailer comes after
+// the body, and a placeholder such as reverse_proxy's duration is set
+// last. Settled here, the settlement reaches the store before the
+// status or the bytes that end the answer pass, so ahead of the client's
+// next request: a store in the process settles at once, and Redis's
+// queue keeps a settlement ahead of every call queued after it
+// (internal/redisbatch).
+func (cw *chargeWriter) settleIfKnown() {
+	if cw.settled || cw.req == nil {
+		return
+	}
+	end := cw.end(nil, false)
+	if end.status == 0 {
+		return // a 499 written: cut short, charged as the handler returns
+	}
+	answered := cw.body != nil && cw.body.Ended()
+	for i := range cw.req.buckets {
+		if rule := cw.req.buckets[i].limit.charge; rule != nil && !rule.knownAt(end.status, answered) {
+			return
+		}
+	}
+	cw.settled = true
+	cw.h.settleResponse(end, cw, cw.req.repl, cw.req)
 }
 
 // ReadFrom copies through Write when the body is scanned; otherwise the

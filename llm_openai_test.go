@@ -10,13 +10,17 @@ package ratelimit
 // plain `go test` build and run it.
 
 import (
+	"bufio"
 	"bytes"
 	"context"
 	"crypto/sha256"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
 	"net/http"
+	"net/http/httptest"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -243,4 +247,191 @@ func TestLLMBudgetUnderConcurrencyNeverPassesTheBoundPlusMaxDebt(t *testing.T) {
 	if admitted.Load()*6_000_000 < gatewayBudget || refused.Load() == 0 {
 		t.Fatalf("admitted %d, refused %d: the test did not reach the budget", admitted.Load(), refused.Load())
 	}
+}
+
+// answersUpstream answers every request as X-Answer asks, reporting 950
+// tokens, and then keeps the response open for hold before it ends it,
+// as an upstream (or a proxy before it) may: "openai-stream" an OpenAI
+// chat completion stream (usage, then `data: [DONE]`), "anthropic-stream"
+// a Messages API stream (input 50 in message_start, output 900 in
+// message_delta, then message_stop), anything else a JSON chat
+// completion.
+func answersUpstream(t *testing.T, hold time.Duration) *httptest.Server {
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		_, _ = io.Copy(io.Discard, r.Body)
+		const usage = `{"prompt_tokens":50,"completion_tokens":900,"total_tokens":950}`
+		switch r.Header.Get("X-Answer") {
+		case "openai-stream":
+			w.Header().Set("Content-Type", "text/event-stream")
+			fmt.Fprint(w, "data: {\"id\":\"c\",\"object\":\"chat.completion.chunk\",\"created\":1,\"model\":\"m\",\"choices\":[{\"index\":0,\"delta\":{\"content\":\"Hi\"}}]}\n\n")
+			fmt.Fprintf(w, "data: {\"id\":\"c\",\"object\":\"chat.completion.chunk\",\"created\":1,\"model\":\"m\",\"choices\":[],\"usage\":%s}\n\n", usage)
+			fmt.Fprint(w, "data: [DONE]\n\n")
+		case "anthropic-stream":
+			w.Header().Set("Content-Type", "text/event-stream")
+			fmt.Fprint(w, "event: message_start\ndata: {\"type\":\"message_start\",\"message\":{\"usage\":{\"input_tokens\":50,\"output_tokens\":1}}}\n\n",
+				"event: message_delta\ndata: {\"type\":\"message_delta\",\"delta\":{\"stop_reason\":\"end_turn\"},\"usage\":{\"output_tokens\":900}}\n\n",
+				"event: message_stop\ndata: {\"type\":\"message_stop\"}\n\n")
+		default:
+			w.Header().Set("Content-Type", "application/json")
+			fmt.Fprintf(w, `{"id":"c","object":"chat.completion","created":1,"model":"m","choices":[{"index":0,"message":{"role":"assistant","content":"Hi"},"finish_reason":"stop"}],"usage":%s}`, usage)
+		}
+		_ = http.NewResponseController(w).Flush()
+		select {
+		case <-time.After(hold):
+		case <-r.Context().Done():
+		}
+	}))
+	t.Cleanup(srv.Close)
+	return srv
+}
+
+// TestChargeNextRequestSentAtTheAnswersEndSeesItsSettlement: a client
+// may send its next request as soon as it has the end of its answer,
+// while the upstream still keeps the response open: openai-go stops
+// reading a stream at `data: [DONE]`, an Anthropic client at
+// message_stop, a client that decodes a JSON answer at its last brace
+// (each leaves its connection, and sends the next request on a new one).
+// The settlement is queued before those bytes pass, so that next request
+// never finds the bucket as the reservation left it: with a reservation
+// of 100 from 1,000 and answers that cost 950, every next request is
+// refused, on Redis and in store memory, however loaded the machine.
+// Before, the settlement waited for the handler to return, and most were
+// admitted on the 900 the reservation left.
+func TestChargeNextRequestSentAtTheAnswersEndSeesItsSettlement(t *testing.T) {
+	srv := redistest.Start(t)
+	up := answersUpstream(t, 300*time.Millisecond)
+	limit := `
+		key {http.request.header.Authorization}
+		replenish_rate 0.001
+		burst_capacity 1000
+		requested_tokens 100
+		charge json usage.total_tokens message.usage.input_tokens usage.output_tokens
+		charge_status 2xx`
+	c := startChargeCaddy(t, `
+http://127.0.0.1:{{http_port}} {
+	@memory header X-Store memory
+	rate_limit @memory {
+		zone answers-memory
+		store memory`+limit+`
+	}
+	@redis not header X-Store memory
+	rate_limit @redis {
+		zone answers-redis
+		redis %[1]s {
+			timeout 5s
+		}`+limit+`
+	}
+	reverse_proxy %[2]s
+}
+`, srv.Addr, strings.TrimPrefix(up.URL, "http://"))
+	newConnections := &http.Client{Transport: &http.Transport{DisableKeepAlives: true}, Timeout: 10 * time.Second}
+	post := func(key, store, answer string) (*http.Response, error) {
+		req, err := http.NewRequest(http.MethodPost, c.URL+"/v1/chat/completions", strings.NewReader(`{"model":"m","messages":[]}`))
+		if err != nil {
+			return nil, err
+		}
+		req.Header.Set("Authorization", "Bearer "+key)
+		req.Header.Set("X-Store", store)
+		req.Header.Set("X-Answer", answer)
+		return newConnections.Do(req)
+	}
+	// Each answer read as its client reads it, up to its end; the next
+	// request's status.
+	clients := map[string]func(key, store string) (next int, err error){
+		"openai-go, a stream": func(key, store string) (int, error) {
+			client := openAIClient(c, key, nil, nil)
+			opts := []option.RequestOption{option.WithHeader("X-Store", store), option.WithHeader("X-Answer", "openai-stream")}
+			params := chat("m", 100)
+			params.StreamOptions.IncludeUsage = openai.Bool(true)
+			stream := client.Chat.Completions.NewStreaming(context.Background(), params, opts...)
+			var acc openai.ChatCompletionAccumulator
+			for stream.Next() {
+				acc.AddChunk(stream.Current())
+			}
+			if err := stream.Err(); err != nil || acc.Usage.TotalTokens != 950 {
+				return 0, fmt.Errorf("the stream: %v, usage %+v", err, acc.Usage)
+			}
+			_, err := client.Chat.Completions.New(context.Background(), chat("m", 100), opts...)
+			var apiErr *openai.Error
+			switch {
+			case err == nil:
+				return http.StatusOK, nil
+			case errors.As(err, &apiErr):
+				return apiErr.StatusCode, nil
+			}
+			return 0, err
+		},
+		"a JSON decoder": func(key, store string) (int, error) {
+			resp, err := post(key, store, "json")
+			if err != nil {
+				return 0, err
+			}
+			var answer struct {
+				Usage struct {
+					TotalTokens int `json:"total_tokens"`
+				} `json:"usage"`
+			}
+			err = json.NewDecoder(resp.Body).Decode(&answer)
+			resp.Body.Close()
+			if err != nil || answer.Usage.TotalTokens != 950 {
+				return 0, fmt.Errorf("the JSON answer: %v, usage %+v", err, answer.Usage)
+			}
+			return nextStatus(post(key, store, "json"))
+		},
+		"an Anthropic stream's reader": func(key, store string) (int, error) {
+			resp, err := post(key, store, "anthropic-stream")
+			if err != nil {
+				return 0, err
+			}
+			lines := bufio.NewScanner(resp.Body)
+			stop := false
+			for !stop && lines.Scan() {
+				stop = lines.Text() == "event: message_stop"
+			}
+			for lines.Scan() && lines.Text() != "" { // the event's data, up to its blank line
+			}
+			resp.Body.Close()
+			if !stop || lines.Err() != nil {
+				return 0, fmt.Errorf("the stream: no message_stop (%v)", lines.Err())
+			}
+			return nextStatus(post(key, store, "anthropic-stream"))
+		},
+	}
+	const rounds = 20
+	for name, read := range clients {
+		for _, store := range []string{"redis", "memory"} {
+			var wg sync.WaitGroup
+			var admitted, refused atomic.Int64
+			for round := range rounds {
+				key := fmt.Sprintf("%s-%s-%d", strings.ReplaceAll(name, " ", "-"), store, round)
+				wg.Go(func() {
+					switch next, err := read(key, store); {
+					case err != nil:
+						t.Errorf("%s, %s, %s: %v", name, store, key, err)
+					case next == http.StatusOK:
+						admitted.Add(1)
+					case next == http.StatusTooManyRequests:
+						refused.Add(1)
+					default:
+						t.Errorf("%s, %s, %s: the next request answered %d", name, store, key, next)
+					}
+				})
+			}
+			wg.Wait()
+			t.Logf("%s, %s: %d of %d next requests refused", name, store, refused.Load(), rounds)
+			if admitted.Load() > 0 {
+				t.Errorf("%s, %s: %d of %d next requests admitted on the reservation's 900 tokens, which the settlement (950) leaves at 50",
+					name, store, admitted.Load(), rounds)
+			}
+		}
+	}
+}
+
+// nextStatus is the status of a response, whose body it drops.
+func nextStatus(resp *http.Response, err error) (int, error) {
+	if err != nil {
+		return 0, err
+	}
+	resp.Body.Close()
+	return resp.StatusCode, nil
 }

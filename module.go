@@ -55,13 +55,13 @@ func init() {
 // Placeholder | Description
 // ------------|-------------
 // `{http.rate_limit.zone}` | the zone
-// `{http.rate_limit.result}` | `allowed`, `denied`, `exempt`, `invalid`, `empty_key`, `error_allowed`, `error_denied`, `error_local_allowed`, `error_local_denied`, `overflow` or `shadow_denied`; after the response, `charge_missing` when its cost could not be read
+// `{http.rate_limit.result}` | `allowed`, `denied`, `exempt`, `invalid`, `empty_key`, `error_allowed`, `error_denied`, `error_local_allowed`, `error_local_denied`, `overflow` or `shadow_denied`; once the response settles, `charge_missing` when its cost could not be read
 // `{http.rate_limit.limit_name}` | the limit that refused (with `limits`); empty when admitted
 // `{http.rate_limit.remaining}` | whole tokens left; `-1` when Redis failed
 // `{http.rate_limit.limit}` | the burst capacity
 // `{http.rate_limit.retry_after}` | on denial, seconds until a retry can succeed, as in `Retry-After`
 // `{http.rate_limit.key}` | the client key as stored (escaped, or hashed when long), only with `log_key` (else empty)
-// `{http.rate_limit.charged}` | with `charge` or `charge_status`, after the response: the tokens it was charged (of the first limit that charges)
+// `{http.rate_limit.charged}` | with `charge` or `charge_status`, once the response settles (at the latest when it ends): the tokens it was charged (of the first limit that charges)
 // `{http.rate_limit.charged.<limit>}` | the same, for each named limit that charges
 // `{http.rate_limit.request.<path>}` | with `request_body`, before the keys are resolved: the value at that path of the request's JSON body
 //
@@ -158,9 +158,12 @@ type Handler struct {
 	// limit (a limit may have its own): a response header, numbers in a
 	// JSON body or an event stream, or a placeholder (see Charge).
 	// `requested_tokens` is then a reservation, taken before the request
-	// as the check; once the response is written, the difference is
-	// settled: a smaller cost gives tokens back (capped at the burst), a
-	// larger one takes the rest, even below zero, down to `max_debt`.
+	// as the check; once the real cost is known, and before the end of
+	// the answer reaches the client (the end of a JSON body, an event
+	// stream's `data: [DONE]` or last event; with a header, a placeholder
+	// or JSON lines, when the response ends), the difference is settled:
+	// a smaller cost gives tokens back (capped at the burst), a larger
+	// one takes the rest, even below zero, down to `max_debt`.
 	// Default: none; the cost is `requested_tokens`.
 	Charge *Charge `json:"charge,omitempty"`
 

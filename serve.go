@@ -74,6 +74,9 @@ type request struct {
 	// weights are its weights with placeholders, resolved once for the
 	// reservation, the check and the settlement (weights.go).
 	weights weightMemo
+	// repl is the request's replacer, for a settlement made while the
+	// response passes (chargewriter.go).
+	repl *caddy.Replacer
 
 	// What an admitted request's steps registered for after its
 	// response (steps.go): w is the writer the next handler writes to
@@ -110,7 +113,7 @@ func (r *request) free() {
 	if cap(r.buckets) > maxInlineBuckets {
 		r.buckets = nil // not the pool's to keep
 	}
-	r.w = nil // nor the response's writer
+	r.w, r.repl = nil, nil // nor the response's writer, nor its replacer
 	if r.charge != nil {
 		r.chargeWriter = chargeWriter{} // the pool keeps no response writer
 	}
@@ -132,6 +135,7 @@ func (r *request) fail(d decision) { r.failed, r.failure = true, d }
 func (h *Handler) limit(w http.ResponseWriter, r *http.Request) (_ *request, pass bool, err error) {
 	repl := r.Context().Value(caddy.ReplacerCtxKey).(*caddy.Replacer)
 	req := acquireRequest()
+	req.repl = repl
 	if req.buckets, pass, err = h.resolve(w, r, repl, req); req.buckets == nil {
 		req.free()
 		return nil, pass, err

@@ -27,6 +27,11 @@ const (
 // response spends here: the scan stops there, and its values are what
 // it read.
 //
+// The scan also sees where the answer ends for a client, when the body
+// says so (Ended), and reads nothing after it: a JSON document's end, an
+// event stream's `data: [DONE]` or its terminal event. JSON lines have no
+// last line, so they end with the body.
+//
 // A Body is used as Reset, Begin, Write (any number of times), then Sum
 // (as often as there are sums to read). It is one value, with no buffer
 // behind it, so a caller may embed it or allocate it once per response;
@@ -38,6 +43,7 @@ type Body struct {
 	stopped bool   // the body went past maxBody: the scan stopped there
 	failed  string // why the body cannot give a cost at all
 	done    bool   // finish ran
+	ended   bool   // the answer ended (Ended): nothing after it is read
 
 	doc      jsonScanner // the JSON being read
 	found    uint16      // paths with a value
@@ -48,26 +54,49 @@ type Body struct {
 
 	// Event streams and JSON lines: where in a line the scan is.
 	line      lineState
-	field     int  // bytes of the field name matched against "data"; -1: another field
-	cr        bool // the last byte was '\r' (a '\n' after it ends nothing more)
-	dataLines int  // data lines in the current event
+	fieldName string // the field a line's name may be: "data", "event" (by its first byte), or ""
+	field     int    // bytes of the field name matched against fieldName; -1: another field
+	cr        bool   // the last byte was '\r' (a '\n' after it ends nothing more)
+	dataLines int    // data lines in the current event
+	// doneAt is the bytes of "[DONE]" that the event's first data line
+	// starts with so far; -1 when it does not, or in another line.
+	doneAt int
+	// nameMatch is the endEvents (a bit each) that the event name being
+	// read still matches, nameAt the bytes of it read; lastEvent says the
+	// current event's name is one of them.
+	nameMatch uint8
+	nameAt    int
+	lastEvent bool
 }
+
+// endEvents name the events that end an API's stream, which it sends
+// last, after its usage: Anthropic's Messages API ends with
+// message_stop, OpenAI's Responses API with one of the other three (the
+// usage in its data). OpenAI's chat completions, and the servers that
+// follow them, send `data: [DONE]` instead.
+var endEvents = [...]string{"message_stop", "response.completed", "response.incomplete", "response.failed"}
+
+// doneData is the data of the event that ends an OpenAI-style stream;
+// a client such as openai-go stops at an event whose data starts so.
+const doneData = "[DONE]"
 
 type lineState uint8
 
 const (
-	lineStart     lineState = iota
-	lineField               // an event stream's field name
-	lineDataStart           // after "data:", where one space is skipped
-	lineData                // JSON: the value of a data line, or a JSON line
-	lineSkip                // a line that carries no JSON
+	lineStart      lineState = iota
+	lineField                // an event stream's field name
+	lineDataStart            // after "data:", where one space is skipped
+	lineData                 // JSON: the value of a data line, or a JSON line
+	lineEventStart           // after "event:", where one space is skipped
+	lineEvent                // an event's name
+	lineSkip                 // a line that carries no JSON
 )
 
 // Reset makes s a new scan of a body for paths, which reads at most
 // maxBody bytes of it (0: all of it). Until Begin says otherwise, the
 // body is one JSON document.
 func (s *Body) Reset(paths *Paths, maxBody int64) {
-	*s = Body{maxBody: maxBody}
+	*s = Body{maxBody: maxBody, doneAt: -1}
 	s.doc.paths = paths
 	s.doc.reset()
 }
@@ -94,10 +123,10 @@ func (s *Body) Begin(h http.Header) {
 
 // Write scans the next bytes of the body, up to maxBody. It never fails:
 // it takes all of p, whether it reads it or not (past maxBody, an
-// encoded body, after Sum).
+// encoded body, after the answer's end, after Sum).
 func (s *Body) Write(p []byte) (int, error) {
 	n := len(p)
-	if s.failed != "" || s.done || s.stopped {
+	if s.failed != "" || s.done || s.stopped || s.ended {
 		return n, nil
 	}
 	if s.maxBody > 0 && int64(len(p)) > s.maxBody-s.read {
@@ -106,6 +135,7 @@ func (s *Body) Write(p []byte) (int, error) {
 	s.read += int64(len(p))
 	if s.mode == scanJSON {
 		s.doc.feed(p)
+		s.ended = s.doc.state == jDone
 	} else {
 		s.writeLines(p)
 	}
@@ -115,6 +145,16 @@ func (s *Body) Write(p []byte) (int, error) {
 // Stopped says whether the body went past maxBody, where the scan
 // stopped.
 func (s *Body) Stopped() bool { return s.stopped }
+
+// Ended says whether the bytes written so far hold the end of the answer,
+// where a client stops reading: a JSON body's document is complete; an
+// event stream sent an event whose first data line starts with `[DONE]`
+// (as soon as those six bytes are read: openai-go stops at such an
+// event), or an event named as an API's last (endEvents) is complete.
+// The values are then final: nothing after the end is read. JSON lines
+// have no last line, and end with the body; so does a body whose end the
+// scan did not read (past maxBody, encoded).
+func (s *Body) Ended() bool { return s.ended }
 
 // Sum ends the scan (a later Write reads nothing) and sums fields, each
 // the bits of its paths: a field's value is the last number found at
@@ -154,10 +194,10 @@ func (s *Body) Sum(fields ...uint16) (sum float64, why string) {
 	return sum, ""
 }
 
-// writeLines scans an event stream or JSON lines: lines end at "\r\n",
-// "\n" or "\r".
+// writeLines scans an event stream or JSON lines, up to the answer's
+// end: lines end at "\r\n", "\n" or "\r".
 func (s *Body) writeLines(p []byte) {
-	for i := 0; i < len(p); {
+	for i := 0; i < len(p) && !s.ended; {
 		c := p[i]
 		if s.cr {
 			s.cr = false
@@ -178,45 +218,106 @@ func (s *Body) writeLines(p []byte) {
 				s.line = lineData
 				continue
 			}
-			s.line, s.field = lineField, 0
+			s.line, s.field, s.fieldName = lineField, 0, ""
 			continue
 		case lineField:
 			switch {
 			case c == ':':
 				s.line = lineSkip
-				if s.field == len("data") {
+				switch {
+				case s.field != len(s.fieldName):
+				case s.fieldName == "data":
 					s.line = lineDataStart
 					s.startData()
+				case s.fieldName == "event":
+					s.line = lineEventStart
+					s.nameMatch, s.nameAt = 1<<len(endEvents)-1, 0
 				}
-			case s.field >= 0 && s.field < len("data") && c == "data"[s.field]:
+			case s.field == 0 && c == 'd':
+				s.fieldName, s.field = "data", 1
+			case s.field == 0 && c == 'e':
+				s.fieldName, s.field = "event", 1
+			case s.field > 0 && s.field < len(s.fieldName) && c == s.fieldName[s.field]:
 				s.field++
 			default:
 				s.field = -1
 			}
 			i++
-		case lineDataStart:
-			s.line = lineData
+		case lineDataStart, lineEventStart:
+			if s.line == lineDataStart {
+				s.line = lineData
+			} else {
+				s.line = lineEvent
+			}
 			if c == ' ' {
 				i++
 			}
-		case lineData, lineSkip:
+		case lineData, lineEvent, lineSkip:
 			end := bytes.IndexAny(p[i:], "\r\n")
 			if end < 0 {
 				end = len(p) - i
 			}
-			if s.line == lineData {
+			switch s.line {
+			case lineData:
+				if s.doneAt >= 0 {
+					s.matchDone(p[i : i+end])
+				}
 				s.doc.feed(p[i : i+end])
+			case lineEvent:
+				s.matchName(p[i : i+end])
 			}
 			i += end
 		}
 	}
 }
 
+// matchDone reads the next bytes of the event's first data line against
+// "[DONE]": the answer ends once the line starts with it.
+func (s *Body) matchDone(b []byte) {
+	for _, c := range b[:min(len(b), len(doneData)-s.doneAt)] {
+		if c != doneData[s.doneAt] {
+			s.doneAt = -1
+			return
+		}
+		s.doneAt++
+	}
+	s.ended = s.doneAt == len(doneData)
+}
+
+// matchName reads the next bytes of an event's name against endEvents.
+func (s *Body) matchName(b []byte) {
+	for _, c := range b {
+		if s.nameMatch == 0 {
+			return
+		}
+		for m := s.nameMatch; m != 0; m &= m - 1 {
+			k := bits.TrailingZeros8(m)
+			if name := endEvents[k]; s.nameAt >= len(name) || name[s.nameAt] != c {
+				s.nameMatch &^= 1 << k
+			}
+		}
+		s.nameAt++
+	}
+}
+
+// isEndEvent says whether the event name read is one of endEvents.
+func (s *Body) isEndEvent() bool {
+	for m := s.nameMatch; m != 0; m &= m - 1 {
+		if len(endEvents[bits.TrailingZeros8(m)]) == s.nameAt {
+			return true
+		}
+	}
+	return false
+}
+
 // startData starts a data line of the current event: the lines of an
 // event's data are joined with "\n", as a client reads them.
 func (s *Body) startData() {
+	s.doneAt = -1
 	if s.dataLines > 0 {
 		s.doc.feed(newline)
+	} else {
+		s.doneAt = 0
 	}
 	s.dataLines++
 }
@@ -233,20 +334,24 @@ func (s *Body) endLine() {
 		}
 	case s.line == lineStart: // a blank line: the event is complete
 		s.endDocument()
-	case s.line == lineField && s.field == len("data"): // "data" alone: an empty data line
+	case s.line == lineField && s.fieldName == "data" && s.field == len("data"): // "data" alone: an empty data line
 		s.startData()
+	case s.line == lineEvent || s.line == lineEventStart:
+		s.lastEvent = s.isEndEvent() // the last "event" line names the event
 	}
-	s.line = lineStart
+	s.line, s.doneAt = lineStart, -1
 }
 
 // endDocument keeps the values of a complete event (with data) or JSON
-// line, and starts the next.
+// line, and starts the next; an event named as a stream's last ends the
+// answer.
 func (s *Body) endDocument() {
 	if (s.mode == scanLines || s.dataLines > 0) && s.doc.end() {
 		s.keep()
 	}
+	s.ended = s.ended || s.lastEvent
 	s.doc.reset()
-	s.dataLines = 0
+	s.dataLines, s.lastEvent = 0, false
 }
 
 // keep takes the document's values as the last seen at their paths.

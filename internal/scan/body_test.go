@@ -141,7 +141,7 @@ func TestBodyReadsEventStreamsAndJSONLines(t *testing.T) {
 		{"data over several lines, comments, other fields", "text/event-stream", []string{"a.b"},
 			": ping\n\nid: 1\nevent: x\ndata: {\"a\":\ndata:{\"b\":\ndata:  9}}\nretry: 5\n\n", 9, ""},
 		{"an event not yet complete does not count", "text/event-stream", []string{"n"}, "data: {\"n\":5}\n\ndata: {\"n\":7}\n", 5, ""},
-		{"an event over 64 KiB counts", "text/event-stream", []string{"usage.total_tokens"}, openAIStream + bigEvent, 1000, ""},
+		{"an event over 64 KiB counts", "text/event-stream", []string{"usage.total_tokens"}, bigEvent + "data: [DONE]\n\n", 1000, ""},
 		{"... as do the ones after it", "text/event-stream", []string{"usage.total_tokens"}, bigEvent + openAIStream, 12, ""},
 		{"a JSON line over 64 KiB counts", "application/x-ndjson", []string{"usage.total_tokens"}, strings.TrimPrefix(bigEvent, "data: ") + ollamaLines, 1000, ""},
 		{"a field named like data", "text/event-stream", []string{"n"}, "database: {\"n\":5}\ndat: {\"n\":6}\n\n", 0, "no number"},
@@ -167,6 +167,77 @@ func TestBodyReadsEventStreamsAndJSONLines(t *testing.T) {
 			}
 			if tc.why != "" && !strings.Contains(why, tc.why) {
 				t.Errorf("%s (%s): %v %q, want no cost: %q", tc.name, how, got, why, tc.why)
+			}
+		}
+	}
+}
+
+// TestBodyEndsWhereTheAnswerEndsForAClient: Ended says the bytes written
+// hold the end of the answer, at the first byte where a client could
+// know it: a JSON document's closing bracket; in an event stream, the
+// sixth byte of a first data line `[DONE]` (openai-go stops at an event
+// whose data starts so), or the blank line that completes an event named
+// as a stream's last (Anthropic's message_stop, the Responses API's
+// response.completed). Nothing after the end is read, so the values are
+// final there. JSON lines, and anything that does not end so, end only
+// with the body.
+func TestBodyEndsWhereTheAnswerEndsForAClient(t *testing.T) {
+	const usage = "data: {\"usage\":{\"total_tokens\":12}}\n\n"
+	for _, tc := range []struct {
+		name, contentType, body string
+		upTo                    string // the answer ends with the first of these in the body; "": it does not end
+		want                    float64
+	}{
+		{"a JSON answer", "application/json", `{"usage":{"total_tokens":12}}`, "}}", 12},
+		{"... with space around it", "application/json", ` {"usage":{"total_tokens":12}} ` + "\r\n", "}}", 12},
+		{"a JSON answer cut short", "application/json", `{"usage":{"total_tokens":12}`, "", 12},
+		{"a number alone, which only the body's end completes", "application/json", `12`, "", 0},
+		{"OpenAI's stream", "text/event-stream", openAIStream, "[DONE]", 12},
+		{"... with CRLF", "text/event-stream", strings.ReplaceAll(openAIStream, "\n", "\r\n"), "[DONE]", 12},
+		{"... and what comes after [DONE] is not read", "text/event-stream", usage + "data: [DONE]\n\n" + strings.ReplaceAll(usage, "12", "99"), "[DONE]", 12},
+		{"[DONE] without the space, and as a prefix", "text/event-stream", usage + "data:[DONE]x\n\n", "[DONE]", 12},
+		{"[DONE] in an event with a name", "text/event-stream", usage + "event: done\ndata: [DONE]\n\n", "[DONE]", 12},
+		{"[DONE] in a second data line does not end it", "text/event-stream", usage + "data: {}\ndata: [DONE]\n\n", "", 12},
+		{"nor in a field other than data", "text/event-stream", usage + "id: [DONE]\n\n", "", 12},
+		{"nor half of it", "text/event-stream", usage + "data: [DON", "", 12},
+		{"Anthropic's stream ends with message_stop", "text/event-stream", anthropicStream, "message_stop\"}\n\n", 40},
+		{"... at its blank line, not at its name", "text/event-stream", strings.TrimSuffix(anthropicStream, "\n"), "", 40},
+		{"an event named like message_stop does not end it", "text/event-stream", usage + "event: message_stopped\ndata: {}\n\nevent: message_sto\ndata: {}\n\n", "", 12},
+		{"a later event line renames the event", "text/event-stream", usage + "event: message_stop\nevent: ping\ndata: {}\n\n", "", 12},
+		{"the Responses API's completed event, with its usage", "text/event-stream",
+			"event: response.created\ndata: {}\n\nevent: response.completed\ndata: {\"response\":{\"usage\":{\"total_tokens\":12}}}\n\n", "}}}\n\n", 12},
+		{"JSON lines end with the body", "application/x-ndjson", ollamaLines, "", 316},
+	} {
+		end := -1
+		if tc.upTo != "" {
+			end = strings.Index(tc.body, tc.upTo) + len(tc.upTo)
+		}
+		for how, split := range splits {
+			var ps Paths
+			var fields []uint16
+			for _, p := range []string{"usage.total_tokens", "response.usage.total_tokens", "message.usage.input_tokens", "usage.output_tokens", "prompt_eval_count", "eval_count"} {
+				bit, _ := ps.Add(p)
+				fields = append(fields, bit)
+			}
+			var b Body
+			b.Reset(&ps, 0)
+			b.Begin(http.Header{"Content-Type": {tc.contentType}})
+			written, endedIn, endedAt := 0, -1, -1 // the piece in which it ended: [endedIn, endedAt)
+			for _, piece := range split(tc.body) {
+				_, _ = b.Write([]byte(piece))
+				if b.Ended() && endedIn < 0 {
+					endedIn, endedAt = written, written+len(piece)
+				}
+				written += len(piece)
+			}
+			switch {
+			case end < 0 && endedIn >= 0:
+				t.Errorf("%s (%s): ended in bytes %d to %d, want no end", tc.name, how, endedIn, endedAt)
+			case end >= 0 && !(endedIn < end && end <= endedAt):
+				t.Errorf("%s (%s): ended in bytes %d to %d, want in the piece that holds byte %d", tc.name, how, endedIn, endedAt, end-1)
+			}
+			if got, why := b.Sum(fields...); got != tc.want && !(tc.want == 0 && why != "") {
+				t.Errorf("%s (%s): %v %q, want %v", tc.name, how, got, why, tc.want)
 			}
 		}
 	}

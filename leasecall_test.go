@@ -481,6 +481,97 @@ func TestScriptBringsAMarkedBucketDownToALowerBurst(t *testing.T) {
 	}
 }
 
+// TestPeekAndScriptAgreeWithTheOracleUnderAMark: on buckets that have
+// lent, stored above and below their burst less what is lent, with
+// leases live or expired, and bursts higher and lower than the bucket
+// was stored under, peek.lua (the admin API's read) shows the tokens
+// that scriptRefill, the Go reference of script.lua's arithmetic, gives
+// for the time of the read, and the wait script.lua answers a refused
+// request in the same pipeline.
+func TestPeekAndScriptAgreeWithTheOracleUnderAMark(t *testing.T) {
+	srv := redistest.Start(t)
+	rdb := srv.Client(t)
+	ctx := context.Background()
+	for _, source := range []string{peekSource, scriptSource} {
+		if err := rdb.ScriptLoad(ctx, source).Err(); err != nil {
+			t.Fatal(err)
+		}
+	}
+	peekSHA := redis.NewScript(peekSource).Hash()
+	cases := 0
+	for _, rate := range []float64{10, 0.5} {
+		for _, burst := range []int64{5, 10, 1000} {
+			for _, stored := range []float64{-3, 0, 2.5, 900} {
+				for _, lent := range []int64{0, 2, 4, 20} {
+					for _, until := range []time.Duration{-100 * time.Millisecond, 300 * time.Millisecond, time.Minute} {
+						for _, ago := range []time.Duration{0, 500 * time.Millisecond} {
+							requested := min(burst, 3)
+							key := fmt.Sprintf("rl:agree%d", cases)
+							cases++
+							now := redisNow(t, rdb)
+							b := scriptBucket{tokens: stored, at: now - ago.Microseconds(), present: true}
+							state := fmt.Sprintf("%.17g %d", b.tokens, b.at)
+							if lent > 0 {
+								b.lent, b.until = lent, now+until.Microseconds()
+								state += fmt.Sprintf(" %d %d", b.lent, b.until)
+							}
+							if err := rdb.Set(ctx, key, state, time.Minute).Err(); err != nil {
+								t.Fatal(err)
+							}
+							args := limitArgs(rate, burst, requested)
+							var clock0, clock1 *redis.TimeCmd
+							var peek, take *redis.Cmd
+							if _, err := rdb.Pipelined(ctx, func(p redis.Pipeliner) error {
+								clock0 = p.Time(ctx)
+								peek = p.EvalSha(ctx, peekSHA, []string{key}, args[:]...)
+								take = p.EvalSha(ctx, scriptSHA, []string{key}, args[:]...)
+								clock1 = p.Time(ctx)
+								return nil
+							}); err != nil {
+								t.Fatal(err)
+							}
+							t0, t1 := clock0.Val().UnixMicro(), clock1.Val().UnixMicro()
+							what := fmt.Sprintf("state %q, rate %v burst %d requested %d, read between %d and %d", state, rate, burst, requested, t0, t1)
+							reply, err := peek.Slice()
+							if err != nil || len(reply) != 4 {
+								t.Fatalf("%s: peek %v %v", what, reply, err)
+							}
+							tokens, err := strconv.ParseFloat(reply[0].(string), 64)
+							if err != nil {
+								t.Fatal(err)
+							}
+							lo, hi := scriptRefill(b, t0, rate, burst), scriptRefill(b, t1, rate, burst)
+							if tokens < lo-1e-9 || tokens > hi+1e-9 {
+								t.Errorf("%s: peek shows %v tokens; the reference gives %v to %v", what, tokens, lo, hi)
+							}
+							wantLent := int64(0)
+							if b.until > t1 {
+								wantLent = lent
+							}
+							if got := reply[3].(int64); got != wantLent && b.until > t1 == (b.until > t0) {
+								t.Errorf("%s: peek shows %d lent, want %d", what, got, wantLent)
+							}
+							took, err := take.Int64Slice()
+							if err != nil || len(took) != 3 {
+								t.Fatalf("%s: take %v %v", what, took, err)
+							}
+							peekWait := reply[1].(int64)
+							if (took[0] == 1) != (tokens >= float64(requested)) && math.Floor(lo) == math.Floor(hi) {
+								t.Errorf("%s: peek shows %v tokens, script.lua's take of %d allowed %d", what, tokens, requested, took[0])
+							}
+							// The same wait, less the time between the two reads.
+							if took[0] == 0 && (peekWait < took[2] || peekWait > took[2]+(t1-t0)+1) {
+								t.Errorf("%s: peek's wait %d µs, script.lua's %d µs", what, peekWait, took[2])
+							}
+						}
+					}
+				}
+			}
+		}
+	}
+	t.Logf("%d marked and unmarked buckets: peek.lua, script.lua and the reference agree", cases)
+}
+
 // TestLeaseScriptOrdersCalls: a call older than the last one Redis saw
 // from the instance reports nothing and lends nothing (calls may overtake
 // each other after a timeout); a lease Redis does not count holds nothing,

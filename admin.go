@@ -220,6 +220,11 @@ type bucketInfo struct {
 	// when it would be full again (0 when there is no key: it is full).
 	RetryAfter float64 `json:"retry_after"`
 	ExpiresIn  float64 `json:"expires_in"`
+	// Lent is what the bucket has lent to instances ahead, by its mark,
+	// until the last of it expires; 0 when it lent nothing. Tokens is then
+	// at most the burst less Lent (below zero when the burst went down
+	// under it): what another instance can take, as the scripts count it.
+	Lent int64 `json:"lent,omitempty"`
 	// kindView is what a kind shows of its own beyond these (a struct),
 	// after them (kind.bucketInfo).
 	kindView any
@@ -296,7 +301,7 @@ func (h *Handler) peekInfo(ctx context.Context, b bucket) (bucketInfo, bucketVie
 	info := bucketInfo{Limit: b.limit.name, Key: b.clientKey(), StoredKey: b.key,
 		ReplenishRate: b.values.rate, BurstCapacity: b.values.burst, RequestedTokens: b.values.requested}
 	info.Tokens = strconv.FormatFloat(math.Round(view.tokens*1e6)/1e6, 'f', -1, 64) // to the millionth
-	info.RetryAfter, info.ExpiresIn = view.wait.Seconds(), view.expiresIn.Seconds()
+	info.RetryAfter, info.ExpiresIn, info.Lent = view.wait.Seconds(), view.expiresIn.Seconds(), view.lent
 	return info, view, nil
 }
 

@@ -38,6 +38,7 @@ type adminBucket struct {
 	RequestedTokens int64   `json:"requested_tokens"`
 	RetryAfter      float64 `json:"retry_after"`
 	ExpiresIn       float64 `json:"expires_in"`
+	Lent            int64   `json:"lent"`
 }
 
 // tokens is the bucket's tokens as a number.
@@ -552,6 +553,65 @@ func TestAdminResetReachesEveryInstance(t *testing.T) {
 			expectAdmitted(t, c.resetBy.client, c.resetBy.url, "0", "X-Key", c.key)
 			expectDenied(t, c.resetBy.client, c.resetBy.url, "X-Key", c.key)
 		})
+	}
+}
+
+// TestAdminShowsWhatALendingBucketCanGive: the admin API of a Caddy
+// process shows a bucket that has lent (lease) as the scripts count it:
+// with rate 10, burst 10 and 4 lent to another instance for a minute, 6
+// tokens, however long it refilled, and 4 lent; the instance then admits
+// exactly those 6 of 12 requests; with the whole burst lent, the bucket
+// shows no token and the wait until the lease ends and a token refills. (Before, it showed the
+// bucket refilled to 10, and no wait, while instances got 6.)
+func TestAdminShowsWhatALendingBucketCanGive(t *testing.T) {
+	srv := redistest.Start(t)
+	rdb := srv.Client(t)
+	proc := caddyproc.Start(t, caddyproc.Caddyfile(fmt.Sprintf(`http://127.0.0.1:{{http_port}} {
+	rate_limit {
+		zone lending
+		key {http.request.header.X-Key}
+		replenish_rate 10
+		burst_capacity 10
+		lease 4 1s
+		on_error deny
+		redis %s
+	}
+	respond "ok"
+}`, srv.Addr)))
+	admin := fmt.Sprintf("http://127.0.0.1:%d", proc.AdminPort)
+	client := caddyClient(t)
+	key := bucketPrefix(defaultKeyPrefix, "lending", "{http.request.header.X-Key}") + "c"
+
+	// 2 tokens a second ago (12 by now without the lease), 4 lent to
+	// another instance for a minute.
+	now := redisMicros(t, rdb)
+	setBucketAt(t, rdb, key, 2, now-1_000_000)
+	setLeaseRecord(t, rdb, key, now, "other 4 1m 1")
+	b := adminBucketOf(t, admin, "lending", q("header.X-Key", "c"))
+	if b.tokens(t) != 6 || b.Lent != 4 || b.RetryAfter != 0 {
+		t.Errorf("GET with 4 lent of burst 10: tokens %s, lent %d, retry_after %v; want 6 (10 less the 4 lent), 4, 0", b.Tokens, b.Lent, b.RetryAfter)
+	}
+	admitted := 0
+	for range 12 {
+		if status, _ := mustGet(t, client, proc.URL, "c"); status == 200 {
+			admitted++
+		}
+	}
+	if admitted != 6 {
+		t.Errorf("12 requests after the admin API showed %s tokens: %d admitted; want 6", b.Tokens, admitted)
+	}
+
+	// The whole burst lent: no token until the lease ends, then a tenth
+	// of a second for one to refill.
+	now = redisMicros(t, rdb)
+	setBucketAt(t, rdb, key, 0, now-1_000_000)
+	setLeaseRecord(t, rdb, key, now, "other 10 1m 1")
+	b = adminBucketOf(t, admin, "lending", q("header.X-Key", "c"))
+	if wait := b.RetryAfter; b.tokens(t) != 0 || b.Lent != 10 || wait < 59 || wait > 60.1 {
+		t.Errorf("GET with all 10 lent for a minute: tokens %s, lent %d, retry_after %v; want 0, 10, about 60.1 (the lease's end, then 0.1 s)", b.Tokens, b.Lent, wait)
+	}
+	if status, _ := mustGet(t, client, proc.URL, "c"); status != 429 {
+		t.Errorf("a request with all 10 lent: %d, want 429", status)
 	}
 }
 

@@ -828,8 +828,9 @@ type scriptBucket struct {
 
 // scriptRefill is the tokens b holds at now (microseconds), as the
 // memory store's refill (memstore.go) computes them; for a bucket with
-// lease.lua's mark, as script.lua does: up to the burst less what is
-// lent until the mark's end.
+// lease.lua's mark, as script.lua (and peek.lua) do: up to the burst less
+// what is lent until the mark's end, and never above that cap at now
+// (the burst may have gone down since the bucket was stored).
 func scriptRefill(b scriptBucket, now int64, rate float64, burst int64) float64 {
 	if !b.present || b.lent == 0 {
 		return refill(b.state(now, burst), now, limitValues{rate, burst, 1})
@@ -845,7 +846,10 @@ func scriptRefill(b scriptBucket, now int64, rate float64, burst int64) float64 
 	if t < float64(burst) {
 		t = min(float64(burst), t+float64(now-from)*rate/1e6)
 	}
-	return t
+	if b.until > now {
+		return min(t, float64(burst-b.lent))
+	}
+	return min(t, float64(burst))
 }
 
 // scriptTake is the memory store's takeBucket (memstore.go), the token

@@ -2,7 +2,9 @@
 -- in Redis what each instance holds, so that a bucket never refills into
 -- lent tokens: tokens in the bucket plus tokens lent and unexpired never
 -- exceed the burst, and over any interval T a bucket admits at most
--- burst + rate * T, wherever its tokens were spent.
+-- burst + rate * T, wherever its tokens were spent. A call with a lower
+-- burst than the bucket was filled under (a plan moved by `map`, a
+-- reload) first brings the bucket, and the caller's lease, down to it.
 --
 -- KEYS[2i-1]   bucket i, stored as script.lua stores it: "<tokens> <µs>",
 --              or, while it has lent, "<tokens> <µs> <lent> <until µs>":
@@ -95,8 +97,9 @@ end
 
 -- Refills tokens from time from to time to at rate, up to the burst less
 -- what is lent; each lease that expires on the way raises that cap from
--- its expiry on. Tokens above the cap (stored by an instance without
--- lease) are kept, never refilled.
+-- its expiry on. Tokens above the cap are not refilled (they come down
+-- to it once the caller's lease is counted: see the burst in force,
+-- below).
 local function refill(tokens, from, to, rate, burst, leases)
   local lent = lentAt(leases, from)
   local function grow(till)
@@ -131,7 +134,7 @@ local function waitFor(tokens, need, rate, burst, leases)
 end
 
 local rate, burst, requested, held, want = {}, {}, {}, {}, {}
-local tokens, leases, own, forgiven, stale, recorded = {}, {}, {}, {}, {}, {}
+local tokens, leases, own, forgiven, stale, recorded, reported = {}, {}, {}, {}, {}, {}, {}
 local allowed, fresh = 1, true
 for i = 1, n do
   local a = 4 + 5 * (i - 1)
@@ -192,6 +195,7 @@ end
 if (fresh or mode == 'give') and mode ~= 'refund' and mode ~= 'settle' and mode ~= 'reset' then
   for i = 1, n do
     if own[i] and not stale[i] then
+      reported[i] = true
       own[i].tokens, own[i].expiry, own[i].seq = math.min(held[i], own[i].tokens), now + life, seq
       if mode == 'give' then
         -- Up to the cap it frees: never past it, even if an instance
@@ -202,6 +206,29 @@ if (fresh or mode == 'give') and mode ~= 'refund' and mode ~= 'settle' and mode 
         end
         own[i].tokens = 0
       end
+    end
+  end
+end
+
+-- The burst in force caps the bucket: its tokens plus what is lent never
+-- exceed it. A bucket above that cap (its burst went down: a plan moved
+-- by `map`, a reload), or lending more than the burst, comes down to it
+-- here, before anything is taken or lent. The caller's lease, when this
+-- call reported it, is counted with the bucket: the bucket first comes
+-- down to the burst less what the other leases hold (below zero when
+-- they hold more than the burst), then the caller's lease to what that
+-- leaves. What the lease loses is dropped, never put back into the
+-- bucket: its instance may have admitted from it since the call left,
+-- and none may be admitted twice. Another instance's lease is for that
+-- instance to report, at its next call, which is capped in turn; until
+-- then the bucket counts it against the burst.
+for i = 1, n do
+  local cap = burst[i] - lentAt(leases[i], now)
+  if tokens[i] > cap or cap < 0 then
+    local mine = reported[i] and own[i].tokens or 0
+    tokens[i] = math.min(tokens[i], cap + mine)
+    if mine > 0 then
+      own[i].tokens = math.max(0, math.min(mine, math.floor(cap + mine - math.max(0, tokens[i]))))
     end
   end
 end

@@ -1607,6 +1607,180 @@ func TestLeaseBoundAcrossInstances(t *testing.T) {
 	})
 }
 
+// lowerBurstSite is a site whose rate_limit takes its rate and burst
+// from the X-Plan header through map (pro: 1000/s, burst 1000; any other
+// plan 1/s, burst 5), with the lease line given (or none), on the Redis
+// at the last %s.
+const lowerBurstSite = `http://127.0.0.1:{{http_port}} {
+	map {http.request.header.X-Plan} {plan_rate} {plan_burst} {
+		pro     1000 1000
+		default 1    5
+	}
+	rate_limit {
+		zone lowerburst
+		key {http.request.header.X-Key}
+		replenish_rate {plan_rate}
+		burst_capacity {plan_burst}
+		%s
+		on_error deny
+		redis %s
+	}
+	respond "ok"
+}`
+
+// sendPlanned sends GET url with X-Key and X-Plan, and says its status.
+func sendPlanned(client *http.Client, url, key, plan string) (int, error) {
+	resp, _, err := getHeaders(client, url, "X-Key", key, "X-Plan", plan)
+	if err != nil {
+		return 0, err
+	}
+	return resp.StatusCode, nil
+}
+
+// TestLeaseBurstLoweredByMapHoldsOnLeasingAndPlainInstances: a client
+// whose lease was lent under burst 1000 (plan pro, through map) moves to
+// burst 5 at 1/s; its requests, sent together to the instance that holds
+// the lease and to an instance without lease reading the same bucket,
+// are admitted at most 5 + 1 × T over every window T, both instances
+// together: the lease lent under the higher burst adds nothing. (Before,
+// the bucket kept its 900-odd tokens under its lease's mark: 200 of 200
+// admitted on each instance, where a zone without lease admits 5.)
+func TestLeaseBurstLoweredByMapHoldsOnLeasingAndPlainInstances(t *testing.T) {
+	srv := redistest.Start(t)
+	rdb := srv.Client(t)
+	leasing := caddyproc.Start(t, caddyproc.Caddyfile(fmt.Sprintf(lowerBurstSite, "lease 100 1s", srv.Addr)))
+	plain := caddyproc.Start(t, caddyproc.Caddyfile(fmt.Sprintf(lowerBurstSite, "", srv.Addr)))
+	client := caddyClient(t)
+	key := bucketPrefix(defaultKeyPrefix, "lowerburst", "{http.request.header.X-Key}") + "moved"
+
+	// Pro: the key turns hot on the leasing instance and is lent a lease
+	// of several times the lower burst.
+	var lent int64
+	for n := 0; lent <= 20; n++ {
+		if n == 200 {
+			t.Fatalf("200 requests on plan pro: %d lent; want more than 20, to lower the burst under", lent)
+		}
+		if status, err := sendPlanned(client, leasing.URL, "moved", "pro"); err != nil || status != 200 {
+			t.Fatalf("pro request %d: %d %v", n+1, status, err)
+		}
+		lent = 0
+		for _, r := range leaseRecords(t, rdb, key) {
+			lent += r.tokens
+		}
+	}
+
+	// Free: 200 requests, two clients on each instance.
+	var log admissionLog
+	var admitted [2]atomic.Int64
+	var sent atomic.Int64
+	var wg sync.WaitGroup
+	urls := []string{leasing.URL, plain.URL}
+	log.now()
+	for w := range 4 {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for sent.Add(1) <= 200 {
+				start := log.now()
+				status, err := sendPlanned(client, urls[w%2], "moved", "free")
+				switch {
+				case err != nil || status != 200 && status != 429:
+					t.Errorf("free request on %s: %d %v; want 200 or 429", urls[w%2], status, err)
+				case status == 200:
+					log.add(start)
+					admitted[w%2].Add(1)
+				}
+			}
+		}()
+	}
+	wg.Wait()
+	windows, tightest := log.check(t, 5, 1)
+	t.Logf("%d lent under burst 1000; under burst 5, 1/s: %d of 200 admitted (%d on the leasing instance, %d on the plain one); %d windows, the tightest %+.2f of burst + rate × T",
+		lent, log.len(), admitted[0].Load(), admitted[1].Load(), windows, tightest)
+}
+
+// TestLeaseRollingReloadToALowerBurstHoldsTheBound: two leasing
+// instances, a bucket lent to both under burst 1000 at 1/s, reloaded one
+// after the other to burst 5 while their clients keep sending; from the
+// moment both run the new config, every window T holds at most 5 + 1 ×
+// T admissions, both instances together. (Before, 253 to 285 were
+// admitted in the 1.5 s after, where the bound was 6.5: the scripts kept
+// the bucket's tokens above the lower burst while it had lent.)
+func TestLeaseRollingReloadToALowerBurstHoldsTheBound(t *testing.T) {
+	srv := redistest.Start(t)
+	site := `http://127.0.0.1:{{http_port}} {
+	rate_limit {
+		zone rollinglower
+		key {http.request.header.X-Key}
+		replenish_rate 1
+		burst_capacity %d
+		lease 32 1s
+		on_error deny
+		redis %s
+	}
+	respond "ok"
+}`
+	high, low := caddyproc.Caddyfile(fmt.Sprintf(site, 1000, srv.Addr)), caddyproc.Caddyfile(fmt.Sprintf(site, 5, srv.Addr))
+	instances := []*caddyproc.Instance{caddyproc.Start(t, high), caddyproc.Start(t, high)}
+	client := caddyClient(t)
+
+	// Two clients per instance: one request every 25 ms each until both
+	// instances run the new config (the bucket stays far above 5, its
+	// key hot and leased on both), then as fast as they can for 1.5 s.
+	var log admissionLog
+	var after atomic.Int64 // log time from which admissions count; 0 until both reloaded
+	var admitted, refused atomic.Int64
+	stop := make(chan struct{})
+	var wg sync.WaitGroup
+	log.now()
+	for w := range 4 {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for {
+				select {
+				case <-stop:
+					return
+				default:
+				}
+				from := after.Load()
+				if from == 0 {
+					time.Sleep(25 * time.Millisecond)
+				}
+				start := log.now()
+				status, _, _, err := caddyGet(client, instances[w%2].URL, "k")
+				if err != nil || status != 200 && status != 429 {
+					t.Errorf("request on %s: %d %v; want 200 or 429", instances[w%2].URL, status, err)
+					continue
+				}
+				if from == 0 || start < from {
+					continue
+				}
+				if status == 200 {
+					log.add(start)
+					admitted.Add(1)
+				} else {
+					refused.Add(1)
+				}
+			}
+		}()
+	}
+	time.Sleep(1500 * time.Millisecond)
+	for _, inst := range instances {
+		inst.Reload(t, low)
+	}
+	after.Store(max(1, log.now()))
+	time.Sleep(1500 * time.Millisecond)
+	close(stop)
+	wg.Wait()
+	windows, tightest := log.check(t, 5, 1)
+	t.Logf("after both reloads to burst 5 at 1/s: %d admitted, %d refused in 1.5 s; %d windows, the tightest %+.2f of burst + rate × T",
+		admitted.Load(), refused.Load(), windows, tightest)
+	if refused.Load() == 0 {
+		t.Error("nothing refused after the reloads: the clients did not reach the lower burst")
+	}
+}
+
 // TestLeaseOnCluster: a policy of a client limit and a tenant limit (two
 // key templates, two slot groups) with leases on Redis Cluster. Under
 // load from two handlers every bucket keeps its bound and gets its

@@ -374,6 +374,204 @@ func TestScriptRefillsUnderAMark(t *testing.T) {
 	}
 }
 
+// TestLeaseScriptBringsALendingBucketDownToALowerBurst: a call whose
+// burst is lower than what the bucket and its leases hold (a plan moved
+// by map, a reload) first brings the bucket down to the burst less what
+// the other instances' leases hold (below zero when they hold more), and
+// the caller's lease, which it reported, to what that leaves; a lease it
+// did not report (an older call) stays counted against the burst. So the
+// bucket and every lease together never hold more than the burst in
+// force. (Before, the bucket kept its tokens above the cap, and the
+// caller's lease too: a lease lent under burst 1000 went on lending from
+// 979 tokens under burst 5.)
+func TestLeaseScriptBringsALendingBucketDownToALowerBurst(t *testing.T) {
+	srv := redistest.Start(t)
+	rdb := srv.Client(t)
+	ctx := context.Background()
+	held := func(key string) (bucket float64, lent int64) {
+		t.Helper()
+		b, err := parseBucket(rdb.Get(ctx, key))
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, r := range leaseRecords(t, rdb, key) {
+			lent += r.tokens
+		}
+		return b.tokens, lent
+	}
+
+	// Lent 20 under burst 1000, then asked with burst 5: the bucket comes
+	// down to 5, the caller's lease to nothing; the request takes 1 and
+	// 2 are lent (half of 4).
+	high := leaseArg{key: "rl:lower", rate: leaseRate, burst: 1000, requested: 1, want: 20}
+	if r := evalLease(t, rdb, "take", "i1", 1, time.Minute, high); !r.allowed || r.lent[0] != 20 || r.remaining[0] != 979 {
+		t.Fatalf("the take under burst 1000: %+v; want 20 lent, 979 left", r)
+	}
+	low := leaseArg{key: high.key, rate: leaseRate, burst: 5, requested: 1, held: 20, want: 20}
+	r := evalLease(t, rdb, "take", "i1", 2, time.Minute, low)
+	bucket, lent := held(high.key)
+	if !r.allowed || r.lent[0] != 2 || r.remaining[0] != 2 || math.Abs(bucket-2) > leaseSlack || lent != 2 {
+		t.Errorf("the take under burst 5 with 979 in the bucket and 20 lent: %+v, bucket %.3f, lent %d; "+
+			"want admitted, 2 lent and 2 left (5, the request's 1, half of 4 lent)", r, bucket, lent)
+	}
+
+	// Drained under the high burst, the caller's lease of 20 comes down to
+	// 5, the burst: nothing is left to take for the request.
+	now := redisNow(t, rdb)
+	setBucketAt(t, rdb, "rl:drained", 0, now)
+	setLeaseRecord(t, rdb, "rl:drained", now, "i1 20 1m 1")
+	low.key = "rl:drained"
+	r = evalLease(t, rdb, "take", "i1", 2, time.Minute, low)
+	if bucket, lent := held(low.key); r.allowed || r.lent[0] != 5 || bucket > leaseSlack || lent != 5 {
+		t.Errorf("burst 5 on an empty bucket whose caller holds 20: %+v, bucket %.3f, lent %d; want refused, its lease down to 5, the bucket 0", r, bucket, lent)
+	}
+
+	// Another instance holds 100, more than the whole burst: the bucket
+	// goes below zero by what it holds past the burst (95), the caller's
+	// lease to nothing, and the other lease stays counted, for its own
+	// instance to report.
+	now = redisNow(t, rdb)
+	setBucketAt(t, rdb, "rl:others", 900, now)
+	setLeaseRecord(t, rdb, "rl:others", now, "other 100 1m 1", "i1 20 1m 1")
+	low.key = "rl:others"
+	r = evalLease(t, rdb, "take", "i1", 2, time.Minute, low)
+	records := leaseRecords(t, rdb, low.key)
+	if bucket, _ := held(low.key); r.allowed || r.lent[0] != 0 || math.Abs(bucket-(-95)) > leaseSlack || len(records) != 1 || records["other"].tokens != 100 {
+		t.Errorf("burst 5 with another instance holding 100: %+v, bucket %.3f, records %+v; want refused, nothing lent, the bucket at -95, the other lease kept",
+			r, bucket, records)
+	}
+
+	// An older call reports nothing: its lease stays counted, and the
+	// bucket comes down to the burst less all that is lent.
+	now = redisNow(t, rdb)
+	setBucketAt(t, rdb, "rl:stale", 900, now)
+	setLeaseRecord(t, rdb, "rl:stale", now, "i1 20 1m 5")
+	low.key = "rl:stale"
+	r = evalLease(t, rdb, "take", "i1", 4, time.Minute, low)
+	if bucket, lent := held(low.key); r.allowed || r.lent[0] != 20 || math.Abs(bucket-(-15)) > leaseSlack || lent != 20 {
+		t.Errorf("an older call with burst 5, its lease of 20 counted: %+v, bucket %.3f, lent %d; want refused, the bucket at -15, the lease kept", r, bucket, lent)
+	}
+}
+
+// TestScriptBringsAMarkedBucketDownToALowerBurst: script.lua, the plain
+// script of instances without lease, takes from a marked bucket at most
+// the burst in force less what the mark says is lent, however many
+// tokens the bucket was stored with under a higher burst; once the
+// mark's leases expired, at most the burst. (Before, it kept the stored
+// tokens and took from them: 200 of 200 requests admitted under burst 5.)
+func TestScriptBringsAMarkedBucketDownToALowerBurst(t *testing.T) {
+	srv := redistest.Start(t)
+	rdb := srv.Client(t)
+	l := newTestLimiter(t, srv.Addr, time.Second)
+	now := redisNow(t, rdb)
+	setBucketAt(t, rdb, "rl:marked-high", 900, now)
+	setLeaseRecord(t, rdb, "rl:marked-high", now, "other 2 300ms 1")
+	if res := mustTake(t, l, "rl:marked-high", limitArgs(leaseRate, 5, 1)); !res.Allowed || res.Remaining != 2 {
+		t.Errorf("burst 5 on a bucket stored at 900 with 2 lent: %+v; want admitted, 2 left (5 - 2 - 1)", res)
+	}
+	setBucketAt(t, rdb, "rl:marked-over", 900, now)
+	setLeaseRecord(t, rdb, "rl:marked-over", now, "other 20 300ms 1")
+	if res := mustTake(t, l, "rl:marked-over", limitArgs(leaseRate, 5, 1)); res.Allowed || res.Remaining != 0 || res.RetryAfter < time.Hour {
+		t.Errorf("burst 5 on a bucket stored at 900 with 20 lent: %+v; want refused until the lease ends and 16 tokens refill at %v/s", res, leaseRate)
+	}
+	// Past the mark's end: at most the burst.
+	time.Sleep(time.Until(time.UnixMicro(now + 400_000)))
+	if res := mustTake(t, l, "rl:marked-over", limitArgs(leaseRate, 5, 1)); !res.Allowed || res.Remaining != 4 {
+		t.Errorf("burst 5 on a bucket stored at 900 once its lease expired: %+v; want admitted, 4 left", res)
+	}
+}
+
+// TestPeekAndScriptAgreeWithTheOracleUnderAMark: on buckets that have
+// lent, stored above and below their burst less what is lent, with
+// leases live or expired, and bursts higher and lower than the bucket
+// was stored under, peek.lua (the admin API's read) shows the tokens
+// that scriptRefill, the Go reference of script.lua's arithmetic, gives
+// for the time of the read, and the wait script.lua answers a refused
+// request in the same pipeline.
+func TestPeekAndScriptAgreeWithTheOracleUnderAMark(t *testing.T) {
+	srv := redistest.Start(t)
+	rdb := srv.Client(t)
+	ctx := context.Background()
+	for _, source := range []string{peekSource, scriptSource} {
+		if err := rdb.ScriptLoad(ctx, source).Err(); err != nil {
+			t.Fatal(err)
+		}
+	}
+	peekSHA := redis.NewScript(peekSource).Hash()
+	cases := 0
+	for _, rate := range []float64{10, 0.5} {
+		for _, burst := range []int64{5, 10, 1000} {
+			for _, stored := range []float64{-3, 0, 2.5, 900} {
+				for _, lent := range []int64{0, 2, 4, 20} {
+					for _, until := range []time.Duration{-100 * time.Millisecond, 300 * time.Millisecond, time.Minute} {
+						for _, ago := range []time.Duration{0, 500 * time.Millisecond} {
+							requested := min(burst, 3)
+							key := fmt.Sprintf("rl:agree%d", cases)
+							cases++
+							now := redisNow(t, rdb)
+							b := scriptBucket{tokens: stored, at: now - ago.Microseconds(), present: true}
+							state := fmt.Sprintf("%.17g %d", b.tokens, b.at)
+							if lent > 0 {
+								b.lent, b.until = lent, now+until.Microseconds()
+								state += fmt.Sprintf(" %d %d", b.lent, b.until)
+							}
+							if err := rdb.Set(ctx, key, state, time.Minute).Err(); err != nil {
+								t.Fatal(err)
+							}
+							args := limitArgs(rate, burst, requested)
+							var clock0, clock1 *redis.TimeCmd
+							var peek, take *redis.Cmd
+							if _, err := rdb.Pipelined(ctx, func(p redis.Pipeliner) error {
+								clock0 = p.Time(ctx)
+								peek = p.EvalSha(ctx, peekSHA, []string{key}, args[:]...)
+								take = p.EvalSha(ctx, scriptSHA, []string{key}, args[:]...)
+								clock1 = p.Time(ctx)
+								return nil
+							}); err != nil {
+								t.Fatal(err)
+							}
+							t0, t1 := clock0.Val().UnixMicro(), clock1.Val().UnixMicro()
+							what := fmt.Sprintf("state %q, rate %v burst %d requested %d, read between %d and %d", state, rate, burst, requested, t0, t1)
+							reply, err := peek.Slice()
+							if err != nil || len(reply) != 4 {
+								t.Fatalf("%s: peek %v %v", what, reply, err)
+							}
+							tokens, err := strconv.ParseFloat(reply[0].(string), 64)
+							if err != nil {
+								t.Fatal(err)
+							}
+							lo, hi := scriptRefill(b, t0, rate, burst), scriptRefill(b, t1, rate, burst)
+							if tokens < lo-1e-9 || tokens > hi+1e-9 {
+								t.Errorf("%s: peek shows %v tokens; the reference gives %v to %v", what, tokens, lo, hi)
+							}
+							wantLent := int64(0)
+							if b.until > t1 {
+								wantLent = lent
+							}
+							if got := reply[3].(int64); got != wantLent && b.until > t1 == (b.until > t0) {
+								t.Errorf("%s: peek shows %d lent, want %d", what, got, wantLent)
+							}
+							took, err := take.Int64Slice()
+							if err != nil || len(took) != 3 {
+								t.Fatalf("%s: take %v %v", what, took, err)
+							}
+							peekWait := reply[1].(int64)
+							if (took[0] == 1) != (tokens >= float64(requested)) && math.Floor(lo) == math.Floor(hi) {
+								t.Errorf("%s: peek shows %v tokens, script.lua's take of %d allowed %d", what, tokens, requested, took[0])
+							}
+							// The same wait, less the time between the two reads.
+							if took[0] == 0 && (peekWait < took[2] || peekWait > took[2]+(t1-t0)+1) {
+								t.Errorf("%s: peek's wait %d µs, script.lua's %d µs", what, peekWait, took[2])
+							}
+						}
+					}
+				}
+			}
+		}
+	}
+	t.Logf("%d marked and unmarked buckets: peek.lua, script.lua and the reference agree", cases)
+}
+
 // TestLeaseScriptOrdersCalls: a call older than the last one Redis saw
 // from the instance reports nothing and lends nothing (calls may overtake
 // each other after a timeout); a lease Redis does not count holds nothing,

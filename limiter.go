@@ -351,6 +351,7 @@ type bucketView struct {
 	tokens    float64
 	wait      time.Duration // until it holds the requested tokens
 	expiresIn time.Duration // until its key expires; 0 for none (full)
+	lent      int64         // what it lent to instances ahead, by its mark; 0 for none
 }
 
 // peek reads buckets without changing them, with a read-only script
@@ -363,17 +364,18 @@ func (l *limiter) peek(ctx context.Context, buckets []bucket) ([]bucketView, err
 		if err != nil {
 			return nil, err
 		}
-		if len(reply) != 3 {
+		if len(reply) != 4 {
 			return nil, fmt.Errorf("unexpected peek reply %v", reply)
 		}
 		text, _ := reply[0].(string)
 		wait, ok1 := reply[1].(int64)
 		pttl, ok2 := reply[2].(int64)
+		lent, ok3 := reply[3].(int64)
 		tokens, err := strconv.ParseFloat(text, 64)
-		if err != nil || !ok1 || !ok2 {
+		if err != nil || !ok1 || !ok2 || !ok3 {
 			return nil, fmt.Errorf("unexpected peek reply %v", reply)
 		}
-		views[i] = bucketView{tokens: tokens, wait: time.Duration(wait) * time.Microsecond}
+		views[i] = bucketView{tokens: tokens, wait: time.Duration(wait) * time.Microsecond, lent: lent}
 		if pttl > 0 {
 			views[i].expiresIn = time.Duration(pttl) * time.Millisecond
 		}

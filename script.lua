@@ -34,12 +34,14 @@
 --
 -- A bucket that has lent tokens (`lease`, lease.lua) carries a mark:
 -- "<tokens> <microseconds> <lent> <until>", the tokens its leases held
--- then and the Redis time its last lease expires. Until then it refills
--- only up to its burst less what is lent (or less: a lease may expire
--- sooner), and a take keeps the mark; from then on the mark is dropped.
--- So a take here never refills into tokens an instance holds lent, and
--- reads one key as without leases. The key lives until the bucket would
--- be full with every lease expired.
+-- then and the Redis time its last lease expires. Until then it holds at
+-- most its burst less what is lent (or less: a lease may expire sooner),
+-- and a take keeps the mark; from then on the mark is dropped. So a take
+-- here never refills into tokens an instance holds lent, nor takes them
+-- after the burst went down (a plan moved by `map`, a reload): the bucket
+-- then reads as that burst less what is lent, below zero when more is
+-- lent than the burst. It reads one key, as without leases. The key
+-- lives until the bucket would be full with every lease expired.
 --
 -- A quota is one string "<used> <period start, microseconds>": the tokens
 -- taken in the period that starts then (more than the count when
@@ -201,8 +203,8 @@ local function checkBucket(i)
       local from = math.min(at, now)
       if marklent then
         -- Lent: up to the burst less what is lent until the last lease
-        -- expires, then up to the burst (tokens above a cap are kept,
-        -- never refilled, as lease.lua does).
+        -- expires, then up to the burst; tokens above the cap in force
+        -- now (the burst went down) come down to it, as in lease.lua.
         marklent, marktill = tonumber(marklent), tonumber(marktill)
         local t = stored
         if marktill > from then
@@ -214,6 +216,11 @@ local function checkBucket(i)
         end
         if t < burst[i] then
           t = math.min(burst[i], t + (now - from) * rate[i] / 1000000)
+        end
+        if marktill > now then
+          t = math.min(t, burst[i] - marklent)
+        else
+          t = math.min(t, burst[i])
         end
         tokens[i] = t
         if marktill > now then

@@ -212,8 +212,9 @@ func TestConcurrentSlotRenewedEveryThirdOfItsHoldAtTheLatest(t *testing.T) {
 }
 
 // A renewal of a slot that is gone (expired, freed by the admin API, or
-// lost with Redis's data) brings it back while its limit has a free
-// slot, and only then: never more than n are held.
+// lost with Redis's data) brings it back when asked (with n), while its
+// limit has a free slot, and only then: never more than n are held. A
+// renewal not asked to (0, the usual) only extends a live slot.
 func TestConcurrentRenewalBringsBackAGoneSlotOnlyIntoAFreeOne(t *testing.T) {
 	srv := redistest.Start(t)
 	rdb := srv.Client(t)
@@ -247,6 +248,9 @@ func TestConcurrentRenewalBringsBackAGoneSlotOnlyIntoAFreeOne(t *testing.T) {
 	if v := take("b"); v[0] != int64(1) {
 		t.Fatalf("take after a's slot expired %v, want admitted", v)
 	}
+	if got := renew("a", "0"); got != 3 {
+		t.Errorf("renewal of the expired slot a, not asked to bring it back, answered %d, want 3", got)
+	}
 	if got := renew("a", "1"); got != 0 {
 		t.Errorf("renewal of the expired slot a with b holding the only one answered %d, want 0 (not brought back)", got)
 	}
@@ -271,10 +275,21 @@ func TestConcurrentRenewalBringsBackAGoneSlotOnlyIntoAFreeOne(t *testing.T) {
 	if got := renew("b", "2"); got != 1 {
 		t.Errorf("renewal of b answered %d, want 1", got)
 	}
+	if got := renew("b", "0"); got != 1 {
+		t.Errorf("renewal of the live b, not asked to bring it back, answered %d, want 1", got)
+	}
 	for i, want := range []int64{1, 0} {
 		if v, _ := rdb.Eval(ctx, concurrentSource, []string{key}, "release", "b").Slice(); v[0] != want {
 			t.Errorf("release %d of b answered %v, want %d", i+1, v, want)
 		}
+	}
+	// A renewal that arrives after the release (its answer was lost)
+	// does not bring the slot back.
+	if got := renew("b", "0"); got != 3 {
+		t.Errorf("renewal of b after its release answered %d, want 3 (gone, not brought back)", got)
+	}
+	if m := members(); len(m) != 1 || m[0] != "a" {
+		t.Errorf("slots %v after a renewal of the released b, want only a", m)
 	}
 	// After FLUSHALL, the renewal makes the set anew, with its expiry.
 	if err := rdb.FlushAll(ctx).Err(); err != nil {
@@ -1035,8 +1050,8 @@ func TestConcurrentReleasesLostToRedisAreToldByEachZoneAndNotLeftPending(t *test
 	srv := redistest.Start(t)
 	ctx := context.Background()
 	zones := []*Handler{
-		concurrentHandler(t, srv, "zone lost-a\nkey {http.request.header.X-Key}\nconcurrent gen 10"),
-		concurrentHandler(t, srv, "zone lost-b\nkey {http.request.header.X-Key}\nconcurrent gen 10"),
+		concurrentHandler(t, srv, "zone lost-a\nkey {http.request.header.X-Key}\nconcurrent gen 10 {\nhold 1s\n}"),
+		concurrentHandler(t, srv, "zone lost-b\nkey {http.request.header.X-Key}\nconcurrent gen 10 {\nhold 1s\n}"),
 	}
 	l := zones[0].limiter
 	if zones[1].limiter != l {
@@ -1056,7 +1071,9 @@ func TestConcurrentReleasesLostToRedisAreToldByEachZoneAndNotLeftPending(t *test
 	for _, done := range held {
 		<-done
 	}
-	eventually(t, 5*time.Second, "every pending release answered", func() bool { return l.slots().releases.total() == 0 })
+	// Each failed release stays pending while it is sent again, until
+	// its slot would have expired (hold 1s).
+	eventually(t, 5*time.Second, "every pending release answered or its slot expired", func() bool { return l.slots().releases.total() == 0 })
 	for i, h := range zones {
 		if n := countLogs(logs[i], "releasing concurrency slots"); n != 1 {
 			t.Errorf("zone %s: %d warnings of its lost releases, want 1", h.Zone, n)
@@ -1614,4 +1631,247 @@ func TestConcurrentSlotWhoseReleaseFailsIsReleasedByARetry(t *testing.T) {
 	}
 	eventually(t, time.Second, "no release counted pending", func() bool { return h.limiter.slots().releases.total() == 0 })
 	t.Logf("the slot free %v after its release failed", took.Round(time.Millisecond))
+}
+
+// A take held on its way past its timeout (a TCP retransmission: Linux
+// waits at least 200 ms before it resends): the request follows
+// on_error, and the release of the slot that the take may have taken,
+// sent at once on another connection, lands first and frees nothing;
+// then the take lands and takes the slot. That release is sent again at
+// each tick of the renewals until it frees the slot: the slot is free a
+// tick or two after the take landed, not a hold (10 s) later. (It was
+// sent once: the slot stayed taken for its hold, with nothing in flight,
+// and every request of the client was refused.)
+func TestConcurrentTakeThatLandsAfterItsReleaseLeavesNoSlotTaken(t *testing.T) {
+	srv := redistest.Start(t)
+	rdb := srv.Client(t)
+	ctx := context.Background()
+	proxy := startRedisProxy(t, srv.Addr)
+	h := caddyfileHandler(t, fmt.Sprintf(`rate_limit {
+		key {http.request.header.X-Key}
+		on_error allow
+		concurrent gen 1 {
+			hold 10s
+		}
+		redis %s {
+			timeout 200ms
+		}
+	}`, proxy.addr))
+	key := slotKey(t, h, "gen", "k")
+	if status, _ := serve(ctx, h, "warm"); status != 200 { // the script loaded
+		t.Fatalf("warming: %d", status)
+	}
+	eventually(t, 2*time.Second, "the warming request's slot released", func() bool {
+		return h.limiter.slots().releases.total() == 0 && rdb.DBSize(ctx).Val() == 0
+	})
+	proxy.delayMatching(takeScript.SHA(), 600*time.Millisecond)
+	status, header := serve(ctx, h, "k")
+	if status != 200 || header.Get("X-RateLimit-Remaining") != "-1" {
+		t.Fatalf("the held take: %d, X-RateLimit-Remaining %q, want 200 and -1 (on_error allow)", status, header.Get("X-RateLimit-Remaining"))
+	}
+	eventually(t, 3*time.Second, "the held take passed on to Redis", func() bool { return proxy.delayPassed.Load() == 1 })
+	proxy.delayMatching("", 0)
+	took := eventually(t, time.Second, "the late take's slot free (hold 10s)", func() bool { return rdb.Exists(ctx, key).Val() == 0 })
+	for i := range 5 {
+		if status, _ := serve(ctx, h, "k"); status != 200 {
+			t.Fatalf("request %d after the late take's slot was freed: %d, want 200", i+1, status)
+		}
+	}
+	t.Logf("the late take's slot free %v after it reached Redis", took.Round(time.Millisecond))
+}
+
+// A renewal held on its way past its timeout: the request has ended
+// meanwhile, and its release, sent once the renewal failed, lands first
+// on another connection; then the renewal lands. A renewal only extends
+// a live slot, so it does not bring the released one back. (It did,
+// into the free slot, for a whole hold: every request of the client
+// refused with nothing in flight.)
+func TestConcurrentRenewalThatLandsAfterTheReleaseNeverBringsTheSlotBack(t *testing.T) {
+	srv := redistest.Start(t)
+	rdb := srv.Client(t)
+	ctx := context.Background()
+	proxy := startRedisProxy(t, srv.Addr)
+	h := caddyfileHandler(t, fmt.Sprintf(`rate_limit {
+		key {http.request.header.X-Key}
+		concurrent gen 1 {
+			hold 3s
+		}
+		redis %s {
+			timeout 200ms
+		}
+	}`, proxy.addr))
+	key := slotKey(t, h, "gen", "k")
+	if status, _ := serve(ctx, h, "warm"); status != 200 { // the scripts loaded
+		t.Fatalf("warming: %d", status)
+	}
+	proxy.delayMatching("$5\r\nrenew\r\n", 800*time.Millisecond) // the argument, as RESP sends it
+	hd := newHolder()
+	done := startHeld(t, ctx, h, hd, "k")
+	// The first renewal comes a third of the hold after the take.
+	eventually(t, 3*time.Second, "the renewal held on its way", func() bool { return proxy.delayHeld.Load() > 0 })
+	close(hd.letGo)
+	if status := <-done; status != 200 {
+		t.Fatalf("the held request: %d, want 200", status)
+	}
+	eventually(t, 3*time.Second, "the held renewal passed on to Redis", func() bool { return proxy.delayPassed.Load() > 0 })
+	proxy.delayMatching("", 0)
+	for start := time.Now(); time.Since(start) < time.Second; time.Sleep(50 * time.Millisecond) {
+		if n := rdb.ZCard(ctx, key).Val(); n != 0 {
+			t.Fatalf("%v after the late renewal reached Redis, %d slot(s) held with nothing in flight, want 0", time.Since(start).Round(time.Millisecond), n)
+		}
+		if status, _ := serve(ctx, h, "k"); status != 200 {
+			t.Fatalf("%v after the late renewal reached Redis, a request was refused: %d, want 200", time.Since(start).Round(time.Millisecond), status)
+		}
+	}
+}
+
+// After a partition of 2 s, during which requests of several clients
+// ended and their releases failed, each client's next requests (one
+// after another) never find its own finished request's slot still taken: the releases that
+// wait to be sent again count as on their way, and a refusal sends them
+// at once, waits for them and asks again. (A refusal did not wait for
+// them: each client's requests were refused until the next tick sent
+// them.)
+func TestConcurrentClientFindsNoOwnSlotTakenAfterAPartition(t *testing.T) {
+	srv := redistest.Start(t)
+	rdb := srv.Client(t)
+	ctx := context.Background()
+	proxy := startRedisProxy(t, srv.Addr)
+	h := caddyfileHandler(t, fmt.Sprintf(`rate_limit {
+		key {http.request.header.X-Key}
+		on_error allow
+		concurrent gen 1 {
+			hold 30s
+		}
+		redis %s {
+			timeout 200ms
+		}
+	}`, proxy.addr))
+	const clients = 4
+	hd := newHolder()
+	var done []<-chan int
+	for i := range clients {
+		done = append(done, startHeld(t, ctx, h, hd, fmt.Sprint("client", i)))
+	}
+	proxy.refusing.Store(true)
+	close(hd.letGo)
+	for _, d := range done {
+		if status := <-d; status != 200 {
+			t.Fatalf("a held request: %d, want 200", status)
+		}
+	}
+	time.Sleep(2 * time.Second)
+	for i := range clients {
+		if n := rdb.ZCard(ctx, slotKey(t, h, "gen", fmt.Sprint("client", i))).Val(); n != 1 {
+			t.Fatalf("client %d: %d slots held after the partition, want 1 (its release failed)", i, n)
+		}
+	}
+	proxy.refusing.Store(false)
+	// Each client sends its requests one after another until Redis has
+	// admitted 20 of them (those sent while the breaker is still open
+	// follow on_error).
+	const want = 20
+	var refused, admitted atomic.Int64
+	var wg sync.WaitGroup
+	ended := time.Now()
+	for i := range clients {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for n := 0; n < want && time.Since(ended) < 10*time.Second; {
+				status, header := serve(ctx, h, fmt.Sprint("client", i))
+				switch {
+				case status == 429:
+					refused.Add(1)
+				case header.Get("X-RateLimit-Remaining") != "-1":
+					admitted.Add(1)
+					n++
+				}
+			}
+		}()
+	}
+	wg.Wait()
+	t.Logf("in the %v after the partition: %d requests admitted by Redis, %d refused",
+		time.Since(ended).Round(time.Millisecond), admitted.Load(), refused.Load())
+	if refused.Load() > 0 {
+		t.Errorf("%d requests refused with nothing of their clients in flight, want 0", refused.Load())
+	}
+	if admitted.Load() < clients*want {
+		t.Errorf("%d requests admitted by Redis within 10s after the partition, want %d", admitted.Load(), clients*want)
+	}
+}
+
+// On a Cluster, a request whose concurrent limit's group took its slot
+// and whose later group refused gives the slot back at once; a give-back
+// that fails (here Redis refuses the script on the slot's master for a
+// moment) is sent again at the next tick, as a served request's release
+// is, not left taken for its hold (10 s).
+func TestConcurrentOnClusterSlotGivenBackAfterARefusalIsReleasedByARetry(t *testing.T) {
+	c := redistest.StartCluster(t, 3, 0)
+	cc := c.Client(t)
+	clients := masterClients(t, c)
+	ctx := context.Background()
+	h := caddyfileHandler(t, fmt.Sprintf(`rate_limit {
+	zone cgiveback
+	key {http.request.header.X-Key}
+	limit a 1000 1000
+	limit tenant 0.001 1 {
+		key {http.request.method}
+	}
+	concurrent gen 5 {
+		hold 10s
+	}
+	redis %s {
+		timeout 3s
+	}
+}`, strings.Join(c.Addrs, " ")))
+	tenantKey := ""
+	for _, l := range h.limits {
+		if l.name == "tenant" {
+			r, _ := newRequest("192.0.2.1", "k")
+			rv := requestValues{r: r, repl: r.Context().Value(caddy.ReplacerCtxKey).(*caddy.Replacer)}
+			tenantKey = l.template.key(&rv, l.keyPrefix, l.keySuffix)
+		}
+	}
+	tenantMaster := masterOf(t, c, cc, clients, tenantKey)
+	client, slots := "", ""
+	var slotMaster *redis.Client
+	for i := 0; slotMaster == nil || slotMaster == tenantMaster; i++ {
+		client = fmt.Sprint("k", i)
+		slots = slotKey(t, h, "gen", client)
+		slotMaster = masterOf(t, c, cc, clients, slots)
+	}
+	if status, _ := serve(ctx, h, client); status != 200 { // takes the tenant's only token
+		t.Fatalf("first request: %d, want 200", status)
+	}
+	eventually(t, 2*time.Second, "the first request's slot released", func() bool { return slotMaster.ZCard(ctx, slots).Val() == 0 })
+
+	// The tenant's group answers late; meanwhile the slot's group has
+	// taken the slot, and its master then refuses scripts.
+	if err := tenantMaster.Do(ctx, "CLIENT", "PAUSE", "1500", "WRITE").Err(); err != nil {
+		t.Fatal(err)
+	}
+	answered := make(chan int, 1)
+	go func() {
+		status, _ := serve(ctx, h, client)
+		answered <- status
+	}()
+	eventually(t, time.Second, "the slot taken", func() bool { return slotMaster.ZCard(ctx, slots).Val() == 1 })
+	if err := slotMaster.Do(ctx, "ACL", "SETUSER", "default", "-eval", "-evalsha").Err(); err != nil {
+		t.Fatal(err)
+	}
+	if status := <-answered; status != 429 {
+		t.Fatalf("with the tenant's token spent: %d, want 429", status)
+	}
+	if n := slotMaster.ZCard(ctx, slots).Val(); n != 1 {
+		t.Fatalf("%d slots held after the give-back failed, want 1", n)
+	}
+	if err := slotMaster.Do(ctx, "ACL", "SETUSER", "default", "+eval", "+evalsha").Err(); err != nil {
+		t.Fatal(err)
+	}
+	took := eventually(t, 3*time.Second, "the slot free after its give-back failed (hold 10s)", func() bool {
+		return slotMaster.ZCard(ctx, slots).Val() == 0
+	})
+	eventually(t, time.Second, "no release counted pending", func() bool { return h.limiter.slots().releases.total() == 0 })
+	t.Logf("the slot free %v after Redis took scripts again", took.Round(time.Millisecond))
 }

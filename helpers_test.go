@@ -437,6 +437,18 @@ type redisProxy struct {
 	// generation counts blackholeOpen calls: a connection opened in an
 	// earlier one passes nothing on, either way, and stays open.
 	generation atomic.Int64
+	// delaying holds back, toward Redis, what a client sends that
+	// contains its pattern (delayMatching); delayHeld counts such chunks
+	// received, delayPassed those passed on after their delay.
+	delaying    atomic.Pointer[proxyDelay]
+	delayHeld   atomic.Int64
+	delayPassed atomic.Int64
+}
+
+// proxyDelay is a pattern and how long a chunk that contains it waits.
+type proxyDelay struct {
+	pattern []byte
+	d       time.Duration
 }
 
 func startRedisProxy(t *testing.T, target string) *redisProxy {
@@ -481,6 +493,19 @@ func (p *redisProxy) stall(d time.Duration) { p.stalledUntil.Store(time.Now().Ad
 // without closing them: what is sent on them is swallowed, as by a dead
 // peer whose TCP never says so. New connections work.
 func (p *redisProxy) blackholeOpen() { p.generation.Add(1) }
+
+// delayMatching holds back for d each chunk a client sends toward Redis
+// that contains pattern, and what follows it on its connection, as a
+// TCP retransmission holds a packet: the client times out meanwhile and
+// goes on on other connections, and the chunk still reaches Redis, even
+// after the client closed its connection. An empty pattern stops it.
+func (p *redisProxy) delayMatching(pattern string, d time.Duration) {
+	if pattern == "" {
+		p.delaying.Store(nil)
+		return
+	}
+	p.delaying.Store(&proxyDelay{pattern: []byte(pattern), d: d})
+}
 
 // track keeps c to close at cleanup; false once the proxy is closing.
 func (p *redisProxy) track(c net.Conn) {
@@ -541,9 +566,17 @@ func (p *redisProxy) serve(client net.Conn) {
 			return
 		}
 		if n > 0 && !silent() {
-			p.await(time.Now())
+			arrived, held := time.Now(), false
+			if delay := p.delaying.Load(); delay != nil && bytes.Contains(buf[:n], delay.pattern) {
+				arrived, held = arrived.Add(delay.d), true
+				p.delayHeld.Add(1)
+			}
+			p.await(arrived)
 			if _, werr := server.Write(buf[:n]); werr != nil {
 				return
+			}
+			if held {
+				p.delayPassed.Add(1)
 			}
 			if p.cutting.Load() {
 				p.drainThenCut(client, server, buf)

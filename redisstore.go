@@ -44,7 +44,7 @@ func (s *redisStore) take(ctx context.Context, r *request) (bool, error) {
 		returning = kept.returning(buckets)
 	}
 	allowed, err := s.takeAll(ctx, r.sent, buckets)
-	if returning && err == nil && !allowed && kept.awaitReturns(buckets, r.sent.Add(s.limiter.timeout/2)) {
+	if returning && err == nil && !allowed && kept.awaitReturns(s.limiter, buckets, r.sent.Add(s.limiter.timeout/2)) {
 		allowed, err = s.takeAll(ctx, r.sent, buckets) // what its key held was on its way back
 	}
 	if err != nil && kept != nil {
@@ -62,8 +62,9 @@ type heldInRedis interface {
 	// way back to Redis now: a refusal may be for want of it.
 	returning(buckets []bucket) bool
 	// awaitReturns waits, after a refusal that returning foresaw, until
-	// that is back, at most until deadline; it says whether to ask again.
-	awaitReturns(buckets []bucket, deadline time.Time) bool
+	// that is back in l, at most until deadline; it says whether to ask
+	// again.
+	awaitReturns(l *limiter, buckets []bucket, deadline time.Time) bool
 	// lostTake gives back what a take that failed with err, after it may
 	// have run in Redis, may have taken.
 	lostTake(h *Handler, buckets []bucket, err error)

@@ -29,7 +29,7 @@ var shapeParts = []struct {
 	own   []string
 }{
 	{"the quota (a kind)", regexp.MustCompile(`(?i)\bquota`), []string{"quota.go", "quotaconfig.go", "quotamemory.go"}},
-	{"the concurrent limit (a kind)", regexp.MustCompile(`(?i)\bconcurren|\bslot`), []string{"concurrent.go", "slotholds.go", "slotqueue.go", "slotsmemory.go"}},
+	{"the concurrent limit (a kind)", regexp.MustCompile(`(?i)\bconcurren|\bslot`), []string{"concurrent.go", "slotholds.go", "slotqueue.go", "slotreleases.go", "slotsmemory.go"}},
 	{"leases (a layer)", regexp.MustCompile(`(?i)\blease`), []string{"lease.go", "leasecall.go", "leasehot.go"}},
 	{"the deny cache (a layer)", regexp.MustCompile(`(?i)deny ?cache|denyLayer`), []string{"denycache.go"}},
 	{"on_error (a layer)", regexp.MustCompile(`(?i)on_?error`), []string{"onerror.go"}},

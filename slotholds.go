@@ -5,9 +5,6 @@ package ratelimit
 // has the limit itself; slotqueue.go sends the renewals and releases).
 
 import (
-	"context"
-	"errors"
-	"net"
 	"sync"
 	"time"
 
@@ -44,13 +41,24 @@ type slotHold struct {
 	// Where the limiter's renewals keep it while it holds slots in Redis
 	// (slotRenewals), under their lock: renewing counts its keys whose
 	// renewal is queued or on its way, and a release meanwhile waits for
-	// them (releaseAfter). renewedAt is on the monotonic clock of
-	// clockStart: a time.Time would take two more words. Once released,
-	// renewedAt plus three times every (the shortest hold) is when its
-	// slots expire by themselves, which ends the retries of a failed
-	// release (slotRenewals.retry).
+	// them (releaseAfter). renewedAt is when the last take or renewal
+	// of its slots was sent, on the monotonic clock of clockStart (a
+	// time.Time would take two more words): once released, renewedAt
+	// plus a slot's hold is when that slot has expired by itself, which
+	// ends the retries of its release (slotRenewals.answerReleases).
+	// due: the last renewal failed, or found a slot gone, so the next
+	// tick renews again. gone: a renewal found a slot gone, so the next
+	// asks for it back (concurrent.lua). lost: a call that takes a slot
+	// (a take, or a renewal that asks for one back) had its answer lost,
+	// and may still land: the release is sent again until it frees the
+	// slot. The flags and renewing (int16: a hold has one key per
+	// concurrent limit) fit in the mutex's word's padding: the hold stays
+	// one allocation of 208 bytes.
 	releaseAfter bool
-	renewing     int32
+	due          bool
+	gone         bool
+	lost         bool
+	renewing     int16
 	prev, next   *slotHold
 	renewedAt    time.Duration
 }
@@ -135,29 +143,6 @@ func (s *slotHold) release() {
 	}
 }
 
-// groupEnd is the end of the Cluster slot group of held slots that
-// starts at start (the slots of one group are consecutive).
-func (s *slotHold) groupEnd(start int) int {
-	end := start + 1
-	for end < len(s.keys) && s.limits[end].group == s.limits[start].group {
-		end++
-	}
-	return end
-}
-
-// call is concurrent.lua's release of the held slots start to end, of
-// one Cluster slot group.
-func (s *slotHold) call(start, end int) *redisbatch.Call {
-	c := redisbatch.NewCall()
-	c.Keys = append(c.Keys, s.keys[start:end]...)
-	c.Command(concurrentScript)
-	c.Args = append(c.Args, releaseArg)
-	for range s.keys[start:end] {
-		c.Args = append(c.Args, s.id)
-	}
-	return c
-}
-
 // slotRenewals are the slot holds of a limiter's requests in flight, in
 // a ring, renewed by one ticker for all of them (renewSlots), where a
 // timer for each cost every request an allocation and two changes of
@@ -171,16 +156,10 @@ type slotRenewals struct {
 	// or waiting for their renewal's answer. The limiter lives while
 	// there are any, or retries (Destruct).
 	held int
-	// retries are the slots whose release failed, queued again at the
-	// next tick (retry).
+	// retries are the releases sent again at the next tick
+	// (answerReleases), or sooner for a refused request of their key
+	// (retryNow).
 	retries []slotRetry
-}
-
-// slotRetry is the release of one slot of hold, in key[0] (an array, so
-// that key[:] is a []string without an allocation).
-type slotRetry struct {
-	key  [1]string
-	hold *slotHold
 }
 
 // renewTick is how often the renewals look for holds due: a hold renews
@@ -214,41 +193,17 @@ func (r *slotRenewals) startTicker(l *limiter) {
 }
 
 // holding says whether any request holds slots, or has its release
-// still to queue, or to try again.
+// still to queue, or to send again.
 func (r *slotRenewals) holding() bool {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	return r.held > 0 || len(r.retries) > 0
 }
 
-// retry keeps the failed releases of keys (of holds, one per key) for
-// the next tick to queue again. A release is idempotent, and one lost to
-// a moment of slowness (its deadline passed in a latency spike, a new
-// connection's handshake timed out) would otherwise leave its slot taken
-// for the rest of its hold: a whole hold for a take whose reply was
-// lost. Its slot expires by itself when its hold ends, so each is tried,
-// once a tick, only until then; a breaker open answers them without a
-// round trip meanwhile.
-func (r *slotRenewals) retry(l *limiter, keys []string, holds []*slotHold) {
-	now := time.Since(clockStart)
-	r.mu.Lock()
-	n := len(r.retries)
-	for i, s := range holds {
-		if now < s.renewedAt+3*s.every {
-			r.retries = append(r.retries, slotRetry{key: [1]string{keys[i]}, hold: s})
-		}
-	}
-	kept := len(r.retries) > n
-	r.mu.Unlock()
-	if kept {
-		r.startTicker(l)
-	}
-}
-
 // leave takes a released hold out of the ring. It says false when a
 // renewal of its slots is queued or on its way: its answer then queues
 // the release (renewed). Sent meanwhile, the release could land first,
-// and the renewal bring the slot back.
+// and a renewal that asked for a gone slot back take it again.
 func (r *slotRenewals) leave(s *slotHold) bool {
 	r.mu.Lock()
 	defer r.mu.Unlock()
@@ -271,15 +226,20 @@ func (r *slotRenewals) left() {
 }
 
 // renewed takes the answer to the renewal of holds' slots (a hold once
-// per key): a failed one is due again at the next tick, and a hold
-// released meanwhile has its release queued now.
-func (r *slotRenewals) renewed(l *limiter, holds []*slotHold, failed bool) {
+// per key; reply per key, or err): a failed one is due again at the next
+// tick, as is one that found a slot gone (it then asks for it back); a
+// hold released meanwhile has its release queued now.
+func (r *slotRenewals) renewed(l *limiter, holds []*slotHold, reply []int64, err error) {
 	var release []*slotHold
-	now := time.Since(clockStart)
 	r.mu.Lock()
-	for _, s := range holds {
-		if failed {
-			s.renewedAt = now - s.every // due
+	for i, s := range holds {
+		switch {
+		case err != nil:
+			s.due = true
+		case i < len(reply) && reply[i] == 3: // gone: the next renewal asks for it back
+			s.gone, s.due = true, true
+		case i < len(reply) && reply[i] == 0: // gone, and every slot taken: asked again at its next renewal
+			s.gone = true
 		}
 		if s.renewing--; s.renewing == 0 && s.releaseAfter {
 			release = append(release, s)
@@ -293,14 +253,15 @@ func (r *slotRenewals) renewed(l *limiter, holds []*slotHold, failed bool) {
 }
 
 // renewSlots queues, every renewTick until the limiter stops, the
-// renewal of each hold whose last renewal (or take) will be a third of
-// its hold ago before the next tick, unless one is on its way already,
-// and wakes a worker: the workers send them spread over their batches
-// (slotQueue.calls).
+// releases to send again (answerReleases) whose slots have not expired
+// yet, and the renewal of each hold whose last renewal (or take) will be
+// a third of its hold ago before the next tick, or that is due again,
+// unless one is on its way already; and wakes a worker: the workers send
+// them spread over their batches (slotQueue.calls).
 func (r *slotRenewals) renewSlots(l *limiter) {
 	ticker := time.NewTicker(renewTick)
 	defer ticker.Stop()
-	var due []*slotHold
+	var due, restore []*slotHold
 	var retries []slotRetry
 	for {
 		select {
@@ -310,16 +271,25 @@ func (r *slotRenewals) renewSlots(l *limiter) {
 			now := tick.Sub(clockStart)
 			r.mu.Lock()
 			for _, x := range r.retries {
-				if now < x.hold.renewedAt+3*x.hold.every { // else expired by now
+				if now < x.until {
 					retries = append(retries, x)
+				} else if x.pending { // expired by now
+					l.slots().releases.add(x.key[:], -1)
 				}
 			}
 			clear(r.retries)
 			r.retries = r.retries[:0]
 			for s := r.ring.next; s != &r.ring; s = s.next {
-				if s.renewing == 0 && now-s.renewedAt+renewTick > s.every {
-					s.renewedAt, s.renewing = now, int32(len(s.keys))
-					due = append(due, s)
+				if s.renewing == 0 && (s.due || now-s.renewedAt+renewTick > s.every) {
+					s.renewedAt, s.renewing, s.due = now, int16(len(s.keys)), false
+					if s.gone {
+						// Asks for its slots back: a take, which may land
+						// after the release if its answer is lost.
+						s.gone, s.lost = false, true
+						restore = append(restore, s)
+					} else {
+						due = append(due, s)
+					}
 				}
 			}
 			r.mu.Unlock()
@@ -328,35 +298,15 @@ func (r *slotRenewals) renewSlots(l *limiter) {
 				clear(retries)
 				retries = retries[:0]
 			}
-			if len(due) > 0 {
-				l.slots().renewQueue.add(renewArg, due...)
+			if len(due) > 0 || len(restore) > 0 {
+				l.slots().renewQueue.addRenewals(due, false)
+				l.slots().renewQueue.addRenewals(restore, true)
 				l.batcher.Wake()
 			}
 			clear(due)
-			due = due[:0]
+			clear(restore)
+			due, restore = due[:0], restore[:0]
 		}
-	}
-}
-
-// send releases the held slots through the batcher, one call per
-// Cluster hash slot group, and waits for the answer, within the timeout,
-// so that the slot is free in Redis before the request's answer: its
-// client may ask again at once. A call is sent at most once; a release
-// lost to a failure expires with its hold.
-func (s *slotHold) send() {
-	h := s.h
-	for start := 0; start < len(s.keys); {
-		end := s.groupEnd(start)
-		c := s.call(start, end)
-		// Sent even when the client has left.
-		c, err := h.limiter.batcher.Send(context.Background(), time.Now(), c)
-		if err != nil {
-			h.slotsFailed(releaseArg, err)
-		}
-		if c != nil {
-			c.Release()
-		}
-		start = end
 	}
 }
 
@@ -367,78 +317,26 @@ func (h *Handler) slotsFailed(op any, err error) {
 		return
 	}
 	if ok, suppressed := h.redisWarns.allow(); ok {
-		h.logger.Warn("Redis failed while renewing or releasing concurrency slots; a slot not released expires with its hold",
+		h.logger.Warn("Redis failed while renewing or releasing concurrency slots; a renewal is sent again at the next tick, a release until its slot would have expired",
 			zap.String("zone", h.Zone), zap.Any("op", op), zap.Error(err), suppressedField(suppressed))
 	}
 }
 
 // slotGone tells, at debug level, of a slot gone at its renewal (expired,
-// freed by the admin API, or lost with Redis's data): the renewal brought
-// it back (reply 2), or found every slot taken (0).
+// freed by the admin API, or lost with Redis's data): the renewal that
+// asked for it back brought it back (reply 2), or found every slot taken
+// (0); a renewal that did not ask (3) leaves that to the next one.
 func (h *Handler) slotGone(reply int64) {
-	msg := "a concurrency slot was gone at its renewal and every slot of its limit is taken; its request runs on uncounted, and its next renewal tries again"
-	if reply == 2 {
+	var msg string
+	switch reply {
+	case 2:
 		msg = "a concurrency slot was gone at its renewal; it is back"
+	case 3:
+		msg = "a concurrency slot was gone at its renewal; the next renewal, at the next tick, asks for it back"
+	default:
+		msg = "a concurrency slot was gone at its renewal and every slot of its limit is taken; its request runs on uncounted, and its next renewal asks again"
 	}
 	if ce := h.logger.Check(zap.DebugLevel, msg); ce != nil {
 		ce.Write(zap.String("zone", h.Zone))
-	}
-}
-
-// releaseTaken gives back the slots of buckets a request took in an
-// earlier Cluster group, when a later group refused, and returns the
-// token buckets among them, for giveBack.
-func (h *Handler) releaseTaken(taken []bucket) []bucket {
-	k := firstHeld(taken)
-	if k == len(taken) {
-		return taken
-	}
-	tokens := taken[:0:0]
-	hold := &slotHold{h: h}
-	for i := range taken {
-		b := &taken[i]
-		if !b.kind().heldWhileServed() {
-			tokens = append(tokens, *b)
-			continue
-		}
-		hold.id = b.args[2].(*string)
-		hold.keys = append(hold.keys, b.key)
-		hold.limits = append(hold.limits, b.limit)
-	}
-	hold.released = true
-	hold.send()
-	return tokens
-}
-
-// releaseLostTake releases the slots of a request whose take failed with
-// err after it may have run in Redis: its reply was cut, or came after
-// the timeout. The request is decided without a slot, so nothing
-// else would release them, and they would stay taken for their hold. A
-// release is idempotent: one of slots the take never got frees nothing.
-// Not sent for a take that never left (this instance's overload, an
-// open breaker, a closed limiter, a client that left first, a connection
-// that could not be opened).
-func (h *Handler) releaseLostTake(buckets []bucket, err error) {
-	var overload redisbatch.OverloadError
-	var dial *net.OpError
-	if errors.As(err, &overload) || err == redisbatch.ErrBreakerOpen || err == redisbatch.ErrClosed || errors.Is(err, context.Canceled) ||
-		errors.As(err, &dial) && dial.Op == "dial" {
-		return
-	}
-	// Taken now, if at all: its slots expire a shortest hold from now,
-	// until when a failed release is tried again (slotRenewals.retry).
-	hold := &slotHold{h: h, released: true, renewedAt: time.Since(clockStart)}
-	for i := firstHeld(buckets); i < len(buckets); i++ {
-		b := &buckets[i]
-		hold.id = b.args[2].(*string)
-		hold.keys = append(hold.keys, b.key)
-		hold.limits = append(hold.limits, b.limit)
-		if every := b.limit.slotRule().hold / 3; hold.every == 0 || every < hold.every {
-			hold.every = every
-		}
-	}
-	if len(hold.keys) > 0 {
-		h.limiter.slots().releases.add(hold.keys, 1)
-		h.limiter.queueRelease(hold)
 	}
 }

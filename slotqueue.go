@@ -19,7 +19,7 @@ import (
 
 // limiterSlots is a limiter's part of the concurrent limits
 // (registerLimiterPart): releases counts the releases of slots on their
-// way to Redis; releaseQueue and renewQueue hold the releases and
+// way to Redis, or failed and waiting to be sent again; releaseQueue and renewQueue hold the releases and
 // renewals not sent yet, which the batcher takes into each batch
 // (firstCalls, lastCalls); renewals renew the slots of requests in
 // flight.
@@ -54,13 +54,14 @@ func (p *limiterSlots) lastCalls(l *limiter, now time.Time, batch []*redisbatch.
 
 // inUse: a request holds a slot (its renewals and release need the
 // limiter, however long it runs), or has its release still to queue, or
-// to try again. A hold leaves it once its release is queued, which
+// to send again. A hold leaves it once its release is queued, which
 // queued then sees.
 func (p *limiterSlots) inUse() bool { return p.renewals.holding() }
 
 func (p *limiterSlots) queued() bool { return p.releaseQueue.queued() || p.renewQueue.queued() }
 
-// returning: a release of one of the buckets' slots is on its way.
+// returning: a release of one of the buckets' slots is on its way, or
+// failed and waits to be sent again.
 func (p *limiterSlots) returning(buckets []bucket) bool { return p.releases.pending(buckets) }
 
 func (*limiterSlots) lostTake(h *Handler, buckets []bucket, err error) {
@@ -75,23 +76,27 @@ func (*limiterSlots) giveBack(h *Handler, taken []bucket) []bucket { return h.re
 // answer. A request of the same client refused meanwhile for that key
 // waits for it and asks again (awaitReturns): a client that sends its
 // requests one after another never finds its own previous slot still
-// taken. A release that fails is tried again at the renewals' next
-// tick, until its hold would have ended anyway (slotRenewals.retry). A
+// taken. A release that fails is sent again at the renewals' next tick
+// (or sooner, for such a request), until its slot would have expired
+// anyway (slotRenewals.answerReleases), pending meanwhile. A
 // release is a call as the queue's are (Batcher.WhileOpen): it keeps an
 // unloaded config's limiter open for lingerIdle, and every release
 // queued before the limiter closed is answered; one that meets it
 // closed is answered as failed.
 func (l *limiter) queueRelease(s *slotHold) {
-	if !l.batcher.WhileOpen(func() { l.slots().releaseQueue.add(releaseArg, s) }) {
+	if !l.batcher.WhileOpen(func() { l.slots().releaseQueue.addReleases(s) }) {
 		l.slots().releases.add(s.keys, -1)
 		s.h.slotsFailed(releaseArg, redisbatch.ErrClosed)
 	}
 }
 
-// queueRetries queues again the releases that failed (slotRenewals.retry).
+// queueRetries queues again the releases kept to send again
+// (slotRenewals.answerReleases), each pending until answered.
 func (l *limiter) queueRetries(due []slotRetry) {
 	for i := range due {
-		l.slots().releases.add(due[i].key[:], 1)
+		if !due[i].pending {
+			l.slots().releases.add(due[i].key[:], 1)
+		}
 	}
 	if !l.batcher.WhileOpen(func() {
 		for _, x := range due {
@@ -135,19 +140,41 @@ func argsPerSlot(op any) int {
 	return 1
 }
 
-func (q *slotQueue) add(op any, holds ...*slotHold) {
+// addReleases queues the release of every slot of s.
+func (q *slotQueue) addReleases(s *slotHold) {
+	q.mu.Lock()
+	defer q.mu.Unlock()
+	for _, key := range s.keys {
+		q.keys = append(q.keys, key)
+		q.holds = append(q.holds, s)
+		q.args = append(q.args, s.id)
+	}
+}
+
+// addRenewals queues the renewal of every slot of holds: one that only
+// extends a live slot, or with restore, one that asks for a gone slot
+// back (concurrent.lua), with its limit's slots n.
+func (q *slotQueue) addRenewals(holds []*slotHold, restore bool) {
+	if len(holds) == 0 {
+		return
+	}
 	q.mu.Lock()
 	defer q.mu.Unlock()
 	for _, s := range holds {
 		for i, key := range s.keys {
 			q.keys = append(q.keys, key)
 			q.holds = append(q.holds, s)
-			if q.args = append(q.args, s.id); op == renewArg {
-				q.args = append(q.args, s.limits[i].slotRule().holdArg, s.slotN(i))
+			n := noSlotsArg
+			if restore {
+				n = s.slotN(i)
 			}
+			q.args = append(q.args, s.id, s.limits[i].slotRule().holdArg, n)
 		}
 	}
 }
+
+// noSlotsArg is the slots n of a renewal that only extends a live slot.
+var noSlotsArg any = "0"
 
 // addRelease queues the release of one slot of s, in key.
 func (q *slotQueue) addRelease(key string, s *slotHold) {
@@ -253,10 +280,7 @@ var slotBatches = sync.Pool{New: func() any { return new(slotBatch) }}
 func (b *slotBatch) TakeAnswer(c *redisbatch.Call) {
 	l := b.limiter
 	if b.op == releaseArg {
-		if c.Err != nil && c.Err != redisbatch.ErrClosed {
-			l.slots().renewals.retry(l, c.Keys, b.holds) // before the count drops: the limiter stays open for it
-		}
-		l.slots().releases.add(c.Keys, -1)
+		l.slots().renewals.answerReleases(l, c.Keys, b.holds, c.Reply, c.Err)
 	}
 	for i, s := range b.holds {
 		switch {
@@ -269,7 +293,7 @@ func (b *slotBatch) TakeAnswer(c *redisbatch.Call) {
 		}
 	}
 	if b.op == renewArg {
-		l.slots().renewals.renewed(l, b.holds, c.Err != nil)
+		l.slots().renewals.renewed(l, b.holds, c.Reply, c.Err)
 	}
 	c.Release()
 	clear(b.holds)
@@ -277,7 +301,8 @@ func (b *slotBatch) TakeAnswer(c *redisbatch.Call) {
 	slotBatches.Put(b)
 }
 
-// pendingReleases counts the releases queued and not yet answered, per
+// pendingReleases counts the releases queued and not yet answered, or
+// failed and kept to be sent again (slotRenewals.answerReleases), per
 // slot key, so that a request of a key refused meanwhile waits for its
 // own key's releases (awaitReturns), and for no other key's. A count by
 // hash, read without a lock, answers the usual question (no release of
@@ -351,10 +376,11 @@ func (p *pendingReleases) total() int64 {
 
 // awaitReturns waits, after a refusal by a full concurrent limit of a
 // request sent while a release of one of its keys was on its way (and
-// may have reached Redis after it), until the releases of its keys are
-// answered, at most until the deadline; it says whether the request
-// should ask again.
-func (p *limiterSlots) awaitReturns(buckets []bucket, deadline time.Time) bool {
+// may have reached Redis after it), or waited to be sent again after a
+// failure (sent now, not at the next tick), until the releases of its
+// keys are answered, at most until the deadline; it says whether the
+// request should ask again.
+func (p *limiterSlots) awaitReturns(l *limiter, buckets []bucket, deadline time.Time) bool {
 	full := false
 	for i := firstHeld(buckets); i < len(buckets); i++ {
 		full = full || buckets[i].remaining == 0
@@ -362,6 +388,7 @@ func (p *limiterSlots) awaitReturns(buckets []bucket, deadline time.Time) bool {
 	if !full {
 		return false
 	}
+	p.renewals.retryNow(l, buckets)
 	for p.releases.pending(buckets) {
 		if time.Now().After(deadline) {
 			return false

@@ -35,7 +35,7 @@ func parseCaddyfile(h httpcaddyfile.Helper) (caddyhttp.MiddlewareHandler, error)
 //		requested_tokens <integer> | <value>[*<weight>]...
 //		ipv4_prefix      <bits>
 //		ipv6_prefix      <bits>
-//		charge           header <name> | json <path>[*<weight>]... | json { <field> <path>... } | placeholder <{placeholder}>
+//		charge           header <name> | json <path>[*<weight>]... | json { <field> <path>[*<weight>]... } | placeholder <{placeholder}>
 //		charge_status    <code|class>...
 //		max_debt         <tokens>
 //		max_body         <size>
@@ -47,22 +47,22 @@ func parseCaddyfile(h httpcaddyfile.Helper) (caddyhttp.MiddlewareHandler, error)
 //			key              <template with placeholders>
 //			replenish_rate   <rate>
 //			burst_capacity   <integer>
-//			requested_tokens <integer>
+//			requested_tokens <integer> | <value>[*<weight>]...
 //			ipv4_prefix      <bits>
 //			ipv6_prefix      <bits>
-//			charge           header <name> | json <path>... | json { <field> <path>... } | placeholder <{placeholder}>
+//			charge           header <name> | json <path>[*<weight>]... | json { <field> <path>[*<weight>]... } | placeholder <{placeholder}>
 //			charge_status    <code|class>...
 //			max_debt         <tokens>
 //		}
 //		quota <name> <count> per <period> {
 //			key              <template with placeholders>
-//			requested_tokens <integer>
+//			requested_tokens <integer> | <value>[*<weight>]...
 //			ipv4_prefix      <bits>
 //			ipv6_prefix      <bits>
 //			time_zone        <IANA zone>
 //			month_day        <1-28>
 //			week_starts      monday|sunday
-//			charge           header <name> | json <path>... | json { <field> <path>... } | placeholder <{placeholder}>
+//			charge           header <name> | json <path>[*<weight>]... | json { <field> <path>[*<weight>]... } | placeholder <{placeholder}>
 //			charge_status    <code|class>...
 //			max_debt         <tokens>
 //		}
@@ -226,7 +226,7 @@ func (h *Handler) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 //		requested_tokens <integer> | <value>[*<weight>]...
 //		ipv4_prefix      <bits>
 //		ipv6_prefix      <bits>
-//		charge           header <name> | json <path>[*<weight>]... | json { <field> <path>... } | placeholder <{placeholder}>
+//		charge           header <name> | json <path>[*<weight>]... | json { <field> <path>[*<weight>]... } | placeholder <{placeholder}>
 //		charge_status    <code|class>...
 //		max_debt         <tokens>
 //	}

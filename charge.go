@@ -1,6 +1,7 @@
 package ratelimit
 
 import (
+	"cmp"
 	"errors"
 	"fmt"
 	"maps"
@@ -40,12 +41,13 @@ type Charge struct {
 
 	// JSON lists paths of numbers in the response body, summed: keys
 	// separated by `.`, an array element by its index
-	// (`usage.total_tokens`, `choices.0.n`). A path may carry a weight,
-	// `<path>*<weight>` (a number or placeholders, 0 or more, fractions
-	// allowed: `usage.prompt_tokens*{in_price}`); the weighted sum is
-	// rounded up. A weight with placeholders is resolved before the
-	// request too, which it refuses with 500 when out of range. A JSON body is read to its
-	// end, or to `max_body` when set. In an event stream
+	// (`usage.total_tokens`, `choices.0.n`). A path may carry weights,
+	// `<path>*<weight>...` (each a number or placeholders, 0 or more,
+	// fractions allowed, multiplied: `usage.prompt_tokens*{in_price}`);
+	// the weighted sum is exact in decimal, and rounded up. A path holds
+	// no braces or spaces. A weight with placeholders is resolved before
+	// the request too, which it refuses with 500 when out of range. A
+	// JSON body is read to its end, or to `max_body` when set. In an event stream
 	// (`text/event-stream`) each path takes the last value seen in any
 	// event's `data:` JSON, and in newline-delimited JSON
 	// (`application/x-ndjson`, `application/jsonl`) in any line (the last
@@ -65,8 +67,11 @@ type Charge struct {
 	// and streams report the same count at different paths, or repeat a
 	// cumulative count in several events, is charged it once either way:
 	// Anthropic's `input` at `usage.input_tokens` and
-	// `message.usage.input_tokens`. A path belongs to one field. Set
-	// either JSON or JSONFields, not both.
+	// `message.usage.input_tokens`. A path belongs to one field. Paths
+	// may carry weights as in JSON, the same on every path of a field,
+	// which multiply the field's number: `usage.input_tokens*{in_price}`
+	// and `message.usage.input_tokens*{in_price}`. Set either JSON or
+	// JSONFields, not both.
 	JSONFields map[string][]string `json:"json_fields,omitempty"`
 
 	// Placeholder is read once the response is written, such as
@@ -104,11 +109,11 @@ func checkCharge(c *Charge) error {
 		return fmt.Errorf("charge placeholder '%s': want a placeholder, such as {http.reverse_proxy.upstream.duration_ms}", c.Placeholder)
 	}
 	for _, term := range c.JSON {
-		p, weight := chargeTerm(term) // weights.go
-		if err := checkJSONPath(p); err != nil {
+		p, _, _, err := compileChargeTerm("charge json", term) // weights.go
+		if err != nil {
 			return err
 		}
-		if _, _, err := checkWeight("charge json", term, weight); err != nil {
+		if err := checkJSONPath(p); err != nil {
 			return err
 		}
 	}
@@ -118,9 +123,17 @@ func checkCharge(c *Charge) error {
 		if name == "" || len(paths) == 0 {
 			return fmt.Errorf("charge json field '%s': want a name and one or more paths, such as input usage.input_tokens message.usage.input_tokens", name)
 		}
-		for _, p := range paths {
+		for _, term := range paths {
+			p, factors, _, err := compileChargeTerm(fmt.Sprintf("charge json field '%s', path", name), term)
+			if err != nil {
+				return err
+			}
 			if err := checkJSONPath(p); err != nil {
 				return err
+			}
+			if _, first := splitChargeTerm(paths[0]); factors != first {
+				return fmt.Errorf("charge json field '%s': '%s' and '%s' have different weights ('%s' and '%s'): a field is one count, found at any of its paths, so each path carries the same; write %s",
+					name, paths[0], term, orOne(first), orOne(factors), strings.TrimSuffix(p+"*"+first, "*"))
 			}
 			if other, ok := fieldOf[p]; ok && other != name {
 				return fmt.Errorf("charge json field '%s': path '%s' is in field '%s' too; a number counts in one field, remove it from one", name, p, other)
@@ -131,6 +144,9 @@ func checkCharge(c *Charge) error {
 	return nil
 }
 
+// orOne is a term's factors as a message shows them: "1" for none.
+func orOne(factors string) string { return cmp.Or(factors, "1") }
+
 // jsonFields are a charge's JSON paths by field, a field per path of JSON
 // (a term given twice counts once), in a fixed order, without their
 // weights (jsonWeights).
@@ -138,35 +154,44 @@ func (c *Charge) jsonFields() [][]string {
 	var fields [][]string
 	for i, term := range c.JSON {
 		if !slices.Contains(c.JSON[:i], term) {
-			p, _ := chargeTerm(term)
+			p, _ := splitChargeTerm(term)
 			fields = append(fields, []string{p})
 		}
 	}
 	for _, name := range slices.Sorted(maps.Keys(c.JSONFields)) {
-		fields = append(fields, c.JSONFields[name])
+		var paths []string
+		for _, term := range c.JSONFields[name] {
+			p, _ := splitChargeTerm(term)
+			paths = append(paths, p)
+		}
+		fields = append(fields, paths)
 	}
 	return fields
 }
 
-// jsonWeights are the weights of jsonFields' fields, as written ("" for
-// 1), or nil when no term of JSON has one.
+// jsonWeights are the terms of jsonFields' fields as written (a field's
+// by its first path, which the others match), or nil when no term has a
+// factor.
 func (c *Charge) jsonWeights() []string {
-	var weights []string
+	var terms []string
 	weighted := false
+	add := func(term string) {
+		_, factors := splitChargeTerm(term)
+		terms = append(terms, term)
+		weighted = weighted || factors != ""
+	}
 	for i, term := range c.JSON {
 		if !slices.Contains(c.JSON[:i], term) {
-			_, w := chargeTerm(term)
-			weights = append(weights, w)
-			weighted = weighted || w != ""
+			add(term)
 		}
+	}
+	for _, name := range slices.Sorted(maps.Keys(c.JSONFields)) {
+		add(c.JSONFields[name][0])
 	}
 	if !weighted {
 		return nil
 	}
-	for range c.JSONFields {
-		weights = append(weights, "")
-	}
-	return weights
+	return terms
 }
 
 // isHeaderName says whether s is a header field name: a token of
@@ -388,11 +413,10 @@ func (h *Handler) setUpCharging() error {
 				rule.paths |= bits
 				rule.fields = append(rule.fields, bits)
 			}
-			for _, w := range charge.jsonWeights() {
-				t := costTerm{weight: w, weightKey: onePlaceholder(w), place: -1}
-				t.w, t.fixedW, _ = checkWeight("charge json", w, w) // judged by checkCharge
+			for _, term := range charge.jsonWeights() {
+				_, _, t, _ := compileChargeTerm("charge json", term) // judged by checkCharge
 				rule.weights = append(rule.weights, t)
-				h.chargeWeights = h.chargeWeights || !t.fixedW
+				h.chargeWeights = h.chargeWeights || t.factors != nil
 			}
 		}
 		l.charge = rule

@@ -250,7 +250,8 @@ func TestSettleScriptAgreesWithMemoryStore(t *testing.T) {
 //	                  response.completed event repeats the text=N bytes
 //	                  of output before its usage (usage=N)
 //	format=anthropic  a message (JSON), or with stream=1 its event stream:
-//	                  in=N input and out=N output tokens; with delta_in=1
+//	                  in=N input and out=N output tokens, cache_write=N
+//	                  and cache_read=N cache tokens; with delta_in=1
 //	                  message_delta carries the cumulative input tokens as
 //	                  well as the output tokens, as the API does now
 //	format=ollama     Ollama's native stream (JSON lines): in=N, out=N;
@@ -367,17 +368,17 @@ func (u *chargeUpstream) serve(w http.ResponseWriter, r *http.Request) {
 		if !stream {
 			w.Header().Set("Content-Type", "application/json")
 			events = []string{fmt.Sprintf(`{"id":"msg_1","type":"message","role":"assistant","model":"claude-sonnet-4-5","content":[{"type":"text","text":"Hi"}],"stop_reason":"end_turn","stop_sequence":null,`+
-				`"usage":{"input_tokens":%d,"cache_creation_input_tokens":0,"cache_read_input_tokens":0,"output_tokens":%d,"service_tier":"standard"}}`, num("in"), num("out"))}
+				`"usage":{"input_tokens":%d,"cache_creation_input_tokens":%d,"cache_read_input_tokens":%d,"output_tokens":%d,"service_tier":"standard"}}`, num("in"), num("cache_write"), num("cache_read"), num("out"))}
 			break
 		}
 		deltaUsage := fmt.Sprintf(`{"output_tokens":%d}`, num("out"))
 		if q.Get("delta_in") == "1" { // cumulative, as message_delta reports them now
-			deltaUsage = fmt.Sprintf(`{"input_tokens":%d,"cache_creation_input_tokens":0,"cache_read_input_tokens":0,"output_tokens":%d}`, num("in"), num("out"))
+			deltaUsage = fmt.Sprintf(`{"input_tokens":%d,"cache_creation_input_tokens":%d,"cache_read_input_tokens":%d,"output_tokens":%d}`, num("in"), num("cache_write"), num("cache_read"), num("out"))
 		}
 		w.Header().Set("Content-Type", "text/event-stream")
 		events = []string{
 			fmt.Sprintf("event: message_start\ndata: {\"type\":\"message_start\",\"message\":{\"id\":\"msg_1\",\"type\":\"message\",\"role\":\"assistant\",\"model\":\"claude-sonnet-4-5\",\"content\":[],\"stop_reason\":null,\"stop_sequence\":null,"+
-				"\"usage\":{\"input_tokens\":%d,\"cache_creation_input_tokens\":0,\"cache_read_input_tokens\":0,\"output_tokens\":1,\"service_tier\":\"standard\"}}}\n\n", num("in")),
+				"\"usage\":{\"input_tokens\":%d,\"cache_creation_input_tokens\":%d,\"cache_read_input_tokens\":%d,\"output_tokens\":1,\"service_tier\":\"standard\"}}}\n\n", num("in"), num("cache_write"), num("cache_read")),
 			"event: content_block_start\ndata: {\"type\":\"content_block_start\",\"index\":0,\"content_block\":{\"type\":\"text\",\"text\":\"\"}}\n\n",
 			"event: content_block_delta\ndata: {\"type\":\"content_block_delta\",\"index\":0,\"delta\":{\"type\":\"text_delta\",\"text\":\"Hi\"}}\n\n",
 			"event: ping\ndata: {\"type\": \"ping\"}\n\n",

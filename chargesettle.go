@@ -107,13 +107,8 @@ func (r *chargeRule) costOf(end responseEnd, cw *chargeWriter, repl *caddy.Repla
 			why = "placeholder " + r.placeholder + " " + why
 		}
 	case r.paths != 0:
-		var sum float64
-		sum, why = cw.body.Sum(r.fields...)
-		if why == "" && r.weights != nil {
-			sum, why = r.weightedSum(cw, repl, memo)
-		}
-		if why == "" {
-			cost = ceilTokens(sum)
+		if _, why = cw.body.Sum(r.fields...); why == "" {
+			cost, why = r.jsonCost(cw, repl, memo)
 		}
 	default:
 		return reserved, ""
@@ -127,23 +122,29 @@ func (r *chargeRule) costOf(end responseEnd, cw *chargeWriter, repl *caddy.Repla
 	return cost, ""
 }
 
-// weightedSum is the sum of a body's fields, each times its weight. A
-// field not in the body counts 0, as in a sum without weights. The
-// weights with placeholders are those the request's check resolved
-// (memo), not resolved again.
-func (r *chargeRule) weightedSum(cw *chargeWriter, repl *caddy.Replacer, memo *weightMemo) (sum float64, why string) {
+// jsonCost is the sum of a body's fields, each times its weight when
+// the charge has weights, in exact decimals (amount.go), rounded up. A
+// field not in the body counts 0. The weights with placeholders are
+// those the request's check resolved (memo), not resolved again. Sum
+// judged the body first: a field here is a number, 0 or more.
+func (r *chargeRule) jsonCost(cw *chargeWriter, repl *caddy.Replacer, memo *weightMemo) (cost int64, why string) {
+	var sum amount
 	for i, f := range r.fields {
-		v, missing := cw.body.Sum(f)
-		if missing != "" {
+		v, ok := cw.body.Field(f)
+		if !ok {
 			continue
 		}
-		w, err := memo.weight(&r.weights[i], repl)
-		if err != nil {
-			return 0, err.Error()
+		a := amountOfFloat(v)
+		if r.weights != nil {
+			w, err := r.weights[i].product(chargeValueParam, repl, memo)
+			if err != nil {
+				return 0, err.Error()
+			}
+			a = a.mul(w)
 		}
-		sum += v * w
+		sum = sum.add(a)
 	}
-	return sum, ""
+	return sum.ceil(), ""
 }
 
 // charges says whether a response that answered status is charged: every

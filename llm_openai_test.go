@@ -132,31 +132,50 @@ func TestLLMGatewayReadmeExampleRunsAsWritten(t *testing.T) {
 			func() bool { return dollars() == gatewayBudget-spent })
 	}
 
-	// The reservation follows max_tokens: while the upstream holds the
-	// answer, the budget of a fresh key holds max_tokens × 10 +
-	// Content-Length × 0.625 (rounded up) less; its model's tokens,
-	// max_tokens + Content-Length / 4 (and what refilled since).
-	for _, maxTokens := range []int64{1000, 7000} {
-		key := fmt.Sprintf("sk-reserve-%d", maxTokens)
+	// The reservation follows max_tokens, max_completion_tokens and n:
+	// while the upstream holds the answer, the budget of a fresh key holds
+	// (max_tokens + max_completion_tokens) × n × 10 + Content-Length ×
+	// 0.625 (rounded up) less, max_tokens 4,096 when absent; its model's
+	// tokens, (max_tokens + max_completion_tokens) × n + Content-Length / 4
+	// (and what refilled since).
+	for _, tc := range []struct {
+		name                        string
+		maxTokens, maxCompletion, n int64
+		answer                      int64 // what the reservation allows for the answer
+	}{
+		{"max_tokens 1000", 1000, 0, 0, 1000},
+		{"max_tokens 7000", 7000, 0, 0, 7000},
+		{"max_tokens 1000, n 3", 1000, 0, 3, 3000},
+		{"max_completion_tokens 500 alone", 0, 500, 0, 4096 + 500},
+		{"max_tokens 100, max_completion_tokens 500, n 2", 100, 500, 2, 1200},
+	} {
+		key := "sk-reserve-" + strings.ReplaceAll(tc.name, " ", "-")
 		id := key
+		params := chat("gpt-4o", tc.maxTokens)
+		if tc.maxCompletion > 0 {
+			params.MaxCompletionTokens = openai.Int(tc.maxCompletion)
+		}
+		if tc.n > 0 {
+			params.N = openai.Int(tc.n)
+		}
 		done := make(chan error, 1)
 		up.release = make(chan struct{})
 		start := time.Now()
 		go func() {
 			fresh := openAIClient(c, key, nil, nil)
-			_, err := fresh.Chat.Completions.New(ctx, chat("gpt-4o", maxTokens), option.WithHeader("X-Body-Id", id), option.WithHeader("X-Hold", "1"))
+			_, err := fresh.Chat.Completions.New(ctx, params, option.WithHeader("X-Body-Id", id), option.WithHeader("X-Hold", "1"))
 			done <- err
 		}()
 		size := float64(up.body(t, id).size)
-		if got, want := gatewayTokens(t, c, key, "gpt-4o", "dollars"), gatewayBudget-float64(maxTokens)*10-ceilF(size*0.625); got != want {
-			t.Errorf("max_tokens %d: the budget holds %v while the answer is held, want %v (a reservation of max_tokens × 10 + %v bytes × 0.625)",
-				maxTokens, got, want, size)
+		if got, want := gatewayTokens(t, c, key, "gpt-4o", "dollars"), gatewayBudget-float64(tc.answer)*10-ceilF(size*0.625); got != want {
+			t.Errorf("%s: the budget holds %v while the answer is held, want %v (a reservation of %d × 10 + %v bytes × 0.625)",
+				tc.name, got, want, tc.answer, size)
 		}
-		reserved := float64(maxTokens) + ceilF(size/4)
+		reserved := float64(tc.answer) + ceilF(size/4)
 		tokens := gatewayTokens(t, c, key, "gpt-4o", "tokens")
 		refilled := time.Since(start).Seconds()*100000/60 + 1 // and a token for Redis's clock against this one
 		if tokens < 100000-reserved || tokens > 100000-reserved+refilled {
-			t.Errorf("max_tokens %d: the model's tokens hold %v, want %v less (and at most %.0f refilled)", maxTokens, tokens, reserved, refilled)
+			t.Errorf("%s: the model's tokens hold %v, want %v less (and at most %.0f refilled)", tc.name, tokens, reserved, refilled)
 		}
 		close(up.release)
 		if err := <-done; err != nil {

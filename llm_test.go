@@ -27,8 +27,10 @@ import (
 // answers chat completions, as JSON or, when the body asks, as an event
 // stream (with usage when stream_options.include_usage), and records
 // each body it received under its X-Body-Id. Usage is X-Prompt-Tokens
-// (default 1000) and X-Completion-Tokens (default 200). X-Hold: 1 holds
-// the answer until release is closed, after the body was recorded.
+// (default 1000) and X-Completion-Tokens (default 200; `most`: the most
+// the request allows, n (default 1) times the larger of max_tokens and
+// max_completion_tokens). X-Hold: 1 holds the answer until release is
+// closed, after the body was recorded.
 type llmUpstream struct {
 	*httptest.Server
 	release  chan struct{}
@@ -74,9 +76,12 @@ func (u *llmUpstream) serve(w http.ResponseWriter, r *http.Request) {
 		<-u.release
 	}
 	var req struct {
-		Model         string `json:"model"`
-		Stream        bool   `json:"stream"`
-		StreamOptions struct {
+		Model               string `json:"model"`
+		Stream              bool   `json:"stream"`
+		N                   int64  `json:"n"`
+		MaxTokens           int64  `json:"max_tokens"`
+		MaxCompletionTokens int64  `json:"max_completion_tokens"`
+		StreamOptions       struct {
 			IncludeUsage bool `json:"include_usage"`
 		} `json:"stream_options"`
 	}
@@ -88,6 +93,9 @@ func (u *llmUpstream) serve(w http.ResponseWriter, r *http.Request) {
 		return def
 	}
 	prompt, completion := num("X-Prompt-Tokens", 1000), num("X-Completion-Tokens", 200)
+	if r.Header.Get("X-Completion-Tokens") == "most" {
+		completion = max(req.N, 1) * max(req.MaxTokens, req.MaxCompletionTokens)
+	}
 	usage := fmt.Sprintf(`{"prompt_tokens":%d,"completion_tokens":%d,"total_tokens":%d}`, prompt, completion, prompt+completion)
 	u.answered.Add(1)
 	u.spent.Add(completion)
@@ -290,6 +298,159 @@ func TestLLMUpstreamReceivesEveryBodyByteForByte(t *testing.T) {
 		if n := unread[fmt.Sprintf(`caddy_rate_limit_request_body_unread_total{reason=%q,zone="bodies"}`, reason)]; n < least {
 			t.Errorf("request_body_unread_total{reason=%q}: %v, want at least %v", reason, n, least)
 		}
+	}
+}
+
+// readmeGatewayLine is the first line of the README's LLM gateway that
+// starts with prefix (after its tabs), such as its tokens limit's
+// requested_tokens.
+func readmeGatewayLine(t *testing.T, prefix string) string {
+	t.Helper()
+	for _, line := range strings.Split(readmeExample(t, "LLM gateway"), "\n") {
+		if line = strings.TrimSpace(line); strings.HasPrefix(line, prefix) {
+			return line
+		}
+	}
+	t.Fatalf("the README's LLM gateway has no line %q", prefix)
+	return ""
+}
+
+// TestLLMReservationOfTheReadmeCoversNChoicesAndMaxCompletionTokens: the
+// README gateway's reservation of tokens (its request_body paths and its
+// tokens limit's requested_tokens, as written) on a quota of 1,000 a
+// day with max_debt 100: ten concurrent requests, each answered the
+// most it allows (n × the larger of max_tokens and
+// max_completion_tokens), are served no more than 1,100 tokens in all,
+// with n: 5 and max_tokens: 100, and with max_tokens: 1 and
+// max_completion_tokens: 500.
+func TestLLMReservationOfTheReadmeCoversNChoicesAndMaxCompletionTokens(t *testing.T) {
+	srv := redistest.Start(t)
+	up := startLLMUpstream(t)
+	c := startChargeCaddy(t, `
+http://127.0.0.1:{{http_port}} {
+	rate_limit /v1/chat/completions {
+		zone covers
+		redis %[1]s
+		key {http.request.header.Authorization}
+		request_body {
+			`+readmeGatewayLine(t, "json ")+`
+		}
+		quota day 1000 per day {
+			`+readmeGatewayLine(t, "requested_tokens ")+`
+			charge json usage.completion_tokens
+			charge_status 2xx
+			max_debt 100
+		}
+	}
+	reverse_proxy %[2]s
+}
+`, srv.Addr, up.host())
+	const budget, maxDebt = 1000, 100
+	for _, tc := range []struct{ name, body string }{
+		{"n 5, max_tokens 100", `{"model":"m","n":5,"max_tokens":100,"messages":[{"role":"user","content":"Say hi."}]}`},
+		{"max_tokens 1, max_completion_tokens 500", `{"model":"m","max_tokens":1,"max_completion_tokens":500,"messages":[{"role":"user","content":"Say hi."}]}`},
+	} {
+		up.release = make(chan struct{})
+		spent := up.spent.Load()
+		const clients = 10
+		statuses := make(chan int, clients)
+		for i := range clients {
+			go func() {
+				status, _ := post(t, c.client, c.URL+"/v1/chat/completions", strings.NewReader(tc.body), "Authorization", tc.name,
+					"Content-Type", "application/json", "X-Body-Id", fmt.Sprintf("%s/%d", tc.name, i), "X-Hold", "1",
+					"X-Prompt-Tokens", "0", "X-Completion-Tokens", "most")
+				statuses <- status
+			}()
+		}
+		// Every request is decided while the admitted ones are held: all
+		// ten in flight at once.
+		admitted, refused, done := 0, 0, 0
+		for deadline := time.After(10 * time.Second); admitted+refused < clients; {
+			select {
+			case <-up.received:
+				admitted++
+			case status := <-statuses:
+				done++
+				if status != http.StatusTooManyRequests {
+					t.Fatalf("%s: a request answered %d before the upstream released any", tc.name, status)
+				}
+				refused++
+			case <-deadline:
+				t.Fatalf("%s: %d admitted and %d refused within 10 s, of %d", tc.name, admitted, refused, clients)
+			}
+		}
+		close(up.release)
+		for ; done < clients; done++ {
+			if status := <-statuses; status != 200 {
+				t.Errorf("%s: an admitted request answered %d", tc.name, status)
+			}
+		}
+		served := up.spent.Load() - spent
+		t.Logf("%s: %d admitted, %d refused, %d tokens served", tc.name, admitted, refused, served)
+		if served > budget+maxDebt || admitted == 0 {
+			t.Errorf("%s: %d admitted of %d at once, served %d tokens: more than the budget %d + max_debt %d (or none admitted)",
+				tc.name, admitted, clients, served, budget, maxDebt)
+		}
+	}
+}
+
+// TestLLMReadmeAnthropicMoneyExampleRunsAsWritten: the README's budget
+// in money for Anthropic, with its site address, its upstream and a
+// redis line replaced, charges each model's prices on the input, output
+// and cache tokens, the same for a JSON answer, a stream and a current
+// stream (whose message_delta repeats the cumulative counts); an
+// upstream failure costs nothing, and a request without max_tokens is
+// refused with 400.
+func TestLLMReadmeAnthropicMoneyExampleRunsAsWritten(t *testing.T) {
+	raw, err := os.ReadFile("README.md")
+	if err != nil {
+		t.Fatal(err)
+	}
+	_, section, _ := strings.Cut(string(raw), "\n### A budget in money for Anthropic\n")
+	_, block, _ := strings.Cut(section, "```caddyfile\n")
+	block, _, _ = strings.Cut(block, "```")
+	upstream := "reverse_proxy https://api.anthropic.com {\n\t\theader_up Host {upstream_hostport}\n\t}"
+	if !strings.HasPrefix(block, "api.example.com {") || !strings.Contains(block, upstream) || !strings.Contains(block, "\t\tzone anthropic-dollars\n") {
+		t.Fatalf("the README's Anthropic money example is not the site expected:\n%s", block)
+	}
+	site := strings.Replace(block, "api.example.com {", "http://127.0.0.1:{{http_port}} {", 1)
+	site = strings.Replace(site, upstream, "reverse_proxy %[2]s", 1)
+	site = strings.Replace(site, "\t\tzone anthropic-dollars\n", "\t\tzone anthropic-dollars\n\t\tredis %[1]s\n", 1)
+	srv := redistest.Start(t)
+	up := startChargeUpstream(t)
+	c := startChargeCaddy(t, site, srv.Addr, up.host())
+	charged := func() float64 {
+		return scrapeMetricsAt(t, c.admin).samples[chargeSeries("charged_total", "anthropic-dollars", "dollars")]
+	}
+	const usage = "in=1000&out=200&cache_write=2000&cache_read=10000"
+	for _, tc := range []struct {
+		name, model, query string
+		maxTokens          string
+		status             int
+		charged            float64
+	}{
+		// 1000 × 3 + 200 × 15 + 2000 × 3 × 1.25 + 10000 × 3 × 0.1
+		{"claude-sonnet-4-5, a JSON answer", "claude-sonnet-4-5", usage, "1024", 200, 16_500},
+		{"claude-sonnet-4-5, a stream", "claude-sonnet-4-5", usage + "&stream=1", "1024", 200, 16_500},
+		{"claude-sonnet-4-5, a current stream", "claude-sonnet-4-5", usage + "&stream=1&delta_in=1", "1024", 200, 16_500},
+		// 1000 × 1 + 200 × 5 + 2000 × 1 × 1.25 + 10000 × 1 × 0.1
+		{"claude-haiku-4-5", "claude-haiku-4-5", usage, "1024", 200, 5_500},
+		// 1000 × 15 + 200 × 75 + 2000 × 15 × 1.25 + 10000 × 15 × 0.1
+		{"a model the map does not name", "claude-next", usage + "&stream=1&delta_in=1", "1024", 200, 82_500},
+		{"an upstream failure", "claude-sonnet-4-5", usage + "&status=529", "1024", 529, 0},
+		{"no max_tokens", "claude-sonnet-4-5", usage, "", 400, 0},
+	} {
+		before := charged()
+		body := fmt.Sprintf(`{"model":%q,"max_tokens":%s,"messages":[{"role":"user","content":"Hi"}]}`, tc.model, tc.maxTokens)
+		if tc.maxTokens == "" {
+			body = fmt.Sprintf(`{"model":%q,"messages":[{"role":"user","content":"Hi"}]}`, tc.model)
+		}
+		status, answer := post(t, c.client, c.URL+"/v1/messages?format=anthropic&"+tc.query, strings.NewReader(body),
+			"X-Api-Key", "sk-ant-1", "Content-Type", "application/json")
+		if status != tc.status {
+			t.Fatalf("%s: %d %s, want %d", tc.name, status, answer, tc.status)
+		}
+		eventually(t, 3*time.Second, tc.name+" charged", func() bool { return charged()-before == tc.charged })
 	}
 }
 
@@ -497,5 +658,6 @@ func (*benchBody) Close() error { return nil }
 func gatewayQuery(apiKey, model string) map[string][]string {
 	return q("header.Authorization", "Bearer "+apiKey, "http.rate_limit.request.model", model,
 		// The values the admin API resolves with the keys: any will do.
-		"http.rate_limit.request.max_tokens:4096", "1", "header.Content-Length", "1", "in_byte_price", "1", "out_price", "1")
+		"http.rate_limit.request.max_tokens:4096", "1", "http.rate_limit.request.max_completion_tokens:0", "1", "http.rate_limit.request.n:1", "1",
+		"header.Content-Length", "1", "in_byte_price", "1", "out_price", "1")
 }

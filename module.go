@@ -108,12 +108,17 @@ type Handler struct {
 
 	// RequestedTokens is how many tokens each request takes: a whole
 	// number, or placeholders resolved per request (a cost from a header),
-	// or a weighted sum of terms separated by spaces, each `<value>` or
-	// `<value>*<weight>` (a number or placeholders; a weight 0 or more,
-	// fractions allowed), rounded up to whole tokens, at least 1:
-	// `{http.rate_limit.request.max_tokens}*{out_price} 100`. A value out
-	// of range refuses the request with 400; a weight with placeholders
-	// out of range (negative, not a number, infinite) with 500. Default: 1.
+	// or a weighted sum of terms separated by spaces, each a product of
+	// factors joined by `*` (each a number, 0 or more, fractions allowed,
+	// or placeholders), summed in exact decimals and rounded up to whole
+	// tokens, at least 1:
+	// `{http.rate_limit.request.max_tokens:4096}*{http.rate_limit.request.n:1}*{out_price} 100`.
+	// A factor from the client (a term's first, or one naming a
+	// `{http.rate_limit.request.<path>}` value) out of range refuses the
+	// request with 400; any other factor with placeholders (a weight)
+	// out of range (negative, not a number, infinite) with 500. A
+	// malformed term (an empty factor, a brace without its pair) is
+	// refused at load. Default: 1.
 	RequestedTokens Param `json:"requested_tokens,omitempty"`
 
 	// IPv4Prefix and IPv6Prefix cut every client address in a key

@@ -280,12 +280,13 @@ var errEmptyKey = errors.New("empty key")
 
 // refuseInvalid answers a request whose limit values, resolved from its
 // placeholders, are out of range, without taking any token: 400 for a
-// cost (it usually comes from the client), 500 for a rate or burst (a
+// cost or a value of the request's body that a charge json weight names
+// (they come from the client), 500 for a rate, a burst or a weight (a
 // configuration mistake). The warning is throttled.
 func (h *Handler) refuseInvalid(w http.ResponseWriter, r *http.Request, repl *caddy.Replacer, err error) error {
 	status := http.StatusInternalServerError
 	var pe *paramError
-	if errors.As(err, &pe) && pe.param == "requested_tokens" {
+	if errors.As(err, &pe) && (pe.param == "requested_tokens" || pe.param == chargeValueParam) {
 		status = http.StatusBadRequest
 	}
 	if ok, suppressed := h.paramWarns.allow(); ok {

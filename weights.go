@@ -11,42 +11,54 @@ import (
 )
 
 // Weighted sums: `requested_tokens` and `charge json` as terms, each a
-// value times a weight, summed and rounded up to whole tokens. With
+// product of factors, summed and rounded up to whole tokens. With
 // prices from a `map` on the model, a limit counts money:
 //
-//	requested_tokens {http.rate_limit.request.max_tokens}*{out_price} {http.request.header.Content-Length}*{in_price_per_byte}
+//	requested_tokens {http.rate_limit.request.max_tokens:4096}*{http.rate_limit.request.n:1}*{out_price} {http.request.header.Content-Length}*{in_price_per_byte}
 //	charge json usage.prompt_tokens*{in_price} usage.completion_tokens*{out_price}
 //
-// A term is `<value>` or `<value>*<weight>`, terms separated by spaces
-// (in JSON, one string for requested_tokens, a string per path for
-// charge json). A value of requested_tokens is a number or placeholders;
-// one of charge json a path. A weight is a number or placeholders,
-// 0 or more, fractions allowed. A weight written as a number is judged
-// at load; one with placeholders per request: negative, not a number or
-// infinite, it refuses the request with 500, as a rate out of range does
-// (it is the configuration's mistake, not the client's).
+// A term is factors joined by '*', terms separated by spaces (in JSON,
+// one string for requested_tokens, a string per path for charge json).
+// A factor is a number, 0 or more (fractions allowed), or placeholders;
+// the first factor of a charge json term is a path of the response body
+// instead. A factor written as a number is judged at load; one with
+// placeholders per request. A factor from the request, the first of a
+// requested_tokens term or one that names a value of the body
+// (`{http.rate_limit.request.<path>}`), out of range refuses the request
+// with 400, as requested_tokens always did; any other (a weight: a
+// price from a map) with 500, as a rate out of range does (it is the
+// configuration's mistake, not the client's). Products and sums are
+// exact decimals (amount.go).
 
-// costTerm is one term of a weighted sum, compiled.
+// costTerm is one term of a weighted sum, compiled: the product of its
+// factors written as numbers, and its factors with placeholders.
 type costTerm struct {
-	value, weight string  // as written; weight "" is 1
-	v, w          float64 // their numbers, when fixed
-	fixedV        bool
-	fixedW        bool
-	// valueKey and weightKey are the placeholder a value or weight is,
-	// when it is one and nothing else: read with Get, without building a
-	// string (8 allocs less per request of make bench's llm@64 handler:
-	// BenchmarkServeHTTPLLM/llm 40 -> 32).
-	valueKey, weightKey string
-	// place is the weight's index in a request's weightMemo, when it
-	// has placeholders and one is free; else -1 (resolved at each use).
+	fixed   amount
+	factors []factor // with placeholders, resolved per request
+}
+
+// factor is a factor with placeholders.
+type factor struct {
+	text string // as written
+	// key is the placeholder the factor is, when it is one and nothing
+	// else: read with Get, without building a string (8 allocs less per
+	// request of make bench's llm@64 handler: BenchmarkServeHTTPLLM/llm
+	// 40 -> 32).
+	key string
+	// fromRequest: the client's value (the first factor of a
+	// requested_tokens term, or one naming a value of the body), whose
+	// mistakes refuse with 400; else a weight, 500.
+	fromRequest bool
+	// place is the factor's index in a request's weightMemo, when one
+	// is free; else -1 (resolved at each use).
 	place int
 }
 
-// maxWeightPlaces bounds the distinct weights with placeholders a
+// maxWeightPlaces bounds the distinct factors with placeholders a
 // request remembers; more are resolved at each use.
 const maxWeightPlaces = 16
 
-// weightMemo is a request's weights with placeholders, each resolved
+// weightMemo is a request's factors with placeholders, each resolved
 // once: the reservation, the check of charge json's weights and the
 // settlement read the same `{out_price}` of a `map`, which would
 // otherwise walk the replacer's providers and run the map again each
@@ -55,43 +67,53 @@ const maxWeightPlaces = 16
 // with, those the check judged.
 type weightMemo struct {
 	known  uint16 // a bit per place resolved
-	values [maxWeightPlaces]float64
+	values [maxWeightPlaces]amount
 }
 
-// weight is t's weight for the request: fixed, remembered, or resolved
-// now (and remembered). m may be nil: nothing is remembered.
-func (m *weightMemo) weight(t *costTerm, repl *caddy.Replacer) (float64, error) {
-	if t.fixedW {
-		return t.w, nil
+// value is f's value for the request: remembered, or resolved now (and
+// remembered). m may be nil: nothing is remembered. param names the sum
+// in the message of a value from the request.
+func (m *weightMemo) value(f *factor, param string, repl *caddy.Replacer) (amount, error) {
+	if m == nil || f.place < 0 {
+		return resolveFactor(f, param, repl)
 	}
-	if m == nil || t.place < 0 {
-		return resolveWeight(t.weight, t.weightKey, repl)
-	}
-	bit := uint16(1) << t.place
+	bit := uint16(1) << f.place
 	if m.known&bit != 0 {
-		return m.values[t.place], nil
+		return m.values[f.place], nil
 	}
-	w, err := resolveWeight(t.weight, t.weightKey, repl)
+	v, err := resolveFactor(f, param, repl)
 	if err == nil {
-		m.values[t.place], m.known = w, m.known|bit
+		m.values[f.place], m.known = v, m.known|bit
 	}
-	return w, err
+	return v, err
 }
 
-// assignWeightPlaces gives each distinct weight with placeholders of the
+// product is the term's value for the request.
+func (t *costTerm) product(param string, repl *caddy.Replacer, memo *weightMemo) (amount, error) {
+	p := t.fixed
+	for i := range t.factors {
+		v, err := memo.value(&t.factors[i], param, repl)
+		if err != nil {
+			return amount{}, err
+		}
+		p = p.mul(v)
+	}
+	return p, nil
+}
+
+// assignWeightPlaces gives each distinct factor with placeholders of the
 // handler's requested_tokens and charge json a place in the weightMemo.
 func (h *Handler) assignWeightPlaces() {
 	var places []string
 	assign := func(t *costTerm) {
-		t.place = -1
-		if t.fixedW {
-			return
+		for i := range t.factors {
+			f := &t.factors[i]
+			j := slices.Index(places, f.text)
+			if j < 0 && len(places) < maxWeightPlaces {
+				j, places = len(places), append(places, f.text)
+			}
+			f.place = j
 		}
-		i := slices.Index(places, t.weight)
-		if i < 0 && len(places) < maxWeightPlaces {
-			i, places = len(places), append(places, t.weight)
-		}
-		t.place = i
 	}
 	for _, l := range h.limits {
 		for i := range l.costTerms {
@@ -126,7 +148,14 @@ func resolveText(text, key string, repl *caddy.Replacer) string {
 // maxTerms bounds the terms of one sum.
 const maxTerms = 16
 
-const wantWeight = "want a number, 0 or more (fractions allowed, such as 0.25), or a placeholder that resolves to one"
+const (
+	wantWeight  = "want a number, 0 or more (fractions allowed, such as 0.25), or a placeholder that resolves to one"
+	wantFactors = "write factors joined by one '*', each a number or placeholders, such as {http.rate_limit.request.max_tokens}*{http.rate_limit.request.n:1}*0.07"
+)
+
+// requestValuePrefix starts the placeholders of request_body's values:
+// a factor that names one is the client's.
+const requestValuePrefix = "{" + requestPlaceholderPrefix
 
 // isWeighted says whether a requested_tokens text is a weighted sum
 // rather than the one value it always was.
@@ -134,56 +163,93 @@ func isWeighted(text string) bool {
 	return strings.ContainsRune(text, '*') || len(strings.Fields(text)) > 1
 }
 
-// splitTerm parts `<value>*<weight>` at its last '*' outside braces; the
-// weight is "" without one.
-func splitTerm(term string) (value, weight string) {
-	depth := 0
-	for i := len(term) - 1; i >= 0; i-- {
+// splitFactors parts a term at each '*' outside braces.
+func splitFactors(term string) []string {
+	var parts []string
+	depth, start := 0, 0
+	for i := 0; i < len(term); i++ {
 		switch term[i] {
-		case '}':
-			depth++
 		case '{':
+			depth++
+		case '}':
 			depth--
 		case '*':
 			if depth == 0 {
-				return term[:i], term[i+1:]
+				parts, start = append(parts, term[start:i]), i+1
 			}
 		}
 	}
-	return term, ""
+	return append(parts, term[start:])
 }
 
-// checkWeight judges a weight as written: placeholders wait for the
-// request; a number must be finite and 0 or more. param and term name
-// it in the message.
-func checkWeight(param, term, weight string) (float64, bool, error) {
-	switch {
-	case weight == "":
-		return 1, true, nil
-	case strings.Contains(weight, "{"):
-		return 0, false, nil
+// balanced says whether text's braces pair up, one level deep, as
+// placeholders are written.
+func balanced(text string) bool {
+	open := false
+	for i := 0; i < len(text); i++ {
+		switch text[i] {
+		case '{':
+			if open {
+				return false
+			}
+			open = true
+		case '}':
+			if !open {
+				return false
+			}
+			open = false
+		}
 	}
-	w, err := parseAmount(weight)
-	if err != nil {
-		return 0, false, fmt.Errorf("%s '%s': weight '%s' %s; %s", param, term, cutValue(weight), err, wantWeight)
-	}
-	return w, true, nil
+	return !open
 }
 
-// parseAmount reads a value or weight: a finite number, 0 or more.
-func parseAmount(text string) (float64, error) {
-	v, err := strconv.ParseFloat(strings.TrimSpace(text), 64)
+// compileTerm compiles a term's factors (after its path, for charge
+// json: then valueFirst is false). param and term name it in messages.
+func compileTerm(param, term string, factors []string, valueFirst bool) (costTerm, error) {
+	t := costTerm{fixed: amount{mant: 1}}
+	for i, text := range factors {
+		isValue := valueFirst && i == 0
+		switch {
+		case text == "":
+			return costTerm{}, fmt.Errorf("%s '%s': an empty factor (a '*' at an end, or two together); %s", param, term, wantFactors)
+		case !balanced(text):
+			return costTerm{}, fmt.Errorf("%s '%s': factor '%s' has a brace without its pair; a placeholder is written {name}, such as {http.rate_limit.request.n:1}", param, term, cutValue(text))
+		case strings.Contains(text, "{"):
+			t.factors = append(t.factors, factor{text: text, key: onePlaceholder(text), place: -1,
+				fromRequest: isValue || strings.Contains(text, requestValuePrefix)})
+			continue
+		}
+		v, err := parseAmount(text)
+		switch {
+		case err != nil && isValue:
+			return costTerm{}, fmt.Errorf("%s '%s': value '%s' %s; want a number of tokens, 0 or more, or a placeholder", param, term, cutValue(text), err)
+		case err != nil:
+			return costTerm{}, fmt.Errorf("%s '%s': weight '%s' %s; %s", param, term, cutValue(text), err, wantWeight)
+		}
+		t.fixed = t.fixed.mul(v)
+	}
+	return t, nil
+}
+
+// parseAmount reads a value or weight: a finite number, 0 or more,
+// exactly when it is written in decimal.
+func parseAmount(text string) (amount, error) {
+	text = strings.TrimSpace(text)
+	v, err := strconv.ParseFloat(text, 64)
 	switch {
 	case err != nil && !math.IsInf(v, 0):
-		return 0, fmt.Errorf("is not a number")
+		return amount{}, fmt.Errorf("is not a number")
 	case err != nil || math.IsInf(v, 0):
-		return 0, fmt.Errorf("is infinite")
+		return amount{}, fmt.Errorf("is infinite")
 	case math.IsNaN(v):
-		return 0, fmt.Errorf("is not a number")
+		return amount{}, fmt.Errorf("is not a number")
 	case v < 0:
-		return 0, fmt.Errorf("is negative")
+		return amount{}, fmt.Errorf("is negative")
 	}
-	return v, nil
+	if a, ok := decimalOf(text); ok {
+		return a, nil
+	}
+	return amount{f: v, inexact: true}, nil
 }
 
 // parseCostTerms compiles a weighted requested_tokens: its terms, and,
@@ -195,30 +261,21 @@ func parseCostTerms(text string) (terms []costTerm, sum int64, fixed bool, err e
 		return nil, 0, false, fmt.Errorf("requested_tokens '%s': %d terms, more than %d; sum fewer", cutValue(text), len(fields), maxTerms)
 	}
 	fixed = true
+	var total amount
 	for _, f := range fields {
-		value, weight := splitTerm(f)
-		t := costTerm{value: value, weight: weight, valueKey: onePlaceholder(value), weightKey: onePlaceholder(weight), place: -1}
-		if t.w, t.fixedW, err = checkWeight("requested_tokens", f, weight); err != nil {
+		factors := splitFactors(f)
+		if factors[0] == "" {
+			return nil, 0, false, fmt.Errorf("requested_tokens '%s': a term without a value; write <value>*<weight>, such as {http.rate_limit.request.max_tokens}*{price}", f)
+		}
+		t, err := compileTerm("requested_tokens", f, factors, true)
+		if err != nil {
 			return nil, 0, false, err
 		}
-		switch {
-		case value == "":
-			return nil, 0, false, fmt.Errorf("requested_tokens '%s': a term without a value; write <value>*<weight>, such as {http.rate_limit.request.max_tokens}*{price}", f)
-		case strings.Contains(value, "{"):
-		default:
-			if t.v, err = parseAmount(value); err != nil {
-				return nil, 0, false, fmt.Errorf("requested_tokens '%s': value '%s' %s; want a number of tokens, 0 or more, or a placeholder", f, cutValue(value), err)
-			}
-			t.fixedV = true
-		}
-		fixed = fixed && t.fixedV && t.fixedW
+		fixed = fixed && t.factors == nil
+		total = total.add(t.fixed)
 		terms = append(terms, t)
 	}
 	if fixed {
-		var total float64
-		for _, t := range terms {
-			total += t.v * t.w
-		}
 		sum = roundTerms(total)
 	}
 	return terms, sum, fixed, nil
@@ -226,8 +283,8 @@ func parseCostTerms(text string) (terms []costTerm, sum int64, fixed bool, err e
 
 // roundTerms rounds a weighted sum up to whole tokens: at least 1 (a
 // request takes something), at most 2^53.
-func roundTerms(total float64) int64 {
-	return max(1, ceilTokens(total))
+func roundTerms(total amount) int64 {
+	return max(1, total.ceil())
 }
 
 // normalizeCost is a requested_tokens as the checks of a single value
@@ -244,51 +301,90 @@ func normalizeCost(cost Param) (Param, error) {
 	return Param(strconv.FormatInt(sum, 10)), nil
 }
 
-// resolveTerms sums a request's terms. A value that resolves to nothing
-// or to no amount is the request's fault (400, as a requested_tokens
-// out of range); a weight is the configuration's (500).
+// resolveTerms sums a request's terms.
 func resolveTerms(terms []costTerm, repl *caddy.Replacer, memo *weightMemo) (int64, error) {
-	var total float64
+	var total amount
 	for i := range terms {
-		t := &terms[i]
-		v, w := t.v, t.w
-		if !t.fixedV {
-			text := resolveText(t.value, t.valueKey, repl)
-			if text == "" {
-				return 0, badValue("requested_tokens", t.value, "resolved to nothing for this request")
-			}
-			var err error
-			if v, err = parseAmount(text); err != nil {
-				return 0, badValue("requested_tokens", text, fmt.Sprintf("(from %s) %s: want a number of tokens, 0 or more", t.value, err))
-			}
+		p, err := terms[i].product("requested_tokens", repl, memo)
+		if err != nil {
+			return 0, err
 		}
-		if !t.fixedW {
-			var err error
-			if w, err = memo.weight(t, repl); err != nil {
-				return 0, err
-			}
-		}
-		total += v * w
+		total = total.add(p)
 	}
 	return roundTerms(total), nil
 }
 
-// resolveWeight resolves a weight with placeholders for a request.
-func resolveWeight(weight, key string, repl *caddy.Replacer) (float64, error) {
-	text := resolveText(weight, key, repl)
-	w, err := parseAmount(text)
-	if err != nil {
-		return 0, &paramError{"weight", fmt.Sprintf("weight '%s' resolved to '%s', which %s; %s (check the map or variable that sets it)",
-			weight, cutValue(text), err, wantWeight)}
+// resolveFactor resolves a factor with placeholders for a request. A
+// value from the request that resolves to nothing or to no amount is the
+// request's fault (400, as a requested_tokens out of range; param names
+// it); a weight is the configuration's (500).
+func resolveFactor(f *factor, param string, repl *caddy.Replacer) (amount, error) {
+	text := resolveText(f.text, f.key, repl)
+	if f.fromRequest && text == "" {
+		return amount{}, badValue(param, f.text, "resolved to nothing for this request")
 	}
-	return w, nil
+	v, err := parseAmount(text)
+	switch {
+	case err != nil && f.fromRequest:
+		return amount{}, badValue(param, text, fmt.Sprintf("(from %s) %s: want a number of tokens, 0 or more", f.text, err))
+	case err != nil:
+		return amount{}, &paramError{"weight", fmt.Sprintf("weight '%s' resolved to '%s', which %s; %s (check the map or variable that sets it)",
+			f.text, cutValue(text), err, wantWeight)}
+	}
+	return v, nil
 }
 
-// chargeTerm is a charge json path and its weight, as written.
-func chargeTerm(term string) (path, weight string) { return splitTerm(term) }
+// chargeValueParam names a charge json factor from the request in its
+// message (after "charge json: "); refuseInvalid answers it 400, as
+// requested_tokens.
+const chargeValueParam = "value"
+
+// splitChargeTerm parts a charge json term into its path and the factors
+// after it ("" without).
+func splitChargeTerm(term string) (path, factors string) {
+	parts := splitFactors(term)
+	if len(parts) == 1 {
+		return term, ""
+	}
+	return parts[0], term[len(parts[0])+1:]
+}
+
+// compileChargeTerm judges a charge json term, `<path>[*<factor>]...`,
+// and compiles its factors. param names it in messages.
+func compileChargeTerm(param, term string) (path, factors string, t costTerm, err error) {
+	path, factors = splitChargeTerm(term)
+	t = costTerm{fixed: amount{mant: 1}}
+	if path == "" {
+		return "", "", costTerm{}, fmt.Errorf("%s '%s': a term without a path; write <path>*<weight>, such as usage.prompt_tokens*{in_price}", param, term)
+	}
+	if err := checkChargePath(param, term, path); err != nil {
+		return "", "", costTerm{}, err
+	}
+	if factors != "" || strings.HasSuffix(term, "*") {
+		t, err = compileTerm(param, term, splitFactors(factors), false)
+	}
+	return path, factors, t, err
+}
+
+// checkChargePath judges the characters of a charge json path: braces
+// (a path is fixed keys of the body, never placeholders), spaces and
+// control characters (which separate terms).
+func checkChargePath(param, term, path string) error {
+	for i := 0; i < len(path); i++ {
+		switch c := path[i]; {
+		case c == '{' || c == '}':
+			return fmt.Errorf("%s '%s': path '%s' cannot hold '%c': a path is fixed keys of the body, not placeholders; put placeholders in a weight after it, such as usage.prompt_tokens*{in_price}",
+				param, cutValue(term), cutValue(path), c)
+		case c <= ' ' || c == 0x7f:
+			return fmt.Errorf("%s '%s': path '%s' cannot hold spaces or control characters; write keys separated by '.', such as usage.total_tokens, a term per path (in JSON, a string per term)",
+				param, cutValue(term), cutValue(path))
+		}
+	}
+	return nil
+}
 
 // checkChargeWeights resolves, before a request is admitted, the
-// weights with placeholders of the charge json of its limits, so that a
+// factors with placeholders of the charge json of its limits, so that a
 // weight out of range refuses it (500) rather than costing its response
 // nothing. Settlement reads them from memo, the values judged here.
 func (h *Handler) checkChargeWeights(buckets []bucket, repl *caddy.Replacer, memo *weightMemo) error {
@@ -298,14 +394,13 @@ func (h *Handler) checkChargeWeights(buckets []bucket, repl *caddy.Replacer, mem
 			continue
 		}
 		for j := range rule.weights {
-			if rule.weights[j].fixedW {
-				continue
-			}
-			if _, err := memo.weight(&rule.weights[j], repl); err != nil {
-				if name := buckets[i].limit.name; name != "" {
-					return fmt.Errorf("limit %s: charge json: %w", name, err)
+			for k := range rule.weights[j].factors {
+				if _, err := memo.value(&rule.weights[j].factors[k], chargeValueParam, repl); err != nil {
+					if name := buckets[i].limit.name; name != "" {
+						return fmt.Errorf("limit %s: charge json: %w", name, err)
+					}
+					return fmt.Errorf("charge json: %w", err)
 				}
-				return fmt.Errorf("charge json: %w", err)
 			}
 		}
 	}

@@ -177,13 +177,7 @@ func (s *Body) Sum(fields ...uint16) (sum float64, why string) {
 		return 0, "no number at " + s.doc.paths.Names(all) + " in the body"
 	}
 	for _, f := range fields {
-		last := -1
-		for m := s.found & f; m != 0; m &= m - 1 {
-			if p := bits.TrailingZeros16(m); last < 0 || s.order[p] > s.order[last] {
-				last = p
-			}
-		}
-		switch {
+		switch last := s.last(f); {
 		case last < 0: // counts 0
 		case s.negative>>last&1 == 1:
 			return 0, "a number at " + s.doc.paths.text[last] + " is negative"
@@ -192,6 +186,29 @@ func (s *Body) Sum(fields ...uint16) (sum float64, why string) {
 		}
 	}
 	return sum, ""
+}
+
+// Field ends the scan as Sum does and reads one field alone: its value,
+// and whether one of its paths had a number. It says nothing of why
+// not, so asking costs no message: Sum judges the body and the fields
+// first.
+func (s *Body) Field(f uint16) (v float64, ok bool) {
+	s.finish()
+	if last := s.last(f); last >= 0 && s.failed == "" {
+		return s.values[last], true
+	}
+	return 0, false
+}
+
+// last is the path of field f whose number came last, or -1.
+func (s *Body) last(f uint16) int {
+	last := -1
+	for m := s.found & f; m != 0; m &= m - 1 {
+		if p := bits.TrailingZeros16(m); last < 0 || s.order[p] > s.order[last] {
+			last = p
+		}
+	}
+	return last
 }
 
 // writeLines scans an event stream or JSON lines, up to the answer's

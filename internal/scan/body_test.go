@@ -293,7 +293,26 @@ func TestSumFieldIsTheLastNumberAtAnyOfItsPaths(t *testing.T) {
 			if got != tc.want || why != tc.why {
 				t.Errorf("%s (%s): %v %q, want %v %q", tc.name, how, got, why, tc.want, tc.why)
 			}
+			// Field reads each field alone as Sum does: what the weighted
+			// sums of the handler add up.
+			var byField float64
+			for _, f := range fields {
+				if v, ok := b.Field(f); ok {
+					byField += v
+				}
+			}
+			if why == "" && byField != got {
+				t.Errorf("%s (%s): the fields one by one sum to %v, Sum to %v", tc.name, how, byField, got)
+			}
 		}
+	}
+	// A body that cannot be read has no field.
+	var b Body
+	b.Reset(&ps, 0)
+	b.Begin(http.Header{"Content-Type": {"application/json"}, "Content-Encoding": {"gzip"}})
+	_, _ = b.Write([]byte(`{"usage":{"input_tokens":4}}`))
+	if v, ok := b.Field(fields[0]); ok {
+		t.Errorf("an encoded body: Field %v, want none", v)
 	}
 }
 

@@ -68,8 +68,6 @@ func statusOfErr(t *testing.T, err error) int {
 	return 0
 }
 
-const gatewayBudget = 50_000_000 // micro-dollars a day
-
 // TestLLMGatewayReadmeExampleRunsAsWritten: the README's LLM gateway, as
 // written, through openai-go, streamed and not: two models spend the
 // money budget at their prices, exactly after each response; each

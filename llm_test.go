@@ -153,6 +153,8 @@ func startReadmeLLMGateway(t *testing.T, redisAddr string, up *llmUpstream) *cha
 	return startChargeCaddy(t, site, redisAddr, up.host())
 }
 
+const gatewayBudget = 50_000_000 // micro-dollars a day: the README's gateway's
+
 // gatewayTokens is what the bucket of a limit or quota of the README's
 // gateway holds for a key and model (admin API).
 func gatewayTokens(t *testing.T, c *chargeCaddy, apiKey, model, limit string) float64 {
@@ -498,4 +500,71 @@ func gatewayQuery(apiKey, model string) map[string][]string {
 	return q("header.Authorization", "Bearer "+apiKey, "http.rate_limit.request.model", model,
 		// The values the admin API resolves with the keys: any will do.
 		"http.rate_limit.request.max_tokens:4096", "1", "header.Content-Length", "1", "in_byte_price", "1", "out_price", "1")
+}
+
+// heldReservation posts body to the README's gateway c as apiKey, with
+// the headers, while the upstream holds its answer, and reads what the
+// request reserved of its model's tokens and of the budget meanwhile
+// (each bucket fresh before); then lets the answer go. The model's
+// tokens refill meanwhile: reservedTokens says whether tokens is what
+// they show. The status is the gateway's when it answered without the
+// upstream.
+func heldReservation(t *testing.T, c *chargeCaddy, up *llmUpstream, apiKey, model, id string, body io.Reader, headers ...string) (status int, reservedTokens func(tokens float64) bool, dollars float64) {
+	t.Helper()
+	up.release = make(chan struct{})
+	done := make(chan int, 1)
+	defer func() {
+		close(up.release)
+		<-done // before the next request may replace up.release
+	}()
+	headers = append(headers, "Authorization", "Bearer "+apiKey, "X-Body-Id", id, "X-Hold", "1", "Content-Type", "application/json")
+	start := time.Now()
+	go func() {
+		status, _ := post(t, c.client, c.URL+"/v1/chat/completions", body, headers...)
+		done <- status
+	}()
+	select {
+	case status := <-done:
+		done <- status // for the deferred wait
+		return status, nil, 0
+	case <-up.received:
+	}
+	taken := 100000 - gatewayTokens(t, c, apiKey, model, "tokens")
+	refilled := time.Since(start).Seconds()*100000/60 + 1 // and a token for Redis's clock against this one
+	dollars = gatewayBudget - gatewayTokens(t, c, apiKey, model, "dollars")
+	return 200, func(tokens float64) bool { return taken <= tokens && taken >= tokens-refilled }, dollars
+}
+
+// TestLLMGatewayReadsAKeyInAnotherCaseAsThePathGivenAgain: a Go upstream
+// (this test's own, decoding into a struct) reads `MODEL` as `model` and
+// keeps the last, so through the README's gateway a dear model named in
+// capitals after a cheap one leaves the model empty (403, the key is
+// empty), and a max_tokens of 1 followed by MAX_TOKENS 900 (K, the
+// Kelvin sign, too) reserves what a body without max_tokens reserves:
+// 4,096, not 1.
+func TestLLMGatewayReadsAKeyInAnotherCaseAsThePathGivenAgain(t *testing.T) {
+	srv := redistest.Start(t)
+	up := startLLMUpstream(t)
+	c := startReadmeLLMGateway(t, srv.Addr, up)
+	for _, body := range []string{
+		`{"model":"gpt-4o-mini","MODEL":"gpt-4o","max_tokens":600}`,
+		`{"Model":"gpt-4o","max_tokens":600}`,
+	} {
+		if status, answer := post(t, c.client, c.URL+"/v1/chat/completions", strings.NewReader(body),
+			"Authorization", "Bearer sk-case", "Content-Type", "application/json"); status != http.StatusForbidden {
+			t.Errorf("%s: %d %s, want 403 (no model)", body, status, answer)
+		}
+	}
+	for i, body := range []string{
+		`{"model":"gpt-4o","max_tokens":1,"MAX_TOKENS":900}`,
+		`{"model":"gpt-4o","max_tokens":1,"max_to` + "\u212a" + `ens":900}`,
+	} {
+		key := fmt.Sprintf("sk-case-%d", i)
+		status, reserved, dollars := heldReservation(t, c, up, key, "gpt-4o", key, strings.NewReader(body))
+		bytesTokens, bytesDollars := ceilF(float64(len(body))*0.25), ceilF(float64(len(body))*0.625)
+		if status != 200 || !reserved(4096+bytesTokens) || dollars != 4096*10+bytesDollars {
+			t.Errorf("%s: %d, reserved %.0f of the budget, want 40,960 + %.0f, and 4,096 + %.0f tokens: %v (max_tokens unknown: its default)",
+				body, status, dollars, bytesDollars, bytesTokens, reserved != nil && reserved(4096+bytesTokens))
+		}
+	}
 }

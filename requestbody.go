@@ -37,6 +37,10 @@ import (
 // empty (unset). The body is read to its end, so that a path met twice
 // anywhere has no value: a client that names a cheap model first and a
 // dear one last must not be limited as the first and served the last. A
+// key that is a path's in another case (`MODEL`, or `max_toKens` with
+// the Kelvin sign, as Go's encoding/json folds keys to match a struct's
+// fields) counts as the path met again, even alone: a Go upstream reads
+// it as the path, most others as another key. A
 // body that is not JSON, is encoded (`Content-Encoding`), is cut off by
 // the client, or is larger than `max_size` leaves every placeholder
 // empty; the

@@ -128,8 +128,8 @@ func TestLLMGatewayReadmeExampleRunsAsWritten(t *testing.T) {
 
 	// The reservation follows max_tokens: while the upstream holds the
 	// answer, the budget of a fresh key holds max_tokens × 10 +
-	// Content-Length × 0.625 (rounded up) less; its model's tokens,
-	// max_tokens + Content-Length / 4 (and what refilled since).
+	// body bytes × 0.625 (rounded up) less; its model's tokens,
+	// max_tokens + body bytes / 4 (and what refilled since).
 	for _, maxTokens := range []int64{1000, 7000} {
 		key := fmt.Sprintf("sk-reserve-%d", maxTokens)
 		id := key

@@ -444,7 +444,7 @@ func BenchmarkServeHTTPLLM(b *testing.B) {
 		{"llm", func(h *Handler) {
 			h.Key = "{http.request.header.X-Key}:{http.rate_limit.request.model}"
 			h.RequestBody = &RequestBody{JSON: []string{"model", "max_tokens"}}
-			h.RequestedTokens = "{http.rate_limit.request.max_tokens:4096}*{out_price} {http.request.header.Content-Length}*{in_byte_price}"
+			h.RequestedTokens = "{http.rate_limit.request.max_tokens:4096}*{out_price} {http.rate_limit.request_size}*{in_byte_price}"
 			h.Charge = &Charge{JSON: []string{"usage.prompt_tokens*{in_price}", "usage.completion_tokens*{out_price}"}}
 		}},
 	} {
@@ -468,6 +468,7 @@ func BenchmarkServeHTTPLLM(b *testing.B) {
 				r, w := benchRequest(fmt.Sprintf("192.0.2.%d", n%250+1), "client-"+strconv.FormatInt(n, 10))
 				r.Method = http.MethodPost
 				r.Header["Content-Length"] = length
+				r.ContentLength = int64(len(payload))
 				repl := r.Context().Value(caddy.ReplacerCtxKey).(*caddy.Replacer)
 				for _, p := range prices {
 					repl.Set(p[0].(string), p[1])
@@ -499,7 +500,7 @@ func (*benchBody) Close() error { return nil }
 func gatewayQuery(apiKey, model string) map[string][]string {
 	return q("header.Authorization", "Bearer "+apiKey, "http.rate_limit.request.model", model,
 		// The values the admin API resolves with the keys: any will do.
-		"http.rate_limit.request.max_tokens:4096", "1", "header.Content-Length", "1", "in_byte_price", "1", "out_price", "1")
+		"http.rate_limit.request.max_tokens:4096", "1", "http.rate_limit.request_size", "1", "in_byte_price", "1", "out_price", "1")
 }
 
 // heldReservation posts body to the README's gateway c as apiKey, with
@@ -566,5 +567,46 @@ func TestLLMGatewayReadsAKeyInAnotherCaseAsThePathGivenAgain(t *testing.T) {
 			t.Errorf("%s: %d, reserved %.0f of the budget, want 40,960 + %.0f, and 4,096 + %.0f tokens: %v (max_tokens unknown: its default)",
 				body, status, dollars, bytesDollars, bytesTokens, reserved != nil && reserved(4096+bytesTokens))
 		}
+	}
+}
+
+// TestLLMGatewayReservesAChunkedBodyByItsSize: a body sent without
+// Content-Length (chunked, as streaming and HTTP/2 clients may send it)
+// passes the README's gateway, which reserves by the body's size as
+// read, {http.rate_limit.request_size}: the same as for the same body
+// with Content-Length. A chunked body larger than max_size, or not JSON,
+// has no size (nor values): its reservation is refused, 400.
+func TestLLMGatewayReservesAChunkedBodyByItsSize(t *testing.T) {
+	srv := redistest.Start(t)
+	up := startLLMUpstream(t)
+	c := startReadmeLLMGateway(t, srv.Addr, up)
+	body := `{"model":"gpt-4o","max_tokens":100,"messages":[{"role":"user","content":"` + strings.Repeat("x", 3000) + `"}]}`
+	for _, chunked := range []bool{false, true} {
+		var r io.Reader = strings.NewReader(body)
+		if chunked {
+			r = io.MultiReader(r) // hides the length: sent chunked
+		}
+		key := fmt.Sprintf("sk-chunked-%v", chunked)
+		status, reserved, dollars := heldReservation(t, c, up, key, "gpt-4o", key, r)
+		if status != 200 {
+			t.Fatalf("chunked %v: %d, want 200", chunked, status)
+		}
+		if got := up.body(t, key); got.size != len(body) {
+			t.Fatalf("chunked %v: the upstream received %d bytes of %d", chunked, got.size, len(body))
+		}
+		bytesTokens, bytesDollars := ceilF(float64(len(body))*0.25), ceilF(float64(len(body))*0.625)
+		if !reserved(100+bytesTokens) || dollars != 100*10+bytesDollars {
+			t.Errorf("chunked %v: reserved %.0f of the budget, want 1,000 + %.0f, and 100 + %.0f tokens: %v",
+				chunked, dollars, bytesDollars, bytesTokens, reserved(100+bytesTokens))
+		}
+	}
+	if status, answer := post(t, c.client, c.URL+"/v1/chat/completions", io.MultiReader(strings.NewReader("model=gpt-4o")),
+		"Authorization", "Bearer sk-chunked-form", "Content-Type", "application/x-www-form-urlencoded"); status != http.StatusBadRequest {
+		t.Errorf("a chunked body that is not JSON: %d %s, want 400 (no size)", status, answer)
+	}
+	large := io.MultiReader(strings.NewReader(`{"model":"gpt-4o","max_tokens":5,"messages":[{"role":"user","content":"`), io.LimitReader(repeatByte('a'), 2<<20), strings.NewReader(`"}]}`))
+	if status, answer := post(t, c.client, c.URL+"/v1/chat/completions", large,
+		"Authorization", "Bearer sk-chunked-large", "Content-Type", "application/json"); status != http.StatusBadRequest {
+		t.Errorf("a chunked body of 2 MiB: %d %s, want 400 (past max_size: no size)", status, answer)
 	}
 }

@@ -64,6 +64,7 @@ func init() {
 // `{http.rate_limit.charged}` | with `charge` or `charge_status`, after the response: the tokens it was charged (of the first limit that charges)
 // `{http.rate_limit.charged.<limit>}` | the same, for each named limit that charges
 // `{http.rate_limit.request.<path>}` | with `request_body`, before the keys are resolved: the value at that path of the request's JSON body
+// `{http.rate_limit.request_size}` | with `request_body`, before the keys are resolved: the request body's size in bytes, its `Content-Length` or, without one, what `request_body` read to its end (a JSON body of at most `max_size`); `0` without a body; empty when neither says it
 //
 // It counts its decisions in the `caddy_rate_limit_requests_total`
 // metric (labels `zone`, `result` and `limit`), times Redis in

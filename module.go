@@ -271,6 +271,7 @@ type Handler struct {
 	charging      *charging      // when a limit charges by the response (charge.go)
 	request       *requestReader // with request_body (requestbody.go)
 	before        []preStep      // what runs before a request's buckets are resolved (steps.go)
+	beforeBody    *beforeBody    // refusals known before request_body reads a body (beforebody.go)
 	steps         []step         // what an admitted request registers for after its response (steps.go)
 	chargeWeights bool           // some charge json weight has placeholders (weights.go)
 	limiterKey    string
@@ -311,6 +312,7 @@ func (h *Handler) Provision(ctx caddy.Context) (err error) {
 	defer func() {
 		if err == nil {
 			h.buildStore()
+			h.setUpBeforeBody()
 			registerZone(h) // for the admin API
 		}
 	}()

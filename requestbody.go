@@ -57,6 +57,13 @@ import (
 // `max_size`), `0` without a body; empty for a body without
 // Content-Length that was not read to its end (larger than `max_size`,
 // not JSON, encoded, or cut off).
+//
+// A request that a limit naming no value of the body refuses, when the
+// handler knows the refusal without asking its store (a hard block, a
+// refusal it remembers from Redis, buckets it keeps in the process), is
+// refused before its body is read: a client that sent `Expect: 100-continue` gets no
+// `100 Continue`. Nothing else bounds how long a body takes but Caddy's
+// server timeouts (`read_body_idle`, by default a minute without a byte).
 type RequestBody struct {
 	// JSON lists the paths to read, as `charge json` writes them: keys
 	// separated by `.`, an array element by its index (`messages.0.role`).

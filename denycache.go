@@ -4,6 +4,7 @@ import (
 	"context"
 	"hash/maphash"
 	"sync"
+	"sync/atomic"
 	"time"
 )
 
@@ -34,6 +35,8 @@ type denyCache struct {
 	forgotten    [forgetShares]time.Time
 	forgottenAll time.Time
 	seed         maphash.Seed
+	// held is len(entries), for holdsAny to read without the lock.
+	held atomic.Int64
 }
 
 // forgetShares is how many shares of keys forgotten notes a time for:
@@ -110,7 +113,12 @@ func (c *denyCache) put(buckets []bucket, sent time.Time) {
 		}
 		c.entries[b.key] = d
 	}
+	c.held.Store(int64(len(c.entries)))
 }
+
+// holdsAny says whether the cache holds any denial, without the lock:
+// when it holds none, a request need not be resolved to ask it.
+func (c *denyCache) holdsAny() bool { return c.held.Load() > 0 }
 
 // forget drops what the cache knows of the buckets at keys.
 func (c *denyCache) forget(keys ...string) {
@@ -121,6 +129,7 @@ func (c *denyCache) forget(keys ...string) {
 		delete(c.entries, key)
 		c.forgotten[c.share(key)] = now
 	}
+	c.held.Store(int64(len(c.entries)))
 }
 
 // share is the share of forgotten that key falls in.
@@ -137,6 +146,7 @@ func (c *denyCache) forgetAll() {
 	defer c.mu.Unlock()
 	c.entries = make(map[string]denial)
 	c.forgottenAll = now
+	c.held.Store(0)
 }
 
 // makeRoom drops the expired entries among a sample of 32, or, when none
@@ -189,6 +199,14 @@ func (d *denyLayer) answer(buckets []bucket, now time.Time) bool { return d.cach
 func (d *denyLayer) answered(buckets []bucket, sent time.Time, allowed bool) {
 	d.cache.answered(buckets, sent, allowed, d.perRequest)
 }
+
+// mayRefuse and refuses make it the stack's refuser (refuserOf): it
+// decides first, from what it remembers.
+func (d *denyLayer) mayRefuse() bool { return d.cache.holdsAny() }
+func (d *denyLayer) refuses(now time.Time, buckets []bucket) bool {
+	return d.cache.answer(buckets, now)
+}
+
 func (d *denyLayer) forget(key string)        { d.cache.forget(key) }
 func (d *denyLayer) forgetKeys(keys []string) { d.cache.forget(keys...) }
 

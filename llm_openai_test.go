@@ -72,8 +72,6 @@ func statusOfErr(t *testing.T, err error) int {
 	return 0
 }
 
-const gatewayBudget = 50_000_000 // micro-dollars a day
-
 // TestLLMGatewayReadmeExampleRunsAsWritten: the README's LLM gateway, as
 // written, through openai-go, streamed and not: two models spend the
 // money budget at their prices, exactly after each response; each
@@ -134,10 +132,10 @@ func TestLLMGatewayReadmeExampleRunsAsWritten(t *testing.T) {
 
 	// The reservation follows max_tokens, max_completion_tokens and n:
 	// while the upstream holds the answer, the budget of a fresh key holds
-	// (max_tokens + max_completion_tokens) × n × 10 + Content-Length ×
-	// 0.625 (rounded up) less, max_tokens 4,096 when absent; its model's
-	// tokens, (max_tokens + max_completion_tokens) × n + Content-Length / 4
-	// (and what refilled since).
+	// (max_tokens + max_completion_tokens) × n × 10 + body bytes × 0.625
+	// (rounded up) less, max_tokens 4,096 when absent; its model's tokens,
+	// (max_tokens + max_completion_tokens) × n + body bytes / 4 (and what
+	// refilled since).
 	for _, tc := range []struct {
 		name                        string
 		maxTokens, maxCompletion, n int64

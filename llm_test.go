@@ -161,6 +161,8 @@ func startReadmeLLMGateway(t *testing.T, redisAddr string, up *llmUpstream) *cha
 	return startChargeCaddy(t, site, redisAddr, up.host())
 }
 
+const gatewayBudget = 50_000_000 // micro-dollars a day: the README's gateway's
+
 // gatewayTokens is what the bucket of a limit or quota of the README's
 // gateway holds for a key and model (admin API).
 func gatewayTokens(t *testing.T, c *chargeCaddy, apiKey, model, limit string) float64 {
@@ -603,7 +605,7 @@ func BenchmarkServeHTTPLLM(b *testing.B) {
 		{"llm", func(h *Handler) {
 			h.Key = "{http.request.header.X-Key}:{http.rate_limit.request.model}"
 			h.RequestBody = &RequestBody{JSON: []string{"model", "max_tokens"}}
-			h.RequestedTokens = "{http.rate_limit.request.max_tokens:4096}*{out_price} {http.request.header.Content-Length}*{in_byte_price}"
+			h.RequestedTokens = "{http.rate_limit.request.max_tokens:4096}*{out_price} {http.rate_limit.request_size}*{in_byte_price}"
 			h.Charge = &Charge{JSON: []string{"usage.prompt_tokens*{in_price}", "usage.completion_tokens*{out_price}"}}
 		}},
 	} {
@@ -627,6 +629,7 @@ func BenchmarkServeHTTPLLM(b *testing.B) {
 				r, w := benchRequest(fmt.Sprintf("192.0.2.%d", n%250+1), "client-"+strconv.FormatInt(n, 10))
 				r.Method = http.MethodPost
 				r.Header["Content-Length"] = length
+				r.ContentLength = int64(len(payload))
 				repl := r.Context().Value(caddy.ReplacerCtxKey).(*caddy.Replacer)
 				for _, p := range prices {
 					repl.Set(p[0].(string), p[1])
@@ -659,5 +662,113 @@ func gatewayQuery(apiKey, model string) map[string][]string {
 	return q("header.Authorization", "Bearer "+apiKey, "http.rate_limit.request.model", model,
 		// The values the admin API resolves with the keys: any will do.
 		"http.rate_limit.request.max_tokens:4096", "1", "http.rate_limit.request.max_completion_tokens:0", "1", "http.rate_limit.request.n:1", "1",
-		"header.Content-Length", "1", "in_byte_price", "1", "out_price", "1")
+		"http.rate_limit.request_size", "1", "in_byte_price", "1", "out_price", "1")
+}
+
+// heldReservation posts body to the README's gateway c as apiKey, with
+// the headers, while the upstream holds its answer, and reads what the
+// request reserved of its model's tokens and of the budget meanwhile
+// (each bucket fresh before); then lets the answer go. The model's
+// tokens refill meanwhile: reservedTokens says whether tokens is what
+// they show. The status is the gateway's when it answered without the
+// upstream.
+func heldReservation(t *testing.T, c *chargeCaddy, up *llmUpstream, apiKey, model, id string, body io.Reader, headers ...string) (status int, reservedTokens func(tokens float64) bool, dollars float64) {
+	t.Helper()
+	up.release = make(chan struct{})
+	done := make(chan int, 1)
+	defer func() {
+		close(up.release)
+		<-done // before the next request may replace up.release
+	}()
+	headers = append(headers, "Authorization", "Bearer "+apiKey, "X-Body-Id", id, "X-Hold", "1", "Content-Type", "application/json")
+	start := time.Now()
+	go func() {
+		status, _ := post(t, c.client, c.URL+"/v1/chat/completions", body, headers...)
+		done <- status
+	}()
+	select {
+	case status := <-done:
+		done <- status // for the deferred wait
+		return status, nil, 0
+	case <-up.received:
+	}
+	taken := 100000 - gatewayTokens(t, c, apiKey, model, "tokens")
+	refilled := time.Since(start).Seconds()*100000/60 + 1 // and a token for Redis's clock against this one
+	dollars = gatewayBudget - gatewayTokens(t, c, apiKey, model, "dollars")
+	return 200, func(tokens float64) bool { return taken <= tokens && taken >= tokens-refilled }, dollars
+}
+
+// TestLLMGatewayReadsAKeyInAnotherCaseAsThePathGivenAgain: a Go upstream
+// (this test's own, decoding into a struct) reads `MODEL` as `model` and
+// keeps the last, so through the README's gateway a dear model named in
+// capitals after a cheap one leaves the model empty (403, the key is
+// empty), and a max_tokens of 1 followed by MAX_TOKENS 900 (K, the
+// Kelvin sign, too) reserves what a body without max_tokens reserves:
+// 4,096, not 1.
+func TestLLMGatewayReadsAKeyInAnotherCaseAsThePathGivenAgain(t *testing.T) {
+	srv := redistest.Start(t)
+	up := startLLMUpstream(t)
+	c := startReadmeLLMGateway(t, srv.Addr, up)
+	for _, body := range []string{
+		`{"model":"gpt-4o-mini","MODEL":"gpt-4o","max_tokens":600}`,
+		`{"Model":"gpt-4o","max_tokens":600}`,
+	} {
+		if status, answer := post(t, c.client, c.URL+"/v1/chat/completions", strings.NewReader(body),
+			"Authorization", "Bearer sk-case", "Content-Type", "application/json"); status != http.StatusForbidden {
+			t.Errorf("%s: %d %s, want 403 (no model)", body, status, answer)
+		}
+	}
+	for i, body := range []string{
+		`{"model":"gpt-4o","max_tokens":1,"MAX_TOKENS":900}`,
+		`{"model":"gpt-4o","max_tokens":1,"max_to` + "\u212a" + `ens":900}`,
+	} {
+		key := fmt.Sprintf("sk-case-%d", i)
+		status, reserved, dollars := heldReservation(t, c, up, key, "gpt-4o", key, strings.NewReader(body))
+		bytesTokens, bytesDollars := ceilF(float64(len(body))*0.25), ceilF(float64(len(body))*0.625)
+		if status != 200 || !reserved(4096+bytesTokens) || dollars != 4096*10+bytesDollars {
+			t.Errorf("%s: %d, reserved %.0f of the budget, want 40,960 + %.0f, and 4,096 + %.0f tokens: %v (max_tokens unknown: its default)",
+				body, status, dollars, bytesDollars, bytesTokens, reserved != nil && reserved(4096+bytesTokens))
+		}
+	}
+}
+
+// TestLLMGatewayReservesAChunkedBodyByItsSize: a body sent without
+// Content-Length (chunked, as streaming and HTTP/2 clients may send it)
+// passes the README's gateway, which reserves by the body's size as
+// read, {http.rate_limit.request_size}: the same as for the same body
+// with Content-Length. A chunked body larger than max_size, or not JSON,
+// has no size (nor values): its reservation is refused, 400.
+func TestLLMGatewayReservesAChunkedBodyByItsSize(t *testing.T) {
+	srv := redistest.Start(t)
+	up := startLLMUpstream(t)
+	c := startReadmeLLMGateway(t, srv.Addr, up)
+	body := `{"model":"gpt-4o","max_tokens":100,"messages":[{"role":"user","content":"` + strings.Repeat("x", 3000) + `"}]}`
+	for _, chunked := range []bool{false, true} {
+		var r io.Reader = strings.NewReader(body)
+		if chunked {
+			r = io.MultiReader(r) // hides the length: sent chunked
+		}
+		key := fmt.Sprintf("sk-chunked-%v", chunked)
+		status, reserved, dollars := heldReservation(t, c, up, key, "gpt-4o", key, r)
+		if status != 200 {
+			t.Fatalf("chunked %v: %d, want 200", chunked, status)
+		}
+		if got := up.body(t, key); got.size != len(body) {
+			t.Fatalf("chunked %v: the upstream received %d bytes of %d", chunked, got.size, len(body))
+		}
+		bytesTokens, bytesDollars := ceilF(float64(len(body))*0.25), ceilF(float64(len(body))*0.625)
+		if !reserved(100+bytesTokens) || dollars != 100*10+bytesDollars {
+			t.Errorf("chunked %v: reserved %.0f of the budget, want 1,000 + %.0f, and 100 + %.0f tokens: %v",
+				chunked, dollars, bytesDollars, bytesTokens, reserved(100+bytesTokens))
+		}
+	}
+	if status, answer := post(t, c.client, c.URL+"/v1/chat/completions", io.MultiReader(strings.NewReader("model=gpt-4o")),
+		"Authorization", "Bearer sk-chunked-form", "Content-Type", "application/x-www-form-urlencoded"); status != http.StatusBadRequest {
+		t.Errorf("a chunked body that is not JSON: %d %s, want 400 (no size)", status, answer)
+	}
+	large := io.MultiReader(strings.NewReader(`{"model":"gpt-4o","max_tokens":5,"messages":[{"role":"user","content":"`), io.LimitReader(repeatByte('a'), 2<<20), strings.NewReader(`"}]}`))
+	if status, answer := post(t, c.client, c.URL+"/v1/chat/completions", large,
+		"Authorization", "Bearer sk-chunked-large", "Content-Type", "application/json"); status != http.StatusBadRequest {
+		t.Errorf("a chunked body of 2 MiB: %d %s, want 400 (past max_size: no size)", status, answer)
+	}
 }

@@ -165,6 +165,13 @@ func (s *memoryStore) storedKey(key string) string {
 // script does when its server's clock went back, would count the time
 // in between twice, and admit more than burst + rate*T.
 func (s *memoryStore) takeTokens(now time.Time, buckets []bucket) (bool, error) {
+	return s.decideTokens(now, buckets, true)
+}
+
+// decideTokens is takeTokens, which takes nothing when take is false and
+// every bucket holds its tokens (allowed then says only that they do):
+// a refusal is made as a take makes it.
+func (s *memoryStore) decideTokens(now time.Time, buckets []bucket, take bool) (bool, error) {
 	var inlineKeys [maxInlineBuckets]string
 	var inlineShards, inlineLocked [maxInlineBuckets]int
 	var inlineStates [maxInlineBuckets]*bucketState
@@ -189,6 +196,9 @@ func (s *memoryStore) takeTokens(now time.Time, buckets []bucket) (bool, error) 
 		var holds bool
 		*b, holds = b.kind().holds(st, ok, now, t, *b) // asked of every bucket: a kind may set what the take needs here
 		allowed = allowed && holds
+	}
+	if allowed && !take {
+		return true, nil
 	}
 	if allowed && absent > 0 && !s.reserve(absent) {
 		s.sweepShards(locked, t) // what expired makes room first
@@ -399,6 +409,14 @@ func (h *Handler) warnFull() {
 			zap.Int64("max_keys", h.MaxKeys), h.fallbackField(), suppressedField(suppressed))
 	}
 }
+
+// mayRefuse and refuses make it its stack's refuser (refuserOf): its
+// buckets are in the process, where a refusal costs no call.
+func (p inProcess) mayRefuse() bool { return true }
+func (p inProcess) refuses(now time.Time, buckets []bucket) bool {
+	return p.s.refusesInProcess(now, buckets)
+}
+
 func (p inProcess) settle(r *request, items []settling) { p.h.settleInProcess(p.s, r.buckets, items) }
 func (p inProcess) keeper(*request) keeper              { return p.s }
 func (p inProcess) peek(_ context.Context, b bucket) (bucketView, error) {

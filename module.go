@@ -64,6 +64,7 @@ func init() {
 // `{http.rate_limit.charged}` | with `charge` or `charge_status`, once the response settles (at the latest when it ends): the tokens it was charged (of the first limit that charges)
 // `{http.rate_limit.charged.<limit>}` | the same, for each named limit that charges
 // `{http.rate_limit.request.<path>}` | with `request_body`, before the keys are resolved: the value at that path of the request's JSON body
+// `{http.rate_limit.request_size}` | with `request_body`, before the keys are resolved: the request body's size in bytes, its `Content-Length` or, without one, what `request_body` read to its end (a JSON body of at most `max_size`); `0` without a body; empty when neither says it
 //
 // It counts its decisions in the `caddy_rate_limit_requests_total`
 // metric (labels `zone`, `result` and `limit`), times Redis in
@@ -278,6 +279,7 @@ type Handler struct {
 	charging      *charging      // when a limit charges by the response (charge.go)
 	request       *requestReader // with request_body (requestbody.go)
 	before        []preStep      // what runs before a request's buckets are resolved (steps.go)
+	beforeBody    *beforeBody    // refusals known before request_body reads a body (beforebody.go)
 	steps         []step         // what an admitted request registers for after its response (steps.go)
 	chargeWeights bool           // some charge json weight has placeholders (weights.go)
 	limiterKey    string
@@ -318,6 +320,7 @@ func (h *Handler) Provision(ctx caddy.Context) (err error) {
 	defer func() {
 		if err == nil {
 			h.buildStore()
+			h.setUpBeforeBody()
 			registerZone(h) // for the admin API
 		}
 	}()

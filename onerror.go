@@ -84,6 +84,10 @@ func (e *onErrorLayer) take(ctx context.Context, r *request) (bool, error) {
 	return e.failOpen, err
 }
 
+// refuserBelow is the refuser of the store below (refuserOf): on_error
+// decides only what that store could not.
+func (e *onErrorLayer) refuserBelow() refuser { return refuserOf(e.store) }
+
 // settle and keeper go where the request's buckets were taken: the
 // local buckets when the layer took them (r.takenBy).
 func (e *onErrorLayer) settle(r *request, items []settling) {

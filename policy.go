@@ -231,10 +231,16 @@ func (h *Handler) resolveBuckets(r *http.Request, repl *caddy.Replacer, buckets 
 // resolveBucketsWith is resolveBuckets remembering the weights it
 // resolves in memo (nil: none), for the rest of the request.
 func (h *Handler) resolveBucketsWith(r *http.Request, repl *caddy.Replacer, buckets []bucket, memo *weightMemo) (_ []bucket, skipped decision, err error) {
+	return h.resolveLimits(h.limits, r, repl, buckets, memo)
+}
+
+// resolveLimits is resolveBucketsWith for some of the handler's limits,
+// in its order.
+func (h *Handler) resolveLimits(limits []*limit, r *http.Request, repl *caddy.Replacer, buckets []bucket, memo *weightMemo) (_ []bucket, skipped decision, err error) {
 	skipped = decisionEmptyKey
 	rv := requestValues{r: r, repl: repl} // one pass over the request's placeholders, for every limit
 	var shared requestShared
-	for _, l := range h.limits {
+	for _, l := range limits {
 		values, args, exempt := l.values, l.args, l.exempt
 		if !l.fixed {
 			if values, exempt, err = l.resolve(repl, memo); err != nil {

@@ -1,7 +1,6 @@
 package ratelimit
 
 import (
-	"bytes"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -37,6 +36,10 @@ import (
 // empty (unset). The body is read to its end, so that a path met twice
 // anywhere has no value: a client that names a cheap model first and a
 // dear one last must not be limited as the first and served the last. A
+// key that is a path's in another case (`MODEL`, or `max_toKens` with
+// the Kelvin sign, as Go's encoding/json folds keys to match a struct's
+// fields) counts as the path met again, even alone: a Go upstream reads
+// it as the path, most others as another key. A
 // body that is not JSON, is encoded (`Content-Encoding`), is cut off by
 // the client, or is larger than `max_size` leaves every placeholder
 // empty; the
@@ -46,6 +49,21 @@ import (
 // decide it, as for a missing header. A debug line and the
 // `caddy_rate_limit_request_body_unread_total` metric (labels `zone` and
 // `reason`) say why.
+//
+// It also sets `{http.rate_limit.request_size}`, the body's size in
+// bytes, for a reservation by the prompt's size that does not depend on
+// a header HTTP does not require: the request's Content-Length when it
+// has one, else the bytes read to the body's end (a JSON body of at most
+// `max_size`), `0` without a body; empty for a body without
+// Content-Length that was not read to its end (larger than `max_size`,
+// not JSON, encoded, or cut off).
+//
+// A request that a limit naming no value of the body refuses, when the
+// handler knows the refusal without asking its store (a hard block, a
+// refusal it remembers from Redis, buckets it keeps in the process), is
+// refused before its body is read: a client that sent `Expect: 100-continue` gets no
+// `100 Continue`. Nothing else bounds how long a body takes but Caddy's
+// server timeouts (`read_body_idle`, by default a minute without a byte).
 type RequestBody struct {
 	// JSON lists the paths to read, as `charge json` writes them: keys
 	// separated by `.`, an array element by its index (`messages.0.role`).
@@ -111,6 +129,9 @@ const defaultRequestMaxSize = 1 << 20
 // requestPlaceholderPrefix starts the placeholders of the request's
 // values.
 const requestPlaceholderPrefix = "http.rate_limit.request."
+
+// requestSizeKey is the placeholder of the request body's size in bytes.
+const requestSizeKey = "http.rate_limit.request_size"
 
 // Why a request body's values could not be read: the metric's `reason`.
 const (
@@ -318,7 +339,11 @@ func (h *Handler) readRequestBody(r *http.Request) *replayBody {
 	repl := r.Context().Value(caddy.ReplacerCtxKey).(*caddy.Replacer)
 	if r.Body == nil || r.Body == http.NoBody {
 		rr.setDefaults(repl, nil) // no body, no values; nothing to say
+		repl.Set(requestSizeKey, "0")
 		return nil
+	}
+	if r.ContentLength >= 0 {
+		repl.Set(requestSizeKey, contentLength(r))
 	}
 	if enc := r.Header.Get("Content-Encoding"); enc != "" && !strings.EqualFold(enc, "identity") {
 		h.requestUnread(unreadEncoded, "the body is encoded (Content-Encoding)")
@@ -330,7 +355,7 @@ func (h *Handler) readRequestBody(r *http.Request) *replayBody {
 	var v scan.Values
 	v.Reset(&rr.paths)
 	var why string
-	grown := false
+	grown, ended := false, false
 	most := rr.maxSize + 1 // a byte past max_size tells a larger body from one of max_size
 	for over := false; !over; {
 		if len(buf) == cap(buf) {
@@ -350,7 +375,7 @@ func (h *Handler) readRequestBody(r *http.Request) *replayBody {
 		case over:
 		case err == io.EOF:
 			v.End()
-			over = true
+			over, ended = true, true
 		case err != nil:
 			why = unreadCutOff
 			over = true
@@ -382,9 +407,15 @@ func (h *Handler) readRequestBody(r *http.Request) *replayBody {
 	}
 	if len(buf) == 0 {
 		requestBuffers.Put(bufp) // the body was empty: nothing to replay
+		if ended {
+			repl.Set(requestSizeKey, "0")
+		}
 		return nil
 	}
-	body := &replayBody{rest: buf, body: r.Body}
+	body := &replayBody{rest: buf, body: r.Body, size: len(buf)}
+	if ended && r.ContentLength < 0 {
+		repl.Set(requestSizeKey, body) // its size, as text only when asked (String)
+	}
 	if !grown {
 		*bufp = buf[:0]
 		body.pooled = bufp
@@ -407,59 +438,5 @@ func (h *Handler) requestUnread(reason, detail string) {
 			fields = append(fields, zap.String("detail", detail))
 		}
 		ce.Write(fields...)
-	}
-}
-
-// replayBody is a request body whose first bytes were read: it gives
-// those, then the rest. Its buffer goes back to the pool once given out,
-// or at Close.
-type replayBody struct {
-	mu     sync.Mutex // a Close from another goroutine than Read's (the proxy's transport)
-	rest   []byte     // of the bytes read, those not given out yet
-	pooled *[]byte    // rest's buffer, when it came from the pool
-	body   io.ReadCloser
-}
-
-func (b *replayBody) Read(p []byte) (int, error) {
-	b.mu.Lock()
-	if len(b.rest) > 0 {
-		n := copy(p, b.rest)
-		b.rest = b.rest[n:]
-		if len(b.rest) == 0 {
-			b.release()
-		}
-		b.mu.Unlock()
-		return n, nil
-	}
-	b.mu.Unlock()
-	return b.body.Read(p)
-}
-
-func (b *replayBody) Close() error {
-	b.mu.Lock()
-	b.rest = nil
-	b.release()
-	b.mu.Unlock()
-	return b.body.Close()
-}
-
-// done is called once the handlers returned: the buffer goes back to the
-// pool, and what was not given out yet (a handler that did not read the
-// body, or a proxy's transport still sending it) is kept in a copy of its
-// own.
-func (b *replayBody) done() {
-	b.mu.Lock()
-	if b.pooled != nil && len(b.rest) > 0 {
-		b.rest = bytes.Clone(b.rest)
-	}
-	b.release()
-	b.mu.Unlock()
-}
-
-// release gives the buffer back to the pool, once; b.mu is held.
-func (b *replayBody) release() {
-	if b.pooled != nil {
-		requestBuffers.Put(b.pooled)
-		b.pooled = nil
 	}
 }

@@ -5,8 +5,10 @@ import (
 	"io"
 	"net/http"
 	"net/http/httptest"
+	"strconv"
 	"strings"
 	"testing"
+	"testing/iotest"
 
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
@@ -205,5 +207,86 @@ func TestWeightedSumOfNumbersIsItsSumAtLoad(t *testing.T) {
 	}
 	if got := h.limits[1].values.requested; got != 4 {
 		t.Errorf("quota b: requested %d, want 4 (3.75 + 0.1, rounded up)", got)
+	}
+}
+
+// TestRequestBodySizeIsContentLengthOrTheBytesReadToTheEnd:
+// {http.rate_limit.request_size} is a body's Content-Length when the
+// request has one, else the bytes request_body read to the body's end;
+// 0 without a body; unset (empty) for a body sent without
+// Content-Length that it did not read to its end: larger than max_size,
+// not JSON, encoded or cut off.
+func TestRequestBodySizeIsContentLengthOrTheBytesReadToTheEnd(t *testing.T) {
+	h := bodyMemoryHandler(t, `	replenish_rate 1000
+	deny_empty_key false
+	request_body {
+		json model
+		max_size 1KiB
+	}`)
+	small := `{"model":"gpt-4o","messages":[{"role":"user","content":"` + strings.Repeat("x", 500) + `"}]}`
+	large := `{"model":"gpt-4o","messages":[{"role":"user","content":"` + strings.Repeat("x", 2000) + `"}]}`
+	for _, tc := range []struct {
+		name, body string
+		length     int64 // -1: sent without Content-Length (chunked)
+		encoding   string
+		cut        bool
+		want       string
+	}{
+		{"JSON with Content-Length", small, int64(len(small)), "", false, strconv.Itoa(len(small))},
+		{"JSON chunked", small, -1, "", false, strconv.Itoa(len(small))},
+		{"empty, chunked", "", -1, "", false, "0"},
+		{"no body", "", 0, "", false, "0"},
+		{"larger than max_size with Content-Length", large, int64(len(large)), "", false, strconv.Itoa(len(large))},
+		{"larger than max_size chunked", large, -1, "", false, ""},
+		{"not JSON with Content-Length", "model=gpt-4o", 12, "", false, "12"},
+		{"not JSON chunked", "model=gpt-4o", -1, "", false, ""},
+		{"encoded with Content-Length", small, int64(len(small)), "gzip", false, strconv.Itoa(len(small))},
+		{"encoded chunked", small, -1, "gzip", false, ""},
+		{"cut off, chunked", small, -1, "", true, ""},
+	} {
+		var body io.Reader = strings.NewReader(tc.body)
+		if tc.cut {
+			body = io.MultiReader(strings.NewReader(tc.body[:100]), iotest.ErrReader(io.ErrUnexpectedEOF))
+		}
+		r, _ := http.NewRequest(http.MethodPost, "http://example.com/", body)
+		if tc.body == "" && tc.length == 0 {
+			r.Body = http.NoBody
+		}
+		r.ContentLength = tc.length
+		if tc.length >= 0 && r.Body != http.NoBody {
+			r.Header.Set("Content-Length", strconv.FormatInt(tc.length, 10))
+		}
+		if tc.encoding != "" {
+			r.Header.Set("Content-Encoding", tc.encoding)
+		}
+		r.RemoteAddr = "192.0.2.1:1"
+		w := httptest.NewRecorder()
+		repl := caddy.NewReplacer()
+		r = caddyhttp.PrepareRequest(r, repl, w, &caddyhttp.Server{})
+		var received []byte
+		err := h.ServeHTTP(w, r, caddyhttp.HandlerFunc(func(w http.ResponseWriter, r *http.Request) error {
+			received, _ = io.ReadAll(r.Body)
+			return nil
+		}))
+		if err != nil {
+			t.Fatalf("%s: %v", tc.name, err)
+		}
+		if got := repl.ReplaceAll("{http.rate_limit.request_size}", ""); got != tc.want {
+			t.Errorf("%s: {http.rate_limit.request_size} is %q, want %q", tc.name, got, tc.want)
+		}
+		if !tc.cut && string(received) != tc.body {
+			t.Errorf("%s: the next handler received %d bytes, not the %d sent", tc.name, len(received), len(tc.body))
+		}
+	}
+	// A Content-Length header written otherwise than as the number is
+	// (leading zeros) gives the number.
+	r, _ := http.NewRequest(http.MethodPost, "http://example.com/", strings.NewReader(small))
+	r.Header.Set("Content-Length", "000"+strconv.Itoa(len(small)))
+	r.RemoteAddr = "192.0.2.1:1"
+	repl := caddy.NewReplacer()
+	r = caddyhttp.PrepareRequest(r, repl, httptest.NewRecorder(), &caddyhttp.Server{})
+	_ = h.ServeHTTP(httptest.NewRecorder(), r, okHandler)
+	if got := repl.ReplaceAll("{http.rate_limit.request_size}", ""); got != strconv.Itoa(len(small)) {
+		t.Errorf("Content-Length 000%d: {http.rate_limit.request_size} is %q", len(small), got)
 	}
 }

@@ -23,6 +23,13 @@ import (
 // decision registered something for after its response.
 func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyhttp.Handler) error {
 	if len(h.before) > 0 {
+		// A refusal known before the values are read needs none of them
+		// (a request body's is not read then: beforebody.go).
+		if h.beforeBody != nil {
+			if refused, err := h.refuseBeforeBody(w, r); refused {
+				return err
+			}
+		}
 		// Values first, placeholders that keys and values may name (a
 		// request body's, requestbody.go).
 		var ends [maxPreSteps]ender
@@ -179,12 +186,18 @@ func (h *Handler) resolve(w http.ResponseWriter, r *http.Request, repl *caddy.Re
 		}
 	}
 	if blocked := blockedBucket(buckets); blocked >= 0 {
-		buckets[blocked].remaining, buckets[blocked].retryAfter = 0, -1
-		h.headers.set(w.Header(), buckets, blocked, false)
-		h.record(repl, decisionDenied, buckets, blocked)
-		return nil, false, reject(w, r, h.errBlocked)
+		return nil, false, h.refuseBlocked(w, r, repl, buckets, blocked)
 	}
 	return buckets, true, nil
+}
+
+// refuseBlocked refuses a request one of whose buckets holds nothing
+// (burst 0), without asking a store.
+func (h *Handler) refuseBlocked(w http.ResponseWriter, r *http.Request, repl *caddy.Replacer, buckets []bucket, blocked int) error {
+	buckets[blocked].remaining, buckets[blocked].retryAfter = 0, -1
+	h.headers.set(w.Header(), buckets, blocked, false)
+	h.record(repl, decisionDenied, buckets, blocked)
+	return reject(w, r, h.errBlocked)
 }
 
 // answerFailed ends the decision on a request that a layer decided

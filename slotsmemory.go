@@ -31,9 +31,25 @@ type slotEntry struct {
 // it was taken from (slotGen), for its release: read later, it could be
 // a count that an admin reset and another take made meanwhile.
 func (s *memoryStore) takeInProcess(now time.Time, buckets []bucket) (bool, error) {
+	return s.decideInProcess(now, buckets, true)
+}
+
+// refusesInProcess says whether takeInProcess would refuse the request
+// now, and refuses it as that does (each bucket with its answer), without
+// taking anything when it would not: for a request of which these are
+// only some buckets, whose others are not known yet (refuseBeforeBody).
+// A refusal of some of a request's buckets is the whole request's.
+func (s *memoryStore) refusesInProcess(now time.Time, buckets []bucket) bool {
+	allowed, err := s.decideInProcess(now, buckets, false)
+	return err == nil && !allowed
+}
+
+// decideInProcess is takeInProcess, which takes nothing when take is
+// false and the request would be admitted (decideTokens).
+func (s *memoryStore) decideInProcess(now time.Time, buckets []bucket, take bool) (bool, error) {
 	k := firstHeld(buckets)
 	if k == len(buckets) {
-		return s.takeTokens(now, buckets)
+		return s.decideTokens(now, buckets, take)
 	}
 	sc := &s.inUse
 	sc.mu.Lock()
@@ -61,9 +77,12 @@ func (s *memoryStore) takeInProcess(now time.Time, buckets []bucket) (bool, erro
 	allowed := true
 	if k > 0 {
 		var err error
-		if allowed, err = s.takeTokens(now, buckets[:k]); err != nil || !allowed {
+		if allowed, err = s.decideTokens(now, buckets[:k], take); err != nil || !allowed {
 			return allowed, err
 		}
+	}
+	if !take {
+		return true, nil
 	}
 	for i := k; i < len(buckets); i++ {
 		b := &buckets[i]

@@ -120,6 +120,31 @@ type refusals interface {
 	keepAtMost(d time.Duration)
 }
 
+// refuser is a store or layer that knows, without a call, that it
+// refuses a request's buckets now, which may be only some of them (those
+// known before the request's body is read: beforebody.go), and then
+// answers them as its take would. mayRefuse says, at little cost, whether
+// it may know a refusal now at all: when not, a request's buckets need
+// not be resolved to ask it.
+type refuser interface {
+	mayRefuse() bool
+	refuses(now time.Time, buckets []bucket) bool
+}
+
+// refuserOf is the refuser of a stack whose top is s: what decides a
+// request first, when it is one; a layer that decides only what the
+// store below it could not passes that store's on (refuserBelow). nil
+// when what decides first does not know refusals without a call.
+func refuserOf(s store) refuser {
+	switch s := s.(type) {
+	case refuser:
+		return s
+	case interface{ refuserBelow() refuser }:
+		return s.refuserBelow()
+	}
+	return nil
+}
+
 // refusalKeeper is a layer that keeps refusals: under is the store it
 // wraps.
 type refusalKeeper interface {

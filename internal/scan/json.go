@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"math/bits"
 	"strconv"
+	"unicode/utf16"
 	"unicode/utf8"
 )
 
@@ -41,6 +42,18 @@ type jsonScanner struct {
 	spans    [MaxPaths][2]int // each path's value: [start, end)
 	repeated uint16           // paths met twice
 	nested   uint16           // paths whose value is an object or an array
+
+	// Capture also reads each key as Go's encoding/json does (escapes,
+	// surrogate pairs, an invalid byte as U+FFFD) and matches it folded
+	// as well (foldKey): a key that is a path's only folded is that path
+	// given again for a Go upstream, which reads it so.
+	folded  uint16              // the paths whose key the key read so far matches folded
+	fkey    int                 // bytes of the folded key read so far
+	variant uint16              // of value: the paths it is on through a key that matched only folded
+	varies  [MaxKeys + 1]uint16 // per depth: of ahead, those so
+	utf     [utf8.UTFMax]byte   // a key's raw bytes of a character not complete yet
+	utfLen  int                 // how many
+	surr    rune                // a high surrogate (\uD800 to \uDBFF) waiting for its low one; 0: none
 }
 
 type jsonState uint8
@@ -66,6 +79,7 @@ const maxDepth = 64
 func (d *jsonScanner) reset() {
 	d.state, d.depth, d.arrays, d.found, d.negative, d.seq = jValue, 0, 0, 0, 0, 0
 	d.at, d.repeated, d.nested, d.off = 0, 0, 0, 0
+	d.variant = 0
 	d.value = 1<<d.paths.n - 1
 }
 
@@ -109,12 +123,26 @@ func (d *jsonScanner) feed(p []byte) {
 				if d.depth <= MaxKeys {
 					d.value = d.ahead[d.depth]
 				}
+				if d.capture {
+					d.folded, d.fkey, d.utfLen, d.surr = d.value, 0, 0, 0
+				}
 			case c == '}' && d.state == jObjectFirst:
 				d.close(c)
 			default:
 				d.state = jStop
 			}
 		case jKeyString:
+			if d.value|d.folded == 0 && d.esc == 0 {
+				// No path's key can be this one: on to its end, or to an
+				// escape, which may hide a quote.
+				for i < len(p) && p[i] != '"' && p[i] != '\\' {
+					i++
+				}
+				if i == len(p) {
+					break
+				}
+				c = p[i]
+			}
 			d.keyByte(c)
 		case jColon:
 			switch {
@@ -224,6 +252,7 @@ func (d *jsonScanner) beginValue(c byte) {
 		d.depth++
 		if d.depth <= MaxKeys {
 			d.ahead[d.depth] = d.value & d.paths.longer[k]
+			d.varies[d.depth] = d.variant & d.ahead[d.depth]
 			d.index[d.depth] = 0
 		}
 		if c == '[' {
@@ -253,6 +282,7 @@ func (d *jsonScanner) beginValue(c byte) {
 func (d *jsonScanner) element() uint16 {
 	k := d.depth
 	if k > MaxKeys {
+		d.variant = 0
 		return 0
 	}
 	var on uint16
@@ -262,32 +292,35 @@ func (d *jsonScanner) element() uint16 {
 			on |= 1 << p
 		}
 	}
+	d.variant = d.varies[k] & on
 	return on
 }
 
 // keyByte reads a byte of a key: the paths whose key at this depth it
-// still matches stay in d.value. Escapes are decoded, so that a key
-// matches however it is written.
+// still matches stay in d.value (and, capturing, those it matches folded
+// in d.folded). Escapes are decoded, so that a key matches however it is
+// written.
 func (d *jsonScanner) keyByte(c byte) {
 	switch {
 	case d.esc == 1:
 		d.esc = 0
-		switch c {
-		case 'u':
+		if c == 'u' {
 			d.esc, d.hex = 2, 0
-		case 'b':
-			d.match('\b')
-		case 'f':
-			d.match('\f')
-		case 'n':
-			d.match('\n')
-		case 'r':
-			d.match('\r')
-		case 't':
-			d.match('\t')
-		default: // '"', '\\', '/'
-			d.match(c)
+			return
 		}
+		switch c {
+		case 'b':
+			c = '\b'
+		case 'f':
+			c = '\f'
+		case 'n':
+			c = '\n'
+		case 'r':
+			c = '\r'
+		case 't':
+			c = '\t'
+		} // else '"', '\\', '/': itself
+		d.keyRune(rune(c))
 	case d.esc >= 2:
 		v := rune(-1)
 		switch {
@@ -305,26 +338,145 @@ func (d *jsonScanner) keyByte(c byte) {
 		d.hex = d.hex<<4 | v
 		if d.esc++; d.esc == 6 {
 			d.esc = 0
-			var buf [utf8.UTFMax]byte
-			for _, b := range buf[:utf8.EncodeRune(buf[:], d.hex)] {
-				d.match(b)
-			}
+			d.keyEscaped(d.hex)
 		}
 	case c == '\\':
 		d.esc = 1
+		d.flushRaw()
 	case c == '"':
-		// The key is complete: the paths whose key is exactly it.
-		var on uint16
-		for m := d.value; m != 0; m &= m - 1 {
+		d.flushRaw()
+		d.flushSurrogate()
+		d.endKey()
+	case !d.capture:
+		d.match(c)
+	default:
+		d.keyRaw(c)
+	}
+}
+
+// endKey ends a key: the paths whose key is exactly it (and, capturing,
+// those whose key it is folded, which are variants from now on).
+func (d *jsonScanner) endKey() {
+	var on uint16
+	for m := d.value; m != 0; m &= m - 1 {
+		p := bits.TrailingZeros16(m)
+		if len(d.paths.keys[p][d.depth-1]) == d.key {
+			on |= 1 << p
+		}
+	}
+	if d.capture && d.depth <= MaxKeys {
+		var folded uint16
+		for m := d.folded; m != 0; m &= m - 1 {
 			p := bits.TrailingZeros16(m)
-			if len(d.paths.keys[p][d.depth-1]) == d.key {
-				on |= 1 << p
+			if len(d.paths.folded[p][d.depth-1]) == d.fkey {
+				folded |= 1 << p
 			}
 		}
-		d.value, d.state = on, jColon
-	default:
-		d.match(c)
+		d.variant = (folded&^on | d.varies[d.depth]) & (folded | on)
+		on |= folded
 	}
+	d.value, d.state = on, jColon
+}
+
+// keyRune reads a character of a key that an escape wrote: capturing,
+// as Go reads it, else as its UTF-8.
+func (d *jsonScanner) keyRune(r rune) {
+	if d.capture {
+		d.flushSurrogate()
+		d.keyChar(r)
+		return
+	}
+	var buf [utf8.UTFMax]byte
+	for _, b := range buf[:utf8.EncodeRune(buf[:], r)] {
+		d.match(b)
+	}
+}
+
+// keyEscaped reads a \uXXXX of a key. Capturing, a surrogate pair is one
+// character, and a surrogate outside a pair U+FFFD, as Go reads them.
+func (d *jsonScanner) keyEscaped(r rune) {
+	switch {
+	case !d.capture:
+		d.keyRune(r)
+	case d.surr != 0 && r >= 0xdc00 && r < 0xe000:
+		r, d.surr = utf16.DecodeRune(d.surr, r), 0
+		d.keyChar(r)
+	case r >= 0xd800 && r < 0xdc00:
+		d.flushSurrogate()
+		d.surr = r
+	case r >= 0xdc00 && r < 0xe000:
+		d.keyRune(utf8.RuneError) // a low surrogate alone
+	default:
+		d.keyRune(r)
+	}
+}
+
+// flushSurrogate reads a high surrogate that no low one followed: U+FFFD.
+func (d *jsonScanner) flushSurrogate() {
+	if d.surr != 0 {
+		d.surr = 0
+		d.keyChar(utf8.RuneError)
+	}
+}
+
+// keyRaw reads a raw byte of a key while capturing: the characters it
+// completes, as utf8.DecodeRune reads them (an invalid byte is U+FFFD).
+func (d *jsonScanner) keyRaw(c byte) {
+	if d.folded == 0 {
+		return // no path's key can match any more
+	}
+	d.flushSurrogate()
+	if c < utf8.RuneSelf && d.utfLen == 0 {
+		d.keyChar(rune(c))
+		return
+	}
+	d.utf[d.utfLen] = c
+	d.utfLen++
+	for d.utfLen > 0 && utf8.FullRune(d.utf[:d.utfLen]) {
+		r, size := utf8.DecodeRune(d.utf[:d.utfLen])
+		d.keyChar(r)
+		d.utfLen = copy(d.utf[:], d.utf[size:d.utfLen])
+	}
+}
+
+// flushRaw reads the raw bytes of a character that the key did not
+// complete: each U+FFFD.
+func (d *jsonScanner) flushRaw() {
+	for ; d.utfLen > 0; d.utfLen-- {
+		d.keyChar(utf8.RuneError)
+	}
+}
+
+// keyChar matches the next character of a key, as Go reads it, with each
+// path's key, as it is and folded.
+func (d *jsonScanner) keyChar(r rune) {
+	if d.folded == 0 {
+		return
+	}
+	if r < utf8.RuneSelf {
+		d.match(byte(r))
+		d.matchFolded(byte(foldRune(r)))
+		return
+	}
+	var buf [utf8.UTFMax]byte
+	for _, b := range buf[:utf8.EncodeRune(buf[:], r)] {
+		d.match(b)
+	}
+	for _, b := range buf[:utf8.EncodeRune(buf[:], foldRune(r))] {
+		d.matchFolded(b)
+	}
+}
+
+// matchFolded compares the next byte of the folded key with each path's
+// folded key.
+func (d *jsonScanner) matchFolded(b byte) {
+	for m := d.folded; m != 0; m &= m - 1 {
+		p := bits.TrailingZeros16(m)
+		if key := d.paths.folded[p][d.depth-1]; d.fkey >= len(key) || key[d.fkey] != b {
+			d.folded &^= 1 << p
+		}
+	}
+	d.fkey++
 }
 
 // match compares the next byte of the key with each path's key.
@@ -389,6 +541,15 @@ func (d *jsonScanner) mark(c byte, i int) {
 	on := d.value & d.paths.exact[d.depth]
 	if on == 0 {
 		return
+	}
+	// A variant is the path given again (for a Go upstream), met: no
+	// value then, wherever the path is met.
+	if v := on & d.variant; v != 0 {
+		d.repeated |= v
+		d.found |= v
+		if on &^= v; on == 0 {
+			return
+		}
 	}
 	d.repeated |= on & d.found
 	if c == '{' || c == '[' {

@@ -20,6 +20,8 @@ import (
 	"math/bits"
 	"strconv"
 	"strings"
+	"unicode"
+	"unicode/utf8"
 )
 
 // Bounds of what a scan holds: the paths of one Paths (a bit each of a
@@ -41,6 +43,7 @@ type Paths struct {
 	n      int
 	text   [MaxPaths]string
 	keys   [MaxPaths][]string
+	folded [MaxPaths][]string     // each key as Go's encoding/json folds it (foldKey)
 	index  [MaxPaths][MaxKeys]int // each key as an array index, or -1
 	exact  [MaxKeys + 1]uint16    // paths of exactly k keys
 	longer [MaxKeys + 1]uint16    // paths of more than k keys
@@ -78,7 +81,9 @@ func (ps *Paths) Add(path string) (uint16, error) {
 	i := ps.n
 	ps.n++
 	ps.text[i], ps.keys[i] = path, strings.Split(path, ".")
+	ps.folded[i] = make([]string, len(ps.keys[i]))
 	for k, key := range ps.keys[i] {
+		ps.folded[i][k] = foldKey(key)
 		ps.index[i][k] = -1
 		if n, err := strconv.Atoi(key); err == nil && n >= 0 && strconv.Itoa(n) == key {
 			ps.index[i][k] = n
@@ -90,6 +95,37 @@ func (ps *Paths) Add(path string) (uint16, error) {
 		ps.longer[k] |= bit
 	}
 	return bit, nil
+}
+
+// foldKey is key as Go's encoding/json folds an object's keys to match
+// them with a struct's fields, which it does when no field's name is the
+// key exactly (encoding/json's foldName): ASCII letters in upper case,
+// any other character the smallest of those Unicode's simple folding
+// makes equal to it (so K, the Kelvin sign, is K, and ſ, the long s, is
+// S), and an invalid byte U+FFFD.
+func foldKey(key string) string {
+	var b []byte
+	for _, r := range key { // an invalid byte is utf8.RuneError, as in foldName
+		b = utf8.AppendRune(b, foldRune(r))
+	}
+	return string(b)
+}
+
+// foldRune is the character that r folds to (foldKey).
+func foldRune(r rune) rune {
+	if r < utf8.RuneSelf {
+		if 'a' <= r && r <= 'z' {
+			r -= 'a' - 'A'
+		}
+		return r
+	}
+	for {
+		next := unicode.SimpleFold(r)
+		if next <= r {
+			return next
+		}
+		r = next
+	}
 }
 
 // Len is the number of paths.

@@ -13,10 +13,16 @@ import (
 // met twice has no value, wherever the second one is (a client that
 // writes a cheap model first and a dear one last must not be limited as
 // the first and served the last, which is what a parser that keeps the
-// last value serves). It holds no copy of the document, only where each
-// value lies in it. A path whose value is an object or an array has no
-// value either; neither has any path of a document it cannot follow (not
-// JSON, nested deeper than it follows).
+// last value serves). A key read as Go's encoding/json reads it (escapes
+// decoded, an invalid byte as U+FFFD) that is a path's key only when
+// both are folded as that package folds them to match a struct's fields
+// (`MODEL` or `Model` for `model`; K, the Kelvin sign, for k; ſ, the
+// long s, for s) is the path met again: a Go upstream reads it as the
+// path, most other parsers as another key, so the path has no value
+// even when that key is its only one. It holds no copy of the document,
+// only where each value lies in it. A path whose value is an object or an
+// array has no value either; neither has any path of a document it cannot
+// follow (not JSON, nested deeper than it follows).
 //
 // A Values is used as Reset, Write (any number of times, each with the
 // document's next bytes), End when the document ended before Write said

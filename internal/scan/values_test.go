@@ -1,9 +1,13 @@
 package scan
 
 import (
+	"encoding/json"
+	"fmt"
+	"math/rand/v2"
 	"os"
 	"strings"
 	"testing"
+	"unicode"
 )
 
 // readValues reads doc in pieces of size n (the body as a client sends
@@ -136,5 +140,114 @@ func BenchmarkValuesLLMBody(b *testing.B) {
 		if m, _ := v.Value(tokens, doc); len(m) == 0 {
 			b.Fatal("no max_tokens")
 		}
+	}
+}
+
+// TestValuesKeyInAnotherCaseCountsAsThePathGivenAgain: Go's
+// encoding/json reads a key that differs from a struct field's only in
+// case (Unicode simple folding: K, the Kelvin sign, is k; ſ, the long s,
+// is s) as that field, and keeps the last; most other parsers read it as
+// another key. So a key that matches a path's only folded is the path
+// given again, at any depth, written raw or escaped: the path has no
+// value, whoever reads the body.
+func TestValuesKeyInAnotherCaseCountsAsThePathGivenAgain(t *testing.T) {
+	for _, tc := range []struct {
+		name, doc, path, want string
+	}{
+		{"a dear model in capitals after a cheap one", `{"model":"gpt-cheap","MODEL":"gpt-dear","max_tokens":600}`, "model", "!repeated"},
+		{"max_tokens in capitals after", `{"max_tokens":1,"MAX_TOKENS":900}`, "max_tokens", "!repeated"},
+		{"max_tokens in capitals before", `{"MAX_TOKENS":900,"max_tokens":1}`, "max_tokens", "!repeated"},
+		{"a key in another case alone", `{"Model":"gpt-dear"}`, "model", "!repeated"},
+		{"the Kelvin sign for k", `{"max_tokens":1,"max_to` + "\u212a" + `ens":900}`, "max_tokens", "!repeated"},
+		{"the Kelvin sign escaped", `{"max_tokens":1,"max_to\u212Aens":900}`, "max_tokens", "!repeated"},
+		{"the long s for s", `{"max_tokens":1,"max_token` + "\u017f" + `":900}`, "max_tokens", "!repeated"},
+		{"capitals escaped", `{"model":"a","\u004dODEL":"b"}`, "model", "!repeated"},
+		{"capitals escaped in pieces", `{"model":"a","\u004D\u004f\u0044EL":"b"}`, "model", "!repeated"},
+		{"a container in another case", `{"stream_options":{"include_usage":false},"Stream_Options":{"include_usage":true}}`, "stream_options.include_usage", "!repeated"},
+		{"a container in another case alone", `{"STREAM_OPTIONS":{"include_usage":true}}`, "stream_options.include_usage", "!repeated"},
+		{"an inner key in another case", `{"stream_options":{"include_usage":false,"Include_Usage":true}}`, "stream_options.include_usage", "!repeated"},
+		{"an array in another case", `{"messages":[{"role":"user"}],"Messages":[{"role":"system"}]}`, "messages.0.role", "!repeated"},
+		{"a non-ASCII path in capitals", `{"café":1,"CAF\u00c9":2}`, "café", "!repeated"},
+		{"a non-ASCII path, its capital raw", `{"café":1,"cafÉ":2}`, "café", "!repeated"},
+		{"an escaped surrogate pair is the path itself", `{"🙂":1,"\ud83d\ude42":2}`, "🙂", "!repeated"},
+		{"keys that are not the path in any case", `{"model":"a","models":"b","mode":"c","modèl":"d","ｍodel":"e","MODE":"f","model2":"g"}`, "model", "a"},
+		{"a high surrogate alone is not a letter", `{"model":"a","mo\ud83ddel":"b"}`, "model", "a"},
+		{"the path in another case inside another path's value", `{"model":"a","metadata":{"MODEL":"b"}}`, "model", "a"},
+		{"keys deeper than any path", `{"model":"a","x":` + strings.Repeat(`{"Model":`, 20) + `1` + strings.Repeat(`}`, 20) + `}`, "model", "a"},
+	} {
+		for _, n := range []int{1, 2, 3, 5, len(tc.doc)} {
+			got, _ := readValues(t, tc.doc, n, tc.path, "never")
+			if got[tc.path] != tc.want {
+				t.Errorf("%s, in pieces of %d: %s = %q, want %q", tc.name, n, tc.path, got[tc.path], tc.want)
+			}
+		}
+	}
+}
+
+// TestValuesAgreeWithGoAndExactParsersOnEveryKeyVariant: over bodies
+// whose keys are the paths' written in random case, with K and ſ, raw
+// and escaped, once or twice, a value Values gives is the one that Go's
+// encoding/json gives a struct (case-insensitive, the last kept) and the
+// one that an exact parser keeping the last gives (a map): no variant
+// gets past it.
+func TestValuesAgreeWithGoAndExactParsersOnEveryKeyVariant(t *testing.T) {
+	rng := rand.New(rand.NewPCG(38, 1))
+	variant := func(key string) string {
+		var b strings.Builder
+		for _, c := range key {
+			switch r := rng.IntN(8); {
+			case c == 'k' && r == 0:
+				b.WriteString("\u212a")
+			case c == 's' && r == 0:
+				b.WriteString("\u017f")
+			case r == 1:
+				fmt.Fprintf(&b, `\u%04x`, unicode.ToUpper(c))
+			case r == 2:
+				fmt.Fprintf(&b, `\u%04X`, c)
+			case r < 5:
+				b.WriteRune(unicode.ToUpper(c))
+			default:
+				b.WriteRune(c)
+			}
+		}
+		return b.String()
+	}
+	agreed := 0
+	for i := range 20000 {
+		var members []string
+		for range 1 + rng.IntN(3) {
+			key := []string{"model", "max_tokens", "mask", "stream"}[rng.IntN(4)]
+			if rng.IntN(2) == 0 {
+				key = variant(key)
+			}
+			members = append(members, fmt.Sprintf(`%q:%d`, "KEY", rng.IntN(1000)))
+			members[len(members)-1] = strings.Replace(members[len(members)-1], "KEY", key, 1)
+		}
+		doc := "{" + strings.Join(members, ",") + "}"
+		var asGo struct {
+			Model     json.RawMessage `json:"model"`
+			MaxTokens json.RawMessage `json:"max_tokens"`
+		}
+		var exact map[string]json.RawMessage
+		if err := json.Unmarshal([]byte(doc), &asGo); err != nil {
+			t.Fatalf("%s: %v", doc, err)
+		}
+		if err := json.Unmarshal([]byte(doc), &exact); err != nil {
+			t.Fatalf("%s: %v", doc, err)
+		}
+		got, _ := readValues(t, doc, 1+i%7, "model", "max_tokens")
+		for path, goValue := range map[string]json.RawMessage{"model": asGo.Model, "max_tokens": asGo.MaxTokens} {
+			value := got[path]
+			if value == "" || value[0] == '!' {
+				continue // no value: nothing to disagree with
+			}
+			agreed++
+			if value != string(goValue) || value != string(exact[path]) {
+				t.Fatalf("%s: %s = %s, but Go's struct reads %s and an exact parser %s", doc, path, value, goValue, exact[path])
+			}
+		}
+	}
+	if agreed < 1000 {
+		t.Fatalf("only %d values found: the bodies hardly test anything", agreed)
 	}
 }

@@ -157,7 +157,7 @@ func closeUnread(w http.ResponseWriter, r *http.Request) {
 // from them.
 func (h *Handler) resolveWatched(limits []*limit, r *http.Request, repl *caddy.Replacer, buckets []bucket) ([]bucket, error) {
 	watch := new(bodyWatch) // a replacer's value: on the heap whatever it is
-	watch.start(h.request, repl)
+	watch.start(h.request.reader.Placeholders(), repl)
 	defer watch.stop(repl)
 	for i := range limits {
 		watch.read = false
@@ -193,16 +193,12 @@ type savedPlaceholder struct {
 // paths, defaults and the size.
 const maxWatched = 24
 
-// start watches the placeholders that rr sets.
-func (bw *bodyWatch) start(rr *requestReader, repl *caddy.Replacer) {
+// start watches the placeholders keys: those request_body sets.
+func (bw *bodyWatch) start(keys []string, repl *caddy.Replacer) {
 	bw.saved = bw.keep[:0]
-	for _, key := range rr.keys {
+	for _, key := range keys {
 		bw.watch(key, repl)
 	}
-	for _, d := range rr.defaults {
-		bw.watch(d.key, repl)
-	}
-	bw.watch(requestSizeKey, repl)
 }
 
 // watch puts the watch in the place of the placeholder key.

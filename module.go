@@ -277,7 +277,7 @@ type Handler struct {
 	limiter       *limiter       // nil when no limit ever asks Redis
 	leases        *leases        // with lease
 	charging      *charging      // when a limit charges by the response (charge.go)
-	request       *requestReader // with request_body (requestbody.go)
+	request       *bodyValueStep // with request_body (requestbody.go)
 	before        []preStep      // what runs before a request's buckets are resolved (steps.go)
 	beforeBody    *beforeBody    // refusals known before request_body reads a body (beforebody.go)
 	steps         []step         // what an admitted request registers for after its response (steps.go)

@@ -4,17 +4,10 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
-	"io"
-	"maps"
 	"net/http"
-	"regexp"
-	"slices"
-	"strings"
-	"sync"
-	"sync/atomic"
 
+	"github.com/caddy-redis/ratelimit/internal/requestbody"
 	"github.com/caddy-redis/ratelimit/internal/scan"
-	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
 	"go.uber.org/zap"
 )
@@ -26,6 +19,8 @@ import (
 // only on handlers that name some, and only as far into the body as they
 // need: the part read is kept and replayed ahead of the rest, so the
 // next handler receives the body byte for byte, streamed as before.
+// internal/requestbody reads and replays; here are the config, its
+// parser and checks, and the handler's step with its metric and log.
 
 // RequestBody names values of the request's JSON body that the handler
 // sets as placeholders before it resolves its keys and values: the
@@ -133,19 +128,6 @@ const requestPlaceholderPrefix = "http.rate_limit.request."
 // requestSizeKey is the placeholder of the request body's size in bytes.
 const requestSizeKey = "http.rate_limit.request_size"
 
-// Why a request body's values could not be read: the metric's `reason`.
-const (
-	unreadEncoded  = "encoded"      // Content-Encoding
-	unreadNotJSON  = "not_json"     // not JSON, or nested deeper than followed
-	unreadTooLarge = "too_large"    // the body is larger than max_size
-	unreadCutOff   = "cut_off"      // the client's body ended in an error
-	unreadRepeated = "repeated"     // a path met twice
-	unreadNested   = "nested"       // an object or an array at a path
-	unreadUTF8     = "invalid_utf8" // a string that is not valid UTF-8
-)
-
-var unreadReasons = []string{unreadEncoded, unreadNotJSON, unreadTooLarge, unreadCutOff, unreadRepeated, unreadNested, unreadUTF8}
-
 // checkRequestBody judges request_body: paths as `charge json` takes
 // them, and a size.
 func checkRequestBody(rb *RequestBody) error {
@@ -170,104 +152,14 @@ func checkRequestBody(rb *RequestBody) error {
 	return nil
 }
 
-// requestReader reads a handler's request_body paths.
-type requestReader struct {
-	paths    scan.Paths
-	bits     []uint16 // each path's, in paths' order
-	keys     []string // each path's placeholder
-	defaults []placeholderDefault
-	// interned are values met before, boxed once: a model's name, a
-	// usual max_tokens (2 allocs less per value and request:
-	// BenchmarkServeHTTPLLM/llm 32 -> 28). At most maxInterned values of
-	// at most maxInternedLen bytes, whatever clients send; a new map on
-	// each addition, so that requests read it without a lock.
-	interned atomic.Pointer[map[string]any]
-	internMu sync.Mutex
-	maxSize  int
-	unread   map[string]counter // by reason; nil without metrics
-}
-
-// placeholderDefault is a `{http.rate_limit.request.<path>:<default>}`
-// that the handler's config writes: set per request, to the value at
-// path, or else to the default. (Caddy's replacer has no defaults of its
-// own at run time.)
-type placeholderDefault struct {
-	path  int    // in bits and keys
-	key   string // the placeholder, default and all
-	value any    // the default, boxed once
-}
-
-// defaultPattern finds the placeholders with a default of the config.
-var defaultPattern = regexp.MustCompile(`\{http\.rate_limit\.request\.([^{}:]+):([^{}]*)\}`)
-
-// findDefaults notes the request placeholders with defaults that config
-// (the handler's, as JSON) writes.
-func (rr *requestReader) findDefaults(config []byte) {
-	for _, m := range defaultPattern.FindAllSubmatch(config, -1) {
-		key := string(m[0][1 : len(m[0])-1])
-		i := slices.Index(rr.keys, requestPlaceholderPrefix+string(m[1]))
-		if i < 0 || slices.ContainsFunc(rr.defaults, func(d placeholderDefault) bool { return d.key == key }) {
-			continue // not a path it reads: as any unknown placeholder
-		}
-		rr.defaults = append(rr.defaults, placeholderDefault{path: i, key: key, value: string(m[2])})
-	}
-}
-
-// setDefaults sets the placeholders with defaults, from the request's
-// values (nil: none).
-func (rr *requestReader) setDefaults(repl *caddy.Replacer, values []any) {
-	for _, d := range rr.defaults {
-		if values != nil && values[d.path] != nil {
-			repl.Set(d.key, values[d.path])
-		} else {
-			repl.Set(d.key, d.value)
-		}
-	}
-}
-
-// Bounds of the values a handler interns.
-const (
-	maxInterned    = 256
-	maxInternedLen = 64
-)
-
-// box is a value as a placeholder's: interned when met before.
-func (rr *requestReader) box(value []byte) any {
-	if m := rr.interned.Load(); m != nil {
-		if v, ok := (*m)[string(value)]; ok {
-			return v
-		}
-	}
-	v := any(string(value))
-	if len(value) <= maxInternedLen {
-		rr.intern(v)
-	}
-	return v
-}
-
-func (rr *requestReader) intern(v any) {
-	rr.internMu.Lock()
-	defer rr.internMu.Unlock()
-	old := rr.interned.Load()
-	if old != nil && len(*old) >= maxInterned {
-		return
-	}
-	m := make(map[string]any, 1)
-	if old != nil {
-		m = maps.Clone(*old)
-	}
-	m[v.(string)] = v
-	rr.interned.Store(&m)
-}
-
 // counter is the one method of a Prometheus counter used here.
 type counter interface{ Inc() }
 
 // unreadCounters are a zone's caddy_rate_limit_request_body_unread_total
 // series, by reason.
 func unreadCounters(zone string) map[string]counter {
-	m := make(map[string]counter, len(unreadReasons))
-	for _, reason := range unreadReasons {
+	m := make(map[string]counter, len(requestbody.Reasons))
+	for _, reason := range requestbody.Reasons {
 		m[reason] = collectors.requestUnread.WithLabelValues(zone, reason)
 	}
 	return m
@@ -282,158 +174,49 @@ func (h *Handler) setUpRequestBody() error {
 	if err := checkRequestBody(rb); err != nil {
 		return err
 	}
-	rr := &requestReader{maxSize: defaultRequestMaxSize}
+	maxSize := defaultRequestMaxSize
 	if rb.MaxSize > 0 {
-		rr.maxSize = int(min(rb.MaxSize, 1<<40))
-	}
-	for _, p := range rb.JSON {
-		bit, _ := rr.paths.Add(p)
-		if !containsBit(rr.bits, bit) {
-			rr.bits = append(rr.bits, bit)
-			rr.keys = append(rr.keys, requestPlaceholderPrefix+p)
-		}
+		maxSize = int(min(rb.MaxSize, 1<<40))
 	}
 	config, err := json.Marshal(h)
 	if err != nil {
 		return fmt.Errorf("reading the config for request_body's defaults: %w", err)
 	}
-	rr.findDefaults(config)
-	h.request = rr
-	h.before = append(h.before, requestBodyStep{h})
+	step := &bodyValueStep{h: h, reader: requestbody.NewReader(requestbody.Options{
+		Paths:   rb.JSON,
+		MaxSize: maxSize,
+		Prefix:  requestPlaceholderPrefix,
+		SizeKey: requestSizeKey,
+		Config:  config,
+	})}
+	h.request = step
+	h.before = append(h.before, step)
 	return nil
 }
 
-// requestBodyStep is request_body's step (steps.go): the body's values
+// bodyValueStep is request_body's step (steps.go): the body's values
 // are read before the buckets are resolved.
-type requestBodyStep struct{ h *Handler }
+type bodyValueStep struct {
+	h      *Handler
+	reader *requestbody.Reader
+	unread map[string]counter // by reason; nil without metrics
+}
 
-func (s requestBodyStep) before(r *http.Request) ender {
-	if body := s.h.readRequestBody(r); body != nil {
-		return body
+func (s *bodyValueStep) before(r *http.Request) ender {
+	if body := s.reader.Read(r, s); body != nil {
+		return body // left in r.Body, to replay once the handlers have returned
 	}
 	return nil
 }
 
-func containsBit(bits []uint16, bit uint16) bool {
-	for _, b := range bits {
-		if b == bit {
-			return true
-		}
-	}
-	return false
-}
-
-// Request bodies are read into pooled buffers of this size; one that
-// needs more grows (to max_size at most) and is left to the GC.
-const requestBufferSize = 16 << 10
-
-var requestBuffers = sync.Pool{New: func() any { b := make([]byte, 0, requestBufferSize); return &b }}
-
-// readRequestBody reads the request's body as far as its paths need,
-// sets their placeholders, and leaves in r.Body what was read ahead of
-// the rest (also returned; nil when it read nothing). No lock is held:
-// a slow client holds only its own request, within the server's read
-// timeouts.
-func (h *Handler) readRequestBody(r *http.Request) *replayBody {
-	rr := h.request
-	repl := r.Context().Value(caddy.ReplacerCtxKey).(*caddy.Replacer)
-	if r.Body == nil || r.Body == http.NoBody {
-		rr.setDefaults(repl, nil) // no body, no values; nothing to say
-		repl.Set(requestSizeKey, "0")
-		return nil
-	}
-	if r.ContentLength >= 0 {
-		repl.Set(requestSizeKey, contentLength(r))
-	}
-	if enc := r.Header.Get("Content-Encoding"); enc != "" && !strings.EqualFold(enc, "identity") {
-		h.requestUnread(unreadEncoded, "the body is encoded (Content-Encoding)")
-		rr.setDefaults(repl, nil)
-		return nil
-	}
-	bufp := requestBuffers.Get().(*[]byte)
-	buf := (*bufp)[:0]
-	var v scan.Values
-	v.Reset(&rr.paths)
-	var why string
-	grown, ended := false, false
-	most := rr.maxSize + 1 // a byte past max_size tells a larger body from one of max_size
-	for over := false; !over; {
-		if len(buf) == cap(buf) {
-			bigger := make([]byte, len(buf), min(2*cap(buf), most)) // never past it
-			buf, grown = bigger[:copy(bigger, buf)], true
-		}
-		n, err := r.Body.Read(buf[len(buf):min(cap(buf), most)])
-		if n > 0 {
-			if len(buf)+n > rr.maxSize {
-				buf, why = buf[:len(buf)+n], unreadTooLarge
-				break
-			}
-			over = v.Write(buf[len(buf) : len(buf)+n])
-			buf = buf[:len(buf)+n]
-		}
-		switch {
-		case over:
-		case err == io.EOF:
-			v.End()
-			over, ended = true, true
-		case err != nil:
-			why = unreadCutOff
-			over = true
-		}
-	}
-	if why == "" {
-		why = v.Why()
-	}
-	var inline [scan.MaxPaths]any
-	values := inline[:len(rr.bits)]
-	// A body past max_size may hold a second value of a path further on,
-	// which the upstream would serve: no value is known then.
-	if why != unreadCutOff && why != unreadNotJSON && why != unreadTooLarge {
-		for i, bit := range rr.bits {
-			value, bad := v.Value(bit, buf)
-			if bad != "" {
-				h.requestUnread(bad, "the value at "+rr.keys[i][len(requestPlaceholderPrefix):]+" is not a string, number or boolean")
-				continue
-			}
-			if len(value) > 0 {
-				values[i] = rr.box(value)
-				repl.Set(rr.keys[i], values[i])
-			}
-		}
-	}
-	rr.setDefaults(repl, values)
-	if why != "" {
-		h.requestUnread(why, "")
-	}
-	if len(buf) == 0 {
-		requestBuffers.Put(bufp) // the body was empty: nothing to replay
-		if ended {
-			repl.Set(requestSizeKey, "0")
-		}
-		return nil
-	}
-	body := &replayBody{rest: buf, body: r.Body, size: len(buf)}
-	if ended && r.ContentLength < 0 {
-		repl.Set(requestSizeKey, body) // its size, as text only when asked (String)
-	}
-	if !grown {
-		*bufp = buf[:0]
-		body.pooled = bufp
-	} else {
-		requestBuffers.Put(bufp) // grown: the pooled one is free now
-	}
-	r.Body = body
-	return body
-}
-
-// requestUnread counts, and logs at debug level, why a request's values
-// were not read.
-func (h *Handler) requestUnread(reason, detail string) {
-	if c := h.request.unread[reason]; c != nil {
+// Unread counts, and logs at debug level, why a request's values were
+// not read.
+func (s *bodyValueStep) Unread(reason, detail string) {
+	if c := s.unread[reason]; c != nil {
 		c.Inc()
 	}
-	if ce := h.logger.Check(zap.DebugLevel, "values of the request body left empty"); ce != nil {
-		fields := []zap.Field{zap.String("zone", h.Zone), zap.String("reason", reason)}
+	if ce := s.h.logger.Check(zap.DebugLevel, "values of the request body left empty"); ce != nil {
+		fields := []zap.Field{zap.String("zone", s.h.Zone), zap.String("reason", reason)}
 		if detail != "" {
 			fields = append(fields, zap.String("detail", detail))
 		}

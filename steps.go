@@ -21,7 +21,7 @@ type preStep interface {
 }
 
 // ender is what a preStep leaves to end once the handlers have returned.
-type ender interface{ done() }
+type ender interface{ Done() }
 
 // maxPreSteps is how many preSteps a handler may have: their enders are
 // kept in the request's stack frame.
@@ -31,7 +31,7 @@ const maxPreSteps = 2
 func endAll(ends [maxPreSteps]ender) {
 	for _, e := range ends {
 		if e != nil {
-			e.done()
+			e.Done()
 		}
 	}
 }

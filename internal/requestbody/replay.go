@@ -1,4 +1,4 @@
-package ratelimit
+package requestbody
 
 import (
 	"bytes"
@@ -8,14 +8,13 @@ import (
 	"sync"
 )
 
-// What request_body read of a body, given to the next handler ahead of
-// the rest (requestbody.go reads it), and the body's size as
-// {http.rate_limit.request_size} gives it.
+// What a Reader read of a body, given to the next handler ahead of the
+// rest, and the body's size as its size placeholder gives it.
 
-// replayBody is a request body whose first bytes were read: it gives
-// those, then the rest. Its buffer goes back to the pool once given out,
-// or at Close.
-type replayBody struct {
+// Replay is a request body whose first bytes were read: it gives those,
+// then the rest. Its buffer goes back to the pool once given out, at
+// Close, or at Done.
+type Replay struct {
 	mu     sync.Mutex // a Close from another goroutine than Read's (the proxy's transport)
 	rest   []byte     // of the bytes read, those not given out yet
 	pooled *[]byte    // rest's buffer, when it came from the pool
@@ -23,10 +22,10 @@ type replayBody struct {
 	size   int // the bytes read; never changes
 }
 
-// String is the size of the body read, in bytes: the value of
-// {http.rate_limit.request_size} for a body read to its end without
-// Content-Length, formatted only when a placeholder asks.
-func (b *replayBody) String() string { return strconv.Itoa(b.size) }
+// String is the size of the body read, in bytes: the value of the size
+// placeholder for a body read to its end without Content-Length,
+// formatted only when a placeholder asks.
+func (b *Replay) String() string { return strconv.Itoa(b.size) }
 
 // contentLength is the request's Content-Length as text: its header's
 // own when written as the number is, which most are (1 alloc less per
@@ -54,7 +53,8 @@ func isCanonicalCount(s string) bool {
 	return true
 }
 
-func (b *replayBody) Read(p []byte) (int, error) {
+// Read gives the bytes read before, then the rest of the body.
+func (b *Replay) Read(p []byte) (int, error) {
 	b.mu.Lock()
 	if len(b.rest) > 0 {
 		n := copy(p, b.rest)
@@ -69,7 +69,9 @@ func (b *replayBody) Read(p []byte) (int, error) {
 	return b.body.Read(p)
 }
 
-func (b *replayBody) Close() error {
+// Close closes the body; what was read before and not given out is
+// dropped.
+func (b *Replay) Close() error {
 	b.mu.Lock()
 	b.rest = nil
 	b.release()
@@ -77,11 +79,11 @@ func (b *replayBody) Close() error {
 	return b.body.Close()
 }
 
-// done is called once the handlers returned: the buffer goes back to the
-// pool, and what was not given out yet (a handler that did not read the
-// body, or a proxy's transport still sending it) is kept in a copy of its
-// own.
-func (b *replayBody) done() {
+// Done is called once the handlers after the Reader's caller returned:
+// the buffer goes back to the pool, and what was not given out yet (a
+// handler that did not read the body, or a proxy's transport still
+// sending it) is kept in a copy of its own.
+func (b *Replay) Done() {
 	b.mu.Lock()
 	if b.pooled != nil && len(b.rest) > 0 {
 		b.rest = bytes.Clone(b.rest)
@@ -91,7 +93,7 @@ func (b *replayBody) done() {
 }
 
 // release gives the buffer back to the pool, once; b.mu is held.
-func (b *replayBody) release() {
+func (b *Replay) release() {
 	if b.pooled != nil {
 		requestBuffers.Put(b.pooled)
 		b.pooled = nil

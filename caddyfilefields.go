@@ -7,6 +7,7 @@ import (
 	"strconv"
 	"strings"
 
+	"github.com/caddy-redis/ratelimit/internal/cost"
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
 )
@@ -87,7 +88,7 @@ func (f limitFields) set(d *caddyfile.Dispenser, block, sub string) (known bool,
 			*f.maxDebt = &n
 			return inBlock(checkMaxDebt(&n))
 		})
-	case "requested_tokens": // one value, or the terms of a weighted sum (weights.go)
+	case "requested_tokens": // one value, or the terms of a weighted sum (internal/cost)
 		args := d.RemainingArgs()
 		if len(args) == 0 {
 			return true, argErr(d, strings.TrimSpace(block+" "+sub))
@@ -207,8 +208,8 @@ func (f limitFields) setValue(sub, v string) error {
 		}
 		*f.burst = p
 	case "requested_tokens":
-		if isWeighted(v) { // weights.go
-			if _, err := normalizeCost(p); err != nil {
+		if cost.IsWeighted(v) {
+			if _, err := cost.Normalize(v); err != nil {
 				return err
 			}
 		} else if !p.perRequest() {

@@ -12,7 +12,9 @@ import (
 	"strings"
 	"time"
 
+	"github.com/caddy-redis/ratelimit/internal/cost"
 	"github.com/caddy-redis/ratelimit/internal/scan"
+	"github.com/caddyserver/caddy/v2"
 )
 
 // Charging: limits whose real cost only the response knows (tokens an
@@ -24,7 +26,7 @@ import (
 // gives tokens back, a larger one takes the rest, into debt down to
 // -max_debt. The response passes through a writer that reads its status
 // and, for `charge json`, scans its body as it streams by, and settles
-// before the end of the answer passes (chargewriter.go, internal/scan).
+// before the end of the answer passes (internal/cost, internal/scan).
 
 // Charge says where the real cost of a response comes from: exactly one
 // of its fields is set. A cost that cannot be read (a missing header, not
@@ -81,14 +83,6 @@ type Charge struct {
 	Placeholder string `json:"placeholder,omitempty"`
 }
 
-// Bounds of what a response's charge holds: the cost headers of a
-// handler (its JSON paths and their keys are bounded by scan.MaxPaths and
-// scan.MaxKeys).
-const (
-	maxCostHeaders  = 4
-	chargeValueShow = 64 // bytes of a cost value a warning quotes
-)
-
 // checkCharge judges a charge source: exactly one kind, well formed.
 func checkCharge(c *Charge) error {
 	if c == nil {
@@ -109,7 +103,7 @@ func checkCharge(c *Charge) error {
 		return fmt.Errorf("charge placeholder '%s': want a placeholder, such as {http.reverse_proxy.upstream.duration_ms}", c.Placeholder)
 	}
 	for _, term := range c.JSON {
-		p, _, _, err := compileChargeTerm("charge json", term) // weights.go
+		p, _, err := cost.CheckJSONTerm("charge json", term)
 		if err != nil {
 			return err
 		}
@@ -124,14 +118,14 @@ func checkCharge(c *Charge) error {
 			return fmt.Errorf("charge json field '%s': want a name and one or more paths, such as input usage.input_tokens message.usage.input_tokens", name)
 		}
 		for _, term := range paths {
-			p, factors, _, err := compileChargeTerm(fmt.Sprintf("charge json field '%s', path", name), term)
+			p, factors, err := cost.CheckJSONTerm(fmt.Sprintf("charge json field '%s', path", name), term)
 			if err != nil {
 				return err
 			}
 			if err := checkJSONPath(p); err != nil {
 				return err
 			}
-			if _, first := splitChargeTerm(paths[0]); factors != first {
+			if _, first := cost.SplitJSONTerm(paths[0]); factors != first {
 				return fmt.Errorf("charge json field '%s': '%s' and '%s' have different weights ('%s' and '%s'): a field is one count, found at any of its paths, so each path carries the same; write %s",
 					name, paths[0], term, orOne(first), orOne(factors), strings.TrimSuffix(p+"*"+first, "*"))
 			}
@@ -154,14 +148,14 @@ func (c *Charge) jsonFields() [][]string {
 	var fields [][]string
 	for i, term := range c.JSON {
 		if !slices.Contains(c.JSON[:i], term) {
-			p, _ := splitChargeTerm(term)
+			p, _ := cost.SplitJSONTerm(term)
 			fields = append(fields, []string{p})
 		}
 	}
 	for _, name := range slices.Sorted(maps.Keys(c.JSONFields)) {
 		var paths []string
 		for _, term := range c.JSONFields[name] {
-			p, _ := splitChargeTerm(term)
+			p, _ := cost.SplitJSONTerm(term)
 			paths = append(paths, p)
 		}
 		fields = append(fields, paths)
@@ -176,7 +170,7 @@ func (c *Charge) jsonWeights() []string {
 	var terms []string
 	weighted := false
 	add := func(term string) {
-		_, factors := splitChargeTerm(term)
+		_, factors := cost.SplitJSONTerm(term)
 		terms = append(terms, term)
 		weighted = weighted || factors != ""
 	}
@@ -313,8 +307,8 @@ func (h *Handler) checkCharging() error {
 		}
 	}
 	switch {
-	case len(headers) > maxCostHeaders:
-		return fmt.Errorf("charge header: %d headers in one handler, more than %d", len(headers), maxCostHeaders)
+	case len(headers) > cost.MaxHeaders:
+		return fmt.Errorf("charge header: %d headers in one handler, more than %d", len(headers), cost.MaxHeaders)
 	case len(paths) > scan.MaxPaths:
 		return fmt.Errorf("charge json: %d paths in one handler, more than %d; sum fewer", len(paths), scan.MaxPaths)
 	case h.MaxBody != 0 && !readsBody:
@@ -341,85 +335,38 @@ func (h *Handler) chargeOf(c Limit) (*Charge, []int, *int64) {
 	return charge, statuses, maxDebt
 }
 
-// chargeRule is how one limit charges, ready for requests.
-type chargeRule struct {
-	header      string     // canonical, for charge header
-	trailer     string     // http.TrailerPrefix and header: an undeclared trailer's key
-	headerIndex int        // its index in the handler's charging.headers
-	paths       uint16     // for charge json: bits of the handler's scan paths
-	fields      []uint16   // the bits of each field (of each path of JSON)
-	weights     []costTerm // with weights: each field's (weights.go); nil without
-	placeholder string
-	statuses    []int // empty: every status
-	// maxDebt is max_debt; -1 when it is the bucket's burst. maxArg is it
-	// as the script's argument, boxed once (when set).
-	maxDebt int64
-	maxArg  any
-	// chargedKey is the limit's own placeholder,
-	// http.rate_limit.charged.<name>; empty for a handler without limits.
-	chargedKey string
-}
-
 // charging is what a handler needs to charge responses, when some limit
 // charges.
 type charging struct {
-	headers []string     // every cost header its limits read, canonical
-	paths   scan.Paths   // every JSON path its limits read
-	maxBody int64        // the most bytes of a body a scan reads; 0: all
-	first   *limit       // its first charging limit, which {http.rate_limit.charged} shows
-	warns   *logThrottle // costs that could not be read: a line per 10 s
+	cost.Sources              // what its limits read of a response
+	first        *limit       // its first charging limit, which {http.rate_limit.charged} shows
+	warns        *logThrottle // costs that could not be read: a line per 10 s
 }
 
 // setUpCharging makes each limit's charge rule and the handler's
 // charging, when some limit charges (h.charging stays nil otherwise).
 func (h *Handler) setUpCharging() error {
-	c := &charging{maxBody: h.MaxBody, warns: &logThrottle{every: 10 * time.Second}}
+	c := &charging{Sources: cost.Sources{MaxBody: h.MaxBody}, warns: &logThrottle{every: 10 * time.Second}}
 	for i, config := range h.limitConfigs() {
 		charge, statuses, maxDebt := h.chargeOf(config.Limit)
 		if !config.charges || charge == nil && statuses == nil {
 			continue
 		}
 		l := h.limits[i]
-		rule := &chargeRule{statuses: statuses, maxDebt: -1}
-		if maxDebt != nil {
-			rule.maxDebt, rule.maxArg = *maxDebt, strconv.FormatInt(*maxDebt, 10)
-		}
-		if l.name != "" {
-			rule.chargedKey = "http.rate_limit.charged." + l.name
-		}
+		how := cost.Charge{Statuses: statuses, MaxDebt: maxDebt}
 		if charge != nil {
-			if charge.Header != "" {
-				rule.header = http.CanonicalHeaderKey(charge.Header)
-				rule.trailer = http.TrailerPrefix + rule.header
-				rule.headerIndex = slices.Index(c.headers, rule.header)
-				if rule.headerIndex < 0 {
-					rule.headerIndex = len(c.headers)
-					c.headers = append(c.headers, rule.header)
-				}
-			}
-			rule.placeholder = charge.Placeholder
-			for _, field := range charge.jsonFields() {
-				var bits uint16
-				for _, p := range field {
-					bit, err := c.paths.Add(p)
-					switch {
-					case errors.Is(err, scan.ErrTooManyPaths): // checkLimits refused it first
-						return fmt.Errorf("charge json: more than %d paths in one handler; sum fewer", scan.MaxPaths)
-					case err != nil:
-						return fmt.Errorf("charge json '%s': %w", p, err)
-					}
-					bits |= bit
-				}
-				rule.paths |= bits
-				rule.fields = append(rule.fields, bits)
-			}
-			for _, term := range charge.jsonWeights() {
-				_, _, t, _ := compileChargeTerm("charge json", term) // judged by checkCharge
-				rule.weights = append(rule.weights, t)
-				h.chargeWeights = h.chargeWeights || t.factors != nil
-			}
+			how.Header, how.Placeholder = charge.Header, charge.Placeholder
+			how.JSON, how.Weights = charge.jsonFields(), charge.jsonWeights()
 		}
+		rule, err := c.Add(how)
+		if err != nil {
+			return err
+		}
+		h.chargeWeights = h.chargeWeights || rule.WeightsPerRequest()
 		l.charge = rule
+		if l.name != "" {
+			l.chargedKey = "http.rate_limit.charged." + l.name
+		}
 		if c.first == nil {
 			c.first = l
 		}
@@ -437,57 +384,71 @@ func (h *Handler) setUpCharging() error {
 type chargeStep struct{ h *Handler }
 
 func (s chargeStep) register(req *request) bool {
-	req.charge = req.chargeWriter.reset(req.w, s.h.charging, &req.scanBody, s.h, req)
+	req.chargeSettler = chargeSettler{s.h, req}
+	req.charge = req.chargeWriter.Reset(req.w, &s.h.charging.Sources, &req.scanBody, &req.chargeSettler)
 	req.w = req.charge
 	return true
 }
 
-// finish settles a response that the writer did not settle as it passed
-// (chargeWriter.settleIfKnown).
+// finish settles a response that the writer did not settle as it passed.
 func (s chargeStep) finish(r *http.Request, req *request, err error) {
-	if cw := req.charge; cw != nil && !cw.settled {
-		cw.settled = true
-		s.h.settleResponse(cw.end(err, r.Context().Err() != nil), cw, req.repl, req)
+	if cw := req.charge; cw != nil {
+		cw.Finish(err, r.Context().Err() != nil)
 	}
 }
 
-// knownAt says whether the cost is known from a response's status on
-// (answered: and from the end of its answer in the body on).
-func (r *chargeRule) knownAt(status int, answered bool) bool {
-	switch {
-	case !r.charges(status):
-		return true // nothing
-	case r.header != "" || r.placeholder != "":
-		return false // a trailer or the placeholder may come last
-	case r.paths != 0:
-		return answered || status == http.StatusSwitchingProtocols
-	}
-	return true // the reservation
+// chargeSettler settles a request's charges for the writer that watches
+// its response.
+type chargeSettler struct {
+	h   *Handler
+	req *request
 }
 
-// maxDebtFor is how far below zero a bucket with values v may go: its
-// max_debt, or its burst; never more than a year's refill, so a debt is
-// always paid back within what Retry-After can say.
-func (r *chargeRule) maxDebtFor(v limitValues) int64 {
-	debt := r.maxDebt
-	if debt < 0 {
-		debt = v.burst
+// CostKnown is cost.Settler's: whether each charging bucket's cost is
+// known.
+func (s *chargeSettler) CostKnown(status int, answered bool) bool {
+	for i := range s.req.buckets {
+		if rule := s.req.buckets[i].limit.charge; rule != nil && !rule.KnownAt(status, answered) {
+			return false
+		}
 	}
-	if v.rate == 0 { // a limit without a rate: its debt ends with its period
-		return debt
-	}
-	return min(debt, int64(v.rate*maxFillSeconds))
+	return true
 }
 
-// maxDebtArg is maxDebtFor as the settle script's argument: boxed once
-// when it is max_debt or the burst (whose argument the bucket has).
-func (r *chargeRule) maxDebtArg(b *bucket) any {
-	switch debt := r.maxDebtFor(b.values); {
-	case debt == r.maxDebt:
-		return r.maxArg
-	case debt == b.values.burst:
-		return b.args[1]
-	default:
-		return strconv.FormatInt(debt, 10)
+// Settle is cost.Settler's: it settles the request's response.
+func (s *chargeSettler) Settle(end cost.End, cw *cost.Writer) {
+	s.h.settleResponse(end, cw, s.req.repl, s.req)
+}
+
+// assignWeightPlaces gives each distinct factor with placeholders of the
+// handler's requested_tokens and charge json a place in its requests'
+// weight memo (cost.Memo).
+func (h *Handler) assignWeightPlaces() {
+	var places cost.Places
+	for _, l := range h.limits {
+		places.Assign(l.costTerms)
+		if l.charge != nil {
+			places.Assign(l.charge.Weights())
+		}
 	}
+}
+
+// checkChargeWeights resolves, before a request is admitted, the
+// factors with placeholders of the charge json of its limits, so that a
+// weight out of range refuses it (500) rather than costing its response
+// nothing. Settlement reads them from memo, the values judged here.
+func (h *Handler) checkChargeWeights(buckets []bucket, repl *caddy.Replacer, memo *cost.Memo) error {
+	for i := range buckets {
+		rule := buckets[i].limit.charge
+		if rule == nil {
+			continue
+		}
+		if err := rule.CheckWeights(repl, memo); err != nil {
+			if name := buckets[i].limit.name; name != "" {
+				return fmt.Errorf("limit %s: charge json: %w", name, err)
+			}
+			return fmt.Errorf("charge json: %w", err)
+		}
+	}
+	return nil
 }

@@ -27,8 +27,10 @@ import (
 	"time"
 
 	"github.com/caddy-redis/ratelimit/internal/caddyproc"
+	"github.com/caddy-redis/ratelimit/internal/cost"
 	"github.com/caddy-redis/ratelimit/internal/redisbatch"
 	"github.com/caddy-redis/ratelimit/internal/redistest"
+	"github.com/caddy-redis/ratelimit/internal/scan"
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 	"github.com/redis/go-redis/v9"
@@ -1795,23 +1797,33 @@ func TestChargeJSONConfigJudgedByValidate(t *testing.T) {
 	h := offline(&Handler{ReplenishRate: "10", ChargeStatus: []int{401}, Limits: []Limit{
 		{Name: "plain"}, {Name: "tokens", Charge: &Charge{JSON: []string{"usage.total_tokens"}}, MaxDebt: ptr(int64(7))}}})
 	provision(t, h)
-	if r := h.limits[0].charge; r == nil || r.maxDebt != -1 || !slices.Equal(r.statuses, []int{401}) || r.paths != 0 {
+	const burst = 12345 // a bucket's, to tell max_debt from the burst
+	if r := h.limits[0].charge; r == nil || r.MaxDebt(burst, 10) != burst || !r.Charges(401) || r.Charges(403) || r.Charges(200) || r.ReadsJSON() {
 		t.Errorf("limit plain: %+v, want the handler's charge_status 401 and max_debt of its burst", r)
 	}
-	if r := h.limits[1].charge; r == nil || r.maxDebt != 7 || r.paths != 1 || r.chargedKey != "http.rate_limit.charged.tokens" {
+	if r := h.limits[1].charge; r == nil || r.MaxDebt(burst, 10) != 7 || !r.ReadsJSON() || h.limits[1].chargedKey != "http.rate_limit.charged.tokens" {
 		t.Errorf("limit tokens: %+v, want its JSON path and max_debt 7", r)
 	}
 	// A path of JSON given twice counts once; a field sums nothing: its
-	// paths are one number.
+	// paths are one number, the last of them in the body.
 	h = offline(&Handler{ReplenishRate: "10", Limits: []Limit{
 		{Name: "twice", Charge: &Charge{JSON: []string{"n", "m", "n"}}},
 		{Name: "fields", Charge: &Charge{JSONFields: map[string][]string{"b": {"m", "k"}, "a": {"n"}}}}}})
 	provision(t, h)
-	if r := h.limits[0].charge; !slices.Equal(r.fields, []uint16{1, 2}) {
-		t.Errorf("limit twice: fields %v, want [1 2]: n and m once each", r.fields)
+	costOf := func(l int) int64 {
+		rec := httptest.NewRecorder()
+		cw := new(cost.Writer).Reset(rec, &h.charging.Sources, new(scan.Body), nil)
+		cw.Header().Set("Content-Type", "application/json")
+		cw.WriteHeader(http.StatusOK)
+		_, _ = io.WriteString(cw, `{"n":1,"m":10,"k":100}`)
+		charged, _ := h.limits[l].charge.Cost(cost.End{Status: http.StatusOK}, cw, caddy.NewReplacer(), nil, 1)
+		return charged
 	}
-	if r := h.limits[1].charge; !slices.Equal(r.fields, []uint16{1, 2 | 4}) || r.paths != 7 {
-		t.Errorf("limit fields: fields %v, paths %b; want [1 6] (a: n; b: m or k) and 111", r.fields, r.paths)
+	if got := costOf(0); got != 11 {
+		t.Errorf("limit twice: charged %d of n 1 and m 10, want 11: n and m once each", got)
+	}
+	if got := costOf(1); got != 101 {
+		t.Errorf("limit fields: charged %d of n 1, m 10 and k 100, want 101 (a: n; b: m or k, the last in the body)", got)
 	}
 }
 

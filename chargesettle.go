@@ -5,22 +5,21 @@ import (
 	"errors"
 	"fmt"
 	"math"
-	"net/http"
 	"strconv"
-	"strings"
 	"sync"
 	"time"
 
+	"github.com/caddy-redis/ratelimit/internal/cost"
 	"github.com/caddy-redis/ratelimit/internal/redisbatch"
 	"github.com/caddyserver/caddy/v2"
-	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 	"github.com/prometheus/client_golang/prometheus"
 	"go.uber.org/zap"
 )
 
 // What a served response cost each charging limit, and its settlement:
 // in the process, or as a call to settle.lua that the batch worker
-// answers (charge.go has the limits' charge rules).
+// answers (charge.go makes the limits' charge rules, internal/cost reads
+// a response's cost).
 
 // resultChargeMissing is {http.rate_limit.result} once a response's cost
 // could not be read, boxed once.
@@ -39,7 +38,7 @@ type settling struct {
 // its response cost, sets the placeholders, and settles the differences
 // from the reservations: in the process at once, or in Redis after the
 // response (off the request path: nothing waits for it).
-func (h *Handler) settleResponse(end responseEnd, cw *chargeWriter, repl *caddy.Replacer, req *request) {
+func (h *Handler) settleResponse(end cost.End, cw *cost.Writer, repl *caddy.Replacer, req *request) {
 	buckets := req.buckets
 	items := req.settling[:0]
 	for i := range buckets {
@@ -49,21 +48,21 @@ func (h *Handler) settleResponse(end responseEnd, cw *chargeWriter, repl *caddy.
 			continue
 		}
 		reserved := b.values.requested
-		cost, why := rule.costOf(end, cw, repl, &req.weights, reserved)
+		charged, why := rule.Cost(end, cw, repl, &req.weights, reserved)
 		switch {
 		case why != "":
 			h.warnChargeMissing(b.limit, why)
 			repl.Set("http.rate_limit.result", resultChargeMissing)
-		case rule.paths != 0 && cw.body.Stopped():
+		case rule.ReadsJSON() && cw.ScanStopped():
 			h.warnScanStopped(b.limit)
 		}
 		if b.limit == h.charging.first {
-			repl.Set("http.rate_limit.charged", cost)
+			repl.Set("http.rate_limit.charged", charged)
 		}
-		if rule.chargedKey != "" {
-			repl.Set(rule.chargedKey, cost)
+		if b.limit.chargedKey != "" {
+			repl.Set(b.limit.chargedKey, charged)
 		}
-		items = append(items, settling{bucket: i, cost: cost, diff: cost - reserved})
+		items = append(items, settling{bucket: i, cost: charged, diff: charged - reserved})
 	}
 	unsettled := items[:0]
 	for _, it := range items {
@@ -76,115 +75,6 @@ func (h *Handler) settleResponse(end responseEnd, cw *chargeWriter, repl *caddy.
 	if len(unsettled) > 0 {
 		h.store.settle(req, unsettled)
 	}
-}
-
-// costOf is what a response that ended so costs a limit whose
-// reservation was reserved: nothing when it answered a status not
-// charged, else what the source says, or the reservation without a
-// source. why says why the source could not be read (the reservation is
-// the cost then). A response cut short costs at least its reservation:
-// a client must not pay less by leaving.
-func (r *chargeRule) costOf(end responseEnd, cw *chargeWriter, repl *caddy.Replacer, memo *weightMemo, reserved int64) (cost int64, why string) {
-	if end.status != 0 && !r.charges(end.status) {
-		return 0, ""
-	}
-	switch {
-	case end.status == http.StatusSwitchingProtocols && r.paths != 0:
-		return reserved, "" // an upgraded connection has no body to read
-	case r.header != "":
-		value, ok := cw.costHeader(r)
-		if !ok {
-			cost, why = reserved, "no "+r.header+" header"
-			break
-		}
-		cost, why = parseCost(value)
-		if why != "" {
-			why = "header " + r.header + " " + why
-		}
-	case r.placeholder != "":
-		cost, why = parseCost(repl.ReplaceAll(r.placeholder, ""))
-		if why != "" {
-			why = "placeholder " + r.placeholder + " " + why
-		}
-	case r.paths != 0:
-		if _, why = cw.body.Sum(r.fields...); why == "" {
-			cost, why = r.jsonCost(cw, repl, memo)
-		}
-	default:
-		return reserved, ""
-	}
-	switch {
-	case end.cutShort && (why != "" || cost < reserved):
-		return reserved, "" // what it reported so far, if more
-	case why != "":
-		return reserved, why
-	}
-	return cost, ""
-}
-
-// jsonCost is the sum of a body's fields, each times its weight when
-// the charge has weights, in exact decimals (amount.go), rounded up. A
-// field not in the body counts 0. The weights with placeholders are
-// those the request's check resolved (memo), not resolved again. Sum
-// judged the body first: a field here is a number, 0 or more.
-func (r *chargeRule) jsonCost(cw *chargeWriter, repl *caddy.Replacer, memo *weightMemo) (cost int64, why string) {
-	var sum amount
-	for i, f := range r.fields {
-		v, ok := cw.body.Field(f)
-		if !ok {
-			continue
-		}
-		a := amountOfFloat(v)
-		if r.weights != nil {
-			w, err := r.weights[i].product(chargeValueParam, repl, memo)
-			if err != nil {
-				return 0, err.Error()
-			}
-			a = a.mul(w)
-		}
-		sum = sum.add(a)
-	}
-	return sum.ceil(), ""
-}
-
-// charges says whether a response that answered status is charged: every
-// status without charge_status. An upgrade (101, a WebSocket) is the
-// success of its request: a 2xx class charges it, as 101 and 1xx do.
-func (r *chargeRule) charges(status int) bool {
-	if len(r.statuses) == 0 {
-		return true
-	}
-	for _, s := range r.statuses {
-		if caddyhttp.StatusCodeMatches(status, s) || status == http.StatusSwitchingProtocols && s == 2 {
-			return true
-		}
-	}
-	return false
-}
-
-// parseCost reads a cost: a number of tokens, not negative, rounded up.
-func parseCost(text string) (int64, string) {
-	v, err := strconv.ParseFloat(strings.TrimSpace(text), 64)
-	switch {
-	case err != nil || math.IsNaN(v) || math.IsInf(v, 0):
-		return 0, fmt.Sprintf("'%s' is not a number", cutShort(text))
-	case v < 0:
-		return 0, fmt.Sprintf("'%s' is negative", cutShort(text))
-	}
-	return ceilTokens(v), ""
-}
-
-// ceilTokens rounds a cost up to whole tokens, at most 2^53.
-func ceilTokens(v float64) int64 {
-	return int64(math.Min(math.Ceil(v), maxExactTokens))
-}
-
-// cutShort cuts a value from a response to what a log line quotes.
-func cutShort(s string) string {
-	if len(s) <= chargeValueShow {
-		return s
-	}
-	return s[:chargeValueShow] + "..."
 }
 
 // warnChargeMissing logs, throttled, that a response's cost could not be
@@ -204,7 +94,7 @@ func (h *Handler) warnChargeMissing(l *limit, why string) {
 func (h *Handler) warnScanStopped(l *limit) {
 	if ok, suppressed := h.charging.warns.allow(); ok {
 		fields := []zap.Field{zap.String("zone", h.Zone), suppressedField(suppressed),
-			zap.String("reason", fmt.Sprintf("the body is larger than max_body (%d bytes), the most of a response the scan reads", h.charging.maxBody))}
+			zap.String("reason", fmt.Sprintf("the body is larger than max_body (%d bytes), the most of a response the scan reads", h.charging.MaxBody))}
 		if l.name != "" {
 			fields = append(fields, zap.String("limit", l.name))
 		}
@@ -300,7 +190,7 @@ func (h *Handler) settleInRedis(buckets []bucket, items []settling) {
 		c.Command(settleScript)
 		for _, it := range group {
 			b := &buckets[it.bucket]
-			c.Args = append(c.Args, b.kind().settleArg(*b), b.args[1], diffArg(it.diff), b.limit.charge.maxDebtArg(b))
+			c.Args = append(c.Args, b.kind().settleArg(*b), b.args[1], diffArg(it.diff), b.limit.charge.MaxDebtArg(b.values.burst, b.values.rate, b.args[1]))
 			s.items = append(s.items, settlement{limit: b.limit, cost: it.cost, reserved: b.values.requested, diff: it.diff})
 		}
 		c.ClientCtx, c.Then = context.Background(), s // sent even when the client has left

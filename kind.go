@@ -8,6 +8,8 @@ import (
 	"slices"
 	"strconv"
 	"time"
+
+	"github.com/caddy-redis/ratelimit/internal/cost"
 )
 
 // kind is a kind of limit: the token bucket (tokenbucket.go), or another
@@ -280,8 +282,8 @@ func (h *Handler) buildLimits(keyPrefix string) ([]*limit, error) {
 			groups[group] = len(groups)
 		}
 		l.group = groups[group]
-		if isWeighted(string(l.cost)) {
-			terms, sum, fixed, err := parseCostTerms(string(l.cost))
+		if cost.IsWeighted(string(l.cost)) {
+			terms, sum, fixed, err := cost.ParseTerms(string(l.cost))
 			switch {
 			case err != nil:
 				return nil, err
@@ -312,6 +314,14 @@ func (h *Handler) buildLimits(keyPrefix string) ([]*limit, error) {
 
 // or is the first of its values that is set.
 func or[T ~string](values ...T) T { return cmp.Or(values...) }
+
+// normalizeCost is a requested_tokens as the checks of a single value
+// judge it: a weighted sum of numbers becomes its sum; one with
+// placeholders stays as it is, for each request to resolve.
+func normalizeCost(requested Param) (Param, error) {
+	text, err := cost.Normalize(string(requested))
+	return Param(text), err
+}
 
 // checkLimits judges the limits as configured, before provisioning: the
 // parser calls it at the end of the directive, Validate for JSON.

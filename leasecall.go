@@ -397,7 +397,7 @@ func (h *Handler) settleLeased(buckets []bucket, items []settling) {
 			continue
 		}
 		parts = append(parts, settled{limit: b.limit, key: b.key, record: leaseRecordKey(b.key),
-			rate: b.args[0], burst: b.args[1], maxDebt: b.limit.charge.maxDebtArg(b),
+			rate: b.args[0], burst: b.args[1], maxDebt: b.limit.charge.MaxDebtArg(b.values.burst, b.values.rate, b.args[1]),
 			cost: it.cost, reserved: b.values.requested, diff: it.diff})
 	}
 	if len(parts) == 0 {

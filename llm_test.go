@@ -7,6 +7,7 @@ import (
 	"encoding/json"
 	"fmt"
 	"io"
+	"math"
 	"net/http"
 	"net/http/httptest"
 	"os"
@@ -195,7 +196,7 @@ func gatewayTokens(t *testing.T, c *chargeCaddy, apiKey, model, limit string) fl
 	return 0
 }
 
-func ceilF(v float64) float64 { return float64(ceilTokens(v)) }
+func ceilF(v float64) float64 { return math.Min(math.Ceil(v), maxExactTokens) }
 
 // requestBodySites passes every request on, whatever its values
 // (deny_empty_key false), with a bound of 4 KiB, so that the upstream

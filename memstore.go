@@ -446,7 +446,7 @@ func (h *Handler) settleInProcess(s *memoryStore, buckets []bucket, items []sett
 		shard := s.shardIndex(keys[i])
 		stored := s.shards[shard].buckets[keys[i]]
 		state, ok := held(stored)
-		after, store, charged, forgiven := b.kind().settleHeld(state, ok, t, *b, it.diff, it.cost, b.limit.charge.maxDebtFor(b.values))
+		after, store, charged, forgiven := b.kind().settleHeld(state, ok, t, *b, it.diff, it.cost, b.limit.charge.MaxDebt(b.values.burst, b.values.rate))
 		switch {
 		case !store:
 		case !ok && !s.reserve(1):

@@ -281,7 +281,7 @@ type Handler struct {
 	before        []preStep      // what runs before a request's buckets are resolved (steps.go)
 	beforeBody    *beforeBody    // refusals known before request_body reads a body (beforebody.go)
 	steps         []step         // what an admitted request registers for after its response (steps.go)
-	chargeWeights bool           // some charge json weight has placeholders (weights.go)
+	chargeWeights bool           // some charge json weight has placeholders (charge.go)
 	limiterKey    string
 	limits        []*limit
 	groups        [][]*limit // on Cluster, limits by hash slot, when they span several
@@ -346,7 +346,7 @@ func (h *Handler) Provision(ctx caddy.Context) (err error) {
 	if err := h.setUpCharging(); err != nil {
 		return err
 	}
-	h.assignWeightPlaces() // weights.go
+	h.assignWeightPlaces() // charge.go
 	if err := h.setUpRequestBody(); err != nil {
 		return err
 	}

@@ -10,6 +10,7 @@ import (
 	"strings"
 	"time"
 
+	"github.com/caddy-redis/ratelimit/internal/cost"
 	"github.com/caddyserver/caddy/v2"
 )
 
@@ -137,8 +138,8 @@ type limit struct {
 	group                int // limits with one key template share a Cluster hash slot
 	rate, burst, cost    Param
 	// costTerms: requested_tokens as a weighted sum with placeholders
-	// (weights.go); nil for one value.
-	costTerms []costTerm
+	// (internal/cost); nil for one value.
+	costTerms []cost.Term
 	// costOnly: a token bucket whose rate and burst are fixed and whose
 	// requested_tokens is a weighted sum with placeholders: its values
 	// and arguments are base's but for the cost, not parsed and
@@ -155,8 +156,10 @@ type limit struct {
 	burstValue any    // the burst as a placeholder value, boxed once
 
 	// charge is how the response charges it (charge.go); nil when
-	// requested_tokens is its cost.
-	charge *chargeRule
+	// requested_tokens is its cost. chargedKey is its own placeholder,
+	// http.rate_limit.charged.<name>; empty for a handler without limits.
+	charge     *cost.Rule
+	chargedKey string
 
 	// kind is its kind of limit (kind.go), whose values its values are
 	// (what stands for the burst, say, is the kind's: burstName).
@@ -230,13 +233,13 @@ func (h *Handler) resolveBuckets(r *http.Request, repl *caddy.Replacer, buckets 
 
 // resolveBucketsWith is resolveBuckets remembering the weights it
 // resolves in memo (nil: none), for the rest of the request.
-func (h *Handler) resolveBucketsWith(r *http.Request, repl *caddy.Replacer, buckets []bucket, memo *weightMemo) (_ []bucket, skipped decision, err error) {
+func (h *Handler) resolveBucketsWith(r *http.Request, repl *caddy.Replacer, buckets []bucket, memo *cost.Memo) (_ []bucket, skipped decision, err error) {
 	return h.resolveLimits(h.limits, r, repl, buckets, memo)
 }
 
 // resolveLimits is resolveBucketsWith for some of the handler's limits,
 // in its order.
-func (h *Handler) resolveLimits(limits []*limit, r *http.Request, repl *caddy.Replacer, buckets []bucket, memo *weightMemo) (_ []bucket, skipped decision, err error) {
+func (h *Handler) resolveLimits(limits []*limit, r *http.Request, repl *caddy.Replacer, buckets []bucket, memo *cost.Memo) (_ []bucket, skipped decision, err error) {
 	skipped = decisionEmptyKey
 	rv := requestValues{r: r, repl: repl} // one pass over the request's placeholders, for every limit
 	var shared requestShared
@@ -293,9 +296,9 @@ func (s *requestShared) clock() time.Time {
 // resolve resolves the limit's values from a request's placeholders. A
 // value the config sets that resolves to nothing is an error, not the
 // default: a fallback belongs in the config (`map`'s `default`).
-func (l *limit) resolve(repl *caddy.Replacer, memo *weightMemo) (limitValues, bool, error) {
+func (l *limit) resolve(repl *caddy.Replacer, memo *cost.Memo) (limitValues, bool, error) {
 	if l.costOnly {
-		n, err := resolveTerms(l.costTerms, repl, memo) // weights.go
+		n, err := cost.Sum(l.costTerms, repl, memo)
 		if err != nil {
 			return limitValues{}, false, err
 		}
@@ -309,7 +312,7 @@ func (l *limit) resolve(repl *caddy.Replacer, memo *weightMemo) (limitValues, bo
 		value Param
 	}{{"replenish_rate", l.rate}, {l.kind.burstName(), l.burst}, {"requested_tokens", l.cost}} {
 		if i == 2 && l.costTerms != nil {
-			n, err := resolveTerms(l.costTerms, repl, memo) // weights.go
+			n, err := cost.Sum(l.costTerms, repl, memo)
 			if err != nil {
 				return limitValues{}, false, err
 			}

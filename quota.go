@@ -240,7 +240,7 @@ func (v limitValues) checkQuota() error {
 // checkQuotaValues judges a quota's count and cost as configured: what
 // is fixed, alone and together; placeholders are judged per request.
 func checkQuotaValues(count, cost Param) error {
-	cost, err := normalizeCost(cost) // a weighted sum (weights.go)
+	cost, err := normalizeCost(cost) // a weighted sum (kind.go)
 	if err != nil {
 		return err
 	}

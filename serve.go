@@ -6,6 +6,7 @@ import (
 	"sync"
 	"time"
 
+	"github.com/caddy-redis/ratelimit/internal/cost"
 	"github.com/caddy-redis/ratelimit/internal/scan"
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
@@ -79,10 +80,10 @@ type request struct {
 	// for the reason the buckets are.
 	settling [maxInlineBuckets]settling
 	// weights are its weights with placeholders, resolved once for the
-	// reservation, the check and the settlement (weights.go).
-	weights weightMemo
+	// reservation, the check and the settlement (internal/cost).
+	weights cost.Memo
 	// repl is the request's replacer, for a settlement made while the
-	// response passes (chargewriter.go).
+	// response passes (cost.Writer).
 	repl *caddy.Replacer
 
 	// What an admitted request's steps registered for after its
@@ -92,14 +93,16 @@ type request struct {
 	// some step has something to do then.
 	w          http.ResponseWriter
 	hold       holding
-	charge     *chargeWriter
+	charge     *cost.Writer
 	registered bool
-	// chargeWriter and scanBody are charge's, here rather than allocated
-	// per response: the request outlives the response it watches (2
-	// allocs and 1.2 KB less per request of make bench's llm@64, 1 alloc
-	// for charge@64: BenchmarkServeHTTPLLM, BenchmarkServeHTTPCharged).
-	chargeWriter chargeWriter
-	scanBody     scan.Body
+	// chargeWriter, chargeSettler and scanBody are charge's, here rather
+	// than allocated per response: the request outlives the response it
+	// watches (2 allocs and 1.2 KB less per request of make bench's
+	// llm@64, 1 alloc for charge@64: BenchmarkServeHTTPLLM,
+	// BenchmarkServeHTTPCharged).
+	chargeWriter  cost.Writer
+	chargeSettler chargeSettler
+	scanBody      scan.Body
 }
 
 var requests = sync.Pool{New: func() any { return new(request) }}
@@ -110,7 +113,7 @@ func acquireRequest() *request {
 	r.buckets = r.inline[:0]
 	r.admitted, r.refused, r.failed, r.takenBy = decisionAllowed, decisionDenied, false, nil
 	r.w, r.hold, r.charge, r.registered = nil, nil, nil, false
-	r.weights.known = 0
+	r.weights.Reset()
 	return r
 }
 
@@ -122,7 +125,8 @@ func (r *request) free() {
 	}
 	r.w, r.repl = nil, nil // nor the response's writer, nor its replacer
 	if r.charge != nil {
-		r.chargeWriter = chargeWriter{} // the pool keeps no response writer
+		r.chargeWriter = cost.Writer{} // the pool keeps no response writer, nor handler
+		r.chargeSettler = chargeSettler{}
 	}
 	requests.Put(r)
 }
@@ -181,7 +185,7 @@ func (h *Handler) resolve(w http.ResponseWriter, r *http.Request, repl *caddy.Re
 		return nil, true, nil
 	}
 	if h.chargeWeights {
-		if err := h.checkChargeWeights(buckets, repl, &req.weights); err != nil { // weights.go
+		if err := h.checkChargeWeights(buckets, repl, &req.weights); err != nil { // charge.go
 			return nil, false, h.refuseInvalid(w, r, repl, err)
 		}
 	}
@@ -275,7 +279,7 @@ func (h *Handler) serveAndFinish(r *http.Request, next caddyhttp.Handler, req *r
 }
 
 // errAborted stands for the error of a handler that panicked.
-var errAborted = errors.New("the response was aborted")
+var errAborted = cost.ErrAborted
 
 // finish does what the request's steps registered for after its
 // response, which ended with err, in their order (a charge is settled
@@ -299,7 +303,8 @@ var errEmptyKey = errors.New("empty key")
 func (h *Handler) refuseInvalid(w http.ResponseWriter, r *http.Request, repl *caddy.Replacer, err error) error {
 	status := http.StatusInternalServerError
 	var pe *paramError
-	if errors.As(err, &pe) && (pe.param == "requested_tokens" || pe.param == chargeValueParam) {
+	var ve *cost.ValueError
+	if errors.As(err, &pe) && pe.param == "requested_tokens" || errors.As(err, &ve) && ve.FromRequest {
 		status = http.StatusBadRequest
 	}
 	if ok, suppressed := h.paramWarns.allow(); ok {

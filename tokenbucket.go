@@ -10,6 +10,7 @@ import (
 	"strings"
 	"time"
 
+	"github.com/caddy-redis/ratelimit/internal/cost"
 	"github.com/caddyserver/caddy/v2"
 )
 
@@ -21,8 +22,8 @@ import (
 // Bounds of a limit: token counts stay exact in the script's doubles,
 // and an empty bucket fills within a year.
 const (
-	maxExactTokens = 1 << 53
-	maxFillSeconds = 365 * 86400
+	maxExactTokens = cost.MaxTokens
+	maxFillSeconds = cost.MaxFillSeconds
 )
 
 // parseRate reads tokens per second: a number (`10`, `0.5`) or a count
@@ -124,7 +125,7 @@ func (v limitValues) scriptArgs() [3]any {
 // What has placeholders is judged per request.
 func checkValues(rate, burst, cost Param, together bool) error {
 	rate, cost = unset(rate), unset(cost)
-	cost, err := normalizeCost(cost) // a weighted sum (weights.go)
+	cost, err := normalizeCost(cost) // a weighted sum (kind.go)
 	if err != nil {
 		return err
 	}

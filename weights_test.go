@@ -7,6 +7,7 @@ import (
 	"strings"
 	"testing"
 
+	"github.com/caddy-redis/ratelimit/internal/cost"
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 )
@@ -226,5 +227,14 @@ func TestChargeJSONFieldWeightsPriceEachField(t *testing.T) {
 		if status != 200 || charged != "2300" {
 			t.Errorf("%s: %d, charged %q; want 200, 2300", tc.name, status, charged)
 		}
+	}
+}
+
+// TestWeightFactorsKnowRequestBodyPlaceholders: a factor naming a value
+// of request_body's is the client's (400 when out of range), as the cost
+// package recognises it by request_body's placeholder prefix.
+func TestWeightFactorsKnowRequestBodyPlaceholders(t *testing.T) {
+	if cost.RequestValuePrefix != "{"+requestPlaceholderPrefix {
+		t.Errorf("cost.RequestValuePrefix %q, want {%s", cost.RequestValuePrefix, requestPlaceholderPrefix)
 	}
 }

@@ -1,4 +1,4 @@
-package ratelimit
+package cost
 
 import (
 	"math"
@@ -107,7 +107,7 @@ func (a amount) ceil() int64 {
 	if a.mant%p != 0 {
 		q++
 	}
-	return min(q, maxExactTokens)
+	return min(q, MaxTokens)
 }
 
 // amountOfFloat is a number read from a response body (the scan keeps

@@ -1,4 +1,4 @@
-package ratelimit
+package cost
 
 import (
 	"fmt"
@@ -6,6 +6,7 @@ import (
 	"slices"
 	"strconv"
 	"strings"
+	"unicode/utf8"
 
 	"github.com/caddyserver/caddy/v2"
 )
@@ -30,9 +31,9 @@ import (
 // configuration's mistake, not the client's). Products and sums are
 // exact decimals (amount.go).
 
-// costTerm is one term of a weighted sum, compiled: the product of its
+// Term is one term of a weighted sum, compiled: the product of its
 // factors written as numbers, and its factors with placeholders.
-type costTerm struct {
+type Term struct {
 	fixed   amount
 	factors []factor // with placeholders, resolved per request
 }
@@ -49,8 +50,8 @@ type factor struct {
 	// requested_tokens term, or one naming a value of the body), whose
 	// mistakes refuse with 400; else a weight, 500.
 	fromRequest bool
-	// place is the factor's index in a request's weightMemo, when one
-	// is free; else -1 (resolved at each use).
+	// place is the factor's index in a request's Memo, when one is
+	// free; else -1 (resolved at each use).
 	place int
 }
 
@@ -58,14 +59,14 @@ type factor struct {
 // request remembers; more are resolved at each use.
 const maxWeightPlaces = 16
 
-// weightMemo is a request's factors with placeholders, each resolved
-// once: the reservation, the check of charge json's weights and the
+// Memo is a request's factors with placeholders, each resolved once:
+// the reservation, the check of charge json's weights and the
 // settlement read the same `{out_price}` of a `map`, which would
 // otherwise walk the replacer's providers and run the map again each
 // time (6 map lookups per request of make bench's llm@64 -> 3).
 // The settlement so charges with the weights the request was admitted
 // with, those the check judged.
-type weightMemo struct {
+type Memo struct {
 	known  uint16 // a bit per place resolved
 	values [maxWeightPlaces]amount
 }
@@ -73,7 +74,7 @@ type weightMemo struct {
 // value is f's value for the request: remembered, or resolved now (and
 // remembered). m may be nil: nothing is remembered. param names the sum
 // in the message of a value from the request.
-func (m *weightMemo) value(f *factor, param string, repl *caddy.Replacer) (amount, error) {
+func (m *Memo) value(f *factor, param string, repl *caddy.Replacer) (amount, error) {
 	if m == nil || f.place < 0 {
 		return resolveFactor(f, param, repl)
 	}
@@ -88,8 +89,11 @@ func (m *weightMemo) value(f *factor, param string, repl *caddy.Replacer) (amoun
 	return v, err
 }
 
+// Reset forgets what m resolved, for another request.
+func (m *Memo) Reset() { m.known = 0 }
+
 // product is the term's value for the request.
-func (t *costTerm) product(param string, repl *caddy.Replacer, memo *weightMemo) (amount, error) {
+func (t *Term) product(param string, repl *caddy.Replacer, memo *Memo) (amount, error) {
 	p := t.fixed
 	for i := range t.factors {
 		v, err := memo.value(&t.factors[i], param, repl)
@@ -101,28 +105,21 @@ func (t *costTerm) product(param string, repl *caddy.Replacer, memo *weightMemo)
 	return p, nil
 }
 
-// assignWeightPlaces gives each distinct factor with placeholders of the
-// handler's requested_tokens and charge json a place in the weightMemo.
-func (h *Handler) assignWeightPlaces() {
-	var places []string
-	assign := func(t *costTerm) {
-		for i := range t.factors {
-			f := &t.factors[i]
-			j := slices.Index(places, f.text)
-			if j < 0 && len(places) < maxWeightPlaces {
-				j, places = len(places), append(places, f.text)
+// Places gives each distinct factor with placeholders of a handler's
+// sums (its requested_tokens and charge json) a place in its requests'
+// Memo, the first maxWeightPlaces of them.
+type Places struct{ texts []string }
+
+// Assign gives the factors of terms their places.
+func (p *Places) Assign(terms []Term) {
+	for i := range terms {
+		for j := range terms[i].factors {
+			f := &terms[i].factors[j]
+			k := slices.Index(p.texts, f.text)
+			if k < 0 && len(p.texts) < maxWeightPlaces {
+				k, p.texts = len(p.texts), append(p.texts, f.text)
 			}
-			f.place = j
-		}
-	}
-	for _, l := range h.limits {
-		for i := range l.costTerms {
-			assign(&l.costTerms[i])
-		}
-		if l.charge != nil {
-			for i := range l.charge.weights {
-				assign(&l.charge.weights[i])
-			}
+			f.place = k
 		}
 	}
 }
@@ -153,13 +150,14 @@ const (
 	wantFactors = "write factors joined by one '*', each a number or placeholders, such as {http.rate_limit.request.max_tokens}*{http.rate_limit.request.n:1}*0.07"
 )
 
-// requestValuePrefix starts the placeholders of request_body's values:
-// a factor that names one is the client's.
-const requestValuePrefix = "{" + requestPlaceholderPrefix
+// RequestValuePrefix starts the placeholders of request_body's values
+// (`{http.rate_limit.request.<path>}`): a factor that names one is the
+// client's.
+const RequestValuePrefix = "{http.rate_limit.request."
 
-// isWeighted says whether a requested_tokens text is a weighted sum
+// IsWeighted says whether a requested_tokens text is a weighted sum
 // rather than the one value it always was.
-func isWeighted(text string) bool {
+func IsWeighted(text string) bool {
 	return strings.ContainsRune(text, '*') || len(strings.Fields(text)) > 1
 }
 
@@ -205,26 +203,26 @@ func balanced(text string) bool {
 
 // compileTerm compiles a term's factors (after its path, for charge
 // json: then valueFirst is false). param and term name it in messages.
-func compileTerm(param, term string, factors []string, valueFirst bool) (costTerm, error) {
-	t := costTerm{fixed: amount{mant: 1}}
+func compileTerm(param, term string, factors []string, valueFirst bool) (Term, error) {
+	t := Term{fixed: amount{mant: 1}}
 	for i, text := range factors {
 		isValue := valueFirst && i == 0
 		switch {
 		case text == "":
-			return costTerm{}, fmt.Errorf("%s '%s': an empty factor (a '*' at an end, or two together); %s", param, term, wantFactors)
+			return Term{}, fmt.Errorf("%s '%s': an empty factor (a '*' at an end, or two together); %s", param, term, wantFactors)
 		case !balanced(text):
-			return costTerm{}, fmt.Errorf("%s '%s': factor '%s' has a brace without its pair; a placeholder is written {name}, such as {http.rate_limit.request.n:1}", param, term, cutValue(text))
+			return Term{}, fmt.Errorf("%s '%s': factor '%s' has a brace without its pair; a placeholder is written {name}, such as {http.rate_limit.request.n:1}", param, term, quoted(text))
 		case strings.Contains(text, "{"):
 			t.factors = append(t.factors, factor{text: text, key: onePlaceholder(text), place: -1,
-				fromRequest: isValue || strings.Contains(text, requestValuePrefix)})
+				fromRequest: isValue || strings.Contains(text, RequestValuePrefix)})
 			continue
 		}
 		v, err := parseAmount(text)
 		switch {
 		case err != nil && isValue:
-			return costTerm{}, fmt.Errorf("%s '%s': value '%s' %s; want a number of tokens, 0 or more, or a placeholder", param, term, cutValue(text), err)
+			return Term{}, fmt.Errorf("%s '%s': value '%s' %s; want a number of tokens, 0 or more, or a placeholder", param, term, quoted(text), err)
 		case err != nil:
-			return costTerm{}, fmt.Errorf("%s '%s': weight '%s' %s; %s", param, term, cutValue(text), err, wantWeight)
+			return Term{}, fmt.Errorf("%s '%s': weight '%s' %s; %s", param, term, quoted(text), err, wantWeight)
 		}
 		t.fixed = t.fixed.mul(v)
 	}
@@ -252,13 +250,13 @@ func parseAmount(text string) (amount, error) {
 	return amount{f: v, inexact: true}, nil
 }
 
-// parseCostTerms compiles a weighted requested_tokens: its terms, and,
-// when none has a placeholder, the sum (fixed true). Its errors name the
-// term and what is wrong with it.
-func parseCostTerms(text string) (terms []costTerm, sum int64, fixed bool, err error) {
+// ParseTerms compiles a weighted requested_tokens: its terms, and, when
+// none has a placeholder, the sum (fixed true). Its errors name the term
+// and what is wrong with it.
+func ParseTerms(text string) (terms []Term, sum int64, fixed bool, err error) {
 	fields := strings.Fields(text)
 	if len(fields) > maxTerms {
-		return nil, 0, false, fmt.Errorf("requested_tokens '%s': %d terms, more than %d; sum fewer", cutValue(text), len(fields), maxTerms)
+		return nil, 0, false, fmt.Errorf("requested_tokens '%s': %d terms, more than %d; sum fewer", quoted(text), len(fields), maxTerms)
 	}
 	fixed = true
 	var total amount
@@ -287,22 +285,24 @@ func roundTerms(total amount) int64 {
 	return max(1, total.ceil())
 }
 
-// normalizeCost is a requested_tokens as the checks of a single value
-// judge it: a weighted sum of numbers becomes its sum; one with
-// placeholders stays as it is, for each request to resolve.
-func normalizeCost(cost Param) (Param, error) {
-	if !isWeighted(string(cost)) {
-		return cost, nil
+// Normalize is a requested_tokens as the checks of a single value judge
+// it: a weighted sum of numbers becomes its sum; one with placeholders
+// stays as it is, for each request to resolve.
+func Normalize(text string) (string, error) {
+	if !IsWeighted(text) {
+		return text, nil
 	}
-	_, sum, fixed, err := parseCostTerms(string(cost))
+	_, sum, fixed, err := ParseTerms(text)
 	if err != nil || !fixed {
-		return cost, err
+		return text, err
 	}
-	return Param(strconv.FormatInt(sum, 10)), nil
+	return strconv.FormatInt(sum, 10), nil
 }
 
-// resolveTerms sums a request's terms.
-func resolveTerms(terms []costTerm, repl *caddy.Replacer, memo *weightMemo) (int64, error) {
+// Sum is a request's sum of terms, rounded up to whole tokens (at least
+// 1): the values of its factors with placeholders resolved with repl,
+// or read from memo when it resolved them before (memo may be nil).
+func Sum(terms []Term, repl *caddy.Replacer, memo *Memo) (int64, error) {
 	var total amount
 	for i := range terms {
 		p, err := terms[i].product("requested_tokens", repl, memo)
@@ -328,20 +328,54 @@ func resolveFactor(f *factor, param string, repl *caddy.Replacer) (amount, error
 	case err != nil && f.fromRequest:
 		return amount{}, badValue(param, text, fmt.Sprintf("(from %s) %s: want a number of tokens, 0 or more", f.text, err))
 	case err != nil:
-		return amount{}, &paramError{"weight", fmt.Sprintf("weight '%s' resolved to '%s', which %s; %s (check the map or variable that sets it)",
-			f.text, cutValue(text), err, wantWeight)}
+		return amount{}, &ValueError{msg: fmt.Sprintf("weight '%s' resolved to '%s', which %s; %s (check the map or variable that sets it)",
+			f.text, quoted(text), err, wantWeight)}
 	}
 	return v, nil
 }
 
 // chargeValueParam names a charge json factor from the request in its
-// message (after "charge json: "); refuseInvalid answers it 400, as
-// requested_tokens.
+// message (after "charge json: ").
 const chargeValueParam = "value"
 
-// splitChargeTerm parts a charge json term into its path and the factors
+// ValueError is a factor with placeholders out of range for a request:
+// a value from the request (FromRequest), which is the client's mistake
+// (400, as a requested_tokens out of range), or a weight, which is the
+// configuration's (500, as a rate out of range).
+type ValueError struct {
+	FromRequest bool
+	msg         string
+}
+
+func (e *ValueError) Error() string { return e.msg }
+
+// badValue reports a value from the request: "<param> '<value>'
+// <reason>", the value quoted cut short.
+func badValue(param, value, reason string) *ValueError {
+	return &ValueError{FromRequest: true, msg: fmt.Sprintf("%s '%s' %s", param, quoted(value), reason)}
+}
+
+// maxQuoted is how many bytes of a value from a request a message quotes.
+const maxQuoted = 64
+
+// quoted is a value from a request as messages quote it: whole up to
+// maxQuoted bytes, else its first maxQuoted bytes (whole characters)
+// with a marker that gives its length. It cuts as the handler's messages
+// do, so that an error reads the same whichever part wrote it.
+func quoted(v string) string {
+	if len(v) <= maxQuoted {
+		return v
+	}
+	cut := maxQuoted
+	for cut > 0 && !utf8.RuneStart(v[cut]) {
+		cut--
+	}
+	return v[:cut] + "…(" + strconv.Itoa(len(v)) + " bytes in all)"
+}
+
+// SplitJSONTerm parts a charge json term into its path and the factors
 // after it ("" without).
-func splitChargeTerm(term string) (path, factors string) {
+func SplitJSONTerm(term string) (path, factors string) {
 	parts := splitFactors(term)
 	if len(parts) == 1 {
 		return term, ""
@@ -349,16 +383,24 @@ func splitChargeTerm(term string) (path, factors string) {
 	return parts[0], term[len(parts[0])+1:]
 }
 
+// CheckJSONTerm judges a charge json term, `<path>[*<factor>]...`, and
+// parts it into its path and its factors (as SplitJSONTerm). param names
+// it in messages.
+func CheckJSONTerm(param, term string) (path, factors string, err error) {
+	path, factors, _, err = compileChargeTerm(param, term)
+	return path, factors, err
+}
+
 // compileChargeTerm judges a charge json term, `<path>[*<factor>]...`,
 // and compiles its factors. param names it in messages.
-func compileChargeTerm(param, term string) (path, factors string, t costTerm, err error) {
-	path, factors = splitChargeTerm(term)
-	t = costTerm{fixed: amount{mant: 1}}
+func compileChargeTerm(param, term string) (path, factors string, t Term, err error) {
+	path, factors = SplitJSONTerm(term)
+	t = Term{fixed: amount{mant: 1}}
 	if path == "" {
-		return "", "", costTerm{}, fmt.Errorf("%s '%s': a term without a path; write <path>*<weight>, such as usage.prompt_tokens*{in_price}", param, term)
+		return "", "", Term{}, fmt.Errorf("%s '%s': a term without a path; write <path>*<weight>, such as usage.prompt_tokens*{in_price}", param, term)
 	}
 	if err := checkChargePath(param, term, path); err != nil {
-		return "", "", costTerm{}, err
+		return "", "", Term{}, err
 	}
 	if factors != "" || strings.HasSuffix(term, "*") {
 		t, err = compileTerm(param, term, splitFactors(factors), false)
@@ -374,34 +416,10 @@ func checkChargePath(param, term, path string) error {
 		switch c := path[i]; {
 		case c == '{' || c == '}':
 			return fmt.Errorf("%s '%s': path '%s' cannot hold '%c': a path is fixed keys of the body, not placeholders; put placeholders in a weight after it, such as usage.prompt_tokens*{in_price}",
-				param, cutValue(term), cutValue(path), c)
+				param, quoted(term), quoted(path), c)
 		case c <= ' ' || c == 0x7f:
 			return fmt.Errorf("%s '%s': path '%s' cannot hold spaces or control characters; write keys separated by '.', such as usage.total_tokens, a term per path (in JSON, a string per term)",
-				param, cutValue(term), cutValue(path))
-		}
-	}
-	return nil
-}
-
-// checkChargeWeights resolves, before a request is admitted, the
-// factors with placeholders of the charge json of its limits, so that a
-// weight out of range refuses it (500) rather than costing its response
-// nothing. Settlement reads them from memo, the values judged here.
-func (h *Handler) checkChargeWeights(buckets []bucket, repl *caddy.Replacer, memo *weightMemo) error {
-	for i := range buckets {
-		rule := buckets[i].limit.charge
-		if rule == nil {
-			continue
-		}
-		for j := range rule.weights {
-			for k := range rule.weights[j].factors {
-				if _, err := memo.value(&rule.weights[j].factors[k], chargeValueParam, repl); err != nil {
-					if name := buckets[i].limit.name; name != "" {
-						return fmt.Errorf("limit %s: charge json: %w", name, err)
-					}
-					return fmt.Errorf("charge json: %w", err)
-				}
-			}
+				param, quoted(term), quoted(path))
 		}
 	}
 	return nil

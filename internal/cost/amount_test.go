@@ -1,4 +1,4 @@
-package ratelimit
+package cost
 
 import (
 	"errors"
@@ -57,14 +57,14 @@ func TestAmountsAreExactDecimalsAndFallBackToFloatsPastTheirDigits(t *testing.T)
 		{"4096 × 5 × 0.07", read("4096").mul(read("5")).mul(read("0.07")), 1434},
 		{"0.1 + 0.2 + 0.7", read("0.1").add(read("0.2")).add(read("0.7")), 1},
 		{"1e-18 × 1e-18, past the digits: a float, above 0", read("1e-18").mul(read("1e-18")), 1},
-		{"9e18 × 2, past 64 bits", read("9e18").mul(read("2")), maxExactTokens},
+		{"9e18 × 2, past 64 bits", read("9e18").mul(read("2")), MaxTokens},
 		{"1e308 × 10 × 0", read("1e308").mul(read("10")).mul(read("0")), 0},
 		{"0 × 1e308", read("0").mul(read("1e308")), 0},
-		{"1e18 + 0.5, past the digits", read("1e18").add(read("0.5")), maxExactTokens},
+		{"1e18 + 0.5, past the digits", read("1e18").add(read("0.5")), MaxTokens},
 		{"a float's 0.1 read back", amountOfFloat(0.1).mul(read("70")), 7},
 		{"a float's 1.15", amountOfFloat(1.15).mul(read("20")), 23},
 		{"a float's 350", amountOfFloat(350), 350},
-		{"a float's 2^60", amountOfFloat(math.Ldexp(1, 60)), maxExactTokens},
+		{"a float's 2^60", amountOfFloat(math.Ldexp(1, 60)), MaxTokens},
 	} {
 		if got := tc.got.ceil(); got != tc.want {
 			t.Errorf("%s: %+v rounds up to %d, want %d", tc.name, tc.got, got, tc.want)
@@ -102,7 +102,7 @@ func FuzzDecimalReadsWhatParseFloatReads(f *testing.F) {
 		if w := x.float() + y.float(); math.Abs(s.float()-w) > 1e-12*math.Abs(w) {
 			t.Fatalf("%q + %q: %v, want about %v", a, b, s.float(), w)
 		}
-		if c := p.ceil(); float64(c) < math.Min(p.float(), maxExactTokens)-1e-6 {
+		if c := p.ceil(); float64(c) < math.Min(p.float(), MaxTokens)-1e-6 {
 			t.Fatalf("%q × %q: %v rounds up to %d", a, b, p.float(), c)
 		}
 	})

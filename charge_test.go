@@ -2124,13 +2124,6 @@ func TestChargeReadmeAnthropicExampleRunsAsWritten(t *testing.T) {
 		}
 		eventually(t, 3*time.Second, tc.name+" charged", func() bool { return charged()-before == tc.charged })
 	}
-	// A body sent chunked has no Content-Length: it is reserved for by
-	// its size as request_body read it, and admitted.
-	chunked := io.MultiReader(strings.NewReader(`{"model":"claude-sonnet-4-5","max_tokens":12,"messages":[]}`))
-	if status, answer := post(t, c.client, c.URL+"/v1/messages?format=anthropic&in=100&out=12", chunked,
-		"X-Api-Key", "sk-ant-chunked", "Content-Type", "application/json"); status != http.StatusOK {
-		t.Errorf("a chunked body: %d %s, want 200", status, answer)
-	}
 }
 
 // TestChargeReadsBodiesThatEncodeCompressesOnlyInsideIt: `encode` runs

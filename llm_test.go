@@ -431,24 +431,30 @@ func TestLLMReadmeAnthropicMoneyExampleRunsAsWritten(t *testing.T) {
 		maxTokens          string
 		status             int
 		charged            float64
+		chunked            bool // sent without Content-Length: reserved by its size as read
 	}{
 		// 1000 × 3 + 200 × 15 + 2000 × 3 × 1.25 + 10000 × 3 × 0.1
-		{"claude-sonnet-4-5, a JSON answer", "claude-sonnet-4-5", usage, "1024", 200, 16_500},
-		{"claude-sonnet-4-5, a stream", "claude-sonnet-4-5", usage + "&stream=1", "1024", 200, 16_500},
-		{"claude-sonnet-4-5, a current stream", "claude-sonnet-4-5", usage + "&stream=1&delta_in=1", "1024", 200, 16_500},
+		{"claude-sonnet-4-5, a JSON answer", "claude-sonnet-4-5", usage, "1024", 200, 16_500, false},
+		{"claude-sonnet-4-5, a stream", "claude-sonnet-4-5", usage + "&stream=1", "1024", 200, 16_500, false},
+		{"claude-sonnet-4-5, a current stream", "claude-sonnet-4-5", usage + "&stream=1&delta_in=1", "1024", 200, 16_500, false},
+		{"claude-sonnet-4-5, a body sent chunked", "claude-sonnet-4-5", usage, "1024", 200, 16_500, true},
 		// 1000 × 1 + 200 × 5 + 2000 × 1 × 1.25 + 10000 × 1 × 0.1
-		{"claude-haiku-4-5", "claude-haiku-4-5", usage, "1024", 200, 5_500},
+		{"claude-haiku-4-5", "claude-haiku-4-5", usage, "1024", 200, 5_500, false},
 		// 1000 × 15 + 200 × 75 + 2000 × 15 × 1.25 + 10000 × 15 × 0.1
-		{"a model the map does not name", "claude-next", usage + "&stream=1&delta_in=1", "1024", 200, 82_500},
-		{"an upstream failure", "claude-sonnet-4-5", usage + "&status=529", "1024", 529, 0},
-		{"no max_tokens", "claude-sonnet-4-5", usage, "", 400, 0},
+		{"a model the map does not name", "claude-next", usage + "&stream=1&delta_in=1", "1024", 200, 82_500, false},
+		{"an upstream failure", "claude-sonnet-4-5", usage + "&status=529", "1024", 529, 0, false},
+		{"no max_tokens", "claude-sonnet-4-5", usage, "", 400, 0, false},
 	} {
 		before := charged()
 		body := fmt.Sprintf(`{"model":%q,"max_tokens":%s,"messages":[{"role":"user","content":"Hi"}]}`, tc.model, tc.maxTokens)
 		if tc.maxTokens == "" {
 			body = fmt.Sprintf(`{"model":%q,"messages":[{"role":"user","content":"Hi"}]}`, tc.model)
 		}
-		status, answer := post(t, c.client, c.URL+"/v1/messages?format=anthropic&"+tc.query, strings.NewReader(body),
+		var sent io.Reader = strings.NewReader(body)
+		if tc.chunked {
+			sent = io.MultiReader(sent) // hides the length: sent chunked
+		}
+		status, answer := post(t, c.client, c.URL+"/v1/messages?format=anthropic&"+tc.query, sent,
 			"X-Api-Key", "sk-ant-1", "Content-Type", "application/json")
 		if status != tc.status {
 			t.Fatalf("%s: %d %s, want %d", tc.name, status, answer, tc.status)

@@ -300,7 +300,7 @@ func (h *Handler) settleInRedis(buckets []bucket, items []settling) {
 		c.Command(settleScript)
 		for _, it := range group {
 			b := &buckets[it.bucket]
-			c.Args = append(c.Args, b.kind().settleArg(*b), b.args[1], diffArg(it.diff), b.limit.charge.maxDebtArg(b))
+			c.Args = append(c.Args, b.charged().settleArg(*b), b.args[1], diffArg(it.diff), b.limit.charge.maxDebtArg(b))
 			s.items = append(s.items, settlement{limit: b.limit, cost: it.cost, reserved: b.values.requested, diff: it.diff})
 		}
 		c.ClientCtx, c.Then = context.Background(), s // sent even when the client has left

@@ -272,11 +272,11 @@ func serveBuckets(w http.ResponseWriter, r *http.Request, zone string) error {
 			reset = append(reset, b.key)
 			continue
 		}
-		info, err := l.kind.bucketInfo(ctx, h, b)
+		view, err := h.peekBucket(ctx, b)
 		if err != nil {
 			return caddy.APIError{HTTPStatus: http.StatusServiceUnavailable, Err: fmt.Errorf("reading %s: %w", b.key, err)}
 		}
-		infos = append(infos, info)
+		infos = append(infos, l.kind.bucketInfo(b, view))
 	}
 	if r.Method == http.MethodDelete {
 		return writeJSON(w, struct {
@@ -290,19 +290,25 @@ func serveBuckets(w http.ResponseWriter, r *http.Request, zone string) error {
 	}{zone, infos})
 }
 
-// peekInfo reads a bucket where its handler keeps it, as the admin API
-// shows a bucket of tokens (the token bucket's, and other kinds' with
-// more), and what it read.
-func (h *Handler) peekInfo(ctx context.Context, b bucket) (bucketInfo, bucketView, error) {
-	view, err := h.store.peek(ctx, b)
-	if err != nil {
-		return bucketInfo{}, view, err
+// peekBucket reads a client's bucket where its handler keeps it, for
+// its kind's admin view (kind.bucketInfo): of a kind held while served,
+// what requests hold of it, where the store keeps that; else the
+// bucket's state, from the store.
+func (h *Handler) peekBucket(ctx context.Context, b bucket) (bucketView, error) {
+	if b.kind().heldWhileServed() {
+		return peekSlots(ctx, h.store.keeper(nil), b.key)
 	}
+	return h.store.peek(ctx, b)
+}
+
+// tokenInfo is what the admin API shows of a bucket of tokens (the
+// token bucket's, and other kinds' with more) of what was read of it.
+func tokenInfo(b bucket, view bucketView) bucketInfo {
 	info := bucketInfo{Limit: b.limit.name, Key: b.clientKey(), StoredKey: b.key,
 		ReplenishRate: b.values.rate, BurstCapacity: b.values.burst, RequestedTokens: b.values.requested}
 	info.Tokens = strconv.FormatFloat(math.Round(view.tokens*1e6)/1e6, 'f', -1, 64) // to the millionth
 	info.RetryAfter, info.ExpiresIn, info.Lent = view.wait.Seconds(), view.expiresIn.Seconds(), view.lent
-	return info, view, nil
+	return info
 }
 
 // placeholderName is a placeholder as a key template names it, from the

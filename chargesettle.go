@@ -190,7 +190,7 @@ func (h *Handler) settleInRedis(buckets []bucket, items []settling) {
 		c.Command(settleScript)
 		for _, it := range group {
 			b := &buckets[it.bucket]
-			c.Args = append(c.Args, b.kind().settleArg(*b), b.args[1], diffArg(it.diff), b.limit.charge.MaxDebtArg(b.values.burst, b.values.rate, b.args[1]))
+			c.Args = append(c.Args, b.charged().settleArg(*b), b.args[1], diffArg(it.diff), b.limit.charge.MaxDebtArg(b.values.burst, b.values.rate, b.args[1]))
 			s.items = append(s.items, settlement{limit: b.limit, cost: it.cost, reserved: b.values.requested, diff: it.diff})
 		}
 		c.ClientCtx, c.Then = context.Background(), s // sent even when the client has left

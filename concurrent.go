@@ -64,12 +64,12 @@ type Concurrent struct {
 
 // Bounds and defaults of a concurrent limit.
 const (
-	defaultSlotHold   = 30 * time.Second
-	minSlotHold       = time.Second
-	maxSlotHold       = 24 * time.Hour
-	defaultSlotRetry  = 1
-	maxSlotRetry      = 86400
-	concurrentQuotaIn = `qu="concurrent-requests"`
+	defaultSlotHold  = 30 * time.Second
+	minSlotHold      = time.Second
+	maxSlotHold      = 24 * time.Hour
+	defaultSlotRetry = 1
+	maxSlotRetry     = 86400
+	concurrentUnit   = "concurrent-requests" // its RateLimit-Policy's unit (qu)
 )
 
 // slotRule is what a concurrent limit adds to its limit: its kind
@@ -253,26 +253,14 @@ func newSlotID() any {
 	return &id.text
 }
 
-// slotPolicyItem is a concurrent limit's RateLimit-Policy item: its slots
-// as the policy's q, in the IETF unit of concurrent requests.
-func slotPolicyItem(quoted string, v limitValues) string {
-	return fmt.Sprintf("%s;q=%d;%s", quoted, v.burst, concurrentQuotaIn)
-}
-
-// slotView is a concurrent limit's slots now, for the admin API.
-type slotView struct {
-	inUse    int64
-	expiries []time.Duration // of the slots in Redis, soonest first
-}
-
 // peekSlots reads the slots of a concurrent limit's set in Redis without
 // changing them.
-func (l *limiter) peekSlots(ctx context.Context, key string) (slotView, error) {
+func (l *limiter) peekSlots(ctx context.Context, key string) (bucketView, error) {
 	reply, err := l.client.Eval(ctx, peekSlotsSource, []string{key}).Int64Slice()
 	if err != nil {
-		return slotView{}, err
+		return bucketView{}, err
 	}
-	v := slotView{inUse: int64(len(reply))}
+	v := bucketView{inUse: int64(len(reply))}
 	for _, us := range reply {
 		v.expiries = append(v.expiries, time.Duration(us)*time.Microsecond)
 	}
@@ -291,7 +279,10 @@ for i = 2, #scores, 2 do
 end
 return left`
 
-// The concurrent limit as a kind of limit (kind.go).
+// The concurrent limit as a kind of limit (kind.go), with none of the
+// optional interfaces (see facts).
+
+var _ kind = (*slotRule)(nil)
 
 // slotLimitInfo is what the admin API lists of a concurrent limit beyond
 // every limit's: its slots and hold.
@@ -318,17 +309,13 @@ type slotBucketInfo struct {
 }
 
 // bucketInfo shows how many of its slots are held, and when each held
-// slot expires unless renewed.
-func (*slotRule) bucketInfo(ctx context.Context, h *Handler, b bucket) (bucketInfo, error) {
-	view, err := peekSlots(ctx, h.store.keeper(nil), b.key)
-	if err != nil {
-		return bucketInfo{}, err
-	}
-	slots := slotBucketInfo{Slots: b.values.burst, InUse: view.inUse}
-	for _, d := range view.expiries {
+// slot expires unless renewed (peekBucket reads its slots: peekSlots).
+func (*slotRule) bucketInfo(b bucket, v bucketView) bucketInfo {
+	slots := slotBucketInfo{Slots: b.values.burst, InUse: v.inUse}
+	for _, d := range v.expiries {
 		slots.SlotExpiry = append(slots.SlotExpiry, d.Seconds())
 	}
-	return bucketInfo{Limit: b.limit.name, Key: b.clientKey(), StoredKey: b.key, kindView: slots}, nil
+	return bucketInfo{Limit: b.limit.name, Key: b.clientKey(), StoredKey: b.key, kindView: slots}
 }
 
 func (*slotRule) burstName() string { return "slots" }
@@ -390,47 +377,18 @@ func (*slotRule) replyWords() int                                      { return 
 func (*slotRule) readReply(b bucket, _ []int64, _ int) (bucket, error) { return b, nil }
 
 // A concurrent limit's slots in the process are counts of their own
-// (slotCounts), never bucket states: a take in the process gives the
-// kinds only the token buckets before the slots.
+// (slotCounts), never bucket states: it has no bucketArithmetic, and a
+// take in the process gives the kinds only the token buckets before the
+// slots. It charges nothing (a response costs it its slot): no
+// chargedKind. Its slots come back by release, not by time: a layer
+// remembers none of its refusals (no rememberedKind).
 
-func (*slotRule) holds(bucketState, bool, time.Time, int64, bucket) (bucket, bool) {
-	panic("concurrent limits take slots (slotCounts), not tokens")
-}
-
-func (*slotRule) take(bucketState, bool, time.Time, int64, bucket, bool) (bucket, bucketState, bool) {
-	panic("concurrent limits take slots (slotCounts), not tokens")
-}
-
-func (*slotRule) peek(bucketState, bool, time.Time, int64, bucket) bucketView {
-	panic("concurrent limits are read by peekSlots, not peek")
-}
-
-// A concurrent limit charges nothing: a response costs it its slot.
-
-func (*slotRule) settleArg(bucket) any { panic("concurrent limits charge nothing") }
-
-func (*slotRule) settleHeld(bucketState, bool, int64, bucket, int64, int64, int64) (bucketState, bool, float64, float64) {
-	panic("concurrent limits charge nothing")
-}
-
-// fixedHeaders formats a fixed limit's header values once: its slots as
-// the burst capacity, no replenish rate.
-func (*slotRule) fixedHeaders(l *limit, lh *limitHeaders) bool {
-	if !(tokenBucket{}).fixedHeaders(l, lh) {
-		return false
-	}
-	lh.policy = slotPolicyItem(lh.quoted, l.values)
-	return true
-}
-
-// setSpring writes its slots as the burst capacity, as a token bucket of
-// no rate would.
-func (*slotRule) setSpring(hdr http.Header, v *headerValues, b bucket, lh *limitHeaders) {
-	tokenBucket{}.setSpring(hdr, v, b, lh)
-}
-
-func (*slotRule) appendPolicy(policy []byte, lh *limitHeaders, b bucket) []byte {
-	return append(policy, slotPolicyItem(lh.quoted, b.values)...)
+// facts are its slots as the burst, a token bucket's of no rate, and as
+// the policy's q in the IETF unit of concurrent requests; its wait is
+// retry_after when it was full (refused).
+func (*slotRule) facts(b bucket) facts {
+	return facts{rate: b.values.rate, burst: b.values.burst, requested: b.values.requested,
+		unit: concurrentUnit, reset: b.retryAfter}
 }
 
 // refused waits retry_after when it was full: slots come back by
@@ -441,13 +399,3 @@ func (s *slotRule) refused(b bucket) bucket {
 	}
 	return b
 }
-
-// resetIn is its wait: retry_after when it was full (refused).
-func (*slotRule) resetIn(b bucket) time.Duration { return b.retryAfter }
-
-// denialTTL is 0: slots come back by release, not by time.
-func (*slotRule) denialTTL(bucket) time.Duration { return 0 }
-
-// cachedRemaining is what it held: a concurrent limit's refusal is never
-// remembered (denialTTL).
-func (*slotRule) cachedRemaining(_ bucket, remaining int64, _ time.Duration) int64 { return remaining }

@@ -50,7 +50,7 @@ const forgetShares = 64
 type denial struct {
 	until, ask time.Time
 	values     limitValues
-	remaining  int64 // as Redis answered it (kind.cachedRemaining)
+	remaining  int64 // as Redis answered it (rememberedKind.cachedRemaining)
 }
 
 func newDenyCache() *denyCache {
@@ -75,12 +75,13 @@ func (c *denyCache) answer(buckets []bucket, now time.Time) bool {
 	for i := range buckets {
 		b := &buckets[i]
 		d, ok := c.entries[b.key]
-		if !ok || d.values != b.values || !now.Before(d.ask) {
+		r := b.remembered() // put remembers no other kind's refusal
+		if !ok || r == nil || d.values != b.values || !now.Before(d.ask) {
 			b.unknown = true
 			continue
 		}
 		b.retryAfter = d.until.Sub(now)
-		b.remaining = b.kind().cachedRemaining(*b, d.remaining, b.retryAfter)
+		b.remaining = r.cachedRemaining(*b, d.remaining, b.retryAfter)
 	}
 	return true
 }
@@ -96,7 +97,11 @@ func (c *denyCache) put(buckets []bucket, sent time.Time) {
 	}
 	for i := range buckets {
 		b := &buckets[i]
-		ttl := b.kind().denialTTL(*b)
+		r := b.remembered()
+		if r == nil {
+			continue
+		}
+		ttl := r.denialTTL(*b)
 		if ttl <= 0 {
 			continue
 		}

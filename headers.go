@@ -3,7 +3,7 @@ package ratelimit
 import (
 	"net/http"
 	"strconv"
-	"strings"
+	"sync/atomic"
 	"time"
 	"unsafe"
 )
@@ -18,22 +18,41 @@ const (
 
 // rateLimitHeaders writes the rate-limit response headers: Spring Cloud
 // Gateway's `X-RateLimit-*` set, which describes one limit, and the IETF
-// draft-10 `RateLimit` and `RateLimit-Policy` fields, an item per limit.
-// What does not change between requests is formatted once, as strings:
-// each response gets slices of its own (see headerValues).
+// draft-10 `RateLimit` and `RateLimit-Policy` fields, an item per limit,
+// from what each bucket's kind says of it (kind.facts). What does not
+// change between requests is formatted once, as strings: each response
+// gets slices of its own (see headerValues).
 type rateLimitHeaders struct {
 	spring, ietf bool
 	limits       []limitHeaders // by limit index
-	// policy is RateLimit-Policy when every limit applies with its fixed
-	// values ("" when some limit has placeholders).
-	policy string
+	// policy is RateLimit-Policy of a request of every limit, when each
+	// has fixed values (nil else), as last formatted: formatted again
+	// when an item changes (a calendar period's length).
+	policy *atomic.Pointer[wholePolicy]
 }
 
-// limitHeaders are one fixed limit's header values.
+// limitHeaders are one limit's header texts.
 type limitHeaders struct {
+	quoted string // "<zone>" or "<zone>.<name>"
+	// fixed says the limit applies with fixed values: texts are those
+	// of its facts, as last formatted.
+	fixed bool
+	texts atomic.Pointer[factTexts]
+}
+
+// factTexts are a fixed limit's facts as the headers say them, but for
+// the time until it is back, which changes with every answer.
+type factTexts struct {
+	facts                  facts // reset and renewsAt zero
 	rate, burst, requested string
-	quoted                 string // "<zone>" or "<zone>.<name>"
-	policy                 string // its RateLimit-Policy item
+	item                   string // its RateLimit-Policy item
+}
+
+// wholePolicy is RateLimit-Policy, of the items (each limit's texts)
+// it was joined from.
+type wholePolicy struct {
+	items []*factTexts
+	text  string
 }
 
 // headerValues are one response's header values, in one allocation: each
@@ -75,18 +94,53 @@ func newRateLimitHeaders(style string, limits []*limit) rateLimitHeaders {
 		ietf:   style == headersIETF || style == headersBoth,
 		limits: make([]limitHeaders, len(limits)),
 	}
-	items := make([]string, 0, len(limits))
+	fixed := 0
 	for i, l := range limits {
 		lh := &rh.limits[i]
 		lh.quoted = strconv.Quote(l.ietfName)
-		if l.kind.fixedHeaders(l, lh) {
-			items = append(items, lh.policy)
+		if lh.fixed = l.fixed && !l.exempt; lh.fixed {
+			fixed++
 		}
 	}
-	if len(items) == len(limits) {
-		rh.policy = strings.Join(items, ", ")
+	if fixed == len(limits) {
+		rh.policy = new(atomic.Pointer[wholePolicy])
 	}
 	return rh
+}
+
+// textsOf are the texts of a bucket's facts f: its fixed limit's,
+// formatted by the first answer that says them, and again only when its
+// facts change (a calendar period's length); nil for a limit with values
+// per request, whose texts are formatted per response.
+func (rh *rateLimitHeaders) textsOf(b *bucket, f facts) *factTexts {
+	lh := &rh.limits[b.limit.index]
+	if !lh.fixed {
+		return nil
+	}
+	f.reset, f.renewsAt = 0, 0
+	if t := lh.texts.Load(); t != nil && t.facts == f {
+		return t
+	}
+	t := &factTexts{facts: f, rate: strconv.FormatFloat(f.rate, 'f', -1, 64),
+		burst: strconv.FormatInt(f.burst, 10), requested: strconv.FormatInt(f.requested, 10),
+		item: string(appendPolicyItem(nil, lh.quoted, f))}
+	lh.texts.Store(t)
+	return t
+}
+
+// appendPolicyItem appends a bucket's RateLimit-Policy item: its burst
+// as the policy's q, its window as w, or its unit as qu.
+func appendPolicyItem(policy []byte, quoted string, f facts) []byte {
+	policy = append(policy, quoted...)
+	policy = append(policy, ";q="...)
+	policy = strconv.AppendInt(policy, f.burst, 10)
+	if f.unit != "" {
+		policy = append(policy, `;qu="`...)
+		policy = append(policy, f.unit...)
+		return append(policy, '"')
+	}
+	policy = append(policy, ";w="...)
+	return strconv.AppendInt(policy, f.window, 10)
 }
 
 // set writes the headers of a request whose buckets were consulted; the
@@ -103,13 +157,27 @@ func (rh *rateLimitHeaders) set(hdr http.Header, buckets []bucket, described int
 		v.put(hdr, "Retry-After", countText(ceilSeconds(retryAfter(buckets))))
 	}
 	if rh.spring {
-		b := &buckets[described]
-		v.put(hdr, "X-Ratelimit-Remaining", v.count(b.remaining))
-		b.limit.kind.setSpring(hdr, v, *b, &rh.limits[b.limit.index])
+		rh.setSpring(hdr, v, &buckets[described])
 	}
 	if rh.ietf {
 		rh.setIETF(hdr, v, buckets)
 	}
+}
+
+// setSpring writes the Spring set, which describes the bucket b as a
+// token bucket.
+func (rh *rateLimitHeaders) setSpring(hdr http.Header, v *headerValues, b *bucket) {
+	v.put(hdr, "X-Ratelimit-Remaining", v.count(b.remaining))
+	f := b.limit.kind.facts(*b)
+	if t := rh.textsOf(b, f); t != nil {
+		v.put(hdr, "X-Ratelimit-Replenish-Rate", t.rate)
+		v.put(hdr, "X-Ratelimit-Burst-Capacity", t.burst)
+		v.put(hdr, "X-Ratelimit-Requested-Tokens", t.requested)
+		return
+	}
+	v.put(hdr, "X-Ratelimit-Replenish-Rate", strconv.FormatFloat(f.rate, 'f', -1, 64))
+	v.put(hdr, "X-Ratelimit-Burst-Capacity", countText(f.burst))
+	v.put(hdr, "X-Ratelimit-Requested-Tokens", countText(f.requested))
 }
 
 // setIETF writes RateLimit and RateLimit-Policy. Out of set, so that
@@ -120,20 +188,31 @@ func (rh *rateLimitHeaders) setIETF(hdr http.Header, v *headerValues, buckets []
 	// for a bucket that never refills, there is nothing true to say.
 	var stateBuf, policyBuf [128]byte
 	state, policy := stateBuf[:0], policyBuf[:0]
+	// whole is RateLimit-Policy as last formatted, while each item is
+	// the one it was joined from.
+	var whole *wholePolicy
+	every := rh.policy != nil && len(buckets) == len(rh.limits)
+	if every {
+		whole = rh.policy.Load()
+	}
+	var now int64 // Unix microseconds, read once, for a bucket renewed at a time
 	items := 0
 	for i := range buckets {
 		b := &buckets[i]
 		if b.remaining < 0 || b.retryAfter < 0 {
 			return // Redis failed, or a bucket never refills: nothing true to say
 		}
-		lh := &rh.limits[b.limit.index]
+		f := b.limit.kind.facts(*b)
 		if i > 0 {
 			policy = append(policy, ", "...)
 		}
-		if rh.policy == "" {
-			policy = b.limit.kind.appendPolicy(policy, lh, *b)
+		if t := rh.textsOf(b, f); t != nil {
+			policy = append(policy, t.item...)
+			if whole != nil && whole.items[i] != t {
+				whole = nil
+			}
 		} else {
-			policy = append(policy, lh.policy...)
+			policy = appendPolicyItem(policy, rh.limits[b.limit.index].quoted, f)
 		}
 		if b.unknown { // a cached denial says nothing of this bucket's state
 			continue
@@ -142,20 +221,48 @@ func (rh *rateLimitHeaders) setIETF(hdr http.Header, v *headerValues, buckets []
 			state = append(state, ", "...)
 		}
 		items++
-		state = append(state, lh.quoted...)
+		reset := f.reset
+		if f.renewsAt != 0 {
+			if now == 0 {
+				now = time.Now().UnixMicro()
+			}
+			reset = max(reset, time.Duration(f.renewsAt-now)*time.Microsecond)
+		}
+		state = append(state, rh.limits[b.limit.index].quoted...)
 		state = append(state, ";r="...)
 		state = strconv.AppendInt(state, b.remaining, 10)
 		state = append(state, ";t="...)
-		state = strconv.AppendInt(state, ceilSeconds(b.limit.kind.resetIn(*b)), 10)
+		state = strconv.AppendInt(state, ceilSeconds(reset), 10)
 	}
 	if items > 0 {
 		v.put(hdr, "Ratelimit", string(state))
 	}
-	if rh.policy != "" && len(buckets) == len(rh.limits) {
-		v.put(hdr, "Ratelimit-Policy", rh.policy)
-	} else {
+	switch {
+	case whole != nil:
+		v.put(hdr, "Ratelimit-Policy", whole.text)
+	case every: // formatted once for as long as its items stay
+		v.put(hdr, "Ratelimit-Policy", rh.joinPolicy(buckets).text)
+	default:
 		v.put(hdr, "Ratelimit-Policy", string(policy))
 	}
+}
+
+// joinPolicy formats RateLimit-Policy of a request of every limit, each
+// with fixed values, from their texts, and keeps it (rh.policy).
+func (rh *rateLimitHeaders) joinPolicy(buckets []bucket) *wholePolicy {
+	whole := &wholePolicy{items: make([]*factTexts, len(buckets))}
+	var text []byte
+	for i := range buckets {
+		b := &buckets[i]
+		t := rh.textsOf(b, b.limit.kind.facts(*b))
+		if i > 0 {
+			text = append(text, ", "...)
+		}
+		whole.items[i], text = t, append(text, t.item...)
+	}
+	whole.text = string(text)
+	rh.policy.Store(whole)
+	return whole
 }
 
 // smallCounts are the texts of -1 to 1022, made once: most remaining

@@ -2,9 +2,7 @@ package ratelimit
 
 import (
 	"cmp"
-	"context"
 	"fmt"
-	"net/http"
 	"slices"
 	"strconv"
 	"time"
@@ -21,14 +19,17 @@ import (
 //   - its values, resolved from their text (policy.go), and its part of
 //     a script call: its arguments and its words of the reply
 //     (limiter.go);
-//   - what it puts in the rate-limit headers (headers.go calls it);
-//   - its arithmetic on a bucket's state kept in the process
-//     (bucketState);
-//   - how a charge settles in it (charge.go);
-//   - its admin view (admin.go);
+//   - the facts of its buckets that the rate-limit headers say
+//     (headers.go formats them: a kind formats no header);
+//   - its admin view (admin.go), of what the admin API read of a bucket;
 //   - whether a request holds it while the response is served, to give
 //     it back when the response ends (heldWhileServed).
-//   - how long a layer may remember its refusal (refusals).
+//
+// What only some kinds do is an optional interface, found once when the
+// config is provisioned (limit.setKind), as Caddy finds a module's
+// caddy.Provisioner: the arithmetic on a bucket's state kept in the
+// process (bucketArithmetic), how a charge settles in it (chargedKind),
+// how long a layer may remember its refusal (rememberedKind).
 //
 // What a request knows of a bucket of the kind stays in the request's
 // bucket (policy.go): a kind holds what every request of its limit
@@ -61,55 +62,14 @@ type kind interface {
 	replyWords() int
 	readReply(b bucket, reply []int64, at int) (bucket, error)
 
-	// fixedHeaders fills a limit's header values that do not change
-	// between requests, when the config loads, and says whether its
-	// RateLimit-Policy item (lh.policy) is one of them.
-	fixedHeaders(l *limit, lh *limitHeaders) (fixedItem bool)
-	// setSpring writes the X-RateLimit values of the bucket that the
-	// Spring set describes, but X-RateLimit-Remaining, which is every
-	// kind's.
-	setSpring(hdr http.Header, v *headerValues, b bucket, lh *limitHeaders)
-	// appendPolicy appends the bucket's RateLimit-Policy item, when the
-	// handler's whole RateLimit-Policy is not fixed.
-	appendPolicy(policy []byte, lh *limitHeaders, b bucket) []byte
-	// resetIn is RateLimit's t of an answered bucket: how long until it
-	// is back (its wait, or later).
-	resetIn(b bucket) time.Duration
-
 	// refused completes the answer of a bucket of a refused request, as
 	// a store answered it (a kind whose buckets come back by release,
 	// not by time, gives the wait of its own).
 	refused(b bucket) bucket
 
-	// denialTTL is how long a layer may remember the bucket's refusal
-	// (refusals): 0 for one that it must not keep.
-	denialTTL(b bucket) time.Duration
-	// cachedRemaining is what a bucket whose refusal a layer remembered
-	// holds now, remaining when Redis refused it, wait before the time
-	// it holds the requested tokens again.
-	cachedRemaining(b bucket, remaining int64, wait time.Duration) int64
-
-	// holds says whether a bucket held in the process (state, if ok)
-	// has room for the request at now, t on the store's clock; asked of
-	// every bucket of a take, before take.
-	holds(state bucketState, ok bool, now time.Time, t int64, b bucket) (bucket, bool)
-	// take is a bucket's part of a take in the process, once the request
-	// is known to be allowed or not: the bucket with its answer, as the
-	// script's, and the state to store, if store.
-	take(state bucketState, ok bool, now time.Time, t int64, b bucket, allowed bool) (answered bucket, after bucketState, store bool)
-	// peek is a bucket held in the process (state, if ok), as the admin
-	// API shows it.
-	peek(state bucketState, ok bool, now time.Time, t int64, b bucket) bucketView
-
-	// settleArg is settle.lua's first argument for the bucket: its kind
-	// as the script knows it.
-	settleArg(b bucket) any
-	// settleHeld settles a response's charge in a bucket held in the
-	// process (state, if ok) at t on the store's clock: diff tokens more
-	// than the request reserved (fewer when negative), cost in all, in
-	// debt up to maxDebt. after is the state to store, if store; charged
-	// and forgiven are what the metrics count.
-	settleHeld(state bucketState, ok bool, t int64, b bucket, diff, cost, maxDebt int64) (after bucketState, store bool, charged, forgiven float64)
+	// facts are what the rate-limit headers say of an answered bucket,
+	// which headers.go formats.
+	facts(b bucket) facts
 
 	// heldWhileServed says whether a request holds the limit's bucket
 	// while its response is served, and gives it back when the response
@@ -124,9 +84,79 @@ type kind interface {
 	// limitInfo is the limit as the admin API lists it, with the
 	// defaults filled in where its values are fixed.
 	limitInfo(l *limit) limitInfo
-	// bucketInfo reads a client's bucket of the kind where h keeps it,
-	// and is what the admin API shows of it.
-	bucketInfo(ctx context.Context, h *Handler, b bucket) (bucketInfo, error)
+	// bucketInfo is what the admin API shows of a client's bucket, of
+	// what was read of it where its handler keeps it (admin.go's
+	// peekBucket).
+	bucketInfo(b bucket, v bucketView) bucketInfo
+}
+
+// facts are what a kind says of an answered bucket for the rate-limit
+// headers (headers.go formats them). The Spring set describes a bucket
+// as a token bucket: rate, burst and requested; the IETF RateLimit-Policy
+// item has the burst as its q, and window as w, or unit as qu; the
+// RateLimit item has reset as t.
+type facts struct {
+	rate             float64 // tokens per second (a count per period: spread over it)
+	burst, requested int64
+	// window is the policy's w in seconds (the time an empty token
+	// bucket takes to fill, a calendar period's length), when unit is "".
+	window int64
+	// unit is the policy's unit (qu) when it is not requests, and then
+	// it has no window.
+	unit string
+	// reset is how long until the bucket is back (its wait), and
+	// renewsAt when it is renewed whatever its wait (the end of a
+	// calendar period, Unix microseconds; 0 for none): RateLimit's t is
+	// the later.
+	reset    time.Duration
+	renewsAt int64
+}
+
+// bucketArithmetic is what a kind whose buckets a store keeps in the
+// process as bucket states does (the token bucket, and kinds counted
+// per calendar period): its arithmetic there, each step its script's. A
+// kind without it keeps no bucket state (a kind held while served keeps
+// counts of its own): a take in the process gives it only buckets of
+// kinds with it.
+type bucketArithmetic interface {
+	// holds says whether a bucket held in the process (state, if ok)
+	// has room for the request at now, t on the store's clock; asked of
+	// every bucket of a take, before take.
+	holds(state bucketState, ok bool, now time.Time, t int64, b bucket) (bucket, bool)
+	// take is a bucket's part of a take in the process, once the request
+	// is known to be allowed or not: the bucket with its answer, as the
+	// script's, and the state to store, if store.
+	take(state bucketState, ok bool, now time.Time, t int64, b bucket, allowed bool) (answered bucket, after bucketState, store bool)
+	// peek is a bucket held in the process (state, if ok), as the admin
+	// API shows it.
+	peek(state bucketState, ok bool, now time.Time, t int64, b bucket) bucketView
+}
+
+// chargedKind is what a kind whose limits a response may charge does
+// (limitConfig.charges): how a charge settles in it (charge.go).
+type chargedKind interface {
+	// settleArg is settle.lua's first argument for the bucket: its kind
+	// as the script knows it.
+	settleArg(b bucket) any
+	// settleHeld settles a response's charge in a bucket held in the
+	// process (state, if ok) at t on the store's clock: diff tokens more
+	// than the request reserved (fewer when negative), cost in all, in
+	// debt up to maxDebt. after is the state to store, if store; charged
+	// and forgiven are what the metrics count.
+	settleHeld(state bucketState, ok bool, t int64, b bucket, diff, cost, maxDebt int64) (after bucketState, store bool, charged, forgiven float64)
+}
+
+// rememberedKind is what a kind whose refusals a layer may remember for
+// a while does (refusals); a layer remembers no refusal of another kind
+// (whose buckets come back by release, not by time).
+type rememberedKind interface {
+	// denialTTL is how long a layer may remember the bucket's refusal:
+	// 0 for one that it must not keep.
+	denialTTL(b bucket) time.Duration
+	// cachedRemaining is what a bucket whose refusal a layer remembered
+	// holds now, remaining when Redis refused it, wait before the time
+	// it holds the requested tokens again.
+	cachedRemaining(b bucket, remaining int64, wait time.Duration) int64
 }
 
 // kindError is a kind's reason for a store's answer that decides
@@ -165,6 +195,38 @@ func (b *bucket) kind() kind {
 		return tokenBucket{}
 	}
 	return b.limit.kind
+}
+
+// arithmetic, charged and remembered are what the bucket's kind does of
+// the optional interfaces (limit.setKind); nil for what it does not.
+func (b *bucket) arithmetic() bucketArithmetic {
+	if b.limit == nil {
+		return tokenBucket{}
+	}
+	return b.limit.arithmetic
+}
+
+func (b *bucket) charged() chargedKind {
+	if b.limit == nil {
+		return tokenBucket{}
+	}
+	return b.limit.charged
+}
+
+func (b *bucket) remembered() rememberedKind {
+	if b.limit == nil {
+		return tokenBucket{}
+	}
+	return b.limit.remembered
+}
+
+// setKind gives the limit its kind, and finds once what the kind does of
+// the optional interfaces, so that no request asks.
+func (l *limit) setKind(k kind) {
+	l.kind = k
+	l.arithmetic, _ = k.(bucketArithmetic)
+	l.charged, _ = k.(chargedKind)
+	l.remembered, _ = k.(rememberedKind)
 }
 
 // limitConfig is one limit of a handler as its kind reads it from the
@@ -257,7 +319,11 @@ func (h *Handler) buildLimits(keyPrefix string) ([]*limit, error) {
 		}
 		l := &limit{
 			index: i, name: c.Name, nameValue: c.Name, ietfName: h.Zone,
-			rate: c.ReplenishRate, burst: c.BurstCapacity, cost: c.RequestedTokens, kind: k,
+			rate: c.ReplenishRate, burst: c.BurstCapacity, cost: c.RequestedTokens,
+		}
+		l.setKind(k)
+		if c.charges && l.charged == nil {
+			return nil, fmt.Errorf("%s %s: its kind of limit settles no charge", c.what, c.Name)
 		}
 		key := or(c.Key, h.Key)
 		l.keyText = key

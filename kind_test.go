@@ -6,7 +6,6 @@ package ratelimit
 // production files.
 
 import (
-	"context"
 	"encoding/json"
 	"fmt"
 	"math"
@@ -25,16 +24,19 @@ import (
 // the next take starts a new window.
 //
 // It runs only through the in-process store. The methods that serve a
-// Redis script call (scriptArgs, appendArgs, replyWords, readReply,
-// settleArg) and the deny cache, which only a Redis store consults
-// (denialTTL, cachedRemaining), return zero values or an error;
-// settleHeld, for charged responses, panics: the test's limit charges
-// nothing.
+// Redis script call (scriptArgs, appendArgs, replyWords, readReply)
+// return zero values or an error. Of the optional interfaces it has the
+// arithmetic in the process (bucketArithmetic); not chargedKind (the
+// test's limit charges nothing) nor rememberedKind (only a layer over a
+// Redis store remembers refusals).
 type fixedWindow struct {
 	window time.Duration
 }
 
-var _ kind = fixedWindow{}
+var (
+	_ kind             = fixedWindow{}
+	_ bucketArithmetic = fixedWindow{}
+)
 
 func (fixedWindow) burstName() string { return "count" }
 
@@ -62,12 +64,9 @@ func (fixedWindow) resolveValues(_, count, requested string) (v limitValues, isU
 // The Redis side: none. (Provision and every request ask scriptArgs too,
 // but only a script call reads the arguments.)
 
-func (fixedWindow) scriptArgs(limitValues) [3]any                      { return [3]any{} }
-func (fixedWindow) appendArgs(args []any, _ bucket) []any              { return args }
-func (fixedWindow) replyWords() int                                    { return 0 }
-func (fixedWindow) settleArg(bucket) any                               { return nil }
-func (fixedWindow) denialTTL(bucket) time.Duration                     { return 0 }
-func (fixedWindow) cachedRemaining(bucket, int64, time.Duration) int64 { return 0 }
+func (fixedWindow) scriptArgs(limitValues) [3]any         { return [3]any{} }
+func (fixedWindow) appendArgs(args []any, _ bucket) []any { return args }
+func (fixedWindow) replyWords() int                       { return 0 }
 func (fixedWindow) readReply(b bucket, _ []int64, _ int) (bucket, error) {
 	return b, fmt.Errorf("the fixed window of kind_test.go has no script")
 }
@@ -80,43 +79,12 @@ func (fixedWindow) finishing(*Handler) step                                     
 // its RateLimit-Policy item has the window's seconds as w. RateLimit's t
 // is its wait, as a token bucket's: the end of the window once it has no
 // room, else 0.
-
-func (w fixedWindow) rate(count int64) string {
-	return strconv.FormatFloat(float64(count)/w.window.Seconds(), 'f', -1, 64)
+func (w fixedWindow) facts(b bucket) facts {
+	return facts{rate: float64(b.values.burst) / w.window.Seconds(), burst: b.values.burst, requested: b.values.requested,
+		window: int64(math.Ceil(w.window.Seconds())), reset: b.retryAfter}
 }
 
-func (w fixedWindow) policyItem(quoted string, count int64) string {
-	return fmt.Sprintf("%s;q=%d;w=%d", quoted, count, int64(math.Ceil(w.window.Seconds())))
-}
-
-func (w fixedWindow) fixedHeaders(l *limit, lh *limitHeaders) bool {
-	if !l.fixed || l.exempt {
-		return false
-	}
-	lh.rate, lh.burst = w.rate(l.values.burst), strconv.FormatInt(l.values.burst, 10)
-	lh.requested = strconv.FormatInt(l.values.requested, 10)
-	lh.policy = w.policyItem(lh.quoted, l.values.burst)
-	return true
-}
-
-func (w fixedWindow) setSpring(hdr http.Header, v *headerValues, b bucket, lh *limitHeaders) {
-	if b.limit.fixed {
-		v.put(hdr, "X-Ratelimit-Replenish-Rate", lh.rate)
-		v.put(hdr, "X-Ratelimit-Burst-Capacity", lh.burst)
-		v.put(hdr, "X-Ratelimit-Requested-Tokens", lh.requested)
-		return
-	}
-	v.put(hdr, "X-Ratelimit-Replenish-Rate", w.rate(b.values.burst))
-	v.put(hdr, "X-Ratelimit-Burst-Capacity", countText(b.values.burst))
-	v.put(hdr, "X-Ratelimit-Requested-Tokens", countText(b.values.requested))
-}
-
-func (w fixedWindow) appendPolicy(policy []byte, lh *limitHeaders, b bucket) []byte {
-	return append(policy, w.policyItem(lh.quoted, b.values.burst)...)
-}
-
-func (fixedWindow) resetIn(b bucket) time.Duration { return b.retryAfter }
-func (fixedWindow) refused(b bucket) bucket        { return b }
+func (fixedWindow) refused(b bucket) bucket { return b }
 
 // Its arithmetic in the memory store.
 
@@ -164,10 +132,6 @@ func (w fixedWindow) peek(state bucketState, ok bool, _ time.Time, t int64, b bu
 	return view
 }
 
-func (fixedWindow) settleHeld(bucketState, bool, int64, bucket, int64, int64, int64) (bucketState, bool, float64, float64) {
-	panic("the fixed window of kind_test.go charges nothing: its config has no charge")
-}
-
 // Its admin view: the count and the window, as a quota lists its count
 // and period; a bucket as the token bucket's view shows it, with no
 // replenish rate.
@@ -178,10 +142,7 @@ func (w fixedWindow) limitInfo(l *limit) limitInfo {
 	return li
 }
 
-func (fixedWindow) bucketInfo(ctx context.Context, h *Handler, b bucket) (bucketInfo, error) {
-	info, _, err := h.peekInfo(ctx, b)
-	return info, err
-}
+func (fixedWindow) bucketInfo(b bucket, v bucketView) bucketInfo { return tokenInfo(b, v) }
 
 // withKind gives h's only limit the kind k in place of the token bucket
 // that Provision chose, and redoes what Provision derived from the kind:
@@ -195,7 +156,7 @@ func withKind(t *testing.T, h *Handler, k kind) {
 		t.Fatalf("withKind: want one limit with fixed values, and a kind not held while served")
 	}
 	l := h.limits[0]
-	l.kind = k
+	l.setKind(k)
 	var err error
 	if l.values, l.exempt, err = k.resolveValues(string(l.rate), string(l.burst), string(l.cost)); err != nil {
 		t.Fatalf("withKind: resolving the values: %v", err)

@@ -352,6 +352,11 @@ type bucketView struct {
 	wait      time.Duration // until it holds the requested tokens
 	expiresIn time.Duration // until its key expires; 0 for none (full)
 	lent      int64         // what it lent to instances ahead, by its mark; 0 for none
+	// inUse and expiries are, of a kind held while served, how many
+	// requests hold it now, and when each hold expires unless renewed,
+	// soonest first (none for those in the process, which do not expire).
+	inUse    int64
+	expiries []time.Duration
 }
 
 // peek reads buckets without changing them, with a read-only script

@@ -194,7 +194,7 @@ func (s *memoryStore) decideTokens(now time.Time, buckets []bucket, take bool) (
 		states = append(states, state)
 		st, ok := held(state)
 		var holds bool
-		*b, holds = b.kind().holds(st, ok, now, t, *b) // asked of every bucket: a kind may set what the take needs here
+		*b, holds = b.arithmetic().holds(st, ok, now, t, *b) // asked of every bucket: a kind may set what the take needs here
 		allowed = allowed && holds
 	}
 	if allowed && !take {
@@ -217,7 +217,7 @@ func (s *memoryStore) decideTokens(now time.Time, buckets []bucket, take bool) (
 		state, ok := held(states[i])
 		var after bucketState
 		var store bool
-		if *b, after, store = b.kind().take(state, ok, now, t, *b, allowed); store {
+		if *b, after, store = b.arithmetic().take(state, ok, now, t, *b, allowed); store {
 			s.put(shards[i], keys[i], states[i], after)
 		}
 	}
@@ -271,7 +271,7 @@ func (s *memoryStore) peek(now time.Time, b bucket) bucketView {
 		state = *stored
 	}
 	sh.mu.Unlock()
-	return b.kind().peek(state, stored != nil, now, memoryNow(now), b)
+	return b.arithmetic().peek(state, stored != nil, now, memoryNow(now), b)
 }
 
 // reset forgets buckets, which makes them full, and frees what
@@ -446,7 +446,7 @@ func (h *Handler) settleInProcess(s *memoryStore, buckets []bucket, items []sett
 		shard := s.shardIndex(keys[i])
 		stored := s.shards[shard].buckets[keys[i]]
 		state, ok := held(stored)
-		after, store, charged, forgiven := b.kind().settleHeld(state, ok, t, *b, it.diff, it.cost, b.limit.charge.MaxDebt(b.values.burst, b.values.rate))
+		after, store, charged, forgiven := b.charged().settleHeld(state, ok, t, *b, it.diff, it.cost, b.limit.charge.MaxDebt(b.values.burst, b.values.rate))
 		switch {
 		case !store:
 		case !ok && !s.reserve(1):

@@ -162,8 +162,13 @@ type limit struct {
 	chargedKey string
 
 	// kind is its kind of limit (kind.go), whose values its values are
-	// (what stands for the burst, say, is the kind's: burstName).
-	kind kind
+	// (what stands for the burst, say, is the kind's: burstName);
+	// arithmetic, charged and remembered what it does of the optional
+	// interfaces, nil for what it does not (setKind).
+	kind       kind
+	arithmetic bucketArithmetic
+	charged    chargedKind
+	remembered rememberedKind
 }
 
 // bucket is one limit's bucket for one request, and Redis's answer.

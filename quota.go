@@ -7,11 +7,9 @@ package ratelimit
 // and its admin view; quotamemory.go its arithmetic in the process.
 
 import (
-	"context"
 	"fmt"
 	"hash/fnv"
 	"math"
-	"net/http"
 	"strconv"
 	"sync/atomic"
 	"time"
@@ -95,10 +93,6 @@ type quotaPeriod struct {
 	// that a response that ends once its quota counts another period
 	// settles nothing there.
 	settleKinds [3]any
-	// policy is the RateLimit-Policy item and rate the X-RateLimit
-	// replenish rate, at the fixed count ("" when the count has
-	// placeholders).
-	policy, rate string
 }
 
 // newQuota reads a quota's period; its error is calendar.New's.
@@ -122,10 +116,6 @@ func (q *quota) at(now time.Time, l *limit) *quotaPeriod {
 	}
 	for i := range p.settleKinds {
 		p.settleKinds[i] = "q" + strconv.FormatInt(p.bounds[i], 10)
-	}
-	if l.fixed && !l.exempt {
-		p.policy = quotaPolicyItem(strconv.Quote(l.ietfName), l.values.burst, p.window())
-		p.rate = quotaRate(l.values.burst, p.window())
 	}
 	q.current.Store(p)
 	return p
@@ -183,24 +173,9 @@ func (p *quotaPeriod) span(us int64) (start, end int64, shift int8) {
 	}
 }
 
-// untilEnd is the time from now to the end of the period that a take
-// counted in, shift periods from this one (RateLimit's t for a quota that
-// holds).
-func (p *quotaPeriod) untilEnd(now time.Time, shift int8) time.Duration {
-	return time.Duration(p.bounds[2+shift]-now.UnixMicro()) * time.Microsecond
-}
-
-// quotaPolicyItem is a quota's RateLimit-Policy item: q its count, w its
-// period's length in seconds.
-func quotaPolicyItem(quoted string, count, window int64) string {
-	return fmt.Sprintf("%s;q=%d;w=%d", quoted, count, window)
-}
-
-// quotaRate is a quota as X-RateLimit-Replenish-Rate says it: its count
-// spread over its period, in tokens per second.
-func quotaRate(count, window int64) string {
-	return strconv.FormatFloat(float64(count)/float64(max(window, 1)), 'f', -1, 64)
-}
+// end is the end of the period that a take counted in, shift periods
+// from this one (Unix microseconds): when a quota that holds renews.
+func (p *quotaPeriod) end(shift int8) int64 { return p.bounds[2+shift] }
 
 // resolveQuotaValues parses a quota's count and cost as written
 // (placeholders replaced): the count in a limitValues' burst, no rate.
@@ -281,14 +256,11 @@ func (q *quota) limitInfo(l *limit) limitInfo {
 
 // bucketInfo shows what is left of its count, and its usage in its
 // current period (quotaPart); its count is not a burst.
-func (q *quota) bucketInfo(ctx context.Context, h *Handler, b bucket) (bucketInfo, error) {
-	info, view, err := h.peekInfo(ctx, b)
-	if err != nil {
-		return info, err
-	}
+func (q *quota) bucketInfo(b bucket, v bucketView) bucketInfo {
+	info := tokenInfo(b, v)
 	info.BurstCapacity = 0 // its count is in quota
-	info.kindView = quotaPart{q.view(b, view, time.Now())}
-	return info, nil
+	info.kindView = quotaPart{q.view(b, v, time.Now())}
+	return info
 }
 
 // quotaPart is a quota's part of its bucket's admin view.
@@ -343,7 +315,15 @@ func jitterRefusal(buckets []bucket, jitter time.Duration) {
 	}
 }
 
-// The quota as a kind of limit (kind.go).
+// The quota as a kind of limit (kind.go), with every optional
+// interface.
+
+var (
+	_ kind             = (*quota)(nil)
+	_ bucketArithmetic = (*quota)(nil)
+	_ chargedKind      = (*quota)(nil)
+	_ rememberedKind   = (*quota)(nil)
+)
 
 func (*quota) burstName() string { return "count" }
 
@@ -386,47 +366,18 @@ func (*quota) readReply(b bucket, reply []int64, at int) (bucket, error) {
 	}
 }
 
-// Its RateLimit-Policy items and
-// X-RateLimit replenish rates change with the length of its period, so
-// they come from the bucket's period (formatted once per period at a
-// fixed count).
-
-// fixedHeaders formats its count and cost once; its item is the
-// period's.
-func (*quota) fixedHeaders(l *limit, lh *limitHeaders) bool {
-	lh.burst = strconv.FormatInt(l.values.burst, 10)
-	lh.requested = strconv.FormatInt(l.values.requested, 10)
-	return false
-}
-
-// setSpring writes its count as the burst capacity, spread over its
-// period as the replenish rate.
-func (*quota) setSpring(hdr http.Header, v *headerValues, b bucket, lh *limitHeaders) {
-	if b.limit.fixed {
-		v.put(hdr, "X-Ratelimit-Replenish-Rate", b.period().rate)
-		v.put(hdr, "X-Ratelimit-Burst-Capacity", lh.burst)
-		v.put(hdr, "X-Ratelimit-Requested-Tokens", lh.requested)
-		return
-	}
-	v.put(hdr, "X-Ratelimit-Replenish-Rate", quotaRate(b.values.burst, b.period().window()))
-	v.put(hdr, "X-Ratelimit-Burst-Capacity", countText(b.values.burst))
-	v.put(hdr, "X-Ratelimit-Requested-Tokens", countText(b.values.requested))
-}
-
-func (*quota) appendPolicy(policy []byte, lh *limitHeaders, b bucket) []byte {
-	if b.period().policy != "" && b.limit.fixed {
-		return append(policy, b.period().policy...)
-	}
-	return append(policy, quotaPolicyItem(lh.quoted, b.values.burst, b.period().window())...)
+// facts are its count as the burst, spread over its period as the
+// replenish rate, and its period's length as the policy's window (which
+// changes with the period: a month's days): it is back at the end of
+// the period it counted in, or after its wait if later.
+func (*quota) facts(b bucket) facts {
+	window := b.period().window()
+	return facts{rate: float64(b.values.burst) / float64(max(window, 1)), burst: b.values.burst, requested: b.values.requested,
+		window: window, reset: b.retryAfter, renewsAt: b.period().end(b.shift())}
 }
 
 // refused: the store's answer is the whole answer.
 func (*quota) refused(b bucket) bucket { return b }
-
-// resetIn is the end of the period it counted in, or its wait if later.
-func (*quota) resetIn(b bucket) time.Duration {
-	return max(b.retryAfter, b.period().untilEnd(time.Now(), b.shift()))
-}
 
 // denialTTL is its wait: until its period ends (with reset_jitter's share).
 func (*quota) denialTTL(b bucket) time.Duration { return b.retryAfter }

@@ -626,7 +626,9 @@ func testQuotaLimit(t *testing.T) *limit {
 	if err != nil {
 		t.Fatal(err)
 	}
-	return &limit{kind: q}
+	l := &limit{}
+	l.setKind(q)
+	return l
 }
 
 // TestQuotaScriptPicksThePeriodByRedisTime: Caddy's clock may be off

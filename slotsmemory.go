@@ -138,12 +138,12 @@ func (s *slotHold) inMemory() *memoryStore {
 
 // peekSlots reads a concurrent limit's slots of key where in keeps
 // them, for the admin API.
-func peekSlots(ctx context.Context, in keeper, key string) (slotView, error) {
+func peekSlots(ctx context.Context, in keeper, key string) (bucketView, error) {
 	switch in := in.(type) {
 	case *memoryStore:
-		return slotView{inUse: in.slotsInUse(key)}, nil
+		return bucketView{inUse: in.slotsInUse(key)}, nil
 	case *limiter:
 		return in.peekSlots(ctx, key)
 	}
-	return slotView{}, nil
+	return bucketView{}, nil
 }

@@ -1,11 +1,9 @@
 package ratelimit
 
 import (
-	"context"
 	"errors"
 	"fmt"
 	"math"
-	"net/http"
 	"strconv"
 	"strings"
 	"time"
@@ -162,8 +160,16 @@ func checkValues(rate, burst, cost Param, together bool) error {
 	return nil
 }
 
-// tokenBucket is the token bucket as a kind of limit (kind.go).
+// tokenBucket is the token bucket as a kind of limit (kind.go), with
+// every optional interface.
 type tokenBucket struct{}
+
+var (
+	_ kind             = tokenBucket{}
+	_ bucketArithmetic = tokenBucket{}
+	_ chargedKind      = tokenBucket{}
+	_ rememberedKind   = tokenBucket{}
+)
 
 func (tokenBucket) burstName() string { return "burst_capacity" }
 
@@ -187,18 +193,6 @@ func (tokenBucket) finishing(*Handler) step { return nil }
 func (tokenBucket) replyWords() int                                      { return 0 }
 func (tokenBucket) readReply(b bucket, _ []int64, _ int) (bucket, error) { return b, nil }
 
-// fixedHeaders formats a fixed limit's header values once.
-func (tokenBucket) fixedHeaders(l *limit, lh *limitHeaders) bool {
-	if !l.fixed || l.exempt {
-		return false
-	}
-	lh.rate = strconv.FormatFloat(l.values.rate, 'f', -1, 64)
-	lh.burst = strconv.FormatInt(l.values.burst, 10)
-	lh.requested = strconv.FormatInt(l.values.requested, 10)
-	lh.policy = policyItem(lh.quoted, l.values)
-	return true
-}
-
 // limitInfo lists the rate, burst and cost.
 func (tokenBucket) limitInfo(l *limit) limitInfo {
 	li := l.limitInfo()
@@ -212,40 +206,19 @@ func (tokenBucket) limitInfo(l *limit) limitInfo {
 }
 
 // bucketInfo shows the tokens the bucket holds.
-func (tokenBucket) bucketInfo(ctx context.Context, h *Handler, b bucket) (bucketInfo, error) {
-	info, _, err := h.peekInfo(ctx, b)
-	return info, err
-}
+func (tokenBucket) bucketInfo(b bucket, v bucketView) bucketInfo { return tokenInfo(b, v) }
 
-// setSpring writes the bucket's rate, burst and cost.
-func (tokenBucket) setSpring(hdr http.Header, v *headerValues, b bucket, lh *limitHeaders) {
-	if b.limit.fixed {
-		v.put(hdr, "X-Ratelimit-Replenish-Rate", lh.rate)
-		v.put(hdr, "X-Ratelimit-Burst-Capacity", lh.burst)
-		v.put(hdr, "X-Ratelimit-Requested-Tokens", lh.requested)
-		return
-	}
-	v.put(hdr, "X-Ratelimit-Replenish-Rate", strconv.FormatFloat(b.values.rate, 'f', -1, 64))
-	v.put(hdr, "X-Ratelimit-Burst-Capacity", countText(b.values.burst))
-	v.put(hdr, "X-Ratelimit-Requested-Tokens", countText(b.values.requested))
-}
-
-func (tokenBucket) appendPolicy(policy []byte, lh *limitHeaders, b bucket) []byte {
-	return append(policy, policyItem(lh.quoted, b.values)...)
-}
-
-// policyItem is a limit's RateLimit-Policy item: its burst as the
-// policy's q and the seconds an empty bucket takes to fill as the window.
-func policyItem(quoted string, v limitValues) string {
+// facts are the bucket's rate, burst and cost; its policy's window is
+// the seconds an empty bucket takes to fill, and it is back after its
+// wait: it refills by time.
+func (tokenBucket) facts(b bucket) facts {
+	v := b.values
 	fill := int64(0)
 	if v.rate > 0 {
 		fill = int64(math.Ceil(float64(v.burst) / v.rate))
 	}
-	return fmt.Sprintf("%s;q=%d;w=%d", quoted, v.burst, fill)
+	return facts{rate: v.rate, burst: v.burst, requested: v.requested, window: fill, reset: b.retryAfter}
 }
-
-// resetIn is the bucket's wait: it refills by time.
-func (tokenBucket) resetIn(b bucket) time.Duration { return b.retryAfter }
 
 // refused: the store's answer is the whole answer.
 func (tokenBucket) refused(b bucket) bucket { return b }

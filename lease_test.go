@@ -1703,7 +1703,7 @@ func TestLeaseBurstLoweredByMapHoldsOnLeasingAndPlainInstances(t *testing.T) {
 // instances, a bucket lent to both under burst 1000 at 1/s, reloaded one
 // after the other to burst 5 while their clients keep sending; from the
 // moment both run the new config, every window T holds at most 5 + 1 ×
-// T admissions, both instances together. (Before, 253 to 285 were
+// T admissions, both instances together. (Before, 776 were
 // admitted in the 1.5 s after, where the bound was 6.5: the scripts kept
 // the bucket's tokens above the lower burst while it had lent.)
 func TestLeaseRollingReloadToALowerBurstHoldsTheBound(t *testing.T) {

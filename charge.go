@@ -12,6 +12,7 @@ import (
 	"strings"
 	"time"
 
+	"github.com/caddy-redis/ratelimit/internal/logs"
 	"github.com/caddy-redis/ratelimit/internal/scan"
 )
 
@@ -363,17 +364,17 @@ type chargeRule struct {
 // charging is what a handler needs to charge responses, when some limit
 // charges.
 type charging struct {
-	headers []string     // every cost header its limits read, canonical
-	paths   scan.Paths   // every JSON path its limits read
-	maxBody int64        // the most bytes of a body a scan reads; 0: all
-	first   *limit       // its first charging limit, which {http.rate_limit.charged} shows
-	warns   *logThrottle // costs that could not be read: a line per 10 s
+	headers []string       // every cost header its limits read, canonical
+	paths   scan.Paths     // every JSON path its limits read
+	maxBody int64          // the most bytes of a body a scan reads; 0: all
+	first   *limit         // its first charging limit, which {http.rate_limit.charged} shows
+	warns   *logs.Throttle // costs that could not be read: a line per 10 s
 }
 
 // setUpCharging makes each limit's charge rule and the handler's
 // charging, when some limit charges (h.charging stays nil otherwise).
 func (h *Handler) setUpCharging() error {
-	c := &charging{maxBody: h.MaxBody, warns: &logThrottle{every: 10 * time.Second}}
+	c := &charging{maxBody: h.MaxBody, warns: &logs.Throttle{Every: 10 * time.Second}}
 	for i, config := range h.limitConfigs() {
 		charge, statuses, maxDebt := h.chargeOf(config.Limit)
 		if !config.charges || charge == nil && statuses == nil {

@@ -7,6 +7,7 @@ import (
 	"strconv"
 	"strings"
 
+	"github.com/caddy-redis/ratelimit/internal/logs"
 	"github.com/caddyserver/caddy/v2"
 )
 
@@ -213,7 +214,7 @@ func compileTerm(param, term string, factors []string, valueFirst bool) (costTer
 		case text == "":
 			return costTerm{}, fmt.Errorf("%s '%s': an empty factor (a '*' at an end, or two together); %s", param, term, wantFactors)
 		case !balanced(text):
-			return costTerm{}, fmt.Errorf("%s '%s': factor '%s' has a brace without its pair; a placeholder is written {name}, such as {http.rate_limit.request.n:1}", param, term, cutValue(text))
+			return costTerm{}, fmt.Errorf("%s '%s': factor '%s' has a brace without its pair; a placeholder is written {name}, such as {http.rate_limit.request.n:1}", param, term, logs.Cut(text))
 		case strings.Contains(text, "{"):
 			t.factors = append(t.factors, factor{text: text, key: onePlaceholder(text), place: -1,
 				fromRequest: isValue || strings.Contains(text, requestValuePrefix)})
@@ -222,9 +223,9 @@ func compileTerm(param, term string, factors []string, valueFirst bool) (costTer
 		v, err := parseAmount(text)
 		switch {
 		case err != nil && isValue:
-			return costTerm{}, fmt.Errorf("%s '%s': value '%s' %s; want a number of tokens, 0 or more, or a placeholder", param, term, cutValue(text), err)
+			return costTerm{}, fmt.Errorf("%s '%s': value '%s' %s; want a number of tokens, 0 or more, or a placeholder", param, term, logs.Cut(text), err)
 		case err != nil:
-			return costTerm{}, fmt.Errorf("%s '%s': weight '%s' %s; %s", param, term, cutValue(text), err, wantWeight)
+			return costTerm{}, fmt.Errorf("%s '%s': weight '%s' %s; %s", param, term, logs.Cut(text), err, wantWeight)
 		}
 		t.fixed = t.fixed.mul(v)
 	}
@@ -258,7 +259,7 @@ func parseAmount(text string) (amount, error) {
 func parseCostTerms(text string) (terms []costTerm, sum int64, fixed bool, err error) {
 	fields := strings.Fields(text)
 	if len(fields) > maxTerms {
-		return nil, 0, false, fmt.Errorf("requested_tokens '%s': %d terms, more than %d; sum fewer", cutValue(text), len(fields), maxTerms)
+		return nil, 0, false, fmt.Errorf("requested_tokens '%s': %d terms, more than %d; sum fewer", logs.Cut(text), len(fields), maxTerms)
 	}
 	fixed = true
 	var total amount
@@ -329,7 +330,7 @@ func resolveFactor(f *factor, param string, repl *caddy.Replacer) (amount, error
 		return amount{}, badValue(param, text, fmt.Sprintf("(from %s) %s: want a number of tokens, 0 or more", f.text, err))
 	case err != nil:
 		return amount{}, &paramError{"weight", fmt.Sprintf("weight '%s' resolved to '%s', which %s; %s (check the map or variable that sets it)",
-			f.text, cutValue(text), err, wantWeight)}
+			f.text, logs.Cut(text), err, wantWeight)}
 	}
 	return v, nil
 }
@@ -374,10 +375,10 @@ func checkChargePath(param, term, path string) error {
 		switch c := path[i]; {
 		case c == '{' || c == '}':
 			return fmt.Errorf("%s '%s': path '%s' cannot hold '%c': a path is fixed keys of the body, not placeholders; put placeholders in a weight after it, such as usage.prompt_tokens*{in_price}",
-				param, cutValue(term), cutValue(path), c)
+				param, logs.Cut(term), logs.Cut(path), c)
 		case c <= ' ' || c == 0x7f:
 			return fmt.Errorf("%s '%s': path '%s' cannot hold spaces or control characters; write keys separated by '.', such as usage.total_tokens, a term per path (in JSON, a string per term)",
-				param, cutValue(term), cutValue(path))
+				param, logs.Cut(term), logs.Cut(path))
 		}
 	}
 	return nil

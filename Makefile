@@ -56,9 +56,10 @@ deps: ## Install redis-server, redis-cli, gcc and xcaddy if missing
 check: ## The fast tests: go test -short (no Redis or Caddy processes); -tags fast leaves out the one test file that needs the OpenAI client (it starts processes, so -short skips it anyway), which links the test binary 30 MB smaller
 	go test -short -count=1 -tags fast ./...
 
-# The fuzz tests (fuzz_test.go), each for FUZZTIME; their seed corpora
-# in testdata/fuzz also run with every go test.
-FUZZ_TARGETS := FuzzUnmarshalCaddyfile FuzzKeyTemplate FuzzParseReply
+# The fuzz tests (each package's fuzz_test.go) as package:target, each
+# for FUZZTIME; their seed corpora in the package's testdata/fuzz also
+# run with every go test.
+FUZZ_TARGETS := .:FuzzUnmarshalCaddyfile ./internal/keys:FuzzKeyTemplate .:FuzzParseReply
 FUZZTIME ?= 5s
 
 test: deps ## go vet, go test -race, a few seconds of each fuzzer, then check the xcaddy build and Caddyfile.example
@@ -70,7 +71,7 @@ test: deps ## go vet, go test -race, a few seconds of each fuzzer, then check th
 
 fuzz: ## Run each fuzz test for FUZZTIME (5s)
 	@for target in $(FUZZ_TARGETS); do \
-		go test -run '^$$' -fuzz "^$$target\$$" -fuzztime $(FUZZTIME) . || exit 1; \
+		go test -run '^$$' -fuzz "^$${target#*:}\$$" -fuzztime $(FUZZTIME) "$${target%%:*}" || exit 1; \
 	done
 
 bench: bin/caddy-bench bin/caddy-mholt ## Load benchmark, side by side (BENCH_ROUNDS=5 BENCH_DURATION=3s BENCH_WARMUP=1s BENCH_CASES="bare@64 memory@64 lease-keys@64 lease-mixed@64" BENCH_KEYS=10000 BENCH_HOT=8 BENCH_HOT_SHARE=0.9 BENCH_GOGC=100 BENCH_PROFILE=dir BENCH_PROFILE_CASE=allowed BENCH_BASELINE=<rev> BENCH_BASELINE_CASES="lease-mixed@64")

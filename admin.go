@@ -16,6 +16,7 @@ import (
 	"sync"
 	"time"
 
+	"github.com/caddy-redis/ratelimit/internal/logs"
 	"github.com/caddyserver/caddy/v2"
 )
 
@@ -118,7 +119,7 @@ func serveAdmin(w http.ResponseWriter, r *http.Request) error {
 func methodNotAllowed(w http.ResponseWriter, r *http.Request, allowed ...string) error {
 	w.Header().Set("Allow", strings.Join(allowed, ", "))
 	return caddy.APIError{HTTPStatus: http.StatusMethodNotAllowed,
-		Err: fmt.Errorf("method not allowed: %s (this resource takes %s)", cutValue(r.Method), strings.Join(allowed, " and "))}
+		Err: fmt.Errorf("method not allowed: %s (this resource takes %s)", logs.Cut(r.Method), strings.Join(allowed, " and "))}
 }
 
 func writeJSON(w http.ResponseWriter, v any) error {
@@ -175,7 +176,7 @@ func withKindView(v, view any) ([]byte, error) {
 // limitInfo is what every kind of limit lists of itself: its name, key
 // and prefixes (the kind adds its values, kind.limitInfo).
 func (l *limit) limitInfo() limitInfo {
-	return limitInfo{Name: l.name, Key: l.keyText, IPv4Prefix: l.template.ipv4Bits, IPv6Prefix: l.template.ipv6Bits}
+	return limitInfo{Name: l.name, Key: l.keyText, IPv4Prefix: l.template.IPv4Bits, IPv6Prefix: l.template.IPv6Bits}
 }
 
 func listZones() []zoneInfo {
@@ -343,11 +344,11 @@ func clientBuckets(limits []*limit, query url.Values) (map[*limit]bucket, map[*l
 	spelled := map[string]string{}
 	for _, name := range slices.Sorted(maps.Keys(query)) {
 		if n := len(query[name]); n > 1 {
-			return nil, nil, fmt.Errorf("query parameter '%s' is given %d times: give each placeholder once", cutValue(name), n)
+			return nil, nil, fmt.Errorf("query parameter '%s' is given %d times: give each placeholder once", logs.Cut(name), n)
 		}
 		canonical := placeholderName(name)
 		if other, ok := spelled[canonical]; ok {
-			return nil, nil, fmt.Errorf("query parameters '%s' and '%s' both name the placeholder %s: give it once", cutValue(other), cutValue(name), cutValue(canonical))
+			return nil, nil, fmt.Errorf("query parameters '%s' and '%s' both name the placeholder %s: give it once", logs.Cut(other), logs.Cut(name), logs.Cut(canonical))
 		}
 		given[canonical], spelled[canonical] = query[name][0], name
 	}
@@ -360,12 +361,7 @@ func clientBuckets(limits []*limit, query url.Values) (map[*limit]bucket, map[*l
 	buckets, exempt := map[*limit]bucket{}, map[*limit]bool{}
 	var missing []string
 	for _, l := range limits {
-		var needs []string // as the config writes them
-		for _, p := range l.template.parts {
-			if p.placeholder != "" {
-				needs = append(needs, p.placeholder)
-			}
-		}
+		needs := l.template.Placeholders() // as the config writes them
 		for _, p := range []Param{l.rate, l.burst, l.cost} {
 			for _, m := range paramPlaceholder.FindAllStringSubmatch(string(p), -1) {
 				needs = append(needs, m[1])
@@ -397,7 +393,7 @@ func clientBuckets(limits []*limit, query url.Values) (map[*limit]bucket, map[*l
 			exempt[l] = true
 			continue
 		}
-		key := l.template.redisKey(repl, l.keyPrefix, l.keySuffix)
+		key := l.template.ReplacerKey(repl, l.keyPrefix, l.keySuffix)
 		if key == "" {
 			return nil, nil, fmt.Errorf("a placeholder of key '%s' is empty", l.keyText)
 		}
@@ -405,7 +401,7 @@ func clientBuckets(limits []*limit, query url.Values) (map[*limit]bucket, map[*l
 	}
 	for name := range given {
 		if !used[name] {
-			return nil, nil, fmt.Errorf("unknown placeholder '%s': the zone's keys and values use %s", cutValue(name), strings.Join(sortedKeys(used), ", "))
+			return nil, nil, fmt.Errorf("unknown placeholder '%s': the zone's keys and values use %s", logs.Cut(name), strings.Join(sortedKeys(used), ", "))
 		}
 	}
 	if len(buckets) == 0 && len(exempt) == 0 {

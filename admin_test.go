@@ -16,6 +16,7 @@ import (
 	"time"
 
 	"github.com/caddy-redis/ratelimit/internal/caddyproc"
+	"github.com/caddy-redis/ratelimit/internal/keys"
 	"github.com/caddy-redis/ratelimit/internal/redistest"
 	"github.com/redis/go-redis/v9"
 )
@@ -580,7 +581,7 @@ func TestAdminShowsWhatALendingBucketCanGive(t *testing.T) {
 }`, srv.Addr)))
 	admin := fmt.Sprintf("http://127.0.0.1:%d", proc.AdminPort)
 	client := caddyClient(t)
-	key := bucketPrefix(defaultKeyPrefix, "lending", "{http.request.header.X-Key}") + "c"
+	key := keys.BucketPrefix(defaultKeyPrefix, "lending", "{http.request.header.X-Key}") + "c"
 
 	// 2 tokens a second ago (12 by now without the lease), 4 lent to
 	// another instance for a minute.

@@ -5,6 +5,7 @@ import (
 	"strings"
 	"time"
 
+	"github.com/caddy-redis/ratelimit/internal/keys"
 	"github.com/caddyserver/caddy/v2"
 )
 
@@ -73,7 +74,7 @@ func namesBodyValue(texts ...string) bool {
 
 // readsRequestOnly says whether every placeholder of the texts is one
 // that the request itself answers, before any provider a handler adds
-// (requestValues' sources): a header, the client's address.
+// (keys.Values' sources): a header, the client's address.
 func readsRequestOnly(texts ...string) bool {
 	for _, t := range texts {
 		for rest := t; ; {
@@ -86,7 +87,7 @@ func readsRequestOnly(texts ...string) bool {
 				return false
 			}
 			switch name := rest[open+1 : open+end]; {
-			case strings.HasPrefix(name, "http.request.header."), addressPlaceholders[name]:
+			case strings.HasPrefix(name, "http.request.header."), keys.HoldsAddress(name):
 			default:
 				return false
 			}

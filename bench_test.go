@@ -466,44 +466,6 @@ func BenchmarkPrepareRequest(b *testing.B) {
 	}
 }
 
-// BenchmarkKeyResolve is the key template resolution alone: with the
-// values read from the request, as ServeHTTP reads them, and with every
-// value asked of the replacer, as before (and as the admin API asks).
-func BenchmarkKeyResolve(b *testing.B) {
-	cases := []struct {
-		name, template, key string
-	}{
-		{"header", "{http.request.header.X-Key}", "client-1"},
-		{"client_ip", "{http.vars.client_ip}", ""},
-		{"ip+header", "{http.vars.client_ip}:{http.request.header.X-Key}", "tenant-42"},
-		{"escaped", "{http.request.header.X-Key}", "a key with spaces%and{braces}"},
-		{"hashed", "{http.request.header.X-Key}", "eyJhbGciOiJIUzI1NiJ9.eyJzdWIiOiIxMjM0NTY3ODkwIiwibmFtZSI6IkpvaG4ifQ.sig"},
-	}
-	for _, c := range cases {
-		for _, from := range []string{"request", "replacer"} {
-			b.Run(c.name+"/"+from, func(b *testing.B) {
-				tmpl, err := parseKeyTemplate(c.template)
-				if err != nil {
-					b.Fatal(err)
-				}
-				r, _ := benchRequest("192.0.2.1", c.key)
-				repl := r.Context().Value(caddy.ReplacerCtxKey).(*caddy.Replacer)
-				if from == "replacer" {
-					r = nil
-				}
-				const prefix = "rate_limit:bench|"
-				if tmpl.key(&requestValues{r: r, repl: repl}, prefix, "") == "" {
-					b.Fatal("empty key")
-				}
-				b.ReportAllocs()
-				for b.Loop() {
-					_ = tmpl.key(&requestValues{r: r, repl: repl}, prefix, "")
-				}
-			})
-		}
-	}
-}
-
 // BenchmarkServeHTTPLeased is BenchmarkServeHTTPAllowedParallel's par=32
 // with `lease 32` (most requests admitted from this instance's leases,
 // renewed in the background) beside `store memory` (the in-process

@@ -7,6 +7,7 @@ import (
 	"strings"
 
 	"github.com/caddy-redis/ratelimit/internal/calendar"
+	"github.com/caddy-redis/ratelimit/internal/keys"
 	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
 	"github.com/caddyserver/caddy/v2/caddyconfig/httpcaddyfile"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
@@ -366,7 +367,7 @@ func (h *Handler) unmarshalConcurrent(d *caddyfile.Dispenser) error {
 	err := blockSubdirectives(d, block, map[string]bool{}, func(sub string) error {
 		switch sub {
 		case "key":
-			return oneValue(d, block, func(v string) error { c.Key = v; _, err := parseKeyTemplate(v); return err })
+			return oneValue(d, block, func(v string) error { c.Key = v; _, err := keys.Parse(v); return err })
 		case "ipv4_prefix":
 			return oneValue(d, block, func(v string) error { return setPrefix(&c.IPv4Prefix, sub, v, 32) })
 		case "ipv6_prefix":

@@ -11,6 +11,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/caddy-redis/ratelimit/internal/keys"
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/caddyconfig"
 	_ "github.com/caddyserver/caddy/v2/modules/standard"
@@ -748,7 +749,7 @@ func TestLimitsJSONAccepted(t *testing.T) {
 			"limits": [{"name": "a", "ipv4_prefix": 32, "ipv6_prefix": 0}, {"name": "b"}]}`,
 			func(t *testing.T, h *Handler) {
 				for i, want := range [][2]int{{32, 0}, {0, 128}} {
-					if got := [2]int{h.limits[i].template.ipv4Bits, h.limits[i].template.ipv6Bits}; got != want {
+					if got := [2]int{h.limits[i].template.IPv4Bits, h.limits[i].template.IPv6Bits}; got != want {
 						t.Errorf("limit %s: bits %v, want %v", h.limits[i].name, got, want)
 					}
 				}
@@ -818,7 +819,7 @@ func TestProvisionValidateAcceptsAndDefaults(t *testing.T) {
 				pool_size 5
 			}
 		}`, func(t *testing.T, h *Handler) {
-			if h.limiter == nil || !strings.HasPrefix(h.limits[0].keyPrefix, "rl:api|") || h.limits[0].keyPrefix != bucketPrefix("rl:", "api", h.Key) {
+			if h.limiter == nil || !strings.HasPrefix(h.limits[0].keyPrefix, "rl:api|") || h.limits[0].keyPrefix != keys.BucketPrefix("rl:", "api", h.Key) {
 				t.Errorf("limiter %v, bucket prefix %q", h.limiter, h.limits[0].keyPrefix)
 			}
 		}},
@@ -833,19 +834,19 @@ func TestProvisionValidateAcceptsAndDefaults(t *testing.T) {
 			limit inherited
 		}`, func(t *testing.T, h *Handler) {
 			for i, want := range [][2]int{{16, 56}, {24, 64}} {
-				if got := [2]int{h.limits[i].template.ipv4Bits, h.limits[i].template.ipv6Bits}; got != want {
+				if got := [2]int{h.limits[i].template.IPv4Bits, h.limits[i].template.IPv6Bits}; got != want {
 					t.Errorf("limit %s: ipv4/ipv6 bits %v, want %v", h.limits[i].name, got, want)
 				}
 			}
 		}},
 		{"default prefixes without limits", "rate_limit 10 20", func(t *testing.T, h *Handler) {
-			if b := h.limits[0].template; b.ipv4Bits != 32 || b.ipv6Bits != 64 {
-				t.Errorf("ipv4/ipv6 bits %d/%d, want 32/64", b.ipv4Bits, b.ipv6Bits)
+			if b := h.limits[0].template; b.IPv4Bits != 32 || b.IPv6Bits != 64 {
+				t.Errorf("ipv4/ipv6 bits %d/%d, want 32/64", b.IPv4Bits, b.IPv6Bits)
 			}
 		}},
 		{"handler prefixes without limits", "rate_limit 10 20 {\n\tipv4_prefix 0\n\tipv6_prefix 128\n}", func(t *testing.T, h *Handler) {
-			if b := h.limits[0].template; b.ipv4Bits != 0 || b.ipv6Bits != 128 {
-				t.Errorf("ipv4/ipv6 bits %d/%d, want 0/128", b.ipv4Bits, b.ipv6Bits)
+			if b := h.limits[0].template; b.IPv4Bits != 0 || b.IPv6Bits != 128 {
+				t.Errorf("ipv4/ipv6 bits %d/%d, want 0/128", b.IPv4Bits, b.IPv6Bits)
 			}
 		}},
 		{"limits of fixed and per-request values", `rate_limit {

@@ -8,6 +8,7 @@ import (
 	"strings"
 
 	"github.com/caddy-redis/ratelimit/internal/cost"
+	"github.com/caddy-redis/ratelimit/internal/keys"
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
 )
@@ -185,7 +186,7 @@ func (f limitFields) setValue(sub, v string) error {
 	switch sub {
 	case "key":
 		*f.key = v
-		_, err := parseKeyTemplate(v)
+		_, err := keys.Parse(v)
 		return err
 	case "ipv4_prefix":
 		return setPrefix(f.ipv4, sub, v, 32)

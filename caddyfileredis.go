@@ -3,6 +3,7 @@ package ratelimit
 import (
 	"fmt"
 
+	"github.com/caddy-redis/ratelimit/internal/logs"
 	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
 )
 
@@ -64,7 +65,7 @@ func (rc *RedisConfig) unmarshalCaddyfile(d *caddyfile.Dispenser) error {
 			err = rc.TLS.unmarshalCaddyfile(d)
 		default:
 			// Perhaps an address on a line of its own: shown as addresses are.
-			return d.Errf("unrecognized redis subdirective '%s'", redactAddress(sub))
+			return d.Errf("unrecognized redis subdirective '%s'", logs.RedactAddress(sub))
 		}
 		if err != nil {
 			return err

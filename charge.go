@@ -13,6 +13,7 @@ import (
 	"time"
 
 	"github.com/caddy-redis/ratelimit/internal/cost"
+	"github.com/caddy-redis/ratelimit/internal/logs"
 	"github.com/caddy-redis/ratelimit/internal/scan"
 	"github.com/caddyserver/caddy/v2"
 )
@@ -338,15 +339,15 @@ func (h *Handler) chargeOf(c Limit) (*Charge, []int, *int64) {
 // charging is what a handler needs to charge responses, when some limit
 // charges.
 type charging struct {
-	cost.Sources              // what its limits read of a response
-	first        *limit       // its first charging limit, which {http.rate_limit.charged} shows
-	warns        *logThrottle // costs that could not be read: a line per 10 s
+	cost.Sources                // what its limits read of a response
+	first        *limit         // its first charging limit, which {http.rate_limit.charged} shows
+	warns        *logs.Throttle // costs that could not be read: a line per 10 s
 }
 
 // setUpCharging makes each limit's charge rule and the handler's
 // charging, when some limit charges (h.charging stays nil otherwise).
 func (h *Handler) setUpCharging() error {
-	c := &charging{Sources: cost.Sources{MaxBody: h.MaxBody}, warns: &logThrottle{every: 10 * time.Second}}
+	c := &charging{Sources: cost.Sources{MaxBody: h.MaxBody}, warns: &logs.Throttle{Every: 10 * time.Second}}
 	for i, config := range h.limitConfigs() {
 		charge, statuses, maxDebt := h.chargeOf(config.Limit)
 		if !config.charges || charge == nil && statuses == nil {

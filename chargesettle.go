@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"github.com/caddy-redis/ratelimit/internal/cost"
+	"github.com/caddy-redis/ratelimit/internal/logs"
 	"github.com/caddy-redis/ratelimit/internal/redisbatch"
 	"github.com/caddyserver/caddy/v2"
 	"github.com/prometheus/client_golang/prometheus"
@@ -80,8 +81,8 @@ func (h *Handler) settleResponse(end cost.End, cw *cost.Writer, repl *caddy.Repl
 // warnChargeMissing logs, throttled, that a response's cost could not be
 // read.
 func (h *Handler) warnChargeMissing(l *limit, why string) {
-	if ok, suppressed := h.charging.warns.allow(); ok {
-		fields := []zap.Field{zap.String("zone", h.Zone), zap.String("reason", why), suppressedField(suppressed)}
+	if ok, suppressed := h.charging.warns.Allow(); ok {
+		fields := []zap.Field{zap.String("zone", h.Zone), zap.String("reason", why), logs.Suppressed(suppressed)}
 		if l.name != "" {
 			fields = append(fields, zap.String("limit", l.name))
 		}
@@ -92,8 +93,8 @@ func (h *Handler) warnChargeMissing(l *limit, why string) {
 // warnScanStopped logs, throttled with warnChargeMissing, that a
 // response's cost was read from the part of its body before max_body.
 func (h *Handler) warnScanStopped(l *limit) {
-	if ok, suppressed := h.charging.warns.allow(); ok {
-		fields := []zap.Field{zap.String("zone", h.Zone), suppressedField(suppressed),
+	if ok, suppressed := h.charging.warns.Allow(); ok {
+		fields := []zap.Field{zap.String("zone", h.Zone), logs.Suppressed(suppressed),
 			zap.String("reason", fmt.Sprintf("the body is larger than max_body (%d bytes), the most of a response the scan reads", h.charging.MaxBody))}
 		if l.name != "" {
 			fields = append(fields, zap.String("limit", l.name))
@@ -284,9 +285,9 @@ func (h *Handler) countSettleFailure(buckets []bucket, items []settling, err err
 	if err == redisbatch.ErrBreakerOpen {
 		return // logged when the breaker opened
 	}
-	if ok, suppressed := h.redisWarns.allow(); ok {
+	if ok, suppressed := h.redisWarns.Allow(); ok {
 		h.logger.Warn("settling a response's cost failed; its reservation stands, and the settlement is not sent again",
-			zap.String("zone", h.Zone), zap.Error(err), suppressedField(suppressed))
+			zap.String("zone", h.Zone), zap.Error(err), logs.Suppressed(suppressed))
 	}
 }
 

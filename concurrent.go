@@ -21,6 +21,7 @@ import (
 	"time"
 	"unsafe"
 
+	"github.com/caddy-redis/ratelimit/internal/keys"
 	"github.com/caddyserver/caddy/v2"
 	"github.com/prometheus/client_golang/prometheus"
 )
@@ -146,7 +147,7 @@ func checkConcurrentValues(c Concurrent) error {
 		}
 	}
 	if c.Key != "" {
-		if _, err := parseKeyTemplate(c.Key); err != nil {
+		if _, err := keys.Parse(c.Key); err != nil {
 			return err
 		}
 	}
@@ -214,7 +215,7 @@ func concurrentConfigs(h *Handler) []limitConfig {
 		configs = append(configs, limitConfig{
 			Limit:     Limit{Name: c.Name, Key: c.Key, BurstCapacity: c.Slots, IPv4Prefix: c.IPv4Prefix, IPv6Prefix: c.IPv6Prefix},
 			what:      "concurrent",
-			keySuffix: keySeparator + "slots",
+			keySuffix: keys.Separator + "slots",
 			newKind: func() (kind, error) {
 				return &slotRule{hold: hold, holdArg: strconv.FormatInt(hold.Microseconds(), 10),
 					retryAfter: time.Duration(retry) * time.Second}, nil

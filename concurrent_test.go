@@ -21,6 +21,7 @@ import (
 	"go.uber.org/zap/zaptest/observer"
 
 	"github.com/caddy-redis/ratelimit/internal/caddyproc"
+	"github.com/caddy-redis/ratelimit/internal/keys"
 	"github.com/caddy-redis/ratelimit/internal/redisbatch"
 	"github.com/caddy-redis/ratelimit/internal/redistest"
 )
@@ -84,8 +85,8 @@ func slotKey(t *testing.T, h *Handler, name, key string) string {
 	for _, l := range h.limits {
 		if l.kind.heldWhileServed() && l.name == name {
 			r, _ := newRequest("192.0.2.1", key)
-			rv := requestValues{r: r, repl: r.Context().Value(caddy.ReplacerCtxKey).(*caddy.Replacer)}
-			return l.template.key(&rv, l.keyPrefix, l.keySuffix)
+			rv := keys.RequestValues(r, r.Context().Value(caddy.ReplacerCtxKey).(*caddy.Replacer))
+			return l.template.Key(&rv, l.keyPrefix, l.keySuffix)
 		}
 	}
 	t.Fatalf("no concurrent limit %s", name)
@@ -1576,7 +1577,7 @@ func TestConcurrentTakeRefusedAConnectionSendsNoRelease(t *testing.T) {
 		redis `+deadRedis+`
 	}`)
 	logs := observeLogs(h, zapcore.WarnLevel)
-	h.redisWarns.every = 0 // every failure told
+	h.redisWarns.Every = 0 // every failure told
 	if status, _ := serve(context.Background(), h, "k"); status != 200 {
 		t.Fatalf("with Redis refusing connections: %d, want 200 (on_error allow)", status)
 	}
@@ -1829,8 +1830,8 @@ func TestConcurrentOnClusterSlotGivenBackAfterARefusalIsReleasedByARetry(t *test
 	for _, l := range h.limits {
 		if l.name == "tenant" {
 			r, _ := newRequest("192.0.2.1", "k")
-			rv := requestValues{r: r, repl: r.Context().Value(caddy.ReplacerCtxKey).(*caddy.Replacer)}
-			tenantKey = l.template.key(&rv, l.keyPrefix, l.keySuffix)
+			rv := keys.RequestValues(r, r.Context().Value(caddy.ReplacerCtxKey).(*caddy.Replacer))
+			tenantKey = l.template.Key(&rv, l.keyPrefix, l.keySuffix)
 		}
 	}
 	tenantMaster := masterOf(t, c, cc, clients, tenantKey)

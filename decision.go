@@ -6,6 +6,7 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/caddy-redis/ratelimit/internal/logs"
 	"github.com/caddyserver/caddy/v2"
 	"go.uber.org/zap"
 	"go.uber.org/zap/zapcore"
@@ -197,10 +198,10 @@ const shadowLogEvery = 5 * time.Second
 // and ten times a second per handler.
 func (h *Handler) logShadowDenial(buckets []bucket, described int) {
 	b := &buckets[described]
-	if !h.shadowKeys.allow(b.key, time.Now()) {
+	if !h.shadowKeys.Allow(b.key, time.Now()) {
 		return
 	}
-	ok, suppressed := h.shadowLines.allow()
+	ok, suppressed := h.shadowLines.Allow()
 	if !ok {
 		return
 	}
@@ -212,7 +213,7 @@ func (h *Handler) logShadowDenial(buckets []bucket, described int) {
 	if h.LogKey {
 		fields = append(fields, zap.String("key", b.clientKey()))
 	}
-	fields = append(fields, suppressedField(suppressed))
+	fields = append(fields, logs.Suppressed(suppressed))
 	h.logger.Info("shadow mode: request would be rate limited", fields...)
 }
 

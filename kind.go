@@ -8,6 +8,7 @@ import (
 	"time"
 
 	"github.com/caddy-redis/ratelimit/internal/cost"
+	"github.com/caddy-redis/ratelimit/internal/keys"
 )
 
 // kind is a kind of limit: the token bucket (tokenbucket.go), or another
@@ -327,13 +328,13 @@ func (h *Handler) buildLimits(keyPrefix string) ([]*limit, error) {
 		}
 		key := or(c.Key, h.Key)
 		l.keyText = key
-		if l.template, err = parseKeyTemplate(key); err != nil {
+		if l.template, err = keys.Parse(key); err != nil {
 			return nil, err
 		}
-		l.template.ipv4Bits = *cmp.Or(c.IPv4Prefix, h.IPv4Prefix, new(32))
-		l.template.ipv6Bits = *cmp.Or(c.IPv6Prefix, h.IPv6Prefix, new(64))
-		prefix := bucketPrefix(keyPrefix, h.Zone, key)
-		group := fmt.Sprintf("%s/%d/%d", key, l.template.ipv4Bits, l.template.ipv6Bits)
+		l.template.IPv4Bits = *cmp.Or(c.IPv4Prefix, h.IPv4Prefix, new(32))
+		l.template.IPv6Bits = *cmp.Or(c.IPv6Prefix, h.IPv6Prefix, new(64))
+		prefix := keys.BucketPrefix(keyPrefix, h.Zone, key)
+		group := fmt.Sprintf("%s/%d/%d", key, l.template.IPv4Bits, l.template.IPv6Bits)
 		if c.own {
 			l.keyPrefix = prefix
 			group = "\x00own" // the own limit's key has no hash tag: a hash slot of its own
@@ -342,7 +343,7 @@ func (h *Handler) buildLimits(keyPrefix string) ([]*limit, error) {
 			// buckets live in one Cluster hash slot, for one script call.
 			l.ietfName = h.Zone + "." + c.Name
 			l.keyPrefix = prefix[:len(keyPrefix)] + "{" + prefix[len(keyPrefix):]
-			l.keySuffix = "}" + keySeparator + c.Name + c.keySuffix
+			l.keySuffix = "}" + keys.Separator + c.Name + c.keySuffix
 		}
 		if _, ok := groups[group]; !ok {
 			groups[group] = len(groups)

@@ -22,6 +22,7 @@ import (
 	"time"
 
 	"github.com/caddy-redis/ratelimit/internal/caddyproc"
+	"github.com/caddy-redis/ratelimit/internal/keys"
 	"github.com/caddy-redis/ratelimit/internal/redisbatch"
 	"github.com/caddy-redis/ratelimit/internal/redistest"
 	"github.com/caddyserver/caddy/v2"
@@ -1195,7 +1196,7 @@ http://localhost:9080 {
 }`, leaseRate, srv.Addr)
 	tester := loadCaddyfile(t, nil, config)
 	scriptsLoaded(t, rdb)
-	key := bucketPrefix(defaultKeyPrefix, "leasereload", "{http.request.header.X-Key}") + "r"
+	key := keys.BucketPrefix(defaultKeyPrefix, "leasereload", "{http.request.header.X-Key}") + "r"
 	start := time.Now()
 	if n := callsOf(t, rdb, func() {
 		for i := range 4 {
@@ -1594,7 +1595,7 @@ func TestLeaseBoundAcrossInstances(t *testing.T) {
 		for _, u := range urls { // warm the connections up on another key
 			mustGet(t, client, u, "warm")
 		}
-		key := bucketPrefix(defaultKeyPrefix, "leaseshared", "{http.request.header.X-Key}") + "hot"
+		key := keys.BucketPrefix(defaultKeyPrefix, "leaseshared", "{http.request.header.X-Key}") + "hot"
 		t0 := time.Unix(0, redisNow(t, rdb)*1000)
 		r := leaseLoad(t, 32, 3*time.Second, func(w int) (int, string, error) {
 			status, remaining, _, err := caddyGet(client, urls[w%2], "hot")
@@ -1651,7 +1652,7 @@ func TestLeaseBurstLoweredByMapHoldsOnLeasingAndPlainInstances(t *testing.T) {
 	leasing := caddyproc.Start(t, caddyproc.Caddyfile(fmt.Sprintf(lowerBurstSite, "lease 100 1s", srv.Addr)))
 	plain := caddyproc.Start(t, caddyproc.Caddyfile(fmt.Sprintf(lowerBurstSite, "", srv.Addr)))
 	client := caddyClient(t)
-	key := bucketPrefix(defaultKeyPrefix, "lowerburst", "{http.request.header.X-Key}") + "moved"
+	key := keys.BucketPrefix(defaultKeyPrefix, "lowerburst", "{http.request.header.X-Key}") + "moved"
 
 	// Pro: the key turns hot on the leasing instance and is lent a lease
 	// of several times the lower burst.

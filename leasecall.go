@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"time"
 
+	"github.com/caddy-redis/ratelimit/internal/logs"
 	"github.com/caddy-redis/ratelimit/internal/redisbatch"
 	"go.uber.org/zap"
 )
@@ -335,9 +336,9 @@ func (ls *leases) reset(ctx context.Context, l *limiter, b bucket) error {
 
 // warnGiveBack logs a failed refund, throttled.
 func (h *Handler) warnGiveBack(err error) {
-	if ok, suppressed := h.redisWarns.allow(); ok {
+	if ok, suppressed := h.redisWarns.Allow(); ok {
 		h.logger.Warn("Redis failed while giving tokens back; those buckets stay short until they refill",
-			zap.String("zone", h.Zone), zap.Error(err), suppressedField(suppressed))
+			zap.String("zone", h.Zone), zap.Error(err), logs.Suppressed(suppressed))
 	}
 }
 

@@ -10,6 +10,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/caddy-redis/ratelimit/internal/keys"
 	"github.com/caddy-redis/ratelimit/internal/redistest"
 	"github.com/redis/go-redis/v9"
 )
@@ -42,7 +43,7 @@ func TestRedisMemoryPerBucket(t *testing.T) {
 	// (98.0x tokens), not a bucket capped back to full. Keys as a handler
 	// in zone "api" keyed by client address makes them.
 	args := []any{"0.01", "100", "1"}
-	prefix := bucketPrefix(defaultKeyPrefix, "api", "{http.vars.client_ip}")
+	prefix := keys.BucketPrefix(defaultKeyPrefix, "api", "{http.vars.client_ip}")
 
 	before := settledUsedMemory(t, rdb)
 
@@ -101,7 +102,7 @@ func TestRedisMemoryPerLeasingBucket(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	prefix := bucketPrefix(defaultKeyPrefix, "api", "{http.vars.client_ip}")
+	prefix := keys.BucketPrefix(defaultKeyPrefix, "api", "{http.vars.client_ip}")
 
 	// Plain: as TestRedisMemoryPerBucket, two takes (the second stores a
 	// refilled fraction).

@@ -10,6 +10,8 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/caddy-redis/ratelimit/internal/keys"
+	"github.com/caddy-redis/ratelimit/internal/logs"
 	"github.com/caddyserver/caddy/v2"
 	"go.uber.org/zap"
 )
@@ -79,10 +81,10 @@ var memoryStores = caddy.NewUsagePool()
 
 // memoryStoreName names the store of a kind (store memory's, or a
 // layer's buckets kept while Redis fails) for the handlers whose keys start with
-// keyPrefix and zone. Zones cannot contain keySeparator, so no two
+// keyPrefix and zone. Zones cannot contain keys.Separator, so no two
 // (zone, key prefix) pairs share a name.
 func memoryStoreName(kind, keyPrefix, zone string) string {
-	return kind + ":" + zone + keySeparator + keyPrefix
+	return kind + ":" + zone + keys.Separator + keyPrefix
 }
 
 // acquireMemoryStore returns the store of kind for keys of keyPrefix and
@@ -123,7 +125,7 @@ const memorySweepEvery = 5 * time.Second
 
 func newMemoryStore(name, keyPrefix, zone string) *memoryStore {
 	s := &memoryStore{seed: maphash.MakeSeed(), stop: make(chan struct{}), name: name,
-		plainPrefix: keyPrefix + zone + keySeparator, namedPrefix: keyPrefix + "{" + zone}
+		plainPrefix: keyPrefix + zone + keys.Separator, namedPrefix: keyPrefix + "{" + zone}
 	for i := range s.shards {
 		s.shards[i].buckets = make(map[string]*bucketState)
 	}
@@ -404,9 +406,9 @@ func (p inProcess) take(_ context.Context, r *request) (bool, error) {
 
 // warnFull is throttled, as a store's warnings of a failed take are.
 func (h *Handler) warnFull() {
-	if ok, suppressed := h.fullWarns.allow(); ok {
+	if ok, suppressed := h.fullWarns.Allow(); ok {
 		h.logger.Warn("in-memory store full: a new client's request "+followsFallback, zap.String("zone", h.Zone),
-			zap.Int64("max_keys", h.MaxKeys), h.fallbackField(), suppressedField(suppressed))
+			zap.Int64("max_keys", h.MaxKeys), h.fallbackField(), logs.Suppressed(suppressed))
 	}
 }
 

@@ -760,7 +760,7 @@ func TestMemoryStoreHeapPerBucket(t *testing.T) {
 	repl := caddy.NewReplacer()
 	key := func(i int) string {
 		repl.Set("http.vars.client_ip", ipv4Key(i))
-		return l.template.redisKey(repl, l.keyPrefix, l.keySuffix)
+		return l.template.ReplacerKey(repl, l.keyPrefix, l.keySuffix)
 	}
 	if k, want := key(1), l.keyPrefix+"10.0.0.1"; k != want {
 		t.Fatalf("key %q, want %q", k, want)

@@ -8,6 +8,7 @@ import (
 	"net/http"
 	"time"
 
+	"github.com/caddy-redis/ratelimit/internal/logs"
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 	"go.uber.org/zap"
@@ -296,12 +297,12 @@ type Handler struct {
 	errBlocked    caddyhttp.HandlerError
 	errRedis      caddyhttp.HandlerError // Redis failed, on_error deny: the cause goes to the log, not to clients
 	denied        *denyCache
-	redisWarns    *logThrottle // Redis failures: a line per 10 s
-	overloaded    *logThrottle // calls this instance could not send in time: the same
-	fullWarns     *logThrottle // the in-memory store full: the same
-	paramWarns    *logThrottle // values out of range in requests: the same
-	shadowKeys    *keyThrottle // shadow denials: a line per key per 5 s ...
-	shadowLines   *logThrottle // ... and at most ten a second
+	redisWarns    *logs.Throttle    // Redis failures: a line per 10 s
+	overloaded    *logs.Throttle    // calls this instance could not send in time: the same
+	fullWarns     *logs.Throttle    // the in-memory store full: the same
+	paramWarns    *logs.Throttle    // values out of range in requests: the same
+	shadowKeys    *logs.KeyThrottle // shadow denials: a line per key per 5 s ...
+	shadowLines   *logs.Throttle    // ... and at most ten a second
 	metrics       *zoneMetrics
 	zoneValue     any // the zone as a placeholder value, boxed once (BenchmarkServeHTTPDenied 6 -> 5 allocs)
 }
@@ -367,12 +368,12 @@ func (h *Handler) Provision(ctx caddy.Context) (err error) {
 		h.perRequest = h.perRequest || !l.fixed
 		h.holding = h.holding || l.kind.heldWhileServed()
 	}
-	h.redisWarns = &logThrottle{every: 10 * time.Second}
-	h.fullWarns = &logThrottle{every: 10 * time.Second}
-	h.overloaded = &logThrottle{every: 10 * time.Second}
-	h.paramWarns = &logThrottle{every: 10 * time.Second}
-	h.shadowKeys = newKeyThrottle(shadowLogEvery)
-	h.shadowLines = &logThrottle{every: time.Second, lines: 10}
+	h.redisWarns = &logs.Throttle{Every: 10 * time.Second}
+	h.fullWarns = &logs.Throttle{Every: 10 * time.Second}
+	h.overloaded = &logs.Throttle{Every: 10 * time.Second}
+	h.paramWarns = &logs.Throttle{Every: 10 * time.Second}
+	h.shadowKeys = logs.NewKeyThrottle(shadowLogEvery)
+	h.shadowLines = &logs.Throttle{Every: time.Second, Lines: 10}
 
 	h.errDenied = prebuiltError(h.StatusCode, fmt.Errorf("zone %s: rate limit exceeded", h.Zone))
 	h.errBlocked = prebuiltError(h.StatusCode, fmt.Errorf("zone %s: requests blocked (burst_capacity 0)", h.Zone))

@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"time"
 
+	"github.com/caddy-redis/ratelimit/internal/logs"
 	"go.uber.org/zap"
 )
 
@@ -118,7 +119,7 @@ func (e *onErrorLayer) reset(ctx context.Context, b bucket) error {
 // throttles it (suppressed lines before it).
 func (h *Handler) warnFailed(words string, err error, suppressed int64) {
 	h.logger.Warn(words+"; following on_error", zap.String("zone", h.Zone),
-		h.fallbackField(), zap.Error(err), suppressedField(suppressed))
+		h.fallbackField(), zap.Error(err), logs.Suppressed(suppressed))
 }
 
 // What a store's requests do while it fails, as its warnings and errors

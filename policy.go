@@ -11,6 +11,8 @@ import (
 	"time"
 
 	"github.com/caddy-redis/ratelimit/internal/cost"
+	"github.com/caddy-redis/ratelimit/internal/keys"
+	"github.com/caddy-redis/ratelimit/internal/logs"
 	"github.com/caddyserver/caddy/v2"
 )
 
@@ -116,13 +118,13 @@ func (e *paramError) Error() string { return e.msg }
 
 // badValue reports a value: "<param> '<value>' <reason>", where reason
 // starts with a verb, or with ": " before a noun phrase. The value may
-// come from a request: it is quoted cut short (cutValue).
+// come from a request: it is quoted cut short (logs.Cut).
 func badValue(param, value, reason string) *paramError {
 	sep := " "
 	if strings.HasPrefix(reason, ":") {
 		sep = ""
 	}
-	return &paramError{param, fmt.Sprintf("%s '%s'%s%s", param, cutValue(value), sep, reason)}
+	return &paramError{param, fmt.Sprintf("%s '%s'%s%s", param, logs.Cut(value), sep, reason)}
 }
 
 // limit is one limit of a handler, ready for requests.
@@ -132,7 +134,7 @@ type limit struct {
 	nameValue any    // the name as a placeholder value, boxed once
 	ietfName  string // "<zone>", or "<zone>.<name>"
 	keyText   string // the key template as configured
-	template  keyTemplate
+	template  keys.Template
 	// A bucket's Redis key is keyPrefix + client key + keySuffix.
 	keyPrefix, keySuffix string
 	group                int // limits with one key template share a Cluster hash slot
@@ -246,7 +248,7 @@ func (h *Handler) resolveBucketsWith(r *http.Request, repl *caddy.Replacer, buck
 // in its order.
 func (h *Handler) resolveLimits(limits []*limit, r *http.Request, repl *caddy.Replacer, buckets []bucket, memo *cost.Memo) (_ []bucket, skipped decision, err error) {
 	skipped = decisionEmptyKey
-	rv := requestValues{r: r, repl: repl} // one pass over the request's placeholders, for every limit
+	rv := keys.RequestValues(r, repl) // one pass over the request's placeholders, for every limit
 	var shared requestShared
 	for _, l := range limits {
 		values, args, exempt := l.values, l.args, l.exempt
@@ -269,7 +271,7 @@ func (h *Handler) resolveLimits(limits []*limit, r *http.Request, repl *caddy.Re
 			skipped = decisionExempt
 			continue
 		}
-		key := l.template.key(&rv, l.keyPrefix, l.keySuffix)
+		key := l.template.Key(&rv, l.keyPrefix, l.keySuffix)
 		if key == "" {
 			if h.denyEmpty {
 				return nil, skipped, errEmptyKey

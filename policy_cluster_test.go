@@ -12,6 +12,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/caddy-redis/ratelimit/internal/keys"
 	"github.com/caddy-redis/ratelimit/internal/redistest"
 	"github.com/redis/go-redis/v9"
 	"go.uber.org/zap/zapcore"
@@ -185,7 +186,7 @@ func testClusterOneKeyTemplateOneSlotOneScriptCall(t *testing.T, c *redistest.Cl
 	if h.groups != nil || !h.useDenyCache {
 		t.Fatalf("%d slot groups, deny cache %v; want one group (no group-by-group taking) and the deny cache", len(h.groups), h.useDenyCache)
 	}
-	tag := bucketPrefix(defaultKeyPrefix, "oneslot", "{http.request.header.X-Key}")[len(defaultKeyPrefix+"oneslot|"):]
+	tag := keys.BucketPrefix(defaultKeyPrefix, "oneslot", "{http.request.header.X-Key}")[len(defaultKeyPrefix+"oneslot|"):]
 	for i := range 5 {
 		client := "k" + strconv.Itoa(i)
 		buckets := policyBuckets(t, h, "X-Key", client)

@@ -19,6 +19,8 @@ import (
 	"time"
 
 	"github.com/caddy-redis/ratelimit/internal/caddyproc"
+	"github.com/caddy-redis/ratelimit/internal/keys"
+	"github.com/caddy-redis/ratelimit/internal/logs"
 	"github.com/caddy-redis/ratelimit/internal/redistest"
 	"github.com/caddy-redis/ratelimit/internal/testproc"
 	"github.com/caddyserver/caddy/v2"
@@ -832,13 +834,13 @@ func TestPolicyInvalidValuesFromRequestRefusedWithoutTakingTokens(t *testing.T) 
 		if tc.omit {
 			name = tc.header + " missing"
 		}
-		h.paramWarns = &logThrottle{every: 10 * time.Second} // a fresh throttle: each case's own line
-		logs := observeLogs(h, zapcore.WarnLevel)
+		h.paramWarns = &logs.Throttle{Every: 10 * time.Second} // a fresh throttle: each case's own line
+		observed := observeLogs(h, zapcore.WarnLevel)
 		a := servePolicy(h, with(tc.header, tc.value, tc.omit)...)
 		if a.status != tc.status || a.result() != "invalid" {
 			t.Errorf("%s: %v; want %d invalid", name, a, tc.status)
 		}
-		entries := logs.FilterMessageSnippet("out of range").All()
+		entries := observed.FilterMessageSnippet("out of range").All()
 		if len(entries) != 1 {
 			t.Errorf("%s: %d warnings, want 1", name, len(entries))
 			continue
@@ -859,15 +861,15 @@ func TestPolicyInvalidValuesFromRequestRefusedWithoutTakingTokens(t *testing.T) 
 	}
 
 	// Throttled: a flood of bad values, one line.
-	h.paramWarns = &logThrottle{every: 10 * time.Second}
-	logs := observeLogs(h, zapcore.WarnLevel)
+	h.paramWarns = &logs.Throttle{Every: 10 * time.Second}
+	observed := observeLogs(h, zapcore.WarnLevel)
 	for i := range 50 {
 		a := servePolicy(h, with("X-Cost", strconv.Itoa(100+i), false)...)
 		if a.status != 400 {
 			t.Fatalf("flood request %d: %v, want 400", i, a)
 		}
 	}
-	if n := logs.Len(); n != 1 {
+	if n := observed.Len(); n != 1 {
 		t.Errorf("50 requests with bad costs logged %d warnings, want 1 (throttled)", n)
 	}
 }
@@ -933,8 +935,8 @@ func getWith(t *testing.T, client *http.Client, path string, headers ...string) 
 // namedKey is the Redis key of a named limit's bucket with the default
 // key_prefix: `rate_limit:{<zone>|<tag>|<client key>}|<name>`.
 func namedKey(zone, template, client, name string) string {
-	prefix := bucketPrefix(defaultKeyPrefix, zone, template)
-	return defaultKeyPrefix + "{" + prefix[len(defaultKeyPrefix):] + client + "}" + keySeparator + name
+	prefix := keys.BucketPrefix(defaultKeyPrefix, zone, template)
+	return defaultKeyPrefix + "{" + prefix[len(defaultKeyPrefix):] + client + "}" + keys.Separator + name
 }
 
 // ---- Exempt

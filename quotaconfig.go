@@ -5,6 +5,7 @@ import (
 	"time"
 
 	"github.com/caddy-redis/ratelimit/internal/calendar"
+	"github.com/caddy-redis/ratelimit/internal/keys"
 )
 
 // The quota's config: its limits as the handler's config gives them,
@@ -55,7 +56,7 @@ func (h *Handler) checkQuotas(names map[string]bool) error {
 		names[q.Name] = true
 		err := checkPrefixes(q.IPv4Prefix, q.IPv6Prefix)
 		if err == nil && q.Key != "" {
-			_, err = parseKeyTemplate(q.Key)
+			_, err = keys.Parse(q.Key)
 		}
 		if err == nil && q.Per == "" {
 			err = fmt.Errorf("per is required: %s", calendar.WantPer)

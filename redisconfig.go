@@ -14,6 +14,7 @@ import (
 	"strings"
 	"time"
 
+	"github.com/caddy-redis/ratelimit/internal/logs"
 	"github.com/caddyserver/caddy/v2"
 	"github.com/redis/go-redis/v9"
 )
@@ -233,14 +234,14 @@ func checkAddress(a string) (*redis.Options, error) {
 	}
 	o, err := parseAddress(a)
 	if err != nil {
-		return nil, fmt.Errorf("redis address '%s': %w", redactAddress(a), err)
+		return nil, fmt.Errorf("redis address '%s': %w", logs.RedactAddress(a), err)
 	}
 	return o, nil
 }
 
 // parseAddress accepts `host:port` or a redis:// or rediss:// URL. Its
 // errors never quote the user name or the password (callers name the
-// address by redactAddress): the user information is cut off before
+// address by logs.RedactAddress): the user information is cut off before
 // go-redis parses the rest, since its errors (and net/url's) quote the
 // whole URL. It runs to the last '@', so a password may hold '/', '?',
 // '#' or '@' unescaped; the user name and password are percent-decoded,
@@ -321,7 +322,7 @@ func (c RedisConfig) options(files tlsFiles) (*redis.UniversalOptions, error) {
 	for _, a := range c.Addresses {
 		o, err := parseAddress(a)
 		if err != nil {
-			return nil, fmt.Errorf("address '%s': %w", redactAddress(a), err)
+			return nil, fmt.Errorf("address '%s': %w", logs.RedactAddress(a), err)
 		}
 		opts.Addrs = append(opts.Addrs, o.Addr)
 		if opts.Username == "" {

@@ -139,19 +139,19 @@ func (s *redisStore) reset(ctx context.Context, b bucket) error {
 // decides the request instead.
 
 func (h *Handler) warnOverloaded(err error) {
-	if ok, suppressed := h.overloaded.allow(); ok {
+	if ok, suppressed := h.overloaded.Allow(); ok {
 		h.warnFailed("overloaded: this instance could not send requests to Redis in time", err, suppressed)
 	}
 }
 
 func (h *Handler) warnKind(err kindError) {
-	if ok, suppressed := h.redisWarns.allow(); ok {
+	if ok, suppressed := h.redisWarns.Allow(); ok {
 		h.warnFailed(err.warning(), err, suppressed)
 	}
 }
 
 func (h *Handler) warnRedisFailed(err error) {
-	if ok, suppressed := h.redisWarns.allow(); ok {
+	if ok, suppressed := h.redisWarns.Allow(); ok {
 		h.warnFailed("Redis failed", err, suppressed)
 	}
 }

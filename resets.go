@@ -3,6 +3,7 @@ package ratelimit
 import (
 	"time"
 
+	"github.com/caddy-redis/ratelimit/internal/logs"
 	"github.com/caddy-redis/ratelimit/internal/redisresets"
 	"github.com/caddyserver/caddy/v2"
 	"go.uber.org/zap"
@@ -22,11 +23,11 @@ func resetsLogger() *zap.Logger { return caddy.Log().Named("http.handlers.rate_l
 // is logged, throttled (both warnings share one throttle).
 type resetReceiver struct {
 	l     *limiter
-	warns logThrottle
+	warns logs.Throttle
 }
 
 func newResetReceiver(l *limiter) *resetReceiver {
-	return &resetReceiver{l: l, warns: logThrottle{every: 10 * time.Second}}
+	return &resetReceiver{l: l, warns: logs.Throttle{Every: 10 * time.Second}}
 }
 
 // Reset drops the cached denials of the keys. No lock is held across the
@@ -45,18 +46,18 @@ func (r *resetReceiver) Missed() {
 }
 
 func (r *resetReceiver) TooLarge(bytes, droppedTotal int64) {
-	if ok, suppressed := r.warns.allow(); ok {
+	if ok, suppressed := r.warns.Allow(); ok {
 		resetsLogger().Warn("ignored a message on the reset channel: larger than a reset of one client's buckets",
 			zap.String("channel", r.l.resets.Name()), zap.Int64("bytes", bytes),
 			zap.Int("max_bytes", redisresets.MaxMessage), zap.Int64("ignored_total", droppedTotal),
-			suppressedField(suppressed))
+			logs.Suppressed(suppressed))
 	}
 }
 
 func (r *resetReceiver) Foreign(keys int) {
-	if ok, suppressed := r.warns.allow(); ok {
+	if ok, suppressed := r.warns.Allow(); ok {
 		resetsLogger().Warn("ignored keys on the reset channel without this instance's key_prefix",
 			zap.String("channel", r.l.resets.Name()), zap.Int("keys", keys), zap.String("key_prefix", r.l.keyPrefix),
-			suppressedField(suppressed))
+			logs.Suppressed(suppressed))
 	}
 }

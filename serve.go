@@ -7,6 +7,7 @@ import (
 	"time"
 
 	"github.com/caddy-redis/ratelimit/internal/cost"
+	"github.com/caddy-redis/ratelimit/internal/logs"
 	"github.com/caddy-redis/ratelimit/internal/scan"
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
@@ -307,9 +308,9 @@ func (h *Handler) refuseInvalid(w http.ResponseWriter, r *http.Request, repl *ca
 	if errors.As(err, &pe) && pe.param == "requested_tokens" || errors.As(err, &ve) && ve.FromRequest {
 		status = http.StatusBadRequest
 	}
-	if ok, suppressed := h.paramWarns.allow(); ok {
+	if ok, suppressed := h.paramWarns.Allow(); ok {
 		h.logger.Warn("a limit's value from the request is out of range; refused without taking tokens",
-			zap.String("zone", h.Zone), zap.Int("status", status), zap.Error(err), suppressedField(suppressed))
+			zap.String("zone", h.Zone), zap.Int("status", status), zap.Error(err), logs.Suppressed(suppressed))
 	}
 	h.record(repl, decisionInvalid, nil, -1)
 	return reject(w, r, prebuiltError(status, err))

@@ -4,6 +4,7 @@ import (
 	"context"
 	"time"
 
+	"github.com/caddy-redis/ratelimit/internal/logs"
 	"go.uber.org/zap"
 )
 
@@ -41,9 +42,9 @@ func (h *Handler) giveBackGroups(clientCtx context.Context, taken []bucket) {
 			end++
 		}
 		if err := h.limiter.giveBack(ctx, time.Now(), taken[start:end]); err != nil {
-			if ok, suppressed := h.redisWarns.allow(); ok {
+			if ok, suppressed := h.redisWarns.Allow(); ok {
 				h.logger.Warn("Redis failed while giving tokens back; those buckets stay short until they refill",
-					zap.String("zone", h.Zone), zap.Error(err), suppressedField(suppressed))
+					zap.String("zone", h.Zone), zap.Error(err), logs.Suppressed(suppressed))
 			}
 		}
 		start = end

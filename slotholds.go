@@ -8,6 +8,7 @@ import (
 	"sync"
 	"time"
 
+	"github.com/caddy-redis/ratelimit/internal/logs"
 	"github.com/caddy-redis/ratelimit/internal/redisbatch"
 	"go.uber.org/zap"
 )
@@ -316,9 +317,9 @@ func (h *Handler) slotsFailed(op any, err error) {
 	if err == redisbatch.ErrBreakerOpen {
 		return
 	}
-	if ok, suppressed := h.redisWarns.allow(); ok {
+	if ok, suppressed := h.redisWarns.Allow(); ok {
 		h.logger.Warn("Redis failed while renewing or releasing concurrency slots; a renewal is sent again at the next tick, a release until its slot would have expired",
-			zap.String("zone", h.Zone), zap.Any("op", op), zap.Error(err), suppressedField(suppressed))
+			zap.String("zone", h.Zone), zap.Any("op", op), zap.Error(err), logs.Suppressed(suppressed))
 	}
 }
 

@@ -9,6 +9,7 @@ import (
 	"time"
 
 	"github.com/caddy-redis/ratelimit/internal/cost"
+	"github.com/caddy-redis/ratelimit/internal/keys"
 	"github.com/caddyserver/caddy/v2"
 )
 
@@ -386,7 +387,7 @@ func checkBuckets(h *Handler, names map[string]bool) error {
 		names[l.Name] = true
 		err := checkPrefixes(l.IPv4Prefix, l.IPv6Prefix)
 		if err == nil && l.Key != "" {
-			_, err = parseKeyTemplate(l.Key)
+			_, err = keys.Parse(l.Key)
 		}
 		if err == nil {
 			err = checkValues(or(unset(l.ReplenishRate), unset(h.ReplenishRate)), or(l.BurstCapacity, h.BurstCapacity),

@@ -6,8 +6,8 @@ import (
 	"slices"
 	"strconv"
 	"strings"
-	"unicode/utf8"
 
+	"github.com/caddy-redis/ratelimit/internal/logs"
 	"github.com/caddyserver/caddy/v2"
 )
 
@@ -211,7 +211,7 @@ func compileTerm(param, term string, factors []string, valueFirst bool) (Term, e
 		case text == "":
 			return Term{}, fmt.Errorf("%s '%s': an empty factor (a '*' at an end, or two together); %s", param, term, wantFactors)
 		case !balanced(text):
-			return Term{}, fmt.Errorf("%s '%s': factor '%s' has a brace without its pair; a placeholder is written {name}, such as {http.rate_limit.request.n:1}", param, term, quoted(text))
+			return Term{}, fmt.Errorf("%s '%s': factor '%s' has a brace without its pair; a placeholder is written {name}, such as {http.rate_limit.request.n:1}", param, term, logs.Cut(text))
 		case strings.Contains(text, "{"):
 			t.factors = append(t.factors, factor{text: text, key: onePlaceholder(text), place: -1,
 				fromRequest: isValue || strings.Contains(text, RequestValuePrefix)})
@@ -220,9 +220,9 @@ func compileTerm(param, term string, factors []string, valueFirst bool) (Term, e
 		v, err := parseAmount(text)
 		switch {
 		case err != nil && isValue:
-			return Term{}, fmt.Errorf("%s '%s': value '%s' %s; want a number of tokens, 0 or more, or a placeholder", param, term, quoted(text), err)
+			return Term{}, fmt.Errorf("%s '%s': value '%s' %s; want a number of tokens, 0 or more, or a placeholder", param, term, logs.Cut(text), err)
 		case err != nil:
-			return Term{}, fmt.Errorf("%s '%s': weight '%s' %s; %s", param, term, quoted(text), err, wantWeight)
+			return Term{}, fmt.Errorf("%s '%s': weight '%s' %s; %s", param, term, logs.Cut(text), err, wantWeight)
 		}
 		t.fixed = t.fixed.mul(v)
 	}
@@ -256,7 +256,7 @@ func parseAmount(text string) (amount, error) {
 func ParseTerms(text string) (terms []Term, sum int64, fixed bool, err error) {
 	fields := strings.Fields(text)
 	if len(fields) > maxTerms {
-		return nil, 0, false, fmt.Errorf("requested_tokens '%s': %d terms, more than %d; sum fewer", quoted(text), len(fields), maxTerms)
+		return nil, 0, false, fmt.Errorf("requested_tokens '%s': %d terms, more than %d; sum fewer", logs.Cut(text), len(fields), maxTerms)
 	}
 	fixed = true
 	var total amount
@@ -329,7 +329,7 @@ func resolveFactor(f *factor, param string, repl *caddy.Replacer) (amount, error
 		return amount{}, badValue(param, text, fmt.Sprintf("(from %s) %s: want a number of tokens, 0 or more", f.text, err))
 	case err != nil:
 		return amount{}, &ValueError{msg: fmt.Sprintf("weight '%s' resolved to '%s', which %s; %s (check the map or variable that sets it)",
-			f.text, quoted(text), err, wantWeight)}
+			f.text, logs.Cut(text), err, wantWeight)}
 	}
 	return v, nil
 }
@@ -352,25 +352,7 @@ func (e *ValueError) Error() string { return e.msg }
 // badValue reports a value from the request: "<param> '<value>'
 // <reason>", the value quoted cut short.
 func badValue(param, value, reason string) *ValueError {
-	return &ValueError{FromRequest: true, msg: fmt.Sprintf("%s '%s' %s", param, quoted(value), reason)}
-}
-
-// maxQuoted is how many bytes of a value from a request a message quotes.
-const maxQuoted = 64
-
-// quoted is a value from a request as messages quote it: whole up to
-// maxQuoted bytes, else its first maxQuoted bytes (whole characters)
-// with a marker that gives its length. It cuts as the handler's messages
-// do, so that an error reads the same whichever part wrote it.
-func quoted(v string) string {
-	if len(v) <= maxQuoted {
-		return v
-	}
-	cut := maxQuoted
-	for cut > 0 && !utf8.RuneStart(v[cut]) {
-		cut--
-	}
-	return v[:cut] + "…(" + strconv.Itoa(len(v)) + " bytes in all)"
+	return &ValueError{FromRequest: true, msg: fmt.Sprintf("%s '%s' %s", param, logs.Cut(value), reason)}
 }
 
 // SplitJSONTerm parts a charge json term into its path and the factors
@@ -416,10 +398,10 @@ func checkChargePath(param, term, path string) error {
 		switch c := path[i]; {
 		case c == '{' || c == '}':
 			return fmt.Errorf("%s '%s': path '%s' cannot hold '%c': a path is fixed keys of the body, not placeholders; put placeholders in a weight after it, such as usage.prompt_tokens*{in_price}",
-				param, quoted(term), quoted(path), c)
+				param, logs.Cut(term), logs.Cut(path), c)
 		case c <= ' ' || c == 0x7f:
 			return fmt.Errorf("%s '%s': path '%s' cannot hold spaces or control characters; write keys separated by '.', such as usage.total_tokens, a term per path (in JSON, a string per term)",
-				param, quoted(term), quoted(path))
+				param, logs.Cut(term), logs.Cut(path))
 		}
 	}
 	return nil

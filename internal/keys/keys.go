@@ -1,4 +1,8 @@
-package ratelimit
+// Package keys builds a bucket's Redis key from a request: the `key`
+// template compiled once, its placeholders read from the request (client
+// addresses cut to their network), each value escaped so that no request
+// reaches another client's bucket, and a long client key hashed.
+package keys
 
 import (
 	"crypto/sha256"
@@ -15,43 +19,46 @@ import (
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 )
 
-// keySeparator parts a placeholder's value from what follows when that
+// Separator parts a placeholder's value from what follows when that
 // could otherwise be read as part of the value; values always escape it.
-const keySeparator = "|"
+// Prefixes and suffixes built around a template's keys part their own
+// pieces with it too.
+const Separator = "|"
 
 // maxVerbatimKey is the longest client key kept readable in Redis; a
 // longer one is hashed, so Redis key length stays bounded.
 const maxVerbatimKey = 64
 
-// bucketPrefix starts the Redis keys of one zone and key template:
+// BucketPrefix starts the Redis keys of one zone and key template:
 // `<key_prefix><zone>|<template tag>|`. The tag, 48 bits of the template's
 // SHA-256, keeps apart handlers that share a zone but build keys
 // differently: a header a client sets on one route must not reach the
 // buckets another route keys by address.
-func bucketPrefix(keyPrefix, zone, template string) string {
+func BucketPrefix(keyPrefix, zone, template string) string {
 	sum := sha256.Sum256([]byte(template))
-	return keyPrefix + zone + keySeparator + base64.RawURLEncoding.EncodeToString(sum[:6]) + keySeparator
+	return keyPrefix + zone + Separator + base64.RawURLEncoding.EncodeToString(sum[:6]) + Separator
 }
 
-// keyTemplate is the `key` template compiled once at provision time:
+// Template is the `key` template compiled once at provision time:
 // literal text and placeholders, resolved per request without parsing.
-type keyTemplate struct {
+type Template struct {
 	parts []templatePart
 	// escaped marks bytes that a placeholder's value may not contain as
-	// they are: '%' (the escape), '|' (keySeparator), the template's
+	// they are: '%' (the escape), '|' (Separator), the template's
 	// literal bytes, braces and control bytes. Escaping them keeps the
 	// mapping from values to keys one-to-one, so no request can reach
 	// another client's bucket.
 	escaped [256]bool
-	// ipv4Bits and ipv6Bits cut client addresses to their network.
-	ipv4Bits, ipv6Bits int
+	// IPv4Bits and IPv6Bits cut client addresses to their network
+	// (ipv4_prefix and ipv6_prefix); Parse sets 32 and 64.
+	IPv4Bits, IPv6Bits int
 }
 
 type templatePart struct {
 	literal     string
 	placeholder string // without braces; empty for a literal
 	address     bool   // the placeholder holds the client's address
-	// from says where a request's value is read (see requestValues); name
+	// from says where a request's value is read (see Values); name
 	// is the header's canonical name or the variable's.
 	from placeholderSource
 	name string
@@ -81,7 +88,7 @@ func sourceOf(placeholder string) (placeholderSource, string) {
 	return fromReplacer, ""
 }
 
-// requestValues reads one request's placeholder values, once for all the
+// Values reads one request's placeholder values, once for all the
 // limits of a handler. The most common ones in keys (a header, a variable
 // such as client_ip, the remote host) are read from the request itself,
 // as the HTTP provider of the request's replacer reads them, which answers
@@ -89,15 +96,21 @@ func sourceOf(placeholder string) (placeholderSource, string) {
 // before it, and without boxing the value (1 alloc and about 0.1 µs less
 // per key of {client_ip}:{http.request.header.X-Key}: BenchmarkKeyResolve,
 // ip+header/request against /replacer). The others come from the replacer.
-type requestValues struct {
+type Values struct {
 	r    *http.Request // nil: every value from repl (the admin API's)
 	repl *caddy.Replacer
 	vars map[string]any // the request's variables, once looked up
 	seen bool
 }
 
+// RequestValues are the placeholder values of r, read from r itself
+// where they can be and else from repl, the request's replacer.
+func RequestValues(r *http.Request, repl *caddy.Replacer) Values {
+	return Values{r: r, repl: repl}
+}
+
 // value is a placeholder's value for the request.
-func (rv *requestValues) value(p *templatePart) string {
+func (rv *Values) value(p *templatePart) string {
 	if rv.r != nil {
 		switch p.from {
 		case fromHeader:
@@ -133,11 +146,16 @@ var addressPlaceholders = map[string]bool{
 	"client_ip": true, "http.vars.client_ip": true, "remote_host": true, "http.request.remote.host": true,
 }
 
-// parseKeyTemplate compiles a template such as
+// HoldsAddress says whether a placeholder (its name without braces)
+// holds the client's address, which ipv4_prefix and ipv6_prefix cut to
+// its network.
+func HoldsAddress(placeholder string) bool { return addressPlaceholders[placeholder] }
+
+// Parse compiles a template such as
 // `{client_ip}:{http.request.header.X-Tenant}`. No brace reaches a key:
 // values escape them and literal ones are refused. Its errors name the
 // `key` subdirective and the template.
-func parseKeyTemplate(s string) (keyTemplate, error) {
+func Parse(s string) (Template, error) {
 	t, err := compileKeyTemplate(s)
 	if err != nil {
 		return t, fmt.Errorf("key '%s': %w", s, err)
@@ -145,8 +163,8 @@ func parseKeyTemplate(s string) (keyTemplate, error) {
 	return t, nil
 }
 
-func compileKeyTemplate(s string) (keyTemplate, error) {
-	t := keyTemplate{ipv4Bits: 32, ipv6Bits: 64}
+func compileKeyTemplate(s string) (Template, error) {
+	t := Template{IPv4Bits: 32, IPv6Bits: 64}
 	var lit strings.Builder
 	flush := func() {
 		if lit.Len() > 0 {
@@ -191,12 +209,12 @@ func compileKeyTemplate(s string) (keyTemplate, error) {
 			continue
 		}
 		if next := t.parts[i+1]; next.placeholder != "" || next.literal[0] == '%' {
-			parts = append(parts, templatePart{literal: keySeparator})
+			parts = append(parts, templatePart{literal: Separator})
 		}
 	}
 	t.parts = parts
 	for b := range 256 {
-		t.escaped[b] = b < 0x21 || b >= 0x7f || b == '%' || b == '{' || b == '}' || b == '#' || b == int(keySeparator[0])
+		t.escaped[b] = b < 0x21 || b >= 0x7f || b == '%' || b == '{' || b == '}' || b == '#' || b == int(Separator[0])
 	}
 	for _, p := range t.parts {
 		for i := 0; i < len(p.literal); i++ {
@@ -206,22 +224,34 @@ func compileKeyTemplate(s string) (keyTemplate, error) {
 	return t, nil
 }
 
-// redisKey resolves the template from a replacer's values (the admin
-// API's) and returns the Redis key of its bucket; see key.
-func (t *keyTemplate) redisKey(repl *caddy.Replacer, prefix, suffix string) string {
-	return t.key(&requestValues{repl: repl}, prefix, suffix)
+// Placeholders lists the template's placeholders (without braces) as
+// the template writes them, in its order.
+func (t *Template) Placeholders() []string {
+	var names []string
+	for _, p := range t.parts {
+		if p.placeholder != "" {
+			names = append(names, p.placeholder)
+		}
+	}
+	return names
+}
+
+// ReplacerKey resolves the template from a replacer's values (the admin
+// API's) and returns the Redis key of its bucket; see Key.
+func (t *Template) ReplacerKey(repl *caddy.Replacer, prefix, suffix string) string {
+	return t.Key(&Values{repl: repl}, prefix, suffix)
 }
 
 // maxStackKey is the longest key built without a buffer on the heap:
 // most are far shorter, and a longer client key is hashed anyway.
 const maxStackKey = 256
 
-// key resolves the template for one request and returns the Redis key of
+// Key resolves the template for one request and returns the Redis key of
 // its bucket: prefix, the client key, suffix, in one allocation of its
 // size (built on the stack: 48 B for ip+header instead of a 96 B builder).
 // It returns "" when any placeholder resolves to nothing, so that a
 // composite key never merges clients whose header is missing.
-func (t *keyTemplate) key(rv *requestValues, prefix, suffix string) string {
+func (t *Template) Key(rv *Values, prefix, suffix string) string {
 	var buf [maxStackKey]byte
 	b := append(buf[:0], prefix...)
 	for i := range t.parts {
@@ -250,8 +280,8 @@ func (t *keyTemplate) key(rv *requestValues, prefix, suffix string) string {
 // as it is with the IPv4 default of 32 bits, `2001:db8:1::/64` with the
 // IPv6 default. IPv4-mapped IPv6 addresses count as IPv4. A value that is
 // no address is written as any value.
-func (t *keyTemplate) appendAddress(b []byte, v string) []byte {
-	if t.ipv4Bits == 32 && strings.IndexByte(v, ':') < 0 {
+func (t *Template) appendAddress(b []byte, v string) []byte {
+	if t.IPv4Bits == 32 && strings.IndexByte(v, ':') < 0 {
 		// No IPv6 address (and no IPv4-mapped one) without a ':': an IPv4
 		// address kept whole or no address at all, both written as they
 		// are, without parsing (about 20 ns per key: BenchmarkKeyResolve/client_ip).
@@ -261,9 +291,9 @@ func (t *keyTemplate) appendAddress(b []byte, v string) []byte {
 	if err != nil {
 		return appendEscaped(t, b, v)
 	}
-	bits, full := t.ipv6Bits, 128
+	bits, full := t.IPv6Bits, 128
 	if addr.Is4In6() || addr.Is4() {
-		bits, full = t.ipv4Bits, 32
+		bits, full = t.IPv4Bits, 32
 	}
 	if addr.Is4() && bits == full {
 		return appendEscaped(t, b, v) // the common case, as written
@@ -283,7 +313,7 @@ func (t *keyTemplate) appendAddress(b []byte, v string) []byte {
 }
 
 // appendEscaped appends v, percent-encoding the bytes the template reserves.
-func appendEscaped[S ~string | ~[]byte](t *keyTemplate, b []byte, v S) []byte {
+func appendEscaped[S ~string | ~[]byte](t *Template, b []byte, v S) []byte {
 	const hex = "0123456789ABCDEF"
 	for i := 0; i < len(v); i++ {
 		c := v[i]

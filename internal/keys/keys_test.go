@@ -1,4 +1,4 @@
-package ratelimit
+package keys
 
 import (
 	"crypto/tls"
@@ -13,7 +13,7 @@ import (
 
 func resolve(t *testing.T, template, prefix string, values map[string]string) string {
 	t.Helper()
-	kt, err := parseKeyTemplate(template)
+	kt, err := Parse(template)
 	if err != nil {
 		t.Fatalf("parse %q: %v", template, err)
 	}
@@ -21,7 +21,7 @@ func resolve(t *testing.T, template, prefix string, values map[string]string) st
 	for k, v := range values {
 		repl.Set(k, v)
 	}
-	return kt.redisKey(repl, prefix, "")
+	return kt.ReplacerKey(repl, prefix, "")
 }
 
 func TestKeyTemplateResolvesPlaceholdersAndLiterals(t *testing.T) {
@@ -104,7 +104,7 @@ func TestKeyLengthBoundedByHashing(t *testing.T) {
 func TestKeyTemplateRejectsMalformed(t *testing.T) {
 	// A literal brace, even escaped, would make a Cluster hash tag.
 	for _, s := range []string{"", "{", "{ip", "ip}", "{}", "{a {b}", `\{lit\}{ip}`, `{ip}\}`} {
-		if _, err := parseKeyTemplate(s); err == nil {
+		if _, err := Parse(s); err == nil {
 			t.Errorf("%q accepted", s)
 		}
 	}
@@ -137,11 +137,11 @@ func TestKeyFromRequestIsTheReplacersKey(t *testing.T) {
 	}
 	resolved := 0
 	for _, template := range templates {
-		kt, err := parseKeyTemplate(template)
+		kt, err := Parse(template)
 		if err != nil {
 			t.Fatal(err)
 		}
-		kt.ipv6Bits = 48
+		kt.IPv6Bits = 48
 		for _, rc := range requests {
 			r, err := http.NewRequest(http.MethodGet, "http://example.com/some/path", nil)
 			if err != nil {
@@ -150,8 +150,8 @@ func TestKeyFromRequestIsTheReplacersKey(t *testing.T) {
 			r.RemoteAddr, r.TLS, r.Header = rc.remote, rc.tls, rc.header
 			r = caddyhttp.PrepareRequest(r, caddy.NewReplacer(), httptest.NewRecorder(), &caddyhttp.Server{})
 			repl := r.Context().Value(caddy.ReplacerCtxKey).(*caddy.Replacer)
-			fromRequest := kt.key(&requestValues{r: r, repl: repl}, "p|", "|s")
-			fromReplacer := kt.redisKey(repl, "p|", "|s")
+			fromRequest := kt.Key(&Values{r: r, repl: repl}, "p|", "|s")
+			fromReplacer := kt.ReplacerKey(repl, "p|", "|s")
 			if fromRequest != fromReplacer {
 				t.Errorf("%s, %s: key %q from the request, %q from the replacer", template, rc.name, fromRequest, fromReplacer)
 			}

@@ -1,4 +1,4 @@
-package ratelimit
+package logs
 
 import (
 	"strings"
@@ -6,7 +6,7 @@ import (
 	"unicode/utf8"
 )
 
-func TestCutValueQuotesSixtyFourBytesAndTheLength(t *testing.T) {
+func TestCutQuotesSixtyFourBytesAndTheLength(t *testing.T) {
 	for _, c := range []struct{ name, value, want string }{
 		{"short", "abc", "abc"},
 		{"64 bytes", strings.Repeat("a", 64), strings.Repeat("a", 64)},
@@ -15,7 +15,7 @@ func TestCutValueQuotesSixtyFourBytesAndTheLength(t *testing.T) {
 		// A character across byte 64 is left out whole.
 		{"multibyte", strings.Repeat("a", 63) + "é" + "b", strings.Repeat("a", 63) + "…(66 bytes in all)"},
 	} {
-		got := cutValue(c.value)
+		got := Cut(c.value)
 		if got != c.want || !utf8.ValidString(got) {
 			t.Errorf("%s: %q, want %q", c.name, got, c.want)
 		}

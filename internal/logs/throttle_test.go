@@ -1,4 +1,4 @@
-package ratelimit
+package logs
 
 import (
 	"sync"
@@ -7,16 +7,16 @@ import (
 	"time"
 )
 
-// TestLogThrottleLetsItsLinesThroughOnceWhenCalledTogether: calls that
+// TestThrottleLetsItsLinesThroughOnceWhenCalledTogether: calls that
 // meet a new interval together let through at most its lines, however
 // they interleave (a zone's release failures are answered on two
 // workers at once). Each round is a fresh throttle and goroutines
 // released together.
-func TestLogThrottleLetsItsLinesThroughOnceWhenCalledTogether(t *testing.T) {
+func TestThrottleLetsItsLinesThroughOnceWhenCalledTogether(t *testing.T) {
 	const rounds, callers = 20000, 8
 	over := 0
 	for range rounds {
-		th := &logThrottle{every: 10 * time.Second}
+		th := &Throttle{Every: 10 * time.Second}
 		var allowed atomic.Int64
 		var ready, done sync.WaitGroup
 		start := make(chan struct{})
@@ -27,7 +27,7 @@ func TestLogThrottleLetsItsLinesThroughOnceWhenCalledTogether(t *testing.T) {
 				defer done.Done()
 				ready.Done()
 				<-start
-				if ok, _ := th.allow(); ok {
+				if ok, _ := th.Allow(); ok {
 					allowed.Add(1)
 				}
 			}()

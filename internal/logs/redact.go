@@ -1,4 +1,4 @@
-package ratelimit
+package logs
 
 import (
 	"strconv"
@@ -14,10 +14,10 @@ import (
 // maxQuoted is how many bytes of a value from a request a message quotes.
 const maxQuoted = 64
 
-// cutValue is a value from a request (or an admin query) as messages
-// quote it: whole up to maxQuoted bytes, else its first maxQuoted bytes
+// Cut is a value from a request (or an admin query) as messages quote
+// it: whole up to maxQuoted bytes, else its first maxQuoted bytes
 // (whole characters) with a marker that gives its length.
-func cutValue(v string) string {
+func Cut(v string) string {
 	if len(v) <= maxQuoted {
 		return v
 	}
@@ -32,14 +32,14 @@ func cutValue(v string) string {
 // url.URL.Redacted writes it.
 const redactedPassword = "xxxxx"
 
-// redactAddress is a Redis address as messages show it: the password of
+// RedactAddress is a Redis address as messages show it: the password of
 // a URL's user information replaced by xxxxx, the user name kept (as
 // url.URL.Redacted does). The user information runs to the last '@', as
-// parseAddress reads it, so a password holding '/', '?', '#' or '@' is
-// hidden whole, also in addresses that do not parse. In an address
+// the Redis configuration reads addresses, so a password holding '/',
+// '?', '#' or '@' is hidden whole, also in addresses that do not parse. In an address
 // without a scheme, where a user name has no place, everything before
 // the '@' is hidden.
-func redactAddress(a string) string {
+func RedactAddress(a string) string {
 	at := strings.LastIndexByte(a, '@')
 	if at < 0 {
 		return a

@@ -521,10 +521,11 @@ func BenchmarkLeaseCall(b *testing.B) {
 		Lease: &Lease{MaxTokens: 32}, Redis: &RedisConfig{Addresses: []string{srv.Addr}, Timeout: caddy.Duration(2 * time.Second)}})
 	values := h.limits[0].values
 	l := &lease{record: leaseRecordKey("rate_limit:bench-leasecall|k"), values: values}
-	buckets := []bucket{{key: "rate_limit:bench-leasecall|k", values: values, args: values.scriptArgs(), layer: layerBucket{lease: l}}}
+	buckets := []bucket{{key: "rate_limit:bench-leasecall|k", values: values, args: values.scriptArgs()}}
+	states := []leaseState{{lease: l}}
 	b.ReportAllocs()
 	for b.Loop() {
-		if _, err := h.leases.call(context.Background(), h.limiter, time.Now(), leaseModeRenew, h.leases.seq.Add(1), buckets); err != nil {
+		if _, err := h.leases.call(context.Background(), h.limiter, time.Now(), leaseModeRenew, h.leases.seq.Add(1), buckets, states); err != nil {
 			b.Fatal(err)
 		}
 	}
@@ -627,7 +628,7 @@ func BenchmarkLeaseAcquireCold(b *testing.B) {
 	for i := range keys {
 		keys[i] = "rate_limit:bench-lease|127.0.0.1:key-" + strconv.Itoa(i)
 	}
-	buckets := make([]bucket, 1)
+	buckets, marks := make([]bucket, 1), make([]int64, 1)
 	now := time.Now()
 	b.ReportAllocs()
 	i := 0
@@ -635,7 +636,7 @@ func BenchmarkLeaseAcquireCold(b *testing.B) {
 		buckets[0] = bucket{key: keys[i%len(keys)]}
 		now = now.Add(20 * time.Microsecond) // each key seen every 200 ms, two holds
 		counted := false
-		if o, _ := ls.acquire(now, buckets, &counted, false); o != leaseCold {
+		if o, _ := ls.acquire(now, buckets, marks, &counted, false); o != leaseCold {
 			b.Fatalf("outcome %v; want cold", o)
 		}
 		i++
@@ -653,6 +654,7 @@ func BenchmarkAdmitHot(b *testing.B) {
 	values := limitValues{rate: 1e9, burst: 1_000_000_000, requested: 1}
 	buckets := []bucket{{key: key, values: values}}
 	b.Run("lease", func(b *testing.B) {
+		marks := make([]int64, len(buckets))
 		ls := newLeases(&Lease{MaxTokens: 32}, time.Second)
 		now := time.Now()
 		ls.shards[ls.shardIndex(key)].byKey[key] = &lease{values: values, counted: true, tokens: 1 << 62,
@@ -660,7 +662,7 @@ func BenchmarkAdmitHot(b *testing.B) {
 		b.ReportAllocs()
 		for b.Loop() {
 			counted := false
-			if o, _ := ls.acquire(now, buckets, &counted, false); o != leaseAdmitted {
+			if o, _ := ls.acquire(now, buckets, marks, &counted, false); o != leaseAdmitted {
 				b.Fatalf("outcome %v; want admitted", o)
 			}
 		}

@@ -146,16 +146,13 @@ type lease struct {
 	rated bool
 }
 
-// layerBucket is what the lease layer knows of a request's bucket
-// (bucket.layer).
-type layerBucket struct {
-	// fromLease is, when the request's tokens came from this instance's
-	// lease, the lease's reports at that time (see lease.reports); 0
-	// otherwise. A charged response settles there first (settleLeased).
-	fromLease int64
-	// The bucket's lease, what it held unused and the most it should hold
-	// when its call left, and what Redis counts as lent to it after the
-	// call.
+// leaseState is what the lease layer knows of one bucket of a call, in
+// a slice parallel to the call's buckets (states[i] is buckets[i]'s):
+// the bucket's lease, what it held unused and the most it should hold
+// when the call left, and what Redis counts as lent to it after the
+// call. It is the layer's alone, kept beside the buckets rather than in
+// each, so that a bucket carries nothing of a layer.
+type leaseState struct {
 	lease              *lease
 	held, want, leased int64
 }
@@ -169,6 +166,11 @@ type leaseFlight struct {
 	// buckets are a renewal's own copies of its request's buckets (a
 	// request's call uses the request's).
 	buckets []bucket
+	// states are the lease states of the flight's buckets (register), in
+	// their order: in inline for up to maxInlineBuckets, within the
+	// flight's one allocation.
+	states []leaseState
+	inline [maxInlineBuckets]leaseState
 }
 
 func newLeases(c *Lease, timeout time.Duration) *leases {
@@ -247,7 +249,12 @@ const (
 // lease, and nothing is made for it. On its first try (counted unset,
 // then set), a request counts into the rates of its buckets' leases
 // (those that exist) and is sighted on the others.
-func (ls *leases) acquire(now time.Time, buckets []bucket, counted *bool, lead bool) (leaseOutcome, *leaseFlight) {
+//
+// marks are the request's, one per bucket (request.layerMarks): an
+// admitted request's are its leases' reports then (see lease.reports),
+// by which a charged response settles in the lease it came from
+// (settleLeased); the others' are left as they are, 0.
+func (ls *leases) acquire(now time.Time, buckets []bucket, marks []int64, counted *bool, lead bool) (leaseOutcome, *leaseFlight) {
 	// Each key is hashed once and its lease looked up once: the shards to
 	// lock, the sighting and the admission share them, where they took
 	// three hashes and two lookups (BenchmarkAdmitHot/lease, 8 runs of
@@ -308,7 +315,7 @@ func (ls *leases) acquire(now time.Time, buckets []bucket, counted *bool, lead b
 			if l.flight != nil {
 				l.spent += b.values.requested
 			}
-			b.layer.fromLease = l.reports
+			marks[i] = l.reports
 			b.remaining, b.retryAfter = l.remaining+l.tokens, 0
 			renew = renew || now.After(l.calm) && (l.tokens <= l.renewAt || !now.Before(l.renewBy))
 		}
@@ -344,10 +351,15 @@ func (ls *leases) inFlight(buckets []bucket) *leaseFlight {
 }
 
 // register makes f the flight of each bucket's lease (made if missing),
-// and sets what its call reports and asks: the tokens the lease holds
-// unused, and the most it should hold after the call. The caller holds
-// the buckets' shards locked.
+// and sets in f's states what its call reports and asks: the tokens the
+// lease holds unused, and the most it should hold after the call. The
+// caller holds the buckets' shards locked.
 func (ls *leases) register(now time.Time, f *leaseFlight, buckets []bucket) {
+	if len(buckets) <= maxInlineBuckets {
+		f.states = f.inline[:len(buckets)]
+	} else {
+		f.states = make([]leaseState, len(buckets))
+	}
 	for i := range buckets {
 		b := &buckets[i]
 		l := ls.get(b.key)
@@ -357,40 +369,39 @@ func (ls *leases) register(now time.Time, f *leaseFlight, buckets []bucket) {
 		}
 		l.flight, l.spent = f, 0
 		l.reports++
-		b.layer.lease, b.layer.held = l, l.tokens
-		b.layer.want = min(ls.max, l.tokens+ls.grant(l, now, b.values.requested))
+		f.states[i] = leaseState{lease: l, held: l.tokens, want: min(ls.max, l.tokens+ls.grant(l, now, b.values.requested))}
 	}
 }
 
 // land records what a call answered at now for the buckets, which the
-// flight covers: each bucket's leased is what Redis counts as lent to this
-// instance now, and what was admitted from the lease since the call left
-// is spent out of it. The hold starts anew from when the call left. A
-// failed call (err) changes no lease: Redis counts each as long as this
-// instance may admit from it, so it is used until its hold ends.
-// Buckets whose call was not answered are passed with err set too. Once
-// the leases are closed, what they hold is returned, for a give-back. A
-// lease whose measured rate asked for nothing, and that holds nothing, is
-// forgotten: its key is cold again.
-func (ls *leases) land(f *leaseFlight, buckets []bucket, now time.Time, err error) (back []bucket) {
+// flight covers, with their states: each state's leased is what Redis
+// counts as lent to this instance now, and what was admitted from the
+// lease since the call left is spent out of it. The hold starts anew
+// from when the call left. A failed call (err) changes no lease: Redis
+// counts each as long as this instance may admit from it, so it is used
+// until its hold ends. Buckets whose call was not answered are passed
+// with err set too. Once the leases are closed, what they hold is
+// returned, for a give-back. A lease whose measured rate asked for
+// nothing, and that holds nothing, is forgotten: its key is cold again.
+func (ls *leases) land(f *leaseFlight, buckets []bucket, states []leaseState, now time.Time, err error) (back leaseReturns) {
 	var inline [maxInlineBuckets]int
 	shards := ls.lock(buckets, inline[:0])
 	defer ls.unlock(shards)
 	closed := ls.closed.Load() // under the locks: close's last give-back comes after
 	for i := range buckets {
-		b := &buckets[i]
-		l := b.layer.lease
+		b, st := &buckets[i], &states[i]
+		l := st.lease
 		if l == nil || l.flight != f {
 			continue
 		}
 		if err != nil {
 			l.calm = now.Add(ls.hold / 8)
 		} else {
-			l.tokens = max(0, b.layer.leased-l.spent)
+			l.tokens = max(0, st.leased-l.spent)
 			rtt := now.Sub(f.sent)
 			l.rtt = max(rtt, (l.rtt+rtt)/2)
-			l.renewAt = max(max(0, b.layer.leased-b.layer.held)/2, int64(math.Ceil(4*l.rate*l.rtt.Seconds()))*b.values.requested)
-			l.counted = b.layer.leased > 0
+			l.renewAt = max(max(0, st.leased-st.held)/2, int64(math.Ceil(4*l.rate*l.rtt.Seconds()))*b.values.requested)
+			l.counted = st.leased > 0
 			l.until = f.sent.Add(ls.hold)
 			l.renewBy = l.until.Add(-max(ls.hold/4, 2*l.rtt))
 			l.remaining, l.values = b.remaining, b.values
@@ -398,9 +409,9 @@ func (ls *leases) land(f *leaseFlight, buckets []bucket, now time.Time, err erro
 		}
 		l.spent = 0
 		if closed && l.counted {
-			back = append(back, ls.giveBackBucket(b.key, l, false))
+			back.add(ls.giveBackBucket(b.key, l, false))
 		}
-		if err == nil && b.layer.leased == 0 && b.layer.want == 0 && l.rated {
+		if err == nil && st.leased == 0 && st.want == 0 && l.rated {
 			// Cooled: its rate asked for nothing and nothing is lent. Its
 			// requests go to Redis as without lease until it is hot again.
 			hash := maphash.String(ls.seed, b.key)
@@ -414,13 +425,14 @@ func (ls *leases) land(f *leaseFlight, buckets []bucket, now time.Time, err erro
 	return back
 }
 
-// finish ends a flight: its buckets may fly again, and the requests that
-// waited for it try their leases again (or share its error).
+// finish ends a flight over the buckets it registered: they may fly
+// again, and the requests that waited for it try their leases again (or
+// share its error).
 func (ls *leases) finish(f *leaseFlight, buckets []bucket, err error) {
 	var inline [maxInlineBuckets]int
 	shards := ls.lock(buckets, inline[:0])
-	for i := range buckets {
-		if l := buckets[i].layer.lease; l != nil && l.flight == f {
+	for i := range f.states {
+		if l := f.states[i].lease; l != nil && l.flight == f {
 			l.flight = nil
 		}
 	}
@@ -430,16 +442,17 @@ func (ls *leases) finish(f *leaseFlight, buckets []bucket, err error) {
 }
 
 // giveBackBucket is the bucket at key, to which lease l gives back what
-// it holds. Redis stops counting l; so does this instance. l keeps its
-// tokens until its next call when keep is set (see take), else they go
-// at once. The caller holds the bucket's shard locked.
-func (ls *leases) giveBackBucket(key string, l *lease, keep bool) bucket {
-	b := bucket{key: key, values: l.values, args: l.values.scriptArgs(), layer: layerBucket{lease: l, held: l.tokens}}
+// it holds, and its state for that call. Redis stops counting l; so does
+// this instance. l keeps its tokens until its next call when keep is set
+// (see take), else they go at once. The caller holds the bucket's shard
+// locked.
+func (ls *leases) giveBackBucket(key string, l *lease, keep bool) (bucket, leaseState) {
+	b, st := bucket{key: key, values: l.values, args: l.values.scriptArgs()}, leaseState{lease: l, held: l.tokens}
 	l.counted = false
 	if !keep {
 		l.tokens = 0
 	}
-	return b
+	return b, st
 }
 
 // take returns the leases to give back by now: those whose hold ended
@@ -457,7 +470,7 @@ func (ls *leases) giveBackBucket(key string, l *lease, keep bool) bucket {
 // give-back lands, carries them into the new lease, where dropping them
 // here would have the take report them used and lose them. Picked with
 // everything (at close), a lease may be within its hold, and drops them.
-func (ls *leases) take(now time.Time, everything bool) (back []bucket, seq int64) {
+func (ls *leases) take(now time.Time, everything bool) (back leaseReturns, seq int64) {
 	seq = ls.seq.Add(1)
 	for i := range ls.shards {
 		shard := &ls.shards[i]
@@ -467,7 +480,7 @@ func (ls *leases) take(now time.Time, everything bool) (back []bucket, seq int64
 				continue
 			}
 			if l.counted {
-				back = append(back, ls.giveBackBucket(key, l, !everything))
+				back.add(ls.giveBackBucket(key, l, !everything))
 			}
 			if everything || !now.Before(l.until.Add(ls.hold)) {
 				delete(shard.byKey, key)

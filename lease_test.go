@@ -408,14 +408,14 @@ func TestLeaseTable(t *testing.T) {
 	// again.
 	acq := func(now time.Time, bs []bucket, first, lead bool) (leaseOutcome, *leaseFlight) {
 		counted := !first
-		return ls.acquire(now, bs, &counted, lead)
+		return ls.acquire(now, bs, make([]int64, len(bs)), &counted, lead)
 	}
 	answer := func(f *leaseFlight, bs []bucket, leased, remaining int64) {
 		t.Helper()
 		for i := range bs {
-			bs[i].layer.leased, bs[i].remaining = leased, remaining
+			f.states[i].leased, bs[i].remaining = leased, remaining
 		}
-		if back := ls.land(f, bs, f.sent, nil); len(back) != 0 {
+		if back := ls.land(f, bs, f.states, f.sent, nil); back.len() != 0 {
 			t.Fatalf("landing gave back %+v", back)
 		}
 		ls.finish(f, bs, nil)
@@ -436,8 +436,8 @@ func TestLeaseTable(t *testing.T) {
 		t.Fatalf("a hot key without a lease: %v %v; want a miss", o, f)
 	}
 	o, f := acq(t0, a, false, true)
-	if o != leaseMiss || f == nil || a[0].layer.lease == nil || a[0].layer.held != 0 || a[0].layer.want != 10 {
-		t.Fatalf("leading: %v %v %+v; want a flight, asking for 10", o, f, a[0])
+	if o != leaseMiss || f == nil || f.states[0].lease == nil || f.states[0].held != 0 || f.states[0].want != 10 {
+		t.Fatalf("leading: %v %v %+v; want a flight, asking for 10", o, f, f.states[0])
 	}
 	if o, f2 := acq(t0, ask(v, "a"), true, false); o != leaseWait || f2 != f {
 		t.Fatalf("another miss during the call: %v; want it to wait for the flight", o)
@@ -458,8 +458,8 @@ func TestLeaseTable(t *testing.T) {
 	a = ask(v, "a")
 	acq(t1, a, true, false)
 	_, f = acq(t1, a, false, true)
-	if a[0].layer.want != 10 {
-		t.Errorf("after 10 requests in 10ms: wants %d, want 10", a[0].layer.want)
+	if f.states[0].want != 10 {
+		t.Errorf("after 10 requests in 10ms: wants %d, want 10", f.states[0].want)
 	}
 	answer(f, a, 10, 88)
 	if a[0].remaining != 98 || held("a") != 10 {
@@ -484,7 +484,7 @@ func TestLeaseTable(t *testing.T) {
 		acq(t1, ask(v, "a"), true, false)
 	}
 	o, renewal := acq(t1, ask(v, "a"), true, false)
-	if o != leaseAdmitted || renewal == nil || len(renewal.buckets) != 1 || renewal.buckets[0].layer.held != 5 {
+	if o != leaseAdmitted || renewal == nil || len(renewal.buckets) != 1 || renewal.states[0].held != 5 {
 		t.Fatalf("at 5 of 10: %v, renewal %+v; want admitted, and a renewal reporting 5", o, renewal)
 	}
 	if o, again := acq(t1, ask(v, "a"), true, false); o != leaseAdmitted || again != nil {
@@ -507,7 +507,7 @@ func TestLeaseTable(t *testing.T) {
 	if failed == nil {
 		t.Fatal("no renewal at 2 of 5 lent")
 	}
-	ls.land(failed, failed.buckets, t2, redisbatch.ErrBreakerOpen)
+	ls.land(failed, failed.buckets, failed.states, t2, redisbatch.ErrBreakerOpen)
 	ls.finish(failed, failed.buckets, redisbatch.ErrBreakerOpen)
 	if held("a") != 2 || ls.get("a").until != t2.Add(hold) {
 		t.Errorf("after a failed renewal: %d held until %v; want 2 until %v", held("a"), ls.get("a").until, t2.Add(hold))
@@ -520,18 +520,18 @@ func TestLeaseTable(t *testing.T) {
 	}
 
 	// Nothing goes back within the hold, or while a call is in flight.
-	if back, _ := ls.take(t2.Add(hold-time.Nanosecond), false); len(back) != 0 {
+	if back, _ := ls.take(t2.Add(hold-time.Nanosecond), false); back.len() != 0 {
 		t.Errorf("gave back %+v before the hold ended", back)
 	}
 	inFlight := ask(v, "a")
 	_, inFlightF := acq(t2.Add(hold), inFlight, false, true)
-	if back, _ := ls.take(t2.Add(hold), false); len(back) != 0 {
+	if back, _ := ls.take(t2.Add(hold), false); back.len() != 0 {
 		t.Errorf("gave back %+v while a call was in flight", back)
 	}
-	ls.land(inFlightF, inFlight, t2.Add(hold), redisbatch.ErrBreakerOpen)
+	ls.land(inFlightF, inFlight, inFlightF.states, t2.Add(hold), redisbatch.ErrBreakerOpen)
 	ls.finish(inFlightF, inFlight, redisbatch.ErrBreakerOpen)
 	back, _ := ls.take(t2.Add(hold), false)
-	if len(back) != 1 || back[0].key != "a" || back[0].layer.held != 2 || ls.get("a").counted {
+	if back.len() != 1 || back.buckets[0].key != "a" || back.states[0].held != 2 || ls.get("a").counted {
 		t.Fatalf("at the end of the hold gave back %+v; want bucket a, its 2", back)
 	}
 	// Kept for the lease's next call to report (its hold is over: none is
@@ -540,7 +540,7 @@ func TestLeaseTable(t *testing.T) {
 		t.Errorf("after the give-back was picked: %v, a holds %d; want a miss, the 2 kept", o, held("a"))
 	}
 	kept := ls.get("a") != nil
-	if back, _ := ls.take(t2.Add(2*hold), false); !kept || back != nil || ls.get("a") != nil {
+	if back, _ := ls.take(t2.Add(2*hold), false); !kept || back.buckets != nil || ls.get("a") != nil {
 		t.Error("a lease given back is forgotten at once, or never")
 	}
 
@@ -549,8 +549,8 @@ func TestLeaseTable(t *testing.T) {
 	acq(t2, e, true, true)
 	_, fe := acq(t2, e, false, true)
 	ls.closed.Store(true)
-	e[0].layer.leased = 7
-	if back := ls.land(fe, e, t2, nil); len(back) != 1 || back[0].layer.held != 7 || held("e") != 0 {
+	fe.states[0].leased = 7
+	if back := ls.land(fe, e, fe.states, t2, nil); back.len() != 1 || back.states[0].held != 7 || held("e") != 0 {
 		t.Errorf("a call landing after close: %+v, e holds %d; want e's 7 back, nothing kept", back, held("e"))
 	}
 }
@@ -575,10 +575,11 @@ func TestLeaseRenewsSoonerWhenCallsAreSlow(t *testing.T) {
 		{time.Millisecond, 6, 26 * time.Millisecond},       // 13ms: 5.2 in four
 		{time.Millisecond, 5, 25 * time.Millisecond},       // 7ms: 2.8 in four, under half of the 10
 	} {
-		b := []bucket{{key: "k", values: v, layer: layerBucket{lease: l, leased: 10}}}
+		b := []bucket{{key: "k", values: v}}
+		states := []leaseState{{lease: l, leased: 10}}
 		f := &leaseFlight{done: make(chan struct{}), sent: t0}
 		l.flight = f
-		ls.land(f, b, t0.Add(tc.rtt), nil)
+		ls.land(f, b, states, t0.Add(tc.rtt), nil)
 		if l.renewAt != tc.want || l.until.Sub(l.renewBy) != tc.by {
 			t.Errorf("10 lent, 100 requests a second, a call of %v (round trip now %v): renews at %d left and %v before the hold ends, want %d and %v",
 				tc.rtt, l.rtt, l.renewAt, l.until.Sub(l.renewBy), tc.want, tc.by)
@@ -1002,8 +1003,8 @@ func TestLeaseGiveBackLandingAfterANewerTakeKeepsItsLease(t *testing.T) {
 	until := sh.byKey[key].until
 	sh.mu.Unlock()
 	back, seq := h.leases.take(until, false)
-	if len(back) != 1 {
-		t.Fatalf("picked %d leases to give back, want the one on %s", len(back), key)
+	if back.len() != 1 {
+		t.Fatalf("picked %d leases to give back, want the one on %s", back.len(), key)
 	}
 	start := log.now()
 	if status, _, _ := hit(h, "k"); status != 200 {

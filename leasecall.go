@@ -57,7 +57,9 @@ func init() {
 }
 
 // settle settles in the leases first (settleLeased).
-func (l leaseLayer) settle(r *request, items []settling) { l.h.settleLeased(r.buckets, items) }
+func (l leaseLayer) settle(r *request, items []settling) {
+	l.h.settleLeased(r.buckets, r.layerMarks, items)
+}
 
 // reset makes a bucket full less what its leases hold (deleting it would
 // drop its mark, and with it what is lent), after this instance's
@@ -69,7 +71,7 @@ func (l leaseLayer) reset(ctx context.Context, b bucket) error {
 
 func (l leaseLayer) take(ctx context.Context, r *request) (bool, error) {
 	h := l.h
-	allowed, asked, err := h.checkLeased(ctx, r.sent, r.buckets)
+	allowed, asked, err := h.checkLeased(ctx, r.sent, r.buckets, r.clearLayerMarks())
 	if asked {
 		h.answeredByRedis(ctx, r, allowed, err)
 		if err == nil {
@@ -89,11 +91,12 @@ func (l leaseLayer) take(ctx context.Context, r *request) (bool, error) {
 // which refills a bucket only up to what its leases leave; on a Cluster
 // whose hash slots its buckets span, by lease.lua, which refunds the groups
 // before a refusal under that cap (giveback.lua would not know it).
-func (h *Handler) checkLeased(clientCtx context.Context, sent time.Time, buckets []bucket) (allowed, asked bool, err error) {
+// marks are the request's (see acquire), all 0.
+func (h *Handler) checkLeased(clientCtx context.Context, sent time.Time, buckets []bucket, marks []int64) (allowed, asked bool, err error) {
 	ls := h.leases
 	now, counted, lead := sent, false, false
 	for {
-		outcome, f := ls.acquire(now, buckets, &counted, lead)
+		outcome, f := ls.acquire(now, buckets, marks, &counted, lead)
 		switch {
 		case outcome == leaseAdmitted:
 			if f != nil {
@@ -137,10 +140,10 @@ func (h *Handler) checkLeased(clientCtx context.Context, sent time.Time, buckets
 // back the request's tokens (their leases stay).
 func (h *Handler) leaseTake(clientCtx context.Context, sent time.Time, f *leaseFlight, buckets []bucket) (allowed bool, err error) {
 	ls := h.leases
-	var back []bucket
+	var back leaseReturns
 	if h.groups == nil {
-		allowed, err = ls.call(clientCtx, h.limiter, sent, leaseModeTake, ls.seq.Add(1), buckets)
-		back = ls.land(f, buckets, time.Now(), err)
+		allowed, err = ls.call(clientCtx, h.limiter, sent, leaseModeTake, ls.seq.Add(1), buckets, f.states)
+		back = ls.land(f, buckets, f.states, time.Now(), err)
 	} else {
 		allowed, err, back = h.leaseTakeGroups(clientCtx, sent, f, buckets)
 	}
@@ -150,25 +153,26 @@ func (h *Handler) leaseTake(clientCtx context.Context, sent time.Time, f *leaseF
 	}
 	seq := giveBackSeq(ls, back)
 	ls.finish(f, buckets, shared)
-	if len(back) > 0 {
+	if back.len() > 0 {
 		go h.giveBackLeases(back, seq)
 	}
 	return allowed, err
 }
 
 // leaseTakeGroups is leaseTake over the slot groups of a Cluster.
-func (h *Handler) leaseTakeGroups(clientCtx context.Context, sent time.Time, f *leaseFlight, buckets []bucket) (allowed bool, err error, back []bucket) {
+func (h *Handler) leaseTakeGroups(clientCtx context.Context, sent time.Time, f *leaseFlight, buckets []bucket) (allowed bool, err error, back leaseReturns) {
 	ls := h.leases
 	var inline, given [maxInlineBuckets]bucket
-	taken := given[:0]
+	var inlineStates, givenStates [maxInlineBuckets]leaseState
+	taken, takenStates := given[:0], givenStates[:0]
 	ended := -1 // the group that refused or failed
 	for g := range h.groups {
-		group := groupOf(buckets, g, inline[:0])
+		group, states := groupOf(buckets, f.states, g, inline[:0], inlineStates[:0])
 		if len(group) == 0 {
 			continue
 		}
-		allowed, err = ls.call(clientCtx, h.limiter, sent, leaseModeTake, ls.seq.Add(1), group)
-		back = append(back, ls.land(f, group, time.Now(), err)...)
+		allowed, err = ls.call(clientCtx, h.limiter, sent, leaseModeTake, ls.seq.Add(1), group, states)
+		back.addAll(ls.land(f, group, states, time.Now(), err))
 		j := 0
 		for i := range buckets {
 			if buckets[i].limit.group == g {
@@ -180,12 +184,12 @@ func (h *Handler) leaseTakeGroups(clientCtx context.Context, sent time.Time, f *
 			ended = g
 			break
 		}
-		taken = append(taken, group...)
+		taken, takenStates = append(taken, group...), append(takenStates, states...)
 	}
 	if ended < 0 {
 		return true, nil, back
 	}
-	h.refundGroups(taken)
+	h.refundGroups(taken, takenStates)
 	for i := range buckets {
 		switch g := buckets[i].limit.group; {
 		case g < ended:
@@ -197,27 +201,28 @@ func (h *Handler) leaseTakeGroups(clientCtx context.Context, sent time.Time, f *
 	return false, err, back
 }
 
-// groupOf appends to dst the buckets of slot group g, in order.
-func groupOf(buckets []bucket, g int, dst []bucket) []bucket {
+// groupOf appends to dst the buckets of slot group g, in order, and to
+// dstStates their states.
+func groupOf(buckets []bucket, states []leaseState, g int, dst []bucket, dstStates []leaseState) ([]bucket, []leaseState) {
 	for i := range buckets {
 		if buckets[i].limit.group == g {
-			dst = append(dst, buckets[i])
+			dst, dstStates = append(dst, buckets[i]), append(dstStates, states[i])
 		}
 	}
-	return dst
+	return dst, dstStates
 }
 
 // refundGroups returns what a request took from earlier slot groups, a
 // call per group (one hash slot each), whether or not the client is still
 // there: the tokens must not stay taken. A failure is logged; those
-// buckets then stay short until they refill.
-func (h *Handler) refundGroups(taken []bucket) {
+// buckets then stay short until they refill. states are taken's.
+func (h *Handler) refundGroups(taken []bucket, states []leaseState) {
 	for start := 0; start < len(taken); {
 		end := start + 1
 		for end < len(taken) && taken[end].limit.group == taken[start].limit.group {
 			end++
 		}
-		if _, err := h.leases.call(context.Background(), h.limiter, time.Now(), leaseModeRefund, h.leases.seq.Add(1), taken[start:end]); err != nil {
+		if _, err := h.leases.call(context.Background(), h.limiter, time.Now(), leaseModeRefund, h.leases.seq.Add(1), taken[start:end], states[start:end]); err != nil {
 			h.warnGiveBack(err)
 		}
 		start = end
@@ -233,19 +238,20 @@ func (h *Handler) renewLeases(f *leaseFlight) {
 	// the call's timeout and the new hold count from its send.
 	f.sent = time.Now()
 	var err error
-	var back []bucket
+	var back leaseReturns
 	if h.groups == nil {
-		_, err = ls.call(context.Background(), h.limiter, f.sent, leaseModeRenew, ls.seq.Add(1), f.buckets)
-		back = ls.land(f, f.buckets, time.Now(), err)
+		_, err = ls.call(context.Background(), h.limiter, f.sent, leaseModeRenew, ls.seq.Add(1), f.buckets, f.states)
+		back = ls.land(f, f.buckets, f.states, time.Now(), err)
 	} else {
 		var inline [maxInlineBuckets]bucket
+		var inlineStates [maxInlineBuckets]leaseState
 		for g := range h.groups {
-			group := groupOf(f.buckets, g, inline[:0])
+			group, states := groupOf(f.buckets, f.states, g, inline[:0], inlineStates[:0])
 			if len(group) == 0 {
 				continue
 			}
-			_, gerr := ls.call(context.Background(), h.limiter, f.sent, leaseModeRenew, ls.seq.Add(1), group)
-			back = append(back, ls.land(f, group, time.Now(), gerr)...)
+			_, gerr := ls.call(context.Background(), h.limiter, f.sent, leaseModeRenew, ls.seq.Add(1), group, states)
+			back.addAll(ls.land(f, group, states, time.Now(), gerr))
 			if err == nil {
 				err = gerr
 			}
@@ -253,7 +259,7 @@ func (h *Handler) renewLeases(f *leaseFlight) {
 	}
 	seq := giveBackSeq(ls, back)
 	ls.finish(f, f.buckets, err)
-	if len(back) > 0 {
+	if back.len() > 0 {
 		h.giveBackLeases(back, seq)
 	}
 }
@@ -262,12 +268,29 @@ func (h *Handler) renewLeases(f *leaseFlight) {
 // calls landed after the leases closed (land), or 0 when there is none;
 // taken before the flight finishes, while no other call of its buckets
 // can start: later calls of those buckets come after it (see take).
-func giveBackSeq(ls *leases, back []bucket) int64 {
-	if len(back) == 0 {
+func giveBackSeq(ls *leases, back leaseReturns) int64 {
+	if back.len() == 0 {
 		return 0
 	}
 	return ls.seq.Add(1)
 }
+
+// leaseReturns are leases to give back: their buckets and lease states,
+// in order (states[i] is buckets[i]'s).
+type leaseReturns struct {
+	buckets []bucket
+	states  []leaseState
+}
+
+func (r *leaseReturns) add(b bucket, st leaseState) {
+	r.buckets, r.states = append(r.buckets, b), append(r.states, st)
+}
+
+func (r *leaseReturns) addAll(more leaseReturns) {
+	r.buckets, r.states = append(r.buckets, more.buckets...), append(r.states, more.states...)
+}
+
+func (r *leaseReturns) len() int { return len(r.buckets) }
 
 // maxGiveBack bounds the buckets of one give-back call, which Redis runs
 // without serving anyone else.
@@ -279,14 +302,15 @@ const maxGiveBack = 64
 // leases were picked (see take). This instance's cached denials of those
 // buckets go: the bucket may hold tokens again. What fails counts as
 // spent once the lease expires in Redis.
-func (h *Handler) giveBackLeases(back []bucket, seq int64) {
+func (h *Handler) giveBackLeases(back leaseReturns, seq int64) {
 	size := maxGiveBack
 	if h.limiter.cluster != nil {
 		size = 1
 	}
-	for start := 0; start < len(back); start += size {
-		chunk := back[start:min(start+size, len(back))]
-		_, _ = h.leases.call(context.Background(), h.limiter, time.Now(), leaseModeGive, seq, chunk)
+	for start := 0; start < back.len(); start += size {
+		end := min(start+size, back.len())
+		chunk := back.buckets[start:end]
+		_, _ = h.leases.call(context.Background(), h.limiter, time.Now(), leaseModeGive, seq, chunk, back.states[start:end])
 		keys := make([]string, len(chunk))
 		for i := range chunk {
 			keys[i] = chunk[i].key
@@ -327,8 +351,8 @@ func (ls *leases) close() {
 // denials of it, as limiter.reset does.
 func (ls *leases) reset(ctx context.Context, l *limiter, b bucket) error {
 	b.args = b.values.scriptArgs()
-	b.layer = layerBucket{lease: &lease{record: leaseRecordKey(b.key)}}
-	if _, err := ls.call(ctx, l, time.Now(), leaseModeReset, ls.seq.Add(1), []bucket{b}); err != nil {
+	states := []leaseState{{lease: &lease{record: leaseRecordKey(b.key)}}}
+	if _, err := ls.call(ctx, l, time.Now(), leaseModeReset, ls.seq.Add(1), []bucket{b}, states); err != nil {
 		return err
 	}
 	return l.client.Publish(ctx, l.resets.Name(), b.key).Err()
@@ -343,29 +367,30 @@ func (h *Handler) warnGiveBack(err error) {
 }
 
 // call runs lease.lua in mode over the buckets (of one hash slot),
-// each with its lease's record, what the lease holds unused and the most
-// it should hold, as call seq of this instance (ls.seq.Add(1) as it
-// leaves, but for a give-back), and reads each bucket's answer:
-// remaining, retryAfter and leased, what Redis counts as lent to this
-// instance now.
-func (ls *leases) call(clientCtx context.Context, l *limiter, sent time.Time, mode any, seq int64, buckets []bucket) (allowed bool, err error) {
+// each with its state (states[i] is buckets[i]'s): its lease's record,
+// what the lease holds unused and the most it should hold, as call seq of
+// this instance (ls.seq.Add(1) as it leaves, but for a give-back), and
+// reads each bucket's answer: remaining and retryAfter into the bucket,
+// and into its state leased, what Redis counts as lent to this instance
+// now.
+func (ls *leases) call(clientCtx context.Context, l *limiter, sent time.Time, mode any, seq int64, buckets []bucket, states []leaseState) (allowed bool, err error) {
 	c := redisbatch.NewCall()
 	for i := range buckets {
-		c.Keys = append(c.Keys, buckets[i].key, buckets[i].layer.lease.record)
+		c.Keys = append(c.Keys, buckets[i].key, states[i].lease.record)
 	}
 	c.Command(leaseScript)
 	c.Args = append(c.Args, mode, ls.idArg, seq, ls.lifeArg)
 	for i := range buckets {
-		b := &buckets[i]
-		c.Args = append(c.Args, b.args[0], b.args[1], b.args[2], b.layer.held, b.layer.want)
+		b, st := &buckets[i], &states[i]
+		c.Args = append(c.Args, b.args[0], b.args[1], b.args[2], st.held, st.want)
 	}
 	c, err = l.batcher.Send(clientCtx, sent, c)
 	if err == nil {
 		allowed, err = readTake(c.Reply, buckets, true)
-		for i := range buckets {
-			buckets[i].layer.leased = 0
+		for i := range states {
+			states[i].leased = 0
 			if err == nil {
-				buckets[i].layer.leased = c.Reply[1+2*len(buckets)+i] // the layer's words: what each lent (readTake judged them)
+				states[i].leased = c.Reply[1+2*len(buckets)+i] // the layer's words: what each lent (readTake judged them)
 			}
 		}
 	}
@@ -381,8 +406,9 @@ func (ls *leases) call(clientCtx context.Context, l *limiter, sent time.Time, mo
 // of leases, would refill and give back into lent tokens. One call per
 // bucket: a bucket and its lease record share a hash slot, two
 // buckets may not. A request admitted from a lease settles in that lease
-// when it can (leases.settle), without a call.
-func (h *Handler) settleLeased(buckets []bucket, items []settling) {
+// when it can (leases.settle), without a call; marks are the request's
+// (see acquire).
+func (h *Handler) settleLeased(buckets []bucket, marks []int64, items []settling) {
 	type settled struct {
 		limit                *limit
 		key, record          string
@@ -393,7 +419,7 @@ func (h *Handler) settleLeased(buckets []bucket, items []settling) {
 	now := time.Now()
 	for _, it := range items {
 		b := &buckets[it.bucket]
-		if b.layer.fromLease != 0 && h.leases.settle(b, it.diff, now) {
+		if it.bucket < len(marks) && marks[it.bucket] != 0 && h.leases.settle(b, marks[it.bucket], it.diff, now) {
 			h.countCharged(b.limit, float64(it.cost), 0)
 			continue
 		}
@@ -435,17 +461,18 @@ func (h *Handler) settleLeased(buckets []bucket, items []settling) {
 // settle settles what a charged response cost (diff: cost less
 // reservation) in the lease of a bucket whose request it admitted, when
 // that lease is still held with the request's values and has reported
-// nothing since (so Redis still counts the request's tokens as lent): a
+// nothing since fromLease, its reports at the admission (so Redis still
+// counts the request's tokens as lent): a
 // smaller cost gives the rest back to the lease it came from (tokens the
 // lease would hold had the request not taken them), a larger one takes
 // the rest from the lease when it holds it. It reports whether it
 // settled; otherwise the settlement goes to Redis.
-func (ls *leases) settle(b *bucket, diff int64, now time.Time) bool {
+func (ls *leases) settle(b *bucket, fromLease, diff int64, now time.Time) bool {
 	sh := &ls.shards[ls.shardIndex(b.key)]
 	sh.mu.Lock()
 	defer sh.mu.Unlock()
 	l := sh.byKey[b.key]
-	if l == nil || l.reports != b.layer.fromLease || !l.counted || !now.Before(l.until) || l.values != b.values || l.tokens < diff || ls.closed.Load() {
+	if l == nil || l.reports != fromLease || !l.counted || !now.Before(l.until) || l.values != b.values || l.tokens < diff || ls.closed.Load() {
 		return false
 	}
 	l.tokens -= diff

@@ -188,10 +188,6 @@ type bucket struct {
 	// unknown: a refusal a layer remembered (refusals) says nothing of
 	// this bucket.
 	unknown bool
-	// layer is what the layer that decides the request knows of its
-	// bucket, set and read by that layer alone; its type is the layer's
-	// (layerBucket).
-	layer layerBucket
 	// kindRef and kindN are what the request knows of its bucket that is
 	// its kind's own, set and read by the kind alone (begin, readReply,
 	// its arithmetic in the process), such as a period and the period its

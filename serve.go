@@ -77,6 +77,12 @@ type request struct {
 	// took them): what it holds while served is kept there, its charges
 	// settle there.
 	takenBy store
+	// layerMarks are a word per bucket (layerMarks[i] is buckets[i]'s)
+	// that the layer deciding the request keeps from its take until its
+	// settlement, its own to set and read; in inlineMarks for up to
+	// maxInlineBuckets, as the buckets are.
+	layerMarks  []int64
+	inlineMarks [maxInlineBuckets]int64
 	// settling holds a charged request's settlements (charge.go), here
 	// for the reason the buckets are.
 	settling [maxInlineBuckets]settling
@@ -111,7 +117,7 @@ var requests = sync.Pool{New: func() any { return new(request) }}
 // acquireRequest is a request from the pool, its buckets empty.
 func acquireRequest() *request {
 	r := requests.Get().(*request)
-	r.buckets = r.inline[:0]
+	r.buckets, r.layerMarks = r.inline[:0], r.inlineMarks[:0]
 	r.admitted, r.refused, r.failed, r.takenBy = decisionAllowed, decisionDenied, false, nil
 	r.w, r.hold, r.charge, r.registered = nil, nil, nil, false
 	r.weights.Reset()
@@ -124,12 +130,27 @@ func (r *request) free() {
 	if cap(r.buckets) > maxInlineBuckets {
 		r.buckets = nil // not the pool's to keep
 	}
+	if cap(r.layerMarks) > maxInlineBuckets {
+		r.layerMarks = nil
+	}
 	r.w, r.repl = nil, nil // nor the response's writer, nor its replacer
 	if r.charge != nil {
 		r.chargeWriter = cost.Writer{} // the pool keeps no response writer, nor handler
 		r.chargeSettler = chargeSettler{}
 	}
 	requests.Put(r)
+}
+
+// clearLayerMarks sets the request's layer marks to 0, one per bucket
+// (see layerMarks), and returns them.
+func (r *request) clearLayerMarks() []int64 {
+	if n := len(r.buckets); n <= maxInlineBuckets {
+		r.layerMarks = r.inlineMarks[:n]
+	} else {
+		r.layerMarks = make([]int64, n)
+	}
+	clear(r.layerMarks)
+	return r.layerMarks
 }
 
 // fail records that a layer decided the request without its buckets.

@@ -273,7 +273,7 @@ func serveBuckets(w http.ResponseWriter, r *http.Request, zone string) error {
 			reset = append(reset, b.key)
 			continue
 		}
-		view, err := h.peekBucket(ctx, b)
+		view, err := h.store.peek(ctx, b)
 		if err != nil {
 			return caddy.APIError{HTTPStatus: http.StatusServiceUnavailable, Err: fmt.Errorf("reading %s: %w", b.key, err)}
 		}
@@ -289,17 +289,6 @@ func serveBuckets(w http.ResponseWriter, r *http.Request, zone string) error {
 		Zone    string       `json:"zone"`
 		Buckets []bucketInfo `json:"buckets"`
 	}{zone, infos})
-}
-
-// peekBucket reads a client's bucket where its handler keeps it, for
-// its kind's admin view (kind.bucketInfo): of a kind held while served,
-// what requests hold of it, where the store keeps that; else the
-// bucket's state, from the store.
-func (h *Handler) peekBucket(ctx context.Context, b bucket) (bucketView, error) {
-	if b.kind().heldWhileServed() {
-		return peekSlots(ctx, h.store.keeper(nil), b.key)
-	}
-	return h.store.peek(ctx, b)
 }
 
 // tokenInfo is what the admin API shows of a bucket of tokens (the

@@ -9,13 +9,11 @@ package ratelimit
 // instance that dies loses its slots within a hold.
 
 import (
-	"context"
 	_ "embed"
 	"encoding/hex"
 	"errors"
 	"fmt"
 	"math/rand/v2"
-	"net/http"
 	"strconv"
 	"sync/atomic"
 	"time"
@@ -79,13 +77,10 @@ type slotRule struct {
 	hold       time.Duration
 	holdArg    any // the hold in microseconds as script argument, boxed once
 	retryAfter time.Duration
-	// inFlight is its zone's series of the in_flight gauge: the slots
-	// this instance's requests hold; nil without metrics.
-	inFlight prometheus.Gauge
 }
 
 // inFlightGauge counts the slots of concurrent limits that this
-// instance's requests hold (slotRule.inFlight).
+// instance's requests hold (limit.inFlight).
 var inFlightGauge = prometheus.NewGaugeVec(prometheus.GaugeOpts{
 	Namespace: "caddy", Subsystem: "rate_limit", Name: "in_flight",
 	Help: "Slots of concurrent limits that this instance's requests hold now, by zone and limit.",
@@ -95,8 +90,8 @@ var inFlightGauge = prometheus.NewGaugeVec(prometheus.GaugeOpts{
 // in_flight gauge.
 func inFlightSeries(zone string, limits []*limit) {
 	for _, l := range limits {
-		if s, ok := l.kind.(*slotRule); ok {
-			s.inFlight = inFlightGauge.WithLabelValues(zone, l.name)
+		if l.held {
+			l.inFlight = inFlightGauge.WithLabelValues(zone, l.name)
 		}
 	}
 }
@@ -254,32 +249,6 @@ func newSlotID() any {
 	return &id.text
 }
 
-// peekSlots reads the slots of a concurrent limit's set in Redis without
-// changing them.
-func (l *limiter) peekSlots(ctx context.Context, key string) (bucketView, error) {
-	reply, err := l.client.Eval(ctx, peekSlotsSource, []string{key}).Int64Slice()
-	if err != nil {
-		return bucketView{}, err
-	}
-	v := bucketView{inUse: int64(len(reply))}
-	for _, us := range reply {
-		v.expiries = append(v.expiries, time.Duration(us)*time.Microsecond)
-	}
-	return v, nil
-}
-
-// peekSlotsSource reads the live slots of one set: the microseconds until
-// each expires, by Redis time, soonest first. It writes nothing.
-const peekSlotsSource = `
-local time = redis.call('TIME')
-local now = tonumber(time[1]) * 1000000 + tonumber(time[2])
-local scores = redis.call('ZRANGEBYSCORE', KEYS[1], '(' .. now, '+inf', 'WITHSCORES')
-local left = {}
-for i = 2, #scores, 2 do
-  left[#left + 1] = tonumber(scores[i]) - now
-end
-return left`
-
 // The concurrent limit as a kind of limit (kind.go), with none of the
 // optional interfaces (see facts).
 
@@ -310,7 +279,7 @@ type slotBucketInfo struct {
 }
 
 // bucketInfo shows how many of its slots are held, and when each held
-// slot expires unless renewed (peekBucket reads its slots: peekSlots).
+// slot expires unless renewed (the store's peek reads its slots: store.peek).
 func (*slotRule) bucketInfo(b bucket, v bucketView) bucketInfo {
 	slots := slotBucketInfo{Slots: b.values.burst, InUse: v.inUse}
 	for _, d := range v.expiries {
@@ -346,33 +315,9 @@ func (s *slotRule) appendArgs(args []any, b bucket) []any {
 	return append(append(args, b.args[:]...), s.holdArg)
 }
 
-// finishing: a request that holds slots gives them back once its
-// response has ended.
-func (*slotRule) finishing(h *Handler) step { return slotStep{h} }
-
-// slotStep is the step (steps.go) of a handler with concurrent limits:
-// an admitted request holds its slots while its response is served,
-// where its store took them, and gives them back once it has ended.
-type slotStep struct{ h *Handler }
-
-func (s slotStep) register(req *request) bool {
-	if firstHeld(req.buckets) < len(req.buckets) {
-		if hold := s.h.holdSlots(req.buckets, s.h.store.keeper(req)); hold != nil {
-			req.hold = hold
-		}
-	}
-	return req.hold != nil
-}
-
-func (slotStep) finish(_ *http.Request, req *request, _ error) {
-	if req.hold != nil {
-		req.hold.release()
-	}
-}
-
 // heldWhileServed: a request holds its slot until its response has
-// ended (serveHolding).
-func (*slotRule) heldWhileServed() bool { return true }
+// ended (heldKind).
+func (*slotRule) heldWhileServed() {}
 
 func (*slotRule) replyWords() int                                      { return 0 }
 func (*slotRule) readReply(b bucket, _ []int64, _ int) (bucket, error) { return b, nil }

@@ -83,7 +83,7 @@ func concurrentHandler(t *testing.T, srv *redistest.Server, block string) *Handl
 func slotKey(t *testing.T, h *Handler, name, key string) string {
 	t.Helper()
 	for _, l := range h.limits {
-		if l.kind.heldWhileServed() && l.name == name {
+		if l.held && l.name == name {
 			r, _ := newRequest("192.0.2.1", key)
 			rv := keys.RequestValues(r, r.Context().Value(caddy.ReplacerCtxKey).(*caddy.Replacer))
 			return l.template.Key(&rv, l.keyPrefix, l.keySuffix)
@@ -428,7 +428,7 @@ func TestConcurrentStoreMemoryAndOnErrorLocal(t *testing.T) {
 			hd := newHolder()
 			ctx := context.Background()
 			a, b := startHeld(t, ctx, h, hd, "k"), startHeld(t, ctx, h, hd, "k")
-			if got := gaugeValue(t, h.limits[1].slotRule().inFlight); got != 2 {
+			if got := gaugeValue(t, h.limits[1].inFlight); got != 2 {
 				t.Errorf("in_flight %v with two held, want 2", got)
 			}
 			if status, _ := serve(ctx, h, "k"); status != 429 {
@@ -437,7 +437,7 @@ func TestConcurrentStoreMemoryAndOnErrorLocal(t *testing.T) {
 			close(hd.letGo)
 			<-a
 			<-b
-			if got := gaugeValue(t, h.limits[1].slotRule().inFlight); got != 0 {
+			if got := gaugeValue(t, h.limits[1].inFlight); got != 0 {
 				t.Errorf("in_flight %v after both ended, want 0", got)
 			}
 			if status, _ := serve(ctx, h, "k"); status != 200 {
@@ -973,7 +973,7 @@ func TestConcurrentReleaseAfterTheLimiterClosedIsNotLeftPending(t *testing.T) {
 	eventually(t, 5*time.Second, "the unloaded limiter closed", func() bool {
 		return l.batcher.Closed()
 	})
-	h.holdSlots(requestBuckets(t, h, "k"), h.limiter).release()
+	h.holdSlots(requestBuckets(t, h, "k")).release()
 	if n := l.slots().releases.total(); n != 0 {
 		t.Fatalf("%d releases pending after the release met a closed limiter, want 0", n)
 	}
@@ -1012,7 +1012,7 @@ func TestConcurrentBurstOfLongRequestsRenewsEverySlot(t *testing.T) {
 	holds := make([]*slotHold, n)
 	for i := range ids {
 		buckets := []bucket{{limit: l, key: key, args: [3]any{kindConcurrentArg, "10000", &ids[i]}}}
-		holds[i] = h.holdSlots(buckets, h.limiter)
+		holds[i] = h.holdSlots(buckets)
 	}
 	time.Sleep(3300 * time.Millisecond) // past the first hold: every slot was renewed, or it expired
 	left, err := rdb.Eval(ctx, peekSlotsSource, []string{key}).Int64Slice()
@@ -1116,8 +1116,8 @@ func TestConcurrentMemoryReleaseFromBeforeAResetFreesNoSlotTakenAfterIt(t *testi
 	key := first[len(first)-1].key
 	s.reset([]string{key}) // DELETE, between the first take and its hold
 	second := take()
-	firstHold := h.holdSlots(first, s)
-	secondHold := h.holdSlots(second, s)
+	firstHold := s.holdSlots(first)
+	secondHold := s.holdSlots(second)
 	defer secondHold.release()
 	firstHold.release()
 	if n := s.slotsInUse(key); n != 1 {
@@ -1353,7 +1353,7 @@ func TestConcurrentSlotReleasedDuringItsRenewalStaysFree(t *testing.T) {
 	holds := make([]*slotHold, n)
 	for i := range ids {
 		buckets := []bucket{{limit: l, key: key, args: [3]any{kindConcurrentArg, "2000", &ids[i]}}}
-		holds[i] = h.holdSlots(buckets, h.limiter)
+		holds[i] = h.holdSlots(buckets)
 	}
 	// Due a third of a hold after they were taken; they end from a tick
 	// before that to a tick after.
@@ -1453,7 +1453,7 @@ func TestConcurrentRenewalsOfManySlotsNeverTakeAnAdmissionsDeadline(t *testing.T
 	holds := make([]*slotHold, n)
 	for i := range ids {
 		buckets := []bucket{{limit: l, key: key, args: [3]any{kindConcurrentArg, "20000", &ids[i]}}}
-		holds[i] = h.holdSlots(buckets, h.limiter)
+		holds[i] = h.holdSlots(buckets)
 	}
 	proxy.latency.Store(int64(20 * time.Millisecond))
 	// Admissions of other clients, 8 at a time, for two holds.
@@ -1535,7 +1535,7 @@ func TestConcurrentBurstOfLongRequestsOnClusterRenewsAndReleasesEverySlot(t *tes
 	holds := make([]*slotHold, n)
 	for i := range n {
 		buckets := []bucket{{limit: l, key: keys[i], args: [3]any{kindConcurrentArg, "4", &ids[i]}}}
-		holds[i] = h.holdSlots(buckets, h.limiter)
+		holds[i] = h.holdSlots(buckets)
 	}
 	live := func() int {
 		pipe := cc.Pipeline()

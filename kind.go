@@ -22,15 +22,15 @@ import (
 //     (limiter.go);
 //   - the facts of its buckets that the rate-limit headers say
 //     (headers.go formats them: a kind formats no header);
-//   - its admin view (admin.go), of what the admin API read of a bucket;
-//   - whether a request holds it while the response is served, to give
-//     it back when the response ends (heldWhileServed).
+//   - its admin view (admin.go), of what the admin API read of a bucket.
 //
 // What only some kinds do is an optional interface, found once when the
 // config is provisioned (limit.setKind), as Caddy finds a module's
 // caddy.Provisioner: the arithmetic on a bucket's state kept in the
 // process (bucketArithmetic), how a charge settles in it (chargedKind),
-// how long a layer may remember its refusal (rememberedKind).
+// how long a layer may remember its refusal (rememberedKind), whether a
+// request holds its bucket while the response is served, to give it back
+// when the response ends (heldKind).
 //
 // What a request knows of a bucket of the kind stays in the request's
 // bucket (policy.go): a kind holds what every request of its limit
@@ -72,22 +72,11 @@ type kind interface {
 	// which headers.go formats.
 	facts(b bucket) facts
 
-	// heldWhileServed says whether a request holds the limit's bucket
-	// while its response is served, and gives it back when the response
-	// has ended. Such limits come last (buildLimits).
-	heldWhileServed() bool
-	// finishing is the step (steps.go) that a handler with limits of the
-	// kind runs on an admitted request, to do what must follow its
-	// response (give back what it held); nil for none. The limits of a
-	// kind share it.
-	finishing(h *Handler) step
-
 	// limitInfo is the limit as the admin API lists it, with the
 	// defaults filled in where its values are fixed.
 	limitInfo(l *limit) limitInfo
 	// bucketInfo is what the admin API shows of a client's bucket, of
-	// what was read of it where its handler keeps it (admin.go's
-	// peekBucket).
+	// what was read of it where its handler keeps it (store.peek).
 	bucketInfo(b bucket, v bucketView) bucketInfo
 }
 
@@ -160,6 +149,16 @@ type rememberedKind interface {
 	cachedRemaining(b bucket, remaining int64, wait time.Duration) int64
 }
 
+// heldKind is a kind of limit whose bucket a request holds while its
+// response is served, and gives back once it has ended: its store says
+// what the request holds (store.hold), and the handler's holdStep gives
+// it back. Such limits come last (kindConfig.order); a limit knows
+// whether its kind is one from when it is built (limit.held, setKind).
+type heldKind interface {
+	kind
+	heldWhileServed()
+}
+
 // kindError is a kind's reason for a store's answer that decides
 // nothing (say a period that Redis's clock does not fall in): the
 // request is decided as when the store fails, and warning is the line the log gives
@@ -178,16 +177,20 @@ func completeRefusal(buckets []bucket) {
 }
 
 // firstHeld is the index of a request's first bucket held while it is
-// served (kind.heldWhileServed); they follow the others. len(buckets)
-// when there is none.
+// served (heldKind); they follow the others. len(buckets) when there is
+// none.
 func firstHeld(buckets []bucket) int {
 	for i := range buckets {
-		if buckets[i].kind().heldWhileServed() {
+		if buckets[i].heldWhileServed() {
 			return i
 		}
 	}
 	return len(buckets)
 }
+
+// heldWhileServed says whether a request holds the bucket while it is
+// served (heldKind); a bucket of no limit is not held.
+func (b *bucket) heldWhileServed() bool { return b.limit != nil && b.limit.held }
 
 // kind is the bucket's kind of limit: its limit's; a bucket of no limit
 // (one a layer makes for calls of its own) is a token bucket.
@@ -228,6 +231,7 @@ func (l *limit) setKind(k kind) {
 	l.arithmetic, _ = k.(bucketArithmetic)
 	l.charged, _ = k.(chargedKind)
 	l.remembered, _ = k.(rememberedKind)
+	_, l.held = k.(heldKind)
 }
 
 // limitConfig is one limit of a handler as its kind reads it from the

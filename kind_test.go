@@ -72,8 +72,6 @@ func (fixedWindow) readReply(b bucket, _ []int64, _ int) (bucket, error) {
 }
 
 func (fixedWindow) begin(b bucket, shared requestShared) (bucket, requestShared) { return b, shared }
-func (fixedWindow) heldWhileServed() bool                                        { return false }
-func (fixedWindow) finishing(*Handler) step                                      { return nil }
 
 // Its headers: the count, spread over the window as the replenish rate;
 // its RateLimit-Policy item has the window's seconds as w. RateLimit's t
@@ -152,7 +150,7 @@ func (fixedWindow) bucketInfo(b bucket, v bucketView) bucketInfo { return tokenI
 // metrics: false for a token bucket, and k must say the same.
 func withKind(t *testing.T, h *Handler, k kind) {
 	t.Helper()
-	if len(h.limits) != 1 || !h.limits[0].fixed || k.heldWhileServed() {
+	if _, held := k.(heldKind); len(h.limits) != 1 || !h.limits[0].fixed || held {
 		t.Fatalf("withKind: want one limit with fixed values, and a kind not held while served")
 	}
 	l := h.limits[0]

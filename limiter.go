@@ -81,10 +81,8 @@ type limiter struct {
 	keyPrefix string
 
 	// parts are what parts of the package keep in the limiter
-	// (registerLimiterPart), in their order; held is the one that keeps
-	// what requests hold while served (kind.heldWhileServed), if any.
+	// (registerLimiterPart), in their order.
 	parts []limiterPart
-	held  heldInRedis
 
 	// noEvalRO: the server answered that it knows no EVAL_RO (Redis
 	// before 7), so the admin API's reads use EVAL of the same script.
@@ -174,11 +172,7 @@ func newLimiter(c RedisConfig, files tlsFiles) (*limiter, error) {
 	}
 	l.cluster, _ = l.client.(*redis.ClusterClient)
 	for _, p := range limiterParts {
-		part := p()
-		l.parts = append(l.parts, part)
-		if held, ok := part.(heldInRedis); ok {
-			l.held = held
-		}
+		l.parts = append(l.parts, p())
 	}
 	l.resets = redisresets.New(l.client, c.KeyPrefix+"reset", c.KeyPrefix, newResetReceiver(l)) // before the first dial
 	node := opts.Addrs[0]

@@ -34,7 +34,7 @@ type memoryStore struct {
 	// does not hold: see storedKey.
 	plainPrefix, namedPrefix string
 	// inUse counts what requests hold of its keys while they are served
-	// (kind.heldWhileServed).
+	// (heldKind, holdSlots).
 	inUse heldCounts
 }
 
@@ -420,8 +420,13 @@ func (p inProcess) refuses(now time.Time, buckets []bucket) bool {
 }
 
 func (p inProcess) settle(r *request, items []settling) { p.h.settleInProcess(p.s, r.buckets, items) }
-func (p inProcess) keeper(*request) keeper              { return p.s }
+
+// peek reads a bucket held while served as what requests hold of it
+// (peekHeld).
 func (p inProcess) peek(_ context.Context, b bucket) (bucketView, error) {
+	if b.heldWhileServed() {
+		return p.s.peekHeld(b.key), nil
+	}
 	return p.s.peek(time.Now(), b), nil
 }
 func (p inProcess) reset(_ context.Context, b bucket) error {

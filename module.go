@@ -288,7 +288,7 @@ type Handler struct {
 	groups        [][]*limit // on Cluster, limits by hash slot, when they span several
 	useDenyCache  bool       // see takeGroups
 	perRequest    bool       // some limit's values come from the request
-	holding       bool       // some limit is held while a request is served (kind.heldWhileServed)
+	holding       bool       // some limit is held while a request is served (heldKind)
 	denyEmpty     bool
 	failOpen      bool
 	headers       rateLimitHeaders
@@ -351,10 +351,11 @@ func (h *Handler) Provision(ctx caddy.Context) (err error) {
 	if err := h.setUpRequestBody(); err != nil {
 		return err
 	}
-	for _, l := range h.limits { // after the charge's step: a charge is settled before slots are given back
-		if s := l.kind.finishing(h); s != nil {
-			h.addStep(s)
-		}
+	for _, l := range h.limits {
+		h.holding = h.holding || l.held
+	}
+	if h.holding { // after the charge's step: a charge is settled before slots are given back
+		h.addStep(holdStep{h})
 	}
 	style := h.Headers
 	if h.IncludeHeaders != nil && !*h.IncludeHeaders || h.Shadow {
@@ -366,7 +367,6 @@ func (h *Handler) Provision(ctx caddy.Context) (err error) {
 	h.useDenyCache = true
 	for _, l := range h.limits {
 		h.perRequest = h.perRequest || !l.fixed
-		h.holding = h.holding || l.kind.heldWhileServed()
 	}
 	h.redisWarns = &logs.Throttle{Every: 10 * time.Second}
 	h.fullWarns = &logs.Throttle{Every: 10 * time.Second}

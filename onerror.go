@@ -89,7 +89,7 @@ func (e *onErrorLayer) take(ctx context.Context, r *request) (bool, error) {
 // decides only what that store could not.
 func (e *onErrorLayer) refuserBelow() refuser { return refuserOf(e.store) }
 
-// settle and keeper go where the request's buckets were taken: the
+// settle and hold go where the request's buckets were taken: the
 // local buckets when the layer took them (r.takenBy).
 func (e *onErrorLayer) settle(r *request, items []settling) {
 	if r.takenBy != nil {
@@ -99,11 +99,11 @@ func (e *onErrorLayer) settle(r *request, items []settling) {
 	e.store.settle(r, items)
 }
 
-func (e *onErrorLayer) keeper(r *request) keeper {
-	if r != nil && r.takenBy != nil {
-		return r.takenBy.keeper(r)
+func (e *onErrorLayer) hold(r *request) holding {
+	if r.takenBy != nil {
+		return r.takenBy.hold(r)
 	}
-	return e.store.keeper(r)
+	return e.store.hold(r)
 }
 
 // reset resets the key in the local buckets too.

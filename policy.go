@@ -14,6 +14,7 @@ import (
 	"github.com/caddy-redis/ratelimit/internal/keys"
 	"github.com/caddy-redis/ratelimit/internal/logs"
 	"github.com/caddyserver/caddy/v2"
+	"github.com/prometheus/client_golang/prometheus"
 )
 
 // Limit is one token bucket of a policy. A request is admitted only if
@@ -166,11 +167,16 @@ type limit struct {
 	// kind is its kind of limit (kind.go), whose values its values are
 	// (what stands for the burst, say, is the kind's: burstName);
 	// arithmetic, charged and remembered what it does of the optional
-	// interfaces, nil for what it does not (setKind).
+	// interfaces, nil for what it does not (setKind). held says a request
+	// holds its bucket while served (heldKind); inFlight is then its
+	// zone's series of the in_flight gauge, the requests of this instance
+	// that hold it (nil without metrics).
 	kind       kind
 	arithmetic bucketArithmetic
 	charged    chargedKind
 	remembered rememberedKind
+	held       bool
+	inFlight   prometheus.Gauge
 }
 
 // bucket is one limit's bucket for one request, and Redis's answer.

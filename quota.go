@@ -344,10 +344,6 @@ func (*quota) appendArgs(args []any, b bucket) []any {
 	return append(append(args, b.args[:]...), b.period().args[:]...)
 }
 
-func (*quota) heldWhileServed() bool { return false }
-
-func (*quota) finishing(*Handler) step { return nil }
-
 // replyWords is 1: the period the take counted in, as a shift from the
 // period Caddy named (-1, 0, 1).
 func (*quota) replyWords() int { return 1 }

@@ -16,7 +16,7 @@ type redisStore struct {
 	h       *Handler
 	limiter *limiter
 	groups  [][]*limit // on Cluster, limits by hash slot, when they span several
-	holding bool       // some limit is held while a request is served (kind.heldWhileServed)
+	holding bool       // some limit is held while a request is served (heldKind)
 }
 
 // A handler with a Redis client (Provision makes one unless the
@@ -31,47 +31,16 @@ func init() {
 	}})
 }
 
-// take takes a request's buckets in Redis. With buckets held while
-// served, a refusal while what one of them held is on its way back waits
-// for it, then asks once more; a take whose reply was lost gives back
-// what it may have taken (heldInRedis).
-func (s *redisStore) take(ctx context.Context, r *request) (bool, error) {
-	buckets := r.buckets
-	var kept heldInRedis
-	returning := false
+// take takes a request's buckets in Redis; with buckets held while
+// served, as what requests hold of them needs (takeHolding).
+func (s *redisStore) take(ctx context.Context, r *request) (allowed bool, err error) {
 	if s.holding {
-		kept = s.limiter.held
-		returning = kept.returning(buckets)
-	}
-	allowed, err := s.takeAll(ctx, r.sent, buckets)
-	if returning && err == nil && !allowed && kept.awaitReturns(s.limiter, buckets, r.sent.Add(s.limiter.timeout/2)) {
-		allowed, err = s.takeAll(ctx, r.sent, buckets) // what its key held was on its way back
-	}
-	if err != nil && kept != nil {
-		kept.lostTake(s.h, buckets, err)
+		allowed, err = s.takeHolding(ctx, r.sent, r.buckets)
+	} else {
+		allowed, err = s.takeAll(ctx, r.sent, r.buckets)
 	}
 	s.h.answeredByRedis(ctx, r, allowed, err)
 	return allowed, err
-}
-
-// heldInRedis is what the limiter's part that keeps what requests hold
-// while served (kind.heldWhileServed, limiter.held) does around their
-// takes in Redis.
-type heldInRedis interface {
-	// returning says whether what a request of the buckets held is on its
-	// way back to Redis now: a refusal may be for want of it.
-	returning(buckets []bucket) bool
-	// awaitReturns waits, after a refusal that returning foresaw, until
-	// that is back in l, at most until deadline; it says whether to ask
-	// again.
-	awaitReturns(l *limiter, buckets []bucket, deadline time.Time) bool
-	// lostTake gives back what a take that failed with err, after it may
-	// have run in Redis, may have taken.
-	lostTake(h *Handler, buckets []bucket, err error)
-	// giveBack gives back what the buckets held while served took in an
-	// earlier group of a Cluster, when a later group refused, and returns
-	// the others (takeGroups).
-	giveBack(h *Handler, taken []bucket) []bucket
 }
 
 // takeAll takes a request's buckets in Redis: in one call, or on a
@@ -112,9 +81,13 @@ func (h *Handler) answeredByRedis(ctx context.Context, r *request, allowed bool,
 }
 
 func (s *redisStore) settle(r *request, items []settling) { s.h.settleInRedis(r.buckets, items) }
-func (s *redisStore) keeper(*request) keeper              { return s.limiter }
 
+// peek reads a bucket held while served as what requests hold of it
+// (peekHeld).
 func (s *redisStore) peek(ctx context.Context, b bucket) (bucketView, error) {
+	if b.heldWhileServed() {
+		return s.limiter.peekHeld(ctx, b.key)
+	}
 	views, err := s.limiter.peek(ctx, []bucket{b})
 	if err != nil {
 		return bucketView{}, err

@@ -96,7 +96,7 @@ type request struct {
 	// What an admitted request's steps registered for after its
 	// response (steps.go): w is the writer the next handler writes to
 	// (one that watches the response for its charge, charge.go); hold what
-	// its kinds' step holds until then (kind.finishing). registered says
+	// its store holds until then (holdStep). registered says
 	// some step has something to do then.
 	w          http.ResponseWriter
 	hold       holding

@@ -34,7 +34,7 @@ var shapeParts = []struct {
 	{"the deny cache (a layer)", regexp.MustCompile(`(?i)deny ?cache|denyLayer`), []string{"denycache.go"}},
 	{"on_error (a layer)", regexp.MustCompile(`(?i)on_?error`), []string{"onerror.go"}},
 	{"the memory store", regexp.MustCompile(`(?i)memory ?store|store ?memory|memstore|inProcess`), []string{"memstore.go", "quotamemory.go", "slotsmemory.go"}},
-	{"the Redis store", regexp.MustCompile(`(?i)redis ?store`), []string{"redisstore.go"}},
+	{"the Redis store", regexp.MustCompile(`(?i)redis ?store`), []string{"redisstore.go", "slotholds.go", "slotqueue.go", "slotreleases.go"}},
 }
 
 // shapeConfigFiles may name every part: the parser, the config and the

@@ -34,7 +34,7 @@ func hashSlotGroups(limits []*limit) [][]*limit {
 func (h *Handler) giveBackGroups(clientCtx context.Context, taken []bucket) {
 	ctx := context.WithoutCancel(clientCtx)
 	if h.holding {
-		taken = h.limiter.held.giveBack(h, taken) // what is held while served goes back its own way
+		taken = h.releaseTaken(taken) // what is held while served goes back its own way
 	}
 	for start := 0; start < len(taken); {
 		end := start + 1

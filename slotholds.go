@@ -5,6 +5,7 @@ package ratelimit
 // has the limit itself; slotqueue.go sends the renewals and releases).
 
 import (
+	"context"
 	"sync"
 	"time"
 
@@ -18,7 +19,6 @@ import (
 // shortest hold.
 type slotHold struct {
 	h      *Handler
-	in     keeper  // where the slots are held: in Redis (the limiter), or in the process
 	id     *string // the slot id, as the script took it (newSlotID): a word less than an any
 	keys   []string
 	limits []*limit
@@ -26,15 +26,13 @@ type slotHold struct {
 	// script argument when one resolves them per request (plans); nil
 	// when every limit's n is fixed, in its args (slotN).
 	slots []any
-	gens  []uint64 // in-process: each slot's generation
 	every time.Duration
 	// Room for the slices of a request with one concurrent limit, the
-	// usual, so that its hold is one allocation of 208 bytes (320 with
-	// room for maxInlineBuckets: BenchmarkServeHTTPConcurrentParallel
-	// 1436 -> 1330 B/op).
+	// usual, so that its hold is one allocation of 160 bytes (room for
+	// maxInlineBuckets made it 112 bytes more:
+	// BenchmarkServeHTTPConcurrentParallel 1436 -> 1330 B/op).
 	inlineKeys   [1]string
 	inlineLimits [1]*limit
-	inlineGens   [1]uint64
 
 	mu       sync.Mutex
 	released bool
@@ -54,7 +52,7 @@ type slotHold struct {
 	// and may still land: the release is sent again until it frees the
 	// slot. The flags and renewing (int16: a hold has one key per
 	// concurrent limit) fit in the mutex's word's padding: the hold stays
-	// one allocation of 208 bytes.
+	// one allocation of 160 bytes.
 	releaseAfter bool
 	due          bool
 	gone         bool
@@ -72,17 +70,41 @@ func (s *slotHold) slotN(i int) any {
 	return s.limits[i].args[1]
 }
 
-// holdSlots records the slots a request was admitted with, where in
-// keeps them (store.keeper), starts their renewal in Redis and counts
-// them in the in_flight gauge; nil where nothing keeps them.
-func (h *Handler) holdSlots(buckets []bucket, in keeper) *slotHold {
-	if in == nil {
+// takeHolding takes a request's buckets in Redis, some of them slots
+// held while served: a refusal while a release of one of their slots is
+// on its way waits for it, then asks once more; a take whose reply was
+// lost gives back the slots it may have taken (releaseLostTake).
+func (s *redisStore) takeHolding(ctx context.Context, sent time.Time, buckets []bucket) (bool, error) {
+	slots := s.limiter.slots()
+	returning := slots.returning(buckets)
+	allowed, err := s.takeAll(ctx, sent, buckets)
+	if returning && err == nil && !allowed && slots.awaitReturns(s.limiter, buckets, sent.Add(s.limiter.timeout/2)) {
+		allowed, err = s.takeAll(ctx, sent, buckets) // what its key held was on its way back
+	}
+	if err != nil {
+		s.h.releaseLostTake(buckets, err)
+	}
+	return allowed, err
+}
+
+// hold is the slots that an admitted request took in Redis, renewed
+// there until its response has ended (store.hold).
+func (s *redisStore) hold(r *request) holding {
+	if hold := s.h.holdSlots(r.buckets); hold != nil {
+		return hold
+	}
+	return nil
+}
+
+// holdSlots records the slots in Redis a request was admitted with, and
+// starts their renewal; nil when it holds none.
+func (h *Handler) holdSlots(buckets []bucket) *slotHold {
+	k := firstHeld(buckets)
+	if k == len(buckets) {
 		return nil
 	}
-	_, inRedis := in.(*limiter)
-	k := firstHeld(buckets)
-	hold := &slotHold{h: h, in: in}
-	hold.keys, hold.limits, hold.gens = hold.inlineKeys[:0], hold.inlineLimits[:0], hold.inlineGens[:0]
+	hold := &slotHold{h: h}
+	hold.keys, hold.limits = hold.inlineKeys[:0], hold.inlineLimits[:0]
 	perRequest := false
 	for i := k; i < len(buckets); i++ {
 		b := &buckets[i]
@@ -90,24 +112,16 @@ func (h *Handler) holdSlots(buckets []bucket, in keeper) *slotHold {
 		hold.keys = append(hold.keys, b.key)
 		hold.limits = append(hold.limits, b.limit)
 		perRequest = perRequest || !b.limit.fixed
-		if !inRedis {
-			hold.gens = append(hold.gens, uint64(b.kindN))
-		}
 		if every := b.limit.slotRule().hold / 3; hold.every == 0 || every < hold.every {
 			hold.every = every
 		}
-		if g := b.limit.slotRule().inFlight; g != nil {
-			g.Inc()
-		}
 	}
-	if inRedis && perRequest {
+	if perRequest {
 		for i := k; i < len(buckets); i++ {
 			hold.slots = append(hold.slots, buckets[i].args[1])
 		}
 	}
-	if inRedis {
-		h.limiter.slots().renewals.add(hold)
-	}
+	h.limiter.slots().renewals.add(hold)
 	return hold
 }
 
@@ -120,22 +134,10 @@ func (s *slotHold) release() {
 	}
 	s.released = true
 	s.mu.Unlock()
-	h := s.h
-	for _, l := range s.limits {
-		if g := l.slotRule().inFlight; g != nil {
-			g.Dec()
-		}
-	}
-	if m := s.inMemory(); m != nil {
-		for i, key := range s.keys {
-			m.releaseSlot(key, s.gens[i])
-		}
-		return
-	}
 	// Pending from now, so that a refused request of these keys waits for
 	// it (awaitReturns); queued once no renewal of the slots is on its
 	// way, and before the hold stops keeping the limiter open (Destruct).
-	l := h.limiter
+	l := s.h.limiter
 	p := l.slots()
 	p.releases.add(s.keys, 1)
 	if p.renewals.leave(s) {
@@ -341,3 +343,29 @@ func (h *Handler) slotGone(reply int64) {
 		ce.Write(zap.String("zone", h.Zone))
 	}
 }
+
+// peekHeld reads what requests hold of a bucket held while served: the
+// slots of a concurrent limit's set in Redis, without changing them.
+func (l *limiter) peekHeld(ctx context.Context, key string) (bucketView, error) {
+	reply, err := l.client.Eval(ctx, peekSlotsSource, []string{key}).Int64Slice()
+	if err != nil {
+		return bucketView{}, err
+	}
+	v := bucketView{inUse: int64(len(reply))}
+	for _, us := range reply {
+		v.expiries = append(v.expiries, time.Duration(us)*time.Microsecond)
+	}
+	return v, nil
+}
+
+// peekSlotsSource reads the live slots of one set: the microseconds until
+// each expires, by Redis time, soonest first. It writes nothing.
+const peekSlotsSource = `
+local time = redis.call('TIME')
+local now = tonumber(time[1]) * 1000000 + tonumber(time[2])
+local scores = redis.call('ZRANGEBYSCORE', KEYS[1], '(' .. now, '+inf', 'WITHSCORES')
+local left = {}
+for i = 2, #scores, 2 do
+  left[#left + 1] = tonumber(scores[i]) - now
+end
+return left`

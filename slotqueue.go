@@ -17,38 +17,38 @@ import (
 	"github.com/caddy-redis/ratelimit/internal/redisbatch"
 )
 
-// limiterSlots is a limiter's part of the concurrent limits
-// (registerLimiterPart): releases counts the releases of slots on their
+// redisSlots are the slot holds of a limiter's requests, its part of the
+// concurrent limits (registerLimiterPart): releases counts the releases of slots on their
 // way to Redis, or failed and waiting to be sent again; releaseQueue and renewQueue hold the releases and
 // renewals not sent yet, which the batcher takes into each batch
 // (firstCalls, lastCalls); renewals renew the slots of requests in
 // flight.
-type limiterSlots struct {
+type redisSlots struct {
 	releases     pendingReleases
 	releaseQueue slotQueue
 	renewQueue   slotQueue
 	renewals     slotRenewals
 }
 
-// slotsPart is the index of the limiters' limiterSlots in their parts.
+// slotsPart is the index of the limiters' redisSlots in their parts.
 var slotsPart int
 
 func init() {
-	slotsPart = registerLimiterPart(func() limiterPart { return new(limiterSlots) })
+	slotsPart = registerLimiterPart(func() limiterPart { return new(redisSlots) })
 }
 
 // slots is the limiter's part of the concurrent limits.
-func (l *limiter) slots() *limiterSlots { return l.parts[slotsPart].(*limiterSlots) }
+func (l *limiter) slots() *redisSlots { return l.parts[slotsPart].(*redisSlots) }
 
 // firstCalls: queued releases go first, so that a slot given back before
 // a take of its key in the same batch is free for it; each batch takes
 // at most maxSlotsPerCall of them.
-func (p *limiterSlots) firstCalls(l *limiter, now time.Time, batch []*redisbatch.Call) ([]*redisbatch.Call, bool) {
+func (p *redisSlots) firstCalls(l *limiter, now time.Time, batch []*redisbatch.Call) ([]*redisbatch.Call, bool) {
 	return p.releaseQueue.calls(l, releaseArg, now, batch)
 }
 
 // lastCalls: queued renewals go last, at most maxSlotsPerCall a batch.
-func (p *limiterSlots) lastCalls(l *limiter, now time.Time, batch []*redisbatch.Call) ([]*redisbatch.Call, bool) {
+func (p *redisSlots) lastCalls(l *limiter, now time.Time, batch []*redisbatch.Call) ([]*redisbatch.Call, bool) {
 	return p.renewQueue.calls(l, renewArg, now, batch)
 }
 
@@ -56,19 +56,14 @@ func (p *limiterSlots) lastCalls(l *limiter, now time.Time, batch []*redisbatch.
 // limiter, however long it runs), or has its release still to queue, or
 // to send again. A hold leaves it once its release is queued, which
 // queued then sees.
-func (p *limiterSlots) inUse() bool { return p.renewals.holding() }
+func (p *redisSlots) inUse() bool { return p.renewals.holding() }
 
-func (p *limiterSlots) queued() bool { return p.releaseQueue.queued() || p.renewQueue.queued() }
+func (p *redisSlots) queued() bool { return p.releaseQueue.queued() || p.renewQueue.queued() }
 
-// returning: a release of one of the buckets' slots is on its way, or
-// failed and waits to be sent again.
-func (p *limiterSlots) returning(buckets []bucket) bool { return p.releases.pending(buckets) }
-
-func (*limiterSlots) lostTake(h *Handler, buckets []bucket, err error) {
-	h.releaseLostTake(buckets, err)
-}
-
-func (*limiterSlots) giveBack(h *Handler, taken []bucket) []bucket { return h.releaseTaken(taken) }
+// returning says whether a release of one of the buckets' slots is on
+// its way, or failed and waits to be sent again: a refusal of the
+// buckets may be for want of it (awaitReturns).
+func (p *redisSlots) returning(buckets []bucket) bool { return p.releases.pending(buckets) }
 
 // queueRelease queues the release of a hold's slots in Redis, counted
 // pending by the caller (pendingReleases), and wakes a worker; it does
@@ -380,7 +375,7 @@ func (p *pendingReleases) total() int64 {
 // failure (sent now, not at the next tick), until the releases of its
 // keys are answered, at most until the deadline; it says whether the
 // request should ask again.
-func (p *limiterSlots) awaitReturns(l *limiter, buckets []bucket, deadline time.Time) bool {
+func (p *redisSlots) awaitReturns(l *limiter, buckets []bucket, deadline time.Time) bool {
 	full := false
 	for i := firstHeld(buckets); i < len(buckets); i++ {
 		full = full || buckets[i].remaining == 0

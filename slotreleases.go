@@ -173,7 +173,7 @@ func (h *Handler) releaseTaken(taken []bucket) []bucket {
 	hold := &slotHold{h: h, released: true, renewedAt: time.Since(clockStart)}
 	for i := range taken {
 		b := &taken[i]
-		if !b.kind().heldWhileServed() {
+		if !b.heldWhileServed() {
 			tokens = append(tokens, *b)
 			continue
 		}

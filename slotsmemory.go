@@ -4,8 +4,8 @@ package ratelimit
 // buckets a layer keeps there (concurrent.go has the limit itself).
 
 import (
-	"context"
 	"sync"
+	"sync/atomic"
 	"time"
 )
 
@@ -28,8 +28,9 @@ type slotEntry struct {
 // takeInProcess takes a request's token buckets from s and its slots from
 // s's slot counts, all or nothing: the slot counts stay locked while the
 // tokens are taken. Each slot's bucket gets the generation of the count
-// it was taken from (slotGen), for its release: read later, it could be
-// a count that an admin reset and another take made meanwhile.
+// it was taken from (kindN), for its release (memoryHold): read later,
+// it could be a count that an admin reset and another take made
+// meanwhile.
 func (s *memoryStore) takeInProcess(now time.Time, buckets []bucket) (bool, error) {
 	return s.decideInProcess(now, buckets, true)
 }
@@ -129,21 +130,56 @@ func (c *heldCounts) free(key string) {
 	delete(c.entries, key)
 }
 
-// inMemory is the memory store that keeps the slots of a hold (in), or
-// nil when Redis keeps them.
-func (s *slotHold) inMemory() *memoryStore {
-	m, _ := s.in.(*memoryStore)
-	return m
+// hold is the slots that an admitted request took in the process.
+func (p inProcess) hold(r *request) holding {
+	if hold := p.s.holdSlots(r.buckets); hold != nil {
+		return hold
+	}
+	return nil
 }
 
-// peekSlots reads a concurrent limit's slots of key where in keeps
-// them, for the admin API.
-func peekSlots(ctx context.Context, in keeper, key string) (bucketView, error) {
-	switch in := in.(type) {
-	case *memoryStore:
-		return bucketView{inUse: in.slotsInUse(key)}, nil
-	case *limiter:
-		return in.peekSlots(ctx, key)
+// peekHeld reads what requests hold of a bucket held while served: the
+// slots of a concurrent limit's key in use.
+func (s *memoryStore) peekHeld(key string) bucketView {
+	return bucketView{inUse: s.slotsInUse(key)}
+}
+
+// memoryHold is the slots one request holds in a memory store, from
+// admission until its response has ended, each of the generation of the
+// count it was taken from (memoryStore.holdSlots).
+type memoryHold struct {
+	s        *memoryStore
+	keys     []string
+	gens     []uint64
+	released atomic.Bool
+	// Room for a request with one concurrent limit, the usual: the hold
+	// is one allocation.
+	inlineKeys [1]string
+	inlineGens [1]uint64
+}
+
+// holdSlots records the slots a request was admitted with; nil when it
+// holds none.
+func (s *memoryStore) holdSlots(buckets []bucket) *memoryHold {
+	k := firstHeld(buckets)
+	if k == len(buckets) {
+		return nil
 	}
-	return bucketView{}, nil
+	hold := &memoryHold{s: s}
+	hold.keys, hold.gens = hold.inlineKeys[:0], hold.inlineGens[:0]
+	for i := k; i < len(buckets); i++ {
+		hold.keys = append(hold.keys, buckets[i].key)
+		hold.gens = append(hold.gens, uint64(buckets[i].kindN))
+	}
+	return hold
+}
+
+// release gives the slots back, once.
+func (m *memoryHold) release() {
+	if m.released.Swap(true) {
+		return
+	}
+	for i, key := range m.keys {
+		m.s.releaseSlot(key, m.gens[i])
+	}
 }

@@ -5,8 +5,8 @@ import "net/http"
 // What the features of a handler do around a request's decision, beside
 // the decision itself: read values before it (request_body), and, for an
 // admitted request, register what must follow its response and do it
-// once the response has ended (a charge settled, what a kind held
-// while serving it given back).
+// once the response has ended (a charge settled, what the request held
+// while served given back).
 // Each feature contributes its steps when the handler is provisioned
 // (h.before, h.steps); the request path (serve.go) runs them in order
 // without asking which it has. A step keeps what it registered in the
@@ -50,12 +50,33 @@ type step interface {
 }
 
 // holding is what a request holds while it is served, where its store
-// took it, for a kind's step to give back once the response has ended
-// (kind.finishing).
+// took it (store.hold), to give back once the response has ended.
 type holding interface{ release() }
 
-// addStep adds s to the handler's steps, once: the limits of a kind
-// share theirs.
+// holdStep is the step of a handler with limits held while served
+// (heldKind): an admitted request holds what its store answers
+// (store.hold) while its response is served, counted in the in_flight
+// gauge, and gives it back once the response has ended.
+type holdStep struct{ h *Handler }
+
+func (s holdStep) register(req *request) bool {
+	if firstHeld(req.buckets) < len(req.buckets) {
+		if hold := s.h.store.hold(req); hold != nil {
+			req.hold = hold
+			countInFlight(req.buckets, 1)
+		}
+	}
+	return req.hold != nil
+}
+
+func (holdStep) finish(_ *http.Request, req *request, _ error) {
+	if req.hold != nil {
+		countInFlight(req.buckets, -1)
+		req.hold.release()
+	}
+}
+
+// addStep adds s to the handler's steps, once.
 func (h *Handler) addStep(s step) {
 	for _, have := range h.steps {
 		if have == s {
@@ -63,4 +84,14 @@ func (h *Handler) addStep(s step) {
 		}
 	}
 	h.steps = append(h.steps, s)
+}
+
+// countInFlight adds d to the in_flight gauge of each of the buckets
+// held while served (limit.inFlight).
+func countInFlight(buckets []bucket, d float64) {
+	for i := firstHeld(buckets); i < len(buckets); i++ {
+		if g := buckets[i].limit.inFlight; g != nil {
+			g.Add(d)
+		}
+	}
 }

@@ -22,23 +22,18 @@ type store interface {
 	// settle settles the charges of a served request, items, where its
 	// buckets were taken (charge.go).
 	settle(r *request, items []settling)
-	// keeper is where the store keeps buckets: an admitted request's (r),
-	// where they were taken; with r nil, those the admin API reads. A
-	// kind keeps there what is its own beside its buckets
-	// (kind.finishing, kind.bucketInfo).
-	keeper(r *request) keeper
-	// peek reads a bucket without changing it, for the admin API.
+	// hold is what an admitted request holds while it is served, where
+	// its buckets were taken: those of its limits held while served
+	// (heldKind), to give back once its response has ended (holdStep);
+	// nil when it holds nothing.
+	hold(r *request) holding
+	// peek reads a bucket without changing it, for the admin API: a
+	// bucket held while served, as what requests hold of it.
 	peek(ctx context.Context, b bucket) (bucketView, error)
 	// reset makes a bucket full again, and frees what requests hold of
-	// it while they are served (kind.heldWhileServed).
+	// it while they are served.
 	reset(ctx context.Context, b bucket) error
 }
-
-// A keeper keeps buckets: the limiter of a Redis, or the process's
-// memory (store.keeper).
-type keeper interface{ keepsBuckets() }
-
-func (*limiter) keepsBuckets() {}
 
 // noStore is the store of a handler whose limits all block (burst 0):
 // none is ever asked to take, and it keeps nothing.
@@ -46,7 +41,7 @@ type noStore struct{}
 
 func (noStore) take(context.Context, *request) (bool, error)     { return false, errNoStore }
 func (noStore) settle(*request, []settling)                      {}
-func (noStore) keeper(*request) keeper                           { return nil }
+func (noStore) hold(*request) holding                            { return nil }
 func (noStore) peek(context.Context, bucket) (bucketView, error) { return bucketView{}, nil }
 func (noStore) reset(context.Context, bucket) error              { return nil }
 

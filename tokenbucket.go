@@ -186,10 +186,6 @@ func (tokenBucket) begin(b bucket, shared requestShared) (bucket, requestShared)
 // appendArgs appends rate, burst and cost.
 func (tokenBucket) appendArgs(args []any, b bucket) []any { return append(args, b.args[:]...) }
 
-func (tokenBucket) heldWhileServed() bool { return false }
-
-func (tokenBucket) finishing(*Handler) step { return nil }
-
 // replyWords is 0: a token bucket's answer is its remaining and wait.
 func (tokenBucket) replyWords() int                                      { return 0 }
 func (tokenBucket) readReply(b bucket, _ []int64, _ int) (bucket, error) { return b, nil }

@@ -294,7 +294,7 @@ func serveBuckets(w http.ResponseWriter, r *http.Request, zone string) error {
 // tokenInfo is what the admin API shows of a bucket of tokens (the
 // token bucket's, and other kinds' with more) of what was read of it.
 func tokenInfo(b bucket, view bucketView) bucketInfo {
-	info := bucketInfo{Limit: b.limit.name, Key: b.clientKey(), StoredKey: b.key,
+	info := bucketInfo{Limit: b.limit.name, Key: clientKey(&b), StoredKey: b.key,
 		ReplenishRate: b.values.rate, BurstCapacity: b.values.burst, RequestedTokens: b.values.requested}
 	info.Tokens = strconv.FormatFloat(math.Round(view.tokens*1e6)/1e6, 'f', -1, 64) // to the millionth
 	info.RetryAfter, info.ExpiresIn, info.Lent = view.wait.Seconds(), view.expiresIn.Seconds(), view.lent

@@ -90,14 +90,16 @@ var inFlightGauge = prometheus.NewGaugeVec(prometheus.GaugeOpts{
 // in_flight gauge.
 func inFlightSeries(zone string, limits []*limit) {
 	for _, l := range limits {
-		if l.held {
+		if l.held != nil {
 			l.inFlight = inFlightGauge.WithLabelValues(zone, l.name)
 		}
 	}
 }
 
-// slotRule is a concurrent limit's rule.
-func (l *limit) slotRule() *slotRule { return l.kind.(*slotRule) }
+// holdOf is how long a request's hold on a limit held while served
+// lasts unless renewed; holdArgOf the same as a script argument.
+func holdOf(l *limit) time.Duration { d, _ := l.held.holdFor(); return d }
+func holdArgOf(l *limit) any         { _, arg := l.held.holdFor(); return arg }
 
 //go:embed concurrent.lua
 var concurrentSource string
@@ -285,7 +287,7 @@ func (*slotRule) bucketInfo(b bucket, v bucketView) bucketInfo {
 	for _, d := range v.expiries {
 		slots.SlotExpiry = append(slots.SlotExpiry, d.Seconds())
 	}
-	return bucketInfo{Limit: b.limit.name, Key: b.clientKey(), StoredKey: b.key, kindView: slots}
+	return bucketInfo{Limit: b.limit.name, Key: clientKey(&b), StoredKey: b.key, kindView: slots}
 }
 
 func (*slotRule) burstName() string { return "slots" }
@@ -317,7 +319,7 @@ func (s *slotRule) appendArgs(args []any, b bucket) []any {
 
 // heldWhileServed: a request holds its slot until its response has
 // ended (heldKind).
-func (*slotRule) heldWhileServed() {}
+func (r *slotRule) holdFor() (time.Duration, any) { return r.hold, r.holdArg }
 
 func (*slotRule) replyWords() int                                      { return 0 }
 func (*slotRule) readReply(b bucket, _ []int64, _ int) (bucket, error) { return b, nil }

@@ -83,7 +83,7 @@ func concurrentHandler(t *testing.T, srv *redistest.Server, block string) *Handl
 func slotKey(t *testing.T, h *Handler, name, key string) string {
 	t.Helper()
 	for _, l := range h.limits {
-		if l.held && l.name == name {
+		if l.held != nil && l.name == name {
 			r, _ := newRequest("192.0.2.1", key)
 			rv := keys.RequestValues(r, r.Context().Value(caddy.ReplacerCtxKey).(*caddy.Replacer))
 			return l.template.Key(&rv, l.keyPrefix, l.keySuffix)

@@ -65,7 +65,7 @@ func (h *Handler) record(repl *caddy.Replacer, d decision, buckets []bucket, des
 			p.retryAfter, label = ceilSeconds(retryAfter(buckets)), b.limit.index+1
 		}
 		if h.LogKey {
-			p.key = b.clientKey()
+			p.key = clientKey(b)
 		}
 	}
 	// A provider, not repl.Set: the request's replacer map then holds
@@ -99,7 +99,7 @@ func (h *Handler) logDecision(d decision, b *bucket) {
 			fields = append(fields, zap.String("limit", b.limit.name))
 		}
 		if h.LogKey {
-			fields = append(fields, zap.String("key", b.clientKey()))
+			fields = append(fields, zap.String("key", clientKey(b)))
 		}
 	}
 	ce.Write(fields...)
@@ -211,7 +211,7 @@ func (h *Handler) logShadowDenial(buckets []bucket, described int) {
 		fields = append(fields, zap.String("limit", b.limit.name))
 	}
 	if h.LogKey {
-		fields = append(fields, zap.String("key", b.clientKey()))
+		fields = append(fields, zap.String("key", clientKey(b)))
 	}
 	fields = append(fields, logs.Suppressed(suppressed))
 	h.logger.Info("shadow mode: request would be rate limited", fields...)
@@ -219,6 +219,6 @@ func (h *Handler) logShadowDenial(buckets []bucket, described int) {
 
 // clientKey is the bucket's Redis key without what the limit puts around
 // the client key: as logs and {http.rate_limit.key} show it.
-func (b *bucket) clientKey() string {
+func clientKey(b *bucket) string {
 	return b.key[len(b.limit.keyPrefix) : len(b.key)-len(b.limit.keySuffix)]
 }

@@ -153,10 +153,12 @@ type rememberedKind interface {
 // response is served, and gives back once it has ended: its store says
 // what the request holds (store.hold), and the handler's holdStep gives
 // it back. Such limits come last (kindConfig.order); a limit knows
-// whether its kind is one from when it is built (limit.held, setKind).
+// its held kind from when it is built (limit.held, setKind).
 type heldKind interface {
 	kind
-	heldWhileServed()
+	// holdFor is how long a request's hold lasts unless renewed, and the
+	// same as a script argument (microseconds, boxed once).
+	holdFor() (hold time.Duration, arg any)
 }
 
 // kindError is a kind's reason for a store's answer that decides
@@ -190,7 +192,7 @@ func firstHeld(buckets []bucket) int {
 
 // heldWhileServed says whether a request holds the bucket while it is
 // served (heldKind); a bucket of no limit is not held.
-func (b *bucket) heldWhileServed() bool { return b.limit != nil && b.limit.held }
+func (b *bucket) heldWhileServed() bool { return b.limit != nil && b.limit.held != nil }
 
 // kind is the bucket's kind of limit: its limit's; a bucket of no limit
 // (one a layer makes for calls of its own) is a token bucket.
@@ -231,7 +233,7 @@ func (l *limit) setKind(k kind) {
 	l.arithmetic, _ = k.(bucketArithmetic)
 	l.charged, _ = k.(chargedKind)
 	l.remembered, _ = k.(rememberedKind)
-	_, l.held = k.(heldKind)
+	l.held, _ = k.(heldKind)
 }
 
 // limitConfig is one limit of a handler as its kind reads it from the

@@ -352,7 +352,7 @@ func (h *Handler) Provision(ctx caddy.Context) (err error) {
 		return err
 	}
 	for _, l := range h.limits {
-		h.holding = h.holding || l.held
+		h.holding = h.holding || l.held != nil
 	}
 	if h.holding { // after the charge's step: a charge is settled before slots are given back
 		h.addStep(holdStep{h})

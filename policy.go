@@ -175,7 +175,7 @@ type limit struct {
 	arithmetic bucketArithmetic
 	charged    chargedKind
 	remembered rememberedKind
-	held       bool
+	held       heldKind
 	inFlight   prometheus.Gauge
 }
 

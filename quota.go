@@ -150,8 +150,8 @@ func (e *quotaClockError) Error() string {
 // take may come periods later (in a fallback's buckets, after a Redis
 // timeout longer than the period), when now lies outside it and its neighbours;
 // the process has the calendar, so it names the period now is in.
-func (b *bucket) quotaAt(now time.Time) {
-	if us := now.UnixMicro(); us < b.period().bounds[0] || us >= b.period().bounds[3] {
+func quotaAt(b *bucket, now time.Time) {
+	if us := now.UnixMicro(); us < period(b).bounds[0] || us >= period(b).bounds[3] {
 		b.kindRef = b.limit.kind.(*quota).at(now, b.limit)
 	}
 }
@@ -193,11 +193,11 @@ func resolveQuotaValues(count, requested string) (v limitValues, isUnlimited boo
 			return v, false, badValue("requested_tokens", requested, "is not a whole number")
 		}
 	}
-	return v, false, v.checkQuota()
+	return v, false, checkQuota(v)
 }
 
 // checkQuota judges a quota's count and cost together.
-func (v limitValues) checkQuota() error {
+func checkQuota(v limitValues) error {
 	count, requested := strconv.FormatInt(v.burst, 10), strconv.FormatInt(v.requested, 10)
 	switch {
 	case v.burst < 1:
@@ -284,7 +284,7 @@ type quotaInfo struct {
 
 // view is a quota's admin view at now, from what it holds (view).
 func (q *quota) view(b bucket, view bucketView, now time.Time) *quotaInfo {
-	start, end, _ := b.period().span(now.UnixMicro())
+	start, end, _ := period(&b).span(now.UnixMicro())
 	loc := q.period.Location()
 	left := int64(math.Floor(view.tokens))
 	return &quotaInfo{
@@ -306,7 +306,7 @@ func (q *quota) view(b bucket, view bucketView, now time.Time) *quotaInfo {
 func jitterRefusal(buckets []bucket, jitter time.Duration) {
 	for i := range buckets {
 		b := &buckets[i]
-		if b.period() == nil || b.unknown || b.retryAfter <= 0 {
+		if period(b) == nil || b.unknown || b.retryAfter <= 0 {
 			continue
 		}
 		h := fnv.New64a()
@@ -341,7 +341,7 @@ func (q *quota) begin(b bucket, shared requestShared) (bucket, requestShared) {
 
 // appendArgs appends "q", count and cost, then the period's bounds.
 func (*quota) appendArgs(args []any, b bucket) []any {
-	return append(append(args, b.args[:]...), b.period().args[:]...)
+	return append(append(args, b.args[:]...), period(&b).args[:]...)
 }
 
 // replyWords is 1: the period the take counted in, as a shift from the
@@ -353,7 +353,7 @@ func (*quota) replyWords() int { return 1 }
 func (*quota) readReply(b bucket, reply []int64, at int) (bucket, error) {
 	switch shift := reply[at]; {
 	case shift > 1: // Redis time, outside the periods
-		return b, &quotaClockError{redis: shift, caddy: time.Now().UnixMicro(), bounds: b.period().bounds}
+		return b, &quotaClockError{redis: shift, caddy: time.Now().UnixMicro(), bounds: period(&b).bounds}
 	case shift < -1:
 		return b, fmt.Errorf("unexpected script reply %v", reply)
 	default:
@@ -367,9 +367,9 @@ func (*quota) readReply(b bucket, reply []int64, at int) (bucket, error) {
 // changes with the period: a month's days): it is back at the end of
 // the period it counted in, or after its wait if later.
 func (*quota) facts(b bucket) facts {
-	window := b.period().window()
+	window := period(&b).window()
 	return facts{rate: float64(b.values.burst) / float64(max(window, 1)), burst: b.values.burst, requested: b.values.requested,
-		window: window, reset: b.retryAfter, renewsAt: b.period().end(b.shift())}
+		window: window, reset: b.retryAfter, renewsAt: period(&b).end(shift(&b))}
 }
 
 // refused: the store's answer is the whole answer.
@@ -384,7 +384,7 @@ func (*quota) cachedRemaining(_ bucket, remaining int64, _ time.Duration) int64 
 
 // period is a quota's bucket's period (kind state: bucket.kindRef),
 // whose bounds follow its args in the script call; nil before begin.
-func (b *bucket) period() *quotaPeriod {
+func period(b *bucket) *quotaPeriod {
 	p, _ := b.kindRef.(*quotaPeriod)
 	return p
 }
@@ -393,4 +393,4 @@ func (b *bucket) period() *quotaPeriod {
 // it (bucket.kindN): -1, 0 or 1 for the one before the bucket's period,
 // that one or the one after (the store's clock picks it). Its settlement
 // names it.
-func (b *bucket) shift() int8 { return int8(b.kindN) }
+func shift(b *bucket) int8 { return int8(b.kindN) }

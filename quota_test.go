@@ -1002,13 +1002,13 @@ func TestQuotaChargeSettlesInThePeriodItsReservationWasTakenIn(t *testing.T) {
 		// The request's period is Caddy's now; its take comes in the next
 		// one (a take reads the clock again, after the period was named).
 		buckets := []bucket{policyBuckets(t, h, "X-Key", "a")["tokens"]}
-		next := time.UnixMicro(buckets[0].period().bounds[2]).Add(10 * time.Millisecond)
+		next := time.UnixMicro(period(&buckets[0]).bounds[2]).Add(10 * time.Millisecond)
 		if allowed, err := h.memory.takeInProcess(next, buckets); err != nil || !allowed {
 			t.Fatalf("take: %v %v, want admitted", allowed, err)
 		}
 		h.settleInProcess(h.memory, buckets, []settling{{bucket: 0, cost: 600, diff: 500}})
 		used, start := quotaState(t, h.memory, buckets[0].key)
-		if want := buckets[0].period().bounds[2]; used != 600 || start != want {
+		if want := period(&buckets[0]).bounds[2]; used != 600 || start != want {
 			t.Errorf("quota used %v in the period starting %d, want 600 in the one starting %d (where the reservation was taken)", used, start, want)
 		}
 		if got := counterValue(t, charged("quota_cross_memory")) - before; got != 600 {
@@ -1137,7 +1137,7 @@ func TestQuotaInProcessTakeLongAfterItsPeriodCountsInThePeriodItIsIn(t *testing.
 	h := provision(t, &Handler{Zone: "quota_late_take", Key: "{http.request.header.X-Key}", Store: storeMemory,
 		Quotas: []Quota{{Name: "q", Count: "2", Per: "2s"}}})
 	b := policyBuckets(t, h, "X-Key", "a")["q"]
-	later := time.UnixMicro(b.period().bounds[3]).Add(5 * time.Second) // two periods past the last one the request named
+	later := time.UnixMicro(period(&b).bounds[3]).Add(5 * time.Second) // two periods past the last one the request named
 	start := later.Truncate(2 * time.Second)
 	for i := range 3 {
 		buckets := []bucket{b}

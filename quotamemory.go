@@ -42,7 +42,7 @@ func takeQuota(used float64, start, end, wall, t int64, v limitValues, take bool
 // script answers it. A denial stores nothing.
 func (*quota) take(state bucketState, ok bool, now time.Time, t int64, b bucket, allowed bool) (bucket, bucketState, bool) {
 	wall := now.UnixMicro()
-	start, end, shift := b.period().span(wall)
+	start, end, shift := period(&b).span(wall)
 	b.kindN = int64(shift)
 	after, _, remaining, wait := takeQuota(quotaUsed(state, ok, t, start), start, end, wall, t, b.values, allowed)
 	b.remaining, b.retryAfter = remaining, time.Duration(wait)*time.Microsecond
@@ -52,8 +52,8 @@ func (*quota) take(state bucketState, ok bool, now time.Time, t int64, b bucket,
 // holds says whether a held quota has room for the request at now, in
 // the period now is in (quotaAt).
 func (*quota) holds(state bucketState, ok bool, now time.Time, t int64, b bucket) (bucket, bool) {
-	b.quotaAt(now)
-	start, _, _ := b.period().span(now.UnixMicro())
+	quotaAt(&b, now)
+	start, _, _ := period(&b).span(now.UnixMicro())
 	return b, quotaUsed(state, ok, t, start)+float64(b.values.requested) <= float64(b.values.burst)
 }
 
@@ -61,7 +61,7 @@ func (*quota) holds(state bucketState, ok bool, now time.Time, t int64, b bucket
 // left of the count.
 func (*quota) peek(state bucketState, ok bool, now time.Time, t int64, b bucket) bucketView {
 	wall := now.UnixMicro()
-	start, end, _ := b.period().span(wall)
+	start, end, _ := period(&b).span(wall)
 	used := quotaUsed(state, ok, t, start)
 	_, _, _, wait := takeQuota(used, start, end, wall, t, b.values, false)
 	view := bucketView{tokens: float64(b.values.burst) - used, wait: time.Duration(wait) * time.Microsecond}
@@ -86,14 +86,14 @@ func settleQuotaUse(state bucketState, v limitValues, diff, maxDebt int64) (afte
 
 // settleArg is "q" and the start of the period the reservation was taken
 // in: settled only in that period.
-func (*quota) settleArg(b bucket) any { return b.period().settleKinds[b.shift()+1] }
+func (*quota) settleArg(b bucket) any { return period(&b).settleKinds[shift(&b)+1] }
 
 // settleHeld settles in the period the reservation was taken in
 // (settleQuotaUse). When its period is over, or it was reset, or it
 // counts another period than the reservation's, nothing settles, and the
 // reservation is what it charged.
 func (*quota) settleHeld(state bucketState, ok bool, t int64, b bucket, diff, cost, maxDebt int64) (bucketState, bool, float64, float64) {
-	if !ok || state.expires <= t || state.at != b.period().bounds[b.shift()+1] {
+	if !ok || state.expires <= t || state.at != period(&b).bounds[shift(&b)+1] {
 		return state, false, float64(b.values.requested), 0
 	}
 	after, forgiven := settleQuotaUse(state, b.values, diff, maxDebt)

@@ -112,7 +112,7 @@ func (h *Handler) holdSlots(buckets []bucket) *slotHold {
 		hold.keys = append(hold.keys, b.key)
 		hold.limits = append(hold.limits, b.limit)
 		perRequest = perRequest || !b.limit.fixed
-		if every := b.limit.slotRule().hold / 3; hold.every == 0 || every < hold.every {
+		if every := holdOf(b.limit) / 3; hold.every == 0 || every < hold.every {
 			hold.every = every
 		}
 	}

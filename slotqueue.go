@@ -163,7 +163,7 @@ func (q *slotQueue) addRenewals(holds []*slotHold, restore bool) {
 			if restore {
 				n = s.slotN(i)
 			}
-			q.args = append(q.args, s.id, s.limits[i].slotRule().holdArg, n)
+			q.args = append(q.args, s.id, holdArgOf(s.limits[i]), n)
 		}
 	}
 }

@@ -59,7 +59,7 @@ type slotRetry struct {
 func (s *slotHold) expiresBy(key string) time.Duration {
 	for i, k := range s.keys {
 		if k == key {
-			return s.renewedAt + s.limits[i].slotRule().hold
+			return s.renewedAt + holdOf(s.limits[i])
 		}
 	}
 	return s.renewedAt + 3*s.every
@@ -180,7 +180,7 @@ func (h *Handler) releaseTaken(taken []bucket) []bucket {
 		hold.id = b.args[2].(*string)
 		hold.keys = append(hold.keys, b.key)
 		hold.limits = append(hold.limits, b.limit)
-		if every := b.limit.slotRule().hold / 3; hold.every == 0 || every < hold.every {
+		if every := holdOf(b.limit) / 3; hold.every == 0 || every < hold.every {
 			hold.every = every
 		}
 	}
@@ -219,7 +219,7 @@ func (h *Handler) releaseLostTake(buckets []bucket, err error) {
 		hold.id = b.args[2].(*string)
 		hold.keys = append(hold.keys, b.key)
 		hold.limits = append(hold.limits, b.limit)
-		if every := b.limit.slotRule().hold / 3; hold.every == 0 || every < hold.every {
+		if every := holdOf(b.limit) / 3; hold.every == 0 || every < hold.every {
 			hold.every = every
 		}
 	}

@@ -74,7 +74,7 @@ func (h *Handler) settleResponse(end cost.End, cw *cost.Writer, repl *caddy.Repl
 		}
 	}
 	if len(unsettled) > 0 {
-		h.store.settle(req, unsettled)
+		h.store.settle(&req.call, unsettled)
 	}
 }
 

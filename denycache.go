@@ -218,7 +218,7 @@ func (d *denyLayer) forgetKeys(keys []string) { d.cache.forget(keys...) }
 // keepAtMost sets maxWait.
 func (d *denyLayer) keepAtMost(wait time.Duration) { d.cache.maxWait = wait }
 
-func (d *denyLayer) take(ctx context.Context, r *request) (bool, error) {
+func (d *denyLayer) take(ctx context.Context, r *call) (bool, error) {
 	if d.cache.answer(r.buckets, r.sent) {
 		return false, nil
 	}

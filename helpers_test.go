@@ -986,7 +986,7 @@ func decide(ctx context.Context, h *Handler, buckets []bucket) (bool, error) {
 	defer r.free()
 	r.buckets = append(r.buckets, buckets...)
 	r.sent = time.Now()
-	allowed, err := h.store.take(ctx, r)
+	allowed, err := h.store.take(ctx, &r.call)
 	copy(buckets, r.buckets)
 	return allowed, err
 }

@@ -57,7 +57,7 @@ func init() {
 }
 
 // settle settles in the leases first (settleLeased).
-func (l leaseLayer) settle(r *request, items []settling) {
+func (l leaseLayer) settle(r *call, items []settling) {
 	l.h.settleLeased(r.buckets, r.layerMarks, items)
 }
 
@@ -69,7 +69,7 @@ func (l leaseLayer) reset(ctx context.Context, b bucket) error {
 	return l.h.leases.reset(ctx, l.h.limiter, b)
 }
 
-func (l leaseLayer) take(ctx context.Context, r *request) (bool, error) {
+func (l leaseLayer) take(ctx context.Context, r *call) (bool, error) {
 	h := l.h
 	allowed, asked, err := h.checkLeased(ctx, r.sent, r.buckets, r.clearLayerMarks())
 	if asked {

@@ -396,7 +396,7 @@ type inProcess struct {
 	warnsFull bool
 }
 
-func (p inProcess) take(_ context.Context, r *request) (bool, error) {
+func (p inProcess) take(_ context.Context, r *call) (bool, error) {
 	allowed, err := p.s.takeInProcess(r.sent, r.buckets)
 	if err == errMemoryFull && p.warnsFull {
 		p.h.warnFull() // also when the client left: the store is full all the same
@@ -419,7 +419,7 @@ func (p inProcess) refuses(now time.Time, buckets []bucket) bool {
 	return p.s.refusesInProcess(now, buckets)
 }
 
-func (p inProcess) settle(r *request, items []settling) { p.h.settleInProcess(p.s, r.buckets, items) }
+func (p inProcess) settle(r *call, items []settling) { p.h.settleInProcess(p.s, r.buckets, items) }
 
 // peek reads a bucket held while served as what requests hold of it
 // (peekHeld).

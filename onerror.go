@@ -56,7 +56,7 @@ func init() {
 	registerLayer(storeConfig{order: 100, build: func(h *Handler, below store) store { return h.withFallback(below) }})
 }
 
-func (e *onErrorLayer) take(ctx context.Context, r *request) (bool, error) {
+func (e *onErrorLayer) take(ctx context.Context, r *call) (bool, error) {
 	allowed, err := e.store.take(ctx, r)
 	if err == nil || ctx.Err() != nil {
 		return allowed, err
@@ -91,7 +91,7 @@ func (e *onErrorLayer) refuserBelow() refuser { return refuserOf(e.store) }
 
 // settle and hold go where the request's buckets were taken: the
 // local buckets when the layer took them (r.takenBy).
-func (e *onErrorLayer) settle(r *request, items []settling) {
+func (e *onErrorLayer) settle(r *call, items []settling) {
 	if r.takenBy != nil {
 		r.takenBy.settle(r, items)
 		return
@@ -99,7 +99,7 @@ func (e *onErrorLayer) settle(r *request, items []settling) {
 	e.store.settle(r, items)
 }
 
-func (e *onErrorLayer) hold(r *request) holding {
+func (e *onErrorLayer) hold(r *call) holding {
 	if r.takenBy != nil {
 		return r.takenBy.hold(r)
 	}

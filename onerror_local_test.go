@@ -124,7 +124,7 @@ func TestOnErrorLocalDescribesEveryBucketAfterAPartialRedisAnswer(t *testing.T) 
 		req := acquireRequest()
 		req.buckets = append(req.buckets, buckets...)
 		layer := h.withFallback(failedStore{err: errors.New("Redis is down")})
-		allowed, err := layer.take(context.Background(), req)
+		allowed, err := layer.take(context.Background(), &req.call)
 		if err != nil || req.failed || req.takenBy == nil {
 			t.Fatalf("on_error local: err %v, failed %v, taken by %v", err, req.failed, req.takenBy)
 		}
@@ -251,4 +251,4 @@ type failedStore struct {
 	err error
 }
 
-func (s failedStore) take(context.Context, *request) (bool, error) { return false, s.err }
+func (s failedStore) take(context.Context, *call) (bool, error) { return false, s.err }

@@ -33,7 +33,7 @@ func init() {
 
 // take takes a request's buckets in Redis; with buckets held while
 // served, as what requests hold of them needs (takeHolding).
-func (s *redisStore) take(ctx context.Context, r *request) (allowed bool, err error) {
+func (s *redisStore) take(ctx context.Context, r *call) (allowed bool, err error) {
 	if s.holding {
 		allowed, err = s.takeHolding(ctx, r.sent, r.buckets)
 	} else {
@@ -56,7 +56,7 @@ func (s *redisStore) takeAll(ctx context.Context, sent time.Time, buckets []buck
 // (sent at r.sent): the metric of its time, the refused buckets' waits
 // (kind.refused), and a line for a failure, throttled (an open breaker
 // was logged when it opened).
-func (h *Handler) answeredByRedis(ctx context.Context, r *request, allowed bool, err error) {
+func (h *Handler) answeredByRedis(ctx context.Context, r *call, allowed bool, err error) {
 	if h.metrics != nil && err != redisbatch.ErrBreakerOpen {
 		h.metrics.redisDuration.Observe(time.Since(r.sent).Seconds())
 	}
@@ -80,7 +80,7 @@ func (h *Handler) answeredByRedis(ctx context.Context, r *request, allowed bool,
 	}
 }
 
-func (s *redisStore) settle(r *request, items []settling) { s.h.settleInRedis(r.buckets, items) }
+func (s *redisStore) settle(r *call, items []settling) { s.h.settleInRedis(r.buckets, items) }
 
 // peek reads a bucket held while served as what requests hold of it
 // (peekHeld).

@@ -59,30 +59,8 @@ const maxInlineBuckets = 4
 // stack: the buckets go down the stack through an interface, which would
 // move a stack array of them to the heap (768 bytes a request).
 type request struct {
-	buckets []bucket
-	inline  [maxInlineBuckets]bucket
-	// sent is when the request's decision started: its take is as at
-	// then, and its call's timeout runs from then.
-	sent time.Time
-	// admitted and refused name the decision for the metrics and
-	// {http.rate_limit.result}: allowed and denied, unless a layer took
-	// the buckets elsewhere (takenBy) and names its own.
-	admitted, refused decision
-	// failed says that a layer decided without any bucket's answer, as
-	// failure (a fallback while the store fails).
-	failed  bool
-	failure decision
-	// takenBy is the store that took the request's buckets when a layer
-	// took them elsewhere than in the store below it (nil: that store
-	// took them): what it holds while served is kept there, its charges
-	// settle there.
-	takenBy store
-	// layerMarks are a word per bucket (layerMarks[i] is buckets[i]'s)
-	// that the layer deciding the request keeps from its take until its
-	// settlement, its own to set and read; in inlineMarks for up to
-	// maxInlineBuckets, as the buckets are.
-	layerMarks  []int64
-	inlineMarks [maxInlineBuckets]int64
+	call
+	inline [maxInlineBuckets]bucket
 	// settling holds a charged request's settlements (charge.go), here
 	// for the reason the buckets are.
 	settling [maxInlineBuckets]settling
@@ -143,18 +121,47 @@ func (r *request) free() {
 
 // clearLayerMarks sets the request's layer marks to 0, one per bucket
 // (see layerMarks), and returns them.
-func (r *request) clearLayerMarks() []int64 {
-	if n := len(r.buckets); n <= maxInlineBuckets {
-		r.layerMarks = r.inlineMarks[:n]
+func (c *call) clearLayerMarks() []int64 {
+	if n := len(c.buckets); n <= maxInlineBuckets {
+		c.layerMarks = c.inlineMarks[:n]
 	} else {
-		r.layerMarks = make([]int64, n)
+		c.layerMarks = make([]int64, n)
 	}
-	clear(r.layerMarks)
-	return r.layerMarks
+	clear(c.layerMarks)
+	return c.layerMarks
+}
+
+// call is what a handler's stack is asked to decide: a request's
+// buckets, when it was sent, and how it was decided. Every store and
+// layer takes it (store.take) and fills in the answer.
+type call struct {
+	buckets []bucket
+	// sent is when the request's decision started: its take is as at
+	// then, and its call's timeout runs from then.
+	sent time.Time
+	// admitted and refused name the decision for the metrics and
+	// {http.rate_limit.result}: allowed and denied, unless a layer took
+	// the buckets elsewhere (takenBy) and names its own.
+	admitted, refused decision
+	// failed says that a layer decided without any bucket's answer, as
+	// failure (a fallback while the store fails).
+	failed  bool
+	failure decision
+	// takenBy is the store that took the request's buckets when a layer
+	// took them elsewhere than in the store below it (nil: that store
+	// took them): what it holds while served is kept there, its charges
+	// settle there.
+	takenBy store
+	// layerMarks are a word per bucket (layerMarks[i] is buckets[i]'s)
+	// that the layer deciding the request keeps from its take until its
+	// settlement, its own to set and read; in inlineMarks for up to
+	// maxInlineBuckets, as the buckets are.
+	layerMarks  []int64
+	inlineMarks [maxInlineBuckets]int64
 }
 
 // fail records that a layer decided the request without its buckets.
-func (r *request) fail(d decision) { r.failed, r.failure = true, d }
+func (c *call) fail(d decision) { c.failed, c.failure = true, d }
 
 // limit decides a request: pass says it goes on to the next handler,
 // else it ends with err (nil when the denial was written here). req is
@@ -174,7 +181,7 @@ func (h *Handler) limit(w http.ResponseWriter, r *http.Request) (_ *request, pas
 		return nil, pass, err
 	}
 	req.sent = time.Now()
-	allowed, err := h.store.take(r.Context(), req)
+	allowed, err := h.store.take(r.Context(), &req.call)
 	switch {
 	case req.failed:
 		pass, err = h.answerFailed(w, r, repl, req, allowed, err)

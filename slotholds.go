@@ -89,7 +89,7 @@ func (s *redisStore) takeHolding(ctx context.Context, sent time.Time, buckets []
 
 // hold is the slots that an admitted request took in Redis, renewed
 // there until its response has ended (store.hold).
-func (s *redisStore) hold(r *request) holding {
+func (s *redisStore) hold(r *call) holding {
 	if hold := s.h.holdSlots(r.buckets); hold != nil {
 		return hold
 	}

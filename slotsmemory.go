@@ -131,7 +131,7 @@ func (c *heldCounts) free(key string) {
 }
 
 // hold is the slots that an admitted request took in the process.
-func (p inProcess) hold(r *request) holding {
+func (p inProcess) hold(r *call) holding {
 	if hold := p.s.holdSlots(r.buckets); hold != nil {
 		return hold
 	}

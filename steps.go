@@ -61,7 +61,7 @@ type holdStep struct{ h *Handler }
 
 func (s holdStep) register(req *request) bool {
 	if firstHeld(req.buckets) < len(req.buckets) {
-		if hold := s.h.store.hold(req); hold != nil {
+		if hold := s.h.store.hold(&req.call); hold != nil {
 			req.hold = hold
 			countInFlight(req.buckets, 1)
 		}

@@ -18,15 +18,15 @@ type store interface {
 	// of none, as at r.sent, and fills in each bucket's
 	// answer (remaining, wait). err is a failure to decide; a layer that
 	// decides despite it (a fallback) says so in r.
-	take(ctx context.Context, r *request) (allowed bool, err error)
+	take(ctx context.Context, r *call) (allowed bool, err error)
 	// settle settles the charges of a served request, items, where its
 	// buckets were taken (charge.go).
-	settle(r *request, items []settling)
+	settle(r *call, items []settling)
 	// hold is what an admitted request holds while it is served, where
 	// its buckets were taken: those of its limits held while served
 	// (heldKind), to give back once its response has ended (holdStep);
 	// nil when it holds nothing.
-	hold(r *request) holding
+	hold(r *call) holding
 	// peek reads a bucket without changing it, for the admin API: a
 	// bucket held while served, as what requests hold of it.
 	peek(ctx context.Context, b bucket) (bucketView, error)
@@ -39,9 +39,9 @@ type store interface {
 // none is ever asked to take, and it keeps nothing.
 type noStore struct{}
 
-func (noStore) take(context.Context, *request) (bool, error)     { return false, errNoStore }
-func (noStore) settle(*request, []settling)                      {}
-func (noStore) hold(*request) holding                            { return nil }
+func (noStore) take(context.Context, *call) (bool, error)     { return false, errNoStore }
+func (noStore) settle(*call, []settling)                      {}
+func (noStore) hold(*call) holding                            { return nil }
 func (noStore) peek(context.Context, bucket) (bucketView, error) { return bucketView{}, nil }
 func (noStore) reset(context.Context, bucket) error              { return nil }
 

@@ -99,7 +99,7 @@ func inFlightSeries(zone string, limits []*limit) {
 // holdOf is how long a request's hold on a limit held while served
 // lasts unless renewed; holdArgOf the same as a script argument.
 func holdOf(l *limit) time.Duration { d, _ := l.held.holdFor(); return d }
-func holdArgOf(l *limit) any         { _, arg := l.held.holdFor(); return arg }
+func holdArgOf(l *limit) any        { _, arg := l.held.holdFor(); return arg }
 
 //go:embed concurrent.lua
 var concurrentSource string

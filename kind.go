@@ -194,11 +194,20 @@ func firstHeld(buckets []bucket) int {
 // served (heldKind); a bucket of no limit is not held.
 func (b *bucket) heldWhileServed() bool { return b.limit != nil && b.limit.held != nil }
 
+// plain is the kind of a bucket of no limit (one a layer makes for
+// calls of its own): the token bucket, whose package sets it.
+var plain interface {
+	kind
+	bucketArithmetic
+	chargedKind
+	rememberedKind
+}
+
 // kind is the bucket's kind of limit: its limit's; a bucket of no limit
 // (one a layer makes for calls of its own) is a token bucket.
 func (b *bucket) kind() kind {
 	if b.limit == nil {
-		return tokenBucket{}
+		return plain
 	}
 	return b.limit.kind
 }
@@ -207,21 +216,21 @@ func (b *bucket) kind() kind {
 // the optional interfaces (limit.setKind); nil for what it does not.
 func (b *bucket) arithmetic() bucketArithmetic {
 	if b.limit == nil {
-		return tokenBucket{}
+		return plain
 	}
 	return b.limit.arithmetic
 }
 
 func (b *bucket) charged() chargedKind {
 	if b.limit == nil {
-		return tokenBucket{}
+		return plain
 	}
 	return b.limit.charged
 }
 
 func (b *bucket) remembered() rememberedKind {
 	if b.limit == nil {
-		return tokenBucket{}
+		return plain
 	}
 	return b.limit.remembered
 }

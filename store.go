@@ -39,9 +39,9 @@ type store interface {
 // none is ever asked to take, and it keeps nothing.
 type noStore struct{}
 
-func (noStore) take(context.Context, *call) (bool, error)     { return false, errNoStore }
-func (noStore) settle(*call, []settling)                      {}
-func (noStore) hold(*call) holding                            { return nil }
+func (noStore) take(context.Context, *call) (bool, error)        { return false, errNoStore }
+func (noStore) settle(*call, []settling)                         {}
+func (noStore) hold(*call) holding                               { return nil }
 func (noStore) peek(context.Context, bucket) (bucketView, error) { return bucketView{}, nil }
 func (noStore) reset(context.Context, bucket) error              { return nil }
 
@@ -134,11 +134,15 @@ func refuserOf(s store) refuser {
 	switch s := s.(type) {
 	case refuser:
 		return s
-	case interface{ refuserBelow() refuser }:
+	case passesRefuser:
 		return s.refuserBelow()
 	}
 	return nil
 }
+
+// passesRefuser is a layer that decides only what the store below it
+// could not, and so passes that store's refuser on (refuserOf).
+type passesRefuser interface{ refuserBelow() refuser }
 
 // refusalKeeper is a layer that keeps refusals: under is the store it
 // wraps.

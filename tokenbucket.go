@@ -334,6 +334,7 @@ func extendOnDenial(state, after bucketState, t int64, v limitValues) bucketStat
 }
 
 func init() {
+	plain = tokenBucket{}
 	registerKind(kindConfig{order: 0, configs: bucketConfigs, check: checkBuckets})
 }
 

@@ -16,6 +16,7 @@ import (
 	"sync"
 	"time"
 
+	"github.com/caddy-redis/ratelimit/internal/limit"
 	"github.com/caddy-redis/ratelimit/internal/logs"
 	"github.com/caddyserver/caddy/v2"
 )
@@ -80,14 +81,14 @@ func unregisterZone(h *Handler) {
 
 // zoneLimits are the distinct limits of a zone's handlers, newest first,
 // with the handler of each.
-func zoneLimits(zone string) (limits []*limit, handlers []*Handler) {
+func zoneLimits(zone string) (limits []*limit.Limit, handlers []*Handler) {
 	loadedZones.Lock()
 	defer loadedZones.Unlock()
 	seen := map[string]bool{}
 	byZone := loadedZones.byZone[zone]
 	for i := len(byZone) - 1; i >= 0; i-- {
 		for _, l := range byZone[i].limits {
-			if id := l.keyPrefix + "\x00" + l.keySuffix; !seen[id] {
+			if id := l.KeyPrefix + "\x00" + l.KeySuffix; !seen[id] {
 				seen[id] = true
 				limits, handlers = append(limits, l), append(handlers, byZone[i])
 			}
@@ -130,53 +131,9 @@ func writeJSON(w http.ResponseWriter, v any) error {
 // zoneInfo describes a zone and its limits, as GET /rate_limit/zones
 // answers.
 type zoneInfo struct {
-	Zone   string      `json:"zone"`
-	Store  string      `json:"store"`
-	Limits []limitInfo `json:"limits"`
-}
-
-type limitInfo struct {
-	Name            string `json:"name"` // empty for a handler without limits
-	Key             string `json:"key"`
-	ReplenishRate   Param  `json:"replenish_rate"`
-	BurstCapacity   Param  `json:"burst_capacity"`
-	RequestedTokens Param  `json:"requested_tokens"`
-	IPv4Prefix      int    `json:"ipv4_prefix"`
-	IPv6Prefix      int    `json:"ipv6_prefix"`
-	// A count per calendar period, in place of the rate and burst.
-	Count Param  `json:"count,omitempty"`
-	Per   string `json:"per,omitempty"`
-	// kindView is what a kind lists of its own beyond these (a struct),
-	// after them (kind.limitInfo).
-	kindView any
-}
-
-func (li limitInfo) MarshalJSON() ([]byte, error) {
-	type fields limitInfo
-	return withKindView(fields(li), li.kindView)
-}
-
-// withKindView is v's JSON object with the fields of a kind's view (a
-// struct, or nil) after v's own.
-func withKindView(v, view any) ([]byte, error) {
-	text, err := json.Marshal(v)
-	if err != nil || view == nil {
-		return text, err
-	}
-	more, err := json.Marshal(view)
-	if err != nil {
-		return nil, err
-	}
-	if len(more) > len("{}") && more[0] == '{' { // an object with fields; anything else (a nil pointer's null) adds none
-		text = append(append(text[:len(text)-1], ','), more[1:]...)
-	}
-	return text, nil
-}
-
-// limitInfo is what every kind of limit lists of itself: its name, key
-// and prefixes (the kind adds its values, kind.limitInfo).
-func (l *limit) limitInfo() limitInfo {
-	return limitInfo{Name: l.name, Key: l.keyText, IPv4Prefix: l.template.IPv4Bits, IPv6Prefix: l.template.IPv6Bits}
+	Zone   string            `json:"zone"`
+	Store  string            `json:"store"`
+	Limits []limit.LimitInfo `json:"limits"`
 }
 
 func listZones() []zoneInfo {
@@ -195,45 +152,11 @@ func listZones() []zoneInfo {
 		}
 		info := zoneInfo{Zone: zone, Store: handlers[0].Store}
 		for _, l := range limits {
-			info.Limits = append(info.Limits, l.kind.limitInfo(l))
+			info.Limits = append(info.Limits, l.Kind.LimitInfo(l))
 		}
 		zones = append(zones, info)
 	}
 	return zones
-}
-
-// bucketInfo is what a client's bucket holds now, as GET
-// /rate_limit/zones/<zone>/buckets answers.
-type bucketInfo struct {
-	Limit string `json:"limit"` // empty for a handler without limits
-	// Key is the client key as stored (escaped, or hashed when long), as
-	// logs show it with log_key; StoredKey the whole Redis key.
-	Key             string  `json:"key"`
-	StoredKey       string  `json:"stored_key"`
-	Exempt          bool    `json:"exempt,omitempty"`  // the rate resolved to `unlimited`
-	Blocked         bool    `json:"blocked,omitempty"` // burst_capacity 0: every request denied, no bucket kept
-	Tokens          string  `json:"tokens,omitempty"`  // a decimal, with the fraction refilled so far
-	ReplenishRate   float64 `json:"replenish_rate,omitempty"`
-	BurstCapacity   int64   `json:"burst_capacity,omitempty"`
-	RequestedTokens int64   `json:"requested_tokens,omitempty"`
-	// RetryAfter is the seconds until the bucket holds one more request
-	// (0 when it does now); ExpiresIn the seconds until its key expires,
-	// when it would be full again (0 when there is no key: it is full).
-	RetryAfter float64 `json:"retry_after"`
-	ExpiresIn  float64 `json:"expires_in"`
-	// Lent is what the bucket has lent to instances ahead, by its mark,
-	// until the last of it expires; 0 when it lent nothing. Tokens is then
-	// at most the burst less Lent (below zero when the burst went down
-	// under it): what another instance can take, as the scripts count it.
-	Lent int64 `json:"lent,omitempty"`
-	// kindView is what a kind shows of its own beyond these (a struct),
-	// after them (kind.bucketInfo).
-	kindView any
-}
-
-func (bi bucketInfo) MarshalJSON() ([]byte, error) {
-	type fields bucketInfo
-	return withKindView(fields(bi), bi.kindView)
 }
 
 // adminTimeout bounds the Redis calls of one admin request.
@@ -251,33 +174,33 @@ func serveBuckets(w http.ResponseWriter, r *http.Request, zone string) error {
 	}
 	ctx, cancel := context.WithTimeout(r.Context(), adminTimeout)
 	defer cancel()
-	infos := make([]bucketInfo, 0, len(limits))
+	infos := make([]limit.BucketInfo, 0, len(limits))
 	var reset []string
 	for i, l := range limits {
 		h := handlers[i]
 		b, ok := buckets[l]
 		if !ok {
 			if exempt[l] {
-				infos = append(infos, bucketInfo{Limit: l.name, Exempt: true})
+				infos = append(infos, limit.BucketInfo{Limit: l.Name, Exempt: true})
 			}
 			continue
 		}
-		if b.values.burst == 0 {
-			infos = append(infos, bucketInfo{Limit: l.name, Blocked: true})
+		if b.Values.Burst == 0 {
+			infos = append(infos, limit.BucketInfo{Limit: l.Name, Blocked: true})
 			continue
 		}
 		if r.Method == http.MethodDelete {
-			if err := h.store.reset(ctx, b); err != nil {
-				return caddy.APIError{HTTPStatus: http.StatusServiceUnavailable, Err: fmt.Errorf("resetting %s: %w", b.key, err)}
+			if err := h.store.Reset(ctx, b); err != nil {
+				return caddy.APIError{HTTPStatus: http.StatusServiceUnavailable, Err: fmt.Errorf("resetting %s: %w", b.Key, err)}
 			}
-			reset = append(reset, b.key)
+			reset = append(reset, b.Key)
 			continue
 		}
-		view, err := h.store.peek(ctx, b)
+		view, err := h.store.Peek(ctx, b)
 		if err != nil {
-			return caddy.APIError{HTTPStatus: http.StatusServiceUnavailable, Err: fmt.Errorf("reading %s: %w", b.key, err)}
+			return caddy.APIError{HTTPStatus: http.StatusServiceUnavailable, Err: fmt.Errorf("reading %s: %w", b.Key, err)}
 		}
-		infos = append(infos, l.kind.bucketInfo(b, view))
+		infos = append(infos, l.Kind.BucketInfo(b, view))
 	}
 	if r.Method == http.MethodDelete {
 		return writeJSON(w, struct {
@@ -286,18 +209,18 @@ func serveBuckets(w http.ResponseWriter, r *http.Request, zone string) error {
 		}{zone, reset})
 	}
 	return writeJSON(w, struct {
-		Zone    string       `json:"zone"`
-		Buckets []bucketInfo `json:"buckets"`
+		Zone    string             `json:"zone"`
+		Buckets []limit.BucketInfo `json:"buckets"`
 	}{zone, infos})
 }
 
 // tokenInfo is what the admin API shows of a bucket of tokens (the
 // token bucket's, and other kinds' with more) of what was read of it.
-func tokenInfo(b bucket, view bucketView) bucketInfo {
-	info := bucketInfo{Limit: b.limit.name, Key: clientKey(&b), StoredKey: b.key,
-		ReplenishRate: b.values.rate, BurstCapacity: b.values.burst, RequestedTokens: b.values.requested}
-	info.Tokens = strconv.FormatFloat(math.Round(view.tokens*1e6)/1e6, 'f', -1, 64) // to the millionth
-	info.RetryAfter, info.ExpiresIn, info.Lent = view.wait.Seconds(), view.expiresIn.Seconds(), view.lent
+func tokenInfo(b limit.Bucket, view limit.View) limit.BucketInfo {
+	info := limit.BucketInfo{Limit: b.Limit.Name, Key: clientKey(&b), StoredKey: b.Key,
+		ReplenishRate: b.Values.Rate, BurstCapacity: b.Values.Burst, RequestedTokens: b.Values.Requested}
+	info.Tokens = strconv.FormatFloat(math.Round(view.Tokens*1e6)/1e6, 'f', -1, 64) // to the millionth
+	info.RetryAfter, info.ExpiresIn, info.Lent = view.Wait.Seconds(), view.ExpiresIn.Seconds(), view.Lent
 	return info
 }
 
@@ -328,7 +251,7 @@ var paramPlaceholder = regexp.MustCompile(`\{([^{}]+)\}`)
 // twice (by one name or by two spellings of it: which value would count
 // is anyone's guess, and a DELETE could reset another client), or gives
 // no limit all it needs.
-func clientBuckets(limits []*limit, query url.Values) (map[*limit]bucket, map[*limit]bool, error) {
+func clientBuckets(limits []*limit.Limit, query url.Values) (map[*limit.Limit]limit.Bucket, map[*limit.Limit]bool, error) {
 	given := map[string]string{} // by the placeholder's name, as placeholderName gives it
 	spelled := map[string]string{}
 	for _, name := range slices.Sorted(maps.Keys(query)) {
@@ -347,11 +270,11 @@ func clientBuckets(limits []*limit, query url.Values) (map[*limit]bucket, map[*l
 	// `client_ip` for `http.vars.client_ip`.
 	repl := caddy.NewReplacer()
 	used := map[string]bool{}
-	buckets, exempt := map[*limit]bucket{}, map[*limit]bool{}
+	buckets, exempt := map[*limit.Limit]limit.Bucket{}, map[*limit.Limit]bool{}
 	var missing []string
 	for _, l := range limits {
-		needs := l.template.Placeholders() // as the config writes them
-		for _, p := range []Param{l.rate, l.burst, l.cost} {
+		needs := l.Template.Placeholders() // as the config writes them
+		for _, p := range []Param{l.Rate, l.Burst, l.Cost} {
 			for _, m := range paramPlaceholder.FindAllStringSubmatch(string(p), -1) {
 				needs = append(needs, m[1])
 			}
@@ -371,9 +294,9 @@ func clientBuckets(limits []*limit, query url.Values) (map[*limit]bucket, map[*l
 		if !complete {
 			continue
 		}
-		values, isExempt, err := l.values, l.exempt, error(nil)
-		if !l.fixed {
-			values, isExempt, err = l.resolve(repl, nil)
+		values, isExempt, err := l.Values, l.Exempt, error(nil)
+		if !l.Fixed {
+			values, isExempt, err = l.Resolve(repl, nil)
 		}
 		if err != nil {
 			return nil, nil, err
@@ -382,11 +305,11 @@ func clientBuckets(limits []*limit, query url.Values) (map[*limit]bucket, map[*l
 			exempt[l] = true
 			continue
 		}
-		key := l.template.ReplacerKey(repl, l.keyPrefix, l.keySuffix)
+		key := l.Template.ReplacerKey(repl, l.KeyPrefix, l.KeySuffix)
 		if key == "" {
-			return nil, nil, fmt.Errorf("a placeholder of key '%s' is empty", l.keyText)
+			return nil, nil, fmt.Errorf("a placeholder of key '%s' is empty", l.KeyText)
 		}
-		buckets[l], _ = l.kind.begin(bucket{limit: l, key: key, values: values, args: l.kind.scriptArgs(values)}, requestShared{})
+		buckets[l], _ = l.Kind.Begin(limit.Bucket{Limit: l, Key: key, Values: values, Args: l.Kind.ScriptArgs(values)}, limit.Shared{})
 	}
 	for name := range given {
 		if !used[name] {

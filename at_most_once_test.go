@@ -23,7 +23,7 @@ func expectAtMostOneTake(t *testing.T, servers []*redistest.Server, h *Handler, 
 	for _, key := range keys {
 		var state string
 		for _, s := range servers {
-			v, err := s.Client(t).Get(context.Background(), h.limits[0].keyPrefix+key).Result()
+			v, err := s.Client(t).Get(context.Background(), h.limits[0].KeyPrefix+key).Result()
 			if err == nil {
 				state = v
 				break
@@ -69,7 +69,7 @@ func cutRequests(t *testing.T, h *Handler, proxies []*redisProxy) []string {
 	for i := range batch {
 		key := "batched-" + strconv.Itoa(i)
 		keys = append(keys, key)
-		batch[i] = newTestCall(h.limits[0].keyPrefix+key, h.limits[0].args, time.Now().Add(time.Second))
+		batch[i] = newTestCall(h.limits[0].KeyPrefix+key, h.limits[0].Args, time.Now().Add(time.Second))
 	}
 	h.limiter.batcher.SendBatch(batch)
 	for _, c := range batch {

@@ -8,6 +8,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/caddy-redis/ratelimit/internal/limit"
 	"github.com/caddy-redis/ratelimit/internal/redisbatch"
 	"github.com/caddy-redis/ratelimit/internal/redistest"
 	"go.uber.org/zap"
@@ -167,8 +168,8 @@ func TestScriptReplyOfAnotherShapeFailsItsCall(t *testing.T) {
 		if c.Err != nil {
 			t.Fatalf("%s: %v", what, c.Err)
 		}
-		b := []bucket{{}}
-		if allowed, err := readTake(c.Reply, b, false); err != nil || !allowed || b[0].remaining != 9 {
+		b := []limit.Bucket{{}}
+		if allowed, err := readTake(c.Reply, b, false); err != nil || !allowed || b[0].Remaining != 9 {
 			t.Fatalf("%s: read %v as %v (%+v), %v; want admitted with 9 left", what, c.Reply, allowed, b, err)
 		}
 	}

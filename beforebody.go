@@ -6,6 +6,7 @@ import (
 	"time"
 
 	"github.com/caddy-redis/ratelimit/internal/keys"
+	"github.com/caddy-redis/ratelimit/internal/limit"
 	"github.com/caddyserver/caddy/v2"
 )
 
@@ -25,7 +26,7 @@ import (
 type beforeBody struct {
 	// limits are the handler's limits whose key and values name no
 	// placeholder of the body, in the handler's order.
-	limits []*limit
+	limits []*limit.Limit
 	// track: some of them name a placeholder that a provider may make
 	// from the body's (a `map` whose input is the model), so the body's
 	// placeholders are watched while they resolve (bodyWatch).
@@ -35,7 +36,7 @@ type beforeBody struct {
 	blocks bool
 	// refuser is the store's, when what decides first knows refusals
 	// without a call (refuserOf).
-	refuser refuser
+	refuser limit.Refuser
 }
 
 // setUpBeforeBody finds what h can refuse before the body, once its store
@@ -47,14 +48,14 @@ func (h *Handler) setUpBeforeBody() {
 	}
 	bb := &beforeBody{}
 	for _, l := range h.limits {
-		if l.fixed && l.exempt || namesBodyValue(l.keyText, string(l.rate), string(l.burst), string(l.cost)) {
+		if l.Fixed && l.Exempt || namesBodyValue(l.KeyText, string(l.Rate), string(l.Burst), string(l.Cost)) {
 			continue
 		}
 		bb.limits = append(bb.limits, l)
-		bb.track = bb.track || !readsRequestOnly(l.keyText, string(l.rate), string(l.burst), string(l.cost))
-		bb.blocks = bb.blocks || l.burst.perRequest() || l.fixed && l.values.burst == 0 || string(l.burst) == "0"
+		bb.track = bb.track || !readsRequestOnly(l.KeyText, string(l.Rate), string(l.Burst), string(l.Cost))
+		bb.blocks = bb.blocks || l.Burst.PerRequest() || l.Fixed && l.Values.Burst == 0 || string(l.Burst) == "0"
 	}
-	bb.refuser = refuserOf(h.store)
+	bb.refuser = limit.RefuserOf(h.store)
 	if len(bb.limits) == 0 || bb.refuser == nil && !bb.blocks {
 		return
 	}
@@ -110,28 +111,28 @@ func (h *Handler) refuseBeforeBody(w http.ResponseWriter, r *http.Request) (refu
 	switch {
 	case r.Body == nil || r.Body == http.NoBody:
 		return false, nil // no body to spare
-	case !bb.blocks && !bb.refuser.mayRefuse():
+	case !bb.blocks && !bb.refuser.MayRefuse():
 		return false, nil // nothing known to refuse: not worth resolving keys
 	}
 	repl := r.Context().Value(caddy.ReplacerCtxKey).(*caddy.Replacer)
 	req := acquireRequest()
 	defer req.free()
-	var buckets []bucket
+	var buckets []limit.Bucket
 	if !bb.track {
-		buckets, _, err = h.resolveLimits(bb.limits, r, repl, req.buckets, nil)
+		buckets, _, err = h.resolveLimits(bb.limits, r, repl, req.Buckets, nil)
 	} else {
-		buckets, err = h.resolveWatched(bb.limits, r, repl, req.buckets)
+		buckets, err = h.resolveWatched(bb.limits, r, repl, req.Buckets)
 	}
 	if err != nil || len(buckets) == 0 {
 		return false, nil // as the request goes on, decided with all its limits
 	}
-	req.buckets = buckets
-	if blocked := blockedBucket(buckets); blocked >= 0 {
+	req.Buckets = buckets
+	if blocked := limit.Blocked(buckets); blocked >= 0 {
 		closeUnread(w, r)
 		return true, h.refuseBlocked(w, r, repl, buckets, blocked)
 	}
-	req.sent = time.Now()
-	if bb.refuser == nil || !bb.refuser.refuses(req.sent, buckets) {
+	req.Sent = time.Now()
+	if bb.refuser == nil || !bb.refuser.Refuses(req.Sent, buckets) {
 		return false, nil
 	}
 	closeUnread(w, r)
@@ -156,7 +157,7 @@ func closeUnread(w http.ResponseWriter, r *http.Request) {
 // resolveWatched resolves the limits' buckets while the body's
 // placeholders are watched, leaving out a limit one of whose values came
 // from them.
-func (h *Handler) resolveWatched(limits []*limit, r *http.Request, repl *caddy.Replacer, buckets []bucket) ([]bucket, error) {
+func (h *Handler) resolveWatched(limits []*limit.Limit, r *http.Request, repl *caddy.Replacer, buckets []limit.Bucket) ([]limit.Bucket, error) {
 	watch := new(bodyWatch) // a replacer's value: on the heap whatever it is
 	watch.start(h.request.reader.Placeholders(), repl)
 	defer watch.stop(repl)

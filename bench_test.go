@@ -27,6 +27,7 @@ import (
 	"time"
 
 	"github.com/caddy-redis/ratelimit/internal/calendar"
+	"github.com/caddy-redis/ratelimit/internal/limit"
 	"github.com/caddy-redis/ratelimit/internal/redisbatch"
 	"github.com/caddy-redis/ratelimit/internal/redistest"
 	"github.com/caddyserver/caddy/v2"
@@ -519,9 +520,9 @@ func BenchmarkLeaseCall(b *testing.B) {
 	srv := redistest.Start(b)
 	h := provision(b, &Handler{Zone: "bench-leasecall", Key: "{http.request.header.X-Key}", ReplenishRate: "1e9", BurstCapacity: "1000000000",
 		Lease: &Lease{MaxTokens: 32}, Redis: &RedisConfig{Addresses: []string{srv.Addr}, Timeout: caddy.Duration(2 * time.Second)}})
-	values := h.limits[0].values
+	values := h.limits[0].Values
 	l := &lease{record: leaseRecordKey("rate_limit:bench-leasecall|k"), values: values}
-	buckets := []bucket{{key: "rate_limit:bench-leasecall|k", values: values, args: values.scriptArgs()}}
+	buckets := []limit.Bucket{{Key: "rate_limit:bench-leasecall|k", Values: values, Args: bucketArgs(values)}}
 	states := []leaseState{{lease: l}}
 	b.ReportAllocs()
 	for b.Loop() {
@@ -628,12 +629,12 @@ func BenchmarkLeaseAcquireCold(b *testing.B) {
 	for i := range keys {
 		keys[i] = "rate_limit:bench-lease|127.0.0.1:key-" + strconv.Itoa(i)
 	}
-	buckets, marks := make([]bucket, 1), make([]int64, 1)
+	buckets, marks := make([]limit.Bucket, 1), make([]int64, 1)
 	now := time.Now()
 	b.ReportAllocs()
 	i := 0
 	for b.Loop() {
-		buckets[0] = bucket{key: keys[i%len(keys)]}
+		buckets[0] = limit.Bucket{Key: keys[i%len(keys)]}
 		now = now.Add(20 * time.Microsecond) // each key seen every 200 ms, two holds
 		counted := false
 		if o, _ := ls.acquire(now, buckets, marks, &counted, false); o != leaseCold {
@@ -651,8 +652,8 @@ func BenchmarkLeaseAcquireCold(b *testing.B) {
 // the Redis client.
 func BenchmarkAdmitHot(b *testing.B) {
 	const key = "rate_limit:bench|127.0.0.1:conn-7"
-	values := limitValues{rate: 1e9, burst: 1_000_000_000, requested: 1}
-	buckets := []bucket{{key: key, values: values}}
+	values := limit.Values{Rate: 1e9, Burst: 1_000_000_000, Requested: 1}
+	buckets := []limit.Bucket{{Key: key, Values: values}}
 	b.Run("lease", func(b *testing.B) {
 		marks := make([]int64, len(buckets))
 		ls := newLeases(&Lease{MaxTokens: 32}, time.Second)

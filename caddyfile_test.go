@@ -728,19 +728,19 @@ func TestLimitsJSONAccepted(t *testing.T) {
 	}{
 		{"requested_tokens 0 in a limit is the default", `{"limits": [{"name": "a", "replenish_rate": 1, "burst_capacity": 2, "requested_tokens": 0}]}`,
 			func(t *testing.T, h *Handler) {
-				if v := h.limits[0].values; v.requested != 1 {
-					t.Errorf("requested %d, want 1", v.requested)
+				if v := h.limits[0].Values; v.Requested != 1 {
+					t.Errorf("requested %d, want 1", v.Requested)
 				}
 			}},
 		{"requested_tokens 0 in a limit is the handler's", `{"requested_tokens": 2, "limits": [{"name": "a", "replenish_rate": 1, "burst_capacity": 4, "requested_tokens": 0}]}`,
 			func(t *testing.T, h *Handler) {
-				if v := h.limits[0].values; v.requested != 2 {
-					t.Errorf("requested %d, want the handler's 2", v.requested)
+				if v := h.limits[0].Values; v.Requested != 2 {
+					t.Errorf("requested %d, want the handler's 2", v.Requested)
 				}
 			}},
 		{"numbers in strings", `{"limits": [{"name": "a", "replenish_rate": "100/1m", "burst_capacity": "100", "requested_tokens": "2"}]}`,
 			func(t *testing.T, h *Handler) {
-				if v := h.limits[0].values; v.rate != 100.0/60 || v.burst != 100 || v.requested != 2 {
+				if v := h.limits[0].Values; v.Rate != 100.0/60 || v.Burst != 100 || v.Requested != 2 {
 					t.Errorf("values %+v", v)
 				}
 			}},
@@ -749,8 +749,8 @@ func TestLimitsJSONAccepted(t *testing.T) {
 			"limits": [{"name": "a", "ipv4_prefix": 32, "ipv6_prefix": 0}, {"name": "b"}]}`,
 			func(t *testing.T, h *Handler) {
 				for i, want := range [][2]int{{32, 0}, {0, 128}} {
-					if got := [2]int{h.limits[i].template.IPv4Bits, h.limits[i].template.IPv6Bits}; got != want {
-						t.Errorf("limit %s: bits %v, want %v", h.limits[i].name, got, want)
+					if got := [2]int{h.limits[i].Template.IPv4Bits, h.limits[i].Template.IPv6Bits}; got != want {
+						t.Errorf("limit %s: bits %v, want %v", h.limits[i].Name, got, want)
 					}
 				}
 			}},
@@ -791,8 +791,8 @@ func TestProvisionValidateAcceptsAndDefaults(t *testing.T) {
 		check func(t *testing.T, h *Handler)
 	}{
 		{"burst defaults to the rate rounded up", "rate_limit {\n\treplenish_rate 2.5\n}", func(t *testing.T, h *Handler) {
-			if v := h.limits[0].values; v.burst != 3 || v.requested != 1 {
-				t.Errorf("burst %d, requested %d; want 3, 1", v.burst, v.requested)
+			if v := h.limits[0].Values; v.Burst != 3 || v.Requested != 1 {
+				t.Errorf("burst %d, requested %d; want 3, 1", v.Burst, v.Requested)
 			}
 		}},
 		{"defaults", "rate_limit 10 20", func(t *testing.T, h *Handler) {
@@ -819,8 +819,8 @@ func TestProvisionValidateAcceptsAndDefaults(t *testing.T) {
 				pool_size 5
 			}
 		}`, func(t *testing.T, h *Handler) {
-			if h.limiter == nil || !strings.HasPrefix(h.limits[0].keyPrefix, "rl:api|") || h.limits[0].keyPrefix != keys.BucketPrefix("rl:", "api", h.Key) {
-				t.Errorf("limiter %v, bucket prefix %q", h.limiter, h.limits[0].keyPrefix)
+			if h.limiter == nil || !strings.HasPrefix(h.limits[0].KeyPrefix, "rl:api|") || h.limits[0].KeyPrefix != keys.BucketPrefix("rl:", "api", h.Key) {
+				t.Errorf("limiter %v, bucket prefix %q", h.limiter, h.limits[0].KeyPrefix)
 			}
 		}},
 		{"sentinel", "rate_limit 1 1 {\n\tredis h1:26379 h2:26379 {\n\t\tmaster_name mymaster\n\t\tdb 1\n\t}\n}", nil},
@@ -834,18 +834,18 @@ func TestProvisionValidateAcceptsAndDefaults(t *testing.T) {
 			limit inherited
 		}`, func(t *testing.T, h *Handler) {
 			for i, want := range [][2]int{{16, 56}, {24, 64}} {
-				if got := [2]int{h.limits[i].template.IPv4Bits, h.limits[i].template.IPv6Bits}; got != want {
-					t.Errorf("limit %s: ipv4/ipv6 bits %v, want %v", h.limits[i].name, got, want)
+				if got := [2]int{h.limits[i].Template.IPv4Bits, h.limits[i].Template.IPv6Bits}; got != want {
+					t.Errorf("limit %s: ipv4/ipv6 bits %v, want %v", h.limits[i].Name, got, want)
 				}
 			}
 		}},
 		{"default prefixes without limits", "rate_limit 10 20", func(t *testing.T, h *Handler) {
-			if b := h.limits[0].template; b.IPv4Bits != 32 || b.IPv6Bits != 64 {
+			if b := h.limits[0].Template; b.IPv4Bits != 32 || b.IPv6Bits != 64 {
 				t.Errorf("ipv4/ipv6 bits %d/%d, want 32/64", b.IPv4Bits, b.IPv6Bits)
 			}
 		}},
 		{"handler prefixes without limits", "rate_limit 10 20 {\n\tipv4_prefix 0\n\tipv6_prefix 128\n}", func(t *testing.T, h *Handler) {
-			if b := h.limits[0].template; b.IPv4Bits != 0 || b.IPv6Bits != 128 {
+			if b := h.limits[0].Template; b.IPv4Bits != 0 || b.IPv6Bits != 128 {
 				t.Errorf("ipv4/ipv6 bits %d/%d, want 0/128", b.IPv4Bits, b.IPv6Bits)
 			}
 		}},
@@ -861,14 +861,14 @@ func TestProvisionValidateAcceptsAndDefaults(t *testing.T) {
 			if len(h.limits) != 4 {
 				t.Fatalf("%d limits, want 4", len(h.limits))
 			}
-			if l := h.limits[1]; !l.fixed || l.values.burst != 1000 || l.values.rate != 1000.0/3600 {
-				t.Errorf("hour: fixed %v, values %+v", l.fixed, l.values)
+			if l := h.limits[1]; !l.Fixed || l.Values.Burst != 1000 || l.Values.Rate != 1000.0/3600 {
+				t.Errorf("hour: fixed %v, values %+v", l.Fixed, l.Values)
 			}
-			if l := h.limits[2]; l.fixed {
+			if l := h.limits[2]; l.Fixed {
 				t.Errorf("plan: fixed, want per request")
 			}
-			if l := h.limits[3]; !l.fixed || !l.exempt {
-				t.Errorf("off: fixed %v exempt %v, want an exempt fixed limit", l.fixed, l.exempt)
+			if l := h.limits[3]; !l.Fixed || !l.Exempt {
+				t.Errorf("off: fixed %v exempt %v, want an exempt fixed limit", l.Fixed, l.Exempt)
 			}
 		}},
 	} {

@@ -9,6 +9,7 @@ import (
 
 	"github.com/caddy-redis/ratelimit/internal/cost"
 	"github.com/caddy-redis/ratelimit/internal/keys"
+	"github.com/caddy-redis/ratelimit/internal/limit"
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
 )
@@ -193,18 +194,18 @@ func (f limitFields) setValue(sub, v string) error {
 	case "ipv6_prefix":
 		return setPrefix(f.ipv6, sub, v, 128)
 	case "replenish_rate":
-		if !p.perRequest() && v != unlimited {
+		if !p.PerRequest() && v != limit.Unlimited {
 			rate, err := parseRate(v)
 			if err != nil {
-				return badValue(sub, v, ": "+err.Error())
+				return limit.BadValue(sub, v, ": "+err.Error())
 			}
 			p = floatParam(rate)
 		}
 		*f.rate = p
 	case "burst_capacity":
-		if !p.perRequest() && v != unlimited {
+		if !p.PerRequest() && v != limit.Unlimited {
 			if _, err := strconv.ParseInt(v, 10, 64); err != nil {
-				return badValue(sub, v, "is not a whole number")
+				return limit.BadValue(sub, v, "is not a whole number")
 			}
 		}
 		*f.burst = p
@@ -213,13 +214,13 @@ func (f limitFields) setValue(sub, v string) error {
 			if _, err := cost.Normalize(v); err != nil {
 				return err
 			}
-		} else if !p.perRequest() {
+		} else if !p.PerRequest() {
 			n, err := strconv.ParseInt(v, 10, 64)
 			if err != nil {
-				return badValue(sub, v, "is not a whole number")
+				return limit.BadValue(sub, v, "is not a whole number")
 			}
 			if n == 0 { // in JSON, 0 means the default; written out, it is a mistake
-				return badValue(sub, v, "must be at least 1")
+				return limit.BadValue(sub, v, "must be at least 1")
 			}
 		}
 		*f.cost = p

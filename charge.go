@@ -13,6 +13,7 @@ import (
 	"time"
 
 	"github.com/caddy-redis/ratelimit/internal/cost"
+	"github.com/caddy-redis/ratelimit/internal/limit"
 	"github.com/caddy-redis/ratelimit/internal/logs"
 	"github.com/caddy-redis/ratelimit/internal/scan"
 	"github.com/caddyserver/caddy/v2"
@@ -340,7 +341,7 @@ func (h *Handler) chargeOf(c Limit) (*Charge, []int, *int64) {
 // charges.
 type charging struct {
 	cost.Sources                // what its limits read of a response
-	first        *limit         // its first charging limit, which {http.rate_limit.charged} shows
+	first        *limit.Limit   // its first charging limit, which {http.rate_limit.charged} shows
 	warns        *logs.Throttle // costs that could not be read: a line per 10 s
 }
 
@@ -364,9 +365,9 @@ func (h *Handler) setUpCharging() error {
 			return err
 		}
 		h.chargeWeights = h.chargeWeights || rule.WeightsPerRequest()
-		l.charge = rule
-		if l.name != "" {
-			l.chargedKey = "http.rate_limit.charged." + l.name
+		l.Charge = rule
+		if l.Name != "" {
+			l.ChargedKey = "http.rate_limit.charged." + l.Name
 		}
 		if c.first == nil {
 			c.first = l
@@ -408,8 +409,8 @@ type chargeSettler struct {
 // CostKnown is cost.Settler's: whether each charging bucket's cost is
 // known.
 func (s *chargeSettler) CostKnown(status int, answered bool) bool {
-	for i := range s.req.buckets {
-		if rule := s.req.buckets[i].limit.charge; rule != nil && !rule.KnownAt(status, answered) {
+	for i := range s.req.Buckets {
+		if rule := s.req.Buckets[i].Limit.Charge; rule != nil && !rule.KnownAt(status, answered) {
 			return false
 		}
 	}
@@ -427,9 +428,9 @@ func (s *chargeSettler) Settle(end cost.End, cw *cost.Writer) {
 func (h *Handler) assignWeightPlaces() {
 	var places cost.Places
 	for _, l := range h.limits {
-		places.Assign(l.costTerms)
-		if l.charge != nil {
-			places.Assign(l.charge.Weights())
+		places.Assign(l.CostTerms)
+		if l.Charge != nil {
+			places.Assign(l.Charge.Weights())
 		}
 	}
 }
@@ -438,14 +439,14 @@ func (h *Handler) assignWeightPlaces() {
 // factors with placeholders of the charge json of its limits, so that a
 // weight out of range refuses it (500) rather than costing its response
 // nothing. Settlement reads them from memo, the values judged here.
-func (h *Handler) checkChargeWeights(buckets []bucket, repl *caddy.Replacer, memo *cost.Memo) error {
+func (h *Handler) checkChargeWeights(buckets []limit.Bucket, repl *caddy.Replacer, memo *cost.Memo) error {
 	for i := range buckets {
-		rule := buckets[i].limit.charge
+		rule := buckets[i].Limit.Charge
 		if rule == nil {
 			continue
 		}
 		if err := rule.CheckWeights(repl, memo); err != nil {
-			if name := buckets[i].limit.name; name != "" {
+			if name := buckets[i].Limit.Name; name != "" {
 				return fmt.Errorf("limit %s: charge json: %w", name, err)
 			}
 			return fmt.Errorf("charge json: %w", err)

@@ -28,6 +28,7 @@ import (
 
 	"github.com/caddy-redis/ratelimit/internal/caddyproc"
 	"github.com/caddy-redis/ratelimit/internal/cost"
+	"github.com/caddy-redis/ratelimit/internal/limit"
 	"github.com/caddy-redis/ratelimit/internal/redisbatch"
 	"github.com/caddy-redis/ratelimit/internal/redistest"
 	"github.com/caddy-redis/ratelimit/internal/scan"
@@ -42,11 +43,11 @@ import (
 
 func TestSettleBucketExamples(t *testing.T) {
 	const t0 = int64(1_700_000_000_000_000)
-	v := limitValues{rate: 10, burst: 100, requested: 20}
-	at := func(tokens float64) bucketState { return bucketState{tokens: tokens, at: t0} }
+	v := limit.Values{Rate: 10, Burst: 100, Requested: 20}
+	at := func(tokens float64) limit.State { return limit.State{Tokens: tokens, At: t0} }
 	for _, tc := range []struct {
 		name          string
-		state         bucketState
+		state         limit.State
 		t             int64
 		diff, maxDebt int64
 		want          float64 // tokens after
@@ -64,14 +65,14 @@ func TestSettleBucketExamples(t *testing.T) {
 		{"a fractional bucket forgives a fraction", at(0.5), t0, 200, 100, -100, 99.5},
 	} {
 		after, forgiven := settleBucket(tc.state, tc.t, v, tc.diff, tc.maxDebt)
-		if after.tokens != tc.want || forgiven != tc.forgiven || after.at != tc.t {
+		if after.Tokens != tc.want || forgiven != tc.forgiven || after.At != tc.t {
 			t.Errorf("%s: %v tokens at %d, %v forgiven; want %v at %d, %v forgiven",
-				tc.name, after.tokens, after.at, forgiven, tc.want, tc.t, tc.forgiven)
+				tc.name, after.Tokens, after.At, forgiven, tc.want, tc.t, tc.forgiven)
 		}
 		// The bucket is kept until it would be full again, from debt too.
-		fill := int64(math.Max(1000, math.Ceil((100-after.tokens)*1000/10))) * 1000
-		if after.expires != tc.t+fill {
-			t.Errorf("%s: expires %d µs after, want %d (full again)", tc.name, after.expires-tc.t, fill)
+		fill := int64(math.Max(1000, math.Ceil((100-after.Tokens)*1000/10))) * 1000
+		if after.Expires != tc.t+fill {
+			t.Errorf("%s: expires %d µs after, want %d (full again)", tc.name, after.Expires-tc.t, fill)
 		}
 	}
 
@@ -150,7 +151,7 @@ func TestSettleScriptAgreesWithMemoryStore(t *testing.T) {
 	rng := rand.New(rand.NewPCG(3, 21))
 	debts, forgivenSeen, cappedSeen := 0, 0, 0
 	for i, l := range bucketLimits {
-		v := limitValues{l.rate, l.burst, l.requested}
+		v := limit.Values{Rate: l.rate, Burst: l.burst, Requested: l.requested}
 		maxDebt := []int64{0, l.burst, 3 * l.burst}[i%3]
 		for n := range 300 {
 			key := fmt.Sprintf("settle:%d:%d", i, n)
@@ -163,7 +164,7 @@ func TestSettleScriptAgreesWithMemoryStore(t *testing.T) {
 			}
 			elapsed := rng.Int64N(fillMicros(l.rate, l.burst) / 2)
 			diff := rng.Int64N(3*l.burst) - l.burst
-			args := []any{v.scriptArgs()[0], v.scriptArgs()[1], diffArg(diff), strconv.FormatInt(maxDebt, 10)}
+			args := []any{bucketArgs(v)[0], bucketArgs(v)[1], diffArg(diff), strconv.FormatInt(maxDebt, 10)}
 			stored, t0, forgiven, t1, after, ttl := storeSettleStep(t, rdb, key, b, elapsed, args)
 			what := fmt.Sprintf("%s: bucket %+v, diff %d, max_debt %d", l.name, stored, diff, maxDebt)
 			if after.at < t0 && after.present || after.at > t1 {
@@ -175,17 +176,17 @@ func TestSettleScriptAgreesWithMemoryStore(t *testing.T) {
 			}
 			want, wantForgiven := settleBucket(stored.state(now, l.burst), now, v, diff, maxDebt)
 			if !after.present {
-				if stored.present || want.tokens != float64(l.burst) {
+				if stored.present || want.Tokens != float64(l.burst) {
 					t.Fatalf("%s: no key after, settleBucket says %+v", what, want)
 				}
 				continue
 			}
 			whole := math.Floor(wantForgiven)
-			if after.tokens != want.tokens || forgiven != [2]int64{int64(whole), int64(math.Floor((wantForgiven - whole) * 1e6))} {
-				t.Fatalf("%s: the script stored %v and forgave %d, settleBucket %v and %v", what, after.tokens, forgiven, want.tokens, wantForgiven)
+			if after.tokens != want.Tokens || forgiven != [2]int64{int64(whole), int64(math.Floor((wantForgiven - whole) * 1e6))} {
+				t.Fatalf("%s: the script stored %v and forgave %d, settleBucket %v and %v", what, after.tokens, forgiven, want.Tokens, wantForgiven)
 			}
 			// PTTL is read after t1: the key has lived that much longer.
-			if wantTTL := (want.expires - now) / 1000; ttl > wantTTL || ttl < wantTTL-5-(t1-now)/1000 {
+			if wantTTL := (want.Expires - now) / 1000; ttl > wantTTL || ttl < wantTTL-5-(t1-now)/1000 {
 				t.Fatalf("%s: TTL %d ms, want %d (until full again)", what, ttl, wantTTL)
 			}
 			if after.tokens < -float64(maxDebt) && after.tokens < stored.tokens {
@@ -1406,7 +1407,7 @@ http://127.0.0.1:{{http_port}} {
 	elapsed := end.Sub(start).Seconds() + settleWithin.Seconds()
 	t.Logf("%d admitted (%d refunds, %d above the reservation), %d refused in %.2f s; charged %d, forgiven %.3f; lowest %.3f, final %.3f tokens",
 		len(admitted), refunds, debts, refused, elapsed, total, forgiven, lowest, final)
-	replayed, intoDebt, gaveBack := replayBucket(t, lines, key, limitValues{rate, burst, reserved})
+	replayed, intoDebt, gaveBack := replayBucket(t, lines, key, limit.Values{Rate: rate, Burst: burst, Requested: reserved})
 	t.Logf("replayed from %d MONITOR lines: %d admissions, %d settlements into debt, %d give-backs", len(lines), replayed, intoDebt, gaveBack)
 	// A cost is drawn from 0 to 4 reservations: about a quarter of the
 	// admissions refund, three quarters go above; a tenth each is far
@@ -1798,10 +1799,10 @@ func TestChargeJSONConfigJudgedByValidate(t *testing.T) {
 		{Name: "plain"}, {Name: "tokens", Charge: &Charge{JSON: []string{"usage.total_tokens"}}, MaxDebt: ptr(int64(7))}}})
 	provision(t, h)
 	const burst = 12345 // a bucket's, to tell max_debt from the burst
-	if r := h.limits[0].charge; r == nil || r.MaxDebt(burst, 10) != burst || !r.Charges(401) || r.Charges(403) || r.Charges(200) || r.ReadsJSON() {
+	if r := h.limits[0].Charge; r == nil || r.MaxDebt(burst, 10) != burst || !r.Charges(401) || r.Charges(403) || r.Charges(200) || r.ReadsJSON() {
 		t.Errorf("limit plain: %+v, want the handler's charge_status 401 and max_debt of its burst", r)
 	}
-	if r := h.limits[1].charge; r == nil || r.MaxDebt(burst, 10) != 7 || !r.ReadsJSON() || h.limits[1].chargedKey != "http.rate_limit.charged.tokens" {
+	if r := h.limits[1].Charge; r == nil || r.MaxDebt(burst, 10) != 7 || !r.ReadsJSON() || h.limits[1].ChargedKey != "http.rate_limit.charged.tokens" {
 		t.Errorf("limit tokens: %+v, want its JSON path and max_debt 7", r)
 	}
 	// A path of JSON given twice counts once; a field sums nothing: its
@@ -1816,7 +1817,7 @@ func TestChargeJSONConfigJudgedByValidate(t *testing.T) {
 		cw.Header().Set("Content-Type", "application/json")
 		cw.WriteHeader(http.StatusOK)
 		_, _ = io.WriteString(cw, `{"n":1,"m":10,"k":100}`)
-		charged, _ := h.limits[l].charge.Cost(cost.End{Status: http.StatusOK}, cw, caddy.NewReplacer(), nil, 1)
+		charged, _ := h.limits[l].Charge.Cost(cost.End{Status: http.StatusOK}, cw, caddy.NewReplacer(), nil, 1)
 		return charged
 	}
 	if got := costOf(0); got != 11 {
@@ -2206,9 +2207,9 @@ http://127.0.0.1:{{http_port}} {
 // exactly that; each settlement (several may share a call) left what
 // settleBucket says. It returns the admissions, the settlements that
 // went into debt and those that gave back.
-func replayBucket(t *testing.T, lines []string, key string, v limitValues) (admitted, debts, gaveBack int) {
+func replayBucket(t *testing.T, lines []string, key string, v limit.Values) (admitted, debts, gaveBack int) {
 	t.Helper()
-	last := bucketState{tokens: float64(v.burst)}
+	last := limit.State{Tokens: float64(v.Burst)}
 	present := false
 	var call []string // the script call on key being run, and its writes
 	var writes []scriptBucket
@@ -2238,7 +2239,7 @@ func replayBucket(t *testing.T, lines []string, key string, v limitValues) (admi
 				}
 				before := last
 				if !present {
-					before = bucketState{tokens: float64(v.burst), at: wrote.at}
+					before = limit.State{Tokens: float64(v.Burst), At: wrote.at}
 				}
 				if tokens := refill(before, wrote.at, v); tokens < float64(arg(2)) || wrote.tokens != tokens-float64(arg(2)) {
 					t.Fatalf("a take of %d at %d found %v tokens and left %v: admitted below its reservation, or took another amount",
@@ -2254,12 +2255,12 @@ func replayBucket(t *testing.T, lines []string, key string, v limitValues) (admi
 				}
 				before := last
 				if !present {
-					before = bucketState{tokens: float64(v.burst), at: wrote.at}
+					before = limit.State{Tokens: float64(v.Burst), At: wrote.at}
 				}
 				want, _ := settleBucket(before, wrote.at, v, arg(2), arg(3))
-				if wrote.tokens != want.tokens {
+				if wrote.tokens != want.Tokens {
 					t.Fatalf("a settlement of %d (max_debt %d) at %d from %v tokens left %v, want %v",
-						arg(2), arg(3), wrote.at, refill(before, wrote.at, v), wrote.tokens, want.tokens)
+						arg(2), arg(3), wrote.at, refill(before, wrote.at, v), wrote.tokens, want.Tokens)
 				}
 				if arg(2) < 0 {
 					gaveBack++
@@ -2269,7 +2270,7 @@ func replayBucket(t *testing.T, lines []string, key string, v limitValues) (admi
 			default:
 				t.Fatalf("a script call that is neither a take nor a settlement: %v", call)
 			}
-			last, present = bucketState{tokens: wrote.tokens, at: wrote.at}, true
+			last, present = limit.State{Tokens: wrote.tokens, At: wrote.at}, true
 			writes = writes[1:]
 		}
 		if len(writes) > 0 {
@@ -2395,8 +2396,8 @@ func TestSettlementsOfABatchShareOneScriptCall(t *testing.T) {
 	srv := redistest.Start(t)
 	rdb := srv.Client(t)
 	l := newTestLimiter(t, srv.Addr, 2*time.Second)
-	v := limitValues{rate: 0.001, burst: 100, requested: 10}
-	args := v.scriptArgs()
+	v := limit.Values{Rate: 0.001, Burst: 100, Requested: 10}
+	args := bucketArgs(v)
 	settle := func(rec *answerRecorder, diffs map[string]int64) *redisbatch.Call {
 		return newSettleCall(rec, args, diffs)
 	}
@@ -2473,9 +2474,9 @@ func TestMergedSettlementsNeverPassACallOfTheirBucket(t *testing.T) {
 		if answered, _ := take.Wait(); !answered {
 			t.Fatalf("the take of %s was not answered", take.Keys[0])
 		}
-		b := []bucket{{}}
-		if allowed, err := readTake(take.Reply, b, false); err != nil || !allowed || b[0].remaining != 30 {
-			t.Errorf("the take of %s after its refund: %v, %v with %d left; want admitted with 90 - 60 = 30 left", take.Keys[0], allowed, err, b[0].remaining)
+		b := []limit.Bucket{{}}
+		if allowed, err := readTake(take.Reply, b, false); err != nil || !allowed || b[0].Remaining != 30 {
+			t.Errorf("the take of %s after its refund: %v, %v with %d left; want admitted with 90 - 60 = 30 left", take.Keys[0], allowed, err, b[0].Remaining)
 		}
 		take.Release()
 	}

@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"github.com/caddy-redis/ratelimit/internal/cost"
+	"github.com/caddy-redis/ratelimit/internal/limit"
 	"github.com/caddy-redis/ratelimit/internal/logs"
 	"github.com/caddy-redis/ratelimit/internal/redisbatch"
 	"github.com/caddyserver/caddy/v2"
@@ -26,65 +27,56 @@ import (
 // could not be read, boxed once.
 var resultChargeMissing any = "charge_missing"
 
-// settling is one bucket's settlement: the bucket's index in the
-// request's buckets (an index, not a pointer, so that they stay on the
-// stack), its cost, and the difference from its reservation.
-type settling struct {
-	bucket int
-	cost   int64
-	diff   int64
-}
-
 // settleResponse charges each charging bucket of a served request what
 // its response cost, sets the placeholders, and settles the differences
 // from the reservations: in the process at once, or in Redis after the
 // response (off the request path: nothing waits for it).
 func (h *Handler) settleResponse(end cost.End, cw *cost.Writer, repl *caddy.Replacer, req *request) {
-	buckets := req.buckets
+	buckets := req.Buckets
 	items := req.settling[:0]
 	for i := range buckets {
 		b := &buckets[i]
-		rule := b.limit.charge
+		rule := b.Limit.Charge
 		if rule == nil {
 			continue
 		}
-		reserved := b.values.requested
+		reserved := b.Values.Requested
 		charged, why := rule.Cost(end, cw, repl, &req.weights, reserved)
 		switch {
 		case why != "":
-			h.warnChargeMissing(b.limit, why)
+			h.warnChargeMissing(b.Limit, why)
 			repl.Set("http.rate_limit.result", resultChargeMissing)
 		case rule.ReadsJSON() && cw.ScanStopped():
-			h.warnScanStopped(b.limit)
+			h.warnScanStopped(b.Limit)
 		}
-		if b.limit == h.charging.first {
+		if b.Limit == h.charging.first {
 			repl.Set("http.rate_limit.charged", charged)
 		}
-		if b.limit.chargedKey != "" {
-			repl.Set(b.limit.chargedKey, charged)
+		if b.Limit.ChargedKey != "" {
+			repl.Set(b.Limit.ChargedKey, charged)
 		}
-		items = append(items, settling{bucket: i, cost: charged, diff: charged - reserved})
+		items = append(items, limit.Settling{Bucket: i, Cost: charged, Diff: charged - reserved})
 	}
 	unsettled := items[:0]
 	for _, it := range items {
-		if it.diff == 0 {
-			h.countCharged(buckets[it.bucket].limit, float64(it.cost), 0)
+		if it.Diff == 0 {
+			h.countCharged(buckets[it.Bucket].Limit, float64(it.Cost), 0)
 		} else {
 			unsettled = append(unsettled, it)
 		}
 	}
 	if len(unsettled) > 0 {
-		h.store.settle(&req.call, unsettled)
+		h.store.Settle(&req.Call, unsettled)
 	}
 }
 
 // warnChargeMissing logs, throttled, that a response's cost could not be
 // read.
-func (h *Handler) warnChargeMissing(l *limit, why string) {
+func (h *Handler) warnChargeMissing(l *limit.Limit, why string) {
 	if ok, suppressed := h.charging.warns.Allow(); ok {
 		fields := []zap.Field{zap.String("zone", h.Zone), zap.String("reason", why), logs.Suppressed(suppressed)}
-		if l.name != "" {
-			fields = append(fields, zap.String("limit", l.name))
+		if l.Name != "" {
+			fields = append(fields, zap.String("limit", l.Name))
 		}
 		h.logger.Warn("the cost of a response could not be read; it is charged its reservation", fields...)
 	}
@@ -92,25 +84,25 @@ func (h *Handler) warnChargeMissing(l *limit, why string) {
 
 // warnScanStopped logs, throttled with warnChargeMissing, that a
 // response's cost was read from the part of its body before max_body.
-func (h *Handler) warnScanStopped(l *limit) {
+func (h *Handler) warnScanStopped(l *limit.Limit) {
 	if ok, suppressed := h.charging.warns.Allow(); ok {
 		fields := []zap.Field{zap.String("zone", h.Zone), logs.Suppressed(suppressed),
 			zap.String("reason", fmt.Sprintf("the body is larger than max_body (%d bytes), the most of a response the scan reads", h.charging.MaxBody))}
-		if l.name != "" {
-			fields = append(fields, zap.String("limit", l.name))
+		if l.Name != "" {
+			fields = append(fields, zap.String("limit", l.Name))
 		}
 		h.logger.Warn("a response is charged what the first max_body bytes of its body report; what came after was not read", fields...)
 	}
 }
 
 // countCharged counts what a limit charged and forgave, in tokens.
-func (h *Handler) countCharged(l *limit, charged, forgiven float64) {
+func (h *Handler) countCharged(l *limit.Limit, charged, forgiven float64) {
 	if h.metrics == nil {
 		return
 	}
-	h.metrics.charged[l.index].Add(charged)
+	h.metrics.charged[l.Index].Add(charged)
 	if forgiven > 0 {
-		h.metrics.forgiven[l.index].Add(forgiven)
+		h.metrics.forgiven[l.Index].Add(forgiven)
 	}
 }
 
@@ -120,11 +112,11 @@ func (h *Handler) countCharged(l *limit, charged, forgiven float64) {
 // capped at the burst. forgiven is what the take could not take. Every
 // step is the script's, in the same order, so both agree to the bit
 // (charge_test.go checks it).
-func settleBucket(state bucketState, t int64, v limitValues, diff, maxDebt int64) (after bucketState, forgiven float64) {
+func settleBucket(state limit.State, t int64, v limit.Values, diff, maxDebt int64) (after limit.State, forgiven float64) {
 	tokens := refill(state, t, v)
 	var left float64
 	if diff < 0 {
-		left = math.Min(float64(v.burst), tokens-float64(diff))
+		left = math.Min(float64(v.Burst), tokens-float64(diff))
 	} else {
 		left = tokens - float64(diff)
 		if floor := math.Min(tokens, -float64(maxDebt)); left < floor {
@@ -132,8 +124,8 @@ func settleBucket(state bucketState, t int64, v limitValues, diff, maxDebt int64
 			left = floor
 		}
 	}
-	ttl := math.Max(1000, math.Ceil((float64(v.burst)-left)*1000/v.rate)) // milliseconds, as the key's TTL
-	return bucketState{tokens: left, at: t, expires: t + int64(ttl)*1000}, forgiven
+	ttl := math.Max(1000, math.Ceil((float64(v.Burst)-left)*1000/v.Rate)) // milliseconds, as the key's TTL
+	return limit.State{Tokens: left, At: t, Expires: t + int64(ttl)*1000}, forgiven
 }
 
 // settleCall is one settlement call on its way to Redis (a request's
@@ -143,7 +135,7 @@ func settleBucket(state bucketState, t int64, v limitValues, diff, maxDebt int64
 type settleCall struct {
 	h      *Handler
 	items  []settlement
-	inline [maxInlineBuckets]settlement
+	inline [limit.MaxInline]settlement
 }
 
 var settleCalls = sync.Pool{New: func() any {
@@ -154,7 +146,7 @@ var settleCalls = sync.Pool{New: func() any {
 
 // settlement is one bucket's part of a settleCall.
 type settlement struct {
-	limit          *limit
+	limit          *limit.Limit
 	cost, reserved int64
 	diff           int64
 }
@@ -165,17 +157,17 @@ type settlement struct {
 // queue; what Redis answers is read by the batcher's worker (TakeAnswer),
 // off the request path. A call is sent at most once: one lost to a
 // failure is counted and logged, and the reservation stands.
-func (h *Handler) settleInRedis(buckets []bucket, items []settling) {
+func (h *Handler) settleInRedis(buckets []limit.Bucket, items []limit.Settling) {
 	groups := 1
 	if h.groups != nil {
 		groups = len(h.groups)
 	}
 	now := time.Now()
-	var inline [maxInlineBuckets]settling
+	var inline [limit.MaxInline]limit.Settling
 	for g := range groups {
 		group := inline[:0]
 		for _, it := range items {
-			if h.groups == nil || buckets[it.bucket].limit.group == g {
+			if h.groups == nil || buckets[it.Bucket].Limit.Group == g {
 				group = append(group, it)
 			}
 		}
@@ -186,13 +178,13 @@ func (h *Handler) settleInRedis(buckets []bucket, items []settling) {
 		s.h = h
 		c := redisbatch.NewCall()
 		for _, it := range group {
-			c.Keys = append(c.Keys, buckets[it.bucket].key)
+			c.Keys = append(c.Keys, buckets[it.Bucket].Key)
 		}
 		c.Command(settleScript)
 		for _, it := range group {
-			b := &buckets[it.bucket]
-			c.Args = append(c.Args, b.charged().settleArg(*b), b.args[1], diffArg(it.diff), b.limit.charge.MaxDebtArg(b.values.burst, b.values.rate, b.args[1]))
-			s.items = append(s.items, settlement{limit: b.limit, cost: it.cost, reserved: b.values.requested, diff: it.diff})
+			b := &buckets[it.Bucket]
+			c.Args = append(c.Args, b.Charged().SettleArg(*b), b.Args[1], diffArg(it.Diff), b.Limit.Charge.MaxDebtArg(b.Values.Burst, b.Values.Rate, b.Args[1]))
+			s.items = append(s.items, settlement{limit: b.Limit, cost: it.Cost, reserved: b.Values.Requested, diff: it.Diff})
 		}
 		c.ClientCtx, c.Then = context.Background(), s // sent even when the client has left
 		if err := h.limiter.batcher.Enqueue(c, now); err != nil {
@@ -274,10 +266,10 @@ var errUnsettled = errors.New("a bucket was not settled: its key holds another t
 // countSettleFailure counts settlements lost, and logs (throttled) why:
 // the reservations of their buckets stand. items, when given, are
 // counted as charged their reservations.
-func (h *Handler) countSettleFailure(buckets []bucket, items []settling, err error) {
+func (h *Handler) countSettleFailure(buckets []limit.Bucket, items []limit.Settling, err error) {
 	for _, it := range items {
-		b := &buckets[it.bucket]
-		h.countCharged(b.limit, float64(b.values.requested), 0)
+		b := &buckets[it.Bucket]
+		h.countCharged(b.Limit, float64(b.Values.Requested), 0)
 	}
 	if h.metrics != nil {
 		h.metrics.settleFailures.Inc()
@@ -293,13 +285,13 @@ func (h *Handler) countSettleFailure(buckets []bucket, items []settling, err err
 
 // chargeCounters are a zone's charging series, by limit index (nil for a
 // limit that does not charge).
-func chargeCounters(zone string, limits []*limit) (charged, forgiven []prometheus.Counter, failures prometheus.Counter) {
+func chargeCounters(zone string, limits []*limit.Limit) (charged, forgiven []prometheus.Counter, failures prometheus.Counter) {
 	charged, forgiven = make([]prometheus.Counter, len(limits)), make([]prometheus.Counter, len(limits))
 	charges := false
 	for i, l := range limits {
-		if l.charge != nil {
-			charged[i] = collectors.charged.WithLabelValues(zone, l.name)
-			forgiven[i] = collectors.forgiven.WithLabelValues(zone, l.name)
+		if l.Charge != nil {
+			charged[i] = collectors.charged.WithLabelValues(zone, l.Name)
+			forgiven[i] = collectors.forgiven.WithLabelValues(zone, l.Name)
 			charges = true
 		}
 	}

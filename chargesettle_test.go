@@ -109,9 +109,9 @@ func TestChargeSettlesBeforeTheEndOfTheAnswerPasses(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
-			view, err := h.store.peek(context.Background(), buckets[0])
-			if err != nil || view.tokens < tc.left || view.tokens > tc.left+1 {
-				t.Errorf("the bucket holds %v (%v), want %v: one settlement", view.tokens, err, tc.left)
+			view, err := h.store.Peek(context.Background(), buckets[0])
+			if err != nil || view.Tokens < tc.left || view.Tokens > tc.left+1 {
+				t.Errorf("the bucket holds %v (%v), want %v: one settlement", view.Tokens, err, tc.left)
 			}
 		})
 	}

@@ -20,6 +20,7 @@ import (
 	"unsafe"
 
 	"github.com/caddy-redis/ratelimit/internal/keys"
+	"github.com/caddy-redis/ratelimit/internal/limit"
 	"github.com/caddyserver/caddy/v2"
 	"github.com/prometheus/client_golang/prometheus"
 )
@@ -88,18 +89,18 @@ var inFlightGauge = prometheus.NewGaugeVec(prometheus.GaugeOpts{
 
 // inFlightSeries gives a zone's concurrent limits their series of the
 // in_flight gauge.
-func inFlightSeries(zone string, limits []*limit) {
+func inFlightSeries(zone string, limits []*limit.Limit) {
 	for _, l := range limits {
-		if l.held != nil {
-			l.inFlight = inFlightGauge.WithLabelValues(zone, l.name)
+		if l.Held != nil {
+			l.InFlight = inFlightGauge.WithLabelValues(zone, l.Name)
 		}
 	}
 }
 
 // holdOf is how long a request's hold on a limit held while served
 // lasts unless renewed; holdArgOf the same as a script argument.
-func holdOf(l *limit) time.Duration { d, _ := l.held.holdFor(); return d }
-func holdArgOf(l *limit) any        { _, arg := l.held.holdFor(); return arg }
+func holdOf(l *limit.Limit) time.Duration { d, _ := l.Held.HoldFor(); return d }
+func holdArgOf(l *limit.Limit) any        { _, arg := l.Held.HoldFor(); return arg }
 
 //go:embed concurrent.lua
 var concurrentSource string
@@ -138,7 +139,7 @@ func checkConcurrentValues(c Concurrent) error {
 	if c.Slots == "" {
 		return errors.New("slots is required: the most requests of a key in flight at once")
 	}
-	if !c.Slots.perRequest() && c.Slots != unlimited {
+	if !c.Slots.PerRequest() && c.Slots != limit.Unlimited {
 		if _, err := parseSlots(string(c.Slots)); err != nil {
 			return err
 		}
@@ -165,19 +166,19 @@ func checkConcurrentValues(c Concurrent) error {
 func parseSlots(s string) (int64, error) {
 	n, err := strconv.ParseInt(s, 10, 64)
 	if err != nil || n < 0 || n > maxExactTokens {
-		return 0, badValue("slots", s, "is not a whole number from 0 to 2^53 (or 'unlimited')")
+		return 0, limit.BadValue("slots", s, "is not a whole number from 0 to 2^53 (or 'unlimited')")
 	}
 	return n, nil
 }
 
 // resolveSlots is a concurrent limit's values from its slots as written
 // (placeholders replaced): n as the burst, one slot per request.
-func resolveSlots(s string) (v limitValues, isUnlimited bool, err error) {
-	if s == unlimited {
+func resolveSlots(s string) (v limit.Values, isUnlimited bool, err error) {
+	if s == limit.Unlimited {
 		return v, true, nil
 	}
 	n, err := parseSlots(s)
-	return limitValues{burst: n, requested: 1}, false, err
+	return limit.Values{Burst: n, Requested: 1}, false, err
 }
 
 func init() {
@@ -213,7 +214,7 @@ func concurrentConfigs(h *Handler) []limitConfig {
 			Limit:     Limit{Name: c.Name, Key: c.Key, BurstCapacity: c.Slots, IPv4Prefix: c.IPv4Prefix, IPv6Prefix: c.IPv6Prefix},
 			what:      "concurrent",
 			keySuffix: keys.Separator + "slots",
-			newKind: func() (kind, error) {
+			newKind: func() (limit.Kind, error) {
 				return &slotRule{hold: hold, holdArg: strconv.FormatInt(hold.Microseconds(), 10),
 					retryAfter: time.Duration(retry) * time.Second}, nil
 			},
@@ -254,7 +255,7 @@ func newSlotID() any {
 // The concurrent limit as a kind of limit (kind.go), with none of the
 // optional interfaces (see facts).
 
-var _ kind = (*slotRule)(nil)
+var _ limit.Kind = (*slotRule)(nil)
 
 // slotLimitInfo is what the admin API lists of a concurrent limit beyond
 // every limit's: its slots and hold.
@@ -264,9 +265,9 @@ type slotLimitInfo struct {
 }
 
 // limitInfo lists its slots and hold.
-func (s *slotRule) limitInfo(l *limit) limitInfo {
-	li := l.limitInfo()
-	li.kindView = slotLimitInfo{Slots: l.burst, Hold: s.hold.String()}
+func (s *slotRule) LimitInfo(l *limit.Limit) limit.LimitInfo {
+	li := l.Info()
+	li.KindView = slotLimitInfo{Slots: l.Burst, Hold: s.hold.String()}
 	return li
 }
 
@@ -282,47 +283,47 @@ type slotBucketInfo struct {
 
 // bucketInfo shows how many of its slots are held, and when each held
 // slot expires unless renewed (the store's peek reads its slots: store.peek).
-func (*slotRule) bucketInfo(b bucket, v bucketView) bucketInfo {
-	slots := slotBucketInfo{Slots: b.values.burst, InUse: v.inUse}
-	for _, d := range v.expiries {
+func (*slotRule) BucketInfo(b limit.Bucket, v limit.View) limit.BucketInfo {
+	slots := slotBucketInfo{Slots: b.Values.Burst, InUse: v.InUse}
+	for _, d := range v.Expiries {
 		slots.SlotExpiry = append(slots.SlotExpiry, d.Seconds())
 	}
-	return bucketInfo{Limit: b.limit.name, Key: clientKey(&b), StoredKey: b.key, kindView: slots}
+	return limit.BucketInfo{Limit: b.Limit.Name, Key: clientKey(&b), StoredKey: b.Key, KindView: slots}
 }
 
-func (*slotRule) burstName() string { return "slots" }
+func (*slotRule) BurstName() string { return "slots" }
 
 // resolveValues reads its slots, in the burst's place.
-func (*slotRule) resolveValues(_, slots, _ string) (limitValues, bool, error) {
+func (*slotRule) ResolveValues(_, slots, _ string) (limit.Values, bool, error) {
 	return resolveSlots(slots)
 }
 
 // scriptArgs are "c" and n; the request's slot id follows (begin).
-func (*slotRule) scriptArgs(v limitValues) [3]any {
-	return [3]any{kindConcurrentArg, strconv.FormatInt(v.burst, 10), nil}
+func (*slotRule) ScriptArgs(v limit.Values) [3]any {
+	return [3]any{kindConcurrentArg, strconv.FormatInt(v.Burst, 10), nil}
 }
 
 // begin gives the bucket the request's slot id, one for all its
 // concurrent limits.
-func (*slotRule) begin(b bucket, shared requestShared) (bucket, requestShared) {
-	if shared.id == nil {
-		shared.id = newSlotID()
+func (*slotRule) Begin(b limit.Bucket, shared limit.Shared) (limit.Bucket, limit.Shared) {
+	if shared.ID == nil {
+		shared.ID = newSlotID()
 	}
-	b.args[2] = shared.id
+	b.Args[2] = shared.ID
 	return b, shared
 }
 
 // appendArgs appends "c", n, the slot id, then the hold.
-func (s *slotRule) appendArgs(args []any, b bucket) []any {
-	return append(append(args, b.args[:]...), s.holdArg)
+func (s *slotRule) AppendArgs(args []any, b limit.Bucket) []any {
+	return append(append(args, b.Args[:]...), s.holdArg)
 }
 
 // heldWhileServed: a request holds its slot until its response has
 // ended (heldKind).
-func (r *slotRule) holdFor() (time.Duration, any) { return r.hold, r.holdArg }
+func (r *slotRule) HoldFor() (time.Duration, any) { return r.hold, r.holdArg }
 
-func (*slotRule) replyWords() int                                      { return 0 }
-func (*slotRule) readReply(b bucket, _ []int64, _ int) (bucket, error) { return b, nil }
+func (*slotRule) ReplyWords() int                                                  { return 0 }
+func (*slotRule) ReadReply(b limit.Bucket, _ []int64, _ int) (limit.Bucket, error) { return b, nil }
 
 // A concurrent limit's slots in the process are counts of their own
 // (slotCounts), never bucket states: it has no bucketArithmetic, and a
@@ -334,16 +335,16 @@ func (*slotRule) readReply(b bucket, _ []int64, _ int) (bucket, error) { return 
 // facts are its slots as the burst, a token bucket's of no rate, and as
 // the policy's q in the IETF unit of concurrent requests; its wait is
 // retry_after when it was full (refused).
-func (*slotRule) facts(b bucket) facts {
-	return facts{rate: b.values.rate, burst: b.values.burst, requested: b.values.requested,
-		unit: concurrentUnit, reset: b.retryAfter}
+func (*slotRule) Facts(b limit.Bucket) limit.Facts {
+	return limit.Facts{Rate: b.Values.Rate, Burst: b.Values.Burst, Requested: b.Values.Requested,
+		Unit: concurrentUnit, Reset: b.RetryAfter}
 }
 
 // refused waits retry_after when it was full: slots come back by
 // release, not by time (the script says 0).
-func (s *slotRule) refused(b bucket) bucket {
-	if b.remaining == 0 && !b.unknown {
-		b.retryAfter = s.retryAfter
+func (s *slotRule) Refused(b limit.Bucket) limit.Bucket {
+	if b.Remaining == 0 && !b.Unknown {
+		b.RetryAfter = s.retryAfter
 	}
 	return b
 }

@@ -91,10 +91,10 @@ func TestConcurrentConfigForms(t *testing.T) {
 			var got []string
 			for _, l := range h.limits {
 				kind := "tokens"
-				if _, ok := l.kind.(*slotRule); ok {
+				if _, ok := l.Kind.(*slotRule); ok {
 					kind = "slots"
 				}
-				got = append(got, l.name+":"+kind)
+				got = append(got, l.Name+":"+kind)
 			}
 			if strings.Join(got, ",") != strings.Join(tc.limits, ",") {
 				t.Errorf("limits %v, want %v", got, tc.limits)

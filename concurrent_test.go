@@ -22,6 +22,7 @@ import (
 
 	"github.com/caddy-redis/ratelimit/internal/caddyproc"
 	"github.com/caddy-redis/ratelimit/internal/keys"
+	"github.com/caddy-redis/ratelimit/internal/limit"
 	"github.com/caddy-redis/ratelimit/internal/redisbatch"
 	"github.com/caddy-redis/ratelimit/internal/redistest"
 )
@@ -83,10 +84,10 @@ func concurrentHandler(t *testing.T, srv *redistest.Server, block string) *Handl
 func slotKey(t *testing.T, h *Handler, name, key string) string {
 	t.Helper()
 	for _, l := range h.limits {
-		if l.held != nil && l.name == name {
+		if l.Held != nil && l.Name == name {
 			r, _ := newRequest("192.0.2.1", key)
 			rv := keys.RequestValues(r, r.Context().Value(caddy.ReplacerCtxKey).(*caddy.Replacer))
-			return l.template.Key(&rv, l.keyPrefix, l.keySuffix)
+			return l.Template.Key(&rv, l.KeyPrefix, l.KeySuffix)
 		}
 	}
 	t.Fatalf("no concurrent limit %s", name)
@@ -428,7 +429,7 @@ func TestConcurrentStoreMemoryAndOnErrorLocal(t *testing.T) {
 			hd := newHolder()
 			ctx := context.Background()
 			a, b := startHeld(t, ctx, h, hd, "k"), startHeld(t, ctx, h, hd, "k")
-			if got := gaugeValue(t, h.limits[1].inFlight); got != 2 {
+			if got := gaugeValue(t, h.limits[1].InFlight); got != 2 {
 				t.Errorf("in_flight %v with two held, want 2", got)
 			}
 			if status, _ := serve(ctx, h, "k"); status != 429 {
@@ -437,7 +438,7 @@ func TestConcurrentStoreMemoryAndOnErrorLocal(t *testing.T) {
 			close(hd.letGo)
 			<-a
 			<-b
-			if got := gaugeValue(t, h.limits[1].inFlight); got != 0 {
+			if got := gaugeValue(t, h.limits[1].InFlight); got != 0 {
 				t.Errorf("in_flight %v after both ended, want 0", got)
 			}
 			if status, _ := serve(ctx, h, "k"); status != 200 {
@@ -973,7 +974,7 @@ func TestConcurrentReleaseAfterTheLimiterClosedIsNotLeftPending(t *testing.T) {
 	eventually(t, 5*time.Second, "the unloaded limiter closed", func() bool {
 		return l.batcher.Closed()
 	})
-	h.holdSlots(requestBuckets(t, h, "k")).release()
+	h.holdSlots(requestBuckets(t, h, "k")).Release()
 	if n := l.slots().releases.total(); n != 0 {
 		t.Fatalf("%d releases pending after the release met a closed limiter, want 0", n)
 	}
@@ -1011,7 +1012,7 @@ func TestConcurrentBurstOfLongRequestsRenewsEverySlot(t *testing.T) {
 	}
 	holds := make([]*slotHold, n)
 	for i := range ids {
-		buckets := []bucket{{limit: l, key: key, args: [3]any{kindConcurrentArg, "10000", &ids[i]}}}
+		buckets := []limit.Bucket{{Limit: l, Key: key, Args: [3]any{kindConcurrentArg, "10000", &ids[i]}}}
 		holds[i] = h.holdSlots(buckets)
 	}
 	time.Sleep(3300 * time.Millisecond) // past the first hold: every slot was renewed, or it expired
@@ -1032,7 +1033,7 @@ func TestConcurrentBurstOfLongRequestsRenewsEverySlot(t *testing.T) {
 		t.Logf("%d renewal failures logged (each retried at the next tick)", got)
 	}
 	for _, hold := range holds {
-		hold.release()
+		hold.Release()
 	}
 	deadline := time.Now().Add(5 * time.Second)
 	for {
@@ -1083,7 +1084,7 @@ func TestConcurrentReleasesLostToRedisAreToldByEachZoneAndNotLeftPending(t *test
 }
 
 // requestBuckets are the buckets h resolves for a request of key.
-func requestBuckets(t *testing.T, h *Handler, key string) []bucket {
+func requestBuckets(t *testing.T, h *Handler, key string) []limit.Bucket {
 	t.Helper()
 	r, _ := newRequest("192.0.2.1", key)
 	buckets, _, err := h.resolveBuckets(r, r.Context().Value(caddy.ReplacerCtxKey).(*caddy.Replacer), nil)
@@ -1104,7 +1105,7 @@ func TestConcurrentMemoryReleaseFromBeforeAResetFreesNoSlotTakenAfterIt(t *testi
 		concurrent gen 1
 	}`)
 	s := h.memory
-	take := func() []bucket {
+	take := func() []limit.Bucket {
 		t.Helper()
 		buckets := requestBuckets(t, h, "k")
 		if allowed, err := s.takeInProcess(time.Now(), buckets); !allowed || err != nil {
@@ -1113,13 +1114,13 @@ func TestConcurrentMemoryReleaseFromBeforeAResetFreesNoSlotTakenAfterIt(t *testi
 		return buckets
 	}
 	first := take()
-	key := first[len(first)-1].key
+	key := first[len(first)-1].Key
 	s.reset([]string{key}) // DELETE, between the first take and its hold
 	second := take()
 	firstHold := s.holdSlots(first)
 	secondHold := s.holdSlots(second)
-	defer secondHold.release()
-	firstHold.release()
+	defer secondHold.Release()
+	firstHold.Release()
 	if n := s.slotsInUse(key); n != 1 {
 		t.Fatalf("%d slot(s) in use after the request admitted before the reset ended, want 1: its release freed the slot of the request admitted after",
 			n)
@@ -1352,14 +1353,14 @@ func TestConcurrentSlotReleasedDuringItsRenewalStaysFree(t *testing.T) {
 	}
 	holds := make([]*slotHold, n)
 	for i := range ids {
-		buckets := []bucket{{limit: l, key: key, args: [3]any{kindConcurrentArg, "2000", &ids[i]}}}
+		buckets := []limit.Bucket{{Limit: l, Key: key, Args: [3]any{kindConcurrentArg, "2000", &ids[i]}}}
 		holds[i] = h.holdSlots(buckets)
 	}
 	// Due a third of a hold after they were taken; they end from a tick
 	// before that to a tick after.
 	time.Sleep(time.Second - 2*renewTick)
 	for i, hold := range holds {
-		hold.release()
+		hold.Release()
 		if i%10 == 9 {
 			time.Sleep(4 * renewTick * 10 / n)
 		}
@@ -1452,7 +1453,7 @@ func TestConcurrentRenewalsOfManySlotsNeverTakeAnAdmissionsDeadline(t *testing.T
 	}
 	holds := make([]*slotHold, n)
 	for i := range ids {
-		buckets := []bucket{{limit: l, key: key, args: [3]any{kindConcurrentArg, "20000", &ids[i]}}}
+		buckets := []limit.Bucket{{Limit: l, Key: key, Args: [3]any{kindConcurrentArg, "20000", &ids[i]}}}
 		holds[i] = h.holdSlots(buckets)
 	}
 	proxy.latency.Store(int64(20 * time.Millisecond))
@@ -1492,7 +1493,7 @@ func TestConcurrentRenewalsOfManySlotsNeverTakeAnAdmissionsDeadline(t *testing.T
 		t.Errorf("%d admissions fell to on_error while the renewals ran, want none", got)
 	}
 	for _, hold := range holds {
-		hold.release()
+		hold.Release()
 	}
 	eventually(t, 5*time.Second, "every slot released", func() bool { return rdb.Exists(ctx, key).Val() == 0 })
 }
@@ -1534,7 +1535,7 @@ func TestConcurrentBurstOfLongRequestsOnClusterRenewsAndReleasesEverySlot(t *tes
 	}
 	holds := make([]*slotHold, n)
 	for i := range n {
-		buckets := []bucket{{limit: l, key: keys[i], args: [3]any{kindConcurrentArg, "4", &ids[i]}}}
+		buckets := []limit.Bucket{{Limit: l, Key: keys[i], Args: [3]any{kindConcurrentArg, "4", &ids[i]}}}
 		holds[i] = h.holdSlots(buckets)
 	}
 	live := func() int {
@@ -1558,7 +1559,7 @@ func TestConcurrentBurstOfLongRequestsOnClusterRenewsAndReleasesEverySlot(t *tes
 		t.Errorf("%d of %d slots live a hold after their requests took them, want all renewed", got, n)
 	}
 	for _, hold := range holds {
-		hold.release()
+		hold.Release()
 	}
 	// Renewed every second, a slot not released lives on for two.
 	eventually(t, 1500*time.Millisecond, "every slot released", func() bool { return live() == 0 })
@@ -1828,10 +1829,10 @@ func TestConcurrentOnClusterSlotGivenBackAfterARefusalIsReleasedByARetry(t *test
 }`, strings.Join(c.Addrs, " ")))
 	tenantKey := ""
 	for _, l := range h.limits {
-		if l.name == "tenant" {
+		if l.Name == "tenant" {
 			r, _ := newRequest("192.0.2.1", "k")
 			rv := keys.RequestValues(r, r.Context().Value(caddy.ReplacerCtxKey).(*caddy.Replacer))
-			tenantKey = l.template.Key(&rv, l.keyPrefix, l.keySuffix)
+			tenantKey = l.Template.Key(&rv, l.KeyPrefix, l.KeySuffix)
 		}
 	}
 	tenantMaster := masterOf(t, c, cc, clients, tenantKey)

@@ -6,44 +6,12 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/caddy-redis/ratelimit/internal/limit"
 	"github.com/caddy-redis/ratelimit/internal/logs"
 	"github.com/caddyserver/caddy/v2"
 	"go.uber.org/zap"
 	"go.uber.org/zap/zapcore"
 )
-
-// decision is what the limiter decided for a request; it labels the
-// metrics and fills {http.rate_limit.result}.
-type decision uint8
-
-const (
-	decisionAllowed         decision = iota // tokens taken
-	decisionDenied                          // a bucket short (or burst_capacity 0)
-	decisionExempt                          // the rate resolved to `unlimited`
-	decisionInvalid                         // a value from the request out of range
-	decisionEmptyKey                        // the key resolved to nothing
-	decisionFailedAllowed                   // the store failed; the fallback allowed it
-	decisionFailedDenied                    // the store failed; the fallback denied it
-	decisionShadowDenied                    // would be denied; shadow mode let it pass
-	decisionOverflow                        // the store full: a new client's request is decided without its buckets
-	decisionFallbackAllowed                 // the store failed; the fallback's buckets admitted it
-	decisionFallbackDenied                  // the store failed; the fallback's buckets refused it
-	numDecisions
-)
-
-var decisionNames = [numDecisions]string{"allowed", "denied", "exempt", "invalid", "empty_key", "error_allowed",
-	"error_denied", "shadow_denied", "overflow", "error_local_allowed", "error_local_denied"}
-
-func (d decision) String() string { return decisionNames[d] }
-
-// decisionValues are the decisions as placeholder values, boxed once (1
-// alloc per request: BenchmarkServeHTTPAllowed 17 -> 16).
-var decisionValues = func() (v [numDecisions]any) {
-	for d := range numDecisions {
-		v[d] = d.String()
-	}
-	return v
-}()
 
 // emptyValue is the empty string as a placeholder value, boxed once.
 var emptyValue any = ""
@@ -51,18 +19,18 @@ var emptyValue any = ""
 // record makes a decision visible: placeholders, the metric and a debug
 // line. buckets[described] is the bucket the placeholders describe; none
 // when no bucket was consulted (described < 0).
-func (h *Handler) record(repl *caddy.Replacer, d decision, buckets []bucket, described int) {
+func (h *Handler) record(repl *caddy.Replacer, d limit.Decision, buckets []limit.Bucket, described int) {
 	p := placeholders{h: h, repl: repl, seq: placeholderSeq.Add(1), decision: d}
-	var b *bucket
+	var b *limit.Bucket
 	if described >= 0 && described < len(buckets) {
 		b = &buckets[described]
 	}
 	label := 0
 	if b != nil {
-		p.limit, p.burst, p.remaining = b.limit, b.values.burst, b.remaining
-		p.refused = d == decisionDenied || d == decisionShadowDenied || d == decisionFallbackDenied
+		p.limit, p.burst, p.remaining = b.Limit, b.Values.Burst, b.Remaining
+		p.refused = d == limit.DecisionDenied || d == limit.DecisionShadowDenied || d == limit.DecisionFallbackDenied
 		if p.refused {
-			p.retryAfter, label = ceilSeconds(retryAfter(buckets)), b.limit.index+1
+			p.retryAfter, label = ceilSeconds(limit.RetryAfter(buckets)), b.Limit.Index+1
 		}
 		if h.LogKey {
 			p.key = clientKey(b)
@@ -87,16 +55,16 @@ func (h *Handler) record(repl *caddy.Replacer, d decision, buckets []bucket, des
 // logDecision writes the debug line of a decision; out of record, whose
 // stack frame would otherwise hold the fields on every request (584 -> 184
 // bytes; see warnFull).
-func (h *Handler) logDecision(d decision, b *bucket) {
+func (h *Handler) logDecision(d limit.Decision, b *limit.Bucket) {
 	ce := h.logger.Check(zap.DebugLevel, "rate limit decision")
 	if ce == nil {
 		return
 	}
 	fields := []zap.Field{zap.String("zone", h.Zone), zap.Stringer("result", d)}
 	if b != nil {
-		fields = append(fields, zap.Int64("remaining", b.remaining))
-		if b.limit.name != "" {
-			fields = append(fields, zap.String("limit", b.limit.name))
+		fields = append(fields, zap.Int64("remaining", b.Remaining))
+		if b.Limit.Name != "" {
+			fields = append(fields, zap.String("limit", b.Limit.Name))
 		}
 		if h.LogKey {
 			fields = append(fields, zap.String("key", clientKey(b)))
@@ -117,12 +85,12 @@ type placeholders struct {
 	h          *Handler
 	repl       *caddy.Replacer
 	seq        uint64
-	limit      *limit // the bucket described; nil for none
-	key        string // with log_key
+	limit      *limit.Limit // the bucket described; nil for none
+	key        string       // with log_key
 	burst      int64
 	remaining  int64
 	retryAfter int64 // seconds, on a refusal
-	decision   decision
+	decision   limit.Decision
 	refused    bool
 }
 
@@ -162,10 +130,10 @@ func (p placeholders) value(name string) (any, bool) {
 	case "zone":
 		return p.h.zoneValue, true
 	case "result":
-		return decisionValues[p.decision], true
+		return limit.DecisionValues[p.decision], true
 	case "limit_name":
 		if p.refused {
-			return p.limit.nameValue, true
+			return p.limit.NameValue, true
 		}
 		return emptyValue, true
 	case "key":
@@ -176,8 +144,8 @@ func (p placeholders) value(name string) (any, bool) {
 	}
 	switch name {
 	case "limit":
-		if p.limit.fixed {
-			return p.limit.burstValue, true
+		if p.limit.Fixed {
+			return p.limit.BurstValue, true
 		}
 		return p.burst, true
 	case "remaining":
@@ -196,19 +164,19 @@ const shadowLogEvery = 5 * time.Second
 // logShadowDenial logs at info level that shadow mode let a request pass
 // that enforcement would deny, at most once per key per shadowLogEvery
 // and ten times a second per handler.
-func (h *Handler) logShadowDenial(buckets []bucket, described int) {
+func (h *Handler) logShadowDenial(buckets []limit.Bucket, described int) {
 	b := &buckets[described]
-	if !h.shadowKeys.Allow(b.key, time.Now()) {
+	if !h.shadowKeys.Allow(b.Key, time.Now()) {
 		return
 	}
 	ok, suppressed := h.shadowLines.Allow()
 	if !ok {
 		return
 	}
-	fields := []zap.Field{zap.String("zone", h.Zone), zap.Int64("remaining", b.remaining),
-		zap.Int64("retry_after", ceilSeconds(retryAfter(buckets)))}
-	if b.limit.name != "" {
-		fields = append(fields, zap.String("limit", b.limit.name))
+	fields := []zap.Field{zap.String("zone", h.Zone), zap.Int64("remaining", b.Remaining),
+		zap.Int64("retry_after", ceilSeconds(limit.RetryAfter(buckets)))}
+	if b.Limit.Name != "" {
+		fields = append(fields, zap.String("limit", b.Limit.Name))
 	}
 	if h.LogKey {
 		fields = append(fields, zap.String("key", clientKey(b)))
@@ -219,6 +187,6 @@ func (h *Handler) logShadowDenial(buckets []bucket, described int) {
 
 // clientKey is the bucket's Redis key without what the limit puts around
 // the client key: as logs and {http.rate_limit.key} show it.
-func clientKey(b *bucket) string {
-	return b.key[len(b.limit.keyPrefix) : len(b.key)-len(b.limit.keySuffix)]
+func clientKey(b *limit.Bucket) string {
+	return b.Key[len(b.Limit.KeyPrefix) : len(b.Key)-len(b.Limit.KeySuffix)]
 }

@@ -6,6 +6,8 @@ import (
 	"sync"
 	"sync/atomic"
 	"time"
+
+	"github.com/caddy-redis/ratelimit/internal/limit"
 )
 
 // denyCacheSize bounds the deny cache of one handler: at most this many
@@ -49,7 +51,7 @@ const forgetShares = 64
 // Denials are answered from the cache until ask, at most until.
 type denial struct {
 	until, ask time.Time
-	values     limitValues
+	values     limit.Values
 	remaining  int64 // as Redis answered it (rememberedKind.cachedRemaining)
 }
 
@@ -61,27 +63,27 @@ func newDenyCache() *denyCache {
 // short, and then fills in what Redis would say of each such bucket now,
 // as its kind says (a token bucket has refilled since). The other
 // buckets are marked unknown.
-func (c *denyCache) answer(buckets []bucket, now time.Time) bool {
+func (c *denyCache) answer(buckets []limit.Bucket, now time.Time) bool {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	short := false
 	for i := range buckets {
-		d, ok := c.entries[buckets[i].key]
-		short = short || ok && d.values == buckets[i].values && now.Before(d.ask)
+		d, ok := c.entries[buckets[i].Key]
+		short = short || ok && d.values == buckets[i].Values && now.Before(d.ask)
 	}
 	if !short {
 		return false
 	}
 	for i := range buckets {
 		b := &buckets[i]
-		d, ok := c.entries[b.key]
-		r := b.remembered() // put remembers no other kind's refusal
-		if !ok || r == nil || d.values != b.values || !now.Before(d.ask) {
-			b.unknown = true
+		d, ok := c.entries[b.Key]
+		r := b.Remembered() // put remembers no other kind's refusal
+		if !ok || r == nil || d.values != b.Values || !now.Before(d.ask) {
+			b.Unknown = true
 			continue
 		}
-		b.retryAfter = d.until.Sub(now)
-		b.remaining = r.cachedRemaining(*b, d.remaining, b.retryAfter)
+		b.RetryAfter = d.until.Sub(now)
+		b.Remaining = r.CachedRemaining(*b, d.remaining, b.RetryAfter)
 	}
 	return true
 }
@@ -89,7 +91,7 @@ func (c *denyCache) answer(buckets []bucket, now time.Time) bool {
 // put records Redis's denial of a request sent at sent: each bucket that
 // was short stays so for its wait, unless it was forgotten since. The
 // script rounds waits up to the microsecond, hence one taken off.
-func (c *denyCache) put(buckets []bucket, sent time.Time) {
+func (c *denyCache) put(buckets []limit.Bucket, sent time.Time) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	if !c.forgottenAll.Before(sent) {
@@ -97,26 +99,26 @@ func (c *denyCache) put(buckets []bucket, sent time.Time) {
 	}
 	for i := range buckets {
 		b := &buckets[i]
-		r := b.remembered()
+		r := b.Remembered()
 		if r == nil {
 			continue
 		}
-		ttl := r.denialTTL(*b)
+		ttl := r.DenialTTL(*b)
 		if ttl <= 0 {
 			continue
 		}
-		if !c.forgotten[c.share(b.key)].Before(sent) {
+		if !c.forgotten[c.share(b.Key)].Before(sent) {
 			continue
 		}
 		if len(c.entries) >= denyCacheSize {
 			c.makeRoom(sent)
 		}
-		d := denial{until: sent.Add(ttl - time.Microsecond), values: b.values, remaining: b.remaining}
+		d := denial{until: sent.Add(ttl - time.Microsecond), values: b.Values, remaining: b.Remaining}
 		d.ask = d.until
 		if c.maxWait > 0 && ttl > c.maxWait {
 			d.ask = sent.Add(c.maxWait)
 		}
-		c.entries[b.key] = d
+		c.entries[b.Key] = d
 	}
 	c.held.Store(int64(len(c.entries)))
 }
@@ -182,56 +184,58 @@ func (c *denyCache) makeRoom(now time.Time) {
 // layer above that decides with calls of its own takes its place, and
 // asks them itself (takeRefusals).
 type denyLayer struct {
-	store      // below: asked what the cache cannot answer, and the rest
-	cache      *denyCache
-	perRequest bool // some limit's values come from the request
+	limit.Store // below: asked what the cache cannot answer, and the rest
+	cache       *denyCache
+	perRequest  bool // some limit's values come from the request
 }
 
 // The deny cache answers for the buckets in Redis, unless the Cluster
 // groups of a request's buckets are taken one by one (see useDenyCache).
 func init() {
-	registerLayer(storeConfig{order: 10, build: func(h *Handler, below store) store {
+	registerLayer(storeConfig{order: 10, build: func(h *Handler, below limit.Store) limit.Store {
 		if !h.useDenyCache || h.limiter == nil {
 			return below
 		}
-		return &denyLayer{store: below, cache: h.denied, perRequest: h.perRequest}
+		return &denyLayer{Store: below, cache: h.denied, perRequest: h.perRequest}
 	}})
 }
 
-func (d *denyLayer) refusalsKept() (store, refusals) { return d.store, d }
+func (d *denyLayer) RefusalsKept() (limit.Store, limit.Refusals) { return d.Store, d }
 
-func (d *denyLayer) answer(buckets []bucket, now time.Time) bool { return d.cache.answer(buckets, now) }
-func (d *denyLayer) answered(buckets []bucket, sent time.Time, allowed bool) {
+func (d *denyLayer) Answer(buckets []limit.Bucket, now time.Time) bool {
+	return d.cache.answer(buckets, now)
+}
+func (d *denyLayer) Answered(buckets []limit.Bucket, sent time.Time, allowed bool) {
 	d.cache.answered(buckets, sent, allowed, d.perRequest)
 }
 
 // mayRefuse and refuses make it the stack's refuser (refuserOf): it
 // decides first, from what it remembers.
-func (d *denyLayer) mayRefuse() bool { return d.cache.holdsAny() }
-func (d *denyLayer) refuses(now time.Time, buckets []bucket) bool {
+func (d *denyLayer) MayRefuse() bool { return d.cache.holdsAny() }
+func (d *denyLayer) Refuses(now time.Time, buckets []limit.Bucket) bool {
 	return d.cache.answer(buckets, now)
 }
 
-func (d *denyLayer) forget(key string)        { d.cache.forget(key) }
-func (d *denyLayer) forgetKeys(keys []string) { d.cache.forget(keys...) }
+func (d *denyLayer) Forget(key string)        { d.cache.forget(key) }
+func (d *denyLayer) ForgetKeys(keys []string) { d.cache.forget(keys...) }
 
 // keepAtMost sets maxWait.
-func (d *denyLayer) keepAtMost(wait time.Duration) { d.cache.maxWait = wait }
+func (d *denyLayer) KeepAtMost(wait time.Duration) { d.cache.maxWait = wait }
 
-func (d *denyLayer) take(ctx context.Context, r *call) (bool, error) {
-	if d.cache.answer(r.buckets, r.sent) {
+func (d *denyLayer) Take(ctx context.Context, r *limit.Call) (bool, error) {
+	if d.cache.answer(r.Buckets, r.Sent) {
 		return false, nil
 	}
-	allowed, err := d.store.take(ctx, r)
+	allowed, err := d.Store.Take(ctx, r)
 	if err == nil {
-		d.cache.answered(r.buckets, r.sent, allowed, d.perRequest)
+		d.cache.answered(r.Buckets, r.Sent, allowed, d.perRequest)
 	}
 	return allowed, err
 }
 
 // answered keeps what a store answered to a request sent at sent: its
 // refusal, or, when perRequest, that it was admitted.
-func (c *denyCache) answered(buckets []bucket, sent time.Time, allowed, perRequest bool) {
+func (c *denyCache) answered(buckets []limit.Bucket, sent time.Time, allowed, perRequest bool) {
 	switch {
 	case !allowed:
 		c.put(buckets, sent)
@@ -239,10 +243,10 @@ func (c *denyCache) answered(buckets []bucket, sent time.Time, allowed, perReque
 		// Admitted with other values than a cached denial's, say after a
 		// change of plan, the bucket refilled at another rate than that
 		// denial counted on.
-		var inline [maxInlineBuckets]string
+		var inline [limit.MaxInline]string
 		keys := inline[:0]
 		for i := range buckets {
-			keys = append(keys, buckets[i].key)
+			keys = append(keys, buckets[i].Key)
 		}
 		c.forget(keys...)
 	}

@@ -11,6 +11,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/caddy-redis/ratelimit/internal/limit"
 	"github.com/caddy-redis/ratelimit/internal/redistest"
 	"github.com/caddyserver/caddy/v2"
 	"github.com/redis/go-redis/v9"
@@ -61,7 +62,7 @@ func TestDenyCacheNeverDeniesWhatRedisWouldAdmit(t *testing.T) {
 		go func() {
 			defer wg.Done()
 			for time.Now().Before(deadline) {
-				key := h.limits[0].keyPrefix + "flood"
+				key := h.limits[0].KeyPrefix + "flood"
 				started := time.Now()
 				_, cached := cachedUntil(h.denied, key, started)
 				if status, _ := serve(context.Background(), h, "flood"); status == 200 {
@@ -202,12 +203,12 @@ func TestDenyCacheReportsTheBucketAsItIsNow(t *testing.T) {
 }
 
 // testValues are the values of the deny cache's unit tests.
-var testValues = limitValues{rate: 1, burst: 10, requested: 1}
+var testValues = limit.Values{Rate: 1, Burst: 10, Requested: 1}
 
 // putDenial records a denial of the one bucket at key (with testValues)
 // sent at sent, short for wait.
 func putDenial(c *denyCache, key string, sent time.Time, wait time.Duration) {
-	c.put([]bucket{{key: key, values: testValues, retryAfter: wait}}, sent)
+	c.put([]limit.Bucket{{Key: key, Values: testValues, RetryAfter: wait}}, sent)
 }
 
 // cachedUntil is until when c denies a request on the one bucket at key
@@ -216,7 +217,7 @@ func cachedUntil(c *denyCache, key string, now time.Time) (time.Time, bool) {
 	c.mu.Lock()
 	d, ok := c.entries[key]
 	c.mu.Unlock()
-	b := []bucket{{key: key, values: d.values}}
+	b := []limit.Bucket{{Key: key, Values: d.values}}
 	if !ok || !c.answer(b, now) {
 		return time.Time{}, false
 	}

@@ -4,6 +4,7 @@ import (
 	"testing"
 
 	"github.com/caddy-redis/ratelimit/internal/keys"
+	"github.com/caddy-redis/ratelimit/internal/limit"
 	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
 )
 
@@ -56,8 +57,8 @@ func FuzzParseReply(f *testing.F) {
 	f.Add(uint8(7), int64(-1), int64(-5), int64(-1))
 	f.Add(uint8(27), int64(1), int64(4), int64(0)) // two buckets, leasing
 	f.Fuzz(func(t *testing.T, shape uint8, a, b, c int64) {
-		buckets := make([]bucket, 1+int(shape/8)%2) // one bucket, or two
-		leasing := shape&16 != 0                    // then each bucket also lent b tokens
+		buckets := make([]limit.Bucket, 1+int(shape/8)%2) // one bucket, or two
+		leasing := shape&16 != 0                          // then each bucket also lent b tokens
 		var reply []int64
 		wellFormed := false
 		switch shape % 8 {
@@ -97,10 +98,10 @@ func FuzzParseReply(f *testing.F) {
 			t.Fatalf("reply %v: error %v; well-formed %v", reply, err, wellFormed)
 		}
 		for i, bk := range buckets {
-			if err == nil && shape%8 == 3 && (allowed != (a == 1) || bk.remaining != b || bk.retryAfter.Microseconds() != c || leasing && leased(i) != b) {
+			if err == nil && shape%8 == 3 && (allowed != (a == 1) || bk.Remaining != b || bk.RetryAfter.Microseconds() != c || leasing && leased(i) != b) {
 				t.Fatalf("reply %v read as %v %+v", reply, allowed, buckets)
 			}
-			if err == nil && (bk.remaining < 0 || bk.retryAfter < 0 || leasing && leased(i) < 0) {
+			if err == nil && (bk.Remaining < 0 || bk.RetryAfter < 0 || leasing && leased(i) < 0) {
 				t.Fatalf("reply %v read as negative counts %+v", reply, buckets)
 			}
 		}

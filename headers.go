@@ -6,6 +6,8 @@ import (
 	"sync/atomic"
 	"time"
 	"unsafe"
+
+	"github.com/caddy-redis/ratelimit/internal/limit"
 )
 
 // Header styles, as the `headers` subdirective names them.
@@ -43,7 +45,7 @@ type limitHeaders struct {
 // factTexts are a fixed limit's facts as the headers say them, but for
 // the time until it is back, which changes with every answer.
 type factTexts struct {
-	facts                  facts // reset and renewsAt zero
+	facts                  limit.Facts // reset and renewsAt zero
 	rate, burst, requested string
 	item                   string // its RateLimit-Policy item
 }
@@ -88,7 +90,7 @@ func (v *headerValues) count(n int64) string {
 	return unsafe.String(&text[0], len(text)) // digits is never written again
 }
 
-func newRateLimitHeaders(style string, limits []*limit) rateLimitHeaders {
+func newRateLimitHeaders(style string, limits []*limit.Limit) rateLimitHeaders {
 	rh := rateLimitHeaders{
 		spring: style == headersSpring || style == headersBoth,
 		ietf:   style == headersIETF || style == headersBoth,
@@ -97,8 +99,8 @@ func newRateLimitHeaders(style string, limits []*limit) rateLimitHeaders {
 	fixed := 0
 	for i, l := range limits {
 		lh := &rh.limits[i]
-		lh.quoted = strconv.Quote(l.ietfName)
-		if lh.fixed = l.fixed && !l.exempt; lh.fixed {
+		lh.quoted = strconv.Quote(l.IETFName)
+		if lh.fixed = l.Fixed && !l.Exempt; lh.fixed {
 			fixed++
 		}
 	}
@@ -112,17 +114,17 @@ func newRateLimitHeaders(style string, limits []*limit) rateLimitHeaders {
 // formatted by the first answer that says them, and again only when its
 // facts change (a calendar period's length); nil for a limit with values
 // per request, whose texts are formatted per response.
-func (rh *rateLimitHeaders) textsOf(b *bucket, f facts) *factTexts {
-	lh := &rh.limits[b.limit.index]
+func (rh *rateLimitHeaders) textsOf(b *limit.Bucket, f limit.Facts) *factTexts {
+	lh := &rh.limits[b.Limit.Index]
 	if !lh.fixed {
 		return nil
 	}
-	f.reset, f.renewsAt = 0, 0
+	f.Reset, f.RenewsAt = 0, 0
 	if t := lh.texts.Load(); t != nil && t.facts == f {
 		return t
 	}
-	t := &factTexts{facts: f, rate: strconv.FormatFloat(f.rate, 'f', -1, 64),
-		burst: strconv.FormatInt(f.burst, 10), requested: strconv.FormatInt(f.requested, 10),
+	t := &factTexts{facts: f, rate: strconv.FormatFloat(f.Rate, 'f', -1, 64),
+		burst: strconv.FormatInt(f.Burst, 10), requested: strconv.FormatInt(f.Requested, 10),
 		item: string(appendPolicyItem(nil, lh.quoted, f))}
 	lh.texts.Store(t)
 	return t
@@ -130,17 +132,17 @@ func (rh *rateLimitHeaders) textsOf(b *bucket, f facts) *factTexts {
 
 // appendPolicyItem appends a bucket's RateLimit-Policy item: its burst
 // as the policy's q, its window as w, or its unit as qu.
-func appendPolicyItem(policy []byte, quoted string, f facts) []byte {
+func appendPolicyItem(policy []byte, quoted string, f limit.Facts) []byte {
 	policy = append(policy, quoted...)
 	policy = append(policy, ";q="...)
-	policy = strconv.AppendInt(policy, f.burst, 10)
-	if f.unit != "" {
+	policy = strconv.AppendInt(policy, f.Burst, 10)
+	if f.Unit != "" {
 		policy = append(policy, `;qu="`...)
-		policy = append(policy, f.unit...)
+		policy = append(policy, f.Unit...)
 		return append(policy, '"')
 	}
 	policy = append(policy, ";w="...)
-	return strconv.AppendInt(policy, f.window, 10)
+	return strconv.AppendInt(policy, f.Window, 10)
 }
 
 // set writes the headers of a request whose buckets were consulted; the
@@ -148,13 +150,13 @@ func appendPolicyItem(policy []byte, quoted string, f facts) []byte {
 // when Redis failed, its retryAfter negative when it never refills
 // (burst_capacity 0). A denial (denied) gets Retry-After whatever the
 // style: whole seconds until every bucket holds its requested tokens.
-func (rh *rateLimitHeaders) set(hdr http.Header, buckets []bucket, described int, denied bool) {
+func (rh *rateLimitHeaders) set(hdr http.Header, buckets []limit.Bucket, described int, denied bool) {
 	if !rh.spring && !rh.ietf && !denied {
 		return
 	}
 	v := new(headerValues)
 	if denied {
-		v.put(hdr, "Retry-After", countText(ceilSeconds(retryAfter(buckets))))
+		v.put(hdr, "Retry-After", countText(ceilSeconds(limit.RetryAfter(buckets))))
 	}
 	if rh.spring {
 		rh.setSpring(hdr, v, &buckets[described])
@@ -166,24 +168,24 @@ func (rh *rateLimitHeaders) set(hdr http.Header, buckets []bucket, described int
 
 // setSpring writes the Spring set, which describes the bucket b as a
 // token bucket.
-func (rh *rateLimitHeaders) setSpring(hdr http.Header, v *headerValues, b *bucket) {
-	v.put(hdr, "X-Ratelimit-Remaining", v.count(b.remaining))
-	f := b.limit.kind.facts(*b)
+func (rh *rateLimitHeaders) setSpring(hdr http.Header, v *headerValues, b *limit.Bucket) {
+	v.put(hdr, "X-Ratelimit-Remaining", v.count(b.Remaining))
+	f := b.Limit.Kind.Facts(*b)
 	if t := rh.textsOf(b, f); t != nil {
 		v.put(hdr, "X-Ratelimit-Replenish-Rate", t.rate)
 		v.put(hdr, "X-Ratelimit-Burst-Capacity", t.burst)
 		v.put(hdr, "X-Ratelimit-Requested-Tokens", t.requested)
 		return
 	}
-	v.put(hdr, "X-Ratelimit-Replenish-Rate", strconv.FormatFloat(f.rate, 'f', -1, 64))
-	v.put(hdr, "X-Ratelimit-Burst-Capacity", countText(f.burst))
-	v.put(hdr, "X-Ratelimit-Requested-Tokens", countText(f.requested))
+	v.put(hdr, "X-Ratelimit-Replenish-Rate", strconv.FormatFloat(f.Rate, 'f', -1, 64))
+	v.put(hdr, "X-Ratelimit-Burst-Capacity", countText(f.Burst))
+	v.put(hdr, "X-Ratelimit-Requested-Tokens", countText(f.Requested))
 }
 
 // setIETF writes RateLimit and RateLimit-Policy. Out of set, so that
 // its buffers take no room on the stack of a request without them
 // (set's frame 512 -> 128 bytes; see warnFull).
-func (rh *rateLimitHeaders) setIETF(hdr http.Header, v *headerValues, buckets []bucket) {
+func (rh *rateLimitHeaders) setIETF(hdr http.Header, v *headerValues, buckets []limit.Bucket) {
 	// The IETF fields describe buckets; without an answer from Redis, or
 	// for a bucket that never refills, there is nothing true to say.
 	var stateBuf, policyBuf [128]byte
@@ -199,10 +201,10 @@ func (rh *rateLimitHeaders) setIETF(hdr http.Header, v *headerValues, buckets []
 	items := 0
 	for i := range buckets {
 		b := &buckets[i]
-		if b.remaining < 0 || b.retryAfter < 0 {
+		if b.Remaining < 0 || b.RetryAfter < 0 {
 			return // Redis failed, or a bucket never refills: nothing true to say
 		}
-		f := b.limit.kind.facts(*b)
+		f := b.Limit.Kind.Facts(*b)
 		if i > 0 {
 			policy = append(policy, ", "...)
 		}
@@ -212,25 +214,25 @@ func (rh *rateLimitHeaders) setIETF(hdr http.Header, v *headerValues, buckets []
 				whole = nil
 			}
 		} else {
-			policy = appendPolicyItem(policy, rh.limits[b.limit.index].quoted, f)
+			policy = appendPolicyItem(policy, rh.limits[b.Limit.Index].quoted, f)
 		}
-		if b.unknown { // a cached denial says nothing of this bucket's state
+		if b.Unknown { // a cached denial says nothing of this bucket's state
 			continue
 		}
 		if items > 0 {
 			state = append(state, ", "...)
 		}
 		items++
-		reset := f.reset
-		if f.renewsAt != 0 {
+		reset := f.Reset
+		if f.RenewsAt != 0 {
 			if now == 0 {
 				now = time.Now().UnixMicro()
 			}
-			reset = max(reset, time.Duration(f.renewsAt-now)*time.Microsecond)
+			reset = max(reset, time.Duration(f.RenewsAt-now)*time.Microsecond)
 		}
-		state = append(state, rh.limits[b.limit.index].quoted...)
+		state = append(state, rh.limits[b.Limit.Index].quoted...)
 		state = append(state, ";r="...)
-		state = strconv.AppendInt(state, b.remaining, 10)
+		state = strconv.AppendInt(state, b.Remaining, 10)
 		state = append(state, ";t="...)
 		state = strconv.AppendInt(state, ceilSeconds(reset), 10)
 	}
@@ -249,12 +251,12 @@ func (rh *rateLimitHeaders) setIETF(hdr http.Header, v *headerValues, buckets []
 
 // joinPolicy formats RateLimit-Policy of a request of every limit, each
 // with fixed values, from their texts, and keeps it (rh.policy).
-func (rh *rateLimitHeaders) joinPolicy(buckets []bucket) *wholePolicy {
+func (rh *rateLimitHeaders) joinPolicy(buckets []limit.Bucket) *wholePolicy {
 	whole := &wholePolicy{items: make([]*factTexts, len(buckets))}
 	var text []byte
 	for i := range buckets {
 		b := &buckets[i]
-		t := rh.textsOf(b, b.limit.kind.facts(*b))
+		t := rh.textsOf(b, b.Limit.Kind.Facts(*b))
 		if i > 0 {
 			text = append(text, ", "...)
 		}

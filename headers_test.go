@@ -9,6 +9,8 @@ import (
 	"sync"
 	"testing"
 	"time"
+
+	"github.com/caddy-redis/ratelimit/internal/limit"
 )
 
 func TestRateLimitHeadersByStyle(t *testing.T) {
@@ -61,9 +63,9 @@ func TestRateLimitHeadersByStyle(t *testing.T) {
 			spring("999999999", "1000000000", "1000000000", "1"), false},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			l := &limit{ietfName: "api", fixed: true, values: limitValues{tc.rate, tc.burst, tc.requested}, kind: tokenBucket{}}
-			rh := newRateLimitHeaders(tc.style, []*limit{l})
-			buckets := []bucket{{limit: l, values: l.values, remaining: tc.remaining, retryAfter: tc.next}}
+			l := &limit.Limit{IETFName: "api", Fixed: true, Values: limit.Values{Rate: tc.rate, Burst: tc.burst, Requested: tc.requested}, Kind: tokenBucket{}}
+			rh := newRateLimitHeaders(tc.style, []*limit.Limit{l})
+			buckets := []limit.Bucket{{Limit: l, Values: l.Values, Remaining: tc.remaining, RetryAfter: tc.next}}
 			got := http.Header{}
 			rh.set(got, buckets, 0, tc.denied)
 			if !reflect.DeepEqual(got, tc.want) {

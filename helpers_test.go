@@ -31,6 +31,7 @@ import (
 	"time"
 
 	"github.com/caddy-redis/ratelimit/internal/caddyproc"
+	"github.com/caddy-redis/ratelimit/internal/limit"
 	"github.com/caddy-redis/ratelimit/internal/redisbatch"
 	"github.com/caddy-redis/ratelimit/internal/testproc"
 	"github.com/caddyserver/caddy/v2"
@@ -337,7 +338,7 @@ func newTestLimiter(tb testing.TB, addr string, timeout time.Duration) *limiter 
 // limitArgs are the script's arguments, formatted as Provision formats
 // them.
 func limitArgs(rate float64, burst, requested int64) [3]any {
-	return limitValues{rate, burst, requested}.scriptArgs()
+	return bucketArgs(limit.Values{Rate: rate, Burst: burst, Requested: requested})
 }
 
 // takeResult is what one bucket answered.
@@ -349,9 +350,9 @@ type takeResult struct {
 
 // takeOne asks l to take from the one bucket at key.
 func takeOne(ctx context.Context, l *limiter, now time.Time, key string, args [3]any) (takeResult, error) {
-	b := []bucket{{key: key, args: args}}
+	b := []limit.Bucket{{Key: key, Args: args}}
 	allowed, err := l.take(ctx, now, b)
-	return takeResult{allowed, b[0].remaining, b[0].retryAfter}, err
+	return takeResult{allowed, b[0].Remaining, b[0].RetryAfter}, err
 }
 
 func mustTake(t *testing.T, l *limiter, key string, args [3]any) takeResult {
@@ -866,7 +867,7 @@ type scriptBucket struct {
 // (the burst may have gone down since the bucket was stored).
 func scriptRefill(b scriptBucket, now int64, rate float64, burst int64) float64 {
 	if !b.present || b.lent == 0 {
-		return refill(b.state(now, burst), now, limitValues{rate, burst, 1})
+		return refill(b.state(now, burst), now, limit.Values{Rate: rate, Burst: burst, Requested: 1})
 	}
 	t, from := b.tokens, min(b.at, now)
 	if b.until > from {
@@ -893,19 +894,19 @@ func scriptRefill(b scriptBucket, now int64, rate float64, burst int64) float64 
 // microseconds until the bucket holds requested tokens again (rounded
 // up; 0 when it holds them now).
 func scriptTake(b scriptBucket, now int64, rate float64, burst, requested int64) (after scriptBucket, allowed bool, remaining, wait int64) {
-	state, took, remaining, wait := takeBucket(b.state(now, burst), now, limitValues{rate, burst, requested}, true)
+	state, took, remaining, wait := takeBucket(b.state(now, burst), now, limit.Values{Rate: rate, Burst: burst, Requested: requested}, true)
 	if !took {
 		return b, false, remaining, wait
 	}
-	return scriptBucket{tokens: state.tokens, at: now, present: true}, true, remaining, wait
+	return scriptBucket{tokens: state.Tokens, at: now, present: true}, true, remaining, wait
 }
 
 // state is b as the memory store holds it: an absent bucket is full.
-func (b scriptBucket) state(now, burst int64) bucketState {
+func (b scriptBucket) state(now, burst int64) limit.State {
 	if !b.present {
-		return bucketState{tokens: float64(burst), at: now}
+		return limit.State{Tokens: float64(burst), At: now}
 	}
-	return bucketState{tokens: b.tokens, at: b.at}
+	return limit.State{Tokens: b.tokens, At: b.at}
 }
 
 // parseBucket reads a bucket's state from the reply to GET its key: the
@@ -981,12 +982,12 @@ func readmeExample(t *testing.T, title string) string {
 
 // decide decides buckets with h's stack of store and layers, as the
 // request path does, and leaves their answers in buckets.
-func decide(ctx context.Context, h *Handler, buckets []bucket) (bool, error) {
+func decide(ctx context.Context, h *Handler, buckets []limit.Bucket) (bool, error) {
 	r := acquireRequest()
 	defer r.free()
-	r.buckets = append(r.buckets, buckets...)
-	r.sent = time.Now()
-	allowed, err := h.store.take(ctx, &r.call)
-	copy(buckets, r.buckets)
+	r.Buckets = append(r.Buckets, buckets...)
+	r.Sent = time.Now()
+	allowed, err := h.store.Take(ctx, &r.Call)
+	copy(buckets, r.Buckets)
 	return allowed, err
 }

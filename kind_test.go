@@ -14,6 +14,8 @@ import (
 	"strconv"
 	"testing"
 	"time"
+
+	"github.com/caddy-redis/ratelimit/internal/limit"
 )
 
 // fixedWindow is a kind of limit (kind.go) known only to this test: at
@@ -34,29 +36,29 @@ type fixedWindow struct {
 }
 
 var (
-	_ kind             = fixedWindow{}
-	_ bucketArithmetic = fixedWindow{}
+	_ limit.Kind       = fixedWindow{}
+	_ limit.Arithmetic = fixedWindow{}
 )
 
-func (fixedWindow) burstName() string { return "count" }
+func (fixedWindow) BurstName() string { return "count" }
 
 // resolveValues reads the count from the burst and the cost; the rate,
 // which the Caddyfile requires of a token bucket, means nothing here.
-func (fixedWindow) resolveValues(_, count, requested string) (v limitValues, isUnlimited bool, err error) {
-	if count == unlimited {
+func (fixedWindow) ResolveValues(_, count, requested string) (v limit.Values, isUnlimited bool, err error) {
+	if count == limit.Unlimited {
 		return v, true, nil
 	}
-	if v.burst, err = strconv.ParseInt(count, 10, 64); err != nil || v.burst < 0 {
-		return v, false, badValue("count", count, "is not a whole number of at least 0")
+	if v.Burst, err = strconv.ParseInt(count, 10, 64); err != nil || v.Burst < 0 {
+		return v, false, limit.BadValue("count", count, "is not a whole number of at least 0")
 	}
-	v.requested = 1
+	v.Requested = 1
 	if requested != "" {
-		if v.requested, err = strconv.ParseInt(requested, 10, 64); err != nil || v.requested < 1 {
-			return v, false, badValue("requested_tokens", requested, "is not a whole number of at least 1")
+		if v.Requested, err = strconv.ParseInt(requested, 10, 64); err != nil || v.Requested < 1 {
+			return v, false, limit.BadValue("requested_tokens", requested, "is not a whole number of at least 1")
 		}
 	}
-	if v.burst > 0 && v.requested > v.burst {
-		return v, false, badValue("requested_tokens", requested, "is more than the count: no request could ever be admitted")
+	if v.Burst > 0 && v.Requested > v.Burst {
+		return v, false, limit.BadValue("requested_tokens", requested, "is more than the count: no request could ever be admitted")
 	}
 	return v, false, nil
 }
@@ -64,68 +66,70 @@ func (fixedWindow) resolveValues(_, count, requested string) (v limitValues, isU
 // The Redis side: none. (Provision and every request ask scriptArgs too,
 // but only a script call reads the arguments.)
 
-func (fixedWindow) scriptArgs(limitValues) [3]any         { return [3]any{} }
-func (fixedWindow) appendArgs(args []any, _ bucket) []any { return args }
-func (fixedWindow) replyWords() int                       { return 0 }
-func (fixedWindow) readReply(b bucket, _ []int64, _ int) (bucket, error) {
+func (fixedWindow) ScriptArgs(limit.Values) [3]any              { return [3]any{} }
+func (fixedWindow) AppendArgs(args []any, _ limit.Bucket) []any { return args }
+func (fixedWindow) ReplyWords() int                             { return 0 }
+func (fixedWindow) ReadReply(b limit.Bucket, _ []int64, _ int) (limit.Bucket, error) {
 	return b, fmt.Errorf("the fixed window of kind_test.go has no script")
 }
 
-func (fixedWindow) begin(b bucket, shared requestShared) (bucket, requestShared) { return b, shared }
+func (fixedWindow) Begin(b limit.Bucket, shared limit.Shared) (limit.Bucket, limit.Shared) {
+	return b, shared
+}
 
 // Its headers: the count, spread over the window as the replenish rate;
 // its RateLimit-Policy item has the window's seconds as w. RateLimit's t
 // is its wait, as a token bucket's: the end of the window once it has no
 // room, else 0.
-func (w fixedWindow) facts(b bucket) facts {
-	return facts{rate: float64(b.values.burst) / w.window.Seconds(), burst: b.values.burst, requested: b.values.requested,
-		window: int64(math.Ceil(w.window.Seconds())), reset: b.retryAfter}
+func (w fixedWindow) Facts(b limit.Bucket) limit.Facts {
+	return limit.Facts{Rate: float64(b.Values.Burst) / w.window.Seconds(), Burst: b.Values.Burst, Requested: b.Values.Requested,
+		Window: int64(math.Ceil(w.window.Seconds())), Reset: b.RetryAfter}
 }
 
-func (fixedWindow) refused(b bucket) bucket { return b }
+func (fixedWindow) Refused(b limit.Bucket) limit.Bucket { return b }
 
 // Its arithmetic in the memory store.
 
 // current is the bucket's window that holds t: the tokens used in it,
 // its start and its end. An absent bucket, or one past its end, starts a
 // window at t.
-func (w fixedWindow) current(state bucketState, ok bool, t int64) (used float64, start, end int64) {
-	if !ok || state.expires <= t {
+func (w fixedWindow) current(state limit.State, ok bool, t int64) (used float64, start, end int64) {
+	if !ok || state.Expires <= t {
 		return 0, t, t + w.window.Microseconds()
 	}
-	return state.tokens, state.at, state.expires
+	return state.Tokens, state.At, state.Expires
 }
 
-func (w fixedWindow) holds(state bucketState, ok bool, _ time.Time, t int64, b bucket) (bucket, bool) {
+func (w fixedWindow) Holds(state limit.State, ok bool, _ time.Time, t int64, b limit.Bucket) (limit.Bucket, bool) {
 	used, _, _ := w.current(state, ok, t)
-	return b, used+float64(b.values.requested) <= float64(b.values.burst)
+	return b, used+float64(b.Values.Requested) <= float64(b.Values.Burst)
 }
 
 // take counts the request's tokens in the window if it is allowed; the
 // bucket waits until the window's end when the window has no room for
 // another request. A denial stores nothing.
-func (w fixedWindow) take(state bucketState, ok bool, _ time.Time, t int64, b bucket, allowed bool) (bucket, bucketState, bool) {
+func (w fixedWindow) Take(state limit.State, ok bool, _ time.Time, t int64, b limit.Bucket, allowed bool) (limit.Bucket, limit.State, bool) {
 	used, start, end := w.current(state, ok, t)
 	if allowed {
-		used += float64(b.values.requested)
+		used += float64(b.Values.Requested)
 	}
-	b.remaining, b.retryAfter = max(0, b.values.burst-int64(used)), 0
-	if used+float64(b.values.requested) > float64(b.values.burst) {
-		b.retryAfter = time.Duration(end-t) * time.Microsecond
+	b.Remaining, b.RetryAfter = max(0, b.Values.Burst-int64(used)), 0
+	if used+float64(b.Values.Requested) > float64(b.Values.Burst) {
+		b.RetryAfter = time.Duration(end-t) * time.Microsecond
 	}
-	return b, bucketState{tokens: used, at: start, expires: end}, allowed
+	return b, limit.State{Tokens: used, At: start, Expires: end}, allowed
 }
 
 // peek is what is left of the count in the window, and the time until
 // the window ends; a bucket with no window now is full.
-func (w fixedWindow) peek(state bucketState, ok bool, _ time.Time, t int64, b bucket) bucketView {
+func (w fixedWindow) Peek(state limit.State, ok bool, _ time.Time, t int64, b limit.Bucket) limit.View {
 	used, _, end := w.current(state, ok, t)
-	view := bucketView{tokens: float64(b.values.burst) - used}
-	if ok && state.expires > t {
-		view.expiresIn = time.Duration(end-t) * time.Microsecond
+	view := limit.View{Tokens: float64(b.Values.Burst) - used}
+	if ok && state.Expires > t {
+		view.ExpiresIn = time.Duration(end-t) * time.Microsecond
 	}
-	if used+float64(b.values.requested) > float64(b.values.burst) {
-		view.wait = view.expiresIn
+	if used+float64(b.Values.Requested) > float64(b.Values.Burst) {
+		view.Wait = view.ExpiresIn
 	}
 	return view
 }
@@ -134,13 +138,13 @@ func (w fixedWindow) peek(state bucketState, ok bool, _ time.Time, t int64, b bu
 // and period; a bucket as the token bucket's view shows it, with no
 // replenish rate.
 
-func (w fixedWindow) limitInfo(l *limit) limitInfo {
-	li := l.limitInfo()
-	li.Count, li.Per = l.burst, w.window.String()
+func (w fixedWindow) LimitInfo(l *limit.Limit) limit.LimitInfo {
+	li := l.Info()
+	li.Count, li.Per = l.Burst, w.window.String()
 	return li
 }
 
-func (fixedWindow) bucketInfo(b bucket, v bucketView) bucketInfo { return tokenInfo(b, v) }
+func (fixedWindow) BucketInfo(b limit.Bucket, v limit.View) limit.BucketInfo { return tokenInfo(b, v) }
 
 // withKind gives h's only limit the kind k in place of the token bucket
 // that Provision chose, and redoes what Provision derived from the kind:
@@ -148,18 +152,18 @@ func (fixedWindow) bucketInfo(b bucket, v bucketView) bucketInfo { return tokenI
 // headers' fixed values (newRateLimitHeaders). What else Provision asks
 // of a kind is whether it is held while served, for h.holding and the
 // metrics: false for a token bucket, and k must say the same.
-func withKind(t *testing.T, h *Handler, k kind) {
+func withKind(t *testing.T, h *Handler, k limit.Kind) {
 	t.Helper()
-	if _, held := k.(heldKind); len(h.limits) != 1 || !h.limits[0].fixed || held {
+	if _, held := k.(limit.Held); len(h.limits) != 1 || !h.limits[0].Fixed || held {
 		t.Fatalf("withKind: want one limit with fixed values, and a kind not held while served")
 	}
 	l := h.limits[0]
-	l.setKind(k)
+	l.SetKind(k)
 	var err error
-	if l.values, l.exempt, err = k.resolveValues(string(l.rate), string(l.burst), string(l.cost)); err != nil {
+	if l.Values, l.Exempt, err = k.ResolveValues(string(l.Rate), string(l.Burst), string(l.Cost)); err != nil {
 		t.Fatalf("withKind: resolving the values: %v", err)
 	}
-	l.args, l.burstValue = k.scriptArgs(l.values), l.values.burst
+	l.Args, l.BurstValue = k.ScriptArgs(l.Values), l.Values.Burst
 	h.headers = newRateLimitHeaders(h.Headers, h.limits)
 }
 
@@ -190,7 +194,7 @@ func TestKindDefinedInATestRunsEndToEndThroughMemoryStore(t *testing.T) {
 
 	var zones []struct {
 		Zone   string
-		Limits []limitInfo
+		Limits []limit.LimitInfo
 	}
 	adminGet(t, "/rate_limit/zones", &zones)
 	listed := false
@@ -216,9 +220,9 @@ func TestKindDefinedInATestRunsEndToEndThroughMemoryStore(t *testing.T) {
 			"RateLimit-Policy":             `"` + zone + `";q=3;w=1`,
 		}
 	}
-	bucketOf := func(key string) (b bucketInfo) {
+	bucketOf := func(key string) (b limit.BucketInfo) {
 		t.Helper()
-		var got struct{ Buckets []bucketInfo }
+		var got struct{ Buckets []limit.BucketInfo }
 		adminGet(t, "/rate_limit/zones/"+zone+"/buckets?header.X-Key="+key, &got)
 		if len(got.Buckets) != 1 {
 			t.Fatalf("admin buckets of %s: %+v, want 1", key, got.Buckets)
@@ -230,7 +234,7 @@ func TestKindDefinedInATestRunsEndToEndThroughMemoryStore(t *testing.T) {
 	// slow that a second passed meanwhile, a new key tries again.
 	var key string
 	var answers []policyAnswer
-	var exhausted bucketInfo
+	var exhausted limit.BucketInfo
 	var firstDone time.Time
 	for attempt := 1; ; attempt++ {
 		key = "k" + strconv.Itoa(attempt)

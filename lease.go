@@ -11,6 +11,7 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/caddy-redis/ratelimit/internal/limit"
 	"github.com/caddy-redis/ratelimit/internal/redisbatch"
 	"github.com/caddyserver/caddy/v2"
 )
@@ -89,7 +90,7 @@ type leases struct {
 	done           chan struct{}
 	// refused are the refusals kept below the lease layer, which it asks
 	// and tells itself (set when the stack is built; noRefusals for none).
-	refused refusals
+	refused limit.Refusals
 }
 
 const leaseShards = 64
@@ -109,9 +110,9 @@ type leaseShard struct {
 
 // lease is this instance's lease on one bucket, and what sizes it.
 type lease struct {
-	record string      // the key of the bucket's lease record (leaseRecordKey)
-	values limitValues // of the last call: a request with other values asks Redis
-	tokens int64       // unused; each admits requests until the hold ends
+	record string       // the key of the bucket's lease record (leaseRecordKey)
+	values limit.Values // of the last call: a request with other values asks Redis
+	tokens int64        // unused; each admits requests until the hold ends
 	// renewAt is when a renewal starts: when the lease falls to half of
 	// what the last call lent, or sooner, to what the key's requests
 	// spend in four round trips (a renewal must land before the lease
@@ -165,12 +166,12 @@ type leaseFlight struct {
 	sent time.Time
 	// buckets are a renewal's own copies of its request's buckets (a
 	// request's call uses the request's).
-	buckets []bucket
+	buckets []limit.Bucket
 	// states are the lease states of the flight's buckets (register), in
 	// their order: in inline for up to maxInlineBuckets, within the
 	// flight's one allocation.
 	states []leaseState
-	inline [maxInlineBuckets]leaseState
+	inline [limit.MaxInline]leaseState
 }
 
 func newLeases(c *Lease, timeout time.Duration) *leases {
@@ -181,7 +182,7 @@ func newLeases(c *Lease, timeout time.Duration) *leases {
 	var id [8]byte
 	_, _ = rand.Read(id[:]) // never fails (crypto/rand)
 	ls := &leases{hold: hold, life: 2*hold + timeout, max: c.MaxTokens, id: hex.EncodeToString(id[:]),
-		seed: maphash.MakeSeed(), stop: make(chan struct{}), done: make(chan struct{}), refused: noRefusals{}}
+		seed: maphash.MakeSeed(), stop: make(chan struct{}), done: make(chan struct{}), refused: limit.NoRefusals{}}
 	ls.idArg, ls.lifeArg = ls.id, strconv.FormatInt(ls.life.Microseconds(), 10)
 	for i := range ls.shards {
 		ls.shards[i].byKey = make(map[string]*lease)
@@ -196,7 +197,7 @@ func newLeases(c *Lease, timeout time.Duration) *leases {
 func (h *Handler) provisionLeases(keyPrefix string) error {
 	if h.limiter.cluster != nil {
 		for _, l := range h.limits {
-			if probe := l.keyPrefix + "x" + l.keySuffix; redisbatch.Slot(leaseRecordKey(probe)) != redisbatch.Slot(probe) {
+			if probe := l.KeyPrefix + "x" + l.KeySuffix; redisbatch.Slot(leaseRecordKey(probe)) != redisbatch.Slot(probe) {
 				return fmt.Errorf("lease with key_prefix '%s': its braces keep a bucket's lease record out of the bucket's Redis Cluster hash slot; "+
 					"use a key_prefix without braces, or with a hash tag such as '{rl}:'", keyPrefix)
 			}
@@ -214,9 +215,9 @@ func (ls *leases) shardIndex(key string) int {
 func (ls *leases) get(key string) *lease { return ls.shards[ls.shardIndex(key)].byKey[key] }
 
 // lock locks the shards of the buckets (see lockShards).
-func (ls *leases) lock(buckets []bucket, shards []int) []int {
+func (ls *leases) lock(buckets []limit.Bucket, shards []int) []int {
 	for i := range buckets {
-		shards = append(shards, ls.shardIndex(buckets[i].key))
+		shards = append(shards, ls.shardIndex(buckets[i].Key))
 	}
 	return lockShards(ls.shards[:], shards)
 }
@@ -254,17 +255,17 @@ const (
 // admitted request's are its leases' reports then (see lease.reports),
 // by which a charged response settles in the lease it came from
 // (settleLeased); the others' are left as they are, 0.
-func (ls *leases) acquire(now time.Time, buckets []bucket, marks []int64, counted *bool, lead bool) (leaseOutcome, *leaseFlight) {
+func (ls *leases) acquire(now time.Time, buckets []limit.Bucket, marks []int64, counted *bool, lead bool) (leaseOutcome, *leaseFlight) {
 	// Each key is hashed once and its lease looked up once: the shards to
 	// lock, the sighting and the admission share them, where they took
 	// three hashes and two lookups (BenchmarkAdmitHot/lease, 8 runs of
 	// each build interleaved on a loaded machine: median 568 -> 348 ns).
-	var inlineHashes [maxInlineBuckets]uint64
-	var inlineShards [maxInlineBuckets]int
-	var inlineLeases [maxInlineBuckets]*lease
+	var inlineHashes [limit.MaxInline]uint64
+	var inlineShards [limit.MaxInline]int
+	var inlineLeases [limit.MaxInline]*lease
 	hashes, shards, leases := inlineHashes[:0], inlineShards[:0], inlineLeases[:0]
 	for i := range buckets {
-		hash := maphash.String(ls.seed, buckets[i].key)
+		hash := maphash.String(ls.seed, buckets[i].Key)
 		hashes, shards = append(hashes, hash), append(shards, int(hash%leaseShards))
 	}
 	shards = lockShards(ls.shards[:], shards)
@@ -277,14 +278,14 @@ func (ls *leases) acquire(now time.Time, buckets []bucket, marks []int64, counte
 		b := &buckets[i]
 		hash := hashes[i]
 		sh := &ls.shards[hash%leaseShards]
-		l := sh.byKey[b.key]
+		l := sh.byKey[b.Key]
 		leases = append(leases, l) // nil until hot; admit needs every one
 		if l == nil && first {
 			// A key without a lease: hot when seen before within a hold,
 			// and its lease is made, its rate counted from then.
 			if hot, since := ls.sight(sh, hash, now); hot {
-				l = &lease{record: leaseRecordKey(b.key), values: b.values, since: since}
-				sh.byKey[b.key], leases[i] = l, l
+				l = &lease{record: leaseRecordKey(b.Key), values: b.Values, since: since}
+				sh.byKey[b.Key], leases[i] = l, l
 			}
 		}
 		if l == nil {
@@ -297,7 +298,7 @@ func (ls *leases) acquire(now time.Time, buckets []bucket, marks []int64, counte
 		// !counted: picked for a give-back, which may hand back the tokens
 		// it keeps (see take), though a request sent before the hold
 		// ended comes here now.
-		if !l.counted || !now.Before(l.until) || l.values != b.values || l.tokens < b.values.requested {
+		if !l.counted || !now.Before(l.until) || l.values != b.Values || l.tokens < b.Values.Requested {
 			admit = false
 			if l.flight != nil {
 				wait = l.flight
@@ -311,18 +312,18 @@ func (ls *leases) acquire(now time.Time, buckets []bucket, marks []int64, counte
 		renew := false
 		for i := range buckets {
 			b, l := &buckets[i], leases[i]
-			l.tokens -= b.values.requested
+			l.tokens -= b.Values.Requested
 			if l.flight != nil {
-				l.spent += b.values.requested
+				l.spent += b.Values.Requested
 			}
 			marks[i] = l.reports
-			b.remaining, b.retryAfter = l.remaining+l.tokens, 0
+			b.Remaining, b.RetryAfter = l.remaining+l.tokens, 0
 			renew = renew || now.After(l.calm) && (l.tokens <= l.renewAt || !now.Before(l.renewBy))
 		}
 		if !renew || ls.closed.Load() || ls.inFlight(buckets) != nil {
 			return leaseAdmitted, nil
 		}
-		f := &leaseFlight{done: make(chan struct{}), sent: now, buckets: make([]bucket, len(buckets))}
+		f := &leaseFlight{done: make(chan struct{}), sent: now, buckets: make([]limit.Bucket, len(buckets))}
 		copy(f.buckets, buckets)
 		ls.register(now, f, f.buckets)
 		return leaseAdmitted, f
@@ -341,9 +342,9 @@ func (ls *leases) acquire(now time.Time, buckets []bucket, marks []int64, counte
 
 // inFlight is a flight in progress for one of the buckets, or nil. The
 // caller holds their shards locked.
-func (ls *leases) inFlight(buckets []bucket) *leaseFlight {
+func (ls *leases) inFlight(buckets []limit.Bucket) *leaseFlight {
 	for i := range buckets {
-		if l := ls.get(buckets[i].key); l != nil && l.flight != nil {
+		if l := ls.get(buckets[i].Key); l != nil && l.flight != nil {
 			return l.flight
 		}
 	}
@@ -354,22 +355,22 @@ func (ls *leases) inFlight(buckets []bucket) *leaseFlight {
 // and sets in f's states what its call reports and asks: the tokens the
 // lease holds unused, and the most it should hold after the call. The
 // caller holds the buckets' shards locked.
-func (ls *leases) register(now time.Time, f *leaseFlight, buckets []bucket) {
-	if len(buckets) <= maxInlineBuckets {
+func (ls *leases) register(now time.Time, f *leaseFlight, buckets []limit.Bucket) {
+	if len(buckets) <= limit.MaxInline {
 		f.states = f.inline[:len(buckets)]
 	} else {
 		f.states = make([]leaseState, len(buckets))
 	}
 	for i := range buckets {
 		b := &buckets[i]
-		l := ls.get(b.key)
+		l := ls.get(b.Key)
 		if l == nil {
-			l = &lease{record: leaseRecordKey(b.key), values: b.values}
-			ls.shards[ls.shardIndex(b.key)].byKey[b.key] = l
+			l = &lease{record: leaseRecordKey(b.Key), values: b.Values}
+			ls.shards[ls.shardIndex(b.Key)].byKey[b.Key] = l
 		}
 		l.flight, l.spent = f, 0
 		l.reports++
-		f.states[i] = leaseState{lease: l, held: l.tokens, want: min(ls.max, l.tokens+ls.grant(l, now, b.values.requested))}
+		f.states[i] = leaseState{lease: l, held: l.tokens, want: min(ls.max, l.tokens+ls.grant(l, now, b.Values.Requested))}
 	}
 }
 
@@ -383,8 +384,8 @@ func (ls *leases) register(now time.Time, f *leaseFlight, buckets []bucket) {
 // with err set too. Once the leases are closed, what they hold is
 // returned, for a give-back. A lease whose measured rate asked for
 // nothing, and that holds nothing, is forgotten: its key is cold again.
-func (ls *leases) land(f *leaseFlight, buckets []bucket, states []leaseState, now time.Time, err error) (back leaseReturns) {
-	var inline [maxInlineBuckets]int
+func (ls *leases) land(f *leaseFlight, buckets []limit.Bucket, states []leaseState, now time.Time, err error) (back leaseReturns) {
+	var inline [limit.MaxInline]int
 	shards := ls.lock(buckets, inline[:0])
 	defer ls.unlock(shards)
 	closed := ls.closed.Load() // under the locks: close's last give-back comes after
@@ -400,24 +401,24 @@ func (ls *leases) land(f *leaseFlight, buckets []bucket, states []leaseState, no
 			l.tokens = max(0, st.leased-l.spent)
 			rtt := now.Sub(f.sent)
 			l.rtt = max(rtt, (l.rtt+rtt)/2)
-			l.renewAt = max(max(0, st.leased-st.held)/2, int64(math.Ceil(4*l.rate*l.rtt.Seconds()))*b.values.requested)
+			l.renewAt = max(max(0, st.leased-st.held)/2, int64(math.Ceil(4*l.rate*l.rtt.Seconds()))*b.Values.Requested)
 			l.counted = st.leased > 0
 			l.until = f.sent.Add(ls.hold)
 			l.renewBy = l.until.Add(-max(ls.hold/4, 2*l.rtt))
-			l.remaining, l.values = b.remaining, b.values
-			b.remaining += l.tokens
+			l.remaining, l.values = b.Remaining, b.Values
+			b.Remaining += l.tokens
 		}
 		l.spent = 0
 		if closed && l.counted {
-			back.add(ls.giveBackBucket(b.key, l, false))
+			back.add(ls.giveBackBucket(b.Key, l, false))
 		}
 		if err == nil && st.leased == 0 && st.want == 0 && l.rated {
 			// Cooled: its rate asked for nothing and nothing is lent. Its
 			// requests go to Redis as without lease until it is hot again.
-			hash := maphash.String(ls.seed, b.key)
+			hash := maphash.String(ls.seed, b.Key)
 			sh := &ls.shards[hash%leaseShards]
-			if sh.byKey[b.key] == l {
-				delete(sh.byKey, b.key)
+			if sh.byKey[b.Key] == l {
+				delete(sh.byKey, b.Key)
 				ls.unsight(sh, hash)
 			}
 		}
@@ -428,8 +429,8 @@ func (ls *leases) land(f *leaseFlight, buckets []bucket, states []leaseState, no
 // finish ends a flight over the buckets it registered: they may fly
 // again, and the requests that waited for it try their leases again (or
 // share its error).
-func (ls *leases) finish(f *leaseFlight, buckets []bucket, err error) {
-	var inline [maxInlineBuckets]int
+func (ls *leases) finish(f *leaseFlight, buckets []limit.Bucket, err error) {
+	var inline [limit.MaxInline]int
 	shards := ls.lock(buckets, inline[:0])
 	for i := range f.states {
 		if l := f.states[i].lease; l != nil && l.flight == f {
@@ -446,8 +447,8 @@ func (ls *leases) finish(f *leaseFlight, buckets []bucket, err error) {
 // this instance. l keeps its tokens until its next call when keep is set
 // (see take), else they go at once. The caller holds the bucket's shard
 // locked.
-func (ls *leases) giveBackBucket(key string, l *lease, keep bool) (bucket, leaseState) {
-	b, st := bucket{key: key, values: l.values, args: l.values.scriptArgs()}, leaseState{lease: l, held: l.tokens}
+func (ls *leases) giveBackBucket(key string, l *lease, keep bool) (limit.Bucket, leaseState) {
+	b, st := limit.Bucket{Key: key, Values: l.values, Args: bucketArgs(l.values)}, leaseState{lease: l, held: l.tokens}
 	l.counted = false
 	if !keep {
 		l.tokens = 0

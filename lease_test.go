@@ -23,6 +23,7 @@ import (
 
 	"github.com/caddy-redis/ratelimit/internal/caddyproc"
 	"github.com/caddy-redis/ratelimit/internal/keys"
+	"github.com/caddy-redis/ratelimit/internal/limit"
 	"github.com/caddy-redis/ratelimit/internal/redisbatch"
 	"github.com/caddy-redis/ratelimit/internal/redistest"
 	"github.com/caddyserver/caddy/v2"
@@ -389,12 +390,12 @@ func TestLeaseWithStoreMemoryRefusedAtLoad(t *testing.T) {
 func TestLeaseTable(t *testing.T) {
 	const hold = 100 * time.Millisecond
 	ls := newLeases(&Lease{MaxTokens: 10, Hold: caddy.Duration(hold)}, time.Second)
-	v := limitValues{rate: 1, burst: 100, requested: 1}
+	v := limit.Values{Rate: 1, Burst: 100, Requested: 1}
 	t0 := time.Unix(1_000_000, 0)
-	ask := func(values limitValues, keys ...string) []bucket {
-		var bs []bucket
+	ask := func(values limit.Values, keys ...string) []limit.Bucket {
+		var bs []limit.Bucket
 		for _, k := range keys {
-			bs = append(bs, bucket{key: k, values: values})
+			bs = append(bs, limit.Bucket{Key: k, Values: values})
 		}
 		return bs
 	}
@@ -406,14 +407,14 @@ func TestLeaseTable(t *testing.T) {
 	}
 	// acq is acquire for a request trying for the first time (first), or
 	// again.
-	acq := func(now time.Time, bs []bucket, first, lead bool) (leaseOutcome, *leaseFlight) {
+	acq := func(now time.Time, bs []limit.Bucket, first, lead bool) (leaseOutcome, *leaseFlight) {
 		counted := !first
 		return ls.acquire(now, bs, make([]int64, len(bs)), &counted, lead)
 	}
-	answer := func(f *leaseFlight, bs []bucket, leased, remaining int64) {
+	answer := func(f *leaseFlight, bs []limit.Bucket, leased, remaining int64) {
 		t.Helper()
 		for i := range bs {
-			f.states[i].leased, bs[i].remaining = leased, remaining
+			f.states[i].leased, bs[i].Remaining = leased, remaining
 		}
 		if back := ls.land(f, bs, f.states, f.sent, nil); back.len() != 0 {
 			t.Fatalf("landing gave back %+v", back)
@@ -462,16 +463,16 @@ func TestLeaseTable(t *testing.T) {
 		t.Errorf("after 10 requests in 10ms: wants %d, want 10", f.states[0].want)
 	}
 	answer(f, a, 10, 88)
-	if a[0].remaining != 98 || held("a") != 10 {
-		t.Errorf("landed: remaining %d, held %d; want 88 + 10, 10", a[0].remaining, held("a"))
+	if a[0].Remaining != 98 || held("a") != 10 {
+		t.Errorf("landed: remaining %d, held %d; want 88 + 10, 10", a[0].Remaining, held("a"))
 	}
 
 	// Admitted within the hold (its end excluded), with its values only.
 	b := ask(v, "a")
-	if o, _ := acq(t1.Add(hold/2), b, true, false); o != leaseAdmitted || b[0].remaining != 97 || held("a") != 9 {
-		t.Fatalf("within the hold: %v remaining %d; want admitted with 88 + 9", o, b[0].remaining)
+	if o, _ := acq(t1.Add(hold/2), b, true, false); o != leaseAdmitted || b[0].Remaining != 97 || held("a") != 9 {
+		t.Fatalf("within the hold: %v remaining %d; want admitted with 88 + 9", o, b[0].Remaining)
 	}
-	if o, _ := acq(t1, ask(limitValues{rate: 1, burst: 100, requested: 2}, "a"), true, false); o != leaseMiss {
+	if o, _ := acq(t1, ask(limit.Values{Rate: 1, Burst: 100, Requested: 2}, "a"), true, false); o != leaseMiss {
 		t.Error("admitted a request with other values than the lease's")
 	}
 	if o, _ := acq(t1.Add(hold), ask(v, "a"), true, false); o != leaseMiss {
@@ -531,7 +532,7 @@ func TestLeaseTable(t *testing.T) {
 	ls.land(inFlightF, inFlight, inFlightF.states, t2.Add(hold), redisbatch.ErrBreakerOpen)
 	ls.finish(inFlightF, inFlight, redisbatch.ErrBreakerOpen)
 	back, _ := ls.take(t2.Add(hold), false)
-	if back.len() != 1 || back.buckets[0].key != "a" || back.states[0].held != 2 || ls.get("a").counted {
+	if back.len() != 1 || back.buckets[0].Key != "a" || back.states[0].held != 2 || ls.get("a").counted {
 		t.Fatalf("at the end of the hold gave back %+v; want bucket a, its 2", back)
 	}
 	// Kept for the lease's next call to report (its hold is over: none is
@@ -562,7 +563,7 @@ func TestLeaseTable(t *testing.T) {
 // round trip at once, fast ones lower it by halves.
 func TestLeaseRenewsSoonerWhenCallsAreSlow(t *testing.T) {
 	ls := newLeases(&Lease{MaxTokens: 32, Hold: caddy.Duration(100 * time.Millisecond)}, time.Second)
-	v := limitValues{rate: 1, burst: 1000, requested: 1}
+	v := limit.Values{Rate: 1, Burst: 1000, Requested: 1}
 	t0 := time.Unix(1_000_000, 0)
 	l := &lease{rate: 100, rated: true}
 	for _, tc := range []struct {
@@ -575,7 +576,7 @@ func TestLeaseRenewsSoonerWhenCallsAreSlow(t *testing.T) {
 		{time.Millisecond, 6, 26 * time.Millisecond},       // 13ms: 5.2 in four
 		{time.Millisecond, 5, 25 * time.Millisecond},       // 7ms: 2.8 in four, under half of the 10
 	} {
-		b := []bucket{{key: "k", values: v}}
+		b := []limit.Bucket{{Key: "k", Values: v}}
 		states := []leaseState{{lease: l, leased: 10}}
 		f := &leaseFlight{done: make(chan struct{}), sent: t0}
 		l.flight = f
@@ -1351,17 +1352,17 @@ func TestLeaseGiveBackReachesAnotherInstancesDenyCache(t *testing.T) {
 func TestLeaseDenyCacheLastsAtMostAHold(t *testing.T) {
 	c := newDenyCache()
 	c.maxWait = 100 * time.Millisecond
-	v := limitValues{rate: 0.01, burst: 10, requested: 1}
+	v := limit.Values{Rate: 0.01, Burst: 10, Requested: 1}
 	t0 := time.Unix(1_000_000, 0)
-	c.put([]bucket{{key: "long", values: v, retryAfter: 100 * time.Second}, {key: "short", values: v, retryAfter: 50 * time.Millisecond}}, t0)
-	long := []bucket{{key: "long", values: v}}
-	if !c.answer(long, t0.Add(99*time.Millisecond)) || long[0].retryAfter < 99*time.Second {
+	c.put([]limit.Bucket{{Key: "long", Values: v, RetryAfter: 100 * time.Second}, {Key: "short", Values: v, RetryAfter: 50 * time.Millisecond}}, t0)
+	long := []limit.Bucket{{Key: "long", Values: v}}
+	if !c.answer(long, t0.Add(99*time.Millisecond)) || long[0].RetryAfter < 99*time.Second {
 		t.Errorf("within the hold: %+v; want denied with the whole wait", long[0])
 	}
-	if c.answer([]bucket{{key: "long", values: v}}, t0.Add(100*time.Millisecond)) {
+	if c.answer([]limit.Bucket{{Key: "long", Values: v}}, t0.Add(100*time.Millisecond)) {
 		t.Error("a denial of 100 s cached past the hold of 100ms")
 	}
-	if c.answer([]bucket{{key: "short", values: v}}, t0.Add(50*time.Millisecond)) {
+	if c.answer([]limit.Bucket{{Key: "short", Values: v}}, t0.Add(50*time.Millisecond)) {
 		t.Error("a denial of 50ms cached past its wait")
 	}
 }

@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"time"
 
+	"github.com/caddy-redis/ratelimit/internal/limit"
 	"github.com/caddy-redis/ratelimit/internal/logs"
 	"github.com/caddy-redis/ratelimit/internal/redisbatch"
 	"go.uber.org/zap"
@@ -38,44 +39,44 @@ var (
 // own, not the store's below it: it takes the place of a layer below
 // that keeps refusals, and asks those itself (leases.refused).
 type leaseLayer struct {
-	store // below: its holds and peeks are the layer's
-	h     *Handler
+	limit.Store // below: its holds and peeks are the layer's
+	h           *Handler
 }
 
 // With lease, the leases decide first.
 func init() {
-	registerLayer(storeConfig{order: 20, build: func(h *Handler, below store) store {
+	registerLayer(storeConfig{order: 20, build: func(h *Handler, below limit.Store) limit.Store {
 		if h.leases == nil {
 			return below
 		}
-		below, h.leases.refused = takeRefusals(below)
+		below, h.leases.refused = limit.TakeRefusals(below)
 		// Leases given back or reported spent may refill a bucket sooner
 		// than its wait: a refusal is kept at most a hold.
-		h.leases.refused.keepAtMost(h.leases.hold)
-		return leaseLayer{store: below, h: h}
+		h.leases.refused.KeepAtMost(h.leases.hold)
+		return leaseLayer{Store: below, h: h}
 	}})
 }
 
 // settle settles in the leases first (settleLeased).
-func (l leaseLayer) settle(r *call, items []settling) {
-	l.h.settleLeased(r.buckets, r.layerMarks, items)
+func (l leaseLayer) Settle(r *limit.Call, items []limit.Settling) {
+	l.h.settleLeased(r.Buckets, r.LayerMarks, items)
 }
 
 // reset makes a bucket full less what its leases hold (deleting it would
 // drop its mark, and with it what is lent), after this instance's
 // refusals of it are forgotten.
-func (l leaseLayer) reset(ctx context.Context, b bucket) error {
-	l.h.leases.refused.forget(b.key)
+func (l leaseLayer) Reset(ctx context.Context, b limit.Bucket) error {
+	l.h.leases.refused.Forget(b.Key)
 	return l.h.leases.reset(ctx, l.h.limiter, b)
 }
 
-func (l leaseLayer) take(ctx context.Context, r *call) (bool, error) {
+func (l leaseLayer) Take(ctx context.Context, r *limit.Call) (bool, error) {
 	h := l.h
-	allowed, asked, err := h.checkLeased(ctx, r.sent, r.buckets, r.clearLayerMarks())
+	allowed, asked, err := h.checkLeased(ctx, r.Sent, r.Buckets, r.ClearLayerMarks())
 	if asked {
 		h.answeredByRedis(ctx, r, allowed, err)
 		if err == nil {
-			h.leases.refused.answered(r.buckets, r.sent, allowed)
+			h.leases.refused.Answered(r.Buckets, r.Sent, allowed)
 		}
 	}
 	return allowed, err
@@ -92,7 +93,7 @@ func (l leaseLayer) take(ctx context.Context, r *call) (bool, error) {
 // whose hash slots its buckets span, by lease.lua, which refunds the groups
 // before a refusal under that cap (giveback.lua would not know it).
 // marks are the request's (see acquire), all 0.
-func (h *Handler) checkLeased(clientCtx context.Context, sent time.Time, buckets []bucket, marks []int64) (allowed, asked bool, err error) {
+func (h *Handler) checkLeased(clientCtx context.Context, sent time.Time, buckets []limit.Bucket, marks []int64) (allowed, asked bool, err error) {
 	ls := h.leases
 	now, counted, lead := sent, false, false
 	for {
@@ -104,7 +105,7 @@ func (h *Handler) checkLeased(clientCtx context.Context, sent time.Time, buckets
 			}
 			return true, false, nil
 		case outcome == leaseCold && h.groups == nil:
-			if ls.refused.answer(buckets, sent) {
+			if ls.refused.Answer(buckets, sent) {
 				return false, false, nil
 			}
 			allowed, err = h.limiter.take(clientCtx, now, buckets)
@@ -120,7 +121,7 @@ func (h *Handler) checkLeased(clientCtx context.Context, sent time.Time, buckets
 			}
 			now, lead = time.Now(), false
 		case !lead:
-			if ls.refused.answer(buckets, sent) {
+			if ls.refused.Answer(buckets, sent) {
 				return false, false, nil
 			}
 			lead = true
@@ -138,7 +139,7 @@ func (h *Handler) checkLeased(clientCtx context.Context, sent time.Time, buckets
 // Cluster where the buckets span several slot groups, each group is a
 // call, in order, and when one refuses or fails, the groups before it get
 // back the request's tokens (their leases stay).
-func (h *Handler) leaseTake(clientCtx context.Context, sent time.Time, f *leaseFlight, buckets []bucket) (allowed bool, err error) {
+func (h *Handler) leaseTake(clientCtx context.Context, sent time.Time, f *leaseFlight, buckets []limit.Bucket) (allowed bool, err error) {
 	ls := h.leases
 	var back leaseReturns
 	if h.groups == nil {
@@ -160,10 +161,10 @@ func (h *Handler) leaseTake(clientCtx context.Context, sent time.Time, f *leaseF
 }
 
 // leaseTakeGroups is leaseTake over the slot groups of a Cluster.
-func (h *Handler) leaseTakeGroups(clientCtx context.Context, sent time.Time, f *leaseFlight, buckets []bucket) (allowed bool, err error, back leaseReturns) {
+func (h *Handler) leaseTakeGroups(clientCtx context.Context, sent time.Time, f *leaseFlight, buckets []limit.Bucket) (allowed bool, err error, back leaseReturns) {
 	ls := h.leases
-	var inline, given [maxInlineBuckets]bucket
-	var inlineStates, givenStates [maxInlineBuckets]leaseState
+	var inline, given [limit.MaxInline]limit.Bucket
+	var inlineStates, givenStates [limit.MaxInline]leaseState
 	taken, takenStates := given[:0], givenStates[:0]
 	ended := -1 // the group that refused or failed
 	for g := range h.groups {
@@ -175,8 +176,8 @@ func (h *Handler) leaseTakeGroups(clientCtx context.Context, sent time.Time, f *
 		back.addAll(ls.land(f, group, states, time.Now(), err))
 		j := 0
 		for i := range buckets {
-			if buckets[i].limit.group == g {
-				buckets[i].remaining, buckets[i].retryAfter = group[j].remaining, group[j].retryAfter
+			if buckets[i].Limit.Group == g {
+				buckets[i].Remaining, buckets[i].RetryAfter = group[j].Remaining, group[j].RetryAfter
 				j++
 			}
 		}
@@ -191,11 +192,11 @@ func (h *Handler) leaseTakeGroups(clientCtx context.Context, sent time.Time, f *
 	}
 	h.refundGroups(taken, takenStates)
 	for i := range buckets {
-		switch g := buckets[i].limit.group; {
+		switch g := buckets[i].Limit.Group; {
 		case g < ended:
-			buckets[i].remaining += buckets[i].values.requested // refunded
+			buckets[i].Remaining += buckets[i].Values.Requested // refunded
 		case g > ended:
-			buckets[i].unknown = true // never asked
+			buckets[i].Unknown = true // never asked
 		}
 	}
 	return false, err, back
@@ -203,9 +204,9 @@ func (h *Handler) leaseTakeGroups(clientCtx context.Context, sent time.Time, f *
 
 // groupOf appends to dst the buckets of slot group g, in order, and to
 // dstStates their states.
-func groupOf(buckets []bucket, states []leaseState, g int, dst []bucket, dstStates []leaseState) ([]bucket, []leaseState) {
+func groupOf(buckets []limit.Bucket, states []leaseState, g int, dst []limit.Bucket, dstStates []leaseState) ([]limit.Bucket, []leaseState) {
 	for i := range buckets {
-		if buckets[i].limit.group == g {
+		if buckets[i].Limit.Group == g {
 			dst, dstStates = append(dst, buckets[i]), append(dstStates, states[i])
 		}
 	}
@@ -216,10 +217,10 @@ func groupOf(buckets []bucket, states []leaseState, g int, dst []bucket, dstStat
 // call per group (one hash slot each), whether or not the client is still
 // there: the tokens must not stay taken. A failure is logged; those
 // buckets then stay short until they refill. states are taken's.
-func (h *Handler) refundGroups(taken []bucket, states []leaseState) {
+func (h *Handler) refundGroups(taken []limit.Bucket, states []leaseState) {
 	for start := 0; start < len(taken); {
 		end := start + 1
-		for end < len(taken) && taken[end].limit.group == taken[start].limit.group {
+		for end < len(taken) && taken[end].Limit.Group == taken[start].Limit.Group {
 			end++
 		}
 		if _, err := h.leases.call(context.Background(), h.limiter, time.Now(), leaseModeRefund, h.leases.seq.Add(1), taken[start:end], states[start:end]); err != nil {
@@ -243,8 +244,8 @@ func (h *Handler) renewLeases(f *leaseFlight) {
 		_, err = ls.call(context.Background(), h.limiter, f.sent, leaseModeRenew, ls.seq.Add(1), f.buckets, f.states)
 		back = ls.land(f, f.buckets, f.states, time.Now(), err)
 	} else {
-		var inline [maxInlineBuckets]bucket
-		var inlineStates [maxInlineBuckets]leaseState
+		var inline [limit.MaxInline]limit.Bucket
+		var inlineStates [limit.MaxInline]leaseState
 		for g := range h.groups {
 			group, states := groupOf(f.buckets, f.states, g, inline[:0], inlineStates[:0])
 			if len(group) == 0 {
@@ -278,11 +279,11 @@ func giveBackSeq(ls *leases, back leaseReturns) int64 {
 // leaseReturns are leases to give back: their buckets and lease states,
 // in order (states[i] is buckets[i]'s).
 type leaseReturns struct {
-	buckets []bucket
+	buckets []limit.Bucket
 	states  []leaseState
 }
 
-func (r *leaseReturns) add(b bucket, st leaseState) {
+func (r *leaseReturns) add(b limit.Bucket, st leaseState) {
 	r.buckets, r.states = append(r.buckets, b), append(r.states, st)
 }
 
@@ -313,9 +314,9 @@ func (h *Handler) giveBackLeases(back leaseReturns, seq int64) {
 		_, _ = h.leases.call(context.Background(), h.limiter, time.Now(), leaseModeGive, seq, chunk, back.states[start:end])
 		keys := make([]string, len(chunk))
 		for i := range chunk {
-			keys[i] = chunk[i].key
+			keys[i] = chunk[i].Key
 		}
-		h.leases.refused.forgetKeys(keys)
+		h.leases.refused.ForgetKeys(keys)
 	}
 }
 
@@ -349,13 +350,13 @@ func (ls *leases) close() {
 // reset; deleting it would drop its mark, and the plain script would then
 // refill it into lent tokens), and has every instance forget its cached
 // denials of it, as limiter.reset does.
-func (ls *leases) reset(ctx context.Context, l *limiter, b bucket) error {
-	b.args = b.values.scriptArgs()
-	states := []leaseState{{lease: &lease{record: leaseRecordKey(b.key)}}}
-	if _, err := ls.call(ctx, l, time.Now(), leaseModeReset, ls.seq.Add(1), []bucket{b}, states); err != nil {
+func (ls *leases) reset(ctx context.Context, l *limiter, b limit.Bucket) error {
+	b.Args = bucketArgs(b.Values)
+	states := []leaseState{{lease: &lease{record: leaseRecordKey(b.Key)}}}
+	if _, err := ls.call(ctx, l, time.Now(), leaseModeReset, ls.seq.Add(1), []limit.Bucket{b}, states); err != nil {
 		return err
 	}
-	return l.client.Publish(ctx, l.resets.Name(), b.key).Err()
+	return l.client.Publish(ctx, l.resets.Name(), b.Key).Err()
 }
 
 // warnGiveBack logs a failed refund, throttled.
@@ -373,16 +374,16 @@ func (h *Handler) warnGiveBack(err error) {
 // reads each bucket's answer: remaining and retryAfter into the bucket,
 // and into its state leased, what Redis counts as lent to this instance
 // now.
-func (ls *leases) call(clientCtx context.Context, l *limiter, sent time.Time, mode any, seq int64, buckets []bucket, states []leaseState) (allowed bool, err error) {
+func (ls *leases) call(clientCtx context.Context, l *limiter, sent time.Time, mode any, seq int64, buckets []limit.Bucket, states []leaseState) (allowed bool, err error) {
 	c := redisbatch.NewCall()
 	for i := range buckets {
-		c.Keys = append(c.Keys, buckets[i].key, states[i].lease.record)
+		c.Keys = append(c.Keys, buckets[i].Key, states[i].lease.record)
 	}
 	c.Command(leaseScript)
 	c.Args = append(c.Args, mode, ls.idArg, seq, ls.lifeArg)
 	for i := range buckets {
 		b, st := &buckets[i], &states[i]
-		c.Args = append(c.Args, b.args[0], b.args[1], b.args[2], st.held, st.want)
+		c.Args = append(c.Args, b.Args[0], b.Args[1], b.Args[2], st.held, st.want)
 	}
 	c, err = l.batcher.Send(clientCtx, sent, c)
 	if err == nil {
@@ -408,9 +409,9 @@ func (ls *leases) call(clientCtx context.Context, l *limiter, sent time.Time, mo
 // buckets may not. A request admitted from a lease settles in that lease
 // when it can (leases.settle), without a call; marks are the request's
 // (see acquire).
-func (h *Handler) settleLeased(buckets []bucket, marks []int64, items []settling) {
+func (h *Handler) settleLeased(buckets []limit.Bucket, marks []int64, items []limit.Settling) {
 	type settled struct {
-		limit                *limit
+		limit                *limit.Limit
 		key, record          string
 		rate, burst, maxDebt any
 		cost, reserved, diff int64
@@ -418,14 +419,14 @@ func (h *Handler) settleLeased(buckets []bucket, marks []int64, items []settling
 	parts := make([]settled, 0, len(items))
 	now := time.Now()
 	for _, it := range items {
-		b := &buckets[it.bucket]
-		if it.bucket < len(marks) && marks[it.bucket] != 0 && h.leases.settle(b, marks[it.bucket], it.diff, now) {
-			h.countCharged(b.limit, float64(it.cost), 0)
+		b := &buckets[it.Bucket]
+		if it.Bucket < len(marks) && marks[it.Bucket] != 0 && h.leases.settle(b, marks[it.Bucket], it.Diff, now) {
+			h.countCharged(b.Limit, float64(it.Cost), 0)
 			continue
 		}
-		parts = append(parts, settled{limit: b.limit, key: b.key, record: leaseRecordKey(b.key),
-			rate: b.args[0], burst: b.args[1], maxDebt: b.limit.charge.MaxDebtArg(b.values.burst, b.values.rate, b.args[1]),
-			cost: it.cost, reserved: b.values.requested, diff: it.diff})
+		parts = append(parts, settled{limit: b.Limit, key: b.Key, record: leaseRecordKey(b.Key),
+			rate: b.Args[0], burst: b.Args[1], maxDebt: b.Limit.Charge.MaxDebtArg(b.Values.Burst, b.Values.Rate, b.Args[1]),
+			cost: it.Cost, reserved: b.Values.Requested, diff: it.Diff})
 	}
 	if len(parts) == 0 {
 		return
@@ -448,7 +449,7 @@ func (h *Handler) settleLeased(buckets []bucket, marks []int64, items []settling
 				forgiven := float64(c.Reply[3])
 				h.countCharged(p.limit, float64(p.cost)-forgiven, forgiven)
 				if p.diff < 0 {
-					ls.refused.forget(p.key)
+					ls.refused.Forget(p.key)
 				}
 			}
 			if c != nil {
@@ -467,12 +468,12 @@ func (h *Handler) settleLeased(buckets []bucket, marks []int64, items []settling
 // lease would hold had the request not taken them), a larger one takes
 // the rest from the lease when it holds it. It reports whether it
 // settled; otherwise the settlement goes to Redis.
-func (ls *leases) settle(b *bucket, fromLease, diff int64, now time.Time) bool {
-	sh := &ls.shards[ls.shardIndex(b.key)]
+func (ls *leases) settle(b *limit.Bucket, fromLease, diff int64, now time.Time) bool {
+	sh := &ls.shards[ls.shardIndex(b.Key)]
 	sh.mu.Lock()
 	defer sh.mu.Unlock()
-	l := sh.byKey[b.key]
-	if l == nil || l.reports != fromLease || !l.counted || !now.Before(l.until) || l.values != b.values || l.tokens < diff || ls.closed.Load() {
+	l := sh.byKey[b.Key]
+	if l == nil || l.reports != fromLease || !l.counted || !now.Before(l.until) || l.values != b.Values || l.tokens < diff || ls.closed.Load() {
 		return false
 	}
 	l.tokens -= diff

@@ -13,6 +13,7 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/caddy-redis/ratelimit/internal/limit"
 	"github.com/caddy-redis/ratelimit/internal/redisbatch"
 	"github.com/caddy-redis/ratelimit/internal/redisresets"
 	"github.com/caddyserver/caddy/v2"
@@ -303,7 +304,7 @@ func (l *limiter) partsQueued() bool {
 // and fills in each bucket's answer. The answer comes within the timeout
 // from now. A call whose client has left (clientCtx done) by the time its
 // batch goes out is not sent, so it takes no tokens.
-func (l *limiter) take(clientCtx context.Context, now time.Time, buckets []bucket) (allowed bool, err error) {
+func (l *limiter) take(clientCtx context.Context, now time.Time, buckets []limit.Bucket) (allowed bool, err error) {
 	c, err := l.call(clientCtx, now, takeScript, buckets)
 	if err == nil {
 		allowed, err = readTake(c.Reply, buckets, false)
@@ -316,7 +317,7 @@ func (l *limiter) take(clientCtx context.Context, now time.Time, buckets []bucke
 
 // giveBack returns each bucket's requested tokens, which the request took
 // before a later group of its buckets refused.
-func (l *limiter) giveBack(clientCtx context.Context, now time.Time, buckets []bucket) error {
+func (l *limiter) giveBack(clientCtx context.Context, now time.Time, buckets []limit.Bucket) error {
 	c, err := l.call(clientCtx, now, giveBackScript, buckets)
 	if c != nil {
 		c.Release()
@@ -328,36 +329,23 @@ func (l *limiter) giveBack(clientCtx context.Context, now time.Time, buckets []b
 // the batcher and returns the answered call, for the caller to read and
 // release; nil when the timeout ran out first (the worker releases it
 // then).
-func (l *limiter) call(clientCtx context.Context, now time.Time, script *redisbatch.Script, buckets []bucket) (*redisbatch.Call, error) {
+func (l *limiter) call(clientCtx context.Context, now time.Time, script *redisbatch.Script, buckets []limit.Bucket) (*redisbatch.Call, error) {
 	c := redisbatch.NewCall()
 	for i := range buckets {
-		c.Keys = append(c.Keys, buckets[i].key)
+		c.Keys = append(c.Keys, buckets[i].Key)
 	}
 	c.Command(script)
 	for i := range buckets {
-		c.Args = buckets[i].kind().appendArgs(c.Args, buckets[i])
+		c.Args = buckets[i].Kind().AppendArgs(c.Args, buckets[i])
 	}
 	return l.batcher.Send(clientCtx, now, c)
-}
-
-// bucketView is what a bucket holds now, for the admin API.
-type bucketView struct {
-	tokens    float64
-	wait      time.Duration // until it holds the requested tokens
-	expiresIn time.Duration // until its key expires; 0 for none (full)
-	lent      int64         // what it lent to instances ahead, by its mark; 0 for none
-	// inUse and expiries are, of a kind held while served, how many
-	// requests hold it now, and when each hold expires unless renewed,
-	// soonest first (none for those in the process, which do not expire).
-	inUse    int64
-	expiries []time.Duration
 }
 
 // peek reads buckets without changing them, with a read-only script
 // (EVAL_RO; EVAL of the same script on Redis 6.2, which has no EVAL_RO),
 // one bucket per call: on a Cluster they may live on different masters.
-func (l *limiter) peek(ctx context.Context, buckets []bucket) ([]bucketView, error) {
-	views := make([]bucketView, len(buckets))
+func (l *limiter) peek(ctx context.Context, buckets []limit.Bucket) ([]limit.View, error) {
+	views := make([]limit.View, len(buckets))
 	for i := range buckets {
 		reply, err := l.peekOne(ctx, buckets[i])
 		if err != nil {
@@ -374,9 +362,9 @@ func (l *limiter) peek(ctx context.Context, buckets []bucket) ([]bucketView, err
 		if err != nil || !ok1 || !ok2 || !ok3 {
 			return nil, fmt.Errorf("unexpected peek reply %v", reply)
 		}
-		views[i] = bucketView{tokens: tokens, wait: time.Duration(wait) * time.Microsecond, lent: lent}
+		views[i] = limit.View{Tokens: tokens, Wait: time.Duration(wait) * time.Microsecond, Lent: lent}
 		if pttl > 0 {
-			views[i].expiresIn = time.Duration(pttl) * time.Millisecond
+			views[i].ExpiresIn = time.Duration(pttl) * time.Millisecond
 		}
 	}
 	return views, nil
@@ -385,8 +373,8 @@ func (l *limiter) peek(ctx context.Context, buckets []bucket) ([]bucketView, err
 // peekOne runs peek.lua on one bucket: with EVAL_RO until the server
 // says it has no such command, then with EVAL, which runs the script (it
 // writes nothing) as well.
-func (l *limiter) peekOne(ctx context.Context, b bucket) ([]any, error) {
-	keys, args := []string{b.key}, b.kind().appendArgs(nil, b)
+func (l *limiter) peekOne(ctx context.Context, b limit.Bucket) ([]any, error) {
+	keys, args := []string{b.Key}, b.Kind().AppendArgs(nil, b)
 	if !l.noEvalRO.Load() {
 		reply, err := l.client.EvalRO(ctx, peekSource, keys, args...).Slice()
 		if err == nil || !isUnknownCommand(err) {
@@ -429,7 +417,7 @@ const maxRetryMicros = max(2*maxFillSeconds*1_000_000, 2*int64(maxPeriod/time.Mi
 // replyWords (a calendar period counted in)}, into the buckets. A kind's
 // words that decide nothing are its kindError (readReply). Anything else
 // is no answer at all: never read as a denial.
-func readTake(reply []int64, buckets []bucket, layerWords bool) (allowed bool, err error) {
+func readTake(reply []int64, buckets []limit.Bucket, layerWords bool) (allowed bool, err error) {
 	n := len(buckets)
 	want := 1 + 2*n
 	if layerWords {
@@ -437,15 +425,15 @@ func readTake(reply []int64, buckets []bucket, layerWords bool) (allowed bool, e
 	}
 	kindWords := want
 	for i := range buckets {
-		want += buckets[i].kind().replyWords()
+		want += buckets[i].Kind().ReplyWords()
 	}
 	if len(reply) != want || reply[0]>>1 != 0 {
 		return false, fmt.Errorf("unexpected script reply %v", reply)
 	}
 	for i := range buckets {
-		k := buckets[i].kind()
-		if words := k.replyWords(); words > 0 {
-			if buckets[i], err = k.readReply(buckets[i], reply, kindWords); err != nil {
+		k := buckets[i].Kind()
+		if words := k.ReplyWords(); words > 0 {
+			if buckets[i], err = k.ReadReply(buckets[i], reply, kindWords); err != nil {
 				return false, err
 			}
 			kindWords += words
@@ -461,7 +449,7 @@ func readTake(reply []int64, buckets []bucket, layerWords bool) (allowed bool, e
 		if remaining < 0 || wait < 0 || wait > maxRetryMicros {
 			return false, fmt.Errorf("unexpected script reply %v", reply)
 		}
-		buckets[i].remaining, buckets[i].retryAfter = remaining, time.Duration(wait)*time.Microsecond
+		buckets[i].Remaining, buckets[i].RetryAfter = remaining, time.Duration(wait)*time.Microsecond
 	}
 	return reply[0] == 1, nil
 }

@@ -9,6 +9,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/caddy-redis/ratelimit/internal/limit"
 	"github.com/caddy-redis/ratelimit/internal/redisbatch"
 	"github.com/caddy-redis/ratelimit/internal/redistest"
 	"github.com/caddyserver/caddy/v2"
@@ -219,9 +220,9 @@ func TestScriptBatchKeepsResultsApart(t *testing.T) {
 		if c.Err != nil {
 			continue
 		}
-		b := []bucket{{}}
+		b := []limit.Bucket{{}}
 		allowed, err := readTake(c.Reply, b, false)
-		if err != nil || allowed != want[i].allowed || b[0].remaining != want[i].remaining {
+		if err != nil || allowed != want[i].allowed || b[0].Remaining != want[i].remaining {
 			t.Fatalf("call %d: reply %v (%v), want %+v", i, c.Reply, err, want[i])
 		}
 	}
@@ -364,7 +365,7 @@ func TestBucketStoredInTheFutureRefillsFromNow(t *testing.T) {
 		t.Fatal(err)
 	}
 	ahead := now.Add(time.Minute).UnixMicro()
-	if err := rdb.Set(ctx, h.limits[0].keyPrefix+"skewed", "0 "+strconv.FormatInt(ahead, 10), time.Hour).Err(); err != nil {
+	if err := rdb.Set(ctx, h.limits[0].KeyPrefix+"skewed", "0 "+strconv.FormatInt(ahead, 10), time.Hour).Err(); err != nil {
 		t.Fatal(err)
 	}
 	status, header := serve(ctx, h, "skewed")

@@ -11,6 +11,7 @@ import (
 	"time"
 
 	"github.com/caddy-redis/ratelimit/internal/keys"
+	"github.com/caddy-redis/ratelimit/internal/limit"
 	"github.com/caddy-redis/ratelimit/internal/logs"
 	"github.com/caddyserver/caddy/v2"
 	"go.uber.org/zap"
@@ -53,27 +54,14 @@ type memoryShard struct {
 	// request's, so needed a copy of the key per take
 	// (BenchmarkServeHTTPMemory 4 -> 3 allocs; a bucket then costs 82 B of
 	// heap instead of 79: TestMemoryStoreHeapPerBucket).
-	buckets map[string]*bucketState
+	buckets map[string]*limit.State
 	_       [48]byte // a cache line of its own: 64 bytes in all
-}
-
-// bucketState is a bucket's state: the tokens it held at a time, and
-// when it would be full again, in microseconds of the store's clock.
-type bucketState struct {
-	tokens      float64
-	at, expires int64
 }
 
 // errMemoryFull refuses a request whose bucket would be new while the
 // store holds max_keys live buckets: no live bucket is dropped to make
 // room, which would hand its client a full bucket.
 var errMemoryFull = errors.New("the in-memory store holds max_keys buckets; a new client's request " + followsFallback)
-
-// clockStart makes the store's clock monotonic: microseconds since the
-// process started, unmoved by changes of the wall clock.
-var clockStart = time.Now()
-
-func memoryNow(t time.Time) int64 { return int64(t.Sub(clockStart) / time.Microsecond) }
 
 // memoryStores holds the stores in use by name, so that handlers of one
 // zone share buckets, also across config reloads.
@@ -112,7 +100,7 @@ func (s *memoryStore) release() error {
 
 // With store memory, the handler's buckets are in the process's memory.
 func init() {
-	registerStore(storeConfig{order: 0, build: func(h *Handler, below store) store {
+	registerStore(storeConfig{order: 0, build: func(h *Handler, below limit.Store) limit.Store {
 		if h.memory == nil {
 			return below
 		}
@@ -127,7 +115,7 @@ func newMemoryStore(name, keyPrefix, zone string) *memoryStore {
 	s := &memoryStore{seed: maphash.MakeSeed(), stop: make(chan struct{}), name: name,
 		plainPrefix: keyPrefix + zone + keys.Separator, namedPrefix: keyPrefix + "{" + zone}
 	for i := range s.shards {
-		s.shards[i].buckets = make(map[string]*bucketState)
+		s.shards[i].buckets = make(map[string]*limit.State)
 	}
 	go s.sweepEvery(memorySweepEvery)
 	return s
@@ -166,26 +154,26 @@ func (s *memoryStore) storedKey(key string) string {
 // one is made at that last time. Counting from the earlier time, as the
 // script does when its server's clock went back, would count the time
 // in between twice, and admit more than burst + rate*T.
-func (s *memoryStore) takeTokens(now time.Time, buckets []bucket) (bool, error) {
+func (s *memoryStore) takeTokens(now time.Time, buckets []limit.Bucket) (bool, error) {
 	return s.decideTokens(now, buckets, true)
 }
 
 // decideTokens is takeTokens, which takes nothing when take is false and
 // every bucket holds its tokens (allowed then says only that they do):
 // a refusal is made as a take makes it.
-func (s *memoryStore) decideTokens(now time.Time, buckets []bucket, take bool) (bool, error) {
-	var inlineKeys [maxInlineBuckets]string
-	var inlineShards, inlineLocked [maxInlineBuckets]int
-	var inlineStates [maxInlineBuckets]*bucketState
+func (s *memoryStore) decideTokens(now time.Time, buckets []limit.Bucket, take bool) (bool, error) {
+	var inlineKeys [limit.MaxInline]string
+	var inlineShards, inlineLocked [limit.MaxInline]int
+	var inlineStates [limit.MaxInline]*limit.State
 	keys, shards, states := inlineKeys[:0], inlineShards[:0], inlineStates[:0]
 	for i := range buckets {
-		key := s.storedKey(buckets[i].key)
+		key := s.storedKey(buckets[i].Key)
 		keys, shards = append(keys, key), append(shards, s.shardIndex(key))
 	}
 	locked := lockShards(s.shards[:], append(inlineLocked[:0], shards...))
 	defer s.unlock(locked)
 
-	t := memoryNow(now)
+	t := limit.Micros(now)
 	allowed, absent := true, 0
 	for i := range buckets {
 		b := &buckets[i]
@@ -196,7 +184,7 @@ func (s *memoryStore) decideTokens(now time.Time, buckets []bucket, take bool) (
 		states = append(states, state)
 		st, ok := held(state)
 		var holds bool
-		*b, holds = b.arithmetic().holds(st, ok, now, t, *b) // asked of every bucket: a kind may set what the take needs here
+		*b, holds = b.Arithmetic().Holds(st, ok, now, t, *b) // asked of every bucket: a kind may set what the take needs here
 		allowed = allowed && holds
 	}
 	if allowed && !take {
@@ -217,9 +205,9 @@ func (s *memoryStore) decideTokens(now time.Time, buckets []bucket, take bool) (
 	for i := range buckets {
 		b := &buckets[i]
 		state, ok := held(states[i])
-		var after bucketState
+		var after limit.State
 		var store bool
-		if *b, after, store = b.arithmetic().take(state, ok, now, t, *b, allowed); store {
+		if *b, after, store = b.Arithmetic().Take(state, ok, now, t, *b, allowed); store {
 			s.put(shards[i], keys[i], states[i], after)
 		}
 	}
@@ -228,9 +216,9 @@ func (s *memoryStore) decideTokens(now time.Time, buckets []bucket, take bool) (
 
 // held is the state of a bucket the store holds (nil for none), and
 // whether there is one.
-func held(b *bucketState) (bucketState, bool) {
+func held(b *limit.State) (limit.State, bool) {
 	if b == nil {
-		return bucketState{}, false
+		return limit.State{}, false
 	}
 	return *b, true
 }
@@ -239,9 +227,9 @@ func held(b *bucketState) (bucketState, bool) {
 // else as a new entry under a copy of the stored key, so that the map
 // never keeps the request's (larger) key alive. The caller holds the
 // shard locked.
-func (s *memoryStore) put(shard int, key string, held *bucketState, state bucketState) {
+func (s *memoryStore) put(shard int, key string, held *limit.State, state limit.State) {
 	if held == nil {
-		held = new(bucketState)
+		held = new(limit.State)
 		s.shards[shard].buckets[strings.Clone(key)] = held
 	}
 	*held = state
@@ -263,17 +251,17 @@ func (s *memoryStore) reserve(n int) bool {
 }
 
 // peek reads a bucket without changing it, for the admin API.
-func (s *memoryStore) peek(now time.Time, b bucket) bucketView {
-	key := s.storedKey(b.key)
+func (s *memoryStore) peek(now time.Time, b limit.Bucket) limit.View {
+	key := s.storedKey(b.Key)
 	sh := s.shard(key)
 	sh.mu.Lock()
-	var state bucketState
+	var state limit.State
 	stored := sh.buckets[key]
 	if stored != nil {
 		state = *stored
 	}
 	sh.mu.Unlock()
-	return b.arithmetic().peek(state, stored != nil, now, memoryNow(now), b)
+	return b.Arithmetic().Peek(state, stored != nil, now, limit.Micros(now), b)
 }
 
 // reset forgets buckets, which makes them full, and frees what
@@ -358,7 +346,7 @@ func (s *memoryStore) sweep() {
 	for i := range s.shards {
 		sh := &s.shards[i]
 		sh.mu.Lock()
-		s.sweepShards([]int{i}, memoryNow(time.Now()))
+		s.sweepShards([]int{i}, limit.Micros(time.Now()))
 		sh.mu.Unlock()
 	}
 }
@@ -372,7 +360,7 @@ func (s *memoryStore) sweep() {
 func (s *memoryStore) sweepShards(shards []int, t int64) {
 	for _, i := range shards {
 		for key, b := range s.shards[i].buckets {
-			if b.expires <= t {
+			if b.Expires <= t {
 				delete(s.shards[i].buckets, key)
 				s.live.Add(-1)
 			}
@@ -383,7 +371,7 @@ func (s *memoryStore) sweepShards(shards []int, t int64) {
 // storeFor is s as h's store: where h takes, settles, holds, peeks and
 // resets its buckets. own says it is the handler's store (store memory),
 // which warns when it is full; a layer's buckets do not.
-func (s *memoryStore) storeFor(h *Handler, own bool) store {
+func (s *memoryStore) storeFor(h *Handler, own bool) limit.Store {
 	return inProcess{h: h, s: s, warnsFull: own}
 }
 
@@ -396,8 +384,8 @@ type inProcess struct {
 	warnsFull bool
 }
 
-func (p inProcess) take(_ context.Context, r *call) (bool, error) {
-	allowed, err := p.s.takeInProcess(r.sent, r.buckets)
+func (p inProcess) Take(_ context.Context, r *limit.Call) (bool, error) {
+	allowed, err := p.s.takeInProcess(r.Sent, r.Buckets)
 	if err == errMemoryFull && p.warnsFull {
 		p.h.warnFull() // also when the client left: the store is full all the same
 	}
@@ -414,23 +402,25 @@ func (h *Handler) warnFull() {
 
 // mayRefuse and refuses make it its stack's refuser (refuserOf): its
 // buckets are in the process, where a refusal costs no call.
-func (p inProcess) mayRefuse() bool { return true }
-func (p inProcess) refuses(now time.Time, buckets []bucket) bool {
+func (p inProcess) MayRefuse() bool { return true }
+func (p inProcess) Refuses(now time.Time, buckets []limit.Bucket) bool {
 	return p.s.refusesInProcess(now, buckets)
 }
 
-func (p inProcess) settle(r *call, items []settling) { p.h.settleInProcess(p.s, r.buckets, items) }
+func (p inProcess) Settle(r *limit.Call, items []limit.Settling) {
+	p.h.settleInProcess(p.s, r.Buckets, items)
+}
 
 // peek reads a bucket held while served as what requests hold of it
 // (peekHeld).
-func (p inProcess) peek(_ context.Context, b bucket) (bucketView, error) {
-	if b.heldWhileServed() {
-		return p.s.peekHeld(b.key), nil
+func (p inProcess) Peek(_ context.Context, b limit.Bucket) (limit.View, error) {
+	if b.HeldWhileServed() {
+		return p.s.peekHeld(b.Key), nil
 	}
 	return p.s.peek(time.Now(), b), nil
 }
-func (p inProcess) reset(_ context.Context, b bucket) error {
-	p.s.reset([]string{b.key})
+func (p inProcess) Reset(_ context.Context, b limit.Bucket) error {
+	p.s.reset([]string{b.Key})
 	return nil
 }
 
@@ -438,22 +428,22 @@ func (p inProcess) reset(_ context.Context, b bucket) error {
 // layer's while the handler's store fails), at once: no I/O. A bucket that is gone
 // (swept) is full, as an expired key; one that a take would bring back
 // while the store is full cannot be, and its settlement is lost.
-func (h *Handler) settleInProcess(s *memoryStore, buckets []bucket, items []settling) {
-	var inlineKeys [maxInlineBuckets]string
-	var inlineShards [maxInlineBuckets]int
+func (h *Handler) settleInProcess(s *memoryStore, buckets []limit.Bucket, items []limit.Settling) {
+	var inlineKeys [limit.MaxInline]string
+	var inlineShards [limit.MaxInline]int
 	keys := inlineKeys[:0]
 	for _, it := range items {
-		keys = append(keys, s.storedKey(buckets[it.bucket].key))
+		keys = append(keys, s.storedKey(buckets[it.Bucket].Key))
 	}
 	shards := s.lock(keys, inlineShards[:0])
 	defer s.unlock(shards)
-	t := memoryNow(time.Now())
+	t := limit.Micros(time.Now())
 	for i, it := range items {
-		b := &buckets[it.bucket]
+		b := &buckets[it.Bucket]
 		shard := s.shardIndex(keys[i])
 		stored := s.shards[shard].buckets[keys[i]]
 		state, ok := held(stored)
-		after, store, charged, forgiven := b.charged().settleHeld(state, ok, t, *b, it.diff, it.cost, b.limit.charge.MaxDebt(b.values.burst, b.values.rate))
+		after, store, charged, forgiven := b.Charged().SettleHeld(state, ok, t, *b, it.Diff, it.Cost, b.Limit.Charge.MaxDebt(b.Values.Burst, b.Values.Rate))
 		switch {
 		case !store:
 		case !ok && !s.reserve(1):
@@ -462,6 +452,6 @@ func (h *Handler) settleInProcess(s *memoryStore, buckets []bucket, items []sett
 		default:
 			s.put(shard, keys[i], stored, after)
 		}
-		h.countCharged(b.limit, charged, forgiven)
+		h.countCharged(b.Limit, charged, forgiven)
 	}
 }

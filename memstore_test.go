@@ -21,6 +21,7 @@ import (
 	"time"
 	"unsafe"
 
+	"github.com/caddy-redis/ratelimit/internal/limit"
 	"github.com/caddy-redis/ratelimit/internal/testproc"
 	"github.com/caddyserver/caddy/v2"
 	"go.uber.org/zap/zapcore"
@@ -47,14 +48,14 @@ func storedBuckets(tb testing.TB, s *memoryStore) int {
 }
 
 // storedBucket is the state s holds for the bucket whose key is key.
-func storedBucket(s *memoryStore, key string) (bucketState, bool) {
+func storedBucket(s *memoryStore, key string) (limit.State, bool) {
 	stored := s.storedKey(key)
 	sh := s.shard(stored)
 	sh.mu.Lock()
 	defer sh.mu.Unlock()
 	b, ok := sh.buckets[stored]
 	if !ok {
-		return bucketState{}, false
+		return limit.State{}, false
 	}
 	return *b, true
 }
@@ -71,12 +72,12 @@ func sweepAt(s *memoryStore, t int64) {
 }
 
 // storeTime is the wall time of store time t, for take.
-func storeTime(t int64) time.Time { return clockStart.Add(time.Duration(t) * time.Microsecond) }
+func storeTime(t int64) time.Time { return limit.ClockStart.Add(time.Duration(t) * time.Microsecond) }
 
 // keyOf is the key of client's bucket for h's limit i, as the handler
 // builds it for a key template of one plain placeholder.
 func keyOf(h *Handler, i int, client string) string {
-	return h.limits[i].keyPrefix + client + h.limits[i].keySuffix
+	return h.limits[i].KeyPrefix + client + h.limits[i].KeySuffix
 }
 
 // serveHeaders sends one request through h with the given request
@@ -324,11 +325,11 @@ func TestMemoryStoreForgetsABucketOnceItWouldBeFullAgain(t *testing.T) {
 	if !ok1 || !ok2 {
 		t.Fatalf("buckets present: fay %v, sam %v", ok1, ok2)
 	}
-	if got := fay.expires - fay.at; got != 1_000_000 {
+	if got := fay.Expires - fay.At; got != 1_000_000 {
 		t.Errorf("fay's bucket expires %d µs after its last take, want 1 s", got)
 	}
 	// (less the refill during the five requests, in whole milliseconds)
-	if got := sam.expires - sam.at; got > 5_000_000 || got < 4_900_000 {
+	if got := sam.Expires - sam.At; got > 5_000_000 || got < 4_900_000 {
 		t.Errorf("sam's bucket expires %d µs after its last take, want 5 s", got)
 	}
 
@@ -340,27 +341,27 @@ func TestMemoryStoreForgetsABucketOnceItWouldBeFullAgain(t *testing.T) {
 	}
 	// A request on a bucket past its expiry, not yet swept, finds it full
 	// (as an expired Redis key) and takes no second place in the count.
-	var b = []bucket{{key: fayKey, values: fast.limits[0].values}}
-	if allowed, err := s.takeTokens(storeTime(fay.expires), b); !allowed || err != nil || b[0].remaining != 9 {
-		t.Fatalf("take on fay's expired bucket: %v %v remaining %d, want allowed with 9", allowed, err, b[0].remaining)
+	var b = []limit.Bucket{{Key: fayKey, Values: fast.limits[0].Values}}
+	if allowed, err := s.takeTokens(storeTime(fay.Expires), b); !allowed || err != nil || b[0].Remaining != 9 {
+		t.Fatalf("take on fay's expired bucket: %v %v remaining %d, want allowed with 9", allowed, err, b[0].Remaining)
 	}
 	if n := storedBuckets(t, s); n != 2 {
 		t.Fatalf("after a take on an expired bucket the store holds %d, want 2", n)
 	}
 	fay, _ = storedBucket(s, fayKey)
 
-	sweepAt(s, fay.expires-1)
+	sweepAt(s, fay.Expires-1)
 	if n := storedBuckets(t, s); n != 2 {
 		t.Fatalf("a sweep just before fay's bucket is full left %d buckets, want 2", n)
 	}
-	sweepAt(s, fay.expires)
+	sweepAt(s, fay.Expires)
 	if _, ok := storedBucket(s, fayKey); ok {
 		t.Error("fay's bucket, full again, was not forgotten")
 	}
 	if _, ok := storedBucket(s, samKey); !ok || storedBuckets(t, s) != 1 {
 		t.Fatal("sam's bucket, not full yet, was forgotten")
 	}
-	sweepAt(s, sam.expires)
+	sweepAt(s, sam.Expires)
 	if n := storedBuckets(t, s); n != 0 {
 		t.Fatalf("once both are full again the store holds %d buckets, want 0", n)
 	}
@@ -409,7 +410,7 @@ func TestMemoryStoreMaxKeysSendsNewClientsToOnErrorWithoutDroppingLiveBuckets(t 
 		var last int64
 		for _, k := range []string{"ann", "ben", "cal"} {
 			b, _ := storedBucket(h.memory, keyOf(h, 0, k))
-			last = max(last, b.expires)
+			last = max(last, b.Expires)
 		}
 		sweepAt(h.memory, last)
 		for _, k := range []string{"dan", "eve", "fin"} {
@@ -630,7 +631,7 @@ limit tenant 0.01 3 {
 		}
 		for i := range 2 {
 			if _, ok := storedBucket(h.memory, keyOf(h, i, "cat")); ok {
-				t.Errorf("a refused request stored cat's bucket of limit %s", h.limits[i].name)
+				t.Errorf("a refused request stored cat's bucket of limit %s", h.limits[i].Name)
 			}
 		}
 		if n := storedBuckets(t, h.memory); n != 5 { // ann's and bob's small and big, and the tenant's
@@ -760,9 +761,9 @@ func TestMemoryStoreHeapPerBucket(t *testing.T) {
 	repl := caddy.NewReplacer()
 	key := func(i int) string {
 		repl.Set("http.vars.client_ip", ipv4Key(i))
-		return l.template.ReplacerKey(repl, l.keyPrefix, l.keySuffix)
+		return l.Template.ReplacerKey(repl, l.KeyPrefix, l.KeySuffix)
 	}
-	if k, want := key(1), l.keyPrefix+"10.0.0.1"; k != want {
+	if k, want := key(1), l.KeyPrefix+"10.0.0.1"; k != want {
 		t.Fatalf("key %q, want %q", k, want)
 	}
 
@@ -774,12 +775,12 @@ func TestMemoryStoreHeapPerBucket(t *testing.T) {
 	runtime.GC()
 	runtime.ReadMemStats(&before)
 	now := time.Now()
-	b := make([]bucket, 1)
+	b := make([]limit.Bucket, 1)
 	var inserted time.Duration
 	for pass := range 2 {
 		start := time.Now()
 		for i := range n {
-			b[0] = bucket{key: key(i), values: l.values}
+			b[0] = limit.Bucket{Key: key(i), Values: l.Values}
 			if allowed, err := s.takeTokens(now.Add(time.Duration(pass)*time.Millisecond), b); !allowed || err != nil {
 				t.Fatalf("pass %d, bucket %d: allowed %v, %v", pass+1, i, allowed, err)
 			}
@@ -805,7 +806,7 @@ func TestMemoryStoreHeapPerBucket(t *testing.T) {
 		t.Fatalf("a sweep before any bucket is full forgot %d", n-got)
 	}
 	start = time.Now()
-	sweepAt(s, memoryNow(now)+10_001_000_000) // an empty bucket is full again in 10,000 s
+	sweepAt(s, limit.Micros(now)+10_001_000_000) // an empty bucket is full again in 10,000 s
 	sweepAll := time.Since(start)
 	if got := storedBuckets(t, s); got != 0 {
 		t.Fatalf("a sweep after every bucket is full left %d", got)
@@ -833,12 +834,12 @@ func TestMemoryStoreTakesOutOfClockOrderKeepTheBound(t *testing.T) {
 	// requests can reach a bucket out of their clocks' order. Over [t0,
 	// t0+2s] a bucket of burst 10 at 1/s admits at most 12.
 	h := memoryHandler(t, "1 10", "zone morder\nkey {http.request.header.X-Key}")
-	s, v, key := h.memory, h.limits[0].values, keyOf(h, 0, "olga")
-	t0 := memoryNow(time.Now())
+	s, v, key := h.memory, h.limits[0].Values, keyOf(h, 0, "olga")
+	t0 := limit.Micros(time.Now())
 	admitted, lastAt := 0, int64(0)
 	take := func(at int64) {
 		t.Helper()
-		b := []bucket{{key: key, values: v}}
+		b := []limit.Bucket{{Key: key, Values: v}}
 		allowed, err := s.takeTokens(storeTime(at), b)
 		if err != nil {
 			t.Fatal(err)
@@ -847,10 +848,10 @@ func TestMemoryStoreTakesOutOfClockOrderKeepTheBound(t *testing.T) {
 			admitted++
 		}
 		state, _ := storedBucket(s, key)
-		if state.at < lastAt {
-			t.Errorf("the bucket's time went back from %d to %d", lastAt, state.at)
+		if state.At < lastAt {
+			t.Errorf("the bucket's time went back from %d to %d", lastAt, state.At)
 		}
-		lastAt = state.at
+		lastAt = state.At
 	}
 	for range 10 {
 		take(t0)

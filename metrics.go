@@ -4,6 +4,7 @@ import (
 	"errors"
 	"sync"
 
+	"github.com/caddy-redis/ratelimit/internal/limit"
 	"github.com/prometheus/client_golang/prometheus"
 )
 
@@ -28,7 +29,7 @@ type zoneMetrics struct {
 	// requests by decision, then by the limit that refused: index 0 for
 	// none (an admitted request, or a handler without `limits`), i+1 for
 	// the handler's limit i.
-	requests      [numDecisions][]prometheus.Counter
+	requests      [limit.NumDecisions][]prometheus.Counter
 	redisDuration prometheus.Observer
 	// By limit index, for the limits that charge by the response.
 	charged, forgiven []prometheus.Counter
@@ -43,13 +44,13 @@ var metricParts []metricPart
 // registry, and zone, which gives a zone's handler its series of it.
 type metricPart struct {
 	collector prometheus.Collector
-	zone      func(zone string, limits []*limit)
+	zone      func(zone string, limits []*limit.Limit)
 }
 
 // registerMetrics adds a part's collector (from its file's init).
 func registerMetrics(p metricPart) { metricParts = append(metricParts, p) }
 
-func newZoneMetrics(registry prometheus.Registerer, zone string, limits []*limit) (*zoneMetrics, error) {
+func newZoneMetrics(registry prometheus.Registerer, zone string, limits []*limit.Limit) (*zoneMetrics, error) {
 	collectors.once.Do(func() {
 		const ns, sub = "caddy", "rate_limit"
 		collectors.requests = prometheus.NewCounterVec(prometheus.CounterOpts{
@@ -99,16 +100,16 @@ func newZoneMetrics(registry prometheus.Registerer, zone string, limits []*limit
 	for _, p := range metricParts {
 		p.zone(zone, limits)
 	}
-	for d := range numDecisions {
+	for d := range limit.NumDecisions {
 		m.requests[d] = []prometheus.Counter{collectors.requests.WithLabelValues(zone, d.String(), "")}
-		if d != decisionDenied && d != decisionShadowDenied && d != decisionFallbackDenied {
+		if d != limit.DecisionDenied && d != limit.DecisionShadowDenied && d != limit.DecisionFallbackDenied {
 			continue
 		}
 		for _, l := range limits {
-			if l.name == "" {
+			if l.Name == "" {
 				m.requests[d] = append(m.requests[d], m.requests[d][0])
 			} else {
-				m.requests[d] = append(m.requests[d], collectors.requests.WithLabelValues(zone, d.String(), l.name))
+				m.requests[d] = append(m.requests[d], collectors.requests.WithLabelValues(zone, d.String(), l.Name))
 			}
 		}
 	}

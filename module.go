@@ -8,6 +8,7 @@ import (
 	"net/http"
 	"time"
 
+	"github.com/caddy-redis/ratelimit/internal/limit"
 	"github.com/caddy-redis/ratelimit/internal/logs"
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
@@ -272,7 +273,7 @@ type Handler struct {
 	Redis *RedisConfig `json:"redis,omitempty"`
 
 	logger        *zap.Logger
-	store         store          // the stack that decides requests (buildStore)
+	store         limit.Store    // the stack that decides requests (buildStore)
 	memory        *memoryStore   // with store memory: the buckets
 	local         *memoryStore   // with on_error local: the buckets while Redis fails
 	limiter       *limiter       // nil when no limit ever asks Redis
@@ -284,11 +285,11 @@ type Handler struct {
 	steps         []step         // what an admitted request registers for after its response (steps.go)
 	chargeWeights bool           // some charge json weight has placeholders (charge.go)
 	limiterKey    string
-	limits        []*limit
-	groups        [][]*limit // on Cluster, limits by hash slot, when they span several
-	useDenyCache  bool       // see takeGroups
-	perRequest    bool       // some limit's values come from the request
-	holding       bool       // some limit is held while a request is served (heldKind)
+	limits        []*limit.Limit
+	groups        [][]*limit.Limit // on Cluster, limits by hash slot, when they span several
+	useDenyCache  bool             // see takeGroups
+	perRequest    bool             // some limit's values come from the request
+	holding       bool             // some limit is held while a request is served (heldKind)
 	denyEmpty     bool
 	failOpen      bool
 	headers       rateLimitHeaders
@@ -352,7 +353,7 @@ func (h *Handler) Provision(ctx caddy.Context) (err error) {
 		return err
 	}
 	for _, l := range h.limits {
-		h.holding = h.holding || l.held != nil
+		h.holding = h.holding || l.Held != nil
 	}
 	if h.holding { // after the charge's step: a charge is settled before slots are given back
 		h.addStep(holdStep{h})
@@ -366,7 +367,7 @@ func (h *Handler) Provision(ctx caddy.Context) (err error) {
 	h.denied = newDenyCache()
 	h.useDenyCache = true
 	for _, l := range h.limits {
-		h.perRequest = h.perRequest || !l.fixed
+		h.perRequest = h.perRequest || !l.Fixed
 	}
 	h.redisWarns = &logs.Throttle{Every: 10 * time.Second}
 	h.fullWarns = &logs.Throttle{Every: 10 * time.Second}

@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"time"
 
+	"github.com/caddy-redis/ratelimit/internal/limit"
 	"github.com/caddy-redis/ratelimit/internal/logs"
 	"go.uber.org/zap"
 )
@@ -36,15 +37,15 @@ func (h *Handler) fallbackDefault() {
 // client left is not decided: it ends with 499. A request decided
 // without its buckets is marked failed, and keeps err, the cause.
 type onErrorLayer struct {
-	store    // below: asked first
-	h        *Handler
-	local    store // on_error local: the buckets in the process while Redis fails
-	failOpen bool  // on_error allow
+	limit.Store // below: asked first
+	h           *Handler
+	local       limit.Store // on_error local: the buckets in the process while Redis fails
+	failOpen    bool        // on_error allow
 }
 
 // withFallback puts the on_error layer over the handler's store.
-func (h *Handler) withFallback(below store) store {
-	e := &onErrorLayer{store: below, h: h, failOpen: h.failOpen}
+func (h *Handler) withFallback(below limit.Store) limit.Store {
+	e := &onErrorLayer{Store: below, h: h, failOpen: h.failOpen}
 	if h.local != nil {
 		e.local = h.local.storeFor(h, false)
 	}
@@ -53,65 +54,65 @@ func (h *Handler) withFallback(below store) store {
 
 // on_error tops every stack: it decides what the stack below could not.
 func init() {
-	registerLayer(storeConfig{order: 100, build: func(h *Handler, below store) store { return h.withFallback(below) }})
+	registerLayer(storeConfig{order: 100, build: func(h *Handler, below limit.Store) limit.Store { return h.withFallback(below) }})
 }
 
-func (e *onErrorLayer) take(ctx context.Context, r *call) (bool, error) {
-	allowed, err := e.store.take(ctx, r)
+func (e *onErrorLayer) Take(ctx context.Context, r *limit.Call) (bool, error) {
+	allowed, err := e.Store.Take(ctx, r)
 	if err == nil || ctx.Err() != nil {
 		return allowed, err
 	}
 	if e.local != nil {
-		for i := range r.buckets {
-			r.buckets[i].unknown = false // a Cluster group that failed left them so; every bucket answers here
+		for i := range r.Buckets {
+			r.Buckets[i].Unknown = false // a Cluster group that failed left them so; every bucket answers here
 		}
-		r.sent = time.Now() // the local take is as at now, after Redis failed
-		allowed, err := e.local.take(ctx, r)
+		r.Sent = time.Now() // the local take is as at now, after Redis failed
+		allowed, err := e.local.Take(ctx, r)
 		if err != nil { // full: as on_error allow
-			r.fail(decisionFailedAllowed)
+			r.Fail(limit.DecisionFailedAllowed)
 			return true, nil
 		}
-		r.admitted, r.refused, r.takenBy = decisionFallbackAllowed, decisionFallbackDenied, e.local
+		r.Admitted, r.Refused, r.TakenBy = limit.DecisionFallbackAllowed, limit.DecisionFallbackDenied, e.local
 		return allowed, nil
 	}
 	switch {
 	case err == errMemoryFull:
-		r.fail(decisionOverflow)
+		r.Fail(limit.DecisionOverflow)
 	case e.failOpen:
-		r.fail(decisionFailedAllowed)
+		r.Fail(limit.DecisionFailedAllowed)
 	default:
-		r.fail(decisionFailedDenied)
+		r.Fail(limit.DecisionFailedDenied)
 	}
 	return e.failOpen, err
 }
 
 // refuserBelow is the refuser of the store below (refuserOf): on_error
 // decides only what that store could not.
-func (e *onErrorLayer) refuserBelow() refuser { return refuserOf(e.store) }
+func (e *onErrorLayer) RefuserBelow() limit.Refuser { return limit.RefuserOf(e.Store) }
 
 // settle and hold go where the request's buckets were taken: the
 // local buckets when the layer took them (r.takenBy).
-func (e *onErrorLayer) settle(r *call, items []settling) {
-	if r.takenBy != nil {
-		r.takenBy.settle(r, items)
+func (e *onErrorLayer) Settle(r *limit.Call, items []limit.Settling) {
+	if r.TakenBy != nil {
+		r.TakenBy.Settle(r, items)
 		return
 	}
-	e.store.settle(r, items)
+	e.Store.Settle(r, items)
 }
 
-func (e *onErrorLayer) hold(r *call) holding {
-	if r.takenBy != nil {
-		return r.takenBy.hold(r)
+func (e *onErrorLayer) Hold(r *limit.Call) limit.Holding {
+	if r.TakenBy != nil {
+		return r.TakenBy.Hold(r)
 	}
-	return e.store.hold(r)
+	return e.Store.Hold(r)
 }
 
 // reset resets the key in the local buckets too.
-func (e *onErrorLayer) reset(ctx context.Context, b bucket) error {
+func (e *onErrorLayer) Reset(ctx context.Context, b limit.Bucket) error {
 	if e.local != nil {
-		_ = e.local.reset(ctx, b) // in the process: it cannot fail
+		_ = e.local.Reset(ctx, b) // in the process: it cannot fail
 	}
-	return e.store.reset(ctx, b)
+	return e.Store.Reset(ctx, b)
 }
 
 // warnFailed logs, for a store that could not decide a request, what

@@ -15,6 +15,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/caddy-redis/ratelimit/internal/limit"
 	"github.com/caddy-redis/ratelimit/internal/redistest"
 	"github.com/caddyserver/caddy/v2"
 	"go.uber.org/zap/zapcore"
@@ -120,13 +121,13 @@ func TestOnErrorLocalDescribesEveryBucketAfterAPartialRedisAnswer(t *testing.T) 
 		if err != nil || len(buckets) != 2 {
 			t.Fatalf("buckets %d, %v", len(buckets), err)
 		}
-		buckets[0].unknown = unknown // as takeGroups leaves a later group's bucket
+		buckets[0].Unknown = unknown // as takeGroups leaves a later group's bucket
 		req := acquireRequest()
-		req.buckets = append(req.buckets, buckets...)
+		req.Buckets = append(req.Buckets, buckets...)
 		layer := h.withFallback(failedStore{err: errors.New("Redis is down")})
-		allowed, err := layer.take(context.Background(), &req.call)
-		if err != nil || req.failed || req.takenBy == nil {
-			t.Fatalf("on_error local: err %v, failed %v, taken by %v", err, req.failed, req.takenBy)
+		allowed, err := layer.Take(context.Background(), &req.Call)
+		if err != nil || req.Failed || req.TakenBy == nil {
+			t.Fatalf("on_error local: err %v, failed %v, taken by %v", err, req.Failed, req.TakenBy)
 		}
 		pass, err := h.answer(w, r, repl, req, allowed)
 		req.free()
@@ -251,4 +252,4 @@ type failedStore struct {
 	err error
 }
 
-func (s failedStore) take(context.Context, *call) (bool, error) { return false, s.err }
+func (s failedStore) Take(context.Context, *limit.Call) (bool, error) { return false, s.err }

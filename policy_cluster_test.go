@@ -193,8 +193,8 @@ func testClusterOneKeyTemplateOneSlotOneScriptCall(t *testing.T, c *redistest.Cl
 		var slots []int64
 		for _, name := range []string{"second", "minute", "hour"} {
 			want := defaultKeyPrefix + "{oneslot|" + tag + client + "}|" + name
-			if buckets[name].key != want {
-				t.Fatalf("limit %s's key %q, want %q", name, buckets[name].key, want)
+			if buckets[name].Key != want {
+				t.Fatalf("limit %s's key %q, want %q", name, buckets[name].Key, want)
 			}
 			slot, err := cc.ClusterKeySlot(ctx, want).Result()
 			if err != nil {

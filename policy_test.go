@@ -20,6 +20,7 @@ import (
 
 	"github.com/caddy-redis/ratelimit/internal/caddyproc"
 	"github.com/caddy-redis/ratelimit/internal/keys"
+	"github.com/caddy-redis/ratelimit/internal/limit"
 	"github.com/caddy-redis/ratelimit/internal/logs"
 	"github.com/caddy-redis/ratelimit/internal/redistest"
 	"github.com/caddy-redis/ratelimit/internal/testproc"
@@ -77,7 +78,7 @@ func servePolicy(h *Handler, headers ...string) policyAnswer {
 
 // policyBuckets resolves the buckets a request with the headers meets,
 // as ServeHTTP does: their Redis keys and values, by limit.
-func policyBuckets(t *testing.T, h *Handler, headers ...string) map[string]bucket {
+func policyBuckets(t *testing.T, h *Handler, headers ...string) map[string]limit.Bucket {
 	t.Helper()
 	r, _ := policyRequest(headers...)
 	repl := r.Context().Value(caddy.ReplacerCtxKey).(*caddy.Replacer)
@@ -85,9 +86,9 @@ func policyBuckets(t *testing.T, h *Handler, headers ...string) map[string]bucke
 	if err != nil {
 		t.Fatalf("resolving the buckets of %q: %v", headers, err)
 	}
-	byName := map[string]bucket{}
+	byName := map[string]limit.Bucket{}
 	for _, b := range buckets {
-		byName[b.limit.name] = b
+		byName[b.Limit.Name] = b
 	}
 	return byName
 }
@@ -97,8 +98,8 @@ func policyBuckets(t *testing.T, h *Handler, headers ...string) map[string]bucke
 func limitKey(t *testing.T, h *Handler, name, client string) string {
 	t.Helper()
 	for _, l := range h.limits {
-		if l.name == name {
-			return l.keyPrefix + client + l.keySuffix
+		if l.Name == name {
+			return l.KeyPrefix + client + l.KeySuffix
 		}
 	}
 	t.Fatalf("no limit %q", name)
@@ -131,11 +132,11 @@ func expectStoredTokens(t *testing.T, rdb redis.Cmdable, key string, lo, hi floa
 
 // cacheDenies says whether h's deny cache, at now, holds a denial of the
 // bucket with these values: a request on it is answered without Redis.
-func cacheDenies(h *Handler, b bucket, now time.Time) bool {
+func cacheDenies(h *Handler, b limit.Bucket, now time.Time) bool {
 	h.denied.mu.Lock()
 	defer h.denied.mu.Unlock()
-	d, ok := h.denied.entries[b.key]
-	return ok && d.values == b.values && now.Before(d.until)
+	d, ok := h.denied.entries[b.Key]
+	return ok && d.values == b.Values && now.Before(d.until)
 }
 
 // couldAdmitAt says whether the bucket, read from Redis now, held the
@@ -143,14 +144,14 @@ func cacheDenies(h *Handler, b bucket, now time.Time) bool {
 // now, and since started it gained at most rate × elapsed (tokens only
 // come back with time; takes only lower them), so at started it held at
 // least tokens - rate × elapsed.
-func couldAdmitAt(rdb *redis.Client, key string, v limitValues, started time.Time) (bool, string, error) {
-	tokens, now, err := peekTokens(rdb, key, v.rate, v.burst)
+func couldAdmitAt(rdb *redis.Client, key string, v limit.Values, started time.Time) (bool, string, error) {
+	tokens, now, err := peekTokens(rdb, key, v.Rate, v.Burst)
 	if err != nil {
 		return false, "", err
 	}
-	atStart := tokens - v.rate*now.Sub(started).Seconds()
-	return atStart >= float64(v.requested), fmt.Sprintf("holds %.4f tokens %v after the request started, so at least %.4f then; it asks %d",
-		tokens, now.Sub(started).Round(time.Microsecond), atStart, v.requested), nil
+	atStart := tokens - v.Rate*now.Sub(started).Seconds()
+	return atStart >= float64(v.Requested), fmt.Sprintf("holds %.4f tokens %v after the request started, so at least %.4f then; it asks %d",
+		tokens, now.Sub(started).Round(time.Microsecond), atStart, v.Requested), nil
 }
 
 // ---- All or nothing, standalone
@@ -364,9 +365,9 @@ func expectRefusalsTakeNothing(t *testing.T, h *Handler, rdb redis.Cmdable) {
 		after := snapshotBuckets(t, rdb, buckets)
 		now := redisNow(t, rdb)
 		for name, b := range buckets {
-			v := b.values
-			was := scriptRefill(before[name], now, v.rate, v.burst)
-			is := scriptRefill(after[name], now, v.rate, v.burst)
+			v := b.Values
+			was := scriptRefill(before[name], now, v.Rate, v.Burst)
+			is := scriptRefill(after[name], now, v.Rate, v.Burst)
 			if math.Abs(was-is) > 1e-6 || before[name].present != after[name].present {
 				t.Errorf("refused by %s: limit %s's bucket went from %+v to %+v: %.6f tokens now, want %.6f as if the request never came",
 					tc.refuser, name, before[name], after[name], is, was)
@@ -376,11 +377,11 @@ func expectRefusalsTakeNothing(t *testing.T, h *Handler, rdb redis.Cmdable) {
 }
 
 // snapshotBuckets reads each bucket's stored state.
-func snapshotBuckets(t *testing.T, rdb redis.Cmdable, buckets map[string]bucket) map[string]scriptBucket {
+func snapshotBuckets(t *testing.T, rdb redis.Cmdable, buckets map[string]limit.Bucket) map[string]scriptBucket {
 	t.Helper()
 	s := map[string]scriptBucket{}
 	for name, b := range buckets {
-		s[name] = readBucket(t, rdb, b.key)
+		s[name] = readBucket(t, rdb, b.Key)
 	}
 	return s
 }
@@ -440,14 +441,14 @@ func floodCheckingCache(t *testing.T, h *Handler, rdb *redis.Client, pick func(g
 					mu.Lock()
 					cached[name]++
 					mu.Unlock()
-					could, why, err := couldAdmitAt(rdb, b.key, b.values, started)
+					could, why, err := couldAdmitAt(rdb, b.Key, b.Values, started)
 					if err != nil {
 						t.Error(err)
 						return
 					}
 					if could && failures.Add(1) <= 5 {
 						t.Errorf("%q: the deny cache refused by limit %q (values %+v) what Redis would have admitted: the bucket %s",
-							headers, name, b.values, why)
+							headers, name, b.Values, why)
 					}
 				}
 			}
@@ -548,9 +549,9 @@ func TestPolicyPlanSwitchKeepsTheBucketCapsAtTheNewBurstRefillsAtTheNewRate(t *t
 	big := []string{"X-Key", "k", "X-Plan-Rate", "0.1", "X-Plan-Burst", "10"}
 	small := []string{"X-Key", "k", "X-Plan-Rate", "0.1", "X-Plan-Burst", "4"}
 	fast := []string{"X-Key", "k", "X-Plan-Rate", "10", "X-Plan-Burst", "10"}
-	key := policyBuckets(t, h, big...)[""].key
+	key := policyBuckets(t, h, big...)[""].Key
 	for _, plan := range [][]string{small, fast} {
-		if k := policyBuckets(t, h, plan...)[""].key; k != key {
+		if k := policyBuckets(t, h, plan...)[""].Key; k != key {
 			t.Fatalf("plan %q has bucket %s, plan %q %s: want one", plan, k, big, key)
 		}
 	}
@@ -631,7 +632,7 @@ func TestPolicyMoveToASlowerPlanRefillsAtItsRate(t *testing.T) {
 			if a := servePolicy(h, slow...); a.status != 429 {
 				t.Fatalf("slow plan right after the drain: %v, want 429", a)
 			}
-			key := policyBuckets(t, h, slow...)[""].key
+			key := policyBuckets(t, h, slow...)[""].Key
 			if store == storeRedis {
 				// A full bucket of the slow plan is 200 s of refill away.
 				if pttl := rdb.PTTL(context.Background(), key).Val(); pttl < 150*time.Second {
@@ -675,7 +676,7 @@ func TestDenyCacheForgetsADenialOnceAnotherPlanIsAdmittedOnTheBucket(t *testing.
 		t.Fatalf("fast plan 300 ms later: %v, want 200 (about 3 tokens at 10 a second)", a)
 	}
 	b := policyBuckets(t, h, slow...)[""]
-	tokens, _, err := peekTokens(rdb, b.key, b.values.rate, b.values.burst)
+	tokens, _, err := peekTokens(rdb, b.Key, b.Values.Rate, b.Values.Burst)
 	if err != nil {
 		t.Fatal(err)
 	}

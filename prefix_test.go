@@ -34,7 +34,7 @@ func bucketKeys(t *testing.T, h *Handler, remoteIP string) []string {
 	}
 	var keys []string
 	for _, b := range buckets {
-		keys = append(keys, b.key)
+		keys = append(keys, b.Key)
 	}
 	return keys
 }

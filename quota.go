@@ -15,6 +15,7 @@ import (
 	"time"
 
 	"github.com/caddy-redis/ratelimit/internal/calendar"
+	"github.com/caddy-redis/ratelimit/internal/limit"
 )
 
 // Quota is a fixed-period quota of a policy: at most Count tokens per
@@ -105,7 +106,7 @@ func newQuota(q Quota) (*quota, error) {
 }
 
 // at is the period of l's quota at now, from the cache while now is in it.
-func (q *quota) at(now time.Time, l *limit) *quotaPeriod {
+func (q *quota) at(now time.Time, l *limit.Limit) *quotaPeriod {
 	us := now.UnixMicro()
 	if p := q.current.Load(); p != nil && p.bounds[1] <= us && us < p.bounds[2] {
 		return p
@@ -130,7 +131,7 @@ type quotaClockError struct {
 	bounds       calendar.Bounds
 }
 
-func (e *quotaClockError) warning() string {
+func (e *quotaClockError) Warning() string {
 	return "Redis's clock is more than a quota's period away from Caddy's"
 }
 
@@ -150,9 +151,9 @@ func (e *quotaClockError) Error() string {
 // take may come periods later (in a fallback's buckets, after a Redis
 // timeout longer than the period), when now lies outside it and its neighbours;
 // the process has the calendar, so it names the period now is in.
-func quotaAt(b *bucket, now time.Time) {
+func quotaAt(b *limit.Bucket, now time.Time) {
 	if us := now.UnixMicro(); us < period(b).bounds[0] || us >= period(b).bounds[3] {
-		b.kindRef = b.limit.kind.(*quota).at(now, b.limit)
+		b.KindRef = b.Limit.Kind.(*quota).at(now, b.Limit)
 	}
 }
 
@@ -180,34 +181,34 @@ func (p *quotaPeriod) end(shift int8) int64 { return p.bounds[2+shift] }
 // resolveQuotaValues parses a quota's count and cost as written
 // (placeholders replaced): the count in a limitValues' burst, no rate.
 // An empty cost is 1. isUnlimited says the count is `unlimited`.
-func resolveQuotaValues(count, requested string) (v limitValues, isUnlimited bool, err error) {
-	if count == unlimited {
+func resolveQuotaValues(count, requested string) (v limit.Values, isUnlimited bool, err error) {
+	if count == limit.Unlimited {
 		return v, true, nil
 	}
-	if v.burst, err = strconv.ParseInt(count, 10, 64); err != nil {
-		return v, false, badValue("count", count, "is not a whole number")
+	if v.Burst, err = strconv.ParseInt(count, 10, 64); err != nil {
+		return v, false, limit.BadValue("count", count, "is not a whole number")
 	}
-	v.requested = 1
+	v.Requested = 1
 	if requested != "" {
-		if v.requested, err = strconv.ParseInt(requested, 10, 64); err != nil {
-			return v, false, badValue("requested_tokens", requested, "is not a whole number")
+		if v.Requested, err = strconv.ParseInt(requested, 10, 64); err != nil {
+			return v, false, limit.BadValue("requested_tokens", requested, "is not a whole number")
 		}
 	}
 	return v, false, checkQuota(v)
 }
 
 // checkQuota judges a quota's count and cost together.
-func checkQuota(v limitValues) error {
-	count, requested := strconv.FormatInt(v.burst, 10), strconv.FormatInt(v.requested, 10)
+func checkQuota(v limit.Values) error {
+	count, requested := strconv.FormatInt(v.Burst, 10), strconv.FormatInt(v.Requested, 10)
 	switch {
-	case v.burst < 1:
-		return badValue("count", count, "must be at least 1 (a quota of nothing would deny every request; use burst_capacity 0 for that)")
-	case v.burst > maxExactTokens:
-		return badValue("count", count, "is above 2^53, where the script's numbers stop being exact; lower it")
-	case v.requested < 1:
-		return badValue("requested_tokens", requested, "must be at least 1")
-	case v.requested > v.burst:
-		return badValue("requested_tokens", requested, fmt.Sprintf("is more than count '%d': no request could ever be admitted", v.burst))
+	case v.Burst < 1:
+		return limit.BadValue("count", count, "must be at least 1 (a quota of nothing would deny every request; use burst_capacity 0 for that)")
+	case v.Burst > maxExactTokens:
+		return limit.BadValue("count", count, "is above 2^53, where the script's numbers stop being exact; lower it")
+	case v.Requested < 1:
+		return limit.BadValue("requested_tokens", requested, "must be at least 1")
+	case v.Requested > v.Burst:
+		return limit.BadValue("requested_tokens", requested, fmt.Sprintf("is more than count '%d': no request could ever be admitted", v.Burst))
 	}
 	return nil
 }
@@ -219,7 +220,7 @@ func checkQuotaValues(count, cost Param) error {
 	if err != nil {
 		return err
 	}
-	fixedCount, fixedCost := !count.perRequest() && count != unlimited, !cost.perRequest()
+	fixedCount, fixedCost := !count.PerRequest() && count != limit.Unlimited, !cost.PerRequest()
 	switch {
 	case count == "":
 		return fmt.Errorf("count is required: the most tokens per period, like 1000")
@@ -231,7 +232,7 @@ func checkQuotaValues(count, cost Param) error {
 		return err
 	case fixedCost && cost != "":
 		if n, err := strconv.ParseInt(string(cost), 10, 64); err != nil || n < 1 {
-			return badValue("requested_tokens", string(cost), "is not a whole number of at least 1")
+			return limit.BadValue("requested_tokens", string(cost), "is not a whole number of at least 1")
 		}
 	}
 	return nil
@@ -239,27 +240,27 @@ func checkQuotaValues(count, cost Param) error {
 
 // quotaArgs are a quota's values as the script takes them, before the
 // period's bounds: "q", count, requested.
-func quotaArgs(v limitValues) [3]any {
-	return [3]any{"q", strconv.FormatInt(v.burst, 10), strconv.FormatInt(v.requested, 10)}
+func quotaArgs(v limit.Values) [3]any {
+	return [3]any{"q", strconv.FormatInt(v.Burst, 10), strconv.FormatInt(v.Requested, 10)}
 }
 
 // limitInfo lists its count, period and cost.
-func (q *quota) limitInfo(l *limit) limitInfo {
-	li := l.limitInfo()
-	li.Count, li.Per, li.RequestedTokens = l.burst, q.per, l.cost
-	if l.fixed && !l.exempt {
-		li.Count = Param(strconv.FormatInt(l.values.burst, 10))
-		li.RequestedTokens = Param(strconv.FormatInt(l.values.requested, 10))
+func (q *quota) LimitInfo(l *limit.Limit) limit.LimitInfo {
+	li := l.Info()
+	li.Count, li.Per, li.RequestedTokens = l.Burst, q.per, l.Cost
+	if l.Fixed && !l.Exempt {
+		li.Count = Param(strconv.FormatInt(l.Values.Burst, 10))
+		li.RequestedTokens = Param(strconv.FormatInt(l.Values.Requested, 10))
 	}
 	return li
 }
 
 // bucketInfo shows what is left of its count, and its usage in its
 // current period (quotaPart); its count is not a burst.
-func (q *quota) bucketInfo(b bucket, v bucketView) bucketInfo {
+func (q *quota) BucketInfo(b limit.Bucket, v limit.View) limit.BucketInfo {
 	info := tokenInfo(b, v)
 	info.BurstCapacity = 0 // its count is in quota
-	info.kindView = quotaPart{q.view(b, v, time.Now())}
+	info.KindView = quotaPart{q.view(b, v, time.Now())}
 	return info
 }
 
@@ -283,12 +284,12 @@ type quotaInfo struct {
 }
 
 // view is a quota's admin view at now, from what it holds (view).
-func (q *quota) view(b bucket, view bucketView, now time.Time) *quotaInfo {
+func (q *quota) view(b limit.Bucket, view limit.View, now time.Time) *quotaInfo {
 	start, end, _ := period(&b).span(now.UnixMicro())
 	loc := q.period.Location()
-	left := int64(math.Floor(view.tokens))
+	left := int64(math.Floor(view.Tokens))
 	return &quotaInfo{
-		Per: q.per, Count: b.values.burst, Used: b.values.burst - left, Remaining: max(0, left),
+		Per: q.per, Count: b.Values.Burst, Used: b.Values.Burst - left, Remaining: max(0, left),
 		PeriodStart: time.UnixMicro(start).In(loc).Format(time.RFC3339),
 		ResetsAt:    time.UnixMicro(end).In(loc).Format(time.RFC3339),
 		ResetsIn:    float64(end-now.UnixMicro()) / 1e6,
@@ -303,15 +304,15 @@ func (q *quota) view(b bucket, view bucketView, now time.Time) *quotaInfo {
 // Each client's share of the jitter follows from its key, the same on
 // every instance and every refusal, so a client is told one time, and the
 // clients of a quota spread evenly.
-func jitterRefusal(buckets []bucket, jitter time.Duration) {
+func jitterRefusal(buckets []limit.Bucket, jitter time.Duration) {
 	for i := range buckets {
 		b := &buckets[i]
-		if period(b) == nil || b.unknown || b.retryAfter <= 0 {
+		if period(b) == nil || b.Unknown || b.RetryAfter <= 0 {
 			continue
 		}
 		h := fnv.New64a()
-		h.Write([]byte(b.key))
-		b.retryAfter += time.Duration(h.Sum64() % uint64(jitter))
+		h.Write([]byte(b.Key))
+		b.RetryAfter += time.Duration(h.Sum64() % uint64(jitter))
 	}
 }
 
@@ -319,45 +320,45 @@ func jitterRefusal(buckets []bucket, jitter time.Duration) {
 // interface.
 
 var (
-	_ kind             = (*quota)(nil)
-	_ bucketArithmetic = (*quota)(nil)
-	_ chargedKind      = (*quota)(nil)
-	_ rememberedKind   = (*quota)(nil)
+	_ limit.Kind       = (*quota)(nil)
+	_ limit.Arithmetic = (*quota)(nil)
+	_ limit.Charged    = (*quota)(nil)
+	_ limit.Remembered = (*quota)(nil)
 )
 
-func (*quota) burstName() string { return "count" }
+func (*quota) BurstName() string { return "count" }
 
-func (*quota) resolveValues(_, count, requested string) (limitValues, bool, error) {
+func (*quota) ResolveValues(_, count, requested string) (limit.Values, bool, error) {
 	return resolveQuotaValues(count, requested)
 }
 
-func (*quota) scriptArgs(v limitValues) [3]any { return quotaArgs(v) }
+func (*quota) ScriptArgs(v limit.Values) [3]any { return quotaArgs(v) }
 
 // begin names the bucket's period by the request's clock.
-func (q *quota) begin(b bucket, shared requestShared) (bucket, requestShared) {
-	b.kindRef = q.at(shared.clock(), b.limit)
+func (q *quota) Begin(b limit.Bucket, shared limit.Shared) (limit.Bucket, limit.Shared) {
+	b.KindRef = q.at(shared.Clock(), b.Limit)
 	return b, shared
 }
 
 // appendArgs appends "q", count and cost, then the period's bounds.
-func (*quota) appendArgs(args []any, b bucket) []any {
-	return append(append(args, b.args[:]...), period(&b).args[:]...)
+func (*quota) AppendArgs(args []any, b limit.Bucket) []any {
+	return append(append(args, b.Args[:]...), period(&b).args[:]...)
 }
 
 // replyWords is 1: the period the take counted in, as a shift from the
 // period Caddy named (-1, 0, 1).
-func (*quota) replyWords() int { return 1 }
+func (*quota) ReplyWords() int { return 1 }
 
 // readReply reads the period the quota counted in. One that counted in
 // none (Redis's clock outside its periods) is a quotaClockError.
-func (*quota) readReply(b bucket, reply []int64, at int) (bucket, error) {
+func (*quota) ReadReply(b limit.Bucket, reply []int64, at int) (limit.Bucket, error) {
 	switch shift := reply[at]; {
 	case shift > 1: // Redis time, outside the periods
 		return b, &quotaClockError{redis: shift, caddy: time.Now().UnixMicro(), bounds: period(&b).bounds}
 	case shift < -1:
 		return b, fmt.Errorf("unexpected script reply %v", reply)
 	default:
-		b.kindN = int64(shift)
+		b.KindN = int64(shift)
 		return b, nil
 	}
 }
@@ -366,26 +367,28 @@ func (*quota) readReply(b bucket, reply []int64, at int) (bucket, error) {
 // replenish rate, and its period's length as the policy's window (which
 // changes with the period: a month's days): it is back at the end of
 // the period it counted in, or after its wait if later.
-func (*quota) facts(b bucket) facts {
+func (*quota) Facts(b limit.Bucket) limit.Facts {
 	window := period(&b).window()
-	return facts{rate: float64(b.values.burst) / float64(max(window, 1)), burst: b.values.burst, requested: b.values.requested,
-		window: window, reset: b.retryAfter, renewsAt: period(&b).end(shift(&b))}
+	return limit.Facts{Rate: float64(b.Values.Burst) / float64(max(window, 1)), Burst: b.Values.Burst, Requested: b.Values.Requested,
+		Window: window, Reset: b.RetryAfter, RenewsAt: period(&b).end(shift(&b))}
 }
 
 // refused: the store's answer is the whole answer.
-func (*quota) refused(b bucket) bucket { return b }
+func (*quota) Refused(b limit.Bucket) limit.Bucket { return b }
 
 // denialTTL is its wait: until its period ends (with reset_jitter's share).
-func (*quota) denialTTL(b bucket) time.Duration { return b.retryAfter }
+func (*quota) DenialTTL(b limit.Bucket) time.Duration { return b.RetryAfter }
 
 // cachedRemaining is what it held when refused: it renews only at its
 // boundary.
-func (*quota) cachedRemaining(_ bucket, remaining int64, _ time.Duration) int64 { return remaining }
+func (*quota) CachedRemaining(_ limit.Bucket, remaining int64, _ time.Duration) int64 {
+	return remaining
+}
 
 // period is a quota's bucket's period (kind state: bucket.kindRef),
 // whose bounds follow its args in the script call; nil before begin.
-func period(b *bucket) *quotaPeriod {
-	p, _ := b.kindRef.(*quotaPeriod)
+func period(b *limit.Bucket) *quotaPeriod {
+	p, _ := b.KindRef.(*quotaPeriod)
 	return p
 }
 
@@ -393,4 +396,4 @@ func period(b *bucket) *quotaPeriod {
 // it (bucket.kindN): -1, 0 or 1 for the one before the bucket's period,
 // that one or the one after (the store's clock picks it). Its settlement
 // names it.
-func shift(b *bucket) int8 { return int8(b.kindN) }
+func shift(b *limit.Bucket) int8 { return int8(b.KindN) }

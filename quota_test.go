@@ -14,6 +14,7 @@ import (
 	"time"
 
 	"github.com/caddy-redis/ratelimit/internal/calendar"
+	"github.com/caddy-redis/ratelimit/internal/limit"
 	"github.com/caddy-redis/ratelimit/internal/redistest"
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
@@ -286,7 +287,7 @@ func TestQuotaWithLeaseRefusedAtLoad(t *testing.T) {
 
 func TestQuotaOnlyHandlerHasNoLimitOfItsOwn(t *testing.T) {
 	h := provision(t, offline(&Handler{Quotas: []Quota{{Name: "m", Count: "5", Per: "day"}}}))
-	isQuota := func(l *limit) bool { _, ok := l.kind.(*quota); return ok }
+	isQuota := func(l *limit.Limit) bool { _, ok := l.Kind.(*quota); return ok }
 	if len(h.limits) != 1 || !isQuota(h.limits[0]) {
 		t.Fatalf("limits %v, want the quota alone", h.limits)
 	}
@@ -372,8 +373,8 @@ func TestQuotaChargedByTheResponseCountsTheCost(t *testing.T) {
 				send(200)
 				want := float64(4 * (i + 1))
 				eventually(t, 2*time.Second, fmt.Sprintf("used %v", want), func() bool {
-					view, err := h.store.peek(context.Background(), policyBuckets(t, h, "X-Key", "a")["q"])
-					return err == nil && 10-view.tokens == want
+					view, err := h.store.Peek(context.Background(), policyBuckets(t, h, "X-Key", "a")["q"])
+					return err == nil && 10-view.Tokens == want
 				})
 			}
 			send(429)
@@ -621,13 +622,13 @@ func testQuotaPeriod(bounds calendar.Bounds) *quotaPeriod {
 
 // testQuotaLimit is an hourly quota's limit, the kind of the buckets a
 // test gives periods of its own (whose bounds hold the test's takes).
-func testQuotaLimit(t *testing.T) *limit {
+func testQuotaLimit(t *testing.T) *limit.Limit {
 	q, err := newQuota(Quota{Per: "hour"})
 	if err != nil {
 		t.Fatal(err)
 	}
-	l := &limit{}
-	l.setKind(q)
+	l := &limit.Limit{}
+	l.SetKind(q)
 	return l
 }
 
@@ -640,7 +641,7 @@ func TestQuotaScriptPicksThePeriodByRedisTime(t *testing.T) {
 	rdb := srv.Client(t)
 	redisNow := redisMicros(t, rdb)
 	const minute = int64(60_000_000)
-	values := limitValues{burst: 2, requested: 1}
+	values := limit.Values{Burst: 2, Requested: 1}
 	ql := testQuotaLimit(t)
 	for _, c := range []struct {
 		name   string
@@ -657,8 +658,8 @@ func TestQuotaScriptPicksThePeriodByRedisTime(t *testing.T) {
 				bounds[i] = redisNow - minute/2 + k*minute
 			}
 			key := "quota-pick-" + strconv.Itoa(c.start)
-			take := func() (bool, bucket) {
-				b := []bucket{{limit: ql, key: key, values: values, args: quotaArgs(values), kindRef: testQuotaPeriod(bounds)}}
+			take := func() (bool, limit.Bucket) {
+				b := []limit.Bucket{{Limit: ql, Key: key, Values: values, Args: quotaArgs(values), KindRef: testQuotaPeriod(bounds)}}
 				allowed, err := l.take(context.Background(), time.Now(), b)
 				if err != nil {
 					t.Fatal(err)
@@ -669,10 +670,10 @@ func TestQuotaScriptPicksThePeriodByRedisTime(t *testing.T) {
 			take()
 			allowed, b := take()
 			start, end := bounds[c.start], bounds[c.start+1]
-			if allowed || b.remaining != 0 {
-				t.Fatalf("third take of 2: allowed %v remaining %d, want refused with 0", allowed, b.remaining)
+			if allowed || b.Remaining != 0 {
+				t.Fatalf("third take of 2: allowed %v remaining %d, want refused with 0", allowed, b.Remaining)
 			}
-			if wait := b.retryAfter.Microseconds(); wait > end-redisNow || wait < end-redisMicros(t, rdb) {
+			if wait := b.RetryAfter.Microseconds(); wait > end-redisNow || wait < end-redisMicros(t, rdb) {
 				t.Errorf("wait %d µs, want the time to the end of the period Redis time is in (%d µs)", wait, end-redisNow)
 			}
 			state := rdb.Get(context.Background(), key).Val()
@@ -698,10 +699,10 @@ func TestQuotaScriptAgreesWithMemoryStore(t *testing.T) {
 	ql := testQuotaLimit(t)
 	rng := rand.New(rand.NewPCG(1, 2))
 	for i := range 200 {
-		v := limitValues{burst: 20, requested: 1 + rng.Int64N(4)}
+		v := limit.Values{Burst: 20, Requested: 1 + rng.Int64N(4)}
 		key := "agree-" + strconv.Itoa(rng.IntN(3))
-		rb := []bucket{{limit: ql, key: key, values: v, args: quotaArgs(v), kindRef: p}}
-		mb := []bucket{{limit: ql, key: key, values: v, args: quotaArgs(v), kindRef: p}}
+		rb := []limit.Bucket{{Limit: ql, Key: key, Values: v, Args: quotaArgs(v), KindRef: p}}
+		mb := []limit.Bucket{{Limit: ql, Key: key, Values: v, Args: quotaArgs(v), KindRef: p}}
 		ra, err := l.take(context.Background(), time.Now(), rb)
 		if err != nil {
 			t.Fatal(err)
@@ -710,10 +711,10 @@ func TestQuotaScriptAgreesWithMemoryStore(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		if ra != ma || rb[0].remaining != mb[0].remaining || (rb[0].retryAfter == 0) != (mb[0].retryAfter == 0) ||
-			(rb[0].retryAfter-mb[0].retryAfter).Abs() > time.Second {
-			t.Fatalf("take %d (%s, %d): Redis %v %d %v, memory %v %d %v", i, key, v.requested,
-				ra, rb[0].remaining, rb[0].retryAfter, ma, mb[0].remaining, mb[0].retryAfter)
+		if ra != ma || rb[0].Remaining != mb[0].Remaining || (rb[0].RetryAfter == 0) != (mb[0].RetryAfter == 0) ||
+			(rb[0].RetryAfter-mb[0].RetryAfter).Abs() > time.Second {
+			t.Fatalf("take %d (%s, %d): Redis %v %d %v, memory %v %d %v", i, key, v.Requested,
+				ra, rb[0].Remaining, rb[0].RetryAfter, ma, mb[0].Remaining, mb[0].RetryAfter)
 		}
 	}
 }
@@ -910,7 +911,7 @@ func quotaState(t *testing.T, s *memoryStore, key string) (used float64, start i
 	if !ok {
 		t.Fatalf("the store holds no quota %s", key)
 	}
-	return state.tokens, state.at
+	return state.Tokens, state.At
 }
 
 // TestQuotaChargeSettlesInThePeriodItsReservationWasTakenIn: Caddy
@@ -1001,13 +1002,13 @@ func TestQuotaChargeSettlesInThePeriodItsReservationWasTakenIn(t *testing.T) {
 		before := counterValue(t, charged("quota_cross_memory"))
 		// The request's period is Caddy's now; its take comes in the next
 		// one (a take reads the clock again, after the period was named).
-		buckets := []bucket{policyBuckets(t, h, "X-Key", "a")["tokens"]}
+		buckets := []limit.Bucket{policyBuckets(t, h, "X-Key", "a")["tokens"]}
 		next := time.UnixMicro(period(&buckets[0]).bounds[2]).Add(10 * time.Millisecond)
 		if allowed, err := h.memory.takeInProcess(next, buckets); err != nil || !allowed {
 			t.Fatalf("take: %v %v, want admitted", allowed, err)
 		}
-		h.settleInProcess(h.memory, buckets, []settling{{bucket: 0, cost: 600, diff: 500}})
-		used, start := quotaState(t, h.memory, buckets[0].key)
+		h.settleInProcess(h.memory, buckets, []limit.Settling{{Bucket: 0, Cost: 600, Diff: 500}})
+		used, start := quotaState(t, h.memory, buckets[0].Key)
 		if want := period(&buckets[0]).bounds[2]; used != 600 || start != want {
 			t.Errorf("quota used %v in the period starting %d, want 600 in the one starting %d (where the reservation was taken)", used, start, want)
 		}
@@ -1096,8 +1097,8 @@ func TestQuotaScriptCountsInNoPeriodWhenRedisTimeIsOutsideThoseGiven(t *testing.
 			var other error
 			for range 40 {
 				buckets := policyBuckets(t, h, "X-Key", client)
-				b := []bucket{buckets["second"], buckets["q"]}
-				b[1].kindRef = skewed
+				b := []limit.Bucket{buckets["second"], buckets["q"]}
+				b[1].KindRef = skewed
 				allowed, err := decide(context.Background(), h, b)
 				switch {
 				case err == nil && allowed:
@@ -1140,16 +1141,16 @@ func TestQuotaInProcessTakeLongAfterItsPeriodCountsInThePeriodItIsIn(t *testing.
 	later := time.UnixMicro(period(&b).bounds[3]).Add(5 * time.Second) // two periods past the last one the request named
 	start := later.Truncate(2 * time.Second)
 	for i := range 3 {
-		buckets := []bucket{b}
+		buckets := []limit.Bucket{b}
 		allowed, err := h.memory.takeInProcess(later, buckets)
 		if err != nil || allowed != (i < 2) {
 			t.Fatalf("take %d: %v %v, want admitted twice, then refused", i+1, allowed, err)
 		}
-		if wait := buckets[0].retryAfter; i == 2 && (wait <= 0 || wait > start.Add(2*time.Second).Sub(later)) {
+		if wait := buckets[0].RetryAfter; i == 2 && (wait <= 0 || wait > start.Add(2*time.Second).Sub(later)) {
 			t.Errorf("a refusal waits %v, want the time to the end of the period its clock is in (%v)", wait, start.Add(2*time.Second).Sub(later))
 		}
 	}
-	if used, at := quotaState(t, h.memory, b.key); used != 2 || at != start.UnixMicro() {
+	if used, at := quotaState(t, h.memory, b.Key); used != 2 || at != start.UnixMicro() {
 		t.Errorf("the quota used %v in the period starting %d, want 2 in the one starting %d", used, at, start.UnixMicro())
 	}
 }

@@ -6,6 +6,7 @@ import (
 
 	"github.com/caddy-redis/ratelimit/internal/calendar"
 	"github.com/caddy-redis/ratelimit/internal/keys"
+	"github.com/caddy-redis/ratelimit/internal/limit"
 )
 
 // The quota's config: its limits as the handler's config gives them,
@@ -24,7 +25,7 @@ func quotaConfigs(h *Handler) []limitConfig {
 			Limit: Limit{Name: q.Name, Key: q.Key, BurstCapacity: q.Count, RequestedTokens: or(unset(q.RequestedTokens), unset(h.RequestedTokens)),
 				IPv4Prefix: q.IPv4Prefix, IPv6Prefix: q.IPv6Prefix, Charge: q.Charge, ChargeStatus: q.ChargeStatus, MaxDebt: q.MaxDebt},
 			what: "quota", charges: true, // a quota's debt is paid back at its boundary: no checkDebt
-			newKind: func() (kind, error) {
+			newKind: func() (limit.Kind, error) {
 				k, err := newQuota(q)
 				if err != nil {
 					return nil, fmt.Errorf("quota %s: %w", q.Name, err)

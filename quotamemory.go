@@ -3,6 +3,8 @@ package ratelimit
 import (
 	"math"
 	"time"
+
+	"github.com/caddy-redis/ratelimit/internal/limit"
 )
 
 // The memory store's quota: a bucketState holds the tokens used (in
@@ -12,19 +14,19 @@ import (
 
 // quotaUsed is what a held quota used in the period starting at start:
 // nothing when it is absent, expired, or counts another period.
-func quotaUsed(state bucketState, ok bool, t, start int64) float64 {
-	if !ok || state.expires <= t || state.at != start {
+func quotaUsed(state limit.State, ok bool, t, start int64) float64 {
+	if !ok || state.Expires <= t || state.At != start {
 		return 0
 	}
-	return state.tokens
+	return state.Tokens
 }
 
 // takeQuota is the script's quota at Unix time wall (t on the store's
 // clock), in the period from start to end: take the requested tokens when
 // take says so and they fit, and answer what is left and the
 // microseconds until the period ends when they do not fit.
-func takeQuota(used float64, start, end, wall, t int64, v limitValues, take bool) (after bucketState, took bool, remaining, wait int64) {
-	requested, count := float64(v.requested), float64(v.burst)
+func takeQuota(used float64, start, end, wall, t int64, v limit.Values, take bool) (after limit.State, took bool, remaining, wait int64) {
+	requested, count := float64(v.Requested), float64(v.Burst)
 	if take && used+requested <= count {
 		used += requested
 		took = true
@@ -33,40 +35,40 @@ func takeQuota(used float64, start, end, wall, t int64, v limitValues, take bool
 		wait = end - wall
 	}
 	expires := t + max(0, end-wall) + int64(quotaKeySlack/time.Microsecond)
-	return bucketState{tokens: used, at: start, expires: expires}, took, max(0, int64(math.Floor(count-used))), wait
+	return limit.State{Tokens: used, At: start, Expires: expires}, took, max(0, int64(math.Floor(count-used))), wait
 }
 
 // take is a quota's part of a memory store take at now (t on the
 // store's clock), once the request is known to be allowed or not (see
 // settle for buckets); it notes in b the period it counted in, as the
 // script answers it. A denial stores nothing.
-func (*quota) take(state bucketState, ok bool, now time.Time, t int64, b bucket, allowed bool) (bucket, bucketState, bool) {
+func (*quota) Take(state limit.State, ok bool, now time.Time, t int64, b limit.Bucket, allowed bool) (limit.Bucket, limit.State, bool) {
 	wall := now.UnixMicro()
 	start, end, shift := period(&b).span(wall)
-	b.kindN = int64(shift)
-	after, _, remaining, wait := takeQuota(quotaUsed(state, ok, t, start), start, end, wall, t, b.values, allowed)
-	b.remaining, b.retryAfter = remaining, time.Duration(wait)*time.Microsecond
+	b.KindN = int64(shift)
+	after, _, remaining, wait := takeQuota(quotaUsed(state, ok, t, start), start, end, wall, t, b.Values, allowed)
+	b.Remaining, b.RetryAfter = remaining, time.Duration(wait)*time.Microsecond
 	return b, after, allowed
 }
 
 // holds says whether a held quota has room for the request at now, in
 // the period now is in (quotaAt).
-func (*quota) holds(state bucketState, ok bool, now time.Time, t int64, b bucket) (bucket, bool) {
+func (*quota) Holds(state limit.State, ok bool, now time.Time, t int64, b limit.Bucket) (limit.Bucket, bool) {
 	quotaAt(&b, now)
 	start, _, _ := period(&b).span(now.UnixMicro())
-	return b, quotaUsed(state, ok, t, start)+float64(b.values.requested) <= float64(b.values.burst)
+	return b, quotaUsed(state, ok, t, start)+float64(b.Values.Requested) <= float64(b.Values.Burst)
 }
 
 // peek is a held quota as the admin API shows it: tokens is what is
 // left of the count.
-func (*quota) peek(state bucketState, ok bool, now time.Time, t int64, b bucket) bucketView {
+func (*quota) Peek(state limit.State, ok bool, now time.Time, t int64, b limit.Bucket) limit.View {
 	wall := now.UnixMicro()
 	start, end, _ := period(&b).span(wall)
 	used := quotaUsed(state, ok, t, start)
-	_, _, _, wait := takeQuota(used, start, end, wall, t, b.values, false)
-	view := bucketView{tokens: float64(b.values.burst) - used, wait: time.Duration(wait) * time.Microsecond}
-	if ok && state.expires > t {
-		view.expiresIn = time.Duration(state.expires-t) * time.Microsecond
+	_, _, _, wait := takeQuota(used, start, end, wall, t, b.Values, false)
+	view := limit.View{Tokens: float64(b.Values.Burst) - used, Wait: time.Duration(wait) * time.Microsecond}
+	if ok && state.Expires > t {
+		view.ExpiresIn = time.Duration(state.Expires-t) * time.Microsecond
 	}
 	return view
 }
@@ -74,28 +76,28 @@ func (*quota) peek(state bucketState, ok bool, now time.Time, t int64, b bucket)
 // settleQuotaUse is settle.lua's quota: take diff more (up to count +
 // maxDebt, beyond which it is forgiven, never lowering what was used) or
 // give -diff back (down to nothing), in the period the quota counts.
-func settleQuotaUse(state bucketState, v limitValues, diff, maxDebt int64) (after bucketState, forgiven float64) {
-	used := state.tokens
+func settleQuotaUse(state limit.State, v limit.Values, diff, maxDebt int64) (after limit.State, forgiven float64) {
+	used := state.Tokens
 	left := math.Max(0, used+float64(diff))
-	if ceiling := math.Max(used, float64(v.burst+maxDebt)); left > ceiling {
+	if ceiling := math.Max(used, float64(v.Burst+maxDebt)); left > ceiling {
 		forgiven, left = left-ceiling, ceiling
 	}
-	state.tokens = left
+	state.Tokens = left
 	return state, forgiven
 }
 
 // settleArg is "q" and the start of the period the reservation was taken
 // in: settled only in that period.
-func (*quota) settleArg(b bucket) any { return period(&b).settleKinds[shift(&b)+1] }
+func (*quota) SettleArg(b limit.Bucket) any { return period(&b).settleKinds[shift(&b)+1] }
 
 // settleHeld settles in the period the reservation was taken in
 // (settleQuotaUse). When its period is over, or it was reset, or it
 // counts another period than the reservation's, nothing settles, and the
 // reservation is what it charged.
-func (*quota) settleHeld(state bucketState, ok bool, t int64, b bucket, diff, cost, maxDebt int64) (bucketState, bool, float64, float64) {
-	if !ok || state.expires <= t || state.at != period(&b).bounds[shift(&b)+1] {
-		return state, false, float64(b.values.requested), 0
+func (*quota) SettleHeld(state limit.State, ok bool, t int64, b limit.Bucket, diff, cost, maxDebt int64) (limit.State, bool, float64, float64) {
+	if !ok || state.Expires <= t || state.At != period(&b).bounds[shift(&b)+1] {
+		return state, false, float64(b.Values.Requested), 0
 	}
-	after, forgiven := settleQuotaUse(state, b.values, diff, maxDebt)
+	after, forgiven := settleQuotaUse(state, b.Values, diff, maxDebt)
 	return after, true, float64(cost) - forgiven, forgiven
 }

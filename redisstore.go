@@ -4,6 +4,7 @@ import (
 	"context"
 	"time"
 
+	"github.com/caddy-redis/ratelimit/internal/limit"
 	"github.com/caddy-redis/ratelimit/internal/redisbatch"
 	"go.uber.org/zap"
 )
@@ -15,15 +16,15 @@ import (
 type redisStore struct {
 	h       *Handler
 	limiter *limiter
-	groups  [][]*limit // on Cluster, limits by hash slot, when they span several
-	holding bool       // some limit is held while a request is served (heldKind)
+	groups  [][]*limit.Limit // on Cluster, limits by hash slot, when they span several
+	holding bool             // some limit is held while a request is served (heldKind)
 }
 
 // A handler with a Redis client (Provision makes one unless the
 // buckets are in the process, or every limit blocks) keeps its buckets
 // in Redis.
 func init() {
-	registerStore(storeConfig{order: 1, build: func(h *Handler, below store) store {
+	registerStore(storeConfig{order: 1, build: func(h *Handler, below limit.Store) limit.Store {
 		if h.limiter == nil {
 			return below
 		}
@@ -33,11 +34,11 @@ func init() {
 
 // take takes a request's buckets in Redis; with buckets held while
 // served, as what requests hold of them needs (takeHolding).
-func (s *redisStore) take(ctx context.Context, r *call) (allowed bool, err error) {
+func (s *redisStore) Take(ctx context.Context, r *limit.Call) (allowed bool, err error) {
 	if s.holding {
-		allowed, err = s.takeHolding(ctx, r.sent, r.buckets)
+		allowed, err = s.takeHolding(ctx, r.Sent, r.Buckets)
 	} else {
-		allowed, err = s.takeAll(ctx, r.sent, r.buckets)
+		allowed, err = s.takeAll(ctx, r.Sent, r.Buckets)
 	}
 	s.h.answeredByRedis(ctx, r, allowed, err)
 	return allowed, err
@@ -45,7 +46,7 @@ func (s *redisStore) take(ctx context.Context, r *call) (allowed bool, err error
 
 // takeAll takes a request's buckets in Redis: in one call, or on a
 // Cluster whose hash slots they span, a call per slot group.
-func (s *redisStore) takeAll(ctx context.Context, sent time.Time, buckets []bucket) (bool, error) {
+func (s *redisStore) takeAll(ctx context.Context, sent time.Time, buckets []limit.Bucket) (bool, error) {
 	if s.groups == nil {
 		return s.limiter.take(ctx, sent, buckets)
 	}
@@ -56,21 +57,21 @@ func (s *redisStore) takeAll(ctx context.Context, sent time.Time, buckets []buck
 // (sent at r.sent): the metric of its time, the refused buckets' waits
 // (kind.refused), and a line for a failure, throttled (an open breaker
 // was logged when it opened).
-func (h *Handler) answeredByRedis(ctx context.Context, r *call, allowed bool, err error) {
+func (h *Handler) answeredByRedis(ctx context.Context, r *limit.Call, allowed bool, err error) {
 	if h.metrics != nil && err != redisbatch.ErrBreakerOpen {
-		h.metrics.redisDuration.Observe(time.Since(r.sent).Seconds())
+		h.metrics.redisDuration.Observe(time.Since(r.Sent).Seconds())
 	}
 	switch e := err.(type) {
 	case nil:
 		if !allowed {
-			completeRefusal(r.buckets)
+			limit.CompleteRefusal(r.Buckets)
 		}
 	case redisbatch.OverloadError:
 		if ctx.Err() != nil {
 			break // the client left; whatever happened is not worth a line
 		}
 		h.warnOverloaded(err)
-	case kindError:
+	case limit.KindError:
 		h.warnKind(e)
 	default:
 		if err == redisbatch.ErrBreakerOpen || ctx.Err() != nil {
@@ -80,26 +81,28 @@ func (h *Handler) answeredByRedis(ctx context.Context, r *call, allowed bool, er
 	}
 }
 
-func (s *redisStore) settle(r *call, items []settling) { s.h.settleInRedis(r.buckets, items) }
+func (s *redisStore) Settle(r *limit.Call, items []limit.Settling) {
+	s.h.settleInRedis(r.Buckets, items)
+}
 
 // peek reads a bucket held while served as what requests hold of it
 // (peekHeld).
-func (s *redisStore) peek(ctx context.Context, b bucket) (bucketView, error) {
-	if b.heldWhileServed() {
-		return s.limiter.peekHeld(ctx, b.key)
+func (s *redisStore) Peek(ctx context.Context, b limit.Bucket) (limit.View, error) {
+	if b.HeldWhileServed() {
+		return s.limiter.peekHeld(ctx, b.Key)
 	}
-	views, err := s.limiter.peek(ctx, []bucket{b})
+	views, err := s.limiter.peek(ctx, []limit.Bucket{b})
 	if err != nil {
-		return bucketView{}, err
+		return limit.View{}, err
 	}
 	return views[0], nil
 }
 
 // reset forgets this instance's cached denials of the key at once;
 // other instances forget theirs when the reset's message reaches them.
-func (s *redisStore) reset(ctx context.Context, b bucket) error {
-	s.h.forgetDenials([]string{b.key})
-	return s.limiter.reset(ctx, []string{b.key})
+func (s *redisStore) Reset(ctx context.Context, b limit.Bucket) error {
+	s.h.forgetDenials([]string{b.Key})
+	return s.limiter.reset(ctx, []string{b.Key})
 }
 
 // The warnings of a store's take, throttled, each in a function of its
@@ -117,9 +120,9 @@ func (h *Handler) warnOverloaded(err error) {
 	}
 }
 
-func (h *Handler) warnKind(err kindError) {
+func (h *Handler) warnKind(err limit.KindError) {
 	if ok, suppressed := h.redisWarns.Allow(); ok {
-		h.warnFailed(err.warning(), err, suppressed)
+		h.warnFailed(err.Warning(), err, suppressed)
 	}
 }
 

@@ -202,10 +202,10 @@ func TestRequestBodyAndWeightMistakesNameTheValue(t *testing.T) {
 // numbers alone is its sum, rounded up, in a limit and in a quota alike.
 func TestWeightedSumOfNumbersIsItsSumAtLoad(t *testing.T) {
 	h := caddyfileHandler(t, "rate_limit {\n\tstore memory\n\tlimit a 10 100 {\n\t\trequested_tokens 7*0.5 2\n\t}\n\tquota b 1000 per day {\n\t\trequested_tokens 3*1.25 0.1\n\t}\n}")
-	if got := h.limits[0].values.requested; got != 6 {
+	if got := h.limits[0].Values.Requested; got != 6 {
 		t.Errorf("limit a: requested %d, want 6 (3.5 + 2, rounded up)", got)
 	}
-	if got := h.limits[1].values.requested; got != 4 {
+	if got := h.limits[1].Values.Requested; got != 4 {
 		t.Errorf("quota b: requested %d, want 4 (3.75 + 0.1, rounded up)", got)
 	}
 }

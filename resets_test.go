@@ -70,7 +70,7 @@ func denyAndCache(t *testing.T, h *Handler, key string) {
 // message, and every one published before it, has been handled.
 func resetAndWait(t *testing.T, h *Handler, key string) time.Duration {
 	t.Helper()
-	if err := h.limiter.reset(context.Background(), []string{h.limits[0].keyPrefix + key}); err != nil {
+	if err := h.limiter.reset(context.Background(), []string{h.limits[0].KeyPrefix + key}); err != nil {
 		t.Fatal(err)
 	}
 	return eventually(t, 10*time.Second, "the reset of "+key+" is applied", func() bool {
@@ -180,7 +180,7 @@ func TestResetOfForeignKeysIsIgnored(t *testing.T) {
 	h := caddyfileHandler(t, fmt.Sprintf("rate_limit 0.01 1 {\n\tzone resetforeign\n\tkey {http.request.header.X-Key}\n\tredis %s\n}", srv.Addr))
 	waitSubscribed(t, srv.Client(t))
 	denyAndCache(t, h, "mine")
-	mine := h.limits[0].keyPrefix + "mine"
+	mine := h.limits[0].KeyPrefix + "mine"
 	if err := srv.Client(t).Del(context.Background(), mine).Err(); err != nil {
 		t.Fatal(err)
 	}
@@ -236,10 +236,10 @@ func TestDeadResetSubscriptionDropsCachedDenials(t *testing.T) {
 			c.kill(t, srv, proxy)
 			// Another instance resets x now; this one cannot hear it.
 			ctx := context.Background()
-			if err := rdb.Del(ctx, h.limits[0].keyPrefix+"x").Err(); err != nil {
+			if err := rdb.Del(ctx, h.limits[0].KeyPrefix+"x").Err(); err != nil {
 				t.Fatal(err)
 			}
-			if err := rdb.Publish(ctx, defaultKeyPrefix+"reset", h.limits[0].keyPrefix+"x").Err(); err != nil {
+			if err := rdb.Publish(ctx, defaultKeyPrefix+"reset", h.limits[0].KeyPrefix+"x").Err(); err != nil {
 				t.Fatal(err)
 			}
 			took := eventually(t, 10*time.Second, "x admitted again", func() bool {

@@ -8,6 +8,7 @@ import (
 	"strconv"
 	"testing"
 
+	"github.com/caddy-redis/ratelimit/internal/limit"
 	"github.com/caddy-redis/ratelimit/internal/redistest"
 	"github.com/redis/go-redis/v9"
 )
@@ -370,7 +371,7 @@ func TestScriptAndMemoryStoreExpireAlikeAcrossPlanChanges(t *testing.T) {
 	if err := rdb.ScriptLoad(ctx, scriptSource).Err(); err != nil {
 		t.Fatal(err)
 	}
-	plans := []limitValues{{100, 100, 1}, {0.1, 20, 1}, {10, 20, 1}, {0.5, 1, 1}, {5000.0 / 3600, 7, 2}, {1000, 1000, 3}}
+	plans := []limit.Values{{Rate: 100, Burst: 100, Requested: 1}, {Rate: 0.1, Burst: 20, Requested: 1}, {Rate: 10, Burst: 20, Requested: 1}, {Rate: 0.5, Burst: 1, Requested: 1}, {Rate: 5000.0 / 3600, Burst: 7, Requested: 2}, {Rate: 1000, Burst: 1000, Requested: 3}}
 	rng := rand.New(rand.NewPCG(7, 8))
 	var extended, kept, allowed int
 	for n := range 600 {
@@ -378,16 +379,16 @@ func TestScriptAndMemoryStoreExpireAlikeAcrossPlanChanges(t *testing.T) {
 		// A key written at was's values: tokens left, written elapsed ago,
 		// expiring when the bucket would be full at was's values.
 		// Half the cases near empty and lately written, to be denied.
-		tokens := rng.Float64() * float64(was.burst)
+		tokens := rng.Float64() * float64(was.Burst)
 		if n%2 == 0 {
-			tokens = rng.Float64() * float64(min(was.burst, 3))
+			tokens = rng.Float64() * float64(min(was.Burst, 3))
 		}
-		fill := int64(math.Max(1000, math.Ceil((float64(was.burst)-tokens)*1000/was.rate)))
+		fill := int64(math.Max(1000, math.Ceil((float64(was.Burst)-tokens)*1000/was.Rate)))
 		elapsed := rng.Int64N(fill - 5) // milliseconds; the key lives 5 ms more at least
 		if n%2 == 0 {
 			elapsed = rng.Int64N(20)
 		}
-		key, args := "expiry:"+strconv.Itoa(n), now.scriptArgs()
+		key, args := "expiry:"+strconv.Itoa(n), bucketArgs(now)
 		var stored *redis.StringCmd
 		var clock0, clock1, clock2 *redis.TimeCmd
 		var take *redis.Cmd
@@ -413,7 +414,7 @@ func TestScriptAndMemoryStoreExpireAlikeAcrossPlanChanges(t *testing.T) {
 		t0, t1, t2 := clock0.Val().UnixMicro(), clock1.Val().UnixMicro(), clock2.Val().UnixMicro()
 		// The key's expiry in Redis time: stored when written, fill-elapsed
 		// ms from then (the store ran right before t0).
-		state := bucketState{tokens: b.tokens, at: b.at, expires: b.at + fill*1000}
+		state := limit.State{Tokens: b.tokens, At: b.at, Expires: b.at + fill*1000}
 		what := fmt.Sprintf("case %d: %+v written at %+v, taken at %+v: reply %v", n, state, was, now, reply)
 		// The script ran at some time in [t0, t1]: an admitted take stores
 		// it; a denial pins it to about a microsecond by its wait. Every
@@ -423,11 +424,11 @@ func TestScriptAndMemoryStoreExpireAlikeAcrossPlanChanges(t *testing.T) {
 		expiresFrom, expiresTo := int64(math.MaxInt64), int64(math.MinInt64)
 		for at := t0; at <= t1; at++ {
 			current, from := currentState(state, true, at, now)
-			admit := refill(current, from, now) >= float64(now.requested)
+			admit := refill(current, from, now) >= float64(now.Requested)
 			after, stored, remaining, wait := settle(state, true, at, now, admit)
 			if [3]int64(reply) == [3]int64{boolInt(admit), remaining, wait} {
 				ok, store = true, stored
-				expiresFrom, expiresTo = min(expiresFrom, after.expires), max(expiresTo, after.expires)
+				expiresFrom, expiresTo = min(expiresFrom, after.Expires), max(expiresTo, after.Expires)
 			}
 		}
 		if !ok {

@@ -7,6 +7,7 @@ import (
 	"time"
 
 	"github.com/caddy-redis/ratelimit/internal/cost"
+	"github.com/caddy-redis/ratelimit/internal/limit"
 	"github.com/caddy-redis/ratelimit/internal/logs"
 	"github.com/caddy-redis/ratelimit/internal/scan"
 	"github.com/caddyserver/caddy/v2"
@@ -50,20 +51,16 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyht
 	return h.serveAndFinish(r, next, req)
 }
 
-// maxInlineBuckets is how many buckets a request holds without
-// allocating: enough for most policies.
-const maxInlineBuckets = 4
-
 // request is what a handler's stack knows of one request while deciding
 // it: its buckets and how it was decided. It is pooled, not on the
 // stack: the buckets go down the stack through an interface, which would
 // move a stack array of them to the heap (768 bytes a request).
 type request struct {
-	call
-	inline [maxInlineBuckets]bucket
+	limit.Call
+	inline [limit.MaxInline]limit.Bucket
 	// settling holds a charged request's settlements (charge.go), here
 	// for the reason the buckets are.
-	settling [maxInlineBuckets]settling
+	settling [limit.MaxInline]limit.Settling
 	// weights are its weights with placeholders, resolved once for the
 	// reservation, the check and the settlement (internal/cost).
 	weights cost.Memo
@@ -77,7 +74,7 @@ type request struct {
 	// its store holds until then (holdStep). registered says
 	// some step has something to do then.
 	w          http.ResponseWriter
-	hold       holding
+	hold       limit.Holding
 	charge     *cost.Writer
 	registered bool
 	// chargeWriter, chargeSettler and scanBody are charge's, here rather
@@ -95,8 +92,7 @@ var requests = sync.Pool{New: func() any { return new(request) }}
 // acquireRequest is a request from the pool, its buckets empty.
 func acquireRequest() *request {
 	r := requests.Get().(*request)
-	r.buckets, r.layerMarks = r.inline[:0], r.inlineMarks[:0]
-	r.admitted, r.refused, r.failed, r.takenBy = decisionAllowed, decisionDenied, false, nil
+	r.Call.Reset(r.inline[:0])
 	r.w, r.hold, r.charge, r.registered = nil, nil, nil, false
 	r.weights.Reset()
 	return r
@@ -105,11 +101,11 @@ func acquireRequest() *request {
 // free puts r back in the pool. Nothing may keep r's buckets after: a
 // goroutine or a call that outlives the request takes a copy.
 func (r *request) free() {
-	if cap(r.buckets) > maxInlineBuckets {
-		r.buckets = nil // not the pool's to keep
+	if cap(r.Buckets) > limit.MaxInline {
+		r.Buckets = nil // not the pool's to keep
 	}
-	if cap(r.layerMarks) > maxInlineBuckets {
-		r.layerMarks = nil
+	if cap(r.LayerMarks) > limit.MaxInline {
+		r.LayerMarks = nil
 	}
 	r.w, r.repl = nil, nil // nor the response's writer, nor its replacer
 	if r.charge != nil {
@@ -118,50 +114,6 @@ func (r *request) free() {
 	}
 	requests.Put(r)
 }
-
-// clearLayerMarks sets the request's layer marks to 0, one per bucket
-// (see layerMarks), and returns them.
-func (c *call) clearLayerMarks() []int64 {
-	if n := len(c.buckets); n <= maxInlineBuckets {
-		c.layerMarks = c.inlineMarks[:n]
-	} else {
-		c.layerMarks = make([]int64, n)
-	}
-	clear(c.layerMarks)
-	return c.layerMarks
-}
-
-// call is what a handler's stack is asked to decide: a request's
-// buckets, when it was sent, and how it was decided. Every store and
-// layer takes it (store.take) and fills in the answer.
-type call struct {
-	buckets []bucket
-	// sent is when the request's decision started: its take is as at
-	// then, and its call's timeout runs from then.
-	sent time.Time
-	// admitted and refused name the decision for the metrics and
-	// {http.rate_limit.result}: allowed and denied, unless a layer took
-	// the buckets elsewhere (takenBy) and names its own.
-	admitted, refused decision
-	// failed says that a layer decided without any bucket's answer, as
-	// failure (a fallback while the store fails).
-	failed  bool
-	failure decision
-	// takenBy is the store that took the request's buckets when a layer
-	// took them elsewhere than in the store below it (nil: that store
-	// took them): what it holds while served is kept there, its charges
-	// settle there.
-	takenBy store
-	// layerMarks are a word per bucket (layerMarks[i] is buckets[i]'s)
-	// that the layer deciding the request keeps from its take until its
-	// settlement, its own to set and read; in inlineMarks for up to
-	// maxInlineBuckets, as the buckets are.
-	layerMarks  []int64
-	inlineMarks [maxInlineBuckets]int64
-}
-
-// fail records that a layer decided the request without its buckets.
-func (c *call) fail(d decision) { c.failed, c.failure = true, d }
 
 // limit decides a request: pass says it goes on to the next handler,
 // else it ends with err (nil when the denial was written here). req is
@@ -176,14 +128,14 @@ func (h *Handler) limit(w http.ResponseWriter, r *http.Request) (_ *request, pas
 	repl := r.Context().Value(caddy.ReplacerCtxKey).(*caddy.Replacer)
 	req := acquireRequest()
 	req.repl = repl
-	if req.buckets, pass, err = h.resolve(w, r, repl, req); req.buckets == nil {
+	if req.Buckets, pass, err = h.resolve(w, r, repl, req); req.Buckets == nil {
 		req.free()
 		return nil, pass, err
 	}
-	req.sent = time.Now()
-	allowed, err := h.store.take(r.Context(), &req.call)
+	req.Sent = time.Now()
+	allowed, err := h.store.Take(r.Context(), &req.Call)
 	switch {
-	case req.failed:
+	case req.Failed:
 		pass, err = h.answerFailed(w, r, repl, req, allowed, err)
 	case err != nil:
 		// The client went away; that says nothing about Redis.
@@ -201,11 +153,11 @@ func (h *Handler) limit(w http.ResponseWriter, r *http.Request) (_ *request, pas
 // resolve finds a request's buckets. None (nil) when the request is
 // decided without asking a store: no limit applies (pass: it goes on),
 // or it is refused (the denial written, or err).
-func (h *Handler) resolve(w http.ResponseWriter, r *http.Request, repl *caddy.Replacer, req *request) (_ []bucket, pass bool, err error) {
-	buckets, skipped, err := h.resolveBucketsWith(r, repl, req.buckets, &req.weights)
+func (h *Handler) resolve(w http.ResponseWriter, r *http.Request, repl *caddy.Replacer, req *request) (_ []limit.Bucket, pass bool, err error) {
+	buckets, skipped, err := h.resolveBucketsWith(r, repl, req.Buckets, &req.weights)
 	switch {
 	case err == errEmptyKey:
-		h.record(repl, decisionEmptyKey, nil, -1)
+		h.record(repl, limit.DecisionEmptyKey, nil, -1)
 		return nil, false, reject(w, r, h.errEmptyKey)
 	case err != nil:
 		return nil, false, h.refuseInvalid(w, r, repl, err)
@@ -218,7 +170,7 @@ func (h *Handler) resolve(w http.ResponseWriter, r *http.Request, repl *caddy.Re
 			return nil, false, h.refuseInvalid(w, r, repl, err)
 		}
 	}
-	if blocked := blockedBucket(buckets); blocked >= 0 {
+	if blocked := limit.Blocked(buckets); blocked >= 0 {
 		return nil, false, h.refuseBlocked(w, r, repl, buckets, blocked)
 	}
 	return buckets, true, nil
@@ -226,10 +178,10 @@ func (h *Handler) resolve(w http.ResponseWriter, r *http.Request, repl *caddy.Re
 
 // refuseBlocked refuses a request one of whose buckets holds nothing
 // (burst 0), without asking a store.
-func (h *Handler) refuseBlocked(w http.ResponseWriter, r *http.Request, repl *caddy.Replacer, buckets []bucket, blocked int) error {
-	buckets[blocked].remaining, buckets[blocked].retryAfter = 0, -1
+func (h *Handler) refuseBlocked(w http.ResponseWriter, r *http.Request, repl *caddy.Replacer, buckets []limit.Bucket, blocked int) error {
+	buckets[blocked].Remaining, buckets[blocked].RetryAfter = 0, -1
 	h.headers.set(w.Header(), buckets, blocked, false)
-	h.record(repl, decisionDenied, buckets, blocked)
+	h.record(repl, limit.DecisionDenied, buckets, blocked)
 	return reject(w, r, h.errBlocked)
 }
 
@@ -237,10 +189,10 @@ func (h *Handler) refuseBlocked(w http.ResponseWriter, r *http.Request, repl *ca
 // without its buckets' answers (req.failed): pass when the layer allowed
 // it, else a denial that does not say the cause, err.
 func (h *Handler) answerFailed(w http.ResponseWriter, r *http.Request, repl *caddy.Replacer, req *request, pass bool, err error) (bool, error) {
-	buckets := req.buckets
-	buckets[0].remaining = -1
+	buckets := req.Buckets
+	buckets[0].Remaining = -1
 	h.headers.set(w.Header(), buckets[:1], 0, false)
-	h.record(repl, req.failure, buckets, 0)
+	h.record(repl, req.Failure, buckets, 0)
 	switch {
 	case pass:
 		return true, nil
@@ -258,20 +210,20 @@ func (h *Handler) answerFailed(w http.ResponseWriter, r *http.Request, repl *cad
 // shadow mode, on). An admitted request registers what must follow its
 // response.
 func (h *Handler) answer(w http.ResponseWriter, r *http.Request, repl *caddy.Replacer, req *request, allowed bool) (pass bool, err error) {
-	buckets := req.buckets
+	buckets := req.Buckets
 	if !allowed && h.ResetJitter > 0 {
 		jitterRefusal(buckets, time.Duration(h.ResetJitter)) // before anything says the wait
 	}
-	described := describe(buckets, allowed)
+	described := limit.Described(buckets, allowed)
 	h.headers.set(w.Header(), buckets, described, !allowed && !h.Shadow)
 	switch {
 	case allowed:
-		h.record(repl, req.admitted, buckets, described)
+		h.record(repl, req.Admitted, buckets, described)
 	case h.Shadow:
-		h.record(repl, decisionShadowDenied, buckets, described)
+		h.record(repl, limit.DecisionShadowDenied, buckets, described)
 		h.logShadowDenial(buckets, described)
 	default:
-		h.record(repl, req.refused, buckets, described)
+		h.record(repl, req.Refused, buckets, described)
 		return false, reject(w, r, h.errDenied)
 	}
 	if allowed {
@@ -331,16 +283,16 @@ var errEmptyKey = errors.New("empty key")
 // configuration mistake). The warning is throttled.
 func (h *Handler) refuseInvalid(w http.ResponseWriter, r *http.Request, repl *caddy.Replacer, err error) error {
 	status := http.StatusInternalServerError
-	var pe *paramError
+	var pe *limit.ParamError
 	var ve *cost.ValueError
-	if errors.As(err, &pe) && pe.param == "requested_tokens" || errors.As(err, &ve) && ve.FromRequest {
+	if errors.As(err, &pe) && pe.Param == "requested_tokens" || errors.As(err, &ve) && ve.FromRequest {
 		status = http.StatusBadRequest
 	}
 	if ok, suppressed := h.paramWarns.Allow(); ok {
 		h.logger.Warn("a limit's value from the request is out of range; refused without taking tokens",
 			zap.String("zone", h.Zone), zap.Int("status", status), zap.Error(err), logs.Suppressed(suppressed))
 	}
-	h.record(repl, decisionInvalid, nil, -1)
+	h.record(repl, limit.DecisionInvalid, nil, -1)
 	return reject(w, r, prebuiltError(status, err))
 }
 

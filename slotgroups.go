@@ -4,6 +4,7 @@ import (
 	"context"
 	"time"
 
+	"github.com/caddy-redis/ratelimit/internal/limit"
 	"github.com/caddy-redis/ratelimit/internal/logs"
 	"go.uber.org/zap"
 )
@@ -16,13 +17,13 @@ import (
 
 // hashSlotGroups splits the limits by Cluster hash slot, in the order their
 // key templates first appear.
-func hashSlotGroups(limits []*limit) [][]*limit {
-	var groups [][]*limit
+func hashSlotGroups(limits []*limit.Limit) [][]*limit.Limit {
+	var groups [][]*limit.Limit
 	for _, l := range limits {
-		if l.group == len(groups) {
+		if l.Group == len(groups) {
 			groups = append(groups, nil)
 		}
-		groups[l.group] = append(groups[l.group], l)
+		groups[l.Group] = append(groups[l.Group], l)
 	}
 	return groups
 }
@@ -31,14 +32,14 @@ func hashSlotGroups(limits []*limit) [][]*limit {
 // script call per group (one hash slot each), whether or not the client is
 // still there: the tokens must not stay taken. A failure is logged; those
 // buckets then stay short until they refill.
-func (h *Handler) giveBackGroups(clientCtx context.Context, taken []bucket) {
+func (h *Handler) giveBackGroups(clientCtx context.Context, taken []limit.Bucket) {
 	ctx := context.WithoutCancel(clientCtx)
 	if h.holding {
 		taken = h.releaseTaken(taken) // what is held while served goes back its own way
 	}
 	for start := 0; start < len(taken); {
 		end := start + 1
-		for end < len(taken) && taken[end].limit.group == taken[start].limit.group {
+		for end < len(taken) && taken[end].Limit.Group == taken[start].Limit.Group {
 			end++
 		}
 		if err := h.limiter.giveBack(ctx, time.Now(), taken[start:end]); err != nil {
@@ -58,14 +59,14 @@ func (h *Handler) giveBackGroups(clientCtx context.Context, taken []bucket) {
 // taken, capped at its burst, is never fuller than it would have been, so
 // the bound holds; a request that meets such a bucket meanwhile may be
 // refused, briefly, when it would otherwise fit.
-func (h *Handler) takeGroups(clientCtx context.Context, sent time.Time, buckets []bucket) (bool, error) {
-	var inline [maxInlineBuckets]bucket
-	var given [maxInlineBuckets]bucket
+func (h *Handler) takeGroups(clientCtx context.Context, sent time.Time, buckets []limit.Bucket) (bool, error) {
+	var inline [limit.MaxInline]limit.Bucket
+	var given [limit.MaxInline]limit.Bucket
 	taken := given[:0]
 	for g := range h.groups {
 		group := inline[:0]
 		for i := range buckets {
-			if buckets[i].limit.group == g {
+			if buckets[i].Limit.Group == g {
 				group = append(group, buckets[i])
 			}
 		}
@@ -75,11 +76,11 @@ func (h *Handler) takeGroups(clientCtx context.Context, sent time.Time, buckets 
 		allowed, err := h.limiter.take(clientCtx, sent, group)
 		j := 0
 		for i := range buckets {
-			if buckets[i].limit.group == g {
-				buckets[i].remaining, buckets[i].retryAfter, buckets[i].kindN = group[j].remaining, group[j].retryAfter, group[j].kindN
+			if buckets[i].Limit.Group == g {
+				buckets[i].Remaining, buckets[i].RetryAfter, buckets[i].KindN = group[j].Remaining, group[j].RetryAfter, group[j].KindN
 				j++
-			} else if buckets[i].limit.group > g {
-				buckets[i].unknown = !allowed || err != nil
+			} else if buckets[i].Limit.Group > g {
+				buckets[i].Unknown = !allowed || err != nil
 			}
 		}
 		if err == nil && allowed {
@@ -88,11 +89,11 @@ func (h *Handler) takeGroups(clientCtx context.Context, sent time.Time, buckets 
 		}
 		h.giveBackGroups(clientCtx, taken)
 		for i := range buckets {
-			if buckets[i].limit.group < g {
+			if buckets[i].Limit.Group < g {
 				// Given back: it holds the request's tokens again, so its
 				// wait after the take is no reason to come back later.
-				buckets[i].remaining += buckets[i].values.requested
-				buckets[i].retryAfter = 0
+				buckets[i].Remaining += buckets[i].Values.Requested
+				buckets[i].RetryAfter = 0
 			}
 		}
 		return false, err

@@ -9,6 +9,7 @@ import (
 	"sync"
 	"time"
 
+	"github.com/caddy-redis/ratelimit/internal/limit"
 	"github.com/caddy-redis/ratelimit/internal/logs"
 	"github.com/caddy-redis/ratelimit/internal/redisbatch"
 	"go.uber.org/zap"
@@ -21,7 +22,7 @@ type slotHold struct {
 	h      *Handler
 	id     *string // the slot id, as the script took it (newSlotID): a word less than an any
 	keys   []string
-	limits []*limit
+	limits []*limit.Limit
 	// slots are, in Redis, each limit's slots n for this request as
 	// script argument when one resolves them per request (plans); nil
 	// when every limit's n is fixed, in its args (slotN).
@@ -32,7 +33,7 @@ type slotHold struct {
 	// maxInlineBuckets made it 112 bytes more:
 	// BenchmarkServeHTTPConcurrentParallel 1436 -> 1330 B/op).
 	inlineKeys   [1]string
-	inlineLimits [1]*limit
+	inlineLimits [1]*limit.Limit
 
 	mu       sync.Mutex
 	released bool
@@ -67,14 +68,14 @@ func (s *slotHold) slotN(i int) any {
 	if s.slots != nil {
 		return s.slots[i]
 	}
-	return s.limits[i].args[1]
+	return s.limits[i].Args[1]
 }
 
 // takeHolding takes a request's buckets in Redis, some of them slots
 // held while served: a refusal while a release of one of their slots is
 // on its way waits for it, then asks once more; a take whose reply was
 // lost gives back the slots it may have taken (releaseLostTake).
-func (s *redisStore) takeHolding(ctx context.Context, sent time.Time, buckets []bucket) (bool, error) {
+func (s *redisStore) takeHolding(ctx context.Context, sent time.Time, buckets []limit.Bucket) (bool, error) {
 	slots := s.limiter.slots()
 	returning := slots.returning(buckets)
 	allowed, err := s.takeAll(ctx, sent, buckets)
@@ -89,8 +90,8 @@ func (s *redisStore) takeHolding(ctx context.Context, sent time.Time, buckets []
 
 // hold is the slots that an admitted request took in Redis, renewed
 // there until its response has ended (store.hold).
-func (s *redisStore) hold(r *call) holding {
-	if hold := s.h.holdSlots(r.buckets); hold != nil {
+func (s *redisStore) Hold(r *limit.Call) limit.Holding {
+	if hold := s.h.holdSlots(r.Buckets); hold != nil {
 		return hold
 	}
 	return nil
@@ -98,8 +99,8 @@ func (s *redisStore) hold(r *call) holding {
 
 // holdSlots records the slots in Redis a request was admitted with, and
 // starts their renewal; nil when it holds none.
-func (h *Handler) holdSlots(buckets []bucket) *slotHold {
-	k := firstHeld(buckets)
+func (h *Handler) holdSlots(buckets []limit.Bucket) *slotHold {
+	k := limit.FirstHeld(buckets)
 	if k == len(buckets) {
 		return nil
 	}
@@ -108,17 +109,17 @@ func (h *Handler) holdSlots(buckets []bucket) *slotHold {
 	perRequest := false
 	for i := k; i < len(buckets); i++ {
 		b := &buckets[i]
-		hold.id = b.args[2].(*string)
-		hold.keys = append(hold.keys, b.key)
-		hold.limits = append(hold.limits, b.limit)
-		perRequest = perRequest || !b.limit.fixed
-		if every := holdOf(b.limit) / 3; hold.every == 0 || every < hold.every {
+		hold.id = b.Args[2].(*string)
+		hold.keys = append(hold.keys, b.Key)
+		hold.limits = append(hold.limits, b.Limit)
+		perRequest = perRequest || !b.Limit.Fixed
+		if every := holdOf(b.Limit) / 3; hold.every == 0 || every < hold.every {
 			hold.every = every
 		}
 	}
 	if perRequest {
 		for i := k; i < len(buckets); i++ {
-			hold.slots = append(hold.slots, buckets[i].args[1])
+			hold.slots = append(hold.slots, buckets[i].Args[1])
 		}
 	}
 	h.limiter.slots().renewals.add(hold)
@@ -126,7 +127,7 @@ func (h *Handler) holdSlots(buckets []bucket) *slotHold {
 }
 
 // release gives the slots back, once.
-func (s *slotHold) release() {
+func (s *slotHold) Release() {
 	s.mu.Lock()
 	if s.released {
 		s.mu.Unlock()
@@ -177,7 +178,7 @@ const renewTick = minSlotHold / 6
 // ticker with the first.
 func (r *slotRenewals) add(s *slotHold) {
 	r.startTicker(s.h.limiter)
-	now := time.Since(clockStart)
+	now := time.Since(limit.ClockStart)
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	s.renewedAt = now
@@ -271,7 +272,7 @@ func (r *slotRenewals) renewSlots(l *limiter) {
 		case <-l.batcher.Done():
 			return
 		case tick := <-ticker.C:
-			now := tick.Sub(clockStart)
+			now := tick.Sub(limit.ClockStart)
 			r.mu.Lock()
 			for _, x := range r.retries {
 				if now < x.until {
@@ -346,14 +347,14 @@ func (h *Handler) slotGone(reply int64) {
 
 // peekHeld reads what requests hold of a bucket held while served: the
 // slots of a concurrent limit's set in Redis, without changing them.
-func (l *limiter) peekHeld(ctx context.Context, key string) (bucketView, error) {
+func (l *limiter) peekHeld(ctx context.Context, key string) (limit.View, error) {
 	reply, err := l.client.Eval(ctx, peekSlotsSource, []string{key}).Int64Slice()
 	if err != nil {
-		return bucketView{}, err
+		return limit.View{}, err
 	}
-	v := bucketView{inUse: int64(len(reply))}
+	v := limit.View{InUse: int64(len(reply))}
 	for _, us := range reply {
-		v.expiries = append(v.expiries, time.Duration(us)*time.Microsecond)
+		v.Expiries = append(v.Expiries, time.Duration(us)*time.Microsecond)
 	}
 	return v, nil
 }

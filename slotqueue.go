@@ -14,6 +14,7 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/caddy-redis/ratelimit/internal/limit"
 	"github.com/caddy-redis/ratelimit/internal/redisbatch"
 )
 
@@ -63,7 +64,7 @@ func (p *redisSlots) queued() bool { return p.releaseQueue.queued() || p.renewQu
 // returning says whether a release of one of the buckets' slots is on
 // its way, or failed and waits to be sent again: a refusal of the
 // buckets may be for want of it (awaitReturns).
-func (p *redisSlots) returning(buckets []bucket) bool { return p.releases.pending(buckets) }
+func (p *redisSlots) returning(buckets []limit.Bucket) bool { return p.releases.pending(buckets) }
 
 // queueRelease queues the release of a hold's slots in Redis, counted
 // pending by the caller (pendingReleases), and wakes a worker; it does
@@ -341,9 +342,9 @@ func (p *pendingReleases) add(keys []string, n int32) {
 
 // pending says whether a release of any of the buckets' slot keys is
 // pending.
-func (p *pendingReleases) pending(buckets []bucket) bool {
-	for i := firstHeld(buckets); i < len(buckets); i++ {
-		if p.keyPending(buckets[i].key) {
+func (p *pendingReleases) pending(buckets []limit.Bucket) bool {
+	for i := limit.FirstHeld(buckets); i < len(buckets); i++ {
+		if p.keyPending(buckets[i].Key) {
 			return true
 		}
 	}
@@ -375,10 +376,10 @@ func (p *pendingReleases) total() int64 {
 // failure (sent now, not at the next tick), until the releases of its
 // keys are answered, at most until the deadline; it says whether the
 // request should ask again.
-func (p *redisSlots) awaitReturns(l *limiter, buckets []bucket, deadline time.Time) bool {
+func (p *redisSlots) awaitReturns(l *limiter, buckets []limit.Bucket, deadline time.Time) bool {
 	full := false
-	for i := firstHeld(buckets); i < len(buckets); i++ {
-		full = full || buckets[i].remaining == 0
+	for i := limit.FirstHeld(buckets); i < len(buckets); i++ {
+		full = full || buckets[i].Remaining == 0
 	}
 	if !full {
 		return false

@@ -13,6 +13,7 @@ import (
 	"slices"
 	"time"
 
+	"github.com/caddy-redis/ratelimit/internal/limit"
 	"github.com/caddy-redis/ratelimit/internal/redisbatch"
 )
 
@@ -20,7 +21,7 @@ import (
 // starts at start (the slots of one group are consecutive).
 func (s *slotHold) groupEnd(start int) int {
 	end := start + 1
-	for end < len(s.keys) && s.limits[end].group == s.limits[start].group {
+	for end < len(s.keys) && s.limits[end].Group == s.limits[start].Group {
 		end++
 	}
 	return end
@@ -81,7 +82,7 @@ func (s *slotHold) expiresBy(key string) time.Duration {
 // idempotent, and each is sent again only until its slot has expired by
 // itself (expiresBy); a breaker open answers them without a round trip.
 func (r *slotRenewals) answerReleases(l *limiter, keys []string, holds []*slotHold, reply []int64, err error) {
-	now := time.Since(clockStart)
+	now := time.Since(limit.ClockStart)
 	kept := false
 	r.mu.Lock()
 	for i, key := range keys {
@@ -108,13 +109,13 @@ func (r *slotRenewals) answerReleases(l *limiter, keys []string, holds []*slotHo
 // retryNow queues at once the releases kept for a retry (answerReleases)
 // of the slots among buckets: a request of their key that a full limit
 // refused waits for them (awaitReturns), rather than for the next tick.
-func (r *slotRenewals) retryNow(l *limiter, buckets []bucket) {
-	held := buckets[firstHeld(buckets):]
+func (r *slotRenewals) retryNow(l *limiter, buckets []limit.Bucket) {
+	held := buckets[limit.FirstHeld(buckets):]
 	var due []slotRetry
 	r.mu.Lock()
 	kept := r.retries[:0]
 	for _, x := range r.retries {
-		if slices.ContainsFunc(held, func(b bucket) bool { return b.key == x.key[0] }) {
+		if slices.ContainsFunc(held, func(b limit.Bucket) bool { return b.Key == x.key[0] }) {
 			due = append(due, x)
 		} else {
 			kept = append(kept, x)
@@ -163,24 +164,24 @@ func (s *slotHold) send() {
 // earlier Cluster group, when a later group refused, and returns the
 // token buckets among them, for giveBack. A release that fails is sent
 // again at the next tick (send).
-func (h *Handler) releaseTaken(taken []bucket) []bucket {
-	k := firstHeld(taken)
+func (h *Handler) releaseTaken(taken []limit.Bucket) []limit.Bucket {
+	k := limit.FirstHeld(taken)
 	if k == len(taken) {
 		return taken
 	}
 	tokens := taken[:0:0]
 	// Taken a moment ago: its slots expire a hold from now at the latest.
-	hold := &slotHold{h: h, released: true, renewedAt: time.Since(clockStart)}
+	hold := &slotHold{h: h, released: true, renewedAt: time.Since(limit.ClockStart)}
 	for i := range taken {
 		b := &taken[i]
-		if !b.heldWhileServed() {
+		if !b.HeldWhileServed() {
 			tokens = append(tokens, *b)
 			continue
 		}
-		hold.id = b.args[2].(*string)
-		hold.keys = append(hold.keys, b.key)
-		hold.limits = append(hold.limits, b.limit)
-		if every := holdOf(b.limit) / 3; hold.every == 0 || every < hold.every {
+		hold.id = b.Args[2].(*string)
+		hold.keys = append(hold.keys, b.Key)
+		hold.limits = append(hold.limits, b.Limit)
+		if every := holdOf(b.Limit) / 3; hold.every == 0 || every < hold.every {
 			hold.every = every
 		}
 	}
@@ -208,18 +209,18 @@ func mayHaveRun(err error) bool {
 // in a TCP retransmission): the release is then sent again at each tick
 // until it frees the slot, or the slot would have expired
 // (answerReleases).
-func (h *Handler) releaseLostTake(buckets []bucket, err error) {
+func (h *Handler) releaseLostTake(buckets []limit.Bucket, err error) {
 	if !mayHaveRun(err) {
 		return
 	}
 	// Sent before now: its slots expire a hold from now at the latest.
-	hold := &slotHold{h: h, released: true, lost: true, renewedAt: time.Since(clockStart)}
-	for i := firstHeld(buckets); i < len(buckets); i++ {
+	hold := &slotHold{h: h, released: true, lost: true, renewedAt: time.Since(limit.ClockStart)}
+	for i := limit.FirstHeld(buckets); i < len(buckets); i++ {
 		b := &buckets[i]
-		hold.id = b.args[2].(*string)
-		hold.keys = append(hold.keys, b.key)
-		hold.limits = append(hold.limits, b.limit)
-		if every := holdOf(b.limit) / 3; hold.every == 0 || every < hold.every {
+		hold.id = b.Args[2].(*string)
+		hold.keys = append(hold.keys, b.Key)
+		hold.limits = append(hold.limits, b.Limit)
+		if every := holdOf(b.Limit) / 3; hold.every == 0 || every < hold.every {
 			hold.every = every
 		}
 	}

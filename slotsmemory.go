@@ -7,6 +7,8 @@ import (
 	"sync"
 	"sync/atomic"
 	"time"
+
+	"github.com/caddy-redis/ratelimit/internal/limit"
 )
 
 // In-process slots, for the memory store: a count per key,
@@ -31,7 +33,7 @@ type slotEntry struct {
 // it was taken from (kindN), for its release (memoryHold): read later,
 // it could be a count that an admin reset and another take made
 // meanwhile.
-func (s *memoryStore) takeInProcess(now time.Time, buckets []bucket) (bool, error) {
+func (s *memoryStore) takeInProcess(now time.Time, buckets []limit.Bucket) (bool, error) {
 	return s.decideInProcess(now, buckets, true)
 }
 
@@ -40,15 +42,15 @@ func (s *memoryStore) takeInProcess(now time.Time, buckets []bucket) (bool, erro
 // taking anything when it would not: for a request of which these are
 // only some buckets, whose others are not known yet (refuseBeforeBody).
 // A refusal of some of a request's buckets is the whole request's.
-func (s *memoryStore) refusesInProcess(now time.Time, buckets []bucket) bool {
+func (s *memoryStore) refusesInProcess(now time.Time, buckets []limit.Bucket) bool {
 	allowed, err := s.decideInProcess(now, buckets, false)
 	return err == nil && !allowed
 }
 
 // decideInProcess is takeInProcess, which takes nothing when take is
 // false and the request would be admitted (decideTokens).
-func (s *memoryStore) decideInProcess(now time.Time, buckets []bucket, take bool) (bool, error) {
-	k := firstHeld(buckets)
+func (s *memoryStore) decideInProcess(now time.Time, buckets []limit.Bucket, take bool) (bool, error) {
+	k := limit.FirstHeld(buckets)
 	if k == len(buckets) {
 		return s.decideTokens(now, buckets, take)
 	}
@@ -62,17 +64,17 @@ func (s *memoryStore) decideInProcess(now time.Time, buckets []bucket, take bool
 	for i := k; i < len(buckets); i++ {
 		b := &buckets[i]
 		used := int64(0)
-		if e := sc.entries[s.storedKey(b.key)]; e != nil {
+		if e := sc.entries[s.storedKey(b.Key)]; e != nil {
 			used = e.used
 		}
-		b.remaining, b.retryAfter = max(0, b.values.burst-used), 0
-		free = free && used < b.values.burst
+		b.Remaining, b.RetryAfter = max(0, b.Values.Burst-used), 0
+		free = free && used < b.Values.Burst
 	}
 	if !free {
 		for i := range k {
-			buckets[i].unknown = true // not asked: the slots refused first
+			buckets[i].Unknown = true // not asked: the slots refused first
 		}
-		completeRefusal(buckets)
+		limit.CompleteRefusal(buckets)
 		return false, nil
 	}
 	allowed := true
@@ -87,7 +89,7 @@ func (s *memoryStore) decideInProcess(now time.Time, buckets []bucket, take bool
 	}
 	for i := k; i < len(buckets); i++ {
 		b := &buckets[i]
-		key := s.storedKey(b.key)
+		key := s.storedKey(b.Key)
 		e := sc.entries[key]
 		if e == nil {
 			sc.gen++
@@ -95,8 +97,8 @@ func (s *memoryStore) decideInProcess(now time.Time, buckets []bucket, take bool
 			sc.entries[key] = e
 		}
 		e.used++
-		b.remaining--
-		b.kindN = int64(e.gen)
+		b.Remaining--
+		b.KindN = int64(e.gen)
 	}
 	return true, nil
 }
@@ -131,8 +133,8 @@ func (c *heldCounts) free(key string) {
 }
 
 // hold is the slots that an admitted request took in the process.
-func (p inProcess) hold(r *call) holding {
-	if hold := p.s.holdSlots(r.buckets); hold != nil {
+func (p inProcess) Hold(r *limit.Call) limit.Holding {
+	if hold := p.s.holdSlots(r.Buckets); hold != nil {
 		return hold
 	}
 	return nil
@@ -140,8 +142,8 @@ func (p inProcess) hold(r *call) holding {
 
 // peekHeld reads what requests hold of a bucket held while served: the
 // slots of a concurrent limit's key in use.
-func (s *memoryStore) peekHeld(key string) bucketView {
-	return bucketView{inUse: s.slotsInUse(key)}
+func (s *memoryStore) peekHeld(key string) limit.View {
+	return limit.View{InUse: s.slotsInUse(key)}
 }
 
 // memoryHold is the slots one request holds in a memory store, from
@@ -160,22 +162,22 @@ type memoryHold struct {
 
 // holdSlots records the slots a request was admitted with; nil when it
 // holds none.
-func (s *memoryStore) holdSlots(buckets []bucket) *memoryHold {
-	k := firstHeld(buckets)
+func (s *memoryStore) holdSlots(buckets []limit.Bucket) *memoryHold {
+	k := limit.FirstHeld(buckets)
 	if k == len(buckets) {
 		return nil
 	}
 	hold := &memoryHold{s: s}
 	hold.keys, hold.gens = hold.inlineKeys[:0], hold.inlineGens[:0]
 	for i := k; i < len(buckets); i++ {
-		hold.keys = append(hold.keys, buckets[i].key)
-		hold.gens = append(hold.gens, uint64(buckets[i].kindN))
+		hold.keys = append(hold.keys, buckets[i].Key)
+		hold.gens = append(hold.gens, uint64(buckets[i].KindN))
 	}
 	return hold
 }
 
 // release gives the slots back, once.
-func (m *memoryHold) release() {
+func (m *memoryHold) Release() {
 	if m.released.Swap(true) {
 		return
 	}

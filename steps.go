@@ -1,6 +1,10 @@
 package ratelimit
 
-import "net/http"
+import (
+	"net/http"
+
+	"github.com/caddy-redis/ratelimit/internal/limit"
+)
 
 // What the features of a handler do around a request's decision, beside
 // the decision itself: read values before it (request_body), and, for an
@@ -49,10 +53,6 @@ type step interface {
 	finish(r *http.Request, req *request, err error)
 }
 
-// holding is what a request holds while it is served, where its store
-// took it (store.hold), to give back once the response has ended.
-type holding interface{ release() }
-
 // holdStep is the step of a handler with limits held while served
 // (heldKind): an admitted request holds what its store answers
 // (store.hold) while its response is served, counted in the in_flight
@@ -60,10 +60,10 @@ type holding interface{ release() }
 type holdStep struct{ h *Handler }
 
 func (s holdStep) register(req *request) bool {
-	if firstHeld(req.buckets) < len(req.buckets) {
-		if hold := s.h.store.hold(&req.call); hold != nil {
+	if limit.FirstHeld(req.Buckets) < len(req.Buckets) {
+		if hold := s.h.store.Hold(&req.Call); hold != nil {
 			req.hold = hold
-			countInFlight(req.buckets, 1)
+			countInFlight(req.Buckets, 1)
 		}
 	}
 	return req.hold != nil
@@ -71,8 +71,8 @@ func (s holdStep) register(req *request) bool {
 
 func (holdStep) finish(_ *http.Request, req *request, _ error) {
 	if req.hold != nil {
-		countInFlight(req.buckets, -1)
-		req.hold.release()
+		countInFlight(req.Buckets, -1)
+		req.hold.Release()
 	}
 }
 
@@ -88,9 +88,9 @@ func (h *Handler) addStep(s step) {
 
 // countInFlight adds d to the in_flight gauge of each of the buckets
 // held while served (limit.inFlight).
-func countInFlight(buckets []bucket, d float64) {
-	for i := firstHeld(buckets); i < len(buckets); i++ {
-		if g := buckets[i].limit.inFlight; g != nil {
+func countInFlight(buckets []limit.Bucket, d float64) {
+	for i := limit.FirstHeld(buckets); i < len(buckets); i++ {
+		if g := buckets[i].Limit.InFlight; g != nil {
 			g.Add(d)
 		}
 	}

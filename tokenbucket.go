@@ -10,6 +10,7 @@ import (
 
 	"github.com/caddy-redis/ratelimit/internal/cost"
 	"github.com/caddy-redis/ratelimit/internal/keys"
+	"github.com/caddy-redis/ratelimit/internal/limit"
 	"github.com/caddyserver/caddy/v2"
 )
 
@@ -49,73 +50,31 @@ const wantRate = "want a positive number of tokens per second"
 // replaced) and judges them together. An empty burst or cost stands for
 // its default. unlimited says the rate is `unlimited`: the limit does not
 // apply.
-func resolveValues(rate, burst, requested string) (v limitValues, isUnlimited bool, err error) {
-	if rate == unlimited {
+func resolveValues(rate, burst, requested string) (v limit.Values, isUnlimited bool, err error) {
+	if rate == limit.Unlimited {
 		return v, true, nil
 	}
 	if rate == "" && burst != "0" {
-		return v, false, &paramError{"replenish_rate", "replenish_rate is required (or burst_capacity 0 to block every request)"}
+		return v, false, &limit.ParamError{Param: "replenish_rate", Msg: "replenish_rate is required (or burst_capacity 0 to block every request)"}
 	}
 	if rate != "" {
-		if v.rate, err = parseRate(rate); err != nil {
-			return v, false, badValue("replenish_rate", rate, ": "+err.Error())
+		if v.Rate, err = parseRate(rate); err != nil {
+			return v, false, limit.BadValue("replenish_rate", rate, ": "+err.Error())
 		}
 	}
-	v.burst = int64(math.Ceil(v.rate))
+	v.Burst = int64(math.Ceil(v.Rate))
 	if burst != "" {
-		if v.burst, err = strconv.ParseInt(burst, 10, 64); err != nil {
-			return v, false, badValue("burst_capacity", burst, "is not a whole number")
+		if v.Burst, err = strconv.ParseInt(burst, 10, 64); err != nil {
+			return v, false, limit.BadValue("burst_capacity", burst, "is not a whole number")
 		}
 	}
-	v.requested = 1
+	v.Requested = 1
 	if requested != "" {
-		if v.requested, err = strconv.ParseInt(requested, 10, 64); err != nil {
-			return v, false, badValue("requested_tokens", requested, "is not a whole number")
+		if v.Requested, err = strconv.ParseInt(requested, 10, 64); err != nil {
+			return v, false, limit.BadValue("requested_tokens", requested, "is not a whole number")
 		}
 	}
-	return v, false, v.check()
-}
-
-// check judges a limit's values together; its messages name each value
-// and say what would fix it.
-//
-// The values are formatted only for a message: a limit whose values come
-// from the request is judged on each one (3 allocs less per request of
-// make bench's llm@64: BenchmarkServeHTTPLLM/llm).
-func (v limitValues) check() error {
-	rate := func() string { return strconv.FormatFloat(v.rate, 'g', -1, 64) }
-	burst := func() string { return strconv.FormatInt(v.burst, 10) }
-	requested := func() string { return strconv.FormatInt(v.requested, 10) }
-	switch {
-	case v.burst < 0:
-		return badValue("burst_capacity", burst(), "must not be negative")
-	case v.burst == 0:
-		return nil // blocks everything; rate and cost do not matter
-	case !(v.rate > 0) || math.IsInf(v.rate, 0):
-		return badValue("replenish_rate", rate(), ": "+wantRate)
-	case float64(v.burst) < v.rate:
-		return badValue("burst_capacity", burst(), fmt.Sprintf("is smaller than replenish_rate '%s': the bucket could never hold one second's refill, "+
-			"so clients would be held below the configured rate; raise burst_capacity to at least %v", rate(), math.Ceil(v.rate)))
-	case v.burst > maxExactTokens:
-		return badValue("burst_capacity", burst(), "is above 2^53, where the script's numbers stop being exact; lower it")
-	case float64(v.burst)/v.rate > maxFillSeconds:
-		return badValue("replenish_rate", rate(), fmt.Sprintf("is so small that an empty bucket of %d tokens would take %.3g days to fill "+
-			"(more than a year, past what Retry-After can say); raise it to at least %v", v.burst, float64(v.burst)/v.rate/86400, float64(v.burst)/maxFillSeconds))
-	case v.requested < 1:
-		return badValue("requested_tokens", requested(), "must be at least 1")
-	case v.requested > v.burst:
-		return badValue("requested_tokens", requested(), fmt.Sprintf("is more than burst_capacity '%d': no request could ever be admitted", v.burst))
-	}
-	return nil
-}
-
-// scriptArgs are the values as the script takes them.
-func (v limitValues) scriptArgs() [3]any {
-	return [3]any{
-		strconv.FormatFloat(v.rate, 'f', -1, 64),
-		strconv.FormatInt(v.burst, 10),
-		strconv.FormatInt(v.requested, 10),
-	}
+	return v, false, checkBucket(v)
 }
 
 // checkValues judges a limit's rate, burst and cost: each fixed one
@@ -128,35 +87,35 @@ func checkValues(rate, burst, cost Param, together bool) error {
 	if err != nil {
 		return err
 	}
-	if together && !rate.perRequest() && !burst.perRequest() && !cost.perRequest() {
+	if together && !rate.PerRequest() && !burst.PerRequest() && !cost.PerRequest() {
 		_, _, err := resolveValues(string(rate), string(burst), string(cost))
 		return err
 	}
-	v := limitValues{requested: 1}
-	fixedRate := !rate.perRequest() && rate != "" && rate != unlimited
-	fixedBurst := !burst.perRequest() && burst != "" && burst != unlimited
-	fixedCost := !cost.perRequest() && cost != ""
+	v := limit.Values{Requested: 1}
+	fixedRate := !rate.PerRequest() && rate != "" && rate != limit.Unlimited
+	fixedBurst := !burst.PerRequest() && burst != "" && burst != limit.Unlimited
+	fixedCost := !cost.PerRequest() && cost != ""
 	if fixedRate {
-		if v.rate, err = parseRate(string(rate)); err != nil {
-			return badValue("replenish_rate", string(rate), ": "+err.Error())
+		if v.Rate, err = parseRate(string(rate)); err != nil {
+			return limit.BadValue("replenish_rate", string(rate), ": "+err.Error())
 		}
 	}
 	if fixedBurst {
-		if v.burst, err = strconv.ParseInt(string(burst), 10, 64); err != nil || v.burst < 0 || v.burst > maxExactTokens {
-			return badValue("burst_capacity", string(burst), "is not a whole number from 0 to 2^53")
+		if v.Burst, err = strconv.ParseInt(string(burst), 10, 64); err != nil || v.Burst < 0 || v.Burst > maxExactTokens {
+			return limit.BadValue("burst_capacity", string(burst), "is not a whole number from 0 to 2^53")
 		}
 	}
 	if fixedCost {
-		if v.requested, err = strconv.ParseInt(string(cost), 10, 64); err != nil || v.requested < 1 {
-			return badValue("requested_tokens", string(cost), "is not a whole number of at least 1")
+		if v.Requested, err = strconv.ParseInt(string(cost), 10, 64); err != nil || v.Requested < 1 {
+			return limit.BadValue("requested_tokens", string(cost), "is not a whole number of at least 1")
 		}
 	}
 	switch {
-	case !together || !fixedBurst || v.burst == 0:
+	case !together || !fixedBurst || v.Burst == 0:
 	case fixedRate:
-		return v.check() // with the cost too, if it is fixed
-	case fixedCost && v.requested > v.burst:
-		return badValue("requested_tokens", string(cost), fmt.Sprintf("is more than burst_capacity '%d': no request could ever be admitted", v.burst))
+		return checkBucket(v) // with the cost too, if it is fixed
+	case fixedCost && v.Requested > v.Burst:
+		return limit.BadValue("requested_tokens", string(cost), fmt.Sprintf("is more than burst_capacity '%d': no request could ever be admitted", v.Burst))
 	}
 	return nil
 }
@@ -166,67 +125,69 @@ func checkValues(rate, burst, cost Param, together bool) error {
 type tokenBucket struct{}
 
 var (
-	_ kind             = tokenBucket{}
-	_ bucketArithmetic = tokenBucket{}
-	_ chargedKind      = tokenBucket{}
-	_ rememberedKind   = tokenBucket{}
+	_ limit.Kind       = tokenBucket{}
+	_ limit.Arithmetic = tokenBucket{}
+	_ limit.Charged    = tokenBucket{}
+	_ limit.Remembered = tokenBucket{}
 )
 
-func (tokenBucket) burstName() string { return "burst_capacity" }
+func (tokenBucket) BurstName() string { return "burst_capacity" }
 
-func (tokenBucket) resolveValues(rate, burst, requested string) (limitValues, bool, error) {
+func (tokenBucket) ResolveValues(rate, burst, requested string) (limit.Values, bool, error) {
 	return resolveValues(rate, burst, requested)
 }
 
-func (tokenBucket) scriptArgs(v limitValues) [3]any { return v.scriptArgs() }
+func (tokenBucket) ScriptArgs(v limit.Values) [3]any { return bucketArgs(v) }
 
 // begin adds nothing: a token bucket is the same for every request.
-func (tokenBucket) begin(b bucket, shared requestShared) (bucket, requestShared) { return b, shared }
+func (tokenBucket) Begin(b limit.Bucket, shared limit.Shared) (limit.Bucket, limit.Shared) {
+	return b, shared
+}
 
 // appendArgs appends rate, burst and cost.
-func (tokenBucket) appendArgs(args []any, b bucket) []any { return append(args, b.args[:]...) }
+func (tokenBucket) AppendArgs(args []any, b limit.Bucket) []any { return append(args, b.Args[:]...) }
 
 // replyWords is 0: a token bucket's answer is its remaining and wait.
-func (tokenBucket) replyWords() int                                      { return 0 }
-func (tokenBucket) readReply(b bucket, _ []int64, _ int) (bucket, error) { return b, nil }
+func (tokenBucket) ReplyWords() int                                                  { return 0 }
+func (tokenBucket) ReadReply(b limit.Bucket, _ []int64, _ int) (limit.Bucket, error) { return b, nil }
 
 // limitInfo lists the rate, burst and cost.
-func (tokenBucket) limitInfo(l *limit) limitInfo {
-	li := l.limitInfo()
-	li.ReplenishRate, li.BurstCapacity, li.RequestedTokens = l.rate, l.burst, l.cost
-	if l.fixed && !l.exempt { // with the defaults filled in
-		li.ReplenishRate = floatParam(l.values.rate)
-		li.BurstCapacity = Param(strconv.FormatInt(l.values.burst, 10))
-		li.RequestedTokens = Param(strconv.FormatInt(l.values.requested, 10))
+func (tokenBucket) LimitInfo(l *limit.Limit) limit.LimitInfo {
+	li := l.Info()
+	li.ReplenishRate, li.BurstCapacity, li.RequestedTokens = l.Rate, l.Burst, l.Cost
+	if l.Fixed && !l.Exempt { // with the defaults filled in
+		li.ReplenishRate = floatParam(l.Values.Rate)
+		li.BurstCapacity = Param(strconv.FormatInt(l.Values.Burst, 10))
+		li.RequestedTokens = Param(strconv.FormatInt(l.Values.Requested, 10))
 	}
 	return li
 }
 
 // bucketInfo shows the tokens the bucket holds.
-func (tokenBucket) bucketInfo(b bucket, v bucketView) bucketInfo { return tokenInfo(b, v) }
+func (tokenBucket) BucketInfo(b limit.Bucket, v limit.View) limit.BucketInfo { return tokenInfo(b, v) }
 
 // facts are the bucket's rate, burst and cost; its policy's window is
 // the seconds an empty bucket takes to fill, and it is back after its
 // wait: it refills by time.
-func (tokenBucket) facts(b bucket) facts {
-	v := b.values
+func (tokenBucket) Facts(b limit.Bucket) limit.Facts {
+	v := b.Values
 	fill := int64(0)
-	if v.rate > 0 {
-		fill = int64(math.Ceil(float64(v.burst) / v.rate))
+	if v.Rate > 0 {
+		fill = int64(math.Ceil(float64(v.Burst) / v.Rate))
 	}
-	return facts{rate: v.rate, burst: v.burst, requested: v.requested, window: fill, reset: b.retryAfter}
+	return limit.Facts{Rate: v.Rate, Burst: v.Burst, Requested: v.Requested, Window: fill, Reset: b.RetryAfter}
 }
 
 // refused: the store's answer is the whole answer.
-func (tokenBucket) refused(b bucket) bucket { return b }
+func (tokenBucket) Refused(b limit.Bucket) limit.Bucket { return b }
 
 // denialTTL is the bucket's wait: it refills by time.
-func (tokenBucket) denialTTL(b bucket) time.Duration { return b.retryAfter }
+func (tokenBucket) DenialTTL(b limit.Bucket) time.Duration { return b.RetryAfter }
 
 // cachedRemaining is what the bucket refilled since its refusal: it
 // holds requested - wait*rate tokens.
-func (tokenBucket) cachedRemaining(b bucket, _ int64, wait time.Duration) int64 {
-	tokens := float64(b.values.requested) - wait.Seconds()*b.values.rate
+func (tokenBucket) CachedRemaining(b limit.Bucket, _ int64, wait time.Duration) int64 {
+	tokens := float64(b.Values.Requested) - wait.Seconds()*b.Values.Rate
 	return max(0, int64(math.Floor(tokens)))
 }
 
@@ -235,45 +196,45 @@ func (tokenBucket) cachedRemaining(b bucket, _ int64, wait time.Duration) int64 
 // full again. Every step is script.lua's checkBucket and takeBucket.
 
 // holds says whether the bucket has the requested tokens at t.
-func (tokenBucket) holds(state bucketState, ok bool, _ time.Time, t int64, b bucket) (bucket, bool) {
-	current, at := currentState(state, ok, t, b.values)
-	return b, refill(current, at, b.values) >= float64(b.values.requested)
+func (tokenBucket) Holds(state limit.State, ok bool, _ time.Time, t int64, b limit.Bucket) (limit.Bucket, bool) {
+	current, at := currentState(state, ok, t, b.Values)
+	return b, refill(current, at, b.Values) >= float64(b.Values.Requested)
 }
 
 // take is the bucket's part of a take at t (settle).
-func (tokenBucket) take(state bucketState, ok bool, _ time.Time, t int64, b bucket, allowed bool) (bucket, bucketState, bool) {
-	after, store, remaining, wait := settle(state, ok, t, b.values, allowed)
-	b.remaining, b.retryAfter = remaining, time.Duration(wait)*time.Microsecond
+func (tokenBucket) Take(state limit.State, ok bool, _ time.Time, t int64, b limit.Bucket, allowed bool) (limit.Bucket, limit.State, bool) {
+	after, store, remaining, wait := settle(state, ok, t, b.Values, allowed)
+	b.Remaining, b.RetryAfter = remaining, time.Duration(wait)*time.Microsecond
 	return b, after, store
 }
 
 // settleArg is the bucket's first script argument: its rate.
-func (tokenBucket) settleArg(b bucket) any { return b.args[0] }
+func (tokenBucket) SettleArg(b limit.Bucket) any { return b.Args[0] }
 
 // settleHeld refills the bucket, then takes or gives back the difference
 // (settleBucket); a full bucket needs no entry.
-func (tokenBucket) settleHeld(state bucketState, ok bool, t int64, b bucket, diff, cost, maxDebt int64) (bucketState, bool, float64, float64) {
-	current, at := currentState(state, ok, t, b.values)
-	after, forgiven := settleBucket(current, at, b.values, diff, maxDebt)
-	return after, ok || after.tokens < float64(b.values.burst), float64(cost) - forgiven, forgiven
+func (tokenBucket) SettleHeld(state limit.State, ok bool, t int64, b limit.Bucket, diff, cost, maxDebt int64) (limit.State, bool, float64, float64) {
+	current, at := currentState(state, ok, t, b.Values)
+	after, forgiven := settleBucket(current, at, b.Values, diff, maxDebt)
+	return after, ok || after.Tokens < float64(b.Values.Burst), float64(cost) - forgiven, forgiven
 }
 
 // peek is what the bucket holds at t, refilled.
-func (tokenBucket) peek(state bucketState, ok bool, _ time.Time, t int64, b bucket) bucketView {
-	v := b.values
-	if !ok || state.expires <= t {
-		return bucketView{tokens: float64(v.burst)}
+func (tokenBucket) Peek(state limit.State, ok bool, _ time.Time, t int64, b limit.Bucket) limit.View {
+	v := b.Values
+	if !ok || state.Expires <= t {
+		return limit.View{Tokens: float64(v.Burst)}
 	}
 	current, at := currentState(state, true, t, v)
 	_, _, _, wait := takeBucket(current, at, v, false)
-	return bucketView{tokens: refill(current, at, v), wait: time.Duration(wait) * time.Microsecond,
-		expiresIn: time.Duration(state.expires-t) * time.Microsecond}
+	return limit.View{Tokens: refill(current, at, v), Wait: time.Duration(wait) * time.Microsecond,
+		ExpiresIn: time.Duration(state.Expires-t) * time.Microsecond}
 }
 
 // settle is one bucket's part of a take at t, once the request is known
 // to be allowed or not: the state to store, if store, and the answer.
 // state is the bucket as held, if ok.
-func settle(state bucketState, ok bool, t int64, v limitValues, allowed bool) (after bucketState, store bool, remaining, wait int64) {
+func settle(state limit.State, ok bool, t int64, v limit.Values, allowed bool) (after limit.State, store bool, remaining, wait int64) {
 	current, at := currentState(state, ok, t, v)
 	after, _, remaining, wait = takeBucket(current, at, v, allowed)
 	if !allowed && ok {
@@ -286,17 +247,17 @@ func settle(state bucketState, ok bool, t int64, v limitValues, allowed bool) (a
 // take: an absent bucket (not ok), or one past its expiry, is full at t
 // (as an absent or expired Redis key); a bucket taken from after t is
 // taken from at that time (see take).
-func currentState(state bucketState, ok bool, t int64, v limitValues) (bucketState, int64) {
-	if !ok || state.expires <= t {
-		return bucketState{tokens: float64(v.burst), at: t}, t
+func currentState(state limit.State, ok bool, t int64, v limit.Values) (limit.State, int64) {
+	if !ok || state.Expires <= t {
+		return limit.State{Tokens: float64(v.Burst), At: t}, t
 	}
-	return state, max(t, state.at)
+	return state, max(t, state.At)
 }
 
 // refill is what a bucket holds at t: script.lua's arithmetic, which
 // also counts from t when the stored time lies ahead.
-func refill(state bucketState, t int64, v limitValues) float64 {
-	return math.Min(float64(v.burst), state.tokens+float64(max(0, t-state.at))*v.rate/1000000)
+func refill(state limit.State, t int64, v limit.Values) float64 {
+	return math.Min(float64(v.Burst), state.Tokens+float64(max(0, t-state.At))*v.Rate/1000000)
 }
 
 // takeBucket is script.lua for one bucket at time t (microseconds):
@@ -305,18 +266,18 @@ func refill(state bucketState, t int64, v limitValues) float64 {
 // the bucket holds its requested tokens again. The state after holds
 // when the bucket would be full again. Every step is the script's, in the
 // same order, so that both agree to the bit (script_test.go checks it).
-func takeBucket(state bucketState, t int64, v limitValues, take bool) (after bucketState, took bool, remaining, wait int64) {
+func takeBucket(state limit.State, t int64, v limit.Values, take bool) (after limit.State, took bool, remaining, wait int64) {
 	tokens := refill(state, t, v)
-	requested := float64(v.requested)
+	requested := float64(v.Requested)
 	if take && tokens >= requested {
 		tokens -= requested
 		took = true
 	}
 	if tokens < requested {
-		wait = int64(math.Ceil((requested - tokens) * 1000000 / v.rate))
+		wait = int64(math.Ceil((requested - tokens) * 1000000 / v.Rate))
 	}
-	ttl := math.Max(1000, math.Ceil((float64(v.burst)-tokens)*1000/v.rate)) // milliseconds, as the key's TTL
-	return bucketState{tokens: tokens, at: t, expires: t + int64(ttl)*1000}, took, max(0, int64(math.Floor(tokens))), wait
+	ttl := math.Max(1000, math.Ceil((float64(v.Burst)-tokens)*1000/v.Rate)) // milliseconds, as the key's TTL
+	return limit.State{Tokens: tokens, At: t, Expires: t + int64(ttl)*1000}, took, max(0, int64(math.Floor(tokens))), wait
 }
 
 // extendOnDenial is what a denial at t leaves of a held bucket: its
@@ -325,16 +286,16 @@ func takeBucket(state bucketState, t int64, v limitValues, take bool) (after buc
 // expires as after (takeBucket's) says. script.lua's PEXPIRE, with its
 // millisecond of slack for the rounding of expiries: at unchanged values
 // a denial changes nothing.
-func extendOnDenial(state, after bucketState, t int64, v limitValues) bucketState {
-	fill := math.Ceil((float64(v.burst) - after.tokens) * 1000 / v.rate) // milliseconds, as the script's
-	if state.expires > t && float64(state.expires-t)+1000 < fill*1000 {
-		state.expires = after.expires
+func extendOnDenial(state, after limit.State, t int64, v limit.Values) limit.State {
+	fill := math.Ceil((float64(v.Burst) - after.Tokens) * 1000 / v.Rate) // milliseconds, as the script's
+	if state.Expires > t && float64(state.Expires-t)+1000 < fill*1000 {
+		state.Expires = after.Expires
 	}
 	return state
 }
 
 func init() {
-	plain = tokenBucket{}
+	limit.Plain = tokenBucket{}
 	registerKind(kindConfig{order: 0, configs: bucketConfigs, check: checkBuckets})
 }
 
@@ -353,7 +314,7 @@ func bucketConfigs(h *Handler) []limitConfig {
 		configs = append(configs, limitConfig{
 			Limit: c, what: what, own: what == "", charges: true,
 			checkDebt: func(maxDebt int64) error { return checkDebtRefill(maxDebt, rate) },
-			newKind:   func() (kind, error) { return tokenBucket{}, nil },
+			newKind:   func() (limit.Kind, error) { return tokenBucket{}, nil },
 		})
 	}
 	return configs
@@ -395,4 +356,46 @@ func checkBuckets(h *Handler, names map[string]bool) error {
 		}
 	}
 	return nil
+}
+
+// check judges a limit's values together; its messages name each value
+// and say what would fix it.
+//
+// The values are formatted only for a message: a limit whose values come
+// from the request is judged on each one (3 allocs less per request of
+// make bench's llm@64: BenchmarkServeHTTPLLM/llm).
+func checkBucket(v limit.Values) error {
+	rate := func() string { return strconv.FormatFloat(v.Rate, 'g', -1, 64) }
+	burst := func() string { return strconv.FormatInt(v.Burst, 10) }
+	requested := func() string { return strconv.FormatInt(v.Requested, 10) }
+	switch {
+	case v.Burst < 0:
+		return limit.BadValue("burst_capacity", burst(), "must not be negative")
+	case v.Burst == 0:
+		return nil // blocks everything; rate and cost do not matter
+	case !(v.Rate > 0) || math.IsInf(v.Rate, 0):
+		return limit.BadValue("replenish_rate", rate(), ": "+wantRate)
+	case float64(v.Burst) < v.Rate:
+		return limit.BadValue("burst_capacity", burst(), fmt.Sprintf("is smaller than replenish_rate '%s': the bucket could never hold one second's refill, "+
+			"so clients would be held below the configured rate; raise burst_capacity to at least %v", rate(), math.Ceil(v.Rate)))
+	case v.Burst > maxExactTokens:
+		return limit.BadValue("burst_capacity", burst(), "is above 2^53, where the script's numbers stop being exact; lower it")
+	case float64(v.Burst)/v.Rate > maxFillSeconds:
+		return limit.BadValue("replenish_rate", rate(), fmt.Sprintf("is so small that an empty bucket of %d tokens would take %.3g days to fill "+
+			"(more than a year, past what Retry-After can say); raise it to at least %v", v.Burst, float64(v.Burst)/v.Rate/86400, float64(v.Burst)/maxFillSeconds))
+	case v.Requested < 1:
+		return limit.BadValue("requested_tokens", requested(), "must be at least 1")
+	case v.Requested > v.Burst:
+		return limit.BadValue("requested_tokens", requested(), fmt.Sprintf("is more than burst_capacity '%d': no request could ever be admitted", v.Burst))
+	}
+	return nil
+}
+
+// bucketArgs are the values as the script takes them.
+func bucketArgs(v limit.Values) [3]any {
+	return [3]any{
+		strconv.FormatFloat(v.Rate, 'f', -1, 64),
+		strconv.FormatInt(v.Burst, 10),
+		strconv.FormatInt(v.Requested, 10),
+	}
 }

@@ -98,7 +98,7 @@ func (ft *failoverTraffic) report(t *testing.T) {
 // bucketValues lists the client keys whose buckets the server holds.
 func bucketValues(t *testing.T, srv *redistest.Server, h *Handler) []string {
 	t.Helper()
-	prefix := h.limits[0].keyPrefix
+	prefix := h.limits[0].KeyPrefix
 	keys, err := srv.Client(t).Keys(context.Background(), prefix+"*").Result()
 	if err != nil {
 		t.Fatalf("KEYS on %s: %v", srv.Addr, err)
@@ -457,7 +457,7 @@ func TestDeadClusterMasterLeavesOtherMastersLimited(t *testing.T) {
 	var healthyKeys, deadKeys []string
 	for i := 0; len(healthyKeys) < 20 || len(deadKeys) < 10; i++ {
 		key := "k" + strconv.Itoa(i)
-		master, err := cc.MasterForKey(ctx, h.limits[0].keyPrefix+key)
+		master, err := cc.MasterForKey(ctx, h.limits[0].KeyPrefix+key)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -582,7 +582,7 @@ func TestBreakerOfFailedOverMasterIsDropped(t *testing.T) {
 	var keys []string // on the master to kill
 	for i := 0; len(keys) < 10; i++ {
 		key := "k" + strconv.Itoa(i)
-		master, err := cc.MasterForKey(ctx, h.limits[0].keyPrefix+key)
+		master, err := cc.MasterForKey(ctx, h.limits[0].KeyPrefix+key)
 		if err != nil {
 			t.Fatal(err)
 		}

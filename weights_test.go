@@ -91,7 +91,7 @@ func TestWeightedSumsOfDecimalsStayExact(t *testing.T) {
 		{"100*0.14 100*0.07", 21},
 	} {
 		h := caddyfileHandler(t, "rate_limit {\n\tstore memory\n\treplenish_rate 10\n\tburst_capacity 5000\n\trequested_tokens "+tc.cost+"\n}")
-		if got := h.limits[0].values.requested; got != tc.want {
+		if got := h.limits[0].Values.Requested; got != tc.want {
 			t.Errorf("requested_tokens %s: %d at load, want %d", tc.cost, got, tc.want)
 		}
 	}

@@ -1,0 +1,130 @@
+package limit
+
+import "time"
+
+// heldWhileServed says whether a request holds the bucket while it is
+// served (heldKind); a bucket of no limit is not held.
+func (b *Bucket) HeldWhileServed() bool { return b.Limit != nil && b.Limit.Held != nil }
+
+// Kind is the bucket's kind of limit: its limit's; a bucket of no limit
+// (one a layer makes for calls of its own) is a token bucket.
+func (b *Bucket) Kind() Kind {
+	if b.Limit == nil {
+		return Plain
+	}
+	return b.Limit.Kind
+}
+
+// arithmetic, charged and remembered are what the bucket's kind does of
+// the optional interfaces (limit.setKind); nil for what it does not.
+func (b *Bucket) Arithmetic() Arithmetic {
+	if b.Limit == nil {
+		return Plain
+	}
+	return b.Limit.Arithmetic
+}
+
+func (b *Bucket) Charged() Charged {
+	if b.Limit == nil {
+		return Plain
+	}
+	return b.Limit.Charged
+}
+
+func (b *Bucket) Remembered() Remembered {
+	if b.Limit == nil {
+		return Plain
+	}
+	return b.Limit.Remembered
+}
+
+// Bucket is one limit's bucket for one request, and Redis's answer.
+type Bucket struct {
+	Limit  *Limit
+	Key    string
+	Values Values
+	Args   [3]any
+	// remaining is the whole tokens left after the request; -1 when Redis
+	// failed.
+	Remaining int64
+	// retryAfter is how long until the bucket holds the requested tokens;
+	// negative when never (burst 0).
+	RetryAfter time.Duration
+	// unknown: a refusal a layer remembered (refusals) says nothing of
+	// this bucket.
+	Unknown bool
+	// kindRef and kindN are what the request knows of its bucket that is
+	// its kind's own, set and read by the kind alone (begin, readReply,
+	// its arithmetic in the process), such as a period and the period its
+	// take counted in, or the generation of a count in the process. A
+	// new kind keeps its own there too.
+	KindRef any
+	KindN   int64
+}
+
+// Shared is what a request's buckets share, whatever their kind,
+// made by the first that needs it (kind.begin).
+type Shared struct {
+	Now time.Time // the clock when the request's periods were named (kind.begin)
+	ID  any       // the request's id, one for its buckets (kind.begin)
+}
+
+// clock is the request's time: read once, when a bucket first asks.
+func (s *Shared) Clock() time.Time {
+	if s.Now.IsZero() {
+		s.Now = time.Now()
+	}
+	return s.Now
+}
+
+// Blocked is the index of a bucket that holds nothing (burst 0,
+// which denies without asking Redis), or -1.
+func Blocked(buckets []Bucket) int {
+	for i := range buckets {
+		if buckets[i].Values.Burst == 0 {
+			return i
+		}
+	}
+	return -1
+}
+
+// Described picks the bucket that the `X-RateLimit-*` headers and the
+// placeholders describe: on a denial the one that refused with the
+// longest wait, else the one with the fewest requests left; the first
+// such on ties.
+func Described(buckets []Bucket, allowed bool) int {
+	if allowed {
+		if k := FirstHeld(buckets); k > 0 {
+			buckets = buckets[:k] // admitted: the buckets taken, not those held while served
+		}
+	}
+	pick := -1
+	for i := range buckets {
+		b := &buckets[i]
+		switch {
+		case b.Unknown:
+		case pick < 0:
+			pick = i
+		case !allowed && b.RetryAfter > buckets[pick].RetryAfter:
+			pick = i
+		case allowed && b.Remaining/b.Values.Requested < buckets[pick].Remaining/buckets[pick].Values.Requested:
+			pick = i
+		}
+	}
+	return max(pick, 0)
+}
+
+// RetryAfter is how long until every bucket holds its requested tokens.
+func RetryAfter(buckets []Bucket) time.Duration {
+	var wait time.Duration
+	for i := range buckets {
+		if !buckets[i].Unknown {
+			wait = max(wait, buckets[i].RetryAfter)
+		}
+	}
+	return wait
+}
+
+// MaxInline is how many buckets a request holds without
+// allocating: enough for most policies.
+const MaxInline = 4

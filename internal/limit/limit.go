@@ -1,0 +1,114 @@
+package limit
+
+import (
+	"strconv"
+
+	"github.com/caddy-redis/ratelimit/internal/cost"
+	"github.com/caddy-redis/ratelimit/internal/keys"
+	"github.com/caddyserver/caddy/v2"
+	"github.com/prometheus/client_golang/prometheus"
+)
+
+// LimitInfo is what every kind of limit lists of itself: its name, key
+// and prefixes (the kind adds its values, kind.limitInfo).
+func (l *Limit) Info() LimitInfo {
+	return LimitInfo{Name: l.Name, Key: l.KeyText, IPv4Prefix: l.Template.IPv4Bits, IPv6Prefix: l.Template.IPv6Bits}
+}
+
+// setKind gives the limit its kind, and finds once what the kind does of
+// the optional interfaces, so that no request asks.
+func (l *Limit) SetKind(k Kind) {
+	l.Kind = k
+	l.Arithmetic, _ = k.(Arithmetic)
+	l.Charged, _ = k.(Charged)
+	l.Remembered, _ = k.(Remembered)
+	l.Held, _ = k.(Held)
+}
+
+// Limit is one limit of a handler, ready for requests.
+type Limit struct {
+	Index     int    // in the handler's limits
+	Name      string // "" for a handler without `limits`
+	NameValue any    // the name as a placeholder value, boxed once
+	IETFName  string // "<zone>", or "<zone>.<name>"
+	KeyText   string // the key template as configured
+	Template  keys.Template
+	// A bucket's Redis key is keyPrefix + client key + keySuffix.
+	KeyPrefix, KeySuffix string
+	Group                int // limits with one key template share a Cluster hash slot
+	Rate, Burst, Cost    Param
+	// costTerms: requested_tokens as a weighted sum with placeholders
+	// (internal/cost); nil for one value.
+	CostTerms []cost.Term
+	// costOnly: a token bucket whose rate and burst are fixed and whose
+	// requested_tokens is a weighted sum with placeholders: its values
+	// and arguments are base's but for the cost, not parsed and
+	// formatted again per request (5 allocs less per request of make
+	// bench's llm@64: BenchmarkServeHTTPLLM/llm 23 -> 18).
+	CostOnly bool
+	Base     Values
+	BaseArgs [3]any
+	// CheckCost judges Base with a resolved cost, for CostOnly: the
+	// kind's checks of its values.
+	CheckCost func(Values) error
+	// fixed: no placeholders, so the values (and arguments) are known.
+	Fixed      bool
+	Values     Values
+	Exempt     bool   // a fixed rate of `unlimited`
+	Args       [3]any // the values as script arguments, boxed once (BenchmarkServeHTTPAllowed 21 -> 16 allocs)
+	BurstValue any    // the burst as a placeholder value, boxed once
+
+	// charge is how the response charges it (charge.go); nil when
+	// requested_tokens is its cost. chargedKey is its own placeholder,
+	// http.rate_limit.charged.<name>; empty for a handler without limits.
+	Charge     *cost.Rule
+	ChargedKey string
+
+	// kind is its kind of limit (kind.go), whose values its values are
+	// (what stands for the burst, say, is the kind's: burstName);
+	// arithmetic, charged and remembered what it does of the optional
+	// interfaces, nil for what it does not (setKind). held says a request
+	// holds its bucket while served (heldKind); inFlight is then its
+	// zone's series of the in_flight gauge, the requests of this instance
+	// that hold it (nil without metrics).
+	Kind       Kind
+	Arithmetic Arithmetic
+	Charged    Charged
+	Remembered Remembered
+	Held       Held
+	InFlight   prometheus.Gauge
+}
+
+// resolve resolves the limit's values from a request's placeholders. A
+// value the config sets that resolves to nothing is an error, not the
+// default: a fallback belongs in the config (`map`'s `default`).
+func (l *Limit) Resolve(repl *caddy.Replacer, memo *cost.Memo) (Values, bool, error) {
+	if l.CostOnly {
+		n, err := cost.Sum(l.CostTerms, repl, memo)
+		if err != nil {
+			return Values{}, false, err
+		}
+		v := l.Base
+		v.Requested = n
+		return v, false, l.CheckCost(v)
+	}
+	var text [3]string
+	for i, p := range [3]struct {
+		name  string
+		value Param
+	}{{"replenish_rate", l.Rate}, {l.Kind.BurstName(), l.Burst}, {"requested_tokens", l.Cost}} {
+		if i == 2 && l.CostTerms != nil {
+			n, err := cost.Sum(l.CostTerms, repl, memo)
+			if err != nil {
+				return Values{}, false, err
+			}
+			text[i] = strconv.FormatInt(n, 10)
+			continue
+		}
+		text[i] = repl.ReplaceAll(string(p.value), "")
+		if text[i] == "" && p.value != "" {
+			return Values{}, false, BadValue(p.name, string(p.value), "resolved to nothing for this request")
+		}
+	}
+	return l.Kind.ResolveValues(text[0], text[1], text[2])
+}

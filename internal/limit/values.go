@@ -1,0 +1,79 @@
+package limit
+
+import (
+	"bytes"
+	"encoding/json"
+	"fmt"
+	"strconv"
+	"strings"
+
+	"github.com/caddy-redis/ratelimit/internal/logs"
+)
+
+// Param is a limit's rate, burst or cost: a number fixed in the config,
+// or text with placeholders that each request resolves (`{plan_rate}`),
+// parsed then exactly as a fixed value. In JSON a number, or a string.
+type Param string
+
+// UnmarshalJSON takes a number as its text, or a string.
+func (p *Param) UnmarshalJSON(b []byte) error {
+	b = bytes.TrimSpace(b)
+	if len(b) > 0 && b[0] == '"' {
+		var s string
+		if err := json.Unmarshal(b, &s); err != nil {
+			return err
+		}
+		*p = Param(s)
+		return nil
+	}
+	var n json.Number
+	if err := json.Unmarshal(b, &n); err != nil {
+		return fmt.Errorf("want a number or a string, got %s", b)
+	}
+	*p = Param(n)
+	return nil
+}
+
+// MarshalJSON writes a plain number as a number, anything else as a
+// string.
+func (p Param) MarshalJSON() ([]byte, error) {
+	if _, err := strconv.ParseFloat(string(p), 64); err == nil && json.Valid([]byte(p)) {
+		return []byte(p), nil
+	}
+	return json.Marshal(string(p))
+}
+
+// perRequest says whether the value has placeholders to resolve per
+// request.
+func (p Param) PerRequest() bool { return strings.Contains(string(p), "{") }
+
+// Unlimited is the rate (and burst) that exempts a request from a limit.
+const Unlimited = "unlimited"
+
+// Values are one limit's rate, burst and cost, resolved.
+type Values struct {
+	Rate      float64
+	Burst     int64
+	Requested int64
+}
+
+// ParamError says which value of a limit was wrong: a request's
+// requested_tokens usually comes from the client (400), the others from
+// the config (500).
+type ParamError struct {
+	Param string
+	Msg   string
+}
+
+func (e *ParamError) Error() string { return e.Msg }
+
+// BadValue reports a value: "<param> '<value>' <reason>", where reason
+// starts with a verb, or with ": " before a noun phrase. The value may
+// come from a request: it is quoted cut short (logs.Cut).
+func BadValue(param, value, reason string) *ParamError {
+	sep := " "
+	if strings.HasPrefix(reason, ":") {
+		sep = ""
+	}
+	return &ParamError{param, fmt.Sprintf("%s '%s'%s%s", param, logs.Cut(value), sep, reason)}
+}

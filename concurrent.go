@@ -99,7 +99,7 @@ func inFlightSeries(zone string, limits []*limit) {
 // holdOf is how long a request's hold on a limit held while served
 // lasts unless renewed; holdArgOf the same as a script argument.
 func holdOf(l *limit) time.Duration { d, _ := l.held.holdFor(); return d }
-func holdArgOf(l *limit) any         { _, arg := l.held.holdFor(); return arg }
+func holdArgOf(l *limit) any        { _, arg := l.held.holdFor(); return arg }
 
 //go:embed concurrent.lua
 var concurrentSource string
@@ -251,10 +251,10 @@ func newSlotID() any {
 	return &id.text
 }
 
-// The concurrent limit as a kind of limit (kind.go), with none of the
-// optional interfaces (see facts).
+// The concurrent limit as a kind of limit (kind.go), held while served
+// (heldKind), with none of the other optional interfaces (see facts).
 
-var _ kind = (*slotRule)(nil)
+var _ heldKind = (*slotRule)(nil)
 
 // slotLimitInfo is what the admin API lists of a concurrent limit beyond
 // every limit's: its slots and hold.

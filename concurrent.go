@@ -252,10 +252,10 @@ func newSlotID() any {
 	return &id.text
 }
 
-// The concurrent limit as a kind of limit (kind.go), with none of the
-// optional interfaces (see facts).
+// The concurrent limit as a kind of limit (kind.go), held while served
+// (limit.Held), with none of the other optional interfaces (see facts).
 
-var _ limit.Kind = (*slotRule)(nil)
+var _ limit.Held = (*slotRule)(nil)
 
 // slotLimitInfo is what the admin API lists of a concurrent limit beyond
 // every limit's: its slots and hold.

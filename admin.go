@@ -217,7 +217,7 @@ func serveBuckets(w http.ResponseWriter, r *http.Request, zone string) error {
 // tokenInfo is what the admin API shows of a bucket of tokens (the
 // token bucket's, and other kinds' with more) of what was read of it.
 func tokenInfo(b limit.Bucket, view limit.View) limit.BucketInfo {
-	info := limit.BucketInfo{Limit: b.Limit.Name, Key: clientKey(&b), StoredKey: b.Key,
+	info := limit.BucketInfo{Limit: b.Limit.Name, Key: b.ClientKey(), StoredKey: b.Key,
 		ReplenishRate: b.Values.Rate, BurstCapacity: b.Values.Burst, RequestedTokens: b.Values.Requested}
 	info.Tokens = strconv.FormatFloat(math.Round(view.Tokens*1e6)/1e6, 'f', -1, 64) // to the millionth
 	info.RetryAfter, info.ExpiresIn, info.Lent = view.Wait.Seconds(), view.ExpiresIn.Seconds(), view.Lent

@@ -18,7 +18,7 @@ type LimitInfo struct {
 	Per   string `json:"per,omitempty"`
 	// kindView is what a kind lists of its own beyond these (a struct),
 	// after them (kind.limitInfo).
-	KindView any
+	KindView any `json:"-"`
 }
 
 func (li LimitInfo) MarshalJSON() ([]byte, error) {
@@ -69,7 +69,7 @@ type BucketInfo struct {
 	Lent int64 `json:"lent,omitempty"`
 	// kindView is what a kind shows of its own beyond these (a struct),
 	// after them (kind.bucketInfo).
-	KindView any
+	KindView any `json:"-"`
 }
 
 func (bi BucketInfo) MarshalJSON() ([]byte, error) {

@@ -27,6 +27,7 @@ import (
 	"time"
 
 	"github.com/caddy-redis/ratelimit/internal/calendar"
+	"github.com/caddy-redis/ratelimit/internal/kind/tokenbucket"
 	"github.com/caddy-redis/ratelimit/internal/limit"
 	"github.com/caddy-redis/ratelimit/internal/redisbatch"
 	"github.com/caddy-redis/ratelimit/internal/redistest"
@@ -72,7 +73,7 @@ func benchHandler(b *testing.B, srv *redistest.Server, zone string, rate float64
 	h := &Handler{
 		Zone:          zone,
 		Key:           "{http.request.header.X-Key}",
-		ReplenishRate: floatParam(rate),
+		ReplenishRate: tokenbucket.RateParam(rate),
 		BurstCapacity: Param(strconv.FormatInt(burst, 10)),
 		Redis: &RedisConfig{
 			Addresses: []string{srv.Addr},
@@ -522,7 +523,7 @@ func BenchmarkLeaseCall(b *testing.B) {
 		Lease: &Lease{MaxTokens: 32}, Redis: &RedisConfig{Addresses: []string{srv.Addr}, Timeout: caddy.Duration(2 * time.Second)}})
 	values := h.limits[0].Values
 	l := &lease{record: leaseRecordKey("rate_limit:bench-leasecall|k"), values: values}
-	buckets := []limit.Bucket{{Key: "rate_limit:bench-leasecall|k", Values: values, Args: bucketArgs(values)}}
+	buckets := []limit.Bucket{{Key: "rate_limit:bench-leasecall|k", Values: values, Args: tokenbucket.Args(values)}}
 	states := []leaseState{{lease: l}}
 	b.ReportAllocs()
 	for b.Loop() {

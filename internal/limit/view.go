@@ -2,6 +2,8 @@ package limit
 
 import (
 	"encoding/json"
+	"math"
+	"strconv"
 	"time"
 )
 
@@ -75,6 +77,16 @@ type BucketInfo struct {
 func (bi BucketInfo) MarshalJSON() ([]byte, error) {
 	type fields BucketInfo
 	return withKindView(fields(bi), bi.KindView)
+}
+
+// TokenInfo is what the admin API shows of a bucket of tokens (the
+// token bucket's, and other kinds' with more) of what was read of it.
+func TokenInfo(b Bucket, view View) BucketInfo {
+	info := BucketInfo{Limit: b.Limit.Name, Key: b.ClientKey(), StoredKey: b.Key,
+		ReplenishRate: b.Values.Rate, BurstCapacity: b.Values.Burst, RequestedTokens: b.Values.Requested}
+	info.Tokens = strconv.FormatFloat(math.Round(view.Tokens*1e6)/1e6, 'f', -1, 64) // to the millionth
+	info.RetryAfter, info.ExpiresIn, info.Lent = view.Wait.Seconds(), view.ExpiresIn.Seconds(), view.Lent
+	return info
 }
 
 // View is what a bucket holds now, for the admin API.

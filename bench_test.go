@@ -354,8 +354,9 @@ func BenchmarkServeHTTPDenied(b *testing.B) {
 	serveFresh(b, "192.0.2.1", "client-1", http.StatusTooManyRequests, serveHandler(h))
 }
 
-// BenchmarkServeHTTPDeniedRedis is BenchmarkServeHTTPDenied with the deny
-// cache emptied before every request, so each denial is Redis's answer.
+// BenchmarkServeHTTPDeniedRedis is BenchmarkServeHTTPDenied with the
+// client's denial dropped from the deny cache before every request, so
+// each denial is Redis's answer.
 // BenchmarkServeHTTPDeniedErrorRoutes is BenchmarkServeHTTPDenied on a
 // server with handle_errors routes: the denial is returned as an error,
 // a prebuilt one (prebuiltError).
@@ -449,10 +450,9 @@ func loadBenchServer(b *testing.B, redisAddr string, errorRoutes bool) *caddyhtt
 
 func BenchmarkServeHTTPDeniedRedis(b *testing.B) {
 	h := emptiedBucket(b)
+	key := h.limits[0].KeyPrefix + "client-1" + h.limits[0].KeySuffix
 	serveFresh(b, "192.0.2.1", "client-1", http.StatusTooManyRequests, func(w http.ResponseWriter, r *http.Request) error {
-		h.denied.mu.Lock()
-		clear(h.denied.entries)
-		h.denied.mu.Unlock()
+		h.denied.Forget(key)
 		return h.ServeHTTP(w, r, okHandler)
 	})
 }

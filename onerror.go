@@ -47,7 +47,7 @@ type onErrorLayer struct {
 func (h *Handler) withFallback(below limit.Store) limit.Store {
 	e := &onErrorLayer{Store: below, h: h, failOpen: h.failOpen}
 	if h.local != nil {
-		e.local = h.local.storeFor(h, false)
+		e.local = h.local.For(storeReports{h}, false)
 	}
 	return e
 }

@@ -1,6 +1,6 @@
 package ratelimit
 
-// Tests of `store memory` (memstore.go): the buckets in the Caddy
+// Tests of `store memory` (internal/memstore): the buckets in the Caddy
 // process. Through a real Caddy (caddytest) for what a client and an
 // operator see; through a provisioned Handler, with no process, for the
 // store's own behaviour (the -short tier); and a measurement of what a

@@ -1,7 +1,7 @@
 package ratelimit
 
 // Tests of `on_error local`: while Redis fails, a bucket in the Caddy
-// process decides (the memory store of memstore.go, per zone); once
+// process decides (a memory store, internal/memstore, per zone); once
 // Redis answers, Redis decides again. Without a process against a Redis
 // that refuses every connection (offline), and through a real Caddy
 // while a real redis-server is stopped and started again.

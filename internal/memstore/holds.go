@@ -27,9 +27,9 @@ type slotEntry struct {
 	gen  uint64
 }
 
-// Take takes a request's token buckets from s and its slots from
-// s's slot counts, all or nothing: the slot counts stay locked while the
-// tokens are taken. Each slot's bucket gets the generation of the count
+// Take takes a request's buckets as at now, all or nothing, and fills in
+// each bucket's answer: its token buckets from s and its slots from s's
+// slot counts, which stay locked while the tokens are taken. Each slot's bucket gets the generation of the count
 // it was taken from (KindN), for its release (hold): read later,
 // it could be a count that an admin reset and another take made
 // meanwhile.
@@ -37,18 +37,18 @@ func (s *Store) Take(now time.Time, buckets []limit.Bucket) (bool, error) {
 	return s.decide(now, buckets, true)
 }
 
-// refuses says whether Take would refuse the request
-// now, and refuses it as that does (each bucket with its answer), without
-// taking anything when it would not: for a request of which these are
-// only some buckets, whose others are not known yet (the handler's refusal before the body).
-// A refusal of some of a request's buckets is the whole request's.
+// refuses says whether Take would refuse the request now, and refuses it
+// as that does (each bucket with its answer), without taking anything
+// when it would not: for a request of which these are only some buckets,
+// whose others are not known yet (a refusal before the request's body is
+// read). A refusal of some of a request's buckets is the whole request's.
 func (s *Store) refuses(now time.Time, buckets []limit.Bucket) bool {
 	allowed, err := s.decide(now, buckets, false)
 	return err == nil && !allowed
 }
 
-// decide is Take, which takes nothing when take is
-// false and the request would be admitted (decideTokens).
+// decide is Take, which takes nothing when take is false and the request
+// would be admitted (decideTokens).
 func (s *Store) decide(now time.Time, buckets []limit.Bucket, take bool) (bool, error) {
 	k := limit.FirstHeld(buckets)
 	if k == len(buckets) {

@@ -29,6 +29,7 @@ import (
 	"github.com/caddy-redis/ratelimit/internal/calendar"
 	"github.com/caddy-redis/ratelimit/internal/kind/tokenbucket"
 	"github.com/caddy-redis/ratelimit/internal/limit"
+	"github.com/caddy-redis/ratelimit/internal/memstore"
 	"github.com/caddy-redis/ratelimit/internal/redisbatch"
 	"github.com/caddy-redis/ratelimit/internal/redistest"
 	"github.com/caddyserver/caddy/v2"
@@ -670,13 +671,15 @@ func BenchmarkAdmitHot(b *testing.B) {
 		}
 	})
 	b.Run("memory", func(b *testing.B) {
-		s := newMemoryStore("bench", "rate_limit:", "bench")
-		defer s.Destruct()
-		s.maxKeys.Store(1000)
+		s, err := memstore.Acquire("bench", "rate_limit:", "bench", 1000)
+		if err != nil {
+			b.Fatal(err)
+		}
+		defer s.Release()
 		now := time.Now()
 		b.ReportAllocs()
 		for b.Loop() {
-			if ok, err := s.takeInProcess(now, buckets); !ok || err != nil {
+			if ok, err := s.Take(now, buckets); !ok || err != nil {
 				b.Fatalf("take: %v %v", ok, err)
 			}
 		}

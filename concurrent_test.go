@@ -1108,24 +1108,24 @@ func TestConcurrentMemoryReleaseFromBeforeAResetFreesNoSlotTakenAfterIt(t *testi
 	take := func() []limit.Bucket {
 		t.Helper()
 		buckets := requestBuckets(t, h, "k")
-		if allowed, err := s.takeInProcess(time.Now(), buckets); !allowed || err != nil {
+		if allowed, err := s.Take(time.Now(), buckets); !allowed || err != nil {
 			t.Fatalf("take: %v, %v; want admitted", allowed, err)
 		}
 		return buckets
 	}
 	first := take()
 	key := first[len(first)-1].Key
-	s.reset([]string{key}) // DELETE, between the first take and its hold
+	s.Reset([]string{key}) // DELETE, between the first take and its hold
 	second := take()
-	firstHold := s.holdSlots(first)
-	secondHold := s.holdSlots(second)
+	firstHold := s.Hold(first)
+	secondHold := s.Hold(second)
 	defer secondHold.Release()
 	firstHold.Release()
-	if n := s.slotsInUse(key); n != 1 {
+	if n := s.InUse(key); n != 1 {
 		t.Fatalf("%d slot(s) in use after the request admitted before the reset ended, want 1: its release freed the slot of the request admitted after",
 			n)
 	}
-	if allowed, _ := s.takeInProcess(time.Now(), requestBuckets(t, h, "k")); allowed {
+	if allowed, _ := s.Take(time.Now(), requestBuckets(t, h, "k")); allowed {
 		t.Fatal("a third request admitted while the second holds the only slot")
 	}
 }

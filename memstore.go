@@ -1,102 +1,19 @@
 package ratelimit
 
 import (
-	"context"
-	"errors"
-	"hash/maphash"
-	"slices"
-	"strings"
-	"sync"
-	"sync/atomic"
-	"time"
-
-	"github.com/caddy-redis/ratelimit/internal/keys"
 	"github.com/caddy-redis/ratelimit/internal/limit"
 	"github.com/caddy-redis/ratelimit/internal/logs"
-	"github.com/caddyserver/caddy/v2"
+	"github.com/caddy-redis/ratelimit/internal/memstore"
 	"go.uber.org/zap"
 )
 
-// memoryStore keeps buckets in the Caddy process, for `store memory` and
-// for a layer that keeps them there while Redis fails: the token bucket of script.lua, in Go, with the
-// same arithmetic (tokenbucket.TakeAt), so it answers as Redis would. Buckets are
-// sharded, each shard with its own lock: no lock is shared by all
-// requests. A bucket is forgotten once it would be full again, as a Redis
-// key expires, by a sweep in the background.
-type memoryStore struct {
-	shards  [memoryShards]memoryShard
-	seed    maphash.Seed
-	live    atomic.Int64 // buckets held, swept or not
-	maxKeys atomic.Int64
-	stop    chan struct{}
-	name    string // in memoryStores
-	// Every key the store is given starts with one of these (the key
-	// prefix and the zone are the store's, see memoryStoreName), which it
-	// does not hold: see storedKey.
-	plainPrefix, namedPrefix string
-	// inUse counts what requests hold of its keys while they are served
-	// (heldKind, holdSlots).
-	inUse heldCounts
-}
-
-// storeMemory is store's value for the memory store.
+// storeMemory is store's value for the memory store (internal/memstore):
+// the buckets in the Caddy process.
 const storeMemory = "memory"
 
-// memoryShards spreads the buckets so that requests on different keys
-// rarely wait on one lock, and a shard's sweep holds its lock briefly:
-// 4,000 buckets each at 1,000,000.
-const memoryShards = 256
-
-type memoryShard struct {
-	mu sync.Mutex
-	// buckets by stored key. A take updates a bucket in place, without
-	// writing the map, which would replace the stored key with the
-	// request's, so needed a copy of the key per take
-	// (BenchmarkServeHTTPMemory 4 -> 3 allocs; a bucket then costs 82 B of
-	// heap instead of 79: TestMemoryStoreHeapPerBucket).
-	buckets map[string]*limit.State
-	_       [48]byte // a cache line of its own: 64 bytes in all
-}
-
 // errMemoryFull refuses a request whose bucket would be new while the
-// store holds max_keys live buckets: no live bucket is dropped to make
-// room, which would hand its client a full bucket.
-var errMemoryFull = errors.New("the in-memory store holds max_keys buckets; a new client's request " + followsFallback)
-
-// memoryStores holds the stores in use by name, so that handlers of one
-// zone share buckets, also across config reloads.
-var memoryStores = caddy.NewUsagePool()
-
-// memoryStoreName names the store of a kind (store memory's, or a
-// layer's buckets kept while Redis fails) for the handlers whose keys start with
-// keyPrefix and zone. Zones cannot contain keys.Separator, so no two
-// (zone, key prefix) pairs share a name.
-func memoryStoreName(kind, keyPrefix, zone string) string {
-	return kind + ":" + zone + keys.Separator + keyPrefix
-}
-
-// acquireMemoryStore returns the store of kind for keys of keyPrefix and
-// zone, shared with every handler that has the same; release gives it
-// back. maxKeys applies from now on.
-func acquireMemoryStore(kind, keyPrefix, zone string, maxKeys int64) (*memoryStore, error) {
-	name := memoryStoreName(kind, keyPrefix, zone)
-	v, _, err := memoryStores.LoadOrNew(name, func() (caddy.Destructor, error) {
-		return newMemoryStore(name, keyPrefix, zone), nil
-	})
-	if err != nil {
-		return nil, err
-	}
-	s := v.(*memoryStore)
-	s.maxKeys.Store(maxKeys)
-	return s, nil
-}
-
-// release gives back what acquireMemoryStore handed out; the last
-// release stops the sweep, and the buckets go with the store.
-func (s *memoryStore) release() error {
-	_, err := memoryStores.Delete(s.name)
-	return err
-}
+// memory store holds max_keys live buckets.
+var errMemoryFull = memstore.ErrFull
 
 // With store memory, the handler's buckets are in the process's memory.
 func init() {
@@ -104,292 +21,22 @@ func init() {
 		if h.memory == nil {
 			return below
 		}
-		return h.memory.storeFor(h, true)
+		return h.memory.For(storeReports{h}, true)
 	}})
 }
 
-// memorySweepEvery is how often the sweep goes over every bucket.
-const memorySweepEvery = 5 * time.Second
+// storeReports is what a memory store reports to the handler that uses
+// it (memstore.Reporter): the handler's warnings and metrics.
+type storeReports struct{ h *Handler }
 
-func newMemoryStore(name, keyPrefix, zone string) *memoryStore {
-	s := &memoryStore{seed: maphash.MakeSeed(), stop: make(chan struct{}), name: name,
-		plainPrefix: keyPrefix + zone + keys.Separator, namedPrefix: keyPrefix + "{" + zone}
-	for i := range s.shards {
-		s.shards[i].buckets = make(map[string]*limit.State)
-	}
-	go s.sweepEvery(memorySweepEvery)
-	return s
+func (r storeReports) Full() { r.h.warnFull() }
+
+func (r storeReports) Charged(l *limit.Limit, charged, forgiven float64) {
+	r.h.countCharged(l, charged, forgiven)
 }
 
-// Destruct stops the sweep; the buckets go with the store.
-func (s *memoryStore) Destruct() error {
-	close(s.stop)
-	return nil
-}
-
-// storedKey is the part of a bucket's key that the store holds: without
-// the key prefix and the zone, which every key of the store starts with,
-// so a bucket costs less memory. A plain limit's key, `<key_prefix><zone>|
-// <tag>|<client key>`, is held from its template tag on, whose characters
-// are base64's; a named limit's, `<key_prefix>{<zone>|<tag>|<client
-// key>}|<name>`, from the `|` after the zone on. Each form only drops a
-// constant prefix, and the two never meet (a tag never starts with `|`),
-// so no two keys are held as one.
-func (s *memoryStore) storedKey(key string) string {
-	if rest, ok := strings.CutPrefix(key, s.plainPrefix); ok {
-		return rest
-	}
-	if rest, ok := strings.CutPrefix(key, s.namedPrefix); ok {
-		return rest
-	}
-	return key // not a handler's key (it is, by construction of the store's name)
-}
-
-// takeTokens checks and takes every bucket's requested tokens, all or
-// none, and fills in each bucket's answer, as the script does in Redis.
-//
-// A bucket's time never moves back: the caller reads the clock before
-// the shards are locked, so simultaneous requests can reach a bucket out
-// of their clocks' order, and a take at a time before the bucket's last
-// one is made at that last time. Counting from the earlier time, as the
-// script does when its server's clock went back, would count the time
-// in between twice, and admit more than burst + rate*T.
-func (s *memoryStore) takeTokens(now time.Time, buckets []limit.Bucket) (bool, error) {
-	return s.decideTokens(now, buckets, true)
-}
-
-// decideTokens is takeTokens, which takes nothing when take is false and
-// every bucket holds its tokens (allowed then says only that they do):
-// a refusal is made as a take makes it.
-func (s *memoryStore) decideTokens(now time.Time, buckets []limit.Bucket, take bool) (bool, error) {
-	var inlineKeys [limit.MaxInline]string
-	var inlineShards, inlineLocked [limit.MaxInline]int
-	var inlineStates [limit.MaxInline]*limit.State
-	keys, shards, states := inlineKeys[:0], inlineShards[:0], inlineStates[:0]
-	for i := range buckets {
-		key := s.storedKey(buckets[i].Key)
-		keys, shards = append(keys, key), append(shards, s.shardIndex(key))
-	}
-	locked := lockShards(s.shards[:], append(inlineLocked[:0], shards...))
-	defer s.unlock(locked)
-
-	t := limit.Micros(now)
-	allowed, absent := true, 0
-	for i := range buckets {
-		b := &buckets[i]
-		state := s.shards[shards[i]].buckets[keys[i]]
-		if state == nil {
-			absent++
-		}
-		states = append(states, state)
-		st, ok := held(state)
-		var holds bool
-		*b, holds = b.Arithmetic().Holds(st, ok, now, t, *b) // asked of every bucket: a kind may set what the take needs here
-		allowed = allowed && holds
-	}
-	if allowed && !take {
-		return true, nil
-	}
-	if allowed && absent > 0 && !s.reserve(absent) {
-		s.sweepShards(locked, t) // what expired makes room first
-		absent = 0               // ... and may have been this request's own buckets
-		for i := range keys {
-			if states[i] = s.shards[shards[i]].buckets[keys[i]]; states[i] == nil {
-				absent++
-			}
-		}
-		if !s.reserve(absent) {
-			return false, errMemoryFull
-		}
-	}
-	for i := range buckets {
-		b := &buckets[i]
-		state, ok := held(states[i])
-		var after limit.State
-		var store bool
-		if *b, after, store = b.Arithmetic().Take(state, ok, now, t, *b, allowed); store {
-			s.put(shards[i], keys[i], states[i], after)
-		}
-	}
-	return allowed, nil
-}
-
-// held is the state of a bucket the store holds (nil for none), and
-// whether there is one.
-func held(b *limit.State) (limit.State, bool) {
-	if b == nil {
-		return limit.State{}, false
-	}
-	return *b, true
-}
-
-// put stores a bucket's state: in place when the store holds it (held),
-// else as a new entry under a copy of the stored key, so that the map
-// never keeps the request's (larger) key alive. The caller holds the
-// shard locked.
-func (s *memoryStore) put(shard int, key string, held *limit.State, state limit.State) {
-	if held == nil {
-		held = new(limit.State)
-		s.shards[shard].buckets[strings.Clone(key)] = held
-	}
-	*held = state
-}
-
-// reserve counts n new buckets if they fit under max_keys. Takes on
-// other shards reserve at the same time, so the store never holds more than
-// max_keys (a reservation that does not fit is undone; meanwhile it may
-// refuse a simultaneous one that would have fit).
-func (s *memoryStore) reserve(n int) bool {
-	if n == 0 {
-		return true
-	}
-	if s.live.Add(int64(n)) <= s.maxKeys.Load() {
-		return true
-	}
-	s.live.Add(-int64(n))
-	return false
-}
-
-// peek reads a bucket without changing it, for the admin API.
-func (s *memoryStore) peek(now time.Time, b limit.Bucket) limit.View {
-	key := s.storedKey(b.Key)
-	sh := s.shard(key)
-	sh.mu.Lock()
-	var state limit.State
-	stored := sh.buckets[key]
-	if stored != nil {
-		state = *stored
-	}
-	sh.mu.Unlock()
-	return b.Arithmetic().Peek(state, stored != nil, now, limit.Micros(now), b)
-}
-
-// reset forgets buckets, which makes them full, and frees what
-// requests hold of them.
-func (s *memoryStore) reset(keys []string) {
-	for _, key := range keys {
-		key = s.storedKey(key)
-		s.inUse.free(key)
-		sh := s.shard(key)
-		sh.mu.Lock()
-		if _, ok := sh.buckets[key]; ok {
-			delete(sh.buckets, key)
-			s.live.Add(-1)
-		}
-		sh.mu.Unlock()
-	}
-}
-
-// shardIndex is the shard of a stored key.
-func (s *memoryStore) shardIndex(key string) int {
-	return int(maphash.String(s.seed, key) % memoryShards)
-}
-
-func (s *memoryStore) shard(key string) *memoryShard { return &s.shards[s.shardIndex(key)] }
-
-func (s *memoryStore) unlock(shards []int) { unlockShards(s.shards[:], shards) }
-
-// lock locks the shards of the stored keys (see lockShards).
-func (s *memoryStore) lock(keys []string, shards []int) []int {
-	for _, key := range keys {
-		shards = append(shards, s.shardIndex(key))
-	}
-	return lockShards(s.shards[:], shards)
-}
-
-func (sh *memoryShard) mutex() *sync.Mutex { return &sh.mu }
-
-func (*memoryStore) keepsBuckets() {}
-
-// lockShards locks the shards at the indexes, each once and in order, so
-// that requests over several shards never wait on each other in a
-// circle; it returns the indexes locked, for unlockShards. Whatever
-// shards its maps by key locks them so.
-func lockShards[T any, P interface {
-	*T
-	mutex() *sync.Mutex
-}](shards []T, indexes []int) []int {
-	slices.Sort(indexes)
-	indexes = slices.Compact(indexes)
-	for _, i := range indexes {
-		P(&shards[i]).mutex().Lock()
-	}
-	return indexes
-}
-
-func unlockShards[T any, P interface {
-	*T
-	mutex() *sync.Mutex
-}](shards []T, indexes []int) {
-	for _, i := range indexes {
-		P(&shards[i]).mutex().Unlock()
-	}
-}
-
-// sweepEvery forgets, every interval, the buckets that would be full by
-// now, a shard at a time.
-func (s *memoryStore) sweepEvery(interval time.Duration) {
-	tick := time.NewTicker(interval)
-	defer tick.Stop()
-	for {
-		select {
-		case <-s.stop:
-			return
-		case <-tick.C:
-			s.sweep()
-		}
-	}
-}
-
-// sweep goes over every shard once, locking one at a time.
-func (s *memoryStore) sweep() {
-	for i := range s.shards {
-		sh := &s.shards[i]
-		sh.mu.Lock()
-		s.sweepShards([]int{i}, limit.Micros(time.Now()))
-		sh.mu.Unlock()
-	}
-}
-
-// sweepShards forgets the expired buckets of shards the caller holds
-// locked. Not inlined into take, where its map iterator would take room
-// in the stack frame of every request (take's frame 800 -> 712 bytes; see
-// warnFull for what a deep stack costs).
-//
-//go:noinline
-func (s *memoryStore) sweepShards(shards []int, t int64) {
-	for _, i := range shards {
-		for key, b := range s.shards[i].buckets {
-			if b.Expires <= t {
-				delete(s.shards[i].buckets, key)
-				s.live.Add(-1)
-			}
-		}
-	}
-}
-
-// storeFor is s as h's store: where h takes, settles, holds, peeks and
-// resets its buckets. own says it is the handler's store (store memory),
-// which warns when it is full; a layer's buckets do not.
-func (s *memoryStore) storeFor(h *Handler, own bool) limit.Store {
-	return inProcess{h: h, s: s, warnsFull: own}
-}
-
-// inProcess is a memory store as a handler's store (store memory), or as
-// the buckets a layer takes in the process while the handler's store
-// fails; handlers of the same zone share the memory store.
-type inProcess struct {
-	h         *Handler
-	s         *memoryStore
-	warnsFull bool
-}
-
-func (p inProcess) Take(_ context.Context, r *limit.Call) (bool, error) {
-	allowed, err := p.s.takeInProcess(r.Sent, r.Buckets)
-	if err == errMemoryFull && p.warnsFull {
-		p.h.warnFull() // also when the client left: the store is full all the same
-	}
-	return allowed, err
+func (r storeReports) Unsettled(buckets []limit.Bucket, items []limit.Settling, err error) {
+	r.h.countSettleFailure(buckets, items, err)
 }
 
 // warnFull is throttled, as a store's warnings of a failed take are.
@@ -397,61 +44,5 @@ func (h *Handler) warnFull() {
 	if ok, suppressed := h.fullWarns.Allow(); ok {
 		h.logger.Warn("in-memory store full: a new client's request "+followsFallback, zap.String("zone", h.Zone),
 			zap.Int64("max_keys", h.MaxKeys), h.fallbackField(), logs.Suppressed(suppressed))
-	}
-}
-
-// mayRefuse and refuses make it its stack's refuser (refuserOf): its
-// buckets are in the process, where a refusal costs no call.
-func (p inProcess) MayRefuse() bool { return true }
-func (p inProcess) Refuses(now time.Time, buckets []limit.Bucket) bool {
-	return p.s.refusesInProcess(now, buckets)
-}
-
-func (p inProcess) Settle(r *limit.Call, items []limit.Settling) {
-	p.h.settleInProcess(p.s, r.Buckets, items)
-}
-
-// peek reads a bucket held while served as what requests hold of it
-// (peekHeld).
-func (p inProcess) Peek(_ context.Context, b limit.Bucket) (limit.View, error) {
-	if b.HeldWhileServed() {
-		return p.s.peekHeld(b.Key), nil
-	}
-	return p.s.peek(time.Now(), b), nil
-}
-func (p inProcess) Reset(_ context.Context, b limit.Bucket) error {
-	p.s.reset([]string{b.Key})
-	return nil
-}
-
-// settleInProcess settles in a memory store (store memory's, or a
-// layer's while the handler's store fails), at once: no I/O. A bucket that is gone
-// (swept) is full, as an expired key; one that a take would bring back
-// while the store is full cannot be, and its settlement is lost.
-func (h *Handler) settleInProcess(s *memoryStore, buckets []limit.Bucket, items []limit.Settling) {
-	var inlineKeys [limit.MaxInline]string
-	var inlineShards [limit.MaxInline]int
-	keys := inlineKeys[:0]
-	for _, it := range items {
-		keys = append(keys, s.storedKey(buckets[it.Bucket].Key))
-	}
-	shards := s.lock(keys, inlineShards[:0])
-	defer s.unlock(shards)
-	t := limit.Micros(time.Now())
-	for i, it := range items {
-		b := &buckets[it.Bucket]
-		shard := s.shardIndex(keys[i])
-		stored := s.shards[shard].buckets[keys[i]]
-		state, ok := held(stored)
-		after, store, charged, forgiven := b.Charged().SettleHeld(state, ok, t, *b, it.Diff, it.Cost, b.Limit.Charge.MaxDebt(b.Values.Burst, b.Values.Rate))
-		switch {
-		case !store:
-		case !ok && !s.reserve(1):
-			h.countSettleFailure(buckets, items[i:i+1], errMemoryFull)
-			continue
-		default:
-			s.put(shard, keys[i], stored, after)
-		}
-		h.countCharged(b.Limit, charged, forgiven)
 	}
 }

@@ -1,6 +1,6 @@
 package ratelimit
 
-// Tests of `store memory` (memstore.go): the buckets in the Caddy
+// Tests of `store memory` (internal/memstore): the buckets in the Caddy
 // process. Through a real Caddy (caddytest) for what a client and an
 // operator see; through a provisioned Handler, with no process, for the
 // store's own behaviour (the -short tier); and a measurement of what a
@@ -19,9 +19,9 @@ import (
 	"sync"
 	"testing"
 	"time"
-	"unsafe"
 
 	"github.com/caddy-redis/ratelimit/internal/limit"
+	"github.com/caddy-redis/ratelimit/internal/memstore"
 	"github.com/caddy-redis/ratelimit/internal/testproc"
 	"github.com/caddyserver/caddy/v2"
 	"go.uber.org/zap/zapcore"
@@ -32,44 +32,21 @@ import (
 
 // storedBuckets is how many buckets s holds, swept or not, counted in
 // its shards' maps; the store's own count must agree.
-func storedBuckets(tb testing.TB, s *memoryStore) int {
+func storedBuckets(tb testing.TB, s *memstore.Store) int {
 	tb.Helper()
-	n := 0
-	for i := range s.shards {
-		sh := &s.shards[i]
-		sh.mu.Lock()
-		n += len(sh.buckets)
-		sh.mu.Unlock()
-	}
-	if live := s.live.Load(); live != int64(n) {
+	live, n := s.Count()
+	if live != int64(n) {
 		tb.Errorf("the store counts %d live buckets; its maps hold %d", live, n)
 	}
 	return n
 }
 
 // storedBucket is the state s holds for the bucket whose key is key.
-func storedBucket(s *memoryStore, key string) (limit.State, bool) {
-	stored := s.storedKey(key)
-	sh := s.shard(stored)
-	sh.mu.Lock()
-	defer sh.mu.Unlock()
-	b, ok := sh.buckets[stored]
-	if !ok {
-		return limit.State{}, false
-	}
-	return *b, true
-}
+func storedBucket(s *memstore.Store, key string) (limit.State, bool) { return s.Lookup(key) }
 
-// sweepAt is sweep at store time t (microseconds, memoryNow): every
+// sweepAt is sweep at store time t (microseconds, limit.Micros): every
 // shard once, each locked while it is swept.
-func sweepAt(s *memoryStore, t int64) {
-	for i := range s.shards {
-		sh := &s.shards[i]
-		sh.mu.Lock()
-		s.sweepShards([]int{i}, t)
-		sh.mu.Unlock()
-	}
-}
+func sweepAt(s *memstore.Store, t int64) { s.SweepAt(t) }
 
 // storeTime is the wall time of store time t, for take.
 func storeTime(t int64) time.Time { return limit.ClockStart.Add(time.Duration(t) * time.Microsecond) }
@@ -149,7 +126,7 @@ http://localhost:9080 {
 	// The config before this one closes its Redis client once its last
 	// requests are done (lingerIdle), which a loaded machine may delay.
 	eventually(t, 10*time.Second, "no Redis client in use with store memory", func() bool { return redisClientsInUse() == 0 })
-	if refs, ok := memoryStores.References(memoryStoreName(storeMemory, defaultKeyPrefix, "mem1")); !ok || refs != 1 {
+	if refs, ok := memstore.References(storeMemory, defaultKeyPrefix, "mem1"); !ok || refs != 1 {
 		t.Errorf("the store of zone mem1 has %d references (present: %v), want 1", refs, ok)
 	}
 	before := scrapeMetrics(t)
@@ -280,7 +257,7 @@ http://localhost:9080 {
 	// The old configs released their references: three handlers of the
 	// running config use zone mshared, one mshared2.
 	for zone, want := range map[string]int{"mshared": 3, "mshared2": 1} {
-		if refs, ok := memoryStores.References(memoryStoreName(storeMemory, defaultKeyPrefix, zone)); !ok || refs != want {
+		if refs, ok := memstore.References(storeMemory, defaultKeyPrefix, zone); !ok || refs != want {
 			t.Errorf("zone %s: %d references (present: %v), want %d", zone, refs, ok, want)
 		}
 	}
@@ -335,14 +312,14 @@ func TestMemoryStoreForgetsABucketOnceItWouldBeFullAgain(t *testing.T) {
 
 	// Now (the sweep in the background does this every 5 s): nothing is
 	// full yet.
-	s.sweep()
+	s.Sweep()
 	if n := storedBuckets(t, s); n != 2 {
 		t.Fatalf("a sweep now left %d buckets, want both", n)
 	}
 	// A request on a bucket past its expiry, not yet swept, finds it full
 	// (as an expired Redis key) and takes no second place in the count.
 	var b = []limit.Bucket{{Key: fayKey, Values: fast.limits[0].Values}}
-	if allowed, err := s.takeTokens(storeTime(fay.Expires), b); !allowed || err != nil || b[0].Remaining != 9 {
+	if allowed, err := s.Take(storeTime(fay.Expires), b); !allowed || err != nil || b[0].Remaining != 9 {
 		t.Fatalf("take on fay's expired bucket: %v %v remaining %d, want allowed with 9", allowed, err, b[0].Remaining)
 	}
 	if n := storedBuckets(t, s); n != 2 {
@@ -781,7 +758,7 @@ func TestMemoryStoreHeapPerBucket(t *testing.T) {
 		start := time.Now()
 		for i := range n {
 			b[0] = limit.Bucket{Key: key(i), Values: l.Values}
-			if allowed, err := s.takeTokens(now.Add(time.Duration(pass)*time.Millisecond), b); !allowed || err != nil {
+			if allowed, err := s.Take(now.Add(time.Duration(pass)*time.Millisecond), b); !allowed || err != nil {
 				t.Fatalf("pass %d, bucket %d: allowed %v, %v", pass+1, i, allowed, err)
 			}
 		}
@@ -800,7 +777,7 @@ func TestMemoryStoreHeapPerBucket(t *testing.T) {
 	perBucket := float64(int64(after.HeapAlloc)-int64(before.HeapAlloc)) / float64(n)
 
 	start := time.Now()
-	s.sweep()
+	s.Sweep()
 	sweepNone := time.Since(start)
 	if got := storedBuckets(t, s); got != n {
 		t.Fatalf("a sweep before any bucket is full forgot %d", n-got)
@@ -821,9 +798,9 @@ func TestMemoryStoreHeapPerBucket(t *testing.T) {
 	t.Logf("heap: %d bytes before, %d with the buckets, %d after they were swept (maps keep their tables)",
 		before.HeapAlloc, after.HeapAlloc, swept.HeapAlloc)
 	t.Logf("heap per live bucket: %.1f bytes once created, %.1f once updated (key %q, %d bytes; stored as %d)",
-		perFirst, perBucket, key(n/2), len(key(n/2)), len(s.storedKey(key(n/2))))
+		perFirst, perBucket, key(n/2), len(key(n/2)), len(s.StoredKey(key(n/2))))
 	t.Logf("full sweep of %d buckets: %v when none is full again, %v when all are (%d shards, one lock at a time)",
-		n, sweepNone.Round(time.Microsecond), sweepAll.Round(time.Microsecond), memoryShards)
+		n, sweepNone.Round(time.Microsecond), sweepAll.Round(time.Microsecond), memstore.Shards)
 	if perBucket > maxHeapBytesPerBucket || perFirst > maxHeapBytesPerBucket {
 		t.Errorf("a bucket costs %.1f bytes of heap (%.1f once created), over the target of %d", perBucket, perFirst, maxHeapBytesPerBucket)
 	}
@@ -840,7 +817,7 @@ func TestMemoryStoreTakesOutOfClockOrderKeepTheBound(t *testing.T) {
 	take := func(at int64) {
 		t.Helper()
 		b := []limit.Bucket{{Key: key, Values: v}}
-		allowed, err := s.takeTokens(storeTime(at), b)
+		allowed, err := s.Take(storeTime(at), b)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -864,13 +841,5 @@ func TestMemoryStoreTakesOutOfClockOrderKeepTheBound(t *testing.T) {
 	}
 	if admitted != 12 {
 		t.Errorf("%d admitted over 2 s, want burst + rate*T = 12", admitted)
-	}
-}
-
-func TestMemoryShardFillsACacheLine(t *testing.T) {
-	// Shards sit side by side; each one's lock on a cache line of its own
-	// keeps requests on neighbouring shards from slowing each other.
-	if size := unsafe.Sizeof(memoryShard{}); size != 64 {
-		t.Errorf("a shard takes %d bytes, want 64 (one cache line)", size)
 	}
 }

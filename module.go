@@ -11,6 +11,7 @@ import (
 	"github.com/caddy-redis/ratelimit/internal/layer"
 	"github.com/caddy-redis/ratelimit/internal/limit"
 	"github.com/caddy-redis/ratelimit/internal/logs"
+	"github.com/caddy-redis/ratelimit/internal/memstore"
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 	"go.uber.org/zap"
@@ -274,17 +275,17 @@ type Handler struct {
 	Redis *RedisConfig `json:"redis,omitempty"`
 
 	logger        *zap.Logger
-	store         limit.Store    // the stack that decides requests (buildStore)
-	memory        *memoryStore   // with store memory: the buckets
-	local         *memoryStore   // with on_error local: the buckets while Redis fails
-	limiter       *limiter       // nil when no limit ever asks Redis
-	leases        *leases        // with lease
-	charging      *charging      // when a limit charges by the response (charge.go)
-	request       *bodyValueStep // with request_body (requestbody.go)
-	before        []preStep      // what runs before a request's buckets are resolved (steps.go)
-	beforeBody    *beforeBody    // refusals known before request_body reads a body (beforebody.go)
-	steps         []step         // what an admitted request registers for after its response (steps.go)
-	chargeWeights bool           // some charge json weight has placeholders (charge.go)
+	store         limit.Store     // the stack that decides requests (buildStore)
+	memory        *memstore.Store // with store memory: the buckets
+	local         *memstore.Store // with on_error local: the buckets while Redis fails
+	limiter       *limiter        // nil when no limit ever asks Redis
+	leases        *leases         // with lease
+	charging      *charging       // when a limit charges by the response (charge.go)
+	request       *bodyValueStep  // with request_body (requestbody.go)
+	before        []preStep       // what runs before a request's buckets are resolved (steps.go)
+	beforeBody    *beforeBody     // refusals known before request_body reads a body (beforebody.go)
+	steps         []step          // what an admitted request registers for after its response (steps.go)
+	chargeWeights bool            // some charge json weight has placeholders (charge.go)
 	limiterKey    string
 	limits        []*limit.Limit
 	groups        [][]*limit.Limit // on Cluster, limits by hash slot, when they span several
@@ -391,13 +392,13 @@ func (h *Handler) Provision(ctx caddy.Context) (err error) {
 	}
 
 	if h.Store == storeMemory {
-		if h.memory, err = acquireMemoryStore(storeMemory, redisConfig.KeyPrefix, h.Zone, h.MaxKeys); err != nil {
+		if h.memory, err = memstore.Acquire(storeMemory, redisConfig.KeyPrefix, h.Zone, h.MaxKeys); err != nil {
 			return fmt.Errorf("setting up the in-memory store: %w", err)
 		}
 		return nil
 	}
 	if h.OnError == onErrorLocal {
-		if h.local, err = acquireMemoryStore(onErrorLocal, redisConfig.KeyPrefix, h.Zone, h.MaxKeys); err != nil {
+		if h.local, err = memstore.Acquire(onErrorLocal, redisConfig.KeyPrefix, h.Zone, h.MaxKeys); err != nil {
 			return fmt.Errorf("setting up the local buckets of on_error local: %w", err)
 		}
 	}
@@ -456,10 +457,10 @@ func (h *Handler) Validate() error {
 func (h *Handler) Cleanup() error {
 	unregisterZone(h)
 	if h.memory != nil {
-		return h.memory.release()
+		return h.memory.Release()
 	}
 	if h.local != nil {
-		_ = h.local.release()
+		_ = h.local.Release()
 	}
 	if h.limiter == nil {
 		return nil

@@ -34,7 +34,7 @@ func (h *Handler) fallbackDefault() {
 func (h *Handler) withFallback(below limit.Store) limit.Store {
 	o := layer.OnErrorOptions{FailOpen: h.failOpen, Full: errMemoryFull}
 	if h.local != nil {
-		o.Local = h.local.storeFor(h, false)
+		o.Local = h.local.For(storeReports{h}, false)
 	}
 	return layer.OnError(below, o)
 }

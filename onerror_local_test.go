@@ -1,7 +1,7 @@
 package ratelimit
 
 // Tests of `on_error local`: while Redis fails, a bucket in the Caddy
-// process decides (the memory store of memstore.go, per zone); once
+// process decides (a memory store, internal/memstore, per zone); once
 // Redis answers, Redis decides again. Without a process against a Redis
 // that refuses every connection (offline), and through a real Caddy
 // while a real redis-server is stopped and started again.
@@ -16,6 +16,7 @@ import (
 	"time"
 
 	"github.com/caddy-redis/ratelimit/internal/limit"
+	"github.com/caddy-redis/ratelimit/internal/memstore"
 	"github.com/caddy-redis/ratelimit/internal/redistest"
 	"github.com/caddyserver/caddy/v2"
 	"go.uber.org/zap/zapcore"
@@ -80,7 +81,7 @@ func TestOnErrorLocalDecidesWithInProcessBucketsWhileRedisFails(t *testing.T) {
 	if n := storedBuckets(t, h.local); n != 2 {
 		t.Errorf("the local buckets hold %d buckets, want lena's and milo's", n)
 	}
-	if refs, ok := memoryStores.References(memoryStoreName(onErrorLocal, defaultKeyPrefix, "lshort")); !ok || refs != 2 {
+	if refs, ok := memstore.References(onErrorLocal, defaultKeyPrefix, "lshort"); !ok || refs != 2 {
 		t.Errorf("the zone's local buckets have %d references (present: %v), want 2", refs, ok)
 	}
 }

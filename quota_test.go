@@ -16,6 +16,7 @@ import (
 	"github.com/caddy-redis/ratelimit/internal/calendar"
 	"github.com/caddy-redis/ratelimit/internal/kind/quota"
 	"github.com/caddy-redis/ratelimit/internal/limit"
+	"github.com/caddy-redis/ratelimit/internal/memstore"
 	"github.com/caddy-redis/ratelimit/internal/redistest"
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
@@ -680,9 +681,11 @@ func TestQuotaScriptPicksThePeriodByRedisTime(t *testing.T) {
 func TestQuotaScriptAgreesWithMemoryStore(t *testing.T) {
 	srv := redistest.Start(t)
 	l := newTestLimiter(t, srv.Addr, 2*time.Second)
-	mem := newMemoryStore("quota-agree", "", "")
-	mem.maxKeys.Store(100)
-	t.Cleanup(func() { _ = mem.Destruct() })
+	mem, err := memstore.Acquire("quota-agree", "", "", 100)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = mem.Release() })
 	redisNow := redisMicros(t, srv.Client(t))
 	const hour = int64(3_600_000_000)
 	bounds := calendar.Bounds{redisNow - 2*hour, redisNow - hour, redisNow + hour, redisNow + 2*hour}
@@ -698,7 +701,7 @@ func TestQuotaScriptAgreesWithMemoryStore(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		ma, err := mem.takeTokens(time.Now(), mb)
+		ma, err := mem.Take(time.Now(), mb)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -896,7 +899,7 @@ func sendCosting(h *Handler, next caddyhttp.Handler) int {
 
 // quotaState is a quota's stored state in a memory store: what it used,
 // and the start of the period it counts (Unix microseconds).
-func quotaState(t *testing.T, s *memoryStore, key string) (used float64, start int64) {
+func quotaState(t *testing.T, s *memstore.Store, key string) (used float64, start int64) {
 	t.Helper()
 	state, ok := storedBucket(s, key)
 	if !ok {
@@ -995,10 +998,10 @@ func TestQuotaChargeSettlesInThePeriodItsReservationWasTakenIn(t *testing.T) {
 		// one (a take reads the clock again, after the period was named).
 		buckets := []limit.Bucket{policyBuckets(t, h, "X-Key", "a")["tokens"]}
 		next := time.UnixMicro(buckets[0].KindRef.(*quota.Period).Bounds()[2]).Add(10 * time.Millisecond)
-		if allowed, err := h.memory.takeInProcess(next, buckets); err != nil || !allowed {
+		if allowed, err := h.memory.Take(next, buckets); err != nil || !allowed {
 			t.Fatalf("take: %v %v, want admitted", allowed, err)
 		}
-		h.settleInProcess(h.memory, buckets, []limit.Settling{{Bucket: 0, Cost: 600, Diff: 500}})
+		h.memory.For(storeReports{h}, true).Settle(&limit.Call{Buckets: buckets}, []limit.Settling{{Bucket: 0, Cost: 600, Diff: 500}})
 		used, start := quotaState(t, h.memory, buckets[0].Key)
 		if want := buckets[0].KindRef.(*quota.Period).Bounds()[2]; used != 600 || start != want {
 			t.Errorf("quota used %v in the period starting %d, want 600 in the one starting %d (where the reservation was taken)", used, start, want)
@@ -1133,7 +1136,7 @@ func TestQuotaInProcessTakeLongAfterItsPeriodCountsInThePeriodItIsIn(t *testing.
 	start := later.Truncate(2 * time.Second)
 	for i := range 3 {
 		buckets := []limit.Bucket{b}
-		allowed, err := h.memory.takeInProcess(later, buckets)
+		allowed, err := h.memory.Take(later, buckets)
 		if err != nil || allowed != (i < 2) {
 			t.Fatalf("take %d: %v %v, want admitted twice, then refused", i+1, allowed, err)
 		}

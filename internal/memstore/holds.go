@@ -1,7 +1,7 @@
-package ratelimit
+package memstore
 
 // A concurrent limit's slots in the process, for store memory and the
-// buckets a layer keeps there (concurrent.go has the limit itself).
+// buckets a layer keeps there (the limit itself is its kind's).
 
 import (
 	"sync"
@@ -14,7 +14,7 @@ import (
 // In-process slots, for the memory store: a count per key,
 // with a generation that an admin reset renews, so that the releases of
 // requests admitted before the reset do not free slots taken after it.
-// They are what a memory store's requests hold while served (memoryStore.inUse).
+// They are what a memory store's requests hold while served (Store.inUse).
 
 type heldCounts struct {
 	mu      sync.Mutex
@@ -27,29 +27,29 @@ type slotEntry struct {
 	gen  uint64
 }
 
-// takeInProcess takes a request's token buckets from s and its slots from
-// s's slot counts, all or nothing: the slot counts stay locked while the
-// tokens are taken. Each slot's bucket gets the generation of the count
-// it was taken from (kindN), for its release (memoryHold): read later,
+// Take takes a request's buckets as at now, all or nothing, and fills in
+// each bucket's answer: its token buckets from s and its slots from s's
+// slot counts, which stay locked while the tokens are taken. Each slot's bucket gets the generation of the count
+// it was taken from (KindN), for its release (hold): read later,
 // it could be a count that an admin reset and another take made
 // meanwhile.
-func (s *memoryStore) takeInProcess(now time.Time, buckets []limit.Bucket) (bool, error) {
-	return s.decideInProcess(now, buckets, true)
+func (s *Store) Take(now time.Time, buckets []limit.Bucket) (bool, error) {
+	return s.decide(now, buckets, true)
 }
 
-// refusesInProcess says whether takeInProcess would refuse the request
-// now, and refuses it as that does (each bucket with its answer), without
-// taking anything when it would not: for a request of which these are
-// only some buckets, whose others are not known yet (refuseBeforeBody).
-// A refusal of some of a request's buckets is the whole request's.
-func (s *memoryStore) refusesInProcess(now time.Time, buckets []limit.Bucket) bool {
-	allowed, err := s.decideInProcess(now, buckets, false)
+// refuses says whether Take would refuse the request now, and refuses it
+// as that does (each bucket with its answer), without taking anything
+// when it would not: for a request of which these are only some buckets,
+// whose others are not known yet (a refusal before the request's body is
+// read). A refusal of some of a request's buckets is the whole request's.
+func (s *Store) refuses(now time.Time, buckets []limit.Bucket) bool {
+	allowed, err := s.decide(now, buckets, false)
 	return err == nil && !allowed
 }
 
-// decideInProcess is takeInProcess, which takes nothing when take is
-// false and the request would be admitted (decideTokens).
-func (s *memoryStore) decideInProcess(now time.Time, buckets []limit.Bucket, take bool) (bool, error) {
+// decide is Take, which takes nothing when take is false and the request
+// would be admitted (decideTokens).
+func (s *Store) decide(now time.Time, buckets []limit.Bucket, take bool) (bool, error) {
 	k := limit.FirstHeld(buckets)
 	if k == len(buckets) {
 		return s.decideTokens(now, buckets, take)
@@ -104,7 +104,7 @@ func (s *memoryStore) decideInProcess(now time.Time, buckets []limit.Bucket, tak
 }
 
 // releaseSlot gives back a slot taken in generation gen.
-func (s *memoryStore) releaseSlot(key string, gen uint64) {
+func (s *Store) releaseSlot(key string, gen uint64) {
 	key = s.storedKey(key)
 	s.inUse.mu.Lock()
 	defer s.inUse.mu.Unlock()
@@ -115,8 +115,8 @@ func (s *memoryStore) releaseSlot(key string, gen uint64) {
 	}
 }
 
-// slotsInUse is how many slots of a key are held.
-func (s *memoryStore) slotsInUse(key string) int64 {
+// InUse is how many slots of a key are held.
+func (s *Store) InUse(key string) int64 {
 	s.inUse.mu.Lock()
 	defer s.inUse.mu.Unlock()
 	if e := s.inUse.entries[s.storedKey(key)]; e != nil {
@@ -125,16 +125,17 @@ func (s *memoryStore) slotsInUse(key string) int64 {
 	return 0
 }
 
-// free frees every slot of a stored key (memoryStore.reset).
+// free frees every slot of a stored key (Store.Reset).
 func (c *heldCounts) free(key string) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	delete(c.entries, key)
 }
 
-// hold is the slots that an admitted request took in the process.
-func (p inProcess) Hold(r *limit.Call) limit.Holding {
-	if hold := p.s.holdSlots(r.Buckets); hold != nil {
+// Hold is the slots that an admitted request took in the process, to
+// give back once its response has ended; nil when it holds none.
+func (s *Store) Hold(buckets []limit.Bucket) limit.Holding {
+	if hold := s.holdSlots(buckets); hold != nil {
 		return hold
 	}
 	return nil
@@ -142,15 +143,15 @@ func (p inProcess) Hold(r *limit.Call) limit.Holding {
 
 // peekHeld reads what requests hold of a bucket held while served: the
 // slots of a concurrent limit's key in use.
-func (s *memoryStore) peekHeld(key string) limit.View {
-	return limit.View{InUse: s.slotsInUse(key)}
+func (s *Store) peekHeld(key string) limit.View {
+	return limit.View{InUse: s.InUse(key)}
 }
 
-// memoryHold is the slots one request holds in a memory store, from
+// hold is the slots one request holds in a memory store, from
 // admission until its response has ended, each of the generation of the
-// count it was taken from (memoryStore.holdSlots).
-type memoryHold struct {
-	s        *memoryStore
+// count it was taken from (Store.holdSlots).
+type hold struct {
+	s        *Store
 	keys     []string
 	gens     []uint64
 	released atomic.Bool
@@ -162,22 +163,22 @@ type memoryHold struct {
 
 // holdSlots records the slots a request was admitted with; nil when it
 // holds none.
-func (s *memoryStore) holdSlots(buckets []limit.Bucket) *memoryHold {
+func (s *Store) holdSlots(buckets []limit.Bucket) *hold {
 	k := limit.FirstHeld(buckets)
 	if k == len(buckets) {
 		return nil
 	}
-	hold := &memoryHold{s: s}
-	hold.keys, hold.gens = hold.inlineKeys[:0], hold.inlineGens[:0]
+	h := &hold{s: s}
+	h.keys, h.gens = h.inlineKeys[:0], h.inlineGens[:0]
 	for i := k; i < len(buckets); i++ {
-		hold.keys = append(hold.keys, buckets[i].Key)
-		hold.gens = append(hold.gens, uint64(buckets[i].KindN))
+		h.keys = append(h.keys, buckets[i].Key)
+		h.gens = append(h.gens, uint64(buckets[i].KindN))
 	}
-	return hold
+	return h
 }
 
-// release gives the slots back, once.
-func (m *memoryHold) Release() {
+// Release gives the slots back, once.
+func (m *hold) Release() {
 	if m.released.Swap(true) {
 		return
 	}

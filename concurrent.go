@@ -97,21 +97,9 @@ func inFlightSeries(zone string, limits []*limit.Limit) {
 	}
 }
 
-// holdOf is how long a request's hold on a limit held while served
-// lasts unless renewed; holdArgOf the same as a script argument.
-func holdOf(l *limit.Limit) time.Duration { d, _ := l.Held.HoldFor(); return d }
-func holdArgOf(l *limit.Limit) any        { _, arg := l.Held.HoldFor(); return arg }
-
-//go:embed concurrent.lua
-var concurrentSource string
-
-var concurrentScript = registerScript(concurrentSource)
-
 // Script arguments of concurrent.lua, boxed once.
 var (
 	kindConcurrentArg any = "c"
-	renewArg          any = "renew"
-	releaseArg        any = "release"
 )
 
 // checkConcurrent judges the handler's concurrent limits as configured:

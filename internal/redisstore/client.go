@@ -204,14 +204,14 @@ func New(o Options) *Client {
 	return l
 }
 
-// Watch tells w of breaker changes and resets from now on; Unwatch
-// stops it.
+// Watch tells w of breaker changes and resets from now on.
 func (l *Client) Watch(w Watcher) {
 	l.watchersMu.Lock()
 	l.watchers[w] = struct{}{}
 	l.watchersMu.Unlock()
 }
 
+// Unwatch stops telling w.
 func (l *Client) Unwatch(w Watcher) {
 	l.watchersMu.Lock()
 	delete(l.watchers, w)

@@ -5,13 +5,11 @@ import (
 	"encoding/json"
 	"fmt"
 	"maps"
-	"math"
 	"net/http"
 	"net/textproto"
 	"net/url"
 	"regexp"
 	"slices"
-	"strconv"
 	"strings"
 	"sync"
 	"time"
@@ -212,16 +210,6 @@ func serveBuckets(w http.ResponseWriter, r *http.Request, zone string) error {
 		Zone    string             `json:"zone"`
 		Buckets []limit.BucketInfo `json:"buckets"`
 	}{zone, infos})
-}
-
-// tokenInfo is what the admin API shows of a bucket of tokens (the
-// token bucket's, and other kinds' with more) of what was read of it.
-func tokenInfo(b limit.Bucket, view limit.View) limit.BucketInfo {
-	info := limit.BucketInfo{Limit: b.Limit.Name, Key: clientKey(&b), StoredKey: b.Key,
-		ReplenishRate: b.Values.Rate, BurstCapacity: b.Values.Burst, RequestedTokens: b.Values.Requested}
-	info.Tokens = strconv.FormatFloat(math.Round(view.Tokens*1e6)/1e6, 'f', -1, 64) // to the millionth
-	info.RetryAfter, info.ExpiresIn, info.Lent = view.Wait.Seconds(), view.ExpiresIn.Seconds(), view.Lent
-	return info
 }
 
 // placeholderName is a placeholder as a key template names it, from the

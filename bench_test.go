@@ -27,6 +27,7 @@ import (
 	"time"
 
 	"github.com/caddy-redis/ratelimit/internal/calendar"
+	"github.com/caddy-redis/ratelimit/internal/kind/tokenbucket"
 	"github.com/caddy-redis/ratelimit/internal/limit"
 	"github.com/caddy-redis/ratelimit/internal/redisbatch"
 	"github.com/caddy-redis/ratelimit/internal/redistest"
@@ -72,7 +73,7 @@ func benchHandler(b *testing.B, srv *redistest.Server, zone string, rate float64
 	h := &Handler{
 		Zone:          zone,
 		Key:           "{http.request.header.X-Key}",
-		ReplenishRate: floatParam(rate),
+		ReplenishRate: tokenbucket.RateParam(rate),
 		BurstCapacity: Param(strconv.FormatInt(burst, 10)),
 		Redis: &RedisConfig{
 			Addresses: []string{srv.Addr},
@@ -353,8 +354,9 @@ func BenchmarkServeHTTPDenied(b *testing.B) {
 	serveFresh(b, "192.0.2.1", "client-1", http.StatusTooManyRequests, serveHandler(h))
 }
 
-// BenchmarkServeHTTPDeniedRedis is BenchmarkServeHTTPDenied with the deny
-// cache emptied before every request, so each denial is Redis's answer.
+// BenchmarkServeHTTPDeniedRedis is BenchmarkServeHTTPDenied with the
+// client's denial dropped from the deny cache before every request, so
+// each denial is Redis's answer.
 // BenchmarkServeHTTPDeniedErrorRoutes is BenchmarkServeHTTPDenied on a
 // server with handle_errors routes: the denial is returned as an error,
 // a prebuilt one (prebuiltError).
@@ -448,10 +450,9 @@ func loadBenchServer(b *testing.B, redisAddr string, errorRoutes bool) *caddyhtt
 
 func BenchmarkServeHTTPDeniedRedis(b *testing.B) {
 	h := emptiedBucket(b)
+	key := h.limits[0].KeyPrefix + "client-1" + h.limits[0].KeySuffix
 	serveFresh(b, "192.0.2.1", "client-1", http.StatusTooManyRequests, func(w http.ResponseWriter, r *http.Request) error {
-		h.denied.mu.Lock()
-		clear(h.denied.entries)
-		h.denied.mu.Unlock()
+		h.denied.Forget(key)
 		return h.ServeHTTP(w, r, okHandler)
 	})
 }
@@ -522,7 +523,7 @@ func BenchmarkLeaseCall(b *testing.B) {
 		Lease: &Lease{MaxTokens: 32}, Redis: &RedisConfig{Addresses: []string{srv.Addr}, Timeout: caddy.Duration(2 * time.Second)}})
 	values := h.limits[0].Values
 	l := &lease{record: leaseRecordKey("rate_limit:bench-leasecall|k"), values: values}
-	buckets := []limit.Bucket{{Key: "rate_limit:bench-leasecall|k", Values: values, Args: bucketArgs(values)}}
+	buckets := []limit.Bucket{{Key: "rate_limit:bench-leasecall|k", Values: values, Args: tokenbucket.Args(values)}}
 	states := []leaseState{{lease: l}}
 	b.ReportAllocs()
 	for b.Loop() {

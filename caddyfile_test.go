@@ -12,6 +12,7 @@ import (
 	"time"
 
 	"github.com/caddy-redis/ratelimit/internal/keys"
+	"github.com/caddy-redis/ratelimit/internal/kind/tokenbucket"
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/caddyconfig"
 	_ "github.com/caddyserver/caddy/v2/modules/standard"
@@ -96,7 +97,7 @@ func TestUnmarshalCaddyfileParsesEveryForm(t *testing.T) {
 		{
 			name:  "rate per hour inline",
 			input: "rate_limit 5000/1h 100",
-			want:  Handler{ReplenishRate: floatParam(5000.0 / 3600), BurstCapacity: "100"},
+			want:  Handler{ReplenishRate: tokenbucket.RateParam(5000.0 / 3600), BurstCapacity: "100"},
 		},
 		{
 			name:  "burst_capacity 0 alone blocks",
@@ -229,7 +230,7 @@ func TestUnmarshalCaddyfileParsesEveryForm(t *testing.T) {
 			}`,
 			want: Handler{Zone: "api", Key: "{http.request.header.X-API-Key}", Limits: []Limit{
 				{Name: "second", ReplenishRate: "10", BurstCapacity: "20"},
-				{Name: "hour", ReplenishRate: floatParam(1000.0 / 3600), BurstCapacity: "1000"},
+				{Name: "hour", ReplenishRate: tokenbucket.RateParam(1000.0 / 3600), BurstCapacity: "1000"},
 				{Name: "tenant", Key: "{http.request.header.X-Tenant}", ReplenishRate: "10", BurstCapacity: "600"},
 				{Name: "Az09_-", ReplenishRate: "1", BurstCapacity: "1"},
 			}},

@@ -1,7 +1,6 @@
 package ratelimit
 
 import (
-	"encoding/json"
 	"errors"
 	"fmt"
 	"strconv"
@@ -9,6 +8,7 @@ import (
 
 	"github.com/caddy-redis/ratelimit/internal/cost"
 	"github.com/caddy-redis/ratelimit/internal/keys"
+	"github.com/caddy-redis/ratelimit/internal/kind/tokenbucket"
 	"github.com/caddy-redis/ratelimit/internal/limit"
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
@@ -195,11 +195,11 @@ func (f limitFields) setValue(sub, v string) error {
 		return setPrefix(f.ipv6, sub, v, 128)
 	case "replenish_rate":
 		if !p.PerRequest() && v != limit.Unlimited {
-			rate, err := parseRate(v)
+			rate, err := tokenbucket.ParseRate(v)
 			if err != nil {
 				return limit.BadValue(sub, v, ": "+err.Error())
 			}
-			p = floatParam(rate)
+			p = tokenbucket.RateParam(rate)
 		}
 		*f.rate = p
 	case "burst_capacity":
@@ -226,13 +226,6 @@ func (f limitFields) setValue(sub, v string) error {
 		*f.cost = p
 	}
 	return nil
-}
-
-// floatParam is a fixed rate as JSON writes a number, so that `100/1m`
-// adapts to the same JSON as it always has.
-func floatParam(f float64) Param {
-	b, _ := json.Marshal(f)
-	return Param(b)
 }
 
 func setPrefix(dst **int, sub, v string, most int) error {

@@ -24,7 +24,7 @@ import (
 // limit takes its requested_tokens as usual: that is the reservation,
 // and the check. Once the real cost is known, at the latest once the
 // response is written, the difference between it and the reservation is
-// settled (settle.lua, or settleBucket in the process): a smaller cost
+// settled (settle.lua, or tokenbucket.SettleAt in the process): a smaller cost
 // gives tokens back, a larger one takes the rest, into debt down to
 // -max_debt. The response passes through a writer that reads its status
 // and, for `charge json`, scans its body as it streams by, and settles

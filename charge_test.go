@@ -30,6 +30,7 @@ import (
 
 	"github.com/caddy-redis/ratelimit/internal/caddyproc"
 	"github.com/caddy-redis/ratelimit/internal/cost"
+	"github.com/caddy-redis/ratelimit/internal/kind/tokenbucket"
 	"github.com/caddy-redis/ratelimit/internal/limit"
 	"github.com/caddy-redis/ratelimit/internal/redisbatch"
 	"github.com/caddy-redis/ratelimit/internal/redistest"
@@ -39,59 +40,10 @@ import (
 	"github.com/redis/go-redis/v9"
 )
 
-// Settling what responses cost (charge.go, settle.lua): the arithmetic of
-// settleBucket without any process, then settle.lua in a real
-// redis-server against it, and the take script on a bucket in debt.
-
-func TestSettleBucketExamples(t *testing.T) {
-	const t0 = int64(1_700_000_000_000_000)
-	v := limit.Values{Rate: 10, Burst: 100, Requested: 20}
-	at := func(tokens float64) limit.State { return limit.State{Tokens: tokens, At: t0} }
-	for _, tc := range []struct {
-		name          string
-		state         limit.State
-		t             int64
-		diff, maxDebt int64
-		want          float64 // tokens after
-		forgiven      float64
-	}{
-		{"a smaller cost gives back", at(50), t0, -15, 100, 65, 0},
-		{"a give-back is capped at the burst", at(95), t0, -15, 100, 100, 0},
-		{"... after refilling first", at(50), t0 + 4_000_000, -15, 100, 100, 0},
-		{"a larger cost takes the rest", at(50), t0, 30, 100, 20, 0},
-		{"... below zero", at(10), t0, 30, 100, -20, 0},
-		{"... down to -max_debt, the rest forgiven", at(10), t0, 130, 100, -100, 20},
-		{"max_debt 0: no debt", at(10), t0, 30, 0, 0, 20},
-		{"a take never raises a bucket below -max_debt", at(-120), t0, 5, 100, -120, 5},
-		{"refill counts from debt", at(-50), t0 + 2_000_000, 10, 100, -40, 0},
-		{"a fractional bucket forgives a fraction", at(0.5), t0, 200, 100, -100, 99.5},
-	} {
-		after, forgiven := settleBucket(tc.state, tc.t, v, tc.diff, tc.maxDebt)
-		if after.Tokens != tc.want || forgiven != tc.forgiven || after.At != tc.t {
-			t.Errorf("%s: %v tokens at %d, %v forgiven; want %v at %d, %v forgiven",
-				tc.name, after.Tokens, after.At, forgiven, tc.want, tc.t, tc.forgiven)
-		}
-		// The bucket is kept until it would be full again, from debt too.
-		fill := int64(math.Max(1000, math.Ceil((100-after.Tokens)*1000/10))) * 1000
-		if after.Expires != tc.t+fill {
-			t.Errorf("%s: expires %d µs after, want %d (full again)", tc.name, after.Expires-tc.t, fill)
-		}
-	}
-
-	// In debt, a request is refused until the refill covers its
-	// reservation, and told exactly when.
-	debt, _ := settleBucket(at(0), t0, v, 60, 100) // -60
-	_, took, remaining, wait := takeBucket(debt, t0, v, true)
-	if took || remaining != 0 || wait != 8_000_000 {
-		t.Errorf("a request at -60 for 20 at 10/s: took %v, remaining %d, wait %d µs; want refused, 0, 8 s", took, remaining, wait)
-	}
-	if _, took, _, _ = takeBucket(debt, t0+wait-1, v, true); took {
-		t.Errorf("admitted a microsecond before the wait")
-	}
-	if _, took, remaining, _ = takeBucket(debt, t0+wait, v, true); !took || remaining != 0 {
-		t.Errorf("at the wait: took %v remaining %d, want admitted with 0", took, remaining)
-	}
-}
+// Settling what responses cost (charge.go, settle.lua): settle.lua in a
+// real redis-server against tokenbucket.SettleAt (whose arithmetic
+// without any process its package tests), and the take script on a
+// bucket in debt.
 
 // storeSettleStep is runScriptStep for settle.lua: one MULTI that stores
 // b's tokens at key, elapsed microseconds before Redis's time (an absent
@@ -136,7 +88,7 @@ func storeSettleStep(t *testing.T, rdb *redis.Client, key string, b scriptBucket
 }
 
 // TestSettleScriptAgreesWithMemoryStore: settle.lua in a real
-// redis-server and settleBucket agree on the tokens stored, the tokens
+// redis-server and tokenbucket.SettleAt agree on the tokens stored, the tokens
 // forgiven and the key's life, over random buckets (full, fractional, in
 // debt, missing) and differences (give-backs past the burst, takes past
 // -max_debt); and the take script on the bucket afterwards answers a
@@ -166,7 +118,7 @@ func TestSettleScriptAgreesWithMemoryStore(t *testing.T) {
 			}
 			elapsed := rng.Int64N(fillMicros(l.rate, l.burst) / 2)
 			diff := rng.Int64N(3*l.burst) - l.burst
-			args := []any{bucketArgs(v)[0], bucketArgs(v)[1], redisstore.DiffArg(diff), strconv.FormatInt(maxDebt, 10)}
+			args := []any{tokenbucket.Args(v)[0], tokenbucket.Args(v)[1], redisstore.DiffArg(diff), strconv.FormatInt(maxDebt, 10)}
 			stored, t0, forgiven, t1, after, ttl := storeSettleStep(t, rdb, key, b, elapsed, args)
 			what := fmt.Sprintf("%s: bucket %+v, diff %d, max_debt %d", l.name, stored, diff, maxDebt)
 			if after.at < t0 && after.present || after.at > t1 {
@@ -176,16 +128,16 @@ func TestSettleScriptAgreesWithMemoryStore(t *testing.T) {
 			if !after.present { // a full bucket without a key stays so: any time will do
 				now = t0
 			}
-			want, wantForgiven := settleBucket(stored.state(now, l.burst), now, v, diff, maxDebt)
+			want, wantForgiven := tokenbucket.SettleAt(stored.state(now, l.burst), now, v, diff, maxDebt)
 			if !after.present {
 				if stored.present || want.Tokens != float64(l.burst) {
-					t.Fatalf("%s: no key after, settleBucket says %+v", what, want)
+					t.Fatalf("%s: no key after, tokenbucket.SettleAt says %+v", what, want)
 				}
 				continue
 			}
 			whole := math.Floor(wantForgiven)
 			if after.tokens != want.Tokens || forgiven != [2]int64{int64(whole), int64(math.Floor((wantForgiven - whole) * 1e6))} {
-				t.Fatalf("%s: the script stored %v and forgave %d, settleBucket %v and %v", what, after.tokens, forgiven, want.Tokens, wantForgiven)
+				t.Fatalf("%s: the script stored %v and forgave %d, tokenbucket.SettleAt %v and %v", what, after.tokens, forgiven, want.Tokens, wantForgiven)
 			}
 			// PTTL is read after t1: the key has lived that much longer.
 			if wantTTL := (want.Expires - now) / 1000; ttl > wantTTL || ttl < wantTTL-5-(t1-now)/1000 {
@@ -2207,7 +2159,7 @@ http://127.0.0.1:{{http_port}} {
 // that wrote the bucket) found the bucket, refilled to the script's own
 // time (which its write stores), holding the reservation, and took
 // exactly that; each settlement (several may share a call) left what
-// settleBucket says. It returns the admissions, the settlements that
+// tokenbucket.SettleAt says. It returns the admissions, the settlements that
 // went into debt and those that gave back.
 func replayBucket(t *testing.T, lines []string, key string, v limit.Values) (admitted, debts, gaveBack int) {
 	t.Helper()
@@ -2243,7 +2195,7 @@ func replayBucket(t *testing.T, lines []string, key string, v limit.Values) (adm
 				if !present {
 					before = limit.State{Tokens: float64(v.Burst), At: wrote.at}
 				}
-				if tokens := refill(before, wrote.at, v); tokens < float64(arg(2)) || wrote.tokens != tokens-float64(arg(2)) {
+				if tokens := tokenbucket.Refill(before, wrote.at, v); tokens < float64(arg(2)) || wrote.tokens != tokens-float64(arg(2)) {
 					t.Fatalf("a take of %d at %d found %v tokens and left %v: admitted below its reservation, or took another amount",
 						arg(2), wrote.at, tokens, wrote.tokens)
 				}
@@ -2259,10 +2211,10 @@ func replayBucket(t *testing.T, lines []string, key string, v limit.Values) (adm
 				if !present {
 					before = limit.State{Tokens: float64(v.Burst), At: wrote.at}
 				}
-				want, _ := settleBucket(before, wrote.at, v, arg(2), arg(3))
+				want, _ := tokenbucket.SettleAt(before, wrote.at, v, arg(2), arg(3))
 				if wrote.tokens != want.Tokens {
 					t.Fatalf("a settlement of %d (max_debt %d) at %d from %v tokens left %v, want %v",
-						arg(2), arg(3), wrote.at, refill(before, wrote.at, v), wrote.tokens, want.Tokens)
+						arg(2), arg(3), wrote.at, tokenbucket.Refill(before, wrote.at, v), wrote.tokens, want.Tokens)
 				}
 				if arg(2) < 0 {
 					gaveBack++
@@ -2399,7 +2351,7 @@ func TestSettlementsOfABatchShareOneScriptCall(t *testing.T) {
 	rdb := srv.Client(t)
 	l := newTestLimiter(t, srv.Addr, 2*time.Second)
 	v := limit.Values{Rate: 0.001, Burst: 100, Requested: 10}
-	args := bucketArgs(v)
+	args := tokenbucket.Args(v)
 	settle := func(rec *answerRecorder, diffs map[string]int64) *redisbatch.Call {
 		return newSettleCall(rec, args, diffs)
 	}

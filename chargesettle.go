@@ -2,7 +2,6 @@ package ratelimit
 
 import (
 	"fmt"
-	"math"
 
 	"github.com/caddy-redis/ratelimit/internal/cost"
 	"github.com/caddy-redis/ratelimit/internal/limit"
@@ -99,28 +98,6 @@ func (h *Handler) countCharged(l *limit.Limit, charged, forgiven float64) {
 	if forgiven > 0 {
 		h.metrics.forgiven[l.Index].Add(forgiven)
 	}
-}
-
-// settleBucket is settle.lua for one bucket at t (microseconds): refill
-// by the time elapsed, then take diff tokens (diff > 0), leaving the
-// bucket no lower than -maxDebt and never raising it, or give -diff back,
-// capped at the burst. forgiven is what the take could not take. Every
-// step is the script's, in the same order, so both agree to the bit
-// (charge_test.go checks it).
-func settleBucket(state limit.State, t int64, v limit.Values, diff, maxDebt int64) (after limit.State, forgiven float64) {
-	tokens := refill(state, t, v)
-	var left float64
-	if diff < 0 {
-		left = math.Min(float64(v.Burst), tokens-float64(diff))
-	} else {
-		left = tokens - float64(diff)
-		if floor := math.Min(tokens, -float64(maxDebt)); left < floor {
-			forgiven = floor - left
-			left = floor
-		}
-	}
-	ttl := math.Max(1000, math.Ceil((float64(v.Burst)-left)*1000/v.Rate)) // milliseconds, as the key's TTL
-	return limit.State{Tokens: left, At: t, Expires: t + int64(ttl)*1000}, forgiven
 }
 
 // countSettleFailure counts settlements lost, and logs (throttled) why:

@@ -6,6 +6,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/caddy-redis/ratelimit/internal/kind/concurrent"
 	"github.com/caddyserver/caddy/v2"
 )
 
@@ -91,7 +92,7 @@ func TestConcurrentConfigForms(t *testing.T) {
 			var got []string
 			for _, l := range h.limits {
 				kind := "tokens"
-				if _, ok := l.Kind.(*slotRule); ok {
+				if _, ok := l.Kind.(*concurrent.Kind); ok {
 					kind = "slots"
 				}
 				got = append(got, l.Name+":"+kind)

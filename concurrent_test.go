@@ -1013,7 +1013,7 @@ func TestConcurrentBurstOfLongRequestsRenewsEverySlot(t *testing.T) {
 	}
 	holds := make([]limit.Holding, n)
 	for i := range ids {
-		buckets := []limit.Bucket{{Limit: l, Key: key, Args: [3]any{kindConcurrentArg, "10000", &ids[i]}}}
+		buckets := []limit.Bucket{{Limit: l, Key: key, Args: [3]any{"c", "10000", &ids[i]}}}
 		holds[i] = holdSlots(h, buckets)
 	}
 	time.Sleep(3300 * time.Millisecond) // past the first hold: every slot was renewed, or it expired
@@ -1354,7 +1354,7 @@ func TestConcurrentSlotReleasedDuringItsRenewalStaysFree(t *testing.T) {
 	}
 	holds := make([]limit.Holding, n)
 	for i := range ids {
-		buckets := []limit.Bucket{{Limit: l, Key: key, Args: [3]any{kindConcurrentArg, "2000", &ids[i]}}}
+		buckets := []limit.Bucket{{Limit: l, Key: key, Args: [3]any{"c", "2000", &ids[i]}}}
 		holds[i] = holdSlots(h, buckets)
 	}
 	// Due a third of a hold after they were taken; they end from a tick
@@ -1454,7 +1454,7 @@ func TestConcurrentRenewalsOfManySlotsNeverTakeAnAdmissionsDeadline(t *testing.T
 	}
 	holds := make([]limit.Holding, n)
 	for i := range ids {
-		buckets := []limit.Bucket{{Limit: l, Key: key, Args: [3]any{kindConcurrentArg, "20000", &ids[i]}}}
+		buckets := []limit.Bucket{{Limit: l, Key: key, Args: [3]any{"c", "20000", &ids[i]}}}
 		holds[i] = holdSlots(h, buckets)
 	}
 	proxy.latency.Store(int64(20 * time.Millisecond))
@@ -1536,7 +1536,7 @@ func TestConcurrentBurstOfLongRequestsOnClusterRenewsAndReleasesEverySlot(t *tes
 	}
 	holds := make([]limit.Holding, n)
 	for i := range n {
-		buckets := []limit.Bucket{{Limit: l, Key: keys[i], Args: [3]any{kindConcurrentArg, "4", &ids[i]}}}
+		buckets := []limit.Bucket{{Limit: l, Key: keys[i], Args: [3]any{"c", "4", &ids[i]}}}
 		holds[i] = holdSlots(h, buckets)
 	}
 	live := func() int {

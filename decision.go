@@ -33,7 +33,7 @@ func (h *Handler) record(repl *caddy.Replacer, d limit.Decision, buckets []limit
 			p.retryAfter, label = ceilSeconds(limit.RetryAfter(buckets)), b.Limit.Index+1
 		}
 		if h.LogKey {
-			p.key = clientKey(b)
+			p.key = b.ClientKey()
 		}
 	}
 	// A provider, not repl.Set: the request's replacer map then holds
@@ -67,7 +67,7 @@ func (h *Handler) logDecision(d limit.Decision, b *limit.Bucket) {
 			fields = append(fields, zap.String("limit", b.Limit.Name))
 		}
 		if h.LogKey {
-			fields = append(fields, zap.String("key", clientKey(b)))
+			fields = append(fields, zap.String("key", b.ClientKey()))
 		}
 	}
 	ce.Write(fields...)
@@ -179,14 +179,8 @@ func (h *Handler) logShadowDenial(buckets []limit.Bucket, described int) {
 		fields = append(fields, zap.String("limit", b.Limit.Name))
 	}
 	if h.LogKey {
-		fields = append(fields, zap.String("key", clientKey(b)))
+		fields = append(fields, zap.String("key", b.ClientKey()))
 	}
 	fields = append(fields, logs.Suppressed(suppressed))
 	h.logger.Info("shadow mode: request would be rate limited", fields...)
-}
-
-// clientKey is the bucket's Redis key without what the limit puts around
-// the client key: as logs and {http.rate_limit.key} show it.
-func clientKey(b *limit.Bucket) string {
-	return b.Key[len(b.Limit.KeyPrefix) : len(b.Key)-len(b.Limit.KeySuffix)]
 }

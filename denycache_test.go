@@ -4,7 +4,6 @@ import (
 	"context"
 	"fmt"
 	"net/http"
-	"strconv"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -63,8 +62,9 @@ func TestDenyCacheNeverDeniesWhatRedisWouldAdmit(t *testing.T) {
 			defer wg.Done()
 			for time.Now().Before(deadline) {
 				key := h.limits[0].KeyPrefix + "flood"
+				bucket := limit.Bucket{Key: key, Values: h.limits[0].Values}
 				started := time.Now()
-				_, cached := cachedUntil(h.denied, key, started)
+				cached := cacheDenies(h, bucket, started)
 				if status, _ := serve(context.Background(), h, "flood"); status == 200 {
 					admitted.Add(1)
 					continue
@@ -72,7 +72,7 @@ func TestDenyCacheNeverDeniesWhatRedisWouldAdmit(t *testing.T) {
 				if !cached {
 					continue // Redis itself denied
 				}
-				if _, still := cachedUntil(h.denied, key, time.Now()); !still {
+				if !cacheDenies(h, bucket, time.Now()) {
 					continue // expired between the two looks: Redis may have answered
 				}
 				cacheDenials.Add(1)
@@ -131,49 +131,6 @@ func TestDenyCacheAnswersFloodWithoutRedis(t *testing.T) {
 	}
 }
 
-func TestDenyCacheRemembersUntilTheRetry(t *testing.T) {
-	c := newDenyCache()
-	sent := time.Unix(1_700_000_000, 0)
-	putDenial(c, "k", sent, 1500*time.Millisecond)
-	// The script rounds its wait up to the microsecond: the bucket may
-	// hold the tokens up to a microsecond sooner.
-	until := sent.Add(1500*time.Millisecond - time.Microsecond)
-	if got, ok := cachedUntil(c, "k", until.Add(-time.Nanosecond)); !ok || !got.Equal(until) {
-		t.Fatalf("just before the retry: %v %v, want the denial until %v", got, ok, until)
-	}
-	if got, ok := cachedUntil(c, "k", until); ok {
-		t.Fatalf("at the retry: still denied (until %v)", got)
-	}
-	if _, ok := cachedUntil(c, "other", sent); ok {
-		t.Fatal("a key never denied is denied")
-	}
-}
-
-func TestDenyCacheBounded(t *testing.T) {
-	c := newDenyCache()
-	now := time.Now()
-	for i := range 3 * denyCacheSize {
-		putDenial(c, "k"+strconv.Itoa(i), now, time.Hour)
-	}
-	if n := len(c.entries); n > denyCacheSize {
-		t.Fatalf("%d entries, bound %d", n, denyCacheSize)
-	}
-	if _, ok := cachedUntil(c, "k"+strconv.Itoa(3*denyCacheSize-1), now); !ok {
-		t.Fatal("the newest entry was dropped")
-	}
-
-	// A full cache of expired entries makes room by dropping expired ones,
-	// many at a time, not one per insertion.
-	expired := newDenyCache()
-	for i := range denyCacheSize {
-		putDenial(expired, "e"+strconv.Itoa(i), now.Add(-time.Hour), time.Second)
-	}
-	putDenial(expired, "new", now, time.Hour)
-	if n := len(expired.entries); n > denyCacheSize-16 {
-		t.Fatalf("%d entries after one insertion into a full cache of expired ones", n)
-	}
-}
-
 func TestDenyCacheReportsTheBucketAsItIsNow(t *testing.T) {
 	srv := redistest.Start(t)
 	rdb := srv.Client(t)
@@ -199,53 +156,5 @@ func TestDenyCacheReportsTheBucketAsItIsNow(t *testing.T) {
 	}
 	if got := hdr.Get("RateLimit"); !strings.Contains(got, ";r=2;t=1") {
 		t.Errorf("cached denial 1.1 s later: RateLimit %q, want r=2;t=1", got)
-	}
-}
-
-// testValues are the values of the deny cache's unit tests.
-var testValues = limit.Values{Rate: 1, Burst: 10, Requested: 1}
-
-// putDenial records a denial of the one bucket at key (with testValues)
-// sent at sent, short for wait.
-func putDenial(c *denyCache, key string, sent time.Time, wait time.Duration) {
-	c.put([]limit.Bucket{{Key: key, Values: testValues, RetryAfter: wait}}, sent)
-}
-
-// cachedUntil is until when c denies a request on the one bucket at key
-// (with testValues), if it does at now.
-func cachedUntil(c *denyCache, key string, now time.Time) (time.Time, bool) {
-	c.mu.Lock()
-	d, ok := c.entries[key]
-	c.mu.Unlock()
-	b := []limit.Bucket{{Key: key, Values: d.values}}
-	if !ok || !c.answer(b, now) {
-		return time.Time{}, false
-	}
-	return d.until, true
-}
-
-// TestDenyCacheKeepsNoDenialSentBeforeItsBucketWasForgotten: a refund
-// that lands while a request's call is in flight drops the bucket's
-// cached denial; the denial Redis then gives that call, which may be of
-// the bucket before the refund, is not cached (it was, with the whole
-// wait: the next request refused from the cache while the bucket held
-// its tokens again). A denial of a call sent after the refund is cached.
-func TestDenyCacheKeepsNoDenialSentBeforeItsBucketWasForgotten(t *testing.T) {
-	c := newDenyCache()
-	sent := time.Now()
-	c.forget("k") // the refund's answer, while the call is in flight
-	putDenial(c, "k", sent, 5000*time.Second)
-	if until, ok := cachedUntil(c, "k", time.Now()); ok {
-		t.Fatalf("a denial sent before its bucket's refund landed is cached until %v", until)
-	}
-	putDenial(c, "k", time.Now(), 5000*time.Second)
-	if _, ok := cachedUntil(c, "k", time.Now()); !ok {
-		t.Fatal("a denial sent after the refund landed is not cached")
-	}
-	sent = time.Now()
-	c.forgetAll() // resets may have been missed
-	putDenial(c, "k", sent, 5000*time.Second)
-	if until, ok := cachedUntil(c, "k", time.Now()); ok {
-		t.Fatalf("a denial sent before every denial was forgotten is cached until %v", until)
 	}
 }

@@ -10,6 +10,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/caddy-redis/ratelimit/internal/kind/tokenbucket"
 	"github.com/caddy-redis/ratelimit/internal/limit"
 )
 
@@ -63,7 +64,7 @@ func TestRateLimitHeadersByStyle(t *testing.T) {
 			spring("999999999", "1000000000", "1000000000", "1"), false},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			l := &limit.Limit{IETFName: "api", Fixed: true, Values: limit.Values{Rate: tc.rate, Burst: tc.burst, Requested: tc.requested}, Kind: tokenBucket{}}
+			l := &limit.Limit{IETFName: "api", Fixed: true, Values: limit.Values{Rate: tc.rate, Burst: tc.burst, Requested: tc.requested}, Kind: tokenbucket.Kind{}}
 			rh := newRateLimitHeaders(tc.style, []*limit.Limit{l})
 			buckets := []limit.Bucket{{Limit: l, Values: l.Values, Remaining: tc.remaining, RetryAfter: tc.next}}
 			got := http.Header{}

@@ -33,6 +33,7 @@ import (
 	"github.com/caddy-redis/ratelimit/internal/redisstore"
 
 	"github.com/caddy-redis/ratelimit/internal/caddyproc"
+	"github.com/caddy-redis/ratelimit/internal/kind/tokenbucket"
 	"github.com/caddy-redis/ratelimit/internal/limit"
 	"github.com/caddy-redis/ratelimit/internal/redisbatch"
 	"github.com/caddy-redis/ratelimit/internal/testproc"
@@ -352,7 +353,7 @@ func holdSlots(h *Handler, buckets []limit.Bucket) limit.Holding {
 // limitArgs are the script's arguments, formatted as Provision formats
 // them.
 func limitArgs(rate float64, burst, requested int64) [3]any {
-	return bucketArgs(limit.Values{Rate: rate, Burst: burst, Requested: requested})
+	return tokenbucket.Args(limit.Values{Rate: rate, Burst: burst, Requested: requested})
 }
 
 // takeResult is what one bucket answered.
@@ -881,7 +882,7 @@ type scriptBucket struct {
 // (the burst may have gone down since the bucket was stored).
 func scriptRefill(b scriptBucket, now int64, rate float64, burst int64) float64 {
 	if !b.present || b.lent == 0 {
-		return refill(b.state(now, burst), now, limit.Values{Rate: rate, Burst: burst, Requested: 1})
+		return tokenbucket.Refill(b.state(now, burst), now, limit.Values{Rate: rate, Burst: burst, Requested: 1})
 	}
 	t, from := b.tokens, min(b.at, now)
 	if b.until > from {
@@ -900,7 +901,7 @@ func scriptRefill(b scriptBucket, now int64, rate float64, burst int64) float64 
 	return min(t, float64(burst))
 }
 
-// scriptTake is the memory store's takeBucket (memstore.go), the token
+// scriptTake is the memory store's arithmetic (tokenbucket.TakeAt), the token
 // bucket of script.lua in Go, for a bucket as the script stores it: at
 // now it refills b, then takes requested tokens if b holds them. It
 // returns the bucket afterwards (a denial leaves it as it was), whether
@@ -908,7 +909,7 @@ func scriptRefill(b scriptBucket, now int64, rate float64, burst int64) float64 
 // microseconds until the bucket holds requested tokens again (rounded
 // up; 0 when it holds them now).
 func scriptTake(b scriptBucket, now int64, rate float64, burst, requested int64) (after scriptBucket, allowed bool, remaining, wait int64) {
-	state, took, remaining, wait := takeBucket(b.state(now, burst), now, limit.Values{Rate: rate, Burst: burst, Requested: requested}, true)
+	state, took, remaining, wait := tokenbucket.TakeAt(b.state(now, burst), now, limit.Values{Rate: rate, Burst: burst, Requested: requested}, true)
 	if !took {
 		return b, false, remaining, wait
 	}

@@ -8,6 +8,7 @@ import (
 
 	"github.com/caddy-redis/ratelimit/internal/cost"
 	"github.com/caddy-redis/ratelimit/internal/keys"
+	"github.com/caddy-redis/ratelimit/internal/kind/tokenbucket"
 	"github.com/caddy-redis/ratelimit/internal/limit"
 )
 
@@ -148,11 +149,11 @@ func (h *Handler) buildLimits(keyPrefix string) ([]*limit.Limit, error) {
 			}
 			l.Args, l.BurstValue = l.Kind.ScriptArgs(l.Values), l.Values.Burst
 		}
-		if _, bucket := l.Kind.(tokenBucket); bucket && !l.Fixed && l.CostTerms != nil && !l.Rate.PerRequest() && !l.Burst.PerRequest() {
+		if _, bucket := l.Kind.(tokenbucket.Kind); bucket && !l.Fixed && l.CostTerms != nil && !l.Rate.PerRequest() && !l.Burst.PerRequest() {
 			// As resolve would find them, with a cost of 1 for now; a
 			// rate or burst out of range is left to resolve to refuse.
 			if base, exempt, err := l.Kind.ResolveValues(string(l.Rate), string(l.Burst), ""); err == nil && !exempt && base.Burst > 0 {
-				l.CostOnly, l.Base, l.BaseArgs, l.CheckCost = true, base, l.Kind.ScriptArgs(base), checkBucket
+				l.CostOnly, l.Base, l.BaseArgs, l.CheckCost = true, base, l.Kind.ScriptArgs(base), tokenbucket.Check
 			}
 		}
 		limits[i] = l
@@ -162,14 +163,6 @@ func (h *Handler) buildLimits(keyPrefix string) ([]*limit.Limit, error) {
 
 // or is the first of its values that is set.
 func or[T ~string](values ...T) T { return cmp.Or(values...) }
-
-// normalizeCost is a requested_tokens as the checks of a single value
-// judge it: a weighted sum of numbers becomes its sum; one with
-// placeholders stays as it is, for each request to resolve.
-func normalizeCost(requested Param) (Param, error) {
-	text, err := cost.Normalize(string(requested))
-	return Param(text), err
-}
 
 // checkLimits judges the limits as configured, before provisioning: the
 // parser calls it at the end of the directive, Validate for JSON.

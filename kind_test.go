@@ -144,7 +144,9 @@ func (w fixedWindow) LimitInfo(l *limit.Limit) limit.LimitInfo {
 	return li
 }
 
-func (fixedWindow) BucketInfo(b limit.Bucket, v limit.View) limit.BucketInfo { return tokenInfo(b, v) }
+func (fixedWindow) BucketInfo(b limit.Bucket, v limit.View) limit.BucketInfo {
+	return limit.TokenInfo(b, v)
+}
 
 // withKind gives h's only limit the kind k in place of the token bucket
 // that Provision chose, and redoes what Provision derived from the kind:

@@ -11,6 +11,7 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/caddy-redis/ratelimit/internal/kind/tokenbucket"
 	"github.com/caddy-redis/ratelimit/internal/limit"
 	"github.com/caddy-redis/ratelimit/internal/redisbatch"
 	"github.com/caddyserver/caddy/v2"
@@ -448,7 +449,7 @@ func (ls *leases) finish(f *leaseFlight, buckets []limit.Bucket, err error) {
 // (see take), else they go at once. The caller holds the bucket's shard
 // locked.
 func (ls *leases) giveBackBucket(key string, l *lease, keep bool) (limit.Bucket, leaseState) {
-	b, st := limit.Bucket{Key: key, Values: l.values, Args: bucketArgs(l.values)}, leaseState{lease: l, held: l.tokens}
+	b, st := limit.Bucket{Key: key, Values: l.values, Args: tokenbucket.Args(l.values)}, leaseState{lease: l, held: l.tokens}
 	l.counted = false
 	if !keep {
 		l.tokens = 0

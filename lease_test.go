@@ -1346,27 +1346,6 @@ func TestLeaseGiveBackReachesAnotherInstancesDenyCache(t *testing.T) {
 	t.Logf("x admitted %v after y's give-back", time.Since(back).Round(time.Millisecond))
 }
 
-// TestLeaseDenyCacheLastsAtMostAHold: with lease, a denial is answered
-// from the cache until its wait or one hold, whichever comes first; the
-// cached answer still says the whole wait.
-func TestLeaseDenyCacheLastsAtMostAHold(t *testing.T) {
-	c := newDenyCache()
-	c.maxWait = 100 * time.Millisecond
-	v := limit.Values{Rate: 0.01, Burst: 10, Requested: 1}
-	t0 := time.Unix(1_000_000, 0)
-	c.put([]limit.Bucket{{Key: "long", Values: v, RetryAfter: 100 * time.Second}, {Key: "short", Values: v, RetryAfter: 50 * time.Millisecond}}, t0)
-	long := []limit.Bucket{{Key: "long", Values: v}}
-	if !c.answer(long, t0.Add(99*time.Millisecond)) || long[0].RetryAfter < 99*time.Second {
-		t.Errorf("within the hold: %+v; want denied with the whole wait", long[0])
-	}
-	if c.answer([]limit.Bucket{{Key: "long", Values: v}}, t0.Add(100*time.Millisecond)) {
-		t.Error("a denial of 100 s cached past the hold of 100ms")
-	}
-	if c.answer([]limit.Bucket{{Key: "short", Values: v}}, t0.Add(50*time.Millisecond)) {
-		t.Error("a denial of 50ms cached past its wait")
-	}
-}
-
 // ---- The bound across instances
 
 // TestLeaseGiveBackNeverOverfills: a lease out while its bucket refills

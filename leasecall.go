@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"time"
 
+	"github.com/caddy-redis/ratelimit/internal/kind/tokenbucket"
 	"github.com/caddy-redis/ratelimit/internal/limit"
 	"github.com/caddy-redis/ratelimit/internal/logs"
 	"github.com/caddy-redis/ratelimit/internal/redisbatch"
@@ -352,7 +353,7 @@ func (ls *leases) close() {
 // refill it into lent tokens), and has every instance forget its cached
 // denials of it, as limiter.reset does.
 func (ls *leases) reset(ctx context.Context, l *redisstore.Client, b limit.Bucket) error {
-	b.Args = bucketArgs(b.Values)
+	b.Args = tokenbucket.Args(b.Values)
 	states := []leaseState{{lease: &lease{record: leaseRecordKey(b.Key)}}}
 	if _, err := ls.call(ctx, l, time.Now(), leaseModeReset, ls.seq.Add(1), []limit.Bucket{b}, states); err != nil {
 		return err

@@ -19,7 +19,7 @@ import (
 
 // memoryStore keeps buckets in the Caddy process, for `store memory` and
 // for a layer that keeps them there while Redis fails: the token bucket of script.lua, in Go, with the
-// same arithmetic (takeBucket), so it answers as Redis would. Buckets are
+// same arithmetic (tokenbucket.TakeAt), so it answers as Redis would. Buckets are
 // sharded, each shard with its own lock: no lock is shared by all
 // requests. A bucket is forgotten once it would be full again, as a Redis
 // key expires, by a sweep in the background.

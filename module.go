@@ -8,6 +8,7 @@ import (
 	"net/http"
 	"time"
 
+	"github.com/caddy-redis/ratelimit/internal/layer"
 	"github.com/caddy-redis/ratelimit/internal/limit"
 	"github.com/caddy-redis/ratelimit/internal/logs"
 	"github.com/caddy-redis/ratelimit/internal/redisstore"
@@ -298,7 +299,7 @@ type Handler struct {
 	errEmptyKey   caddyhttp.HandlerError
 	errBlocked    caddyhttp.HandlerError
 	errRedis      caddyhttp.HandlerError // Redis failed, on_error deny: the cause goes to the log, not to clients
-	denied        *denyCache
+	denied        *layer.DenyCache
 	redisWarns    *logs.Throttle    // Redis failures: a line per 10 s
 	overloaded    *logs.Throttle    // calls this instance could not send in time: the same
 	fullWarns     *logs.Throttle    // the in-memory store full: the same
@@ -365,7 +366,7 @@ func (h *Handler) Provision(ctx caddy.Context) (err error) {
 	}
 	h.headers = newRateLimitHeaders(style, h.limits)
 	h.zoneValue = h.Zone
-	h.denied = newDenyCache()
+	h.denied = layer.NewDenyCache()
 	h.useDenyCache = true
 	for _, l := range h.limits {
 		h.perRequest = h.perRequest || !l.Fixed

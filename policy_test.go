@@ -20,6 +20,7 @@ import (
 
 	"github.com/caddy-redis/ratelimit/internal/caddyproc"
 	"github.com/caddy-redis/ratelimit/internal/keys"
+	"github.com/caddy-redis/ratelimit/internal/layer"
 	"github.com/caddy-redis/ratelimit/internal/limit"
 	"github.com/caddy-redis/ratelimit/internal/logs"
 	"github.com/caddy-redis/ratelimit/internal/redistest"
@@ -133,10 +134,8 @@ func expectStoredTokens(t *testing.T, rdb redis.Cmdable, key string, lo, hi floa
 // cacheDenies says whether h's deny cache, at now, holds a denial of the
 // bucket with these values: a request on it is answered without Redis.
 func cacheDenies(h *Handler, b limit.Bucket, now time.Time) bool {
-	h.denied.mu.Lock()
-	defer h.denied.mu.Unlock()
-	d, ok := h.denied.entries[b.Key]
-	return ok && d.values == b.Values && now.Before(d.until)
+	_, kept := limit.TakeRefusals(layer.Deny(nil, h.denied, false))
+	return kept.Answer([]limit.Bucket{b}, now)
 }
 
 // couldAdmitAt says whether the bucket, read from Redis now, held the

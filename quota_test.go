@@ -14,6 +14,7 @@ import (
 	"time"
 
 	"github.com/caddy-redis/ratelimit/internal/calendar"
+	"github.com/caddy-redis/ratelimit/internal/kind/quota"
 	"github.com/caddy-redis/ratelimit/internal/limit"
 	"github.com/caddy-redis/ratelimit/internal/redistest"
 	"github.com/caddyserver/caddy/v2"
@@ -211,7 +212,7 @@ func TestQuotaKeyExpiresShortlyAfterItsPeriod(t *testing.T) {
 	ttl := rdb.PTTL(context.Background(), key).Val()
 	after := time.Now()
 	// The period's end and a second, from when PTTL ran (milliseconds).
-	if lo, hi := end.Sub(after)+quotaKeySlack-time.Millisecond, end.Sub(before)+quotaKeySlack+time.Millisecond; ttl <= 0 || ttl < lo || ttl > hi {
+	if lo, hi := end.Sub(after)+quota.KeySlack-time.Millisecond, end.Sub(before)+quota.KeySlack+time.Millisecond; ttl <= 0 || ttl < lo || ttl > hi {
 		t.Errorf("TTL %v, want %v to %v (the period's end and a second)", ttl, lo, hi)
 	}
 }
@@ -287,7 +288,7 @@ func TestQuotaWithLeaseRefusedAtLoad(t *testing.T) {
 
 func TestQuotaOnlyHandlerHasNoLimitOfItsOwn(t *testing.T) {
 	h := provision(t, offline(&Handler{Quotas: []Quota{{Name: "m", Count: "5", Per: "day"}}}))
-	isQuota := func(l *limit.Limit) bool { _, ok := l.Kind.(*quota); return ok }
+	isQuota := func(l *limit.Limit) bool { _, ok := l.Kind.(*quota.Kind); return ok }
 	if len(h.limits) != 1 || !isQuota(h.limits[0]) {
 		t.Fatalf("limits %v, want the quota alone", h.limits)
 	}
@@ -610,20 +611,10 @@ func TestQuotaReadmeExampleRunsAsWritten(t *testing.T) {
 	}
 }
 
-// testQuotaPeriod is a quota period with the bounds given (Unix
-// microseconds), boxed as quota.at boxes them.
-func testQuotaPeriod(bounds calendar.Bounds) *quotaPeriod {
-	p := &quotaPeriod{bounds: bounds}
-	for i, b := range bounds {
-		p.args[i] = strconv.FormatInt(b, 10)
-	}
-	return p
-}
-
 // testQuotaLimit is an hourly quota's limit, the kind of the buckets a
 // test gives periods of its own (whose bounds hold the test's takes).
 func testQuotaLimit(t *testing.T) *limit.Limit {
-	q, err := newQuota(Quota{Per: "hour"})
+	q, err := quota.New("hour", "", 0, "")
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -659,7 +650,7 @@ func TestQuotaScriptPicksThePeriodByRedisTime(t *testing.T) {
 			}
 			key := "quota-pick-" + strconv.Itoa(c.start)
 			take := func() (bool, limit.Bucket) {
-				b := []limit.Bucket{{Limit: ql, Key: key, Values: values, Args: quotaArgs(values), KindRef: testQuotaPeriod(bounds)}}
+				b := []limit.Bucket{{Limit: ql, Key: key, Values: values, Args: quota.Args(values), KindRef: quota.NewPeriod(bounds)}}
 				allowed, err := l.Take(context.Background(), time.Now(), b)
 				if err != nil {
 					t.Fatal(err)
@@ -695,14 +686,14 @@ func TestQuotaScriptAgreesWithMemoryStore(t *testing.T) {
 	redisNow := redisMicros(t, srv.Client(t))
 	const hour = int64(3_600_000_000)
 	bounds := calendar.Bounds{redisNow - 2*hour, redisNow - hour, redisNow + hour, redisNow + 2*hour}
-	p := testQuotaPeriod(bounds)
+	p := quota.NewPeriod(bounds)
 	ql := testQuotaLimit(t)
 	rng := rand.New(rand.NewPCG(1, 2))
 	for i := range 200 {
 		v := limit.Values{Burst: 20, Requested: 1 + rng.Int64N(4)}
 		key := "agree-" + strconv.Itoa(rng.IntN(3))
-		rb := []limit.Bucket{{Limit: ql, Key: key, Values: v, Args: quotaArgs(v), KindRef: p}}
-		mb := []limit.Bucket{{Limit: ql, Key: key, Values: v, Args: quotaArgs(v), KindRef: p}}
+		rb := []limit.Bucket{{Limit: ql, Key: key, Values: v, Args: quota.Args(v), KindRef: p}}
+		mb := []limit.Bucket{{Limit: ql, Key: key, Values: v, Args: quota.Args(v), KindRef: p}}
 		ra, err := l.Take(context.Background(), time.Now(), rb)
 		if err != nil {
 			t.Fatal(err)
@@ -1003,13 +994,13 @@ func TestQuotaChargeSettlesInThePeriodItsReservationWasTakenIn(t *testing.T) {
 		// The request's period is Caddy's now; its take comes in the next
 		// one (a take reads the clock again, after the period was named).
 		buckets := []limit.Bucket{policyBuckets(t, h, "X-Key", "a")["tokens"]}
-		next := time.UnixMicro(period(&buckets[0]).bounds[2]).Add(10 * time.Millisecond)
+		next := time.UnixMicro(buckets[0].KindRef.(*quota.Period).Bounds()[2]).Add(10 * time.Millisecond)
 		if allowed, err := h.memory.takeInProcess(next, buckets); err != nil || !allowed {
 			t.Fatalf("take: %v %v, want admitted", allowed, err)
 		}
 		h.settleInProcess(h.memory, buckets, []limit.Settling{{Bucket: 0, Cost: 600, Diff: 500}})
 		used, start := quotaState(t, h.memory, buckets[0].Key)
-		if want := period(&buckets[0]).bounds[2]; used != 600 || start != want {
+		if want := buckets[0].KindRef.(*quota.Period).Bounds()[2]; used != 600 || start != want {
 			t.Errorf("quota used %v in the period starting %d, want 600 in the one starting %d (where the reservation was taken)", used, start, want)
 		}
 		if got := counterValue(t, charged("quota_cross_memory")) - before; got != 600 {
@@ -1092,7 +1083,7 @@ func TestQuotaScriptCountsInNoPeriodWhenRedisTimeIsOutsideThoseGiven(t *testing.
 			client := fmt.Sprintf("skew%d", skew)
 			caddyNow := redisMicros(t, rdb) + skew*minute
 			start := caddyNow - caddyNow%minute
-			skewed := testQuotaPeriod(calendar.Bounds{start - minute, start, start + minute, start + 2*minute})
+			skewed := quota.NewPeriod(calendar.Bounds{start - minute, start, start + minute, start + 2*minute})
 			admitted, told := 0, 0
 			var other error
 			for range 40 {
@@ -1138,7 +1129,7 @@ func TestQuotaInProcessTakeLongAfterItsPeriodCountsInThePeriodItIsIn(t *testing.
 	h := provision(t, &Handler{Zone: "quota_late_take", Key: "{http.request.header.X-Key}", Store: storeMemory,
 		Quotas: []Quota{{Name: "q", Count: "2", Per: "2s"}}})
 	b := policyBuckets(t, h, "X-Key", "a")["q"]
-	later := time.UnixMicro(period(&b).bounds[3]).Add(5 * time.Second) // two periods past the last one the request named
+	later := time.UnixMicro(b.KindRef.(*quota.Period).Bounds()[3]).Add(5 * time.Second) // two periods past the last one the request named
 	start := later.Truncate(2 * time.Second)
 	for i := range 3 {
 		buckets := []limit.Bucket{b}

@@ -6,11 +6,12 @@ import (
 
 	"github.com/caddy-redis/ratelimit/internal/calendar"
 	"github.com/caddy-redis/ratelimit/internal/keys"
+	"github.com/caddy-redis/ratelimit/internal/kind/quota"
 	"github.com/caddy-redis/ratelimit/internal/limit"
 )
 
 // The quota's config: its limits as the handler's config gives them,
-// and their judgment (quota.go holds the kind).
+// and their judgment (internal/kind/quota holds the kind).
 
 func init() {
 	registerKind(kindConfig{order: 1, configs: quotaConfigs, check: (*Handler).checkQuotas})
@@ -26,7 +27,7 @@ func quotaConfigs(h *Handler) []limitConfig {
 				IPv4Prefix: q.IPv4Prefix, IPv6Prefix: q.IPv6Prefix, Charge: q.Charge, ChargeStatus: q.ChargeStatus, MaxDebt: q.MaxDebt},
 			what: "quota", charges: true, // a quota's debt is paid back at its boundary: no checkDebt
 			newKind: func() (limit.Kind, error) {
-				k, err := newQuota(q)
+				k, err := quota.New(q.Per, q.TimeZone, q.MonthDay, q.WeekStarts)
 				if err != nil {
 					return nil, fmt.Errorf("quota %s: %w", q.Name, err)
 				}
@@ -66,7 +67,7 @@ func (h *Handler) checkQuotas(names map[string]bool) error {
 			_, err = calendar.New(q.Per, q.TimeZone, q.MonthDay, q.WeekStarts)
 		}
 		if err == nil {
-			err = checkQuotaValues(q.Count, or(unset(q.RequestedTokens), unset(h.RequestedTokens)))
+			err = quota.CheckValues(q.Count, or(unset(q.RequestedTokens), unset(h.RequestedTokens)))
 		}
 		if err != nil {
 			return fmt.Errorf("quota %s: %w", q.Name, err)

@@ -8,6 +8,7 @@ import (
 	"strconv"
 	"testing"
 
+	"github.com/caddy-redis/ratelimit/internal/kind/tokenbucket"
 	"github.com/caddy-redis/ratelimit/internal/limit"
 	"github.com/caddy-redis/ratelimit/internal/redistest"
 	"github.com/redis/go-redis/v9"
@@ -388,7 +389,7 @@ func TestScriptAndMemoryStoreExpireAlikeAcrossPlanChanges(t *testing.T) {
 		if n%2 == 0 {
 			elapsed = rng.Int64N(20)
 		}
-		key, args := "expiry:"+strconv.Itoa(n), bucketArgs(now)
+		key, args := "expiry:"+strconv.Itoa(n), tokenbucket.Args(now)
 		var stored *redis.StringCmd
 		var clock0, clock1, clock2 *redis.TimeCmd
 		var take *redis.Cmd
@@ -423,9 +424,9 @@ func TestScriptAndMemoryStoreExpireAlikeAcrossPlanChanges(t *testing.T) {
 		var store, ok bool
 		expiresFrom, expiresTo := int64(math.MaxInt64), int64(math.MinInt64)
 		for at := t0; at <= t1; at++ {
-			current, from := currentState(state, true, at, now)
-			admit := refill(current, from, now) >= float64(now.Requested)
-			after, stored, remaining, wait := settle(state, true, at, now, admit)
+			current, from := tokenbucket.Current(state, true, at, now)
+			admit := tokenbucket.Refill(current, from, now) >= float64(now.Requested)
+			after, stored, remaining, wait := tokenbucket.Answer(state, true, at, now, admit)
 			if [3]int64(reply) == [3]int64{boolInt(admit), remaining, wait} {
 				ok, store = true, stored
 				expiresFrom, expiresTo = min(expiresFrom, after.Expires), max(expiresTo, after.Expires)

@@ -212,7 +212,7 @@ func (h *Handler) answerFailed(w http.ResponseWriter, r *http.Request, repl *cad
 func (h *Handler) answer(w http.ResponseWriter, r *http.Request, repl *caddy.Replacer, req *request, allowed bool) (pass bool, err error) {
 	buckets := req.Buckets
 	if !allowed && h.ResetJitter > 0 {
-		jitterRefusal(buckets, time.Duration(h.ResetJitter)) // before anything says the wait
+		limit.JitterRefusal(buckets, time.Duration(h.ResetJitter)) // before anything says the wait
 	}
 	described := limit.Described(buckets, allowed)
 	h.headers.set(w.Header(), buckets, described, !allowed && !h.Shadow)

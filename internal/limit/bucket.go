@@ -6,6 +6,12 @@ import "time"
 // served (heldKind); a bucket of no limit is not held.
 func (b *Bucket) HeldWhileServed() bool { return b.Limit != nil && b.Limit.Held != nil }
 
+// ClientKey is the bucket's Redis key without what the limit puts around
+// the client key: as logs and {http.rate_limit.key} show it.
+func (b *Bucket) ClientKey() string {
+	return b.Key[len(b.Limit.KeyPrefix) : len(b.Key)-len(b.Limit.KeySuffix)]
+}
+
 // Kind is the bucket's kind of limit: its limit's; a bucket of no limit
 // (one a layer makes for calls of its own) is a token bucket.
 func (b *Bucket) Kind() Kind {

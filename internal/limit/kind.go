@@ -2,8 +2,8 @@ package limit
 
 import "time"
 
-// Kind is a kind of limit: the token bucket (tokenbucket.go), or another
-// that registers its config (registerKind). A limit holds its
+// Kind is a kind of limit: the token bucket (internal/kind/tokenbucket),
+// or another that registers its config (registerKind). A limit holds its
 // kind (limit.kind), chosen once when the config is provisioned, and the
 // rest of the package asks the kind what is particular to it instead of
 // asking which kind it is. A kind is responsible for:
@@ -138,6 +138,26 @@ type Remembered interface {
 	// holds now, remaining when Redis refused it, wait before the time
 	// it holds the requested tokens again.
 	CachedRemaining(b Bucket, remaining int64, wait time.Duration) int64
+}
+
+// Jittered is what a kind whose refusals last until a boundary that its
+// clients share (a calendar period's end) does: it spreads a refused
+// bucket's wait by up to reset_jitter, so that its clients do not all
+// come back at once.
+type Jittered interface {
+	// Jitter is the bucket of a refused request with its wait lengthened
+	// by its share of jitter (positive).
+	Jitter(b Bucket, jitter time.Duration) Bucket
+}
+
+// JitterRefusal applies reset_jitter to a refused request's buckets: each
+// of a kind that jitters (Jittered) says to come back up to jitter later.
+func JitterRefusal(buckets []Bucket, jitter time.Duration) {
+	for i := range buckets {
+		if l := buckets[i].Limit; l != nil && l.Jittered != nil {
+			buckets[i] = l.Jittered.Jitter(buckets[i], jitter)
+		}
+	}
 }
 
 // Held is a kind of limit whose bucket a request holds while its

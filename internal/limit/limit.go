@@ -23,6 +23,7 @@ func (l *Limit) SetKind(k Kind) {
 	l.Charged, _ = k.(Charged)
 	l.Remembered, _ = k.(Remembered)
 	l.Held, _ = k.(Held)
+	l.Jittered, _ = k.(Jittered)
 }
 
 // Limit is one limit of a handler, ready for requests.
@@ -66,9 +67,9 @@ type Limit struct {
 
 	// kind is its kind of limit (kind.go), whose values its values are
 	// (what stands for the burst, say, is the kind's: burstName);
-	// arithmetic, charged and remembered what it does of the optional
-	// interfaces, nil for what it does not (setKind). held says a request
-	// holds its bucket while served (heldKind); inFlight is then its
+	// arithmetic, charged, remembered and jittered what it does of the
+	// optional interfaces, nil for what it does not (setKind). held says
+	// a request holds its bucket while served (heldKind); inFlight is then its
 	// zone's series of the in_flight gauge, the requests of this instance
 	// that hold it (nil without metrics).
 	Kind       Kind
@@ -76,6 +77,7 @@ type Limit struct {
 	Charged    Charged
 	Remembered Remembered
 	Held       Held
+	Jittered   Jittered
 	InFlight   prometheus.Gauge
 }
 

@@ -2,6 +2,8 @@ package limit
 
 import (
 	"encoding/json"
+	"math"
+	"strconv"
 	"time"
 )
 
@@ -18,7 +20,7 @@ type LimitInfo struct {
 	Per   string `json:"per,omitempty"`
 	// kindView is what a kind lists of its own beyond these (a struct),
 	// after them (kind.limitInfo).
-	KindView any
+	KindView any `json:"-"`
 }
 
 func (li LimitInfo) MarshalJSON() ([]byte, error) {
@@ -69,12 +71,22 @@ type BucketInfo struct {
 	Lent int64 `json:"lent,omitempty"`
 	// kindView is what a kind shows of its own beyond these (a struct),
 	// after them (kind.bucketInfo).
-	KindView any
+	KindView any `json:"-"`
 }
 
 func (bi BucketInfo) MarshalJSON() ([]byte, error) {
 	type fields BucketInfo
 	return withKindView(fields(bi), bi.KindView)
+}
+
+// TokenInfo is what the admin API shows of a bucket of tokens (the
+// token bucket's, and other kinds' with more) of what was read of it.
+func TokenInfo(b Bucket, view View) BucketInfo {
+	info := BucketInfo{Limit: b.Limit.Name, Key: b.ClientKey(), StoredKey: b.Key,
+		ReplenishRate: b.Values.Rate, BurstCapacity: b.Values.Burst, RequestedTokens: b.Values.Requested}
+	info.Tokens = strconv.FormatFloat(math.Round(view.Tokens*1e6)/1e6, 'f', -1, 64) // to the millionth
+	info.RetryAfter, info.ExpiresIn, info.Lent = view.Wait.Seconds(), view.ExpiresIn.Seconds(), view.Lent
+	return info
 }
 
 // View is what a bucket holds now, for the admin API.

@@ -20,7 +20,7 @@ import (
 // shortest hold.
 type slotHold struct {
 	store  *Store  // whose request holds them
-	id     *string // the slot id, as the script took it (newSlotID): a word less than an any
+	id     *string // the slot id, as the script took it (the kind's Begin): a word less than an any
 	keys   []string
 	limits []*limit.Limit
 	// slots are, in Redis, each limit's slots n for this request as

@@ -1,0 +1,135 @@
+package tokenbucket
+
+import (
+	"math"
+	"time"
+
+	"github.com/caddy-redis/ratelimit/internal/limit"
+)
+
+// The token bucket in the process (for a store or a layer that keeps
+// buckets there): a limit.State holds its tokens at a time, and expires
+// when it would be full again. Every step is script.lua's checkBucket
+// and takeBucket, and settle.lua's: these are the oracle the scripts are
+// tested against.
+
+// holds says whether the bucket has the requested tokens at t.
+func (Kind) Holds(state limit.State, ok bool, _ time.Time, t int64, b limit.Bucket) (limit.Bucket, bool) {
+	current, at := Current(state, ok, t, b.Values)
+	return b, Refill(current, at, b.Values) >= float64(b.Values.Requested)
+}
+
+// take is the bucket's part of a take at t (Answer).
+func (Kind) Take(state limit.State, ok bool, _ time.Time, t int64, b limit.Bucket, allowed bool) (limit.Bucket, limit.State, bool) {
+	after, store, remaining, wait := Answer(state, ok, t, b.Values, allowed)
+	b.Remaining, b.RetryAfter = remaining, time.Duration(wait)*time.Microsecond
+	return b, after, store
+}
+
+// settleArg is the bucket's first script argument: its rate.
+func (Kind) SettleArg(b limit.Bucket) any { return b.Args[0] }
+
+// settleHeld refills the bucket, then takes or gives back the difference
+// (SettleAt); a full bucket needs no entry.
+func (Kind) SettleHeld(state limit.State, ok bool, t int64, b limit.Bucket, diff, cost, maxDebt int64) (limit.State, bool, float64, float64) {
+	current, at := Current(state, ok, t, b.Values)
+	after, forgiven := SettleAt(current, at, b.Values, diff, maxDebt)
+	return after, ok || after.Tokens < float64(b.Values.Burst), float64(cost) - forgiven, forgiven
+}
+
+// peek is what the bucket holds at t, refilled.
+func (Kind) Peek(state limit.State, ok bool, _ time.Time, t int64, b limit.Bucket) limit.View {
+	v := b.Values
+	if !ok || state.Expires <= t {
+		return limit.View{Tokens: float64(v.Burst)}
+	}
+	current, at := Current(state, true, t, v)
+	_, _, _, wait := TakeAt(current, at, v, false)
+	return limit.View{Tokens: Refill(current, at, v), Wait: time.Duration(wait) * time.Microsecond,
+		ExpiresIn: time.Duration(state.Expires-t) * time.Microsecond}
+}
+
+// SettleAt is settle.lua for one bucket at t (microseconds): refill
+// by the time elapsed, then take diff tokens (diff > 0), leaving the
+// bucket no lower than -maxDebt and never raising it, or give -diff back,
+// capped at the burst. forgiven is what the take could not take. Every
+// step is the script's, in the same order, so both agree to the bit
+// (charge_test.go checks it).
+func SettleAt(state limit.State, t int64, v limit.Values, diff, maxDebt int64) (after limit.State, forgiven float64) {
+	tokens := Refill(state, t, v)
+	var left float64
+	if diff < 0 {
+		left = math.Min(float64(v.Burst), tokens-float64(diff))
+	} else {
+		left = tokens - float64(diff)
+		if floor := math.Min(tokens, -float64(maxDebt)); left < floor {
+			forgiven = floor - left
+			left = floor
+		}
+	}
+	ttl := math.Max(1000, math.Ceil((float64(v.Burst)-left)*1000/v.Rate)) // milliseconds, as the key's TTL
+	return limit.State{Tokens: left, At: t, Expires: t + int64(ttl)*1000}, forgiven
+}
+
+// Answer is one bucket's part of a take at t, once the request is known
+// to be allowed or not: the state to store, if store, and the answer.
+// state is the bucket as held, if ok.
+func Answer(state limit.State, ok bool, t int64, v limit.Values, allowed bool) (after limit.State, store bool, remaining, wait int64) {
+	current, at := Current(state, ok, t, v)
+	after, _, remaining, wait = TakeAt(current, at, v, allowed)
+	if !allowed && ok {
+		after = extendOnDenial(state, after, at, v)
+	}
+	return after, allowed || ok && after != state, remaining, wait
+}
+
+// Current is a bucket's state for a take at t, and the time of the
+// take: an absent bucket (not ok), or one past its expiry, is full at t
+// (as an absent or expired Redis key); a bucket taken from after t is
+// taken from at that time (see take).
+func Current(state limit.State, ok bool, t int64, v limit.Values) (limit.State, int64) {
+	if !ok || state.Expires <= t {
+		return limit.State{Tokens: float64(v.Burst), At: t}, t
+	}
+	return state, max(t, state.At)
+}
+
+// Refill is what a bucket holds at t: script.lua's arithmetic, which
+// also counts from t when the stored time lies ahead.
+func Refill(state limit.State, t int64, v limit.Values) float64 {
+	return math.Min(float64(v.Burst), state.Tokens+float64(max(0, t-state.At))*v.Rate/1000000)
+}
+
+// TakeAt is script.lua for one bucket at time t (microseconds):
+// refill by the time elapsed, take the requested tokens when take says
+// so, and answer the remaining whole tokens and the microseconds until
+// the bucket holds its requested tokens again. The state after holds
+// when the bucket would be full again. Every step is the script's, in the
+// same order, so that both agree to the bit (script_test.go checks it).
+func TakeAt(state limit.State, t int64, v limit.Values, take bool) (after limit.State, took bool, remaining, wait int64) {
+	tokens := Refill(state, t, v)
+	requested := float64(v.Requested)
+	if take && tokens >= requested {
+		tokens -= requested
+		took = true
+	}
+	if tokens < requested {
+		wait = int64(math.Ceil((requested - tokens) * 1000000 / v.Rate))
+	}
+	ttl := math.Max(1000, math.Ceil((float64(v.Burst)-tokens)*1000/v.Rate)) // milliseconds, as the key's TTL
+	return limit.State{Tokens: tokens, At: t, Expires: t + int64(ttl)*1000}, took, max(0, int64(math.Floor(tokens))), wait
+}
+
+// extendOnDenial is what a denial at t leaves of a held bucket: its
+// state, unchanged, unless the values now in force (a slower plan than
+// the one it was taken at) need it to live longer to refill; then it
+// expires as after (TakeAt's) says. script.lua's PEXPIRE, with its
+// millisecond of slack for the rounding of expiries: at unchanged values
+// a denial changes nothing.
+func extendOnDenial(state, after limit.State, t int64, v limit.Values) limit.State {
+	fill := math.Ceil((float64(v.Burst) - after.Tokens) * 1000 / v.Rate) // milliseconds, as the script's
+	if state.Expires > t && float64(state.Expires-t)+1000 < fill*1000 {
+		state.Expires = after.Expires
+	}
+	return state
+}

@@ -14,7 +14,7 @@ import (
 
 // What a served response cost each charging limit, and its settlement:
 // in the process, or as a call to settle.lua that the batch worker
-// answers (internal/redisstore; charge.go makes the limits' charge rules, internal/cost reads
+// answers (charge.go makes the limits' charge rules, internal/cost reads
 // a response's cost).
 
 // resultChargeMissing is {http.rate_limit.result} once a response's cost

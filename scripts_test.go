@@ -1,8 +1,14 @@
 package ratelimit
 
 import (
+	"testing"
+	"time"
+
 	"os"
 	"path/filepath"
+
+	"github.com/caddy-redis/ratelimit/internal/calendar"
+	"github.com/caddy-redis/ratelimit/internal/cost"
 
 	"github.com/caddy-redis/ratelimit/internal/redisbatch"
 	"github.com/caddy-redis/ratelimit/internal/redisstore"
@@ -25,6 +31,16 @@ var (
 	concurrentScript = redisbatch.NewScript(concurrentSource)
 	scriptSHA        = takeScript.SHA()
 )
+
+// TestLongestWaitOfAReplyCoversEveryKind: the longest wait the Redis
+// store reads from a reply covers a bucket's fill and debt, and the
+// longest calendar period (the store keeps its own copy of that bound).
+func TestLongestWaitOfAReplyCoversEveryKind(t *testing.T) {
+	want := max(2*cost.MaxFillSeconds*1_000_000, 2*int64(calendar.MaxPeriod/time.Microsecond))
+	if redisstore.MaxRetryMicros != want {
+		t.Fatalf("redisstore.MaxRetryMicros = %d, want %d", redisstore.MaxRetryMicros, want)
+	}
+}
 
 func readStoreScript(name string) string {
 	text, err := os.ReadFile(filepath.Join("internal", "redisstore", name))

@@ -18,7 +18,6 @@ import (
 	"sync/atomic"
 	"time"
 
-	"github.com/caddy-redis/ratelimit/internal/calendar"
 	"github.com/caddy-redis/ratelimit/internal/cost"
 	"github.com/caddy-redis/ratelimit/internal/limit"
 	"github.com/caddy-redis/ratelimit/internal/redisbatch"
@@ -424,9 +423,14 @@ func (l *Client) Reset(ctx context.Context, keys []string) error {
 
 // MaxRetryMicros bounds the wait a reply may give: no bucket takes longer
 // than a year to fill (limitValues.check), nor to pay back its debt
-// (maxDebtFor); no calendar period is longer than maxPeriod, and the
+// (maxDebtFor); no calendar period is longer than longestPeriod, and the
 // script counts at most to the end of the period after Caddy's.
-const MaxRetryMicros = max(2*cost.MaxFillSeconds*1_000_000, 2*int64(calendar.MaxPeriod/time.Microsecond))
+const MaxRetryMicros = max(2*cost.MaxFillSeconds*1_000_000, 2*int64(longestPeriod/time.Microsecond))
+
+// longestPeriod is the longest calendar period a kind counts in
+// (internal/calendar's MaxPeriod, which a store may not import; the
+// root's tests check that both agree).
+const longestPeriod = 3650 * 24 * time.Hour
 
 // ReadTake reads the check-and-take reply, {allowed, then per bucket:
 // remaining, microseconds until it holds its requested tokens; from a

@@ -22,7 +22,7 @@ SOAK_DURATION ?= 3m
 # Only what ends up in the binary: test files, testdata and the load tools
 # in bench/ do not trigger a (multi-minute, when cold) rebuild.
 BUILD_INPUTS := $(shell find . -path ./bin -prune -o -path ./.git -prune -o -path ./bench -prune -o \
-	-name '*.go' ! -name '*_test.go' -print) $(wildcard *.lua) go.mod go.sum
+	\( -name '*.go' ! -name '*_test.go' -o -name '*.lua' \) -print) go.mod go.sum
 FLOOR_INPUTS := $(wildcard bench/floor/*.go) bench/floor/go.mod bench/floor/go.sum
 
 .PHONY: help build run deps check test fuzz bench soak clean

@@ -71,7 +71,7 @@ func cutRequests(t *testing.T, h *Handler, proxies []*redisProxy) []string {
 		keys = append(keys, key)
 		batch[i] = newTestCall(h.limits[0].KeyPrefix+key, h.limits[0].Args, time.Now().Add(time.Second))
 	}
-	h.limiter.batcher.SendBatch(batch)
+	h.limiter.Batcher().SendBatch(batch)
 	for _, c := range batch {
 		if c.Err == nil {
 			t.Errorf("batched call %s through a cut connection: reply %v, want an error", c.Keys[0], c.Reply)

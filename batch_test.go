@@ -8,6 +8,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/caddy-redis/ratelimit/internal/redisstore"
+
 	"github.com/caddy-redis/ratelimit/internal/limit"
 	"github.com/caddy-redis/ratelimit/internal/redisbatch"
 	"github.com/caddy-redis/ratelimit/internal/redistest"
@@ -132,7 +134,7 @@ func TestFailedBatchCountsOnceTowardBreaker(t *testing.T) {
 	for i := range batch {
 		batch[i] = newTestCall("k"+strconv.Itoa(i), limitArgs(1, 5, 1), deadline)
 	}
-	l.batcher.SendBatch(batch) // as worker 0, idle: nothing else is queued
+	l.Batcher().SendBatch(batch) // as worker 0, idle: nothing else is queued
 	for i, c := range batch {
 		if c.Err == nil {
 			t.Fatalf("call %d to a Redis that never answers: reply %v, want an error", i, c.Reply)
@@ -169,13 +171,13 @@ func TestScriptReplyOfAnotherShapeFailsItsCall(t *testing.T) {
 			t.Fatalf("%s: %v", what, c.Err)
 		}
 		b := []limit.Bucket{{}}
-		if allowed, err := readTake(c.Reply, b, false); err != nil || !allowed || b[0].Remaining != 9 {
+		if allowed, err := redisstore.ReadTake(c.Reply, b, false); err != nil || !allowed || b[0].Remaining != 9 {
 			t.Fatalf("%s: read %v as %v (%+v), %v; want admitted with 9 left", what, c.Reply, allowed, b, err)
 		}
 	}
 	// ("with the sources": nothing is cached in this server.)
 	failing, good := newCall("shape:error", "return redis.error_reply('WRONGTYPE boom')"), newCall("shape:good0", "")
-	l.batcher.Pipeline(context.Background(), []*redisbatch.Call{failing, good}, true)
+	l.Batcher().Pipeline(context.Background(), []*redisbatch.Call{failing, good}, true)
 	if failing.Err == nil {
 		t.Errorf("an error reply answered %v without an error", failing.Reply)
 	}
@@ -183,7 +185,7 @@ func TestScriptReplyOfAnotherShapeFailsItsCall(t *testing.T) {
 
 	for i, body := range []string{"return 'OK'", "return {1, {2}, 3}", "return {1, 'x', 0}"} {
 		bad, after := newCall(fmt.Sprint("shape:bad", i), body), newCall(fmt.Sprint("shape:after", i), "")
-		l.batcher.Pipeline(context.Background(), []*redisbatch.Call{bad, after}, true)
+		l.Batcher().Pipeline(context.Background(), []*redisbatch.Call{bad, after}, true)
 		if bad.Err == nil {
 			t.Errorf("script %q: answered %v without an error", body, bad.Reply)
 		}
@@ -191,7 +193,7 @@ func TestScriptReplyOfAnotherShapeFailsItsCall(t *testing.T) {
 			expectAdmitted("the call batched after "+body, after)
 		}
 		next := newCall(fmt.Sprint("shape:next", i), "")
-		l.batcher.Pipeline(context.Background(), []*redisbatch.Call{next}, true)
+		l.Batcher().Pipeline(context.Background(), []*redisbatch.Call{next}, true)
 		expectAdmitted("the next batch after "+body, next)
 	}
 }

@@ -26,6 +26,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/caddy-redis/ratelimit/internal/redisstore"
+
 	"github.com/caddy-redis/ratelimit/internal/caddyproc"
 	"github.com/caddy-redis/ratelimit/internal/cost"
 	"github.com/caddy-redis/ratelimit/internal/kind/tokenbucket"
@@ -116,7 +118,7 @@ func TestSettleScriptAgreesWithMemoryStore(t *testing.T) {
 			}
 			elapsed := rng.Int64N(fillMicros(l.rate, l.burst) / 2)
 			diff := rng.Int64N(3*l.burst) - l.burst
-			args := []any{tokenbucket.Args(v)[0], tokenbucket.Args(v)[1], diffArg(diff), strconv.FormatInt(maxDebt, 10)}
+			args := []any{tokenbucket.Args(v)[0], tokenbucket.Args(v)[1], redisstore.DiffArg(diff), strconv.FormatInt(maxDebt, 10)}
 			stored, t0, forgiven, t1, after, ttl := storeSettleStep(t, rdb, key, b, elapsed, args)
 			what := fmt.Sprintf("%s: bucket %+v, diff %d, max_debt %d", l.name, stored, diff, maxDebt)
 			if after.at < t0 && after.present || after.at > t1 {
@@ -2333,7 +2335,7 @@ func newSettleCall(rec redisbatch.AnswerTaker, args [3]any, diffs map[string]int
 	c.Keys = append(c.Keys, keys...)
 	c.Command(settleScript)
 	for _, k := range keys {
-		c.Args = append(c.Args, args[0], args[1], diffArg(diffs[k]), "5")
+		c.Args = append(c.Args, args[0], args[1], redisstore.DiffArg(diffs[k]), "5")
 	}
 	c.ClientCtx, c.Then = context.Background(), rec
 	return c
@@ -2361,13 +2363,13 @@ func TestSettlementsOfABatchShareOneScriptCall(t *testing.T) {
 	take := newTestCall("m:take", args, time.Now().Add(time.Second))
 	batch := []*redisbatch.Call{settle(&a, map[string]int64{"m:a": 30, "m:b": -5}), take, settle(&bad, map[string]int64{"m:bad": 3}),
 		settle(&b, map[string]int64{"m:c": 200})}
-	send := l.batcher.Merge(batch, settlements)
+	send := l.Batcher().Merge(batch, redisstore.Settlements)
 	if len(send) != 2 || len(send[0].Keys) != 4 || send[1] != take {
 		t.Fatalf("merged into %d calls, want one settlement of 4 buckets where the first stood, then the take", len(send))
 	}
 	scriptsLoaded(t, rdb) // the limiter loads them in the background; this pipeline sends by SHA only
 	before := commandCalls(t, rdb)["evalsha"]
-	l.batcher.Pipeline(context.Background(), send, false)
+	l.Batcher().Pipeline(context.Background(), send, false)
 	for _, c := range send {
 		c.Answer()
 	}
@@ -2413,12 +2415,12 @@ func TestMergedSettlementsNeverPassACallOfTheirBucket(t *testing.T) {
 	takeX, takeY := newTestCall("o:x", args, deadline), newTestCall("o:y", args, deadline)
 	refundX, refundY := newSettleCall(&refunds, args, map[string]int64{"o:x": -50}), newSettleCall(&refunds, args, map[string]int64{"o:y": -50})
 	debtX := newSettleCall(&debt, args, map[string]int64{"o:x": 30})
-	send := l.batcher.Merge([]*redisbatch.Call{refundX, takeX, refundY, debtX, takeY}, settlements)
+	send := l.Batcher().Merge([]*redisbatch.Call{refundX, takeX, refundY, debtX, takeY}, redisstore.Settlements)
 	if len(send) != 4 || len(send[0].Keys) != 2 || send[1] != takeX || send[2] != debtX || send[3] != takeY {
 		t.Errorf("merged into %d calls, want the refunds of x and y where x's stood, the take of x, the debt of x, the take of y", len(send))
 	}
 	scriptsLoaded(t, rdb)
-	l.batcher.Pipeline(context.Background(), send, false)
+	l.Batcher().Pipeline(context.Background(), send, false)
 	for _, c := range send {
 		c.Answer()
 	}
@@ -2427,7 +2429,7 @@ func TestMergedSettlementsNeverPassACallOfTheirBucket(t *testing.T) {
 			t.Fatalf("the take of %s was not answered", take.Keys[0])
 		}
 		b := []limit.Bucket{{}}
-		if allowed, err := readTake(take.Reply, b, false); err != nil || !allowed || b[0].Remaining != 30 {
+		if allowed, err := redisstore.ReadTake(take.Reply, b, false); err != nil || !allowed || b[0].Remaining != 30 {
 			t.Errorf("the take of %s after its refund: %v, %v with %d left; want admitted with 90 - 60 = 30 left", take.Keys[0], allowed, err, b[0].Remaining)
 		}
 		take.Release()

@@ -84,22 +84,6 @@ func inFlightSeries(zone string, limits []*limit.Limit) {
 	}
 }
 
-// holdOf is how long a request's hold on a limit held while served
-// lasts unless renewed; holdArgOf the same as a script argument.
-func holdOf(l *limit.Limit) time.Duration { d, _ := l.Held.HoldFor(); return d }
-func holdArgOf(l *limit.Limit) any        { _, arg := l.Held.HoldFor(); return arg }
-
-//go:embed concurrent.lua
-var concurrentSource string
-
-var concurrentScript = registerScript(concurrentSource)
-
-// Script arguments of concurrent.lua, boxed once.
-var (
-	renewArg   any = "renew"
-	releaseArg any = "release"
-)
-
 // checkConcurrent judges the handler's concurrent limits as configured:
 // the parser calls it at the end of the directive, Validate for JSON.
 // seen holds the names of the limits judged before, which a concurrent

@@ -4,7 +4,6 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
-	"hash/maphash"
 	"net/http"
 	"net/http/httptest"
 	"strings"
@@ -12,6 +11,8 @@ import (
 	"sync/atomic"
 	"testing"
 	"time"
+
+	"github.com/caddy-redis/ratelimit/internal/redisstore"
 
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
@@ -923,9 +924,9 @@ func TestConcurrentAndQuotaAreAllOrNothing(t *testing.T) {
 }
 
 // A config unloaded while its requests still run keeps its limiter until
-// no call has come for lingerIdle: a release is such a call, so the
-// release of a request that ends later than lingerIdle after the last
-// take, but within lingerIdle of another release, still reaches Redis
+// no call has come for redisstore.LingerIdle: a release is such a call, so the
+// release of a request that ends later than redisstore.LingerIdle after the last
+// take, but within redisstore.LingerIdle of another release, still reaches Redis
 // (the release queue did not count as calls: the limiter closed under
 // the second release, whose slot stayed taken for its whole hold).
 func TestConcurrentReleasesKeepAnUnloadedLimiterOpenForRequestsStillEnding(t *testing.T) {
@@ -944,10 +945,10 @@ func TestConcurrentReleasesKeepAnUnloadedLimiterOpenForRequestsStillEnding(t *te
 		secondDone = startHeld(t, ctx, h, second, "b")
 		admitted = time.Now()
 	}) // unloaded here; its two requests go on
-	time.Sleep(time.Until(admitted.Add(lingerIdle * 7 / 10)))
+	time.Sleep(time.Until(admitted.Add(redisstore.LingerIdle * 7 / 10)))
 	close(first.letGo)
 	<-firstDone
-	time.Sleep(time.Until(admitted.Add(lingerIdle * 14 / 10)))
+	time.Sleep(time.Until(admitted.Add(redisstore.LingerIdle * 14 / 10)))
 	close(second.letGo)
 	<-secondDone
 	eventually(t, time.Second, "the first request's slot released", func() bool { return rdb.Exists(ctx, firstKey).Val() == 0 })
@@ -972,10 +973,10 @@ func TestConcurrentReleaseAfterTheLimiterClosedIsNotLeftPending(t *testing.T) {
 	logs := observeLogs(h, zapcore.WarnLevel)
 	l := h.limiter
 	eventually(t, 5*time.Second, "the unloaded limiter closed", func() bool {
-		return l.batcher.Closed()
+		return l.Batcher().Closed()
 	})
-	h.holdSlots(requestBuckets(t, h, "k")).Release()
-	if n := l.slots().releases.total(); n != 0 {
+	holdSlots(h, requestBuckets(t, h, "k")).Release()
+	if n := l.PendingReleases(); n != 0 {
 		t.Fatalf("%d releases pending after the release met a closed limiter, want 0", n)
 	}
 	if n := countLogs(logs, "releasing concurrency slots"); n != 1 {
@@ -1010,10 +1011,10 @@ func TestConcurrentBurstOfLongRequestsRenewsEverySlot(t *testing.T) {
 	if _, err := pipe.Exec(ctx); err != nil {
 		t.Fatal(err)
 	}
-	holds := make([]*slotHold, n)
+	holds := make([]limit.Holding, n)
 	for i := range ids {
 		buckets := []limit.Bucket{{Limit: l, Key: key, Args: [3]any{"c", "10000", &ids[i]}}}
-		holds[i] = h.holdSlots(buckets)
+		holds[i] = holdSlots(h, buckets)
 	}
 	time.Sleep(3300 * time.Millisecond) // past the first hold: every slot was renewed, or it expired
 	left, err := rdb.Eval(ctx, peekSlotsSource, []string{key}).Int64Slice()
@@ -1075,7 +1076,7 @@ func TestConcurrentReleasesLostToRedisAreToldByEachZoneAndNotLeftPending(t *test
 	}
 	// Each failed release stays pending while it is sent again, until
 	// its slot would have expired (hold 1s).
-	eventually(t, 5*time.Second, "every pending release answered or its slot expired", func() bool { return l.slots().releases.total() == 0 })
+	eventually(t, 5*time.Second, "every pending release answered or its slot expired", func() bool { return l.PendingReleases() == 0 })
 	for i, h := range zones {
 		if n := countLogs(logs[i], "releasing concurrency slots"); n != 1 {
 			t.Errorf("zone %s: %d warnings of its lost releases, want 1", h.Zone, n)
@@ -1147,7 +1148,7 @@ func TestConcurrentRefusalWaitsForNoReleaseOfAnotherKey(t *testing.T) {
 	}`, srv.Addr))
 	l := h.limiter
 	victim := slotKey(t, h, "gen", "victim")
-	index := func(key string) uint64 { return maphash.String(pendingSeed, key) % 1024 }
+	index := func(key string) uint64 { return redisstore.PendingShard(key) }
 	other := ""
 	for i := 0; other == ""; i++ {
 		if key := slotKey(t, h, "gen", fmt.Sprint("other", i)); index(key) == index(victim) {
@@ -1158,12 +1159,12 @@ func TestConcurrentRefusalWaitsForNoReleaseOfAnotherKey(t *testing.T) {
 	done := startHeld(t, ctx, h, hd, "victim")
 	defer func() { close(hd.letGo); <-done }()
 
-	l.slots().releases.add([]string{other}, 1) // the other key's release, on its way for 200 ms
+	l.AddPendingReleases([]string{other}, 1) // the other key's release, on its way for 200 ms
 	answered := make(chan struct{})
 	go func() {
 		defer close(answered)
 		time.Sleep(200 * time.Millisecond)
-		l.slots().releases.add([]string{other}, -1)
+		l.AddPendingReleases([]string{other}, -1)
 	}()
 	defer func() { <-answered }()
 	calls := scriptCalls(t, rdb)
@@ -1274,14 +1275,14 @@ func TestConcurrentSlotOfATakeWhoseReplyIsLostIsReleased(t *testing.T) {
 // A config unloaded while its requests run, replaced by one with other
 // redis settings (so another limiter): the old limiter lives while its
 // requests hold slots, renewing them, and their releases reach Redis.
-// (It closed lingerIdle after its last call: the renewals stopped, the
+// (It closed redisstore.LingerIdle after its last call: the renewals stopped, the
 // slot expired under the running request and the new config admitted a
 // second one, beyond concurrent 1.)
 func TestConcurrentSlotsOfAnUnloadedConfigLiveUntilTheirRequestsEnd(t *testing.T) {
 	srv := redistest.Start(t)
 	rdb := srv.Client(t)
 	ctx := context.Background()
-	// Renewed every third of a hold, more than lingerIdle apart: the
+	// Renewed every third of a hold, more than redisstore.LingerIdle apart: the
 	// renewals alone do not keep a closing limiter open.
 	const hold = 4 * time.Second
 	config := func(timeout string) string {
@@ -1298,7 +1299,7 @@ func TestConcurrentSlotsOfAnUnloadedConfigLiveUntilTheirRequestsEnd(t *testing.T
 	}
 	hd := newHolder()
 	var done <-chan int
-	var old *limiter
+	var old *redisstore.Client
 	t.Run("old config", func(t *testing.T) {
 		h := caddyfileHandler(t, config("500ms"))
 		old = h.limiter
@@ -1351,22 +1352,22 @@ func TestConcurrentSlotReleasedDuringItsRenewalStaysFree(t *testing.T) {
 	if _, err := pipe.Exec(ctx); err != nil {
 		t.Fatal(err)
 	}
-	holds := make([]*slotHold, n)
+	holds := make([]limit.Holding, n)
 	for i := range ids {
 		buckets := []limit.Bucket{{Limit: l, Key: key, Args: [3]any{"c", "2000", &ids[i]}}}
-		holds[i] = h.holdSlots(buckets)
+		holds[i] = holdSlots(h, buckets)
 	}
 	// Due a third of a hold after they were taken; they end from a tick
 	// before that to a tick after.
-	time.Sleep(time.Second - 2*renewTick)
+	time.Sleep(time.Second - 2*redisstore.RenewTick)
 	for i, hold := range holds {
 		hold.Release()
 		if i%10 == 9 {
-			time.Sleep(4 * renewTick * 10 / n)
+			time.Sleep(4 * redisstore.RenewTick * 10 / n)
 		}
 	}
-	eventually(t, 5*time.Second, "every release answered", func() bool { return h.limiter.slots().releases.total() == 0 })
-	time.Sleep(2 * renewTick) // a renewal still on its way lands
+	eventually(t, 5*time.Second, "every release answered", func() bool { return h.limiter.PendingReleases() == 0 })
+	time.Sleep(2 * redisstore.RenewTick) // a renewal still on its way lands
 	if left := rdb.ZCard(ctx, key).Val(); left != 0 {
 		t.Fatalf("%d of %d slots held after every request released its own: renewals brought them back", left, n)
 	}
@@ -1412,7 +1413,7 @@ func TestConcurrentFailedRenewalIsRetriedAtTheNextTick(t *testing.T) {
 	// A third of a hold later would be 2s.
 	took := eventually(t, time.Second, "the slot renewed after Redis came back", func() bool { return left() > before+hold/6 })
 	t.Logf("renewed %v after Redis came back (renewal ticks every %v; %v of the hold left before)",
-		took.Round(time.Millisecond), renewTick, before.Round(time.Millisecond))
+		took.Round(time.Millisecond), redisstore.RenewTick, before.Round(time.Millisecond))
 }
 
 // Many slots renew on one Redis server without taking the deadline of
@@ -1451,10 +1452,10 @@ func TestConcurrentRenewalsOfManySlotsNeverTakeAnAdmissionsDeadline(t *testing.T
 			}
 		}
 	}
-	holds := make([]*slotHold, n)
+	holds := make([]limit.Holding, n)
 	for i := range ids {
 		buckets := []limit.Bucket{{Limit: l, Key: key, Args: [3]any{"c", "20000", &ids[i]}}}
-		holds[i] = h.holdSlots(buckets)
+		holds[i] = holdSlots(h, buckets)
 	}
 	proxy.latency.Store(int64(20 * time.Millisecond))
 	// Admissions of other clients, 8 at a time, for two holds.
@@ -1533,10 +1534,10 @@ func TestConcurrentBurstOfLongRequestsOnClusterRenewsAndReleasesEverySlot(t *tes
 			t.Fatalf("redisbatch.Slot(%q) = %d, the Cluster says %d", key, redisbatch.Slot(key), want)
 		}
 	}
-	holds := make([]*slotHold, n)
+	holds := make([]limit.Holding, n)
 	for i := range n {
 		buckets := []limit.Bucket{{Limit: l, Key: keys[i], Args: [3]any{"c", "4", &ids[i]}}}
-		holds[i] = h.holdSlots(buckets)
+		holds[i] = holdSlots(h, buckets)
 	}
 	live := func() int {
 		pipe := cc.Pipeline()
@@ -1631,7 +1632,7 @@ func TestConcurrentSlotWhoseReleaseFailsIsReleasedByARetry(t *testing.T) {
 	if status, _ := serve(ctx, h, "k"); status != 200 {
 		t.Fatalf("the next request: %d, want 200", status)
 	}
-	eventually(t, time.Second, "no release counted pending", func() bool { return h.limiter.slots().releases.total() == 0 })
+	eventually(t, time.Second, "no release counted pending", func() bool { return h.limiter.PendingReleases() == 0 })
 	t.Logf("the slot free %v after its release failed", took.Round(time.Millisecond))
 }
 
@@ -1664,7 +1665,7 @@ func TestConcurrentTakeThatLandsAfterItsReleaseLeavesNoSlotTaken(t *testing.T) {
 		t.Fatalf("warming: %d", status)
 	}
 	eventually(t, 2*time.Second, "the warming request's slot released", func() bool {
-		return h.limiter.slots().releases.total() == 0 && rdb.DBSize(ctx).Val() == 0
+		return h.limiter.PendingReleases() == 0 && rdb.DBSize(ctx).Val() == 0
 	})
 	proxy.delayMatching(takeScript.SHA(), 600*time.Millisecond)
 	status, header := serve(ctx, h, "k")
@@ -1874,6 +1875,6 @@ func TestConcurrentOnClusterSlotGivenBackAfterARefusalIsReleasedByARetry(t *test
 	took := eventually(t, 3*time.Second, "the slot free after its give-back failed (hold 10s)", func() bool {
 		return slotMaster.ZCard(ctx, slots).Val() == 0
 	})
-	eventually(t, time.Second, "no release counted pending", func() bool { return h.limiter.slots().releases.total() == 0 })
+	eventually(t, time.Second, "no release counted pending", func() bool { return h.limiter.PendingReleases() == 0 })
 	t.Logf("the slot free %v after Redis took scripts again", took.Round(time.Millisecond))
 }

@@ -11,6 +11,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/caddy-redis/ratelimit/internal/redisstore"
+
 	"github.com/caddy-redis/ratelimit/internal/caddyproc"
 	"github.com/caddy-redis/ratelimit/internal/redisbatch"
 	"github.com/caddy-redis/ratelimit/internal/redistest"
@@ -361,8 +363,8 @@ type breakerCount struct {
 func (b breakerCount) isOpen() bool { return b.open }
 
 // nodeBreakerOf is the breaker of the one Redis node l uses.
-func nodeBreakerOf(l *limiter) breakerCount {
-	failures, open, _ := l.batcher.BreakerState(l.batcher.Node())
+func nodeBreakerOf(l *redisstore.Client) breakerCount {
+	failures, open, _ := l.Batcher().BreakerState(l.Batcher().Node())
 	return breakerCount{failures, open}
 }
 
@@ -412,8 +414,8 @@ func TestOverloadFollowsOnErrorWithoutOpeningBreaker(t *testing.T) {
 	logs := observeLogs(h, zap.DebugLevel)
 	// A limiter with no worker and no room in its queue: every call is
 	// refused at once, as when Redis is far behind.
-	full := &limiter{timeout: 100 * time.Millisecond,
-		batcher: redisbatch.NewStalled(redisbatch.Config{Node: "overloaded-node", Timeout: 100 * time.Millisecond}, 0)}
+	full := redisstore.NewOver(redisbatch.NewStalled(redisbatch.Config{Node: "overloaded-node", Timeout: 100 * time.Millisecond}, 0),
+		100*time.Millisecond)
 	shared := h.limiter
 	h.limiter = full
 	h.buildStore()
@@ -434,7 +436,7 @@ func TestOverloadFollowsOnErrorWithoutOpeningBreaker(t *testing.T) {
 	// A call whose deadline passed while it waited is answered unsent.
 	c := redisbatch.NewCall()
 	c.Deadline, c.ClientCtx = time.Now().Add(-time.Millisecond), context.Background()
-	full.batcher.SendBatch([]*redisbatch.Call{c})
+	full.Batcher().SendBatch([]*redisbatch.Call{c})
 	if c.Err != redisbatch.ErrExpiredInQueue {
 		t.Errorf("expired call: err %v, want %v", c.Err, redisbatch.ErrExpiredInQueue)
 	}

@@ -3,6 +3,8 @@ package ratelimit
 import (
 	"testing"
 
+	"github.com/caddy-redis/ratelimit/internal/redisstore"
+
 	"github.com/caddy-redis/ratelimit/internal/keys"
 	"github.com/caddy-redis/ratelimit/internal/limit"
 	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
@@ -77,7 +79,7 @@ func FuzzParseReply(f *testing.F) {
 					reply = append(reply, b)
 				}
 			}
-			wellFormed = (a == 0 || a == 1) && b >= 0 && c >= 0 && c <= maxRetryMicros
+			wellFormed = (a == 0 || a == 1) && b >= 0 && c >= 0 && c <= redisstore.MaxRetryMicros
 		default:
 			reply = []int64{a, b, c, a, b, c, a}[:shape%8]
 		}
@@ -89,10 +91,10 @@ func FuzzParseReply(f *testing.F) {
 			}
 			wellFormed = len(reply) == want && (a == 0 || a == 1)
 			for i := 0; wellFormed && i < n; i++ {
-				wellFormed = reply[1+2*i] >= 0 && reply[2+2*i] >= 0 && reply[2+2*i] <= maxRetryMicros && (!leasing || reply[1+2*n+i] >= 0)
+				wellFormed = reply[1+2*i] >= 0 && reply[2+2*i] >= 0 && reply[2+2*i] <= redisstore.MaxRetryMicros && (!leasing || reply[1+2*n+i] >= 0)
 			}
 		}
-		allowed, err := readTake(reply, buckets, leasing)
+		allowed, err := redisstore.ReadTake(reply, buckets, leasing)
 		leased := func(i int) int64 { return reply[1+2*len(buckets)+i] } // what the lease layer reads, once readTake judged them
 		if wellFormed != (err == nil) {
 			t.Fatalf("reply %v: error %v; well-formed %v", reply, err, wellFormed)

@@ -30,6 +30,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/caddy-redis/ratelimit/internal/redisstore"
+
 	"github.com/caddy-redis/ratelimit/internal/caddyproc"
 	"github.com/caddy-redis/ratelimit/internal/kind/tokenbucket"
 	"github.com/caddy-redis/ratelimit/internal/limit"
@@ -325,15 +327,27 @@ func eventually(t *testing.T, timeout time.Duration, what string, cond func() bo
 
 // newTestLimiter is a limiter of its own (not from the shared pool) to
 // the Redis at addr.
-func newTestLimiter(tb testing.TB, addr string, timeout time.Duration) *limiter {
+func newTestLimiter(tb testing.TB, addr string, timeout time.Duration) *redisstore.Client {
 	tb.Helper()
 	cfg := (&RedisConfig{Addresses: []string{addr}, Timeout: caddy.Duration(timeout)}).withPlaceholders()
-	b, err := newLimiter(cfg, tlsFiles{})
+	opts, err := cfg.storeOptions(tlsFiles{})
 	if err != nil {
 		tb.Fatal(err)
 	}
+	b := redisstore.New(opts)
 	tb.Cleanup(func() { _ = b.Destruct() })
 	return b
+}
+
+// redisStores are the handlers' Redis stores as holdSlots made them, one
+// per handler, as its stack has one.
+var redisStores sync.Map // *Handler -> *redisstore.Store
+
+// holdSlots is what h's Redis store holds of an admitted request's
+// buckets while it is served (Store.Hold); nil when nothing.
+func holdSlots(h *Handler, buckets []limit.Bucket) limit.Holding {
+	s, _ := redisStores.LoadOrStore(h, redisstore.NewStore(h.limiter, h.groups, h.holding, h.redisReport()))
+	return s.(*redisstore.Store).Hold(&limit.Call{Buckets: buckets})
 }
 
 // limitArgs are the script's arguments, formatted as Provision formats
@@ -350,13 +364,13 @@ type takeResult struct {
 }
 
 // takeOne asks l to take from the one bucket at key.
-func takeOne(ctx context.Context, l *limiter, now time.Time, key string, args [3]any) (takeResult, error) {
+func takeOne(ctx context.Context, l *redisstore.Client, now time.Time, key string, args [3]any) (takeResult, error) {
 	b := []limit.Bucket{{Key: key, Args: args}}
-	allowed, err := l.take(ctx, now, b)
+	allowed, err := l.Take(ctx, now, b)
 	return takeResult{allowed, b[0].Remaining, b[0].RetryAfter}, err
 }
 
-func mustTake(t *testing.T, l *limiter, key string, args [3]any) takeResult {
+func mustTake(t *testing.T, l *redisstore.Client, key string, args [3]any) takeResult {
 	t.Helper()
 	res, err := takeOne(context.Background(), l, time.Now(), key, args)
 	if err != nil {

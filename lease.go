@@ -196,7 +196,7 @@ func newLeases(c *Lease, timeout time.Duration) *leases {
 // On a Cluster, a bucket's lease record must share its hash slot, which
 // a key_prefix with unbalanced braces prevents.
 func (h *Handler) provisionLeases(keyPrefix string) error {
-	if h.limiter.cluster != nil {
+	if h.limiter.IsCluster() {
 		for _, l := range h.limits {
 			if probe := l.KeyPrefix + "x" + l.KeySuffix; redisbatch.Slot(leaseRecordKey(probe)) != redisbatch.Slot(probe) {
 				return fmt.Errorf("lease with key_prefix '%s': its braces keep a bucket's lease record out of the bucket's Redis Cluster hash slot; "+
@@ -204,7 +204,7 @@ func (h *Handler) provisionLeases(keyPrefix string) error {
 			}
 		}
 	}
-	h.leases = newLeases(h.Lease, h.limiter.timeout)
+	h.leases = newLeases(h.Lease, h.limiter.Timeout())
 	go h.giveBackEvery()
 	return nil
 }

@@ -10,6 +10,7 @@ import (
 	"github.com/caddy-redis/ratelimit/internal/limit"
 	"github.com/caddy-redis/ratelimit/internal/logs"
 	"github.com/caddy-redis/ratelimit/internal/redisbatch"
+	"github.com/caddy-redis/ratelimit/internal/redisstore"
 	"go.uber.org/zap"
 )
 
@@ -21,7 +22,7 @@ import (
 var (
 	//go:embed lease.lua
 	leaseSource string
-	leaseScript = registerScript(leaseSource)
+	leaseScript = redisstore.RegisterScript(leaseSource)
 )
 
 // The modes of lease.lua, boxed once.
@@ -75,7 +76,7 @@ func (l leaseLayer) Take(ctx context.Context, r *limit.Call) (bool, error) {
 	h := l.h
 	allowed, asked, err := h.checkLeased(ctx, r.Sent, r.Buckets, r.ClearLayerMarks())
 	if asked {
-		h.answeredByRedis(ctx, r, allowed, err)
+		redisstore.Answered(ctx, r, allowed, err, h.redisReport())
 		if err == nil {
 			h.leases.refused.Answered(r.Buckets, r.Sent, allowed)
 		}
@@ -109,7 +110,7 @@ func (h *Handler) checkLeased(clientCtx context.Context, sent time.Time, buckets
 			if ls.refused.Answer(buckets, sent) {
 				return false, false, nil
 			}
-			allowed, err = h.limiter.take(clientCtx, now, buckets)
+			allowed, err = h.limiter.Take(clientCtx, now, buckets)
 			return allowed, true, err
 		case outcome == leaseWait:
 			select {
@@ -306,7 +307,7 @@ const maxGiveBack = 64
 // spent once the lease expires in Redis.
 func (h *Handler) giveBackLeases(back leaseReturns, seq int64) {
 	size := maxGiveBack
-	if h.limiter.cluster != nil {
+	if h.limiter.IsCluster() {
 		size = 1
 	}
 	for start := 0; start < back.len(); start += size {
@@ -351,13 +352,13 @@ func (ls *leases) close() {
 // reset; deleting it would drop its mark, and the plain script would then
 // refill it into lent tokens), and has every instance forget its cached
 // denials of it, as limiter.reset does.
-func (ls *leases) reset(ctx context.Context, l *limiter, b limit.Bucket) error {
+func (ls *leases) reset(ctx context.Context, l *redisstore.Client, b limit.Bucket) error {
 	b.Args = tokenbucket.Args(b.Values)
 	states := []leaseState{{lease: &lease{record: leaseRecordKey(b.Key)}}}
 	if _, err := ls.call(ctx, l, time.Now(), leaseModeReset, ls.seq.Add(1), []limit.Bucket{b}, states); err != nil {
 		return err
 	}
-	return l.client.Publish(ctx, l.resets.Name(), b.Key).Err()
+	return l.AnnounceReset(ctx, b.Key)
 }
 
 // warnGiveBack logs a failed refund, throttled.
@@ -375,7 +376,7 @@ func (h *Handler) warnGiveBack(err error) {
 // reads each bucket's answer: remaining and retryAfter into the bucket,
 // and into its state leased, what Redis counts as lent to this instance
 // now.
-func (ls *leases) call(clientCtx context.Context, l *limiter, sent time.Time, mode any, seq int64, buckets []limit.Bucket, states []leaseState) (allowed bool, err error) {
+func (ls *leases) call(clientCtx context.Context, l *redisstore.Client, sent time.Time, mode any, seq int64, buckets []limit.Bucket, states []leaseState) (allowed bool, err error) {
 	c := redisbatch.NewCall()
 	for i := range buckets {
 		c.Keys = append(c.Keys, buckets[i].Key, states[i].lease.record)
@@ -386,9 +387,9 @@ func (ls *leases) call(clientCtx context.Context, l *limiter, sent time.Time, mo
 		b, st := &buckets[i], &states[i]
 		c.Args = append(c.Args, b.Args[0], b.Args[1], b.Args[2], st.held, st.want)
 	}
-	c, err = l.batcher.Send(clientCtx, sent, c)
+	c, err = l.Batcher().Send(clientCtx, sent, c)
 	if err == nil {
-		allowed, err = readTake(c.Reply, buckets, true)
+		allowed, err = redisstore.ReadTake(c.Reply, buckets, true)
 		for i := range states {
 			states[i].leased = 0
 			if err == nil {
@@ -438,8 +439,8 @@ func (h *Handler) settleLeased(buckets []limit.Bucket, marks []int64, items []li
 			c := redisbatch.NewCall()
 			c.Keys = append(c.Keys, p.key, p.record)
 			c.Command(leaseScript)
-			c.Args = append(c.Args, leaseModeSettle, ls.idArg, ls.seq.Add(1), ls.lifeArg, p.rate, p.burst, diffArg(p.diff), p.maxDebt, 0)
-			c, err := h.limiter.batcher.Send(context.Background(), time.Now(), c)
+			c.Args = append(c.Args, leaseModeSettle, ls.idArg, ls.seq.Add(1), ls.lifeArg, p.rate, p.burst, redisstore.DiffArg(p.diff), p.maxDebt, 0)
+			c, err := h.limiter.Batcher().Send(context.Background(), time.Now(), c)
 			if err == nil && (len(c.Reply) != 4 || c.Reply[3] < 0) {
 				err = fmt.Errorf("unexpected settle reply %v", c.Reply)
 			}

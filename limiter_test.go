@@ -9,6 +9,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/caddy-redis/ratelimit/internal/redisstore"
+
 	"github.com/caddy-redis/ratelimit/internal/limit"
 	"github.com/caddy-redis/ratelimit/internal/redisbatch"
 	"github.com/caddy-redis/ratelimit/internal/redistest"
@@ -204,7 +206,7 @@ func TestScriptBatchKeepsResultsApart(t *testing.T) {
 		newTestCall("bad", [3]any{"not-a-number", "x", "y"}, deadline),
 		newTestCall("a", limitArgs(1, 2, 1), deadline),
 	}
-	b.batcher.SendBatch(batch) // as worker 0, which is idle: nothing else is queued
+	b.Batcher().SendBatch(batch) // as worker 0, which is idle: nothing else is queued
 	want := []struct {
 		allowed   bool
 		remaining int64
@@ -221,7 +223,7 @@ func TestScriptBatchKeepsResultsApart(t *testing.T) {
 			continue
 		}
 		b := []limit.Bucket{{}}
-		allowed, err := readTake(c.Reply, b, false)
+		allowed, err := redisstore.ReadTake(c.Reply, b, false)
 		if err != nil || allowed != want[i].allowed || b[0].Remaining != want[i].remaining {
 			t.Fatalf("call %d: reply %v (%v), want %+v", i, c.Reply, err, want[i])
 		}
@@ -335,10 +337,11 @@ func TestBackendTimeoutCoversSlowDial(t *testing.T) {
 		DialTimeout: caddy.Duration(10 * time.Second),
 		TLS:         &RedisTLS{InsecureSkipVerify: true},
 	}).withPlaceholders()
-	b, err := newLimiter(cfg, tlsFiles{})
+	opts, err := cfg.storeOptions(tlsFiles{})
 	if err != nil {
 		t.Fatal(err)
 	}
+	b := redisstore.New(opts)
 	t.Cleanup(func() { _ = b.Destruct() })
 
 	for range 3 {

@@ -20,6 +20,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/caddy-redis/ratelimit/internal/redisstore"
+
 	"github.com/caddy-redis/ratelimit/internal/limit"
 	"github.com/caddy-redis/ratelimit/internal/memstore"
 	"github.com/caddy-redis/ratelimit/internal/testproc"
@@ -90,7 +92,7 @@ func lastResult(t *testing.T, logs *observer.ObservedLogs) string {
 // redisClientsInUse counts the shared Redis clients (limiters) in use.
 func redisClientsInUse() int {
 	n := 0
-	limiters.Range(func(_, _ any) bool { n++; return true })
+	n = redisstore.ClientsInUse()
 	return n
 }
 
@@ -124,7 +126,7 @@ http://localhost:9080 {
 	}
 }`)
 	// The config before this one closes its Redis client once its last
-	// requests are done (lingerIdle), which a loaded machine may delay.
+	// requests are done (redisstore.LingerIdle), which a loaded machine may delay.
 	eventually(t, 10*time.Second, "no Redis client in use with store memory", func() bool { return redisClientsInUse() == 0 })
 	if refs, ok := memstore.References(storeMemory, defaultKeyPrefix, "mem1"); !ok || refs != 1 {
 		t.Errorf("the store of zone mem1 has %d references (present: %v), want 1", refs, ok)

@@ -66,7 +66,7 @@ func newZoneMetrics(registry prometheus.Registerer, zone string, limits []*limit
 			desc: prometheus.NewDesc(prometheus.BuildFQName(ns, sub, "breaker_open"),
 				"Circuit breakers open now among the Redis nodes (Cluster masters) that the zone's requests can meet.",
 				[]string{"zone"}, nil),
-			zones: make(map[string]map[*limiter]int),
+			zones: make(map[string]map[breakers]int),
 		}
 		collectors.charged = prometheus.NewCounterVec(prometheus.CounterOpts{
 			Namespace: ns, Subsystem: sub, Name: "charged_total",
@@ -123,22 +123,25 @@ func newZoneMetrics(registry prometheus.Registerer, zone string, limits []*limit
 type breakerCollector struct {
 	desc  *prometheus.Desc
 	mu    sync.Mutex
-	zones map[string]map[*limiter]int // zone -> limiter -> handlers using it
+	zones map[string]map[breakers]int // zone -> Redis client -> handlers using it
 }
+
+// breakers are a shared Redis client's node breakers.
+type breakers interface{ OpenBreakers() int64 }
 
 // watchBreakers counts a zone's handler that uses l; unwatchBreakers
 // takes it back at cleanup.
-func watchBreakers(zone string, l *limiter) {
+func watchBreakers(zone string, l breakers) {
 	c := collectors.breakerOpen
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	if c.zones[zone] == nil {
-		c.zones[zone] = make(map[*limiter]int)
+		c.zones[zone] = make(map[breakers]int)
 	}
 	c.zones[zone][l]++
 }
 
-func unwatchBreakers(zone string, l *limiter) {
+func unwatchBreakers(zone string, l breakers) {
 	c := collectors.breakerOpen
 	c.mu.Lock()
 	defer c.mu.Unlock()
@@ -161,7 +164,7 @@ func (c *breakerCollector) Collect(ch chan<- prometheus.Metric) {
 	for zone, limiters := range c.zones {
 		var open int64
 		for l := range limiters {
-			open += l.openBreakers()
+			open += l.OpenBreakers()
 		}
 		ch <- prometheus.MustNewConstMetric(c.desc, prometheus.GaugeValue, float64(open), zone)
 	}

@@ -12,6 +12,7 @@ import (
 	"github.com/caddy-redis/ratelimit/internal/limit"
 	"github.com/caddy-redis/ratelimit/internal/logs"
 	"github.com/caddy-redis/ratelimit/internal/memstore"
+	"github.com/caddy-redis/ratelimit/internal/redisstore"
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 	"go.uber.org/zap"
@@ -275,17 +276,17 @@ type Handler struct {
 	Redis *RedisConfig `json:"redis,omitempty"`
 
 	logger        *zap.Logger
-	store         limit.Store     // the stack that decides requests (buildStore)
-	memory        *memstore.Store // with store memory: the buckets
-	local         *memstore.Store // with on_error local: the buckets while Redis fails
-	limiter       *limiter        // nil when no limit ever asks Redis
-	leases        *leases         // with lease
-	charging      *charging       // when a limit charges by the response (charge.go)
-	request       *bodyValueStep  // with request_body (requestbody.go)
-	before        []preStep       // what runs before a request's buckets are resolved (steps.go)
-	beforeBody    *beforeBody     // refusals known before request_body reads a body (beforebody.go)
-	steps         []step          // what an admitted request registers for after its response (steps.go)
-	chargeWeights bool            // some charge json weight has placeholders (charge.go)
+	store         limit.Store        // the stack that decides requests (buildStore)
+	memory        *memstore.Store    // with store memory: the buckets
+	local         *memstore.Store    // with on_error local: the buckets while Redis fails
+	limiter       *redisstore.Client // nil when no limit ever asks Redis
+	leases        *leases            // with lease
+	charging      *charging          // when a limit charges by the response (charge.go)
+	request       *bodyValueStep     // with request_body (requestbody.go)
+	before        []preStep          // what runs before a request's buckets are resolved (steps.go)
+	beforeBody    *beforeBody        // refusals known before request_body reads a body (beforebody.go)
+	steps         []step             // what an admitted request registers for after its response (steps.go)
+	chargeWeights bool               // some charge json weight has placeholders (charge.go)
 	limiterKey    string
 	limits        []*limit.Limit
 	groups        [][]*limit.Limit // on Cluster, limits by hash slot, when they span several
@@ -408,8 +409,8 @@ func (h *Handler) Provision(ctx caddy.Context) (err error) {
 	if h.limiter, h.limiterKey, err = acquireLimiter(redisConfig); err != nil {
 		return fmt.Errorf("setting up the Redis client: %w", err)
 	}
-	if h.limiter.cluster != nil {
-		h.groups = hashSlotGroups(h.limits)
+	if h.limiter.IsCluster() {
+		h.groups = redisstore.HashSlotGroups(h.limits)
 		// Buckets of a later group can refuse after an earlier group took
 		// its tokens, which are then given back: a denial seen meanwhile
 		// says nothing about the time tokens come back, so none is cached.
@@ -418,7 +419,7 @@ func (h *Handler) Provision(ctx caddy.Context) (err error) {
 			h.groups = nil
 		}
 	}
-	h.limiter.watch(h)
+	h.limiter.Watch(h.redisReport())
 	if h.metrics != nil {
 		watchBreakers(h.Zone, h.limiter)
 	}
@@ -468,11 +469,11 @@ func (h *Handler) Cleanup() error {
 	if h.leases != nil {
 		h.leases.close() // gives back what they hold
 	}
-	h.limiter.unwatch(h)
+	h.limiter.Unwatch(h.redisReport())
 	if h.metrics != nil {
 		unwatchBreakers(h.Zone, h.limiter)
 	}
-	return releaseLimiter(h.limiterKey)
+	return redisstore.Release(h.limiterKey)
 }
 
 // Interface guards

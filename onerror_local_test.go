@@ -60,7 +60,7 @@ func TestOnErrorLocalDecidesWithInProcessBucketsWhileRedisFails(t *testing.T) {
 	for range 4 {
 		send("lena", 429, "0", "10", "error_local_denied")
 	}
-	if h.limiter.openBreakers() != 1 {
+	if h.limiter.OpenBreakers() != 1 {
 		t.Error("seven failures in a row, and the breaker is not open")
 	}
 	send("milo", 200, "2", "", "error_local_allowed")

@@ -652,7 +652,7 @@ func TestQuotaScriptPicksThePeriodByRedisTime(t *testing.T) {
 			key := "quota-pick-" + strconv.Itoa(c.start)
 			take := func() (bool, limit.Bucket) {
 				b := []limit.Bucket{{Limit: ql, Key: key, Values: values, Args: quota.Args(values), KindRef: quota.NewPeriod(bounds)}}
-				allowed, err := l.take(context.Background(), time.Now(), b)
+				allowed, err := l.Take(context.Background(), time.Now(), b)
 				if err != nil {
 					t.Fatal(err)
 				}
@@ -697,7 +697,7 @@ func TestQuotaScriptAgreesWithMemoryStore(t *testing.T) {
 		key := "agree-" + strconv.Itoa(rng.IntN(3))
 		rb := []limit.Bucket{{Limit: ql, Key: key, Values: v, Args: quota.Args(v), KindRef: p}}
 		mb := []limit.Bucket{{Limit: ql, Key: key, Values: v, Args: quota.Args(v), KindRef: p}}
-		ra, err := l.take(context.Background(), time.Now(), rb)
+		ra, err := l.Take(context.Background(), time.Now(), rb)
 		if err != nil {
 			t.Fatal(err)
 		}

@@ -1,24 +1,14 @@
 package ratelimit
 
 import (
-	"context"
 	"time"
 
 	"github.com/caddy-redis/ratelimit/internal/limit"
+	"github.com/caddy-redis/ratelimit/internal/logs"
 	"github.com/caddy-redis/ratelimit/internal/redisbatch"
+	"github.com/caddy-redis/ratelimit/internal/redisstore"
 	"go.uber.org/zap"
 )
-
-// redisStore keeps a handler's buckets in Redis, through the limiter its
-// redis setting shares: one script call a request, or on a Cluster whose
-// hash slots the request's buckets span, one per group of them
-// (takeGroups).
-type redisStore struct {
-	h       *Handler
-	limiter *limiter
-	groups  [][]*limit.Limit // on Cluster, limits by hash slot, when they span several
-	holding bool             // some limit is held while a request is served (heldKind)
-}
 
 // A handler with a Redis client (Provision makes one unless the
 // buckets are in the process, or every limit blocks) keeps its buckets
@@ -28,81 +18,54 @@ func init() {
 		if h.limiter == nil {
 			return below
 		}
-		return &redisStore{h: h, limiter: h.limiter, groups: h.groups, holding: h.holding}
+		return redisstore.NewStore(h.limiter, h.groups, h.holding, h.redisReport())
 	}})
 }
 
-// take takes a request's buckets in Redis; with buckets held while
-// served, as what requests hold of them needs (takeHolding).
-func (s *redisStore) Take(ctx context.Context, r *limit.Call) (allowed bool, err error) {
-	if s.holding {
-		allowed, err = s.takeHolding(ctx, r.Sent, r.Buckets)
-	} else {
-		allowed, err = s.takeAll(ctx, r.Sent, r.Buckets)
-	}
-	s.h.answeredByRedis(ctx, r, allowed, err)
-	return allowed, err
-}
+// redisReport is the handler as the Redis store and its client tell it
+// what to log and count (redisstore.Reporter and Watcher): a type of its
+// own, so that those methods are not the module's.
+type redisReport Handler
 
-// takeAll takes a request's buckets in Redis: in one call, or on a
-// Cluster whose hash slots they span, a call per slot group.
-func (s *redisStore) takeAll(ctx context.Context, sent time.Time, buckets []limit.Bucket) (bool, error) {
-	if s.groups == nil {
-		return s.limiter.take(ctx, sent, buckets)
-	}
-	return s.h.takeGroups(ctx, sent, buckets)
-}
+func (h *Handler) redisReport() *redisReport { return (*redisReport)(h) }
 
-// answeredByRedis completes what Redis answered to a request's take
-// (sent at r.sent): the metric of its time, the refused buckets' waits
-// (kind.refused), and a line for a failure, throttled (an open breaker
-// was logged when it opened).
-func (h *Handler) answeredByRedis(ctx context.Context, r *limit.Call, allowed bool, err error) {
-	if h.metrics != nil && err != redisbatch.ErrBreakerOpen {
-		h.metrics.redisDuration.Observe(time.Since(r.Sent).Seconds())
-	}
-	switch e := err.(type) {
-	case nil:
-		if !allowed {
-			limit.CompleteRefusal(r.Buckets)
-		}
-	case redisbatch.OverloadError:
-		if ctx.Err() != nil {
-			break // the client left; whatever happened is not worth a line
-		}
-		h.warnOverloaded(err)
-	case limit.KindError:
-		h.warnKind(e)
-	default:
-		if err == redisbatch.ErrBreakerOpen || ctx.Err() != nil {
-			break // a client that left says nothing about Redis
-		}
-		h.warnRedisFailed(err)
+func (r *redisReport) Answered(took time.Duration) {
+	if h := (*Handler)(r); h.metrics != nil {
+		h.metrics.redisDuration.Observe(took.Seconds())
 	}
 }
 
-func (s *redisStore) Settle(r *limit.Call, items []limit.Settling) {
-	s.h.settleInRedis(r.Buckets, items)
+func (r *redisReport) Failed(err error)               { (*Handler)(r).warnRedisFailed(err) }
+func (r *redisReport) Overloaded(err error)           { (*Handler)(r).warnOverloaded(err) }
+func (r *redisReport) KindFailed(err limit.KindError) { (*Handler)(r).warnKind(err) }
+
+// Warn logs a Redis failure outside a take, throttled with the others.
+func (r *redisReport) Warn(msg string, err error, fields ...zap.Field) {
+	h := (*Handler)(r)
+	if ok, suppressed := h.redisWarns.Allow(); ok {
+		all := append(append([]zap.Field{zap.String("zone", h.Zone)}, fields...), zap.Error(err), logs.Suppressed(suppressed))
+		h.logger.Warn(msg, all...)
+	}
 }
 
-// peek reads a bucket held while served as what requests hold of it
-// (peekHeld).
-func (s *redisStore) Peek(ctx context.Context, b limit.Bucket) (limit.View, error) {
-	if b.HeldWhileServed() {
-		return s.limiter.peekHeld(ctx, b.Key)
+func (r *redisReport) Debug(msg string) {
+	h := (*Handler)(r)
+	if ce := h.logger.Check(zap.DebugLevel, msg); ce != nil {
+		ce.Write(zap.String("zone", h.Zone))
 	}
-	views, err := s.limiter.peek(ctx, []limit.Bucket{b})
-	if err != nil {
-		return limit.View{}, err
-	}
-	return views[0], nil
 }
 
-// reset forgets this instance's cached denials of the key at once;
-// other instances forget theirs when the reset's message reaches them.
-func (s *redisStore) Reset(ctx context.Context, b limit.Bucket) error {
-	s.h.forgetDenials([]string{b.Key})
-	return s.limiter.reset(ctx, []string{b.Key})
+func (r *redisReport) Charged(l *limit.Limit, charged, forgiven float64) {
+	(*Handler)(r).countCharged(l, charged, forgiven)
+}
+
+func (r *redisReport) SettleFailed(err error)      { (*Handler)(r).countSettleFailure(nil, nil, err) }
+func (r *redisReport) Refilled(keys []string)      { (*Handler)(r).forgetRefilled(keys) }
+func (r *redisReport) ForgetDenials(keys []string) { (*Handler)(r).forgetDenials(keys) }
+func (r *redisReport) ForgetAllDenials()           { (*Handler)(r).forgetAllDenials() }
+func (r *redisReport) BreakerDropped(node string)  { (*Handler)(r).breakerDropped(node) }
+func (r *redisReport) BreakerChanged(node string, open bool, failures int64) {
+	(*Handler)(r).breakerChanged(node, open, failures)
 }
 
 // The warnings of a store's take, throttled, each in a function of its
@@ -133,7 +96,7 @@ func (h *Handler) warnRedisFailed(err error) {
 }
 
 // breakerChanged logs a node's breaker opening or closing, for the
-// limiter, which tells every handler that uses it.
+// Redis client, which tells every handler that uses it.
 func (h *Handler) breakerChanged(node string, open bool, failures int64) {
 	if open {
 		h.logger.Warn("circuit breaker opened: a Redis node failed repeatedly; requests for its keys skip Redis and "+followFallback+" until it answers",

@@ -70,7 +70,7 @@ func denyAndCache(t *testing.T, h *Handler, key string) {
 // message, and every one published before it, has been handled.
 func resetAndWait(t *testing.T, h *Handler, key string) time.Duration {
 	t.Helper()
-	if err := h.limiter.reset(context.Background(), []string{h.limits[0].KeyPrefix + key}); err != nil {
+	if err := h.limiter.Reset(context.Background(), []string{h.limits[0].KeyPrefix + key}); err != nil {
 		t.Fatal(err)
 	}
 	return eventually(t, 10*time.Second, "the reset of "+key+" is applied", func() bool {
@@ -134,7 +134,7 @@ func TestResetFloodDoesNotStallRequests(t *testing.T) {
 	for attempt := 1; ; attempt++ {
 		publishNewlines(t, srv.Addr, channel, flood)
 		handled = resetAndWait(t, h, "probe")
-		if h.limiter.resets.Dropped() > 0 {
+		if h.limiter.Resets().Dropped() > 0 {
 			break
 		}
 		// Not heard: the subscription was being renewed when the flood
@@ -154,7 +154,7 @@ func TestResetFloodDoesNotStallRequests(t *testing.T) {
 	if during > maxLatency {
 		t.Errorf("a request waited %v while the flood was handled, more than %v", during, maxLatency)
 	}
-	if n := h.limiter.resets.Dropped(); n != 1 {
+	if n := h.limiter.Resets().Dropped(); n != 1 {
 		t.Errorf("%d messages counted as too large, want 1", n)
 	}
 
@@ -192,7 +192,7 @@ func TestResetOfForeignKeysIsIgnored(t *testing.T) {
 		status, _, _ := hit(h, "mine")
 		return status == 200
 	})
-	if n := h.limiter.resets.Foreign(); n != 2 {
+	if n := h.limiter.Resets().Foreign(); n != 2 {
 		t.Errorf("%d foreign keys counted, want 2", n)
 	}
 }

@@ -530,7 +530,7 @@ func TestDeadClusterMasterLeavesOtherMastersLimited(t *testing.T) {
 	if countLogs(logs, "circuit breaker opened") == 0 {
 		t.Error("the dead master's breaker never opened")
 	}
-	if open := h.limiter.openBreakers(); open != 1 {
+	if open := h.limiter.OpenBreakers(); open != 1 {
 		t.Errorf("%d node breakers open, want 1 (the dead master's)", open)
 	}
 }
@@ -629,7 +629,7 @@ func TestBreakerOfFailedOverMasterIsDropped(t *testing.T) {
 	if n := countLogs(logs, "circuit breaker opened"); n < 1 {
 		t.Errorf("'circuit breaker opened' logged %d times", n)
 	}
-	if open := h.limiter.openBreakers(); open != 0 {
+	if open := h.limiter.OpenBreakers(); open != 0 {
 		t.Errorf("%d breakers counted open after the failover, want 0", open)
 	}
 }
@@ -666,7 +666,7 @@ func TestUnknownSlotsBreakerIsDroppedOnceTheSlotMapLoads(t *testing.T) {
 		}
 		hit(h, "k"+strconv.Itoa(i))
 	}
-	if _, open, known := h.limiter.batcher.BreakerState(redisbatch.UnknownSlots); !known || !open {
+	if _, open, known := h.limiter.Batcher().BreakerState(redisbatch.UnknownSlots); !known || !open {
 		t.Fatal("the open breaker is not the unknown slot map's")
 	}
 	resumed := eventually(t, 10*time.Second, "limiting resumes", func() bool {

@@ -265,7 +265,7 @@ start_caddy() { # caddyfile-name [admin-address [binary]] -> sets caddy_pid, cad
 	[[ "$1" != mholt* ]] || bin="$mholt_bin"
 	caddy_port="$("$LOADGEN" freeport)"
 	mkdir -p "$work/home"
-	BENCH_PORT="$caddy_port" BENCH_REDIS="$REDIS_ADDR" BENCH_ADMIN="${2:-off}" BENCH_SCRIPT="$REPO_ROOT/script.lua" GOMAXPROCS=1 GOGC="$GOGC_CADDY" \
+	BENCH_PORT="$caddy_port" BENCH_REDIS="$REDIS_ADDR" BENCH_ADMIN="${2:-off}" BENCH_SCRIPT="$REPO_ROOT/internal/redisstore/script.lua" GOMAXPROCS=1 GOGC="$GOGC_CADDY" \
 		HOME="$work/home" XDG_DATA_HOME="$work/home/data" XDG_CONFIG_HOME="$work/home/config" \
 		taskset -c "$CADDY_CPU" "$bin" run --config "$conf" --adapter caddyfile \
 		>>"$work/caddy.log" 2>&1 &

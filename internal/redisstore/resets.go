@@ -1,4 +1,4 @@
-package ratelimit
+package redisstore
 
 import (
 	"time"
@@ -9,24 +9,24 @@ import (
 	"go.uber.org/zap"
 )
 
-// The reset channel (internal/redisresets): each limiter subscribes to
+// The reset channel (internal/redisresets): each client subscribes to
 // <key_prefix>reset, on which the admin API of any instance sharing the
-// Redis publishes the keys of the buckets it reset (limiter.reset), and
+// Redis publishes the keys of the buckets it reset (Client.Reset), and
 // drops its handlers' cached denials of them.
 
 // resetsLogger is the handlers' logger, taken when a line is written:
-// the limiter outlives the config whose logs it would otherwise keep.
+// the client outlives the config whose logs it would otherwise keep.
 func resetsLogger() *zap.Logger { return caddy.Log().Named("http.handlers.rate_limit") }
 
-// resetReceiver is what the limiter does with what its reset channel
+// resetReceiver is what the client does with what its reset channel
 // brings: its watchers drop their cached denials, and what was ignored
 // is logged, throttled (both warnings share one throttle).
 type resetReceiver struct {
-	l     *limiter
+	l     *Client
 	warns logs.Throttle
 }
 
-func newResetReceiver(l *limiter) *resetReceiver {
+func newResetReceiver(l *Client) *resetReceiver {
 	return &resetReceiver{l: l, warns: logs.Throttle{Every: 10 * time.Second}}
 }
 
@@ -35,13 +35,13 @@ func newResetReceiver(l *limiter) *resetReceiver {
 // own.
 func (r *resetReceiver) Reset(keys []string) {
 	for _, w := range r.l.watcherList() {
-		w.forgetDenials(keys)
+		w.ForgetDenials(keys)
 	}
 }
 
 func (r *resetReceiver) Missed() {
 	for _, w := range r.l.watcherList() {
-		w.forgetAllDenials()
+		w.ForgetAllDenials()
 	}
 }
 

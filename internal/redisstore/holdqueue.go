@@ -1,9 +1,9 @@
-package ratelimit
+package redisstore
 
 // The queue of slot renewals and releases that the batcher's workers
 // send to Redis, many slots a script call, and the count of releases
 // on their way that a refused request of the same key waits for: what
-// a limiter keeps of the concurrent limits.
+// a client keeps of the concurrent limits.
 
 import (
 	"cmp"
@@ -18,8 +18,8 @@ import (
 	"github.com/caddy-redis/ratelimit/internal/redisbatch"
 )
 
-// redisSlots are the slot holds of a limiter's requests, its part of the
-// concurrent limits (registerLimiterPart): releases counts the releases of slots on their
+// redisSlots are the slot holds of a client's requests, its part of the
+// concurrent limits (registerClientPart): releases counts the releases of slots on their
 // way to Redis, or failed and waiting to be sent again; releaseQueue and renewQueue hold the releases and
 // renewals not sent yet, which the batcher takes into each batch
 // (firstCalls, lastCalls); renewals renew the slots of requests in
@@ -31,30 +31,30 @@ type redisSlots struct {
 	renewals     slotRenewals
 }
 
-// slotsPart is the index of the limiters' redisSlots in their parts.
+// slotsPart is the index of the clients' redisSlots in their parts.
 var slotsPart int
 
 func init() {
-	slotsPart = registerLimiterPart(func() limiterPart { return new(redisSlots) })
+	slotsPart = registerClientPart(func() clientPart { return new(redisSlots) })
 }
 
-// slots is the limiter's part of the concurrent limits.
-func (l *limiter) slots() *redisSlots { return l.parts[slotsPart].(*redisSlots) }
+// slots is the client's part of the concurrent limits.
+func (l *Client) slots() *redisSlots { return l.parts[slotsPart].(*redisSlots) }
 
 // firstCalls: queued releases go first, so that a slot given back before
 // a take of its key in the same batch is free for it; each batch takes
 // at most maxSlotsPerCall of them.
-func (p *redisSlots) firstCalls(l *limiter, now time.Time, batch []*redisbatch.Call) ([]*redisbatch.Call, bool) {
+func (p *redisSlots) firstCalls(l *Client, now time.Time, batch []*redisbatch.Call) ([]*redisbatch.Call, bool) {
 	return p.releaseQueue.calls(l, releaseArg, now, batch)
 }
 
 // lastCalls: queued renewals go last, at most maxSlotsPerCall a batch.
-func (p *redisSlots) lastCalls(l *limiter, now time.Time, batch []*redisbatch.Call) ([]*redisbatch.Call, bool) {
+func (p *redisSlots) lastCalls(l *Client, now time.Time, batch []*redisbatch.Call) ([]*redisbatch.Call, bool) {
 	return p.renewQueue.calls(l, renewArg, now, batch)
 }
 
 // inUse: a request holds a slot (its renewals and release need the
-// limiter, however long it runs), or has its release still to queue, or
+// client, however long it runs), or has its release still to queue, or
 // to send again. A hold leaves it once its release is queued, which
 // queued then sees.
 func (p *redisSlots) inUse() bool { return p.renewals.holding() }
@@ -76,19 +76,19 @@ func (p *redisSlots) returning(buckets []limit.Bucket) bool { return p.releases.
 // (or sooner, for such a request), until its slot would have expired
 // anyway (slotRenewals.answerReleases), pending meanwhile. A
 // release is a call as the queue's are (Batcher.WhileOpen): it keeps an
-// unloaded config's limiter open for lingerIdle, and every release
-// queued before the limiter closed is answered; one that meets it
+// unloaded config's client open for LingerIdle, and every release
+// queued before the client closed is answered; one that meets it
 // closed is answered as failed.
-func (l *limiter) queueRelease(s *slotHold) {
+func (l *Client) queueRelease(s *slotHold) {
 	if !l.batcher.WhileOpen(func() { l.slots().releaseQueue.addReleases(s) }) {
 		l.slots().releases.add(s.keys, -1)
-		s.h.slotsFailed(releaseArg, redisbatch.ErrClosed)
+		s.store.slotsFailed(releaseArg, redisbatch.ErrClosed)
 	}
 }
 
 // queueRetries queues again the releases kept to send again
 // (slotRenewals.answerReleases), each pending until answered.
-func (l *limiter) queueRetries(due []slotRetry) {
+func (l *Client) queueRetries(due []slotRetry) {
 	for i := range due {
 		if !due[i].pending {
 			l.slots().releases.add(due[i].key[:], 1)
@@ -192,7 +192,7 @@ func (q *slotQueue) queued() bool {
 // concurrent.lua's op appended to batch: one call on one Redis server,
 // one per hash slot on a Cluster (the keys of a call must share one).
 // more says some are left.
-func (q *slotQueue) calls(l *limiter, op any, now time.Time, batch []*redisbatch.Call) (_ []*redisbatch.Call, more bool) {
+func (q *slotQueue) calls(l *Client, op any, now time.Time, batch []*redisbatch.Call) (_ []*redisbatch.Call, more bool) {
 	q.mu.Lock()
 	defer q.mu.Unlock()
 	n := min(len(q.keys), maxSlotsPerCall)
@@ -217,7 +217,7 @@ func (q *slotQueue) calls(l *limiter, op any, now time.Time, batch []*redisbatch
 
 // hashSlotCalls appends to batch a call of op per Cluster hash slot of
 // keys (with their args and holds, as slotsCall takes them).
-func (l *limiter) hashSlotCalls(op any, keys []string, args []any, holds []*slotHold, now time.Time, batch []*redisbatch.Call) []*redisbatch.Call {
+func (l *Client) hashSlotCalls(op any, keys []string, args []any, holds []*slotHold, now time.Time, batch []*redisbatch.Call) []*redisbatch.Call {
 	w := argsPerSlot(op)
 	order := make([]int, len(keys))
 	slot := make([]int, len(keys))
@@ -249,13 +249,13 @@ func (l *limiter) hashSlotCalls(op any, keys []string, args []any, holds []*slot
 // requests in one Redis server's hash slot (keys, and their arguments in
 // the script's order), which a slotBatch answers in the worker; holds
 // are whose slot each key is. It copies what it is given.
-func (l *limiter) slotsCall(op any, keys []string, args []any, holds []*slotHold, now time.Time) *redisbatch.Call {
+func (l *Client) slotsCall(op any, keys []string, args []any, holds []*slotHold, now time.Time) *redisbatch.Call {
 	c := redisbatch.NewCall()
 	c.Keys = append(c.Keys, keys...)
 	c.Command(concurrentScript)
 	c.Args = append(append(c.Args, op), args...)
 	answer := slotBatches.Get().(*slotBatch)
-	answer.limiter, answer.op = l, op
+	answer.client, answer.op = l, op
 	answer.holds = append(answer.holds, holds...)
 	c.ClientCtx, c.Deadline, c.Then = context.Background(), now.Add(l.timeout), answer
 	return c
@@ -266,26 +266,26 @@ func (l *limiter) slotsCall(op any, keys []string, args []any, holds []*slotHold
 // whose slots it held, a slot found gone at its renewal by its own; the
 // renewals learn which holds were renewed, or are due again.
 type slotBatch struct {
-	limiter *limiter
-	op      any         // releaseArg or renewArg
-	holds   []*slotHold // per key
+	client *Client
+	op     any         // releaseArg or renewArg
+	holds  []*slotHold // per key
 }
 
 var slotBatches = sync.Pool{New: func() any { return new(slotBatch) }}
 
 func (b *slotBatch) TakeAnswer(c *redisbatch.Call) {
-	l := b.limiter
+	l := b.client
 	if b.op == releaseArg {
 		l.slots().renewals.answerReleases(l, c.Keys, b.holds, c.Reply, c.Err)
 	}
 	for i, s := range b.holds {
 		switch {
 		case c.Err != nil:
-			if !slices.ContainsFunc(b.holds[:i], func(o *slotHold) bool { return o.h == s.h }) {
-				s.h.slotsFailed(b.op, c.Err)
+			if !slices.ContainsFunc(b.holds[:i], func(o *slotHold) bool { return o.store == s.store }) {
+				s.store.slotsFailed(b.op, c.Err)
 			}
 		case b.op == renewArg && i < len(c.Reply) && c.Reply[i] != 1:
-			s.h.slotGone(c.Reply[i])
+			s.store.slotGone(c.Reply[i])
 		}
 	}
 	if b.op == renewArg {
@@ -293,7 +293,7 @@ func (b *slotBatch) TakeAnswer(c *redisbatch.Call) {
 	}
 	c.Release()
 	clear(b.holds)
-	b.limiter, b.op, b.holds = nil, nil, b.holds[:0]
+	b.client, b.op, b.holds = nil, nil, b.holds[:0]
 	slotBatches.Put(b)
 }
 
@@ -376,7 +376,7 @@ func (p *pendingReleases) total() int64 {
 // failure (sent now, not at the next tick), until the releases of its
 // keys are answered, at most until the deadline; it says whether the
 // request should ask again.
-func (p *redisSlots) awaitReturns(l *limiter, buckets []limit.Bucket, deadline time.Time) bool {
+func (p *redisSlots) awaitReturns(l *Client, buckets []limit.Bucket, deadline time.Time) bool {
 	full := false
 	for i := limit.FirstHeld(buckets); i < len(buckets); i++ {
 		full = full || buckets[i].Remaining == 0

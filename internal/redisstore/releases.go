@@ -1,4 +1,4 @@
-package ratelimit
+package redisstore
 
 // Releases of slots held in Redis beyond a served request's own: those
 // sent again (after a failure, until they are answered; after a take
@@ -81,7 +81,7 @@ func (s *slotHold) expiresBy(key string) time.Duration {
 // pending meanwhile: nothing says it will land. A release is
 // idempotent, and each is sent again only until its slot has expired by
 // itself (expiresBy); a breaker open answers them without a round trip.
-func (r *slotRenewals) answerReleases(l *limiter, keys []string, holds []*slotHold, reply []int64, err error) {
+func (r *slotRenewals) answerReleases(l *Client, keys []string, holds []*slotHold, reply []int64, err error) {
 	now := time.Since(limit.ClockStart)
 	kept := false
 	r.mu.Lock()
@@ -98,7 +98,7 @@ func (r *slotRenewals) answerReleases(l *limiter, keys []string, holds []*slotHo
 			r.retries = append(r.retries, slotRetry{key: [1]string{key}, hold: s, until: until})
 			kept = true
 		}
-		l.slots().releases.add(keys[i:i+1], -1) // after the retry is kept: the limiter stays open for it
+		l.slots().releases.add(keys[i:i+1], -1) // after the retry is kept: the client stays open for it
 	}
 	r.mu.Unlock()
 	if kept {
@@ -109,7 +109,7 @@ func (r *slotRenewals) answerReleases(l *limiter, keys []string, holds []*slotHo
 // retryNow queues at once the releases kept for a retry (answerReleases)
 // of the slots among buckets: a request of their key that a full limit
 // refused waits for them (awaitReturns), rather than for the next tick.
-func (r *slotRenewals) retryNow(l *limiter, buckets []limit.Bucket) {
+func (r *slotRenewals) retryNow(l *Client, buckets []limit.Bucket) {
 	held := buckets[limit.FirstHeld(buckets):]
 	var due []slotRetry
 	r.mu.Lock()
@@ -136,22 +136,22 @@ func (r *slotRenewals) retryNow(l *limiter, buckets []limit.Bucket) {
 // that fails is sent again as a queued one is (answerReleases), pending
 // meanwhile.
 func (s *slotHold) send() {
-	h := s.h
-	p := h.limiter.slots()
+	store := s.store
+	p := store.client.slots()
 	for start := 0; start < len(s.keys); {
 		end := s.groupEnd(start)
 		c := s.call(start, end)
 		// Sent even when the client has left.
-		c, err := h.limiter.batcher.Send(context.Background(), time.Now(), c)
+		c, err := store.client.batcher.Send(context.Background(), time.Now(), c)
 		if err != nil {
-			h.slotsFailed(releaseArg, err)
+			store.slotsFailed(releaseArg, err)
 			keys := s.keys[start:end]
 			holds := make([]*slotHold, len(keys))
 			for i := range holds {
 				holds[i] = s
 			}
 			p.releases.add(keys, 1)
-			p.renewals.answerReleases(h.limiter, keys, holds, nil, err)
+			p.renewals.answerReleases(store.client, keys, holds, nil, err)
 		}
 		if c != nil {
 			c.Release()
@@ -164,14 +164,14 @@ func (s *slotHold) send() {
 // earlier Cluster group, when a later group refused, and returns the
 // token buckets among them, for giveBack. A release that fails is sent
 // again at the next tick (send).
-func (h *Handler) releaseTaken(taken []limit.Bucket) []limit.Bucket {
+func (s *Store) releaseTaken(taken []limit.Bucket) []limit.Bucket {
 	k := limit.FirstHeld(taken)
 	if k == len(taken) {
 		return taken
 	}
 	tokens := taken[:0:0]
 	// Taken a moment ago: its slots expire a hold from now at the latest.
-	hold := &slotHold{h: h, released: true, renewedAt: time.Since(limit.ClockStart)}
+	hold := &slotHold{store: s, released: true, renewedAt: time.Since(limit.ClockStart)}
 	for i := range taken {
 		b := &taken[i]
 		if !b.HeldWhileServed() {
@@ -191,7 +191,7 @@ func (h *Handler) releaseTaken(taken []limit.Bucket) []limit.Bucket {
 
 // mayHaveRun says whether a call that failed with err may have run in
 // Redis: not one that never left (this instance's overload, an open
-// breaker, a closed limiter, a client that left first, a connection that
+// breaker, a closed client, a client that left first, a connection that
 // could not be opened).
 func mayHaveRun(err error) bool {
 	var overload redisbatch.OverloadError
@@ -209,12 +209,12 @@ func mayHaveRun(err error) bool {
 // in a TCP retransmission): the release is then sent again at each tick
 // until it frees the slot, or the slot would have expired
 // (answerReleases).
-func (h *Handler) releaseLostTake(buckets []limit.Bucket, err error) {
+func (s *Store) releaseLostTake(buckets []limit.Bucket, err error) {
 	if !mayHaveRun(err) {
 		return
 	}
 	// Sent before now: its slots expire a hold from now at the latest.
-	hold := &slotHold{h: h, released: true, lost: true, renewedAt: time.Since(limit.ClockStart)}
+	hold := &slotHold{store: s, released: true, lost: true, renewedAt: time.Since(limit.ClockStart)}
 	for i := limit.FirstHeld(buckets); i < len(buckets); i++ {
 		b := &buckets[i]
 		hold.id = b.Args[2].(*string)
@@ -225,7 +225,7 @@ func (h *Handler) releaseLostTake(buckets []limit.Bucket, err error) {
 		}
 	}
 	if len(hold.keys) > 0 {
-		h.limiter.slots().releases.add(hold.keys, 1)
-		h.limiter.queueRelease(hold)
+		s.client.slots().releases.add(hold.keys, 1)
+		s.client.queueRelease(hold)
 	}
 }

@@ -1,4 +1,4 @@
-package ratelimit
+package redisstore
 
 // The slots an admitted request holds in Redis while it is served: its
 // hold, renewed until the response ends, then released (concurrent.go
@@ -6,11 +6,11 @@ package ratelimit
 
 import (
 	"context"
+	_ "embed"
 	"sync"
 	"time"
 
 	"github.com/caddy-redis/ratelimit/internal/limit"
-	"github.com/caddy-redis/ratelimit/internal/logs"
 	"github.com/caddy-redis/ratelimit/internal/redisbatch"
 	"go.uber.org/zap"
 )
@@ -19,7 +19,7 @@ import (
 // response has ended; it renews those in Redis every third of the
 // shortest hold.
 type slotHold struct {
-	h      *Handler
+	store  *Store  // whose request holds them
 	id     *string // the slot id, as the script took it (the kind's Begin): a word less than an any
 	keys   []string
 	limits []*limit.Limit
@@ -38,7 +38,7 @@ type slotHold struct {
 	mu       sync.Mutex
 	released bool
 
-	// Where the limiter's renewals keep it while it holds slots in Redis
+	// Where the client's renewals keep it while it holds slots in Redis
 	// (slotRenewals), under their lock: renewing counts its keys whose
 	// renewal is queued or on its way, and a release meanwhile waits for
 	// them (releaseAfter). renewedAt is when the last take or renewal
@@ -75,23 +75,23 @@ func (s *slotHold) slotN(i int) any {
 // held while served: a refusal while a release of one of their slots is
 // on its way waits for it, then asks once more; a take whose reply was
 // lost gives back the slots it may have taken (releaseLostTake).
-func (s *redisStore) takeHolding(ctx context.Context, sent time.Time, buckets []limit.Bucket) (bool, error) {
-	slots := s.limiter.slots()
+func (s *Store) takeHolding(ctx context.Context, sent time.Time, buckets []limit.Bucket) (bool, error) {
+	slots := s.client.slots()
 	returning := slots.returning(buckets)
 	allowed, err := s.takeAll(ctx, sent, buckets)
-	if returning && err == nil && !allowed && slots.awaitReturns(s.limiter, buckets, sent.Add(s.limiter.timeout/2)) {
+	if returning && err == nil && !allowed && slots.awaitReturns(s.client, buckets, sent.Add(s.client.timeout/2)) {
 		allowed, err = s.takeAll(ctx, sent, buckets) // what its key held was on its way back
 	}
 	if err != nil {
-		s.h.releaseLostTake(buckets, err)
+		s.releaseLostTake(buckets, err)
 	}
 	return allowed, err
 }
 
-// hold is the slots that an admitted request took in Redis, renewed
-// there until its response has ended (store.hold).
-func (s *redisStore) Hold(r *limit.Call) limit.Holding {
-	if hold := s.h.holdSlots(r.Buckets); hold != nil {
+// Hold is the slots that an admitted request took in Redis, renewed
+// there until its response has ended.
+func (s *Store) Hold(r *limit.Call) limit.Holding {
+	if hold := s.holdSlots(r.Buckets); hold != nil {
 		return hold
 	}
 	return nil
@@ -99,12 +99,12 @@ func (s *redisStore) Hold(r *limit.Call) limit.Holding {
 
 // holdSlots records the slots in Redis a request was admitted with, and
 // starts their renewal; nil when it holds none.
-func (h *Handler) holdSlots(buckets []limit.Bucket) *slotHold {
+func (s *Store) holdSlots(buckets []limit.Bucket) *slotHold {
 	k := limit.FirstHeld(buckets)
 	if k == len(buckets) {
 		return nil
 	}
-	hold := &slotHold{h: h}
+	hold := &slotHold{store: s}
 	hold.keys, hold.limits = hold.inlineKeys[:0], hold.inlineLimits[:0]
 	perRequest := false
 	for i := k; i < len(buckets); i++ {
@@ -122,11 +122,11 @@ func (h *Handler) holdSlots(buckets []limit.Bucket) *slotHold {
 			hold.slots = append(hold.slots, buckets[i].Args[1])
 		}
 	}
-	h.limiter.slots().renewals.add(hold)
+	s.client.slots().renewals.add(hold)
 	return hold
 }
 
-// release gives the slots back, once.
+// Release gives the slots back, once.
 func (s *slotHold) Release() {
 	s.mu.Lock()
 	if s.released {
@@ -137,8 +137,8 @@ func (s *slotHold) Release() {
 	s.mu.Unlock()
 	// Pending from now, so that a refused request of these keys waits for
 	// it (awaitReturns); queued once no renewal of the slots is on its
-	// way, and before the hold stops keeping the limiter open (Destruct).
-	l := s.h.limiter
+	// way, and before the hold stops keeping the client open (Destruct).
+	l := s.store.client
 	p := l.slots()
 	p.releases.add(s.keys, 1)
 	if p.renewals.leave(s) {
@@ -147,7 +147,7 @@ func (s *slotHold) Release() {
 	}
 }
 
-// slotRenewals are the slot holds of a limiter's requests in flight, in
+// slotRenewals are the slot holds of a client's requests in flight, in
 // a ring, renewed by one ticker for all of them (renewSlots), where a
 // timer for each cost every request an allocation and two changes of
 // the runtime's timer heap (make bench, concurrent@64: 0.817 -> 0.845 of
@@ -157,7 +157,7 @@ type slotRenewals struct {
 	mu    sync.Mutex
 	ring  slotHold // the ring's head, no hold
 	// held counts the holds whose release is not queued yet: in the ring,
-	// or waiting for their renewal's answer. The limiter lives while
+	// or waiting for their renewal's answer. The client lives while
 	// there are any, or retries (Destruct).
 	held int
 	// retries are the releases sent again at the next tick
@@ -166,18 +166,21 @@ type slotRenewals struct {
 	retries []slotRetry
 }
 
-// renewTick is how often the renewals look for holds due: a hold renews
+// RenewTick is how often the renewals look for holds due: a hold renews
 // on the last tick before a third of its own has passed since its last
 // renewal (or take), so every third of it at the latest, and at most a
 // sixth of the shortest hold early: a slot always has two thirds of its
 // hold left, less a round trip. A renewal that failed is due again at
 // the next tick.
-const renewTick = minSlotHold / 6
+//
+// The shortest hold is a concurrent limit's least, a second (its check
+// refuses less).
+const RenewTick = time.Second / 6
 
 // add puts a hold that took its slots now in the ring, and starts the
 // ticker with the first.
 func (r *slotRenewals) add(s *slotHold) {
-	r.startTicker(s.h.limiter)
+	r.startTicker(s.store.client)
 	now := time.Since(limit.ClockStart)
 	r.mu.Lock()
 	defer r.mu.Unlock()
@@ -189,7 +192,7 @@ func (r *slotRenewals) add(s *slotHold) {
 }
 
 // startTicker starts the renewals' ticker, once.
-func (r *slotRenewals) startTicker(l *limiter) {
+func (r *slotRenewals) startTicker(l *Client) {
 	r.start.Do(func() {
 		r.ring.prev, r.ring.next = &r.ring, &r.ring
 		go r.renewSlots(l)
@@ -233,7 +236,7 @@ func (r *slotRenewals) left() {
 // per key; reply per key, or err): a failed one is due again at the next
 // tick, as is one that found a slot gone (it then asks for it back); a
 // hold released meanwhile has its release queued now.
-func (r *slotRenewals) renewed(l *limiter, holds []*slotHold, reply []int64, err error) {
+func (r *slotRenewals) renewed(l *Client, holds []*slotHold, reply []int64, err error) {
 	var release []*slotHold
 	r.mu.Lock()
 	for i, s := range holds {
@@ -256,14 +259,14 @@ func (r *slotRenewals) renewed(l *limiter, holds []*slotHold, reply []int64, err
 	}
 }
 
-// renewSlots queues, every renewTick until the limiter stops, the
+// renewSlots queues, every RenewTick until the client stops, the
 // releases to send again (answerReleases) whose slots have not expired
 // yet, and the renewal of each hold whose last renewal (or take) will be
 // a third of its hold ago before the next tick, or that is due again,
 // unless one is on its way already; and wakes a worker: the workers send
 // them spread over their batches (slotQueue.calls).
-func (r *slotRenewals) renewSlots(l *limiter) {
-	ticker := time.NewTicker(renewTick)
+func (r *slotRenewals) renewSlots(l *Client) {
+	ticker := time.NewTicker(RenewTick)
 	defer ticker.Stop()
 	var due, restore []*slotHold
 	var retries []slotRetry
@@ -284,7 +287,7 @@ func (r *slotRenewals) renewSlots(l *limiter) {
 			clear(r.retries)
 			r.retries = r.retries[:0]
 			for s := r.ring.next; s != &r.ring; s = s.next {
-				if s.renewing == 0 && (s.due || now-s.renewedAt+renewTick > s.every) {
+				if s.renewing == 0 && (s.due || now-s.renewedAt+RenewTick > s.every) {
 					s.renewedAt, s.renewing, s.due = now, int16(len(s.keys)), false
 					if s.gone {
 						// Asks for its slots back: a take, which may land
@@ -316,21 +319,19 @@ func (r *slotRenewals) renewSlots(l *limiter) {
 
 // slotsFailed warns, throttled, of a renewal or release that Redis
 // failed (one refused by an open breaker was told when it opened).
-func (h *Handler) slotsFailed(op any, err error) {
+func (s *Store) slotsFailed(op any, err error) {
 	if err == redisbatch.ErrBreakerOpen {
 		return
 	}
-	if ok, suppressed := h.redisWarns.Allow(); ok {
-		h.logger.Warn("Redis failed while renewing or releasing concurrency slots; a renewal is sent again at the next tick, a release until its slot would have expired",
-			zap.String("zone", h.Zone), zap.Any("op", op), zap.Error(err), logs.Suppressed(suppressed))
-	}
+	s.report.Warn("Redis failed while renewing or releasing concurrency slots; a renewal is sent again at the next tick, a release until its slot would have expired",
+		err, zap.Any("op", op))
 }
 
 // slotGone tells, at debug level, of a slot gone at its renewal (expired,
 // freed by the admin API, or lost with Redis's data): the renewal that
 // asked for it back brought it back (reply 2), or found every slot taken
 // (0); a renewal that did not ask (3) leaves that to the next one.
-func (h *Handler) slotGone(reply int64) {
+func (s *Store) slotGone(reply int64) {
 	var msg string
 	switch reply {
 	case 2:
@@ -340,14 +341,12 @@ func (h *Handler) slotGone(reply int64) {
 	default:
 		msg = "a concurrency slot was gone at its renewal and every slot of its limit is taken; its request runs on uncounted, and its next renewal asks again"
 	}
-	if ce := h.logger.Check(zap.DebugLevel, msg); ce != nil {
-		ce.Write(zap.String("zone", h.Zone))
-	}
+	s.report.Debug(msg)
 }
 
 // peekHeld reads what requests hold of a bucket held while served: the
 // slots of a concurrent limit's set in Redis, without changing them.
-func (l *limiter) peekHeld(ctx context.Context, key string) (limit.View, error) {
+func (l *Client) peekHeld(ctx context.Context, key string) (limit.View, error) {
 	reply, err := l.client.Eval(ctx, peekSlotsSource, []string{key}).Int64Slice()
 	if err != nil {
 		return limit.View{}, err
@@ -361,12 +360,17 @@ func (l *limiter) peekHeld(ctx context.Context, key string) (limit.View, error) 
 
 // peekSlotsSource reads the live slots of one set: the microseconds until
 // each expires, by Redis time, soonest first. It writes nothing.
-const peekSlotsSource = `
-local time = redis.call('TIME')
-local now = tonumber(time[1]) * 1000000 + tonumber(time[2])
-local scores = redis.call('ZRANGEBYSCORE', KEYS[1], '(' .. now, '+inf', 'WITHSCORES')
-local left = {}
-for i = 2, #scores, 2 do
-  left[#left + 1] = tonumber(scores[i]) - now
-end
-return left`
+//
+//go:embed peekslots.lua
+var peekSlotsSource string
+
+// holdOf is how long a request's hold on a limit held while served
+// lasts unless renewed; holdArgOf the same as a script argument.
+func holdOf(l *limit.Limit) time.Duration { d, _ := l.Held.HoldFor(); return d }
+func holdArgOf(l *limit.Limit) any        { _, arg := l.Held.HoldFor(); return arg }
+
+// Script arguments of concurrent.lua, boxed once.
+var (
+	renewArg   any = "renew"
+	releaseArg any = "release"
+)

@@ -1,9 +1,14 @@
-package ratelimit
+// Package redisstore keeps buckets in Redis: the Redis client that every
+// handler with the same settings shares (Client), the store over it
+// (Store: take, settle, hold, peek, reset), Cluster hash-slot groups, the
+// slots that requests hold while served, the reset channel, and the
+// scripts. What it has to tell its handler goes through a Reporter and a
+// Watcher, which the handler implements.
+package redisstore
 
 import (
 	"context"
 	_ "embed"
-	"encoding/json"
 	"errors"
 	"fmt"
 	"slices"
@@ -13,6 +18,7 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/caddy-redis/ratelimit/internal/cost"
 	"github.com/caddy-redis/ratelimit/internal/limit"
 	"github.com/caddy-redis/ratelimit/internal/redisbatch"
 	"github.com/caddy-redis/ratelimit/internal/redisresets"
@@ -21,8 +27,9 @@ import (
 	"go.uber.org/zap"
 )
 
-// The scripts: check-and-take, give back, settle, and the admin API's
-// read. A part with a script of its own registers it (registerScript).
+// The scripts: check-and-take, give back, settle, the admin API's read,
+// and the concurrent limits' slots. A strategy with a script of its own
+// registers it (RegisterScript).
 var (
 	//go:embed script.lua
 	scriptSource string
@@ -32,6 +39,8 @@ var (
 	peekSource string
 	//go:embed settle.lua
 	settleSource string
+	//go:embed concurrent.lua
+	concurrentSource string
 
 	takeScript     = redisbatch.NewScript(scriptSource)
 	giveBackScript = redisbatch.NewScript(giveBackSource)
@@ -39,13 +48,17 @@ var (
 	scriptSHA      = takeScript.SHA()
 )
 
-// scriptSources are the scripts loadScript loads: the limiter's, then
+// concurrentScript takes, renews and releases the slots of concurrent
+// limits.
+var concurrentScript = RegisterScript(concurrentSource)
+
+// scriptSources are the scripts loadScript loads: the client's, then
 // those registered.
 var scriptSources = []string{scriptSource, giveBackSource, settleSource}
 
-// registerScript adds a part's script to those loaded ahead of the
-// first request (from a package-level var of its file), and returns it.
-func registerScript(source string) *redisbatch.Script {
+// RegisterScript adds a script to those loaded ahead of the first
+// request (from a package-level var of its file), and returns it.
+func RegisterScript(source string) *redisbatch.Script {
 	scriptSources = append(scriptSources, source)
 	return redisbatch.NewScript(source)
 }
@@ -65,136 +78,140 @@ func (redisLogger) Printf(_ context.Context, format string, v ...any) {
 	}
 }
 
-// limiter is one Redis client with its batcher, shared by every
+// Client is one Redis client with its batcher, shared by every
 // handler with the same Redis settings, also across config reloads.
-type limiter struct {
+type Client struct {
 	client  redis.UniversalClient
 	cluster *redis.ClusterClient // the same client, when it is a Cluster's
 	timeout time.Duration
 	batcher *redisbatch.Batcher
-	// watchers are the handlers using the limiter, told when a node's
+	// watchers are the handlers using the client, told when a node's
 	// breaker opens or closes, and when buckets were reset.
 	watchersMu sync.Mutex
-	watchers   map[limiterWatcher]struct{}
+	watchers   map[Watcher]struct{}
 	// resets is the pub/sub channel on which every instance that shares
 	// the Redis learns of buckets the admin API reset (resets.go).
 	resets    *redisresets.Channel
 	keyPrefix string
 
-	// parts are what parts of the package keep in the limiter
-	// (registerLimiterPart), in their order.
-	parts []limiterPart
+	// parts are what parts of the package keep in the client
+	// (registerClientPart), in their order.
+	parts []clientPart
 
 	// noEvalRO: the server answered that it knows no EVAL_RO (Redis
 	// before 7), so the admin API's reads use EVAL of the same script.
 	noEvalRO atomic.Bool
 }
 
-// A limiterPart is what a part of the package keeps in each limiter
-// (registerLimiterPart): calls it queues apart from the requests' own,
+// A clientPart is what a part of the package keeps in each client
+// (registerClientPart): calls it queues apart from the requests' own,
 // which the batcher takes into each batch (batchHooks), and what keeps
-// the limiter open (Destruct).
-type limiterPart interface {
+// the client open (Destruct).
+type clientPart interface {
 	// firstCalls and lastCalls append its queued calls to a batch,
 	// before and after the batch's own; more says some are left.
-	firstCalls(l *limiter, now time.Time, batch []*redisbatch.Call) (_ []*redisbatch.Call, more bool)
-	lastCalls(l *limiter, now time.Time, batch []*redisbatch.Call) (_ []*redisbatch.Call, more bool)
-	// inUse says whether requests still need the limiter, however long
-	// they run; queued whether calls wait to be sent. The limiter closes
+	firstCalls(l *Client, now time.Time, batch []*redisbatch.Call) (_ []*redisbatch.Call, more bool)
+	lastCalls(l *Client, now time.Time, batch []*redisbatch.Call) (_ []*redisbatch.Call, more bool)
+	// inUse says whether requests still need the client, however long
+	// they run; queued whether calls wait to be sent. The client closes
 	// once neither is so and it is idle: inUse asked first, queued last.
 	inUse() bool
 	queued() bool
 }
 
-// limiterParts make the parts each new limiter gets. A part's script
+// clientParts make the parts each new client gets. A part's script
 // registers itself (registerScript).
-var limiterParts []func() limiterPart
+var clientParts []func() clientPart
 
-// registerLimiterPart adds a part to every limiter made from now on
-// (from its file's init), and is its index in limiter.parts.
-func registerLimiterPart(newPart func() limiterPart) int {
-	limiterParts = append(limiterParts, newPart)
-	return len(limiterParts) - 1
+// registerClientPart adds a part to every client made from now on
+// (from its file's init), and is its index in Client.parts.
+func registerClientPart(newPart func() clientPart) int {
+	clientParts = append(clientParts, newPart)
+	return len(clientParts) - 1
 }
 
-// limiterWatcher learns when a node's breaker opens or closes, or is
-// dropped with its node, and which buckets were reset (to drop their
-// cached denials), or that resets may have been missed (to drop them all).
-type limiterWatcher interface {
-	breakerChanged(node string, open bool, failures int64)
-	breakerDropped(node string)
-	forgetDenials(keys []string)
-	forgetAllDenials()
+// Watcher learns when a node's breaker opens or closes, or is dropped
+// with its node, and which buckets were reset (to drop their cached
+// denials), or that resets may have been missed (to drop them all).
+type Watcher interface {
+	BreakerChanged(node string, open bool, failures int64)
+	BreakerDropped(node string)
+	ForgetDenials(keys []string)
+	ForgetAllDenials()
 }
 
-// limiters holds the limiters in use, keyed by their Redis settings and
-// the contents of their TLS files.
-var limiters = caddy.NewUsagePool()
+// clients holds the clients in use, keyed by their settings (Acquire).
+var clients = caddy.NewUsagePool()
 
-// acquireLimiter returns the shared limiter for the configuration and
-// the key that releaseLimiter takes. The TLS files are read on every
-// call, so a config load after rotating them gets a new client.
-func acquireLimiter(c RedisConfig) (*limiter, string, error) {
-	files, err := c.TLS.readFiles()
-	if err != nil {
-		return nil, "", err
-	}
-	raw, err := json.Marshal(c)
-	if err != nil {
-		return nil, "", err
-	}
-	key := string(raw) + files.digest()
-	v, _, err := limiters.LoadOrNew(key, func() (caddy.Destructor, error) {
-		return newLimiter(c, files)
+// Options are a client's settings: its go-redis options, the timeout of
+// a call, the dial timeout (how long the scripts' head start may take),
+// and the prefix of every key (the reset channel's name starts with it).
+type Options struct {
+	Redis       *redis.UniversalOptions
+	Timeout     time.Duration
+	DialTimeout time.Duration
+	KeyPrefix   string
+}
+
+// Acquire returns the shared client of the settings that key stands
+// for, made with the options that options gives when there is none yet;
+// Release takes the same key.
+func Acquire(key string, options func() (Options, error)) (*Client, error) {
+	v, _, err := clients.LoadOrNew(key, func() (caddy.Destructor, error) {
+		o, err := options()
+		if err != nil {
+			return nil, err
+		}
+		return New(o), nil
 	})
-	if err != nil {
-		return nil, "", err
-	}
-	return v.(*limiter), key, nil
-}
-
-// releaseLimiter gives back what acquireLimiter handed out; the last
-// release closes the limiter once it is idle (see Destruct).
-func releaseLimiter(key string) error {
-	_, err := limiters.Delete(key)
-	return err
-}
-
-func newLimiter(c RedisConfig, files tlsFiles) (*limiter, error) {
-	opts, err := c.options(files)
 	if err != nil {
 		return nil, err
 	}
-	l := &limiter{
+	return v.(*Client), nil
+}
+
+// Release gives back what Acquire handed out; the last release closes
+// the client once it is idle (see Destruct).
+func Release(key string) error {
+	_, err := clients.Delete(key)
+	return err
+}
+
+// New is a client of its own, not shared (Acquire shares them): it
+// dials lazily, and loads the scripts in the background.
+func New(o Options) *Client {
+	opts := o.Redis
+	l := &Client{
 		client:    redis.NewUniversalClient(opts),
-		timeout:   time.Duration(c.Timeout),
-		watchers:  make(map[limiterWatcher]struct{}),
-		keyPrefix: c.KeyPrefix,
+		timeout:   o.Timeout,
+		watchers:  make(map[Watcher]struct{}),
+		keyPrefix: o.KeyPrefix,
 	}
 	l.cluster, _ = l.client.(*redis.ClusterClient)
-	for _, p := range limiterParts {
+	for _, p := range clientParts {
 		l.parts = append(l.parts, p())
 	}
-	l.resets = redisresets.New(l.client, c.KeyPrefix+"reset", c.KeyPrefix, newResetReceiver(l)) // before the first dial
+	l.resets = redisresets.New(l.client, o.KeyPrefix+"reset", o.KeyPrefix, newResetReceiver(l)) // before the first dial
 	node := opts.Addrs[0]
 	if opts.MasterName != "" {
 		node = "master " + opts.MasterName
 	}
 	l.batcher = redisbatch.New(redisbatch.Config{Client: l.client, Node: node, Timeout: l.timeout,
-		Hooks: batchHooks{l}, Settlements: settlements})
-	go l.loadScript(time.Duration(c.DialTimeout) + l.timeout)
+		Hooks: batchHooks{l}, Settlements: Settlements})
+	go l.loadScript(o.DialTimeout + l.timeout)
 	go l.resets.Listen(l.batcher.Done())
-	return l, nil
+	return l
 }
 
-// watch tells w of breaker changes from now on; unwatch stops it.
-func (l *limiter) watch(w limiterWatcher) {
+// Watch tells w of breaker changes and resets from now on.
+func (l *Client) Watch(w Watcher) {
 	l.watchersMu.Lock()
 	l.watchers[w] = struct{}{}
 	l.watchersMu.Unlock()
 }
 
-func (l *limiter) unwatch(w limiterWatcher) {
+// Unwatch stops telling w.
+func (l *Client) Unwatch(w Watcher) {
 	l.watchersMu.Lock()
 	delete(l.watchers, w)
 	l.watchersMu.Unlock()
@@ -202,34 +219,34 @@ func (l *limiter) unwatch(w limiterWatcher) {
 
 // watcherList is a copy of the watchers, to tell them something without
 // holding watchersMu meanwhile.
-func (l *limiter) watcherList() []limiterWatcher {
+func (l *Client) watcherList() []Watcher {
 	l.watchersMu.Lock()
 	defer l.watchersMu.Unlock()
-	list := make([]limiterWatcher, 0, len(l.watchers))
+	list := make([]Watcher, 0, len(l.watchers))
 	for w := range l.watchers {
 		list = append(list, w)
 	}
 	return list
 }
 
-// batchHooks is what the limiter gives its batcher: the calls its parts
+// batchHooks is what the client gives its batcher: the calls its parts
 // queued, and the watchers to tell of breaker changes. Its methods run
 // in a batch worker, never on a request's path.
-type batchHooks struct{ l *limiter }
+type batchHooks struct{ l *Client }
 
 // FirstCalls: the parts' calls that go ahead of the batch's own.
 func (h batchHooks) FirstCalls(now time.Time, batch []*redisbatch.Call) ([]*redisbatch.Call, bool) {
-	return h.partsCalls(limiterPart.firstCalls, now, batch)
+	return h.partsCalls(clientPart.firstCalls, now, batch)
 }
 
 // LastCalls: the parts' calls that go after the batch's own.
 func (h batchHooks) LastCalls(now time.Time, batch []*redisbatch.Call) ([]*redisbatch.Call, bool) {
-	return h.partsCalls(limiterPart.lastCalls, now, batch)
+	return h.partsCalls(clientPart.lastCalls, now, batch)
 }
 
 // partsCalls appends each part's calls (firstCalls or lastCalls) to
 // batch, and says whether some part has more left.
-func (h batchHooks) partsCalls(calls func(limiterPart, *limiter, time.Time, []*redisbatch.Call) ([]*redisbatch.Call, bool),
+func (h batchHooks) partsCalls(calls func(clientPart, *Client, time.Time, []*redisbatch.Call) ([]*redisbatch.Call, bool),
 	now time.Time, batch []*redisbatch.Call) ([]*redisbatch.Call, bool) {
 	more := false
 	for _, p := range h.l.parts {
@@ -242,23 +259,23 @@ func (h batchHooks) partsCalls(calls func(limiterPart, *limiter, time.Time, []*r
 
 func (h batchHooks) BreakerChanged(node string, open bool, failures int64) {
 	for _, w := range h.l.watcherList() {
-		w.breakerChanged(node, open, failures)
+		w.BreakerChanged(node, open, failures)
 	}
 }
 
 func (h batchHooks) BreakerDropped(node string) {
 	for _, w := range h.l.watcherList() {
-		w.breakerDropped(node)
+		w.BreakerDropped(node)
 	}
 }
 
-// openBreakers is how many of the limiter's node breakers are open.
-func (l *limiter) openBreakers() int64 { return l.batcher.OpenBreakers() }
+// OpenBreakers is how many of the client's node breakers are open.
+func (l *Client) OpenBreakers() int64 { return l.batcher.OpenBreakers() }
 
 // loadScript loads the script ahead of the first request (on every
 // master of a cluster), so that request needs no second round trip. It
 // is only a head start: a failure here is retried by requests.
-func (l *limiter) loadScript(within time.Duration) {
+func (l *Client) loadScript(within time.Duration) {
 	ctx, cancel := context.WithTimeout(context.Background(), within)
 	defer cancel()
 	for _, source := range scriptSources {
@@ -266,22 +283,22 @@ func (l *limiter) loadScript(within time.Duration) {
 	}
 }
 
-// lingerIdle is how long a released limiter must go without calls before
+// LingerIdle is how long a released client must go without calls before
 // it closes. Caddy cleans up an old config while its servers still finish
 // requests; those keep being limited rather than failing.
-const lingerIdle = time.Second
+const LingerIdle = time.Second
 
-// Destruct closes the limiter once its last requests are done: when no
-// part has them in use (limiterPart.inUse) nor calls queued, and no call
-// has come for lingerIdle. It returns at once.
-func (l *limiter) Destruct() error {
+// Destruct closes the client once its last requests are done: when no
+// part has them in use (clientPart.inUse) nor calls queued, and no call
+// has come for LingerIdle. It returns at once.
+func (l *Client) Destruct() error {
 	go func() {
-		tick := time.NewTicker(lingerIdle / 4)
+		tick := time.NewTicker(LingerIdle / 4)
 		defer tick.Stop()
 		for range tick.C {
 			// In use first: what leaves it queues its calls, which the
 			// queued checks then see.
-			if !l.partsInUse() && l.batcher.Idle(lingerIdle) && !l.partsQueued() {
+			if !l.partsInUse() && l.batcher.Idle(LingerIdle) && !l.partsQueued() {
 				break
 			}
 		}
@@ -292,22 +309,22 @@ func (l *limiter) Destruct() error {
 	return nil
 }
 
-func (l *limiter) partsInUse() bool {
-	return slices.ContainsFunc(l.parts, limiterPart.inUse)
+func (l *Client) partsInUse() bool {
+	return slices.ContainsFunc(l.parts, clientPart.inUse)
 }
 
-func (l *limiter) partsQueued() bool {
-	return slices.ContainsFunc(l.parts, limiterPart.queued)
+func (l *Client) partsQueued() bool {
+	return slices.ContainsFunc(l.parts, clientPart.queued)
 }
 
-// take checks and takes every bucket's requested tokens, all or none,
+// Take checks and takes every bucket's requested tokens, all or none,
 // and fills in each bucket's answer. The answer comes within the timeout
 // from now. A call whose client has left (clientCtx done) by the time its
 // batch goes out is not sent, so it takes no tokens.
-func (l *limiter) take(clientCtx context.Context, now time.Time, buckets []limit.Bucket) (allowed bool, err error) {
+func (l *Client) Take(clientCtx context.Context, now time.Time, buckets []limit.Bucket) (allowed bool, err error) {
 	c, err := l.call(clientCtx, now, takeScript, buckets)
 	if err == nil {
-		allowed, err = readTake(c.Reply, buckets, false)
+		allowed, err = ReadTake(c.Reply, buckets, false)
 	}
 	if c != nil {
 		c.Release()
@@ -317,7 +334,7 @@ func (l *limiter) take(clientCtx context.Context, now time.Time, buckets []limit
 
 // giveBack returns each bucket's requested tokens, which the request took
 // before a later group of its buckets refused.
-func (l *limiter) giveBack(clientCtx context.Context, now time.Time, buckets []limit.Bucket) error {
+func (l *Client) giveBack(clientCtx context.Context, now time.Time, buckets []limit.Bucket) error {
 	c, err := l.call(clientCtx, now, giveBackScript, buckets)
 	if c != nil {
 		c.Release()
@@ -329,7 +346,7 @@ func (l *limiter) giveBack(clientCtx context.Context, now time.Time, buckets []l
 // the batcher and returns the answered call, for the caller to read and
 // release; nil when the timeout ran out first (the worker releases it
 // then).
-func (l *limiter) call(clientCtx context.Context, now time.Time, script *redisbatch.Script, buckets []limit.Bucket) (*redisbatch.Call, error) {
+func (l *Client) call(clientCtx context.Context, now time.Time, script *redisbatch.Script, buckets []limit.Bucket) (*redisbatch.Call, error) {
 	c := redisbatch.NewCall()
 	for i := range buckets {
 		c.Keys = append(c.Keys, buckets[i].Key)
@@ -344,7 +361,7 @@ func (l *limiter) call(clientCtx context.Context, now time.Time, script *redisba
 // peek reads buckets without changing them, with a read-only script
 // (EVAL_RO; EVAL of the same script on Redis 6.2, which has no EVAL_RO),
 // one bucket per call: on a Cluster they may live on different masters.
-func (l *limiter) peek(ctx context.Context, buckets []limit.Bucket) ([]limit.View, error) {
+func (l *Client) peek(ctx context.Context, buckets []limit.Bucket) ([]limit.View, error) {
 	views := make([]limit.View, len(buckets))
 	for i := range buckets {
 		reply, err := l.peekOne(ctx, buckets[i])
@@ -373,7 +390,7 @@ func (l *limiter) peek(ctx context.Context, buckets []limit.Bucket) ([]limit.Vie
 // peekOne runs peek.lua on one bucket: with EVAL_RO until the server
 // says it has no such command, then with EVAL, which runs the script (it
 // writes nothing) as well.
-func (l *limiter) peekOne(ctx context.Context, b limit.Bucket) ([]any, error) {
+func (l *Client) peekOne(ctx context.Context, b limit.Bucket) ([]any, error) {
 	keys, args := []string{b.Key}, b.Kind().AppendArgs(nil, b)
 	if !l.noEvalRO.Load() {
 		reply, err := l.client.EvalRO(ctx, peekSource, keys, args...).Slice()
@@ -392,9 +409,9 @@ func isUnknownCommand(err error) bool {
 	return errors.As(err, &reply) && strings.HasPrefix(reply.Error(), "ERR unknown command")
 }
 
-// reset deletes buckets, which makes them full, and tells every
+// Reset deletes buckets, which makes them full, and tells every
 // instance sharing the Redis to drop its cached denials of them.
-func (l *limiter) reset(ctx context.Context, keys []string) error {
+func (l *Client) Reset(ctx context.Context, keys []string) error {
 	pipe := l.client.Pipeline()
 	for _, key := range keys {
 		pipe.Del(ctx, key)
@@ -404,20 +421,25 @@ func (l *limiter) reset(ctx context.Context, keys []string) error {
 	return err
 }
 
-// maxRetryMicros bounds the wait a reply may give: no bucket takes longer
+// MaxRetryMicros bounds the wait a reply may give: no bucket takes longer
 // than a year to fill (limitValues.check), nor to pay back its debt
-// (maxDebtFor); no calendar period is longer than maxPeriod, and the
+// (maxDebtFor); no calendar period is longer than longestPeriod, and the
 // script counts at most to the end of the period after Caddy's.
-const maxRetryMicros = max(2*maxFillSeconds*1_000_000, 2*int64(maxPeriod/time.Microsecond))
+const MaxRetryMicros = max(2*cost.MaxFillSeconds*1_000_000, 2*int64(longestPeriod/time.Microsecond))
 
-// readTake reads the check-and-take reply, {allowed, then per bucket:
+// longestPeriod is the longest calendar period a kind counts in
+// (internal/calendar's MaxPeriod, which a store may not import; the
+// root's tests check that both agree).
+const longestPeriod = 3650 * 24 * time.Hour
+
+// ReadTake reads the check-and-take reply, {allowed, then per bucket:
 // remaining, microseconds until it holds its requested tokens; from a
 // layer's script (layerWords), then a count per bucket, at least 0,
 // which the layer reads from the reply itself; then each kind's
 // replyWords (a calendar period counted in)}, into the buckets. A kind's
 // words that decide nothing are its kindError (readReply). Anything else
 // is no answer at all: never read as a denial.
-func readTake(reply []int64, buckets []limit.Bucket, layerWords bool) (allowed bool, err error) {
+func ReadTake(reply []int64, buckets []limit.Bucket, layerWords bool) (allowed bool, err error) {
 	n := len(buckets)
 	want := 1 + 2*n
 	if layerWords {
@@ -446,10 +468,26 @@ func readTake(reply []int64, buckets []limit.Bucket, layerWords bool) (allowed b
 	}
 	for i := range buckets {
 		remaining, wait := reply[1+2*i], reply[2+2*i]
-		if remaining < 0 || wait < 0 || wait > maxRetryMicros {
+		if remaining < 0 || wait < 0 || wait > MaxRetryMicros {
 			return false, fmt.Errorf("unexpected script reply %v", reply)
 		}
 		buckets[i].Remaining, buckets[i].RetryAfter = remaining, time.Duration(wait)*time.Microsecond
 	}
 	return reply[0] == 1, nil
+}
+
+// Batcher is the client's batcher, for a strategy that sends calls of
+// its own (leases).
+func (l *Client) Batcher() *redisbatch.Batcher { return l.batcher }
+
+// Timeout is how long a call may take, from when it is sent.
+func (l *Client) Timeout() time.Duration { return l.timeout }
+
+// IsCluster says whether the client is a Redis Cluster's.
+func (l *Client) IsCluster() bool { return l.cluster != nil }
+
+// AnnounceReset tells every instance sharing the Redis that the bucket at
+// key was reset, so that each drops its cached denials of it.
+func (l *Client) AnnounceReset(ctx context.Context, key string) error {
+	return l.client.Publish(ctx, l.resets.Name(), key).Err()
 }

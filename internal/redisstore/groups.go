@@ -1,12 +1,10 @@
-package ratelimit
+package redisstore
 
 import (
 	"context"
 	"time"
 
 	"github.com/caddy-redis/ratelimit/internal/limit"
-	"github.com/caddy-redis/ratelimit/internal/logs"
-	"go.uber.org/zap"
 )
 
 // Cluster slot groups: on a Redis Cluster, the limits of one key
@@ -15,9 +13,9 @@ import (
 // in order, and gives back what earlier groups took when a later one
 // refuses.
 
-// hashSlotGroups splits the limits by Cluster hash slot, in the order their
+// HashSlotGroups splits the limits by Cluster hash slot, in the order their
 // key templates first appear.
-func hashSlotGroups(limits []*limit.Limit) [][]*limit.Limit {
+func HashSlotGroups(limits []*limit.Limit) [][]*limit.Limit {
 	var groups [][]*limit.Limit
 	for _, l := range limits {
 		if l.Group == len(groups) {
@@ -32,21 +30,18 @@ func hashSlotGroups(limits []*limit.Limit) [][]*limit.Limit {
 // script call per group (one hash slot each), whether or not the client is
 // still there: the tokens must not stay taken. A failure is logged; those
 // buckets then stay short until they refill.
-func (h *Handler) giveBackGroups(clientCtx context.Context, taken []limit.Bucket) {
+func (s *Store) giveBackGroups(clientCtx context.Context, taken []limit.Bucket) {
 	ctx := context.WithoutCancel(clientCtx)
-	if h.holding {
-		taken = h.releaseTaken(taken) // what is held while served goes back its own way
+	if s.holding {
+		taken = s.releaseTaken(taken) // what is held while served goes back its own way
 	}
 	for start := 0; start < len(taken); {
 		end := start + 1
 		for end < len(taken) && taken[end].Limit.Group == taken[start].Limit.Group {
 			end++
 		}
-		if err := h.limiter.giveBack(ctx, time.Now(), taken[start:end]); err != nil {
-			if ok, suppressed := h.redisWarns.Allow(); ok {
-				h.logger.Warn("Redis failed while giving tokens back; those buckets stay short until they refill",
-					zap.String("zone", h.Zone), zap.Error(err), logs.Suppressed(suppressed))
-			}
+		if err := s.client.giveBack(ctx, time.Now(), taken[start:end]); err != nil {
+			s.report.Warn("Redis failed while giving tokens back; those buckets stay short until they refill", err)
 		}
 		start = end
 	}
@@ -59,11 +54,11 @@ func (h *Handler) giveBackGroups(clientCtx context.Context, taken []limit.Bucket
 // taken, capped at its burst, is never fuller than it would have been, so
 // the bound holds; a request that meets such a bucket meanwhile may be
 // refused, briefly, when it would otherwise fit.
-func (h *Handler) takeGroups(clientCtx context.Context, sent time.Time, buckets []limit.Bucket) (bool, error) {
+func (s *Store) takeGroups(clientCtx context.Context, sent time.Time, buckets []limit.Bucket) (bool, error) {
 	var inline [limit.MaxInline]limit.Bucket
 	var given [limit.MaxInline]limit.Bucket
 	taken := given[:0]
-	for g := range h.groups {
+	for g := range s.groups {
 		group := inline[:0]
 		for i := range buckets {
 			if buckets[i].Limit.Group == g {
@@ -73,7 +68,7 @@ func (h *Handler) takeGroups(clientCtx context.Context, sent time.Time, buckets 
 		if len(group) == 0 {
 			continue
 		}
-		allowed, err := h.limiter.take(clientCtx, sent, group)
+		allowed, err := s.client.Take(clientCtx, sent, group)
 		j := 0
 		for i := range buckets {
 			if buckets[i].Limit.Group == g {
@@ -87,7 +82,7 @@ func (h *Handler) takeGroups(clientCtx context.Context, sent time.Time, buckets 
 			taken = append(taken, group...)
 			continue
 		}
-		h.giveBackGroups(clientCtx, taken)
+		s.giveBackGroups(clientCtx, taken)
 		for i := range buckets {
 			if buckets[i].Limit.Group < g {
 				// Given back: it holds the request's tokens again, so its

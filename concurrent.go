@@ -132,11 +132,6 @@ func checkConcurrentValues(c Concurrent) error {
 	return nil
 }
 
-func init() {
-	registerKind(kindConfig{order: 2, configs: concurrentConfigs, check: (*Handler).checkConcurrent, zoneText: concurrentZoneText})
-	registerMetrics(metricPart{collector: inFlightGauge, zone: inFlightSeries})
-}
-
 // concurrentZoneText is what the concurrent limits add to the text that
 // names a handler without a zone (derivedZone).
 func concurrentZoneText(h *Handler, text []byte) []byte {

@@ -1,21 +1,5 @@
 package ratelimit
 
-import (
-	"github.com/caddy-redis/ratelimit/internal/layer"
-	"github.com/caddy-redis/ratelimit/internal/limit"
-)
-
-// The deny cache answers for the buckets in Redis, unless the Cluster
-// groups of a request's buckets are taken one by one (see useDenyCache).
-func init() {
-	registerLayer(storeConfig{order: 10, build: func(h *Handler, below limit.Store) limit.Store {
-		if !h.useDenyCache || h.limiter == nil {
-			return below
-		}
-		return layer.Deny(below, h.denied, h.perRequest)
-	}})
-}
-
 // forgetDenials drops the cached denials of buckets the admin API reset,
 // one at a time: requests do not wait for the whole list.
 func (h *Handler) forgetDenials(keys []string) {

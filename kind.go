@@ -3,7 +3,6 @@ package ratelimit
 import (
 	"cmp"
 	"fmt"
-	"slices"
 	"strconv"
 
 	"github.com/caddy-redis/ratelimit/internal/cost"
@@ -36,11 +35,8 @@ type limitConfig struct {
 }
 
 // A kindConfig is how a kind of limit reads its limits from a handler's
-// config, and judges them: each kind registers its own (registerKind).
+// config, and judges them (kindConfigs, compose.go).
 type kindConfig struct {
-	// order is where its limits come among a handler's, and so among a
-	// request's buckets.
-	order int
 	// configs reads the handler's limits of the kind.
 	configs func(h *Handler) []limitConfig
 	// check judges them as configured, before provisioning: the parser
@@ -51,15 +47,6 @@ type kindConfig struct {
 	// zone (derivedZone), if anything: it names their Redis keys, so it
 	// never changes.
 	zoneText func(h *Handler, text []byte) []byte
-}
-
-// kindConfigs are the kinds of limit, in the order their limits come.
-var kindConfigs []kindConfig
-
-// registerKind adds a kind of limit's config (from its file's init).
-func registerKind(k kindConfig) {
-	kindConfigs = append(kindConfigs, k)
-	slices.SortStableFunc(kindConfigs, func(a, b kindConfig) int { return cmp.Compare(a.order, b.order) })
 }
 
 // limitConfigs are the handler's limits as configured, of every kind, in
@@ -82,8 +69,8 @@ func (h *Handler) hasOwnLimit() bool {
 	case unset(h.ReplenishRate) != "" || h.BurstCapacity != "":
 		return true
 	}
-	for _, k := range kindConfigs {
-		if k.order > 0 && len(k.configs(h)) > 0 {
+	for _, k := range kindConfigs[1:] {
+		if len(k.configs(h)) > 0 {
 			return false
 		}
 	}

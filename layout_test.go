@@ -122,3 +122,12 @@ func TestEachInternalPackageImportsOnlyWhatItsLayerMay(t *testing.T) {
 		}
 	}
 }
+
+func contains(list []string, s string) bool {
+	for _, x := range list {
+		if x == s {
+			return true
+		}
+	}
+	return false
+}

@@ -45,18 +45,13 @@ type leaseLayer struct {
 	h           *Handler
 }
 
-// With lease, the leases decide first.
-func init() {
-	registerLayer(storeConfig{order: 20, build: func(h *Handler, below limit.Store) limit.Store {
-		if h.leases == nil {
-			return below
-		}
-		below, h.leases.refused = limit.TakeRefusals(below)
-		// Leases given back or reported spent may refill a bucket sooner
-		// than its wait: a refusal is kept at most a hold.
-		h.leases.refused.KeepAtMost(h.leases.hold)
-		return leaseLayer{Store: below, h: h}
-	}})
+// withLeases puts the lease layer over below: the leases decide first.
+func (h *Handler) withLeases(below limit.Store) limit.Store {
+	below, h.leases.refused = limit.TakeRefusals(below)
+	// Leases given back or reported spent may refill a bucket sooner
+	// than its wait: a refusal is kept at most a hold.
+	h.leases.refused.KeepAtMost(h.leases.hold)
+	return leaseLayer{Store: below, h: h}
 }
 
 // settle settles in the leases first (settleLeased).

@@ -15,16 +15,6 @@ const storeMemory = "memory"
 // memory store holds max_keys live buckets.
 var errMemoryFull = memstore.ErrFull
 
-// With store memory, the handler's buckets are in the process's memory.
-func init() {
-	registerStore(storeConfig{order: 0, build: func(h *Handler, below limit.Store) limit.Store {
-		if h.memory == nil {
-			return below
-		}
-		return h.memory.For(storeReports{h}, true)
-	}})
-}
-
 // storeReports is what a memory store reports to the handler that uses
 // it (memstore.Reporter): the handler's warnings and metrics.
 type storeReports struct{ h *Handler }

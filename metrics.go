@@ -36,8 +36,8 @@ type zoneMetrics struct {
 	settleFailures    prometheus.Counter
 }
 
-// metricParts are the collectors that parts of the package make and
-// register of their own (registerMetrics), beside those above.
+// metricParts are the collectors that parts of the package make of
+// their own (compose.go), beside those above.
 var metricParts []metricPart
 
 // A metricPart is a part's collector, registered on each config's
@@ -46,9 +46,6 @@ type metricPart struct {
 	collector prometheus.Collector
 	zone      func(zone string, limits []*limit.Limit)
 }
-
-// registerMetrics adds a part's collector (from its file's init).
-func registerMetrics(p metricPart) { metricParts = append(metricParts, p) }
 
 func newZoneMetrics(registry prometheus.Registerer, zone string, limits []*limit.Limit) (*zoneMetrics, error) {
 	collectors.once.Do(func() {

@@ -39,11 +39,6 @@ func (h *Handler) withFallback(below limit.Store) limit.Store {
 	return layer.OnError(below, o)
 }
 
-// on_error tops every stack: it decides what the stack below could not.
-func init() {
-	registerLayer(storeConfig{order: 100, build: func(h *Handler, below limit.Store) limit.Store { return h.withFallback(below) }})
-}
-
 // warnFailed logs, for a store that could not decide a request, what
 // failed (words, err), and that the request follows on_error; the store
 // throttles it (suppressed lines before it).

@@ -13,10 +13,6 @@ import (
 // The quota's config: its limits as the handler's config gives them,
 // and their judgment (internal/kind/quota holds the kind).
 
-func init() {
-	registerKind(kindConfig{order: 1, configs: quotaConfigs, check: (*Handler).checkQuotas})
-}
-
 // quotaConfigs are the handler's quotas as the limits they are built
 // into: the count in the burst's place, no rate.
 func quotaConfigs(h *Handler) []limitConfig {

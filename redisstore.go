@@ -6,21 +6,8 @@ import (
 	"github.com/caddy-redis/ratelimit/internal/limit"
 	"github.com/caddy-redis/ratelimit/internal/logs"
 	"github.com/caddy-redis/ratelimit/internal/redisbatch"
-	"github.com/caddy-redis/ratelimit/internal/redisstore"
 	"go.uber.org/zap"
 )
-
-// A handler with a Redis client (Provision makes one unless the
-// buckets are in the process, or every limit blocks) keeps its buckets
-// in Redis.
-func init() {
-	registerStore(storeConfig{order: 1, build: func(h *Handler, below limit.Store) limit.Store {
-		if h.limiter == nil {
-			return below
-		}
-		return redisstore.NewStore(h.limiter, h.groups, h.holding, h.redisReport())
-	}})
-}
 
 // redisReport is the handler as the Redis store and its client tell it
 // what to log and count (redisstore.Reporter and Watcher): a type of its

@@ -19,11 +19,6 @@ const (
 	maxFillSeconds = cost.MaxFillSeconds
 )
 
-func init() {
-	limit.Plain = tokenbucket.Kind{}
-	registerKind(kindConfig{order: 0, configs: bucketConfigs, check: checkBuckets})
-}
-
 // bucketConfigs are the handler's token buckets as configured: its
 // `limits`, or its own limit.
 func bucketConfigs(h *Handler) []limitConfig {

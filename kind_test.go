@@ -42,7 +42,7 @@ var (
 
 func (fixedWindow) BurstName() string { return "count" }
 
-// resolveValues reads the count from the burst and the cost; the rate,
+// ResolveValues reads the count from the burst and the cost; the rate,
 // which the Caddyfile requires of a token bucket, means nothing here.
 func (fixedWindow) ResolveValues(_, count, requested string) (v limit.Values, isUnlimited bool, err error) {
 	if count == limit.Unlimited {
@@ -105,7 +105,7 @@ func (w fixedWindow) Holds(state limit.State, ok bool, _ time.Time, t int64, b l
 	return b, used+float64(b.Values.Requested) <= float64(b.Values.Burst)
 }
 
-// take counts the request's tokens in the window if it is allowed; the
+// Take counts the request's tokens in the window if it is allowed; the
 // bucket waits until the window's end when the window has no room for
 // another request. A denial stores nothing.
 func (w fixedWindow) Take(state limit.State, ok bool, _ time.Time, t int64, b limit.Bucket, allowed bool) (limit.Bucket, limit.State, bool) {
@@ -120,7 +120,7 @@ func (w fixedWindow) Take(state limit.State, ok bool, _ time.Time, t int64, b li
 	return b, limit.State{Tokens: used, At: start, Expires: end}, allowed
 }
 
-// peek is what is left of the count in the window, and the time until
+// Peek is what is left of the count in the window, and the time until
 // the window ends; a bucket with no window now is full.
 func (w fixedWindow) Peek(state limit.State, ok bool, _ time.Time, t int64, b limit.Bucket) limit.View {
 	used, _, end := w.current(state, ok, t)
@@ -268,7 +268,7 @@ func TestKindDefinedInATestRunsEndToEndThroughMemoryStore(t *testing.T) {
 		}
 		assertAnswerHeaders(t, fmt.Sprintf("request %d", i+1), a, headers(remaining, reset))
 	}
-	// Denied until the window ends, at most a second away: Retry-After 1.
+	// denied until the window ends, at most a second away: Retry-After 1.
 	denied := answers[count]
 	if denied.status != 429 || denied.result() != "denied" || denied.placeholder("http.rate_limit.retry_after") != "1" {
 		t.Fatalf("request %d: %v retry_after %q, want 429 denied, retry after 1", count+1, denied, denied.placeholder("http.rate_limit.retry_after"))

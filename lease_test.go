@@ -1473,7 +1473,7 @@ func TestLeaseColdKeysCostThePlainScript(t *testing.T) {
 		t.Errorf("lease records of cold keys: %v", records)
 	}
 
-	// Hot: leased from its second request within a hold.
+	// hot: leased from its second request within a hold.
 	hot := limitKey(t, h, "", "hot")
 	warmLease(t, h, "hot", hot)
 	if b, err := parseBucket(rdb.Get(ctx, hot)); err != nil || b.lent == 0 {

@@ -54,12 +54,12 @@ func (h *Handler) withLeases(below limit.Store) limit.Store {
 	return leaseLayer{Store: below, h: h}
 }
 
-// settle settles in the leases first (settleLeased).
+// Settle settles in the leases first (settleLeased).
 func (l leaseLayer) Settle(r *limit.Call, items []limit.Settling) {
 	l.h.settleLeased(r.Buckets, r.LayerMarks, items)
 }
 
-// reset makes a bucket full less what its leases hold (deleting it would
+// Reset makes a bucket full less what its leases hold (deleting it would
 // drop its mark, and with it what is lent), after this instance's
 // refusals of it are forgotten.
 func (l leaseLayer) Reset(ctx context.Context, b limit.Bucket) error {

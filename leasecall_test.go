@@ -142,7 +142,7 @@ func TestLeaseScriptCountsWhatItLends(t *testing.T) {
 	srv := redistest.Start(t)
 	rdb := srv.Client(t)
 	const life = time.Minute
-	// A thousandth of a token a second: every count below is exact,
+	// a thousandth of a token a second: every count below is exact,
 	// rounded down. The probe refills at a million a second: whatever
 	// the bucket may hold, it holds by the time the probe runs.
 	a := leaseArg{key: "rl:count", rate: 0.001, burst: 100, requested: 1}

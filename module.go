@@ -1,4 +1,4 @@
-// Package ratelimit is a Caddy HTTP handler that limits requests with a
+// package ratelimit is a Caddy HTTP handler that limits requests with a
 // token bucket kept in Redis, shared by every Caddy instance that uses
 // the same Redis.
 package ratelimit

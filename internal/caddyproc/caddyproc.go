@@ -1,4 +1,4 @@
-// Package caddyproc runs real Caddy processes for tests: a Caddy binary
+// package caddyproc runs real Caddy processes for tests: a Caddy binary
 // with this module (what xcaddy would build) is built once per test
 // binary, and each Instance is one `caddy run` on free loopback ports,
 // stopped by PID in t.Cleanup.

@@ -1,4 +1,4 @@
-// Package calendar computes the periods a quota counts in: which period
+// package calendar computes the periods a quota counts in: which period
 // an instant falls in, on the calendar of a time zone (minute to year,
 // with month_day and week_starts) or in multiples of a duration from the
 // Unix epoch, and the four consecutive boundaries a quota passes to the

@@ -1,4 +1,4 @@
-// Package cost reads what a response cost a limit that charges by it:
+// package cost reads what a response cost a limit that charges by it:
 // the charge rule of each limit (a header, JSON paths of the body with
 // their weights, a placeholder, the statuses charged, its debt), the
 // writer that watches a response for it (writer.go), the weighted sums

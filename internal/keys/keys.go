@@ -1,4 +1,4 @@
-// Package keys builds a bucket's Redis key from a request: the `key`
+// package keys builds a bucket's Redis key from a request: the `key`
 // template compiled once, its placeholders read from the request (client
 // addresses cut to their network), each value escaped so that no request
 // reaches another client's bucket, and a long client key hashed.

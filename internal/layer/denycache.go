@@ -208,7 +208,7 @@ func (d *denyLayer) Answered(buckets []limit.Bucket, sent time.Time, allowed boo
 	d.cache.answered(buckets, sent, allowed, d.perRequest)
 }
 
-// mayRefuse and refuses make it the stack's refuser (refuserOf): it
+// MayRefuse and refuses make it the stack's refuser (refuserOf): it
 // decides first, from what it remembers.
 func (d *denyLayer) MayRefuse() bool { return d.cache.holdsAny() }
 func (d *denyLayer) Refuses(now time.Time, buckets []limit.Bucket) bool {
@@ -218,7 +218,7 @@ func (d *denyLayer) Refuses(now time.Time, buckets []limit.Bucket) bool {
 func (d *denyLayer) Forget(key string)        { d.cache.Forget(key) }
 func (d *denyLayer) ForgetKeys(keys []string) { d.cache.Forget(keys...) }
 
-// keepAtMost sets maxWait.
+// KeepAtMost sets maxWait.
 func (d *denyLayer) KeepAtMost(wait time.Duration) { d.cache.maxWait = wait }
 
 func (d *denyLayer) Take(ctx context.Context, r *limit.Call) (bool, error) {

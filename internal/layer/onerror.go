@@ -69,11 +69,11 @@ func (e *onErrorLayer) Take(ctx context.Context, r *limit.Call) (bool, error) {
 	return e.failOpen, err
 }
 
-// refuserBelow is the refuser of the store below (refuserOf): on_error
+// RefuserBelow is the refuser of the store below (refuserOf): on_error
 // decides only what that store could not.
 func (e *onErrorLayer) RefuserBelow() limit.Refuser { return limit.RefuserOf(e.Store) }
 
-// settle and hold go where the request's buckets were taken: the
+// Settle and hold go where the request's buckets were taken: the
 // local buckets when the layer took them (r.takenBy).
 func (e *onErrorLayer) Settle(r *limit.Call, items []limit.Settling) {
 	if r.TakenBy != nil {
@@ -90,7 +90,7 @@ func (e *onErrorLayer) Hold(r *limit.Call) limit.Holding {
 	return e.Store.Hold(r)
 }
 
-// reset resets the key in the local buckets too.
+// Reset resets the key in the local buckets too.
 func (e *onErrorLayer) Reset(ctx context.Context, b limit.Bucket) error {
 	if e.local != nil {
 		_ = e.local.Reset(ctx, b) // in the process: it cannot fail

@@ -2,7 +2,7 @@ package limit
 
 import "time"
 
-// heldWhileServed says whether a request holds the bucket while it is
+// HeldWhileServed says whether a request holds the bucket while it is
 // served (heldKind); a bucket of no limit is not held.
 func (b *Bucket) HeldWhileServed() bool { return b.Limit != nil && b.Limit.Held != nil }
 
@@ -21,7 +21,7 @@ func (b *Bucket) Kind() Kind {
 	return b.Limit.Kind
 }
 
-// arithmetic, charged and remembered are what the bucket's kind does of
+// Arithmetic, charged and remembered are what the bucket's kind does of
 // the optional interfaces (limit.setKind); nil for what it does not.
 func (b *Bucket) Arithmetic() Arithmetic {
 	if b.Limit == nil {
@@ -50,16 +50,16 @@ type Bucket struct {
 	Key    string
 	Values Values
 	Args   [3]any
-	// remaining is the whole tokens left after the request; -1 when Redis
+	// Remaining is the whole tokens left after the request; -1 when Redis
 	// failed.
 	Remaining int64
-	// retryAfter is how long until the bucket holds the requested tokens;
+	// RetryAfter is how long until the bucket holds the requested tokens;
 	// negative when never (burst 0).
 	RetryAfter time.Duration
-	// unknown: a refusal a layer remembered (refusals) says nothing of
+	// Unknown: a refusal a layer remembered (refusals) says nothing of
 	// this bucket.
 	Unknown bool
-	// kindRef and kindN are what the request knows of its bucket that is
+	// KindRef and kindN are what the request knows of its bucket that is
 	// its kind's own, set and read by the kind alone (begin, readReply,
 	// its arithmetic in the process), such as a period and the period its
 	// take counted in, or the generation of a count in the process. A
@@ -75,7 +75,7 @@ type Shared struct {
 	ID  any       // the request's id, one for its buckets (kind.begin)
 }
 
-// clock is the request's time: read once, when a bucket first asks.
+// Clock is the request's time: read once, when a bucket first asks.
 func (s *Shared) Clock() time.Time {
 	if s.Now.IsZero() {
 		s.Now = time.Now()

@@ -2,71 +2,71 @@ package limit
 
 import "time"
 
-// Kind is a kind of limit: the token bucket (internal/kind/tokenbucket),
-// or another that registers its config (registerKind). A limit holds its
-// kind (limit.kind), chosen once when the config is provisioned, and the
-// rest of the package asks the kind what is particular to it instead of
-// asking which kind it is. A kind is responsible for:
+// Kind is a kind of limit: the token bucket, the quota and the
+// concurrent limit, each a package under internal/kind. A limit holds its
+// kind (Limit.Kind), chosen once when the config is provisioned, and
+// stores, layers and the handler ask the kind what is particular to it
+// instead of asking which kind it is. A kind is responsible for:
 //
-//   - its values, resolved from their text (policy.go), and its part of
-//     a script call: its arguments and its words of the reply
-//     (limiter.go);
-//   - the facts of its buckets that the rate-limit headers say
-//     (headers.go formats them: a kind formats no header);
-//   - its admin view (admin.go), of what the admin API read of a bucket.
+//   - its values, resolved from their text, and its part of a script
+//     call: its arguments and its words of the reply (which the Redis
+//     store sends and reads);
+//   - the facts of its buckets that the rate-limit headers say (the
+//     handler formats them: a kind formats no header);
+//   - its admin view, of what the admin API read of a bucket.
 //
 // What only some kinds do is an optional interface, found once when the
-// config is provisioned (limit.setKind), as Caddy finds a module's
+// config is provisioned (Limit.SetKind), as Caddy finds a module's
 // caddy.Provisioner: the arithmetic on a bucket's state kept in the
-// process (bucketArithmetic), how a charge settles in it (chargedKind),
-// how long a layer may remember its refusal (rememberedKind), whether a
-// request holds its bucket while the response is served, to give it back
-// when the response ends (heldKind).
+// process (Arithmetic), how a charge settles in it (Charged), how long a
+// layer may remember its refusal (Remembered), whether a request holds
+// its bucket while the response is served, to give it back when the
+// response ends (Held), a refusal spread over time (Jittered).
 //
 // What a request knows of a bucket of the kind stays in the request's
-// bucket (policy.go): a kind holds what every request of its limit
+// Bucket: a kind holds what every request of its limit
 // shares, never one request's. Its methods take the bucket by value, and
 // those that change it return it: a pointer into the request's buckets
 // passed to an interface method would move them to the heap, an
 // allocation of 768 bytes per request (BenchmarkServeHTTPAllowed 10 ->
 // 11 allocs).
 type Kind interface {
-	// burstName is the name of the burst's value in the config, for
+	// BurstName is the name of the burst's value in the config, for
 	// messages: the burst_capacity of a token bucket, another kind's own.
 	BurstName() string
-	// resolveValues parses a limit's values as written (placeholders
+	// ResolveValues parses a limit's values as written (placeholders
 	// replaced) and judges them; isUnlimited says the limit does not
 	// apply.
 	ResolveValues(rate, burst, requested string) (v Values, isUnlimited bool, err error)
-	// scriptArgs are the values as the script takes them, boxed once
+	// ScriptArgs are the values as the script takes them, boxed once
 	// for fixed values (limit.args).
 	ScriptArgs(v Values) [3]any
-	// begin completes a request's new bucket with what is the request's
+	// Begin completes a request's new bucket with what is the request's
 	// own (a calendar period, an id); shared is what the request's
 	// buckets share, returned with what begin made of it.
 	Begin(b Bucket, shared Shared) (Bucket, Shared)
-	// appendArgs appends the bucket's arguments of a script call (its
+	// AppendArgs appends the bucket's arguments of a script call (its
 	// args, and what the kind adds).
 	AppendArgs(args []any, b Bucket) []any
-	// replyWords is how many words of a take's reply are the bucket's,
+	// ReplyWords is how many words of a take's reply are the bucket's,
 	// after every bucket's remaining and wait (and what each lent);
 	// readReply reads them, from reply[at].
 	ReplyWords() int
 	ReadReply(b Bucket, reply []int64, at int) (Bucket, error)
 
-	// refused completes the answer of a bucket of a refused request, as
+	// Refused completes the answer of a bucket of a refused request, as
 	// a store answered it (a kind whose buckets come back by release,
 	// not by time, gives the wait of its own).
 	Refused(b Bucket) Bucket
 
-	// facts are what the rate-limit headers say of an answered bucket,
+	// Facts are what the rate-limit headers say of an answered bucket,
 	// which headers.go formats.
 	Facts(b Bucket) Facts
 
-	// limitInfo is the limit as the admin API lists it, with the
+	// LimitInfo is the limit as the admin API lists it, with the
 	// defaults filled in where its values are fixed.
 	LimitInfo(l *Limit) LimitInfo
-	// bucketInfo is what the admin API shows of a client's bucket, of
+	// BucketInfo is what the admin API shows of a client's bucket, of
 	// what was read of it where its handler keeps it (store.peek).
 	BucketInfo(b Bucket, v View) BucketInfo
 }
@@ -79,13 +79,13 @@ type Kind interface {
 type Facts struct {
 	Rate             float64 // tokens per second (a count per period: spread over it)
 	Burst, Requested int64
-	// window is the policy's w in seconds (the time an empty token
+	// Window is the policy's w in seconds (the time an empty token
 	// bucket takes to fill, a calendar period's length), when unit is "".
 	Window int64
-	// unit is the policy's unit (qu) when it is not requests, and then
+	// Unit is the policy's unit (qu) when it is not requests, and then
 	// it has no window.
 	Unit string
-	// reset is how long until the bucket is back (its wait), and
+	// Reset is how long until the bucket is back (its wait), and
 	// renewsAt when it is renewed whatever its wait (the end of a
 	// calendar period, Unix microseconds; 0 for none): RateLimit's t is
 	// the later.
@@ -100,15 +100,15 @@ type Facts struct {
 // counts of its own): a take in the process gives it only buckets of
 // kinds with it.
 type Arithmetic interface {
-	// holds says whether a bucket held in the process (state, if ok)
+	// Holds says whether a bucket held in the process (state, if ok)
 	// has room for the request at now, t on the store's clock; asked of
 	// every bucket of a take, before take.
 	Holds(state State, ok bool, now time.Time, t int64, b Bucket) (Bucket, bool)
-	// take is a bucket's part of a take in the process, once the request
+	// Take is a bucket's part of a take in the process, once the request
 	// is known to be allowed or not: the bucket with its answer, as the
 	// script's, and the state to store, if store.
 	Take(state State, ok bool, now time.Time, t int64, b Bucket, allowed bool) (answered Bucket, after State, store bool)
-	// peek is a bucket held in the process (state, if ok), as the admin
+	// Peek is a bucket held in the process (state, if ok), as the admin
 	// API shows it.
 	Peek(state State, ok bool, now time.Time, t int64, b Bucket) View
 }
@@ -116,10 +116,10 @@ type Arithmetic interface {
 // Charged is what a kind whose limits a response may charge does
 // (limitConfig.charges): how a charge settles in it (charge.go).
 type Charged interface {
-	// settleArg is settle.lua's first argument for the bucket: its kind
+	// SettleArg is settle.lua's first argument for the bucket: its kind
 	// as the script knows it.
 	SettleArg(b Bucket) any
-	// settleHeld settles a response's charge in a bucket held in the
+	// SettleHeld settles a response's charge in a bucket held in the
 	// process (state, if ok) at t on the store's clock: diff tokens more
 	// than the request reserved (fewer when negative), cost in all, in
 	// debt up to maxDebt. after is the state to store, if store; charged
@@ -131,10 +131,10 @@ type Charged interface {
 // a while does (refusals); a layer remembers no refusal of another kind
 // (whose buckets come back by release, not by time).
 type Remembered interface {
-	// denialTTL is how long a layer may remember the bucket's refusal:
+	// DenialTTL is how long a layer may remember the bucket's refusal:
 	// 0 for one that it must not keep.
 	DenialTTL(b Bucket) time.Duration
-	// cachedRemaining is what a bucket whose refusal a layer remembered
+	// CachedRemaining is what a bucket whose refusal a layer remembered
 	// holds now, remaining when Redis refused it, wait before the time
 	// it holds the requested tokens again.
 	CachedRemaining(b Bucket, remaining int64, wait time.Duration) int64
@@ -167,7 +167,7 @@ func JitterRefusal(buckets []Bucket, jitter time.Duration) {
 // its held kind from when it is built (limit.held, setKind).
 type Held interface {
 	Kind
-	// holdFor is how long a request's hold lasts unless renewed, and the
+	// HoldFor is how long a request's hold lasts unless renewed, and the
 	// same as a script argument (microseconds, boxed once).
 	HoldFor() (hold time.Duration, arg any)
 }

@@ -15,7 +15,7 @@ func (l *Limit) Info() LimitInfo {
 	return LimitInfo{Name: l.Name, Key: l.KeyText, IPv4Prefix: l.Template.IPv4Bits, IPv6Prefix: l.Template.IPv6Bits}
 }
 
-// setKind gives the limit its kind, and finds once what the kind does of
+// SetKind gives the limit its kind, and finds once what the kind does of
 // the optional interfaces, so that no request asks.
 func (l *Limit) SetKind(k Kind) {
 	l.Kind = k
@@ -38,10 +38,10 @@ type Limit struct {
 	KeyPrefix, KeySuffix string
 	Group                int // limits with one key template share a Cluster hash slot
 	Rate, Burst, Cost    Param
-	// costTerms: requested_tokens as a weighted sum with placeholders
+	// CostTerms: requested_tokens as a weighted sum with placeholders
 	// (internal/cost); nil for one value.
 	CostTerms []cost.Term
-	// costOnly: a token bucket whose rate and burst are fixed and whose
+	// CostOnly: a token bucket whose rate and burst are fixed and whose
 	// requested_tokens is a weighted sum with placeholders: its values
 	// and arguments are base's but for the cost, not parsed and
 	// formatted again per request (5 allocs less per request of make
@@ -52,20 +52,20 @@ type Limit struct {
 	// CheckCost judges Base with a resolved cost, for CostOnly: the
 	// kind's checks of its values.
 	CheckCost func(Values) error
-	// fixed: no placeholders, so the values (and arguments) are known.
+	// Fixed: no placeholders, so the values (and arguments) are known.
 	Fixed      bool
 	Values     Values
 	Exempt     bool   // a fixed rate of `unlimited`
 	Args       [3]any // the values as script arguments, boxed once (BenchmarkServeHTTPAllowed 21 -> 16 allocs)
 	BurstValue any    // the burst as a placeholder value, boxed once
 
-	// charge is how the response charges it (charge.go); nil when
+	// Charge is how the response charges it (charge.go); nil when
 	// requested_tokens is its cost. chargedKey is its own placeholder,
 	// http.rate_limit.charged.<name>; empty for a handler without limits.
 	Charge     *cost.Rule
 	ChargedKey string
 
-	// kind is its kind of limit (kind.go), whose values its values are
+	// Kind is its kind of limit (kind.go), whose values its values are
 	// (what stands for the burst, say, is the kind's: burstName);
 	// arithmetic, charged, remembered and jittered what it does of the
 	// optional interfaces, nil for what it does not (setKind). held says
@@ -81,7 +81,7 @@ type Limit struct {
 	InFlight   prometheus.Gauge
 }
 
-// resolve resolves the limit's values from a request's placeholders. A
+// Resolve resolves the limit's values from a request's placeholders. A
 // value the config sets that resolves to nothing is an error, not the
 // default: a fallback belongs in the config (`map`'s `default`).
 func (l *Limit) Resolve(repl *caddy.Replacer, memo *cost.Memo) (Values, bool, error) {

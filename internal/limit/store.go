@@ -14,7 +14,7 @@ type Settling struct {
 	Diff   int64
 }
 
-// clearLayerMarks sets the request's layer marks to 0, one per bucket
+// ClearLayerMarks sets the request's layer marks to 0, one per bucket
 // (see layerMarks), and returns them.
 func (c *Call) ClearLayerMarks() []int64 {
 	if n := len(c.Buckets); n <= MaxInline {
@@ -31,23 +31,23 @@ func (c *Call) ClearLayerMarks() []int64 {
 // layer takes it (store.take) and fills in the answer.
 type Call struct {
 	Buckets []Bucket
-	// sent is when the request's decision started: its take is as at
+	// Sent is when the request's decision started: its take is as at
 	// then, and its call's timeout runs from then.
 	Sent time.Time
-	// admitted and refused name the decision for the metrics and
+	// Admitted and refused name the decision for the metrics and
 	// {http.rate_limit.result}: allowed and denied, unless a layer took
 	// the buckets elsewhere (takenBy) and names its own.
 	Admitted, Refused Decision
-	// failed says that a layer decided without any bucket's answer, as
+	// Failed says that a layer decided without any bucket's answer, as
 	// failure (a fallback while the store fails).
 	Failed  bool
 	Failure Decision
-	// takenBy is the store that took the request's buckets when a layer
+	// TakenBy is the store that took the request's buckets when a layer
 	// took them elsewhere than in the store below it (nil: that store
 	// took them): what it holds while served is kept there, its charges
 	// settle there.
 	TakenBy Store
-	// layerMarks are a word per bucket (layerMarks[i] is buckets[i]'s)
+	// LayerMarks are a word per bucket (layerMarks[i] is buckets[i]'s)
 	// that the layer deciding the request keeps from its take until its
 	// settlement, its own to set and read; in inlineMarks for up to
 	// maxInlineBuckets, as the buckets are.
@@ -55,36 +55,36 @@ type Call struct {
 	inlineMarks [MaxInline]int64
 }
 
-// fail records that a layer decided the request without its buckets.
+// Fail records that a layer decided the request without its buckets.
 func (c *Call) Fail(d Decision) { c.Failed, c.Failure = true, d }
 
 // Holding is what a request holds while it is served, where its store
 // took it (store.hold), to give back once the response has ended.
 type Holding interface{ Release() }
 
-// Store decides requests with the buckets it keeps. A layer is a store
-// that wraps another and answers the same call. Each registers how the
-// handler's config asks for it (registerStore, registerLayer, from its
-// file's init); Provision builds a handler's stack once (buildStore),
+// Store decides requests with the buckets it keeps: the Redis store and
+// the memory store (internal/redisstore, internal/memstore). A layer is
+// a store that wraps another and answers the same calls (internal/layer,
+// internal/lease). The handler builds its stack once (its compose.go),
 // and the request path calls its top and never asks what it holds.
 type Store interface {
-	// take takes what the request asks of every one of its buckets, or
+	// Take takes what the request asks of every one of its buckets, or
 	// of none, as at r.sent, and fills in each bucket's
 	// answer (remaining, wait). err is a failure to decide; a layer that
 	// decides despite it (a fallback) says so in r.
 	Take(ctx context.Context, r *Call) (allowed bool, err error)
-	// settle settles the charges of a served request, items, where its
+	// Settle settles the charges of a served request, items, where its
 	// buckets were taken (charge.go).
 	Settle(r *Call, items []Settling)
-	// hold is what an admitted request holds while it is served, where
+	// Hold is what an admitted request holds while it is served, where
 	// its buckets were taken: those of its limits held while served
 	// (heldKind), to give back once its response has ended (holdStep);
 	// nil when it holds nothing.
 	Hold(r *Call) Holding
-	// peek reads a bucket without changing it, for the admin API: a
+	// Peek reads a bucket without changing it, for the admin API: a
 	// bucket held while served, as what requests hold of it.
 	Peek(ctx context.Context, b Bucket) (View, error)
-	// reset makes a bucket full again, and frees what requests hold of
+	// Reset makes a bucket full again, and frees what requests hold of
 	// it while they are served.
 	Reset(ctx context.Context, b Bucket) error
 }
@@ -95,20 +95,20 @@ type Store interface {
 // takes the place of such a layer below it, and asks its refusals
 // itself (takeRefusals).
 type Refusals interface {
-	// answer refuses a request at now when one of its buckets is known to
+	// Answer refuses a request at now when one of its buckets is known to
 	// refuse it, and fills in the answer of each such bucket; the others
 	// are marked unknown.
 	Answer(buckets []Bucket, now time.Time) bool
-	// answered keeps what the store answered to a request sent at sent.
+	// Answered keeps what the store answered to a request sent at sent.
 	Answered(buckets []Bucket, sent time.Time, allowed bool)
-	// forget drops what is kept of the bucket at key, and forgetKeys of
+	// Forget drops what is kept of the bucket at key, and forgetKeys of
 	// the buckets at keys: they hold tokens again sooner than time alone
 	// would bring them. One key is not a variadic slice: through an
 	// interface that would escape, an allocation per settlement that
 	// gives back (go build -gcflags=-m).
 	Forget(key string)
 	ForgetKeys(keys []string)
-	// keepAtMost bounds how long a refusal is kept, when the layer above
+	// KeepAtMost bounds how long a refusal is kept, when the layer above
 	// may bring tokens back at any time.
 	KeepAtMost(d time.Duration)
 }

@@ -43,7 +43,7 @@ func (p Param) MarshalJSON() ([]byte, error) {
 	return json.Marshal(string(p))
 }
 
-// perRequest says whether the value has placeholders to resolve per
+// PerRequest says whether the value has placeholders to resolve per
 // request.
 func (p Param) PerRequest() bool { return strings.Contains(string(p), "{") }
 

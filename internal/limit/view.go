@@ -18,7 +18,7 @@ type LimitInfo struct {
 	// A count per calendar period, in place of the rate and burst.
 	Count Param  `json:"count,omitempty"`
 	Per   string `json:"per,omitempty"`
-	// kindView is what a kind lists of its own beyond these (a struct),
+	// KindView is what a kind lists of its own beyond these (a struct),
 	// after them (kind.limitInfo).
 	KindView any `json:"-"`
 }
@@ -69,7 +69,7 @@ type BucketInfo struct {
 	// at most the burst less Lent (below zero when the burst went down
 	// under it): what another instance can take, as the scripts count it.
 	Lent int64 `json:"lent,omitempty"`
-	// kindView is what a kind shows of its own beyond these (a struct),
+	// KindView is what a kind shows of its own beyond these (a struct),
 	// after them (kind.bucketInfo).
 	KindView any `json:"-"`
 }
@@ -95,7 +95,7 @@ type View struct {
 	Wait      time.Duration // until it holds the requested tokens
 	ExpiresIn time.Duration // until its key expires; 0 for none (full)
 	Lent      int64         // what it lent to instances ahead, by its mark; 0 for none
-	// inUse and expiries are, of a kind held while served, how many
+	// InUse and expiries are, of a kind held while served, how many
 	// requests hold it now, and when each hold expires unless renewed,
 	// soonest first (none for those in the process, which do not expire).
 	InUse    int64

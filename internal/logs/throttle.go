@@ -1,4 +1,4 @@
-// Package logs keeps the handler's log lines few and safe to write: the
+// package logs keeps the handler's log lines few and safe to write: the
 // throttles that let a flood log a few lines, not one per request, and
 // what a message may quote of an address or of a client's value.
 package logs

@@ -1,4 +1,4 @@
-// Package memstore keeps buckets in the Caddy process, for `store memory`
+// package memstore keeps buckets in the Caddy process, for `store memory`
 // and for a layer that keeps them there while Redis fails. It decides
 // through the kinds' optional interfaces of package limit (Arithmetic,
 // Charged, Held), never through a kind of its own, so it answers as the

@@ -1,4 +1,4 @@
-// Package redisbatch sends Lua script calls to Redis for many concurrent
+// package redisbatch sends Lua script calls to Redis for many concurrent
 // callers: the calls that arrive while a pipeline is in flight wait in a
 // queue and go out together in the next one, each with its own deadline,
 // behind a circuit breaker per Redis master. It knows nothing of what

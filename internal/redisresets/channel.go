@@ -1,4 +1,4 @@
-// Package redisresets keeps an instance subscribed to the Redis channel
+// package redisresets keeps an instance subscribed to the Redis channel
 // on which every instance sharing the Redis learns of the buckets that
 // an admin API reset. Anyone who can PUBLISH reaches every instance
 // through it, so what arrives is judged before any work is done for it:

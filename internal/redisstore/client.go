@@ -1,4 +1,4 @@
-// Package redisstore keeps buckets in Redis: the Redis client that every
+// package redisstore keeps buckets in Redis: the Redis client that every
 // handler with the same settings shares (Client), the store over it
 // (Store: take, settle, hold, peek, reset), Cluster hash-slot groups, the
 // slots that requests hold while served, the reset channel, and the
@@ -120,7 +120,7 @@ type clientPart interface {
 }
 
 // clientParts make the parts each new client gets. A part's script
-// registers itself (registerScript).
+// registers itself (RegisterScript).
 var clientParts []func() clientPart
 
 // registerClientPart adds a part to every client made from now on

@@ -1,4 +1,4 @@
-// Package redistest starts real redis-server processes on free loopback
+// package redistest starts real redis-server processes on free loopback
 // ports for tests: standalone, TLS, cluster and sentinel setups.
 //
 // Every process is started by the test binary, bound to 127.0.0.1, keeps

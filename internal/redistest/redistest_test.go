@@ -125,7 +125,7 @@ func TestTLS(t *testing.T) {
 			t.Fatalf("PING with CA and client cert: %v", err)
 		}
 
-		// Plain TCP to the TLS port must not work.
+		// plain TCP to the TLS port must not work.
 		plain := redis.NewClient(&redis.Options{Addr: s.Addr, MaxRetries: -1, ReadTimeout: time.Second})
 		defer plain.Close()
 		if err := plain.Ping(ctx).Err(); err == nil {

@@ -1,4 +1,4 @@
-// Package requestbody reads the values at paths of a request's JSON body
+// package requestbody reads the values at paths of a request's JSON body
 // (the model an LLM request names, its max_tokens) and sets them as
 // placeholders, before the rest of the request is handled: only as far
 // into the body as the paths need, and the part read is replayed ahead of

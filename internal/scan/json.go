@@ -33,7 +33,7 @@ type jsonScanner struct {
 	// negative: paths whose last number was negative.
 	negative uint16
 
-	// Capture (Values): where the value of each path lies in the
+	// capture (Values): where the value of each path lies in the
 	// document, whatever its type, instead of numbers.
 	capture  bool
 	off      int              // the document's offset of the bytes fed now

@@ -1,4 +1,4 @@
-// Package scan reads numbers out of a response body as it streams by:
+// package scan reads numbers out of a response body as it streams by:
 // the values at named JSON paths (usage.total_tokens) of one JSON
 // document, of each event of an event stream (SSE), or of each JSON
 // line, with the last value of each path kept. It holds nothing of the

@@ -1,4 +1,4 @@
-// Package testproc manages one child process for the test harnesses that
+// package testproc manages one child process for the test harnesses that
 // start real servers (redistest, caddyproc): starting it with its output
 // in a log file, its PID, whether it is running, signalling it and
 // waiting for it to exit (SIGTERM, then SIGKILL), and reading its log.

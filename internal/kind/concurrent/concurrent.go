@@ -1,4 +1,4 @@
-// Package concurrent is the concurrent limit as a kind of limit: at most
+// package concurrent is the concurrent limit as a kind of limit: at most
 // n requests of a key in flight. Its values are its slots (in the
 // burst's place, one per request), a request's buckets of it share one
 // request id (Begin), a refusal waits retry_after, and a request holds

@@ -51,7 +51,7 @@ func settleQuotaUse(state limit.State, v limit.Values, diff, maxDebt int64) (aft
 	return state, forgiven
 }
 
-// take is a quota's part of a memory store take at now (t on the
+// Take is a quota's part of a memory store take at now (t on the
 // store's clock), once the request is known to be allowed or not (see
 // tokenbucket.Answer for buckets); it notes in b the period it counted in, as the
 // script answers it. A denial stores nothing.
@@ -64,7 +64,7 @@ func (*Kind) Take(state limit.State, ok bool, now time.Time, t int64, b limit.Bu
 	return b, after, allowed
 }
 
-// holds says whether a held quota has room for the request at now, in
+// Holds says whether a held quota has room for the request at now, in
 // the period now is in (quotaAt).
 func (*Kind) Holds(state limit.State, ok bool, now time.Time, t int64, b limit.Bucket) (limit.Bucket, bool) {
 	quotaAt(&b, now)
@@ -72,7 +72,7 @@ func (*Kind) Holds(state limit.State, ok bool, now time.Time, t int64, b limit.B
 	return b, quotaUsed(state, ok, t, start)+float64(b.Values.Requested) <= float64(b.Values.Burst)
 }
 
-// peek is a held quota as the admin API shows it: tokens is what is
+// Peek is a held quota as the admin API shows it: tokens is what is
 // left of the count.
 func (*Kind) Peek(state limit.State, ok bool, now time.Time, t int64, b limit.Bucket) limit.View {
 	wall := now.UnixMicro()
@@ -86,11 +86,11 @@ func (*Kind) Peek(state limit.State, ok bool, now time.Time, t int64, b limit.Bu
 	return view
 }
 
-// settleArg is "q" and the start of the period the reservation was taken
+// SettleArg is "q" and the start of the period the reservation was taken
 // in: settled only in that period.
 func (*Kind) SettleArg(b limit.Bucket) any { return period(&b).settleKinds[shift(&b)+1] }
 
-// settleHeld settles in the period the reservation was taken in
+// SettleHeld settles in the period the reservation was taken in
 // (settleQuotaUse). When its period is over, or it was reset, or it
 // counts another period than the reservation's, nothing settles, and the
 // reservation is what it charged.

@@ -1,4 +1,4 @@
-// Package quota is the quota, a kind of limit: a count of tokens per
+// package quota is the quota, a kind of limit: a count of tokens per
 // calendar period (per day, per month in a time zone), renewed at the
 // boundary, decided with the token buckets in the same script call. A
 // quota is a limit with a quota rule (Kind): this file holds its values,
@@ -212,7 +212,7 @@ func Args(v limit.Values) [3]any {
 	return [3]any{"q", strconv.FormatInt(v.Burst, 10), strconv.FormatInt(v.Requested, 10)}
 }
 
-// limitInfo lists its count, period and cost.
+// LimitInfo lists its count, period and cost.
 func (q *Kind) LimitInfo(l *limit.Limit) limit.LimitInfo {
 	li := l.Info()
 	li.Count, li.Per, li.RequestedTokens = l.Burst, q.per, l.Cost
@@ -223,7 +223,7 @@ func (q *Kind) LimitInfo(l *limit.Limit) limit.LimitInfo {
 	return li
 }
 
-// bucketInfo shows what is left of its count, and its usage in its
+// BucketInfo shows what is left of its count, and its usage in its
 // current period (quotaPart); its count is not a burst.
 func (q *Kind) BucketInfo(b limit.Bucket, v limit.View) limit.BucketInfo {
 	info := limit.TokenInfo(b, v)
@@ -301,22 +301,22 @@ func (*Kind) ResolveValues(_, count, requested string) (limit.Values, bool, erro
 
 func (*Kind) ScriptArgs(v limit.Values) [3]any { return Args(v) }
 
-// begin names the bucket's period by the request's clock.
+// Begin names the bucket's period by the request's clock.
 func (q *Kind) Begin(b limit.Bucket, shared limit.Shared) (limit.Bucket, limit.Shared) {
 	b.KindRef = q.at(shared.Clock(), b.Limit)
 	return b, shared
 }
 
-// appendArgs appends "q", count and cost, then the period's bounds.
+// AppendArgs appends "q", count and cost, then the period's bounds.
 func (*Kind) AppendArgs(args []any, b limit.Bucket) []any {
 	return append(append(args, b.Args[:]...), period(&b).args[:]...)
 }
 
-// replyWords is 1: the period the take counted in, as a shift from the
+// ReplyWords is 1: the period the take counted in, as a shift from the
 // period Caddy named (-1, 0, 1).
 func (*Kind) ReplyWords() int { return 1 }
 
-// readReply reads the period the quota counted in. One that counted in
+// ReadReply reads the period the quota counted in. One that counted in
 // none (Redis's clock outside its periods) is a clockError.
 func (*Kind) ReadReply(b limit.Bucket, reply []int64, at int) (limit.Bucket, error) {
 	switch shift := reply[at]; {
@@ -330,7 +330,7 @@ func (*Kind) ReadReply(b limit.Bucket, reply []int64, at int) (limit.Bucket, err
 	}
 }
 
-// facts are its count as the burst, spread over its period as the
+// Facts are its count as the burst, spread over its period as the
 // replenish rate, and its period's length as the policy's window (which
 // changes with the period: a month's days): it is back at the end of
 // the period it counted in, or after its wait if later.
@@ -340,13 +340,13 @@ func (*Kind) Facts(b limit.Bucket) limit.Facts {
 		Window: window, Reset: b.RetryAfter, RenewsAt: period(&b).end(shift(&b))}
 }
 
-// refused: the store's answer is the whole answer.
+// Refused: the store's answer is the whole answer.
 func (*Kind) Refused(b limit.Bucket) limit.Bucket { return b }
 
-// denialTTL is its wait: until its period ends (with reset_jitter's share).
+// DenialTTL is its wait: until its period ends (with reset_jitter's share).
 func (*Kind) DenialTTL(b limit.Bucket) time.Duration { return b.RetryAfter }
 
-// cachedRemaining is what it held when refused: it renews only at its
+// CachedRemaining is what it held when refused: it renews only at its
 // boundary.
 func (*Kind) CachedRemaining(_ limit.Bucket, remaining int64, _ time.Duration) int64 {
 	return remaining

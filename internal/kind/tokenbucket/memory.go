@@ -13,23 +13,23 @@ import (
 // and takeBucket, and settle.lua's: these are the oracle the scripts are
 // tested against.
 
-// holds says whether the bucket has the requested tokens at t.
+// Holds says whether the bucket has the requested tokens at t.
 func (Kind) Holds(state limit.State, ok bool, _ time.Time, t int64, b limit.Bucket) (limit.Bucket, bool) {
 	current, at := Current(state, ok, t, b.Values)
 	return b, Refill(current, at, b.Values) >= float64(b.Values.Requested)
 }
 
-// take is the bucket's part of a take at t (Answer).
+// Take is the bucket's part of a take at t (Answer).
 func (Kind) Take(state limit.State, ok bool, _ time.Time, t int64, b limit.Bucket, allowed bool) (limit.Bucket, limit.State, bool) {
 	after, store, remaining, wait := Answer(state, ok, t, b.Values, allowed)
 	b.Remaining, b.RetryAfter = remaining, time.Duration(wait)*time.Microsecond
 	return b, after, store
 }
 
-// settleArg is the bucket's first script argument: its rate.
+// SettleArg is the bucket's first script argument: its rate.
 func (Kind) SettleArg(b limit.Bucket) any { return b.Args[0] }
 
-// settleHeld refills the bucket, then takes or gives back the difference
+// SettleHeld refills the bucket, then takes or gives back the difference
 // (SettleAt); a full bucket needs no entry.
 func (Kind) SettleHeld(state limit.State, ok bool, t int64, b limit.Bucket, diff, cost, maxDebt int64) (limit.State, bool, float64, float64) {
 	current, at := Current(state, ok, t, b.Values)
@@ -37,7 +37,7 @@ func (Kind) SettleHeld(state limit.State, ok bool, t int64, b limit.Bucket, diff
 	return after, ok || after.Tokens < float64(b.Values.Burst), float64(cost) - forgiven, forgiven
 }
 
-// peek is what the bucket holds at t, refilled.
+// Peek is what the bucket holds at t, refilled.
 func (Kind) Peek(state limit.State, ok bool, _ time.Time, t int64, b limit.Bucket) limit.View {
 	v := b.Values
 	if !ok || state.Expires <= t {

@@ -1,4 +1,4 @@
-// Package tokenbucket is the token bucket, the kind of limit of `limit`
+// package tokenbucket is the token bucket, the kind of limit of `limit`
 // and of a handler's own rate: its values (rate, burst, cost), their
 // judgment, its script arguments, its facts and its admin view. Its
 // arithmetic is script.lua's checkBucket and takeBucket, and
@@ -147,20 +147,20 @@ func (Kind) ResolveValues(rate, burst, requested string) (limit.Values, bool, er
 
 func (Kind) ScriptArgs(v limit.Values) [3]any { return Args(v) }
 
-// begin adds nothing: a token bucket is the same for every request.
+// Begin adds nothing: a token bucket is the same for every request.
 func (Kind) Begin(b limit.Bucket, shared limit.Shared) (limit.Bucket, limit.Shared) {
 	return b, shared
 }
 
-// appendArgs appends rate, burst and cost.
+// AppendArgs appends rate, burst and cost.
 func (Kind) AppendArgs(args []any, b limit.Bucket) []any { return append(args, b.Args[:]...) }
 
-// replyWords is 0: a token bucket's answer is its remaining and wait.
+// ReplyWords is 0: a token bucket's answer is its remaining and wait.
 func (Kind) ReplyWords() int { return 0 }
 
 func (Kind) ReadReply(b limit.Bucket, _ []int64, _ int) (limit.Bucket, error) { return b, nil }
 
-// limitInfo lists the rate, burst and cost.
+// LimitInfo lists the rate, burst and cost.
 func (Kind) LimitInfo(l *limit.Limit) limit.LimitInfo {
 	li := l.Info()
 	li.ReplenishRate, li.BurstCapacity, li.RequestedTokens = l.Rate, l.Burst, l.Cost
@@ -172,10 +172,10 @@ func (Kind) LimitInfo(l *limit.Limit) limit.LimitInfo {
 	return li
 }
 
-// bucketInfo shows the tokens the bucket holds.
+// BucketInfo shows the tokens the bucket holds.
 func (Kind) BucketInfo(b limit.Bucket, v limit.View) limit.BucketInfo { return limit.TokenInfo(b, v) }
 
-// facts are the bucket's rate, burst and cost; its policy's window is
+// Facts are the bucket's rate, burst and cost; its policy's window is
 // the seconds an empty bucket takes to fill, and it is back after its
 // wait: it refills by time.
 func (Kind) Facts(b limit.Bucket) limit.Facts {
@@ -187,13 +187,13 @@ func (Kind) Facts(b limit.Bucket) limit.Facts {
 	return limit.Facts{Rate: v.Rate, Burst: v.Burst, Requested: v.Requested, Window: fill, Reset: b.RetryAfter}
 }
 
-// refused: the store's answer is the whole answer.
+// Refused: the store's answer is the whole answer.
 func (Kind) Refused(b limit.Bucket) limit.Bucket { return b }
 
-// denialTTL is the bucket's wait: it refills by time.
+// DenialTTL is the bucket's wait: it refills by time.
 func (Kind) DenialTTL(b limit.Bucket) time.Duration { return b.RetryAfter }
 
-// cachedRemaining is what the bucket refilled since its refusal: it
+// CachedRemaining is what the bucket refilled since its refusal: it
 // holds requested - wait*rate tokens.
 func (Kind) CachedRemaining(b limit.Bucket, _ int64, wait time.Duration) int64 {
 	tokens := float64(b.Values.Requested) - wait.Seconds()*b.Values.Rate

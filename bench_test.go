@@ -528,7 +528,7 @@ func BenchmarkLeaseCall(b *testing.B) {
 	states := []leaseState{{lease: l}}
 	b.ReportAllocs()
 	for b.Loop() {
-		if _, err := h.leases.call(context.Background(), h.limiter, time.Now(), leaseModeRenew, h.leases.seq.Add(1), buckets, states); err != nil {
+		if _, err := h.leases.call(context.Background(), time.Now(), leaseModeRenew, h.leases.seq.Add(1), buckets, states); err != nil {
 			b.Fatal(err)
 		}
 	}
@@ -626,7 +626,7 @@ func BenchmarkScriptsRedisCPU(b *testing.B) {
 // request in Caddy before its plain call: the lease table's lock, the
 // key's hash and its sighting (10,000 keys in turn, none hot).
 func BenchmarkLeaseAcquireCold(b *testing.B) {
-	ls := newLeases(&Lease{MaxTokens: 32}, time.Second)
+	ls := newLeases(leaseOptions{MaxTokens: 32, Timeout: time.Second})
 	keys := make([]string, 10_000)
 	for i := range keys {
 		keys[i] = "rate_limit:bench-lease|127.0.0.1:key-" + strconv.Itoa(i)
@@ -658,7 +658,7 @@ func BenchmarkAdmitHot(b *testing.B) {
 	buckets := []limit.Bucket{{Key: key, Values: values}}
 	b.Run("lease", func(b *testing.B) {
 		marks := make([]int64, len(buckets))
-		ls := newLeases(&Lease{MaxTokens: 32}, time.Second)
+		ls := newLeases(leaseOptions{MaxTokens: 32, Timeout: time.Second})
 		now := time.Now()
 		ls.shards[ls.shardIndex(key)].byKey[key] = &lease{values: values, counted: true, tokens: 1 << 62,
 			until: now.Add(time.Hour), renewBy: now.Add(time.Hour)}

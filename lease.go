@@ -14,6 +14,7 @@ import (
 	"github.com/caddy-redis/ratelimit/internal/kind/tokenbucket"
 	"github.com/caddy-redis/ratelimit/internal/limit"
 	"github.com/caddy-redis/ratelimit/internal/redisbatch"
+	"github.com/caddy-redis/ratelimit/internal/redisstore"
 	"github.com/caddyserver/caddy/v2"
 )
 
@@ -92,6 +93,12 @@ type leases struct {
 	// refused are the refusals kept below the lease layer, which it asks
 	// and tells itself (set when the stack is built; noRefusals for none).
 	refused limit.Refusals
+	// client is the Redis client the calls go through; groups are the
+	// limits by Cluster hash slot, when they span several (nil
+	// otherwise); report is told what Redis answered and failed.
+	client *redisstore.Client
+	groups [][]*limit.Limit
+	report redisstore.Reporter
 }
 
 const leaseShards = 64
@@ -175,15 +182,34 @@ type leaseFlight struct {
 	inline [limit.MaxInline]leaseState
 }
 
-func newLeases(c *Lease, timeout time.Duration) *leases {
-	hold := time.Duration(c.Hold)
+// leaseOptions are what a handler's leases are made of.
+type leaseOptions struct {
+	// MaxTokens is the most tokens one lease holds; Hold how long it
+	// admits requests after a call (0: defaultLeaseHold).
+	MaxTokens int64
+	Hold      time.Duration
+	// Timeout is the Redis timeout, within which a give-back arrives.
+	Timeout time.Duration
+	// Client is the Redis client the calls go through; Groups the limits
+	// by Cluster hash slot, when they span several (nil otherwise); Report
+	// is told what Redis answered and failed, and what settlements charged.
+	Client *redisstore.Client
+	Groups [][]*limit.Limit
+	Report redisstore.Reporter
+}
+
+// newLeases makes a handler's leases; giveBackEvery then gives back what
+// they hold until close.
+func newLeases(o leaseOptions) *leases {
+	hold := o.Hold
 	if hold == 0 {
 		hold = defaultLeaseHold
 	}
 	var id [8]byte
 	_, _ = rand.Read(id[:]) // never fails (crypto/rand)
-	ls := &leases{hold: hold, life: 2*hold + timeout, max: c.MaxTokens, id: hex.EncodeToString(id[:]),
-		seed: maphash.MakeSeed(), stop: make(chan struct{}), done: make(chan struct{}), refused: limit.NoRefusals{}}
+	ls := &leases{hold: hold, life: 2*hold + o.Timeout, max: o.MaxTokens, id: hex.EncodeToString(id[:]),
+		seed: maphash.MakeSeed(), stop: make(chan struct{}), done: make(chan struct{}), refused: limit.NoRefusals{},
+		client: o.Client, groups: o.Groups, report: o.Report}
 	ls.idArg, ls.lifeArg = ls.id, strconv.FormatInt(ls.life.Microseconds(), 10)
 	for i := range ls.shards {
 		ls.shards[i].byKey = make(map[string]*lease)
@@ -204,8 +230,9 @@ func (h *Handler) provisionLeases(keyPrefix string) error {
 			}
 		}
 	}
-	h.leases = newLeases(h.Lease, h.limiter.Timeout())
-	go h.giveBackEvery()
+	h.leases = newLeases(leaseOptions{MaxTokens: h.Lease.MaxTokens, Hold: time.Duration(h.Lease.Hold), Timeout: h.limiter.Timeout(),
+		Client: h.limiter, Groups: h.groups, Report: h.redisReport()})
+	go h.leases.giveBackEvery()
 	return nil
 }
 
@@ -491,4 +518,14 @@ func (ls *leases) take(now time.Time, everything bool) (back leaseReturns, seq i
 		shard.mu.Unlock()
 	}
 	return back, seq
+}
+
+// With lease, the leases decide first.
+func init() {
+	registerLayer(storeConfig{order: 20, build: func(h *Handler, below limit.Store) limit.Store {
+		if h.leases == nil {
+			return below
+		}
+		return h.leases.layer(below)
+	}})
 }

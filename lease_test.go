@@ -389,7 +389,7 @@ func TestLeaseWithStoreMemoryRefusedAtLoad(t *testing.T) {
 // back.
 func TestLeaseTable(t *testing.T) {
 	const hold = 100 * time.Millisecond
-	ls := newLeases(&Lease{MaxTokens: 10, Hold: caddy.Duration(hold)}, time.Second)
+	ls := newLeases(leaseOptions{MaxTokens: 10, Hold: hold, Timeout: time.Second})
 	v := limit.Values{Rate: 1, Burst: 100, Requested: 1}
 	t0 := time.Unix(1_000_000, 0)
 	ask := func(values limit.Values, keys ...string) []limit.Bucket {
@@ -562,7 +562,7 @@ func TestLeaseTable(t *testing.T) {
 // ends, or two round trips when that is longer. A slow call raises the
 // round trip at once, fast ones lower it by halves.
 func TestLeaseRenewsSoonerWhenCallsAreSlow(t *testing.T) {
-	ls := newLeases(&Lease{MaxTokens: 32, Hold: caddy.Duration(100 * time.Millisecond)}, time.Second)
+	ls := newLeases(leaseOptions{MaxTokens: 32, Hold: 100 * time.Millisecond, Timeout: time.Second})
 	v := limit.Values{Rate: 1, Burst: 1000, Requested: 1}
 	t0 := time.Unix(1_000_000, 0)
 	l := &lease{rate: 100, rated: true}
@@ -595,7 +595,7 @@ func TestLeaseRenewsSoonerWhenCallsAreSlow(t *testing.T) {
 // the window's length in holds; within a window it is raised at once to
 // what the requests so far make over half a hold.
 func TestLeaseGrantsTheKeysRate(t *testing.T) {
-	ls := newLeases(&Lease{MaxTokens: 32, Hold: caddy.Duration(100 * time.Millisecond)}, time.Second)
+	ls := newLeases(leaseOptions{MaxTokens: 32, Hold: 100 * time.Millisecond, Timeout: time.Second})
 	t0 := time.Unix(1_000_000, 0)
 	for _, tc := range []struct {
 		rate      float64 // before; 0: unknown
@@ -1016,7 +1016,7 @@ func TestLeaseGiveBackLandingAfterANewerTakeKeepsItsLease(t *testing.T) {
 	if lent == 0 {
 		t.Fatal("the request after the pick was lent nothing: no lease for the give-back to erase")
 	}
-	h.giveBackLeases(back, seq)
+	h.leases.giveBackLeases(back, seq)
 	if counted := leaseRecords(t, rdb, key)[h.leases.id].tokens; counted < lent {
 		t.Errorf("after the give-back Redis counts %d tokens lent to the instance, which holds %d", counted, lent)
 	}
@@ -1068,7 +1068,7 @@ func TestLeaseGiveBackPickedBeforeANewTakeLosesNoToken(t *testing.T) {
 		t.Fatalf("the request after the pick: %d", status)
 	}
 	admitted++
-	h.giveBackLeases(back, seq)
+	h.leases.giveBackLeases(back, seq)
 	leasesSettled(t, h)
 	unused := leaseHeld(h, key)
 	expectTokens(t, rdb, key, 100, float64(100-admitted)-float64(unused),

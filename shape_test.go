@@ -30,13 +30,13 @@ var shapeParts = []struct {
 }{
 	{"the quota (a kind)", regexp.MustCompile(`(?i)\bquota`), []string{"quota.go", "quotaconfig.go"}},
 	{"the concurrent limit (a kind)", regexp.MustCompile(`(?i)\bconcurren|\bslot`), []string{"concurrent.go", "slotsmemory.go"}},
-	{"leases (a layer)", regexp.MustCompile(`(?i)\blease`), []string{"lease.go", "leasecall.go", "leasehot.go"}},
+	{"leases (a layer)", regexp.MustCompile(`(?i)\blease`), []string{"lease.go"}},
 	{"the deny cache (a layer)", regexp.MustCompile(`(?i)deny ?cache|denyLayer`), []string{"denycache.go"}},
 	{"on_error (a layer)", regexp.MustCompile(`(?i)on_?error`), []string{"onerror.go"}},
 	{"the memory store", regexp.MustCompile(`(?i)memory ?store|store ?memory|memstore|inProcess`), []string{"memstore.go", "slotsmemory.go"}},
 	// Leases are a strategy over the Redis store (its client, its reply);
 	// redisconfig.go is its config, turned into the package's options.
-	{"the Redis store", regexp.MustCompile(`(?i)redis ?store`), []string{"redisstore.go", "redisconfig.go", "lease.go", "leasecall.go", "leasehot.go"}},
+	{"the Redis store", regexp.MustCompile(`(?i)redis ?store`), []string{"redisstore.go", "redisconfig.go", "lease.go"}},
 }
 
 // shapeConfigFiles may name every part: the parser, the config and the

@@ -1,4 +1,4 @@
-package ratelimit
+package lease
 
 import (
 	"context"
@@ -6,7 +6,6 @@ import (
 	"fmt"
 	"time"
 
-	"github.com/caddy-redis/ratelimit/internal/kind/tokenbucket"
 	"github.com/caddy-redis/ratelimit/internal/limit"
 	"github.com/caddy-redis/ratelimit/internal/redisbatch"
 	"github.com/caddy-redis/ratelimit/internal/redisstore"
@@ -37,15 +36,16 @@ var (
 // instance's leases when it can (checkLeased), else in Redis with
 // lease.lua, where its call lends the leases more. Its calls are its
 // own, not the store's below it: it takes the place of a layer below
-// that keeps refusals, and asks those itself (leases.refused).
+// that keeps refusals, and asks those itself (Leases.refused).
 type leaseLayer struct {
 	limit.Store // below: its holds and peeks are the layer's
-	ls          *leases
+	ls          *Leases
 }
 
-// layer is the lease layer over below. It takes the place of a layer
-// below that keeps refusals (limit.TakeRefusals), and asks those itself.
-func (ls *leases) layer(below limit.Store) limit.Store {
+// Layer is the lease layer over below: with lease, the leases decide
+// first. It takes the place of a layer below that keeps refusals
+// (limit.TakeRefusals), and asks those itself.
+func (ls *Leases) Layer(below limit.Store) limit.Store {
 	below, ls.refused = limit.TakeRefusals(below)
 	// Leases given back or reported spent may refill a bucket sooner
 	// than its wait: a refusal is kept at most a hold.
@@ -78,34 +78,77 @@ func (l leaseLayer) Take(ctx context.Context, r *limit.Call) (bool, error) {
 	return allowed, err
 }
 
+// groupOf appends to dst the buckets of slot group g, in order, and to
+// dstStates their states.
+func groupOf(buckets []limit.Bucket, states []leaseState, g int, dst []limit.Bucket, dstStates []leaseState) ([]limit.Bucket, []leaseState) {
+	for i := range buckets {
+		if buckets[i].Limit.Group == g {
+			dst, dstStates = append(dst, buckets[i]), append(dstStates, states[i])
+		}
+	}
+	return dst, dstStates
+}
+
+// giveBackSeq is the sequence number of the give-back of what a flight's
+// calls landed after the leases closed (land), or 0 when there is none;
+// taken before the flight finishes, while no other call of its buckets
+// can start: later calls of those buckets come after it (see take).
+func giveBackSeq(ls *Leases, back leaseReturns) int64 {
+	if back.len() == 0 {
+		return 0
+	}
+	return ls.seq.Add(1)
+}
+
+// leaseReturns are leases to give back: their buckets and lease states,
+// in order (states[i] is buckets[i]'s).
+type leaseReturns struct {
+	buckets []limit.Bucket
+	states  []leaseState
+}
+
+func (r *leaseReturns) add(b limit.Bucket, st leaseState) {
+	r.buckets, r.states = append(r.buckets, b), append(r.states, st)
+}
+
+func (r *leaseReturns) addAll(more leaseReturns) {
+	r.buckets, r.states = append(r.buckets, more.buckets...), append(r.states, more.states...)
+}
+
+func (r *leaseReturns) len() int { return len(r.buckets) }
+
+// maxGiveBack bounds the buckets of one give-back call, which Redis runs
+// without serving anyone else.
+const maxGiveBack = 64
+
 // checkLeased decides a request of a handler with lease: from its
 // buckets' leases when they hold its tokens; else, when a call for one
 // of its buckets is in flight, after that call, which it shares a
 // failure with; else from the refusals kept; else with a call of its own,
 // which takes its tokens and lends its leases more (asked: the caller
 // records it as a Redis call). A cold request (no lease, no hot key:
-// leases.acquire) is decided as without lease, by the plain script,
+// Leases.acquire) is decided as without lease, by the plain script,
 // which refills a bucket only up to what its leases leave; on a Cluster
 // whose hash slots its buckets span, by lease.lua, which refunds the groups
 // before a refusal under that cap (giveback.lua would not know it).
 // marks are the request's (see acquire), all 0.
-func (ls *leases) checkLeased(clientCtx context.Context, sent time.Time, buckets []limit.Bucket, marks []int64) (allowed, asked bool, err error) {
+func (ls *Leases) checkLeased(clientCtx context.Context, sent time.Time, buckets []limit.Bucket, marks []int64) (allowed, asked bool, err error) {
 	now, counted, lead := sent, false, false
 	for {
 		outcome, f := ls.acquire(now, buckets, marks, &counted, lead)
 		switch {
-		case outcome == leaseAdmitted:
+		case outcome == Admitted:
 			if f != nil {
 				go ls.renewLeases(f)
 			}
 			return true, false, nil
-		case outcome == leaseCold && ls.groups == nil:
+		case outcome == Cold && ls.groups == nil:
 			if ls.refused.Answer(buckets, sent) {
 				return false, false, nil
 			}
 			allowed, err = ls.client.Take(clientCtx, now, buckets)
 			return allowed, true, err
-		case outcome == leaseWait:
+		case outcome == Wait:
 			select {
 			case <-f.done:
 			case <-clientCtx.Done():
@@ -134,7 +177,7 @@ func (ls *leases) checkLeased(clientCtx context.Context, sent time.Time, buckets
 // Cluster where the buckets span several slot groups, each group is a
 // call, in order, and when one refuses or fails, the groups before it get
 // back the request's tokens (their leases stay).
-func (ls *leases) leaseTake(clientCtx context.Context, sent time.Time, f *leaseFlight, buckets []limit.Bucket) (allowed bool, err error) {
+func (ls *Leases) leaseTake(clientCtx context.Context, sent time.Time, f *leaseFlight, buckets []limit.Bucket) (allowed bool, err error) {
 	var back leaseReturns
 	if ls.groups == nil {
 		allowed, err = ls.call(clientCtx, sent, leaseModeTake, ls.seq.Add(1), buckets, f.states)
@@ -155,7 +198,7 @@ func (ls *leases) leaseTake(clientCtx context.Context, sent time.Time, f *leaseF
 }
 
 // leaseTakeGroups is leaseTake over the slot groups of a Cluster.
-func (ls *leases) leaseTakeGroups(clientCtx context.Context, sent time.Time, f *leaseFlight, buckets []limit.Bucket) (allowed bool, err error, back leaseReturns) {
+func (ls *Leases) leaseTakeGroups(clientCtx context.Context, sent time.Time, f *leaseFlight, buckets []limit.Bucket) (allowed bool, err error, back leaseReturns) {
 	var inline, given [limit.MaxInline]limit.Bucket
 	var inlineStates, givenStates [limit.MaxInline]leaseState
 	taken, takenStates := given[:0], givenStates[:0]
@@ -195,22 +238,11 @@ func (ls *leases) leaseTakeGroups(clientCtx context.Context, sent time.Time, f *
 	return false, err, back
 }
 
-// groupOf appends to dst the buckets of slot group g, in order, and to
-// dstStates their states.
-func groupOf(buckets []limit.Bucket, states []leaseState, g int, dst []limit.Bucket, dstStates []leaseState) ([]limit.Bucket, []leaseState) {
-	for i := range buckets {
-		if buckets[i].Limit.Group == g {
-			dst, dstStates = append(dst, buckets[i]), append(dstStates, states[i])
-		}
-	}
-	return dst, dstStates
-}
-
 // refundGroups returns what a request took from earlier slot groups, a
 // call per group (one hash slot each), whether or not the client is still
 // there: the tokens must not stay taken. A failure is logged; those
 // buckets then stay short until they refill. states are taken's.
-func (ls *leases) refundGroups(taken []limit.Bucket, states []leaseState) {
+func (ls *Leases) refundGroups(taken []limit.Bucket, states []leaseState) {
 	for start := 0; start < len(taken); {
 		end := start + 1
 		for end < len(taken) && taken[end].Limit.Group == taken[start].Limit.Group {
@@ -225,7 +257,7 @@ func (ls *leases) refundGroups(taken []limit.Bucket, states []leaseState) {
 
 // renewLeases sends renewal f in the background: it reports what the
 // leases hold and lends them up to what their rate wants.
-func (ls *leases) renewLeases(f *leaseFlight) {
+func (ls *Leases) renewLeases(f *leaseFlight) {
 	// From when the call leaves, not when the request that started it
 	// came: on a busy instance this goroutine may start much later, and
 	// the call's timeout and the new hold count from its send.
@@ -257,45 +289,13 @@ func (ls *leases) renewLeases(f *leaseFlight) {
 	}
 }
 
-// giveBackSeq is the sequence number of the give-back of what a flight's
-// calls landed after the leases closed (land), or 0 when there is none;
-// taken before the flight finishes, while no other call of its buckets
-// can start: later calls of those buckets come after it (see take).
-func giveBackSeq(ls *leases, back leaseReturns) int64 {
-	if back.len() == 0 {
-		return 0
-	}
-	return ls.seq.Add(1)
-}
-
-// leaseReturns are leases to give back: their buckets and lease states,
-// in order (states[i] is buckets[i]'s).
-type leaseReturns struct {
-	buckets []limit.Bucket
-	states  []leaseState
-}
-
-func (r *leaseReturns) add(b limit.Bucket, st leaseState) {
-	r.buckets, r.states = append(r.buckets, b), append(r.states, st)
-}
-
-func (r *leaseReturns) addAll(more leaseReturns) {
-	r.buckets, r.states = append(r.buckets, more.buckets...), append(r.states, more.states...)
-}
-
-func (r *leaseReturns) len() int { return len(r.buckets) }
-
-// maxGiveBack bounds the buckets of one give-back call, which Redis runs
-// without serving anyone else.
-const maxGiveBack = 64
-
 // giveBackLeases gives leases back: in calls of up to maxGiveBack
 // buckets, or a bucket per call on a Cluster, where they may live on
 // different masters, each call with sequence number seq, taken when the
 // leases were picked (see take). This instance's cached denials of those
 // buckets go: the bucket may hold tokens again. What fails counts as
 // spent once the lease expires in Redis.
-func (ls *leases) giveBackLeases(back leaseReturns, seq int64) {
+func (ls *Leases) giveBackLeases(back leaseReturns, seq int64) {
 	size := maxGiveBack
 	if ls.client.IsCluster() {
 		size = 1
@@ -312,9 +312,9 @@ func (ls *leases) giveBackLeases(back leaseReturns, seq int64) {
 	}
 }
 
-// giveBackEvery gives back, every half hold, the leases whose hold ended,
+// GiveBackEvery gives back, every half hold, the leases whose hold ended,
 // until stop; then all of them.
-func (ls *leases) giveBackEvery() {
+func (ls *Leases) GiveBackEvery() {
 	defer close(ls.done)
 	tick := time.NewTicker(max(ls.hold/2, time.Millisecond)) // a hold of 1ns is valid; a ticker of 0 panics
 	defer tick.Stop()
@@ -329,9 +329,9 @@ func (ls *leases) giveBackEvery() {
 	}
 }
 
-// close gives back what the leases hold and stops. From then on nothing
+// Close gives back what the leases hold and stops. From then on nothing
 // is lent (want), and what a call in flight lands goes back (land).
-func (ls *leases) close() {
+func (ls *Leases) Close() {
 	ls.closed.Store(true)
 	close(ls.stop)
 	<-ls.done
@@ -340,10 +340,10 @@ func (ls *leases) close() {
 // reset makes the bucket b full less what it has lent (lease.lua's
 // reset; deleting it would drop its mark, and the plain script would then
 // refill it into lent tokens), and has every instance forget its cached
-// denials of it, as limiter.reset does.
-func (ls *leases) reset(ctx context.Context, b limit.Bucket) error {
-	b.Args = tokenbucket.Args(b.Values)
-	states := []leaseState{{lease: &lease{record: leaseRecordKey(b.Key)}}}
+// denials of it, as the Redis store's reset does.
+func (ls *Leases) reset(ctx context.Context, b limit.Bucket) error {
+	b.Args = limit.Plain.ScriptArgs(b.Values)
+	states := []leaseState{{lease: &lease{record: RecordKey(b.Key)}}}
 	if _, err := ls.call(ctx, time.Now(), leaseModeReset, ls.seq.Add(1), []limit.Bucket{b}, states); err != nil {
 		return err
 	}
@@ -351,7 +351,7 @@ func (ls *leases) reset(ctx context.Context, b limit.Bucket) error {
 }
 
 // warnGiveBack logs a failed refund, throttled.
-func (ls *leases) warnGiveBack(err error) {
+func (ls *Leases) warnGiveBack(err error) {
 	ls.report.Warn("Redis failed while giving tokens back; those buckets stay short until they refill", err)
 }
 
@@ -362,7 +362,7 @@ func (ls *leases) warnGiveBack(err error) {
 // reads each bucket's answer: remaining and retryAfter into the bucket,
 // and into its state leased, what Redis counts as lent to this instance
 // now.
-func (ls *leases) call(clientCtx context.Context, sent time.Time, mode any, seq int64, buckets []limit.Bucket, states []leaseState) (allowed bool, err error) {
+func (ls *Leases) call(clientCtx context.Context, sent time.Time, mode any, seq int64, buckets []limit.Bucket, states []leaseState) (allowed bool, err error) {
 	c := redisbatch.NewCall()
 	for i := range buckets {
 		c.Keys = append(c.Keys, buckets[i].Key, states[i].lease.record)
@@ -390,14 +390,14 @@ func (ls *leases) call(clientCtx context.Context, sent time.Time, mode any, seq 
 }
 
 // settleLeased settles the costs of a lending handler's responses
-// (charge.go) with lease.lua, in the background: a lending bucket refills
+// (charged by the response) with lease.lua, in the background: a lending bucket refills
 // only up to what its leases leave, and settle.lua, which knows nothing
 // of leases, would refill and give back into lent tokens. One call per
 // bucket: a bucket and its lease record share a hash slot, two
 // buckets may not. A request admitted from a lease settles in that lease
-// when it can (leases.settle), without a call; marks are the request's
+// when it can (Leases.settle), without a call; marks are the request's
 // (see acquire).
-func (ls *leases) settleLeased(buckets []limit.Bucket, marks []int64, items []limit.Settling) {
+func (ls *Leases) settleLeased(buckets []limit.Bucket, marks []int64, items []limit.Settling) {
 	type settled struct {
 		limit                *limit.Limit
 		key, record          string
@@ -412,7 +412,7 @@ func (ls *leases) settleLeased(buckets []limit.Bucket, marks []int64, items []li
 			ls.report.Charged(b.Limit, float64(it.Cost), 0)
 			continue
 		}
-		parts = append(parts, settled{limit: b.Limit, key: b.Key, record: leaseRecordKey(b.Key),
+		parts = append(parts, settled{limit: b.Limit, key: b.Key, record: RecordKey(b.Key),
 			rate: b.Args[0], burst: b.Args[1], maxDebt: b.Limit.Charge.MaxDebtArg(b.Values.Burst, b.Values.Rate, b.Args[1]),
 			cost: it.Cost, reserved: b.Values.Requested, diff: it.Diff})
 	}
@@ -455,7 +455,7 @@ func (ls *leases) settleLeased(buckets []limit.Bucket, marks []int64, items []li
 // lease would hold had the request not taken them), a larger one takes
 // the rest from the lease when it holds it. It reports whether it
 // settled; otherwise the settlement goes to Redis.
-func (ls *leases) settle(b *limit.Bucket, fromLease, diff int64, now time.Time) bool {
+func (ls *Leases) settle(b *limit.Bucket, fromLease, diff int64, now time.Time) bool {
 	sh := &ls.shards[ls.shardIndex(b.Key)]
 	sh.mu.Lock()
 	defer sh.mu.Unlock()

@@ -28,6 +28,7 @@ import (
 
 	"github.com/caddy-redis/ratelimit/internal/calendar"
 	"github.com/caddy-redis/ratelimit/internal/kind/tokenbucket"
+	"github.com/caddy-redis/ratelimit/internal/lease"
 	"github.com/caddy-redis/ratelimit/internal/limit"
 	"github.com/caddy-redis/ratelimit/internal/memstore"
 	"github.com/caddy-redis/ratelimit/internal/redisbatch"
@@ -523,12 +524,10 @@ func BenchmarkLeaseCall(b *testing.B) {
 	h := provision(b, &Handler{Zone: "bench-leasecall", Key: "{http.request.header.X-Key}", ReplenishRate: "1e9", BurstCapacity: "1000000000",
 		Lease: &Lease{MaxTokens: 32}, Redis: &RedisConfig{Addresses: []string{srv.Addr}, Timeout: caddy.Duration(2 * time.Second)}})
 	values := h.limits[0].Values
-	l := &lease{record: leaseRecordKey("rate_limit:bench-leasecall|k"), values: values}
-	buckets := []limit.Bucket{{Key: "rate_limit:bench-leasecall|k", Values: values, Args: tokenbucket.Args(values)}}
-	states := []leaseState{{lease: l}}
+	renew := h.leases.Renewal(limit.Bucket{Key: "rate_limit:bench-leasecall|k", Values: values, Args: tokenbucket.Args(values)})
 	b.ReportAllocs()
 	for b.Loop() {
-		if _, err := h.leases.call(context.Background(), h.limiter, time.Now(), leaseModeRenew, h.leases.seq.Add(1), buckets, states); err != nil {
+		if err := renew(context.Background()); err != nil {
 			b.Fatal(err)
 		}
 	}
@@ -626,7 +625,7 @@ func BenchmarkScriptsRedisCPU(b *testing.B) {
 // request in Caddy before its plain call: the lease table's lock, the
 // key's hash and its sighting (10,000 keys in turn, none hot).
 func BenchmarkLeaseAcquireCold(b *testing.B) {
-	ls := newLeases(&Lease{MaxTokens: 32}, time.Second)
+	ls := lease.New(lease.Options{MaxTokens: 32, Timeout: time.Second})
 	keys := make([]string, 10_000)
 	for i := range keys {
 		keys[i] = "rate_limit:bench-lease|127.0.0.1:key-" + strconv.Itoa(i)
@@ -638,8 +637,7 @@ func BenchmarkLeaseAcquireCold(b *testing.B) {
 	for b.Loop() {
 		buckets[0] = limit.Bucket{Key: keys[i%len(keys)]}
 		now = now.Add(20 * time.Microsecond) // each key seen every 200 ms, two holds
-		counted := false
-		if o, _ := ls.acquire(now, buckets, marks, &counted, false); o != leaseCold {
+		if o := ls.AcquireOnce(now, buckets, marks); o != lease.Cold {
 			b.Fatalf("outcome %v; want cold", o)
 		}
 		i++
@@ -658,14 +656,12 @@ func BenchmarkAdmitHot(b *testing.B) {
 	buckets := []limit.Bucket{{Key: key, Values: values}}
 	b.Run("lease", func(b *testing.B) {
 		marks := make([]int64, len(buckets))
-		ls := newLeases(&Lease{MaxTokens: 32}, time.Second)
+		ls := lease.New(lease.Options{MaxTokens: 32, Timeout: time.Second})
 		now := time.Now()
-		ls.shards[ls.shardIndex(key)].byKey[key] = &lease{values: values, counted: true, tokens: 1 << 62,
-			until: now.Add(time.Hour), renewBy: now.Add(time.Hour)}
+		ls.Plant(key, values, 1<<62, now.Add(time.Hour))
 		b.ReportAllocs()
 		for b.Loop() {
-			counted := false
-			if o, _ := ls.acquire(now, buckets, marks, &counted, false); o != leaseAdmitted {
+			if o := ls.AcquireOnce(now, buckets, marks); o != lease.Admitted {
 				b.Fatalf("outcome %v; want admitted", o)
 			}
 		}

@@ -47,7 +47,7 @@ func (h *Handler) buildStore() {
 		s = layer.Deny(s, h.denied, h.perRequest)
 	}
 	if h.leases != nil { // lease: takes the place of the deny layer, whose refusals it asks itself
-		s = h.withLeases(s)
+		s = h.leases.Layer(s)
 	}
 	h.store = h.withFallback(s) // on_error tops every stack: it decides what the stack below could not
 }

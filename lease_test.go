@@ -1,13 +1,14 @@
 package ratelimit
 
-// Leases (lease.go, leasecall.go): the lease table, admission without
+// Leases (internal/lease): the lease table, admission without
 // Redis, one call in flight per bucket, renewal ahead of need, sizing to
 // a key's rate, give-back when the hold ends, at Cleanup and reload,
 // failures of one bucket, the deny cache, the estimate in the headers,
 // and the exact bound across instances, standalone and on Cluster (and
 // at random: lease_random_test.go). lease.lua alone is tested in
-// leasecall_test.go. The parser's and Validate's refusals are rows of
-// the tables in caddyfile_test.go; the forms that load are here.
+// leasecall_test.go, the lease table alone in internal/lease. The
+// parser's and Validate's refusals are rows of the tables in
+// caddyfile_test.go; the forms that load are here.
 
 import (
 	"context"
@@ -23,8 +24,7 @@ import (
 
 	"github.com/caddy-redis/ratelimit/internal/caddyproc"
 	"github.com/caddy-redis/ratelimit/internal/keys"
-	"github.com/caddy-redis/ratelimit/internal/limit"
-	"github.com/caddy-redis/ratelimit/internal/redisbatch"
+	"github.com/caddy-redis/ratelimit/internal/lease"
 	"github.com/caddy-redis/ratelimit/internal/redistest"
 	"github.com/caddyserver/caddy/v2"
 	"github.com/prometheus/client_golang/prometheus"
@@ -63,29 +63,12 @@ func leaseHandler(t *testing.T, zone, body, addr string) *Handler {
 
 // leaseHeld is what h's lease on the bucket at key holds (0: none).
 func leaseHeld(h *Handler, key string) int64 {
-	s := &h.leases.shards[h.leases.shardIndex(key)]
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	if l := s.byKey[key]; l != nil {
-		return l.tokens
-	}
-	return 0
+	return h.leases.Held(key)
 }
 
 // leasesHeld is what all of h's leases hold, and how many Redis counts.
 func leasesHeld(h *Handler) (tokens int64, n int) {
-	for i := range h.leases.shards {
-		s := &h.leases.shards[i]
-		s.mu.Lock()
-		for _, l := range s.byKey {
-			if l.counted {
-				tokens += l.tokens
-				n++
-			}
-		}
-		s.mu.Unlock()
-	}
-	return tokens, n
+	return h.leases.Counted()
 }
 
 // warmLease sends requests for key through h until its lease holds
@@ -330,7 +313,7 @@ func TestLeaseConfigLoads(t *testing.T) {
 			if err := tryProvision(t, offline(h)); err != nil {
 				t.Fatalf("refused: %v", err)
 			}
-			if h.leases == nil || h.leases.max != tc.max || h.leases.hold != tc.hold {
+			if h.leases == nil || h.leases.MaxTokens() != tc.max || h.leases.Hold() != tc.hold {
 				t.Fatalf("leases %+v, want max %d hold %v", h.leases, tc.max, tc.hold)
 			}
 			// The give-back loop runs a few rounds: no panic, and Cleanup
@@ -372,282 +355,11 @@ func TestLeaseWithStoreMemoryRefusedAtLoad(t *testing.T) {
 	}
 }
 
-// TestLeaseTable drives the lease table alone, on a clock of its own:
-// admission within the hold only (its end excluded), with the values it
-// was leased with and enough tokens; all of a request's buckets or none;
-// the estimate of remaining; what ends goes back, with what it holds;
-// a drop gives nothing back; and a lease taken with other values keeps
-
-// TestLeaseTable drives the lease table alone, on a clock of its own: a
-// miss leads a call, registered as the bucket's one flight, which other
-// misses wait for; what lands is Redis's count less what was admitted
-// meanwhile, for a hold from when the call left; admission within the
-// hold only, with the lease's values, all of a request's buckets or
-// none; a renewal starts at half of what the last call lent, one at a
-// time; a failed call changes nothing; give-backs come when the hold
-// ends, never while a call is in flight; once closed, what lands goes
-// back.
-func TestLeaseTable(t *testing.T) {
-	const hold = 100 * time.Millisecond
-	ls := newLeases(&Lease{MaxTokens: 10, Hold: caddy.Duration(hold)}, time.Second)
-	v := limit.Values{Rate: 1, Burst: 100, Requested: 1}
-	t0 := time.Unix(1_000_000, 0)
-	ask := func(values limit.Values, keys ...string) []limit.Bucket {
-		var bs []limit.Bucket
-		for _, k := range keys {
-			bs = append(bs, limit.Bucket{Key: k, Values: values})
-		}
-		return bs
-	}
-	held := func(key string) int64 {
-		if l := ls.get(key); l != nil {
-			return l.tokens
-		}
-		return 0
-	}
-	// acq is acquire for a request trying for the first time (first), or
-	// again.
-	acq := func(now time.Time, bs []limit.Bucket, first, lead bool) (leaseOutcome, *leaseFlight) {
-		counted := !first
-		return ls.acquire(now, bs, make([]int64, len(bs)), &counted, lead)
-	}
-	answer := func(f *leaseFlight, bs []limit.Bucket, leased, remaining int64) {
-		t.Helper()
-		for i := range bs {
-			f.states[i].leased, bs[i].Remaining = leased, remaining
-		}
-		if back := ls.land(f, bs, f.states, f.sent, nil); back.len() != 0 {
-			t.Fatalf("landing gave back %+v", back)
-		}
-		ls.finish(f, bs, nil)
-	}
-
-	// A key seen once, or again a hold later, is cold: nothing is made
-	// for it, its request goes to Redis as without lease.
-	for _, at := range []time.Time{t0.Add(-hold - 10*time.Millisecond), t0.Add(-10 * time.Millisecond)} {
-		if o, f := acq(at, ask(v, "a"), true, false); o != leaseCold || f != nil || ls.get("a") != nil {
-			t.Fatalf("a key not seen within a hold: %v %v, entry %v; want it cold, nothing made", o, f, ls.get("a"))
-		}
-	}
-	// Seen again within a hold, it is hot: a miss. Leading, the request's
-	// call is the flight, asking for what its rate (one request in 10 ms)
-	// makes in a hold: 10.
-	a := ask(v, "a")
-	if o, f := acq(t0, a, true, false); o != leaseMiss || f != nil {
-		t.Fatalf("a hot key without a lease: %v %v; want a miss", o, f)
-	}
-	o, f := acq(t0, a, false, true)
-	if o != leaseMiss || f == nil || f.states[0].lease == nil || f.states[0].held != 0 || f.states[0].want != 10 {
-		t.Fatalf("leading: %v %v %+v; want a flight, asking for 10", o, f, f.states[0])
-	}
-	if o, f2 := acq(t0, ask(v, "a"), true, false); o != leaseWait || f2 != f {
-		t.Fatalf("another miss during the call: %v; want it to wait for the flight", o)
-	}
-	answer(f, a, 0, 99)
-	select {
-	case <-f.done:
-	default:
-		t.Fatal("the flight landed, but its waiters were not told")
-	}
-
-	// 10 requests in 10 ms since: the next call wants 10 (100 ms' worth,
-	// at most max_tokens). Redis lends 10.
-	for range 9 {
-		acq(t0, ask(v, "a"), true, false)
-	}
-	t1 := t0.Add(10 * time.Millisecond)
-	a = ask(v, "a")
-	acq(t1, a, true, false)
-	_, f = acq(t1, a, false, true)
-	if f.states[0].want != 10 {
-		t.Errorf("after 10 requests in 10ms: wants %d, want 10", f.states[0].want)
-	}
-	answer(f, a, 10, 88)
-	if a[0].Remaining != 98 || held("a") != 10 {
-		t.Errorf("landed: remaining %d, held %d; want 88 + 10, 10", a[0].Remaining, held("a"))
-	}
-
-	// Admitted within the hold (its end excluded), with its values only.
-	b := ask(v, "a")
-	if o, _ := acq(t1.Add(hold/2), b, true, false); o != leaseAdmitted || b[0].Remaining != 97 || held("a") != 9 {
-		t.Fatalf("within the hold: %v remaining %d; want admitted with 88 + 9", o, b[0].Remaining)
-	}
-	if o, _ := acq(t1, ask(limit.Values{Rate: 1, Burst: 100, Requested: 2}, "a"), true, false); o != leaseMiss {
-		t.Error("admitted a request with other values than the lease's")
-	}
-	if o, _ := acq(t1.Add(hold), ask(v, "a"), true, false); o != leaseMiss {
-		t.Error("admitted from a lease at the end of its hold")
-	}
-
-	// At half of the 10 lent, the admission starts a renewal: it reports
-	// the 5 left. Requests meanwhile are admitted from them.
-	for range 3 {
-		acq(t1, ask(v, "a"), true, false)
-	}
-	o, renewal := acq(t1, ask(v, "a"), true, false)
-	if o != leaseAdmitted || renewal == nil || len(renewal.buckets) != 1 || renewal.states[0].held != 5 {
-		t.Fatalf("at 5 of 10: %v, renewal %+v; want admitted, and a renewal reporting 5", o, renewal)
-	}
-	if o, again := acq(t1, ask(v, "a"), true, false); o != leaseAdmitted || again != nil {
-		t.Errorf("at 4, a renewal in flight: %v %v; want admitted, no second renewal", o, again)
-	}
-	// Redis counts 5 + 5 lent; 1 was admitted since the renewal left.
-	t2 := t1.Add(20 * time.Millisecond)
-	renewal.sent = t2
-	answer(renewal, renewal.buckets, 10, 78)
-	if held("a") != 9 {
-		t.Errorf("the renewal landed: %d held; want 10 - 1", held("a"))
-	}
-	// A failed call changes nothing: the lease is used until its hold ends.
-	for range 6 {
-		if _, f := acq(t2, ask(v, "a"), true, false); f != nil {
-			t.Fatalf("a renewal at %d, above half of the 5 lent", held("a"))
-		}
-	}
-	_, failed := acq(t2, ask(v, "a"), true, false)
-	if failed == nil {
-		t.Fatal("no renewal at 2 of 5 lent")
-	}
-	ls.land(failed, failed.buckets, failed.states, t2, redisbatch.ErrBreakerOpen)
-	ls.finish(failed, failed.buckets, redisbatch.ErrBreakerOpen)
-	if held("a") != 2 || ls.get("a").until != t2.Add(hold) {
-		t.Errorf("after a failed renewal: %d held until %v; want 2 until %v", held("a"), ls.get("a").until, t2.Add(hold))
-	}
-
-	// Several buckets: all hold a lease, or none is taken from.
-	c := ask(v, "a", "c")
-	if o, _ := acq(t2, c, true, false); o != leaseMiss || held("a") != 2 {
-		t.Fatalf("no lease on c: %v, a holds %d; want a miss, a untouched", o, held("a"))
-	}
-
-	// Nothing goes back within the hold, or while a call is in flight.
-	if back, _ := ls.take(t2.Add(hold-time.Nanosecond), false); back.len() != 0 {
-		t.Errorf("gave back %+v before the hold ended", back)
-	}
-	inFlight := ask(v, "a")
-	_, inFlightF := acq(t2.Add(hold), inFlight, false, true)
-	if back, _ := ls.take(t2.Add(hold), false); back.len() != 0 {
-		t.Errorf("gave back %+v while a call was in flight", back)
-	}
-	ls.land(inFlightF, inFlight, inFlightF.states, t2.Add(hold), redisbatch.ErrBreakerOpen)
-	ls.finish(inFlightF, inFlight, redisbatch.ErrBreakerOpen)
-	back, _ := ls.take(t2.Add(hold), false)
-	if back.len() != 1 || back.buckets[0].Key != "a" || back.states[0].held != 2 || ls.get("a").counted {
-		t.Fatalf("at the end of the hold gave back %+v; want bucket a, its 2", back)
-	}
-	// Kept for the lease's next call to report (its hold is over: none is
-	// admitted from them).
-	if o, _ := acq(t2.Add(hold), ask(v, "a"), true, false); o != leaseMiss || held("a") != 2 {
-		t.Errorf("after the give-back was picked: %v, a holds %d; want a miss, the 2 kept", o, held("a"))
-	}
-	kept := ls.get("a") != nil
-	if back, _ := ls.take(t2.Add(2*hold), false); !kept || back.buckets != nil || ls.get("a") != nil {
-		t.Error("a lease given back is forgotten at once, or never")
-	}
-
-	// Once closed, a call in flight lands for a give-back: nothing is kept.
-	e := ask(v, "e")
-	acq(t2, e, true, true)
-	_, fe := acq(t2, e, false, true)
-	ls.closed.Store(true)
-	fe.states[0].leased = 7
-	if back := ls.land(fe, e, fe.states, t2, nil); back.len() != 1 || back.states[0].held != 7 || held("e") != 0 {
-		t.Errorf("a call landing after close: %+v, e holds %d; want e's 7 back, nothing kept", back, held("e"))
-	}
-}
-
-// TestLeaseRenewsSoonerWhenCallsAreSlow: a renewal starts at half of
-// what the last call lent, or sooner when the key's requests would spend
-// what is left in four round trips; and a quarter hold before the hold
-// ends, or two round trips when that is longer. A slow call raises the
-// round trip at once, fast ones lower it by halves.
-func TestLeaseRenewsSoonerWhenCallsAreSlow(t *testing.T) {
-	ls := newLeases(&Lease{MaxTokens: 32, Hold: caddy.Duration(100 * time.Millisecond)}, time.Second)
-	v := limit.Values{Rate: 1, Burst: 1000, Requested: 1}
-	t0 := time.Unix(1_000_000, 0)
-	l := &lease{rate: 100, rated: true}
-	for _, tc := range []struct {
-		rtt  time.Duration
-		want int64
-		by   time.Duration // before the hold ends
-	}{
-		{time.Millisecond, 5, 25 * time.Millisecond},       // half of the 10 lent; a quarter hold
-		{25 * time.Millisecond, 10, 50 * time.Millisecond}, // 100 a second: 10 in four round trips of 25ms
-		{time.Millisecond, 6, 26 * time.Millisecond},       // 13ms: 5.2 in four
-		{time.Millisecond, 5, 25 * time.Millisecond},       // 7ms: 2.8 in four, under half of the 10
-	} {
-		b := []limit.Bucket{{Key: "k", Values: v}}
-		states := []leaseState{{lease: l, leased: 10}}
-		f := &leaseFlight{done: make(chan struct{}), sent: t0}
-		l.flight = f
-		ls.land(f, b, states, t0.Add(tc.rtt), nil)
-		if l.renewAt != tc.want || l.until.Sub(l.renewBy) != tc.by {
-			t.Errorf("10 lent, 100 requests a second, a call of %v (round trip now %v): renews at %d left and %v before the hold ends, want %d and %v",
-				tc.rtt, l.rtt, l.renewAt, l.until.Sub(l.renewBy), tc.want, tc.by)
-		}
-	}
-}
-
-// TestLeaseGrantsTheKeysRate: a call asks for what the key's requests on
-// this instance use within a hold at its rate, in whole requests, at
-// most max_tokens; nothing for a key seen once. The rate is measured over
-// windows of at least half a hold, weighed against the rate before by
-// the window's length in holds; within a window it is raised at once to
-// what the requests so far make over half a hold.
-func TestLeaseGrantsTheKeysRate(t *testing.T) {
-	ls := newLeases(&Lease{MaxTokens: 32, Hold: caddy.Duration(100 * time.Millisecond)}, time.Second)
-	t0 := time.Unix(1_000_000, 0)
-	for _, tc := range []struct {
-		rate      float64 // before; 0: unknown
-		seen      int64
-		window    time.Duration
-		requested int64
-		want      int64
-	}{
-		{0, 0, 0, 1, 0}, // seen once
-		{0, 1, time.Second, 1, 0},
-		{0, 1, 100 * time.Millisecond, 1, 1},
-		{0, 5, 100 * time.Millisecond, 1, 5},
-		{0, 5, 50 * time.Millisecond, 1, 10},
-		{0, 5, 50 * time.Millisecond, 3, 30},
-		{0, 5, 10 * time.Millisecond, 3, 32},
-		{0, 1000, time.Millisecond, 1, 32},
-		{100, 0, 10 * time.Millisecond, 1, 10}, // too short a window to tell: the rate stands
-		{100, 3, 10 * time.Millisecond, 1, 10}, // 3 in half a hold is less
-		{100, 8, 10 * time.Millisecond, 1, 16}, // 8 in half a hold is more: raised at once
-		{100, 0, 50 * time.Millisecond, 1, 6},  // 100 × e^-0.5: a moment ago still counts
-		{100, 1, time.Second, 1, 0},            // idle ten holds: about 1 a second
-		{100, 6, 100 * time.Millisecond, 1, 7}, // 100 × e^-1 + 60 × (1 - e^-1)
-	} {
-		l := &lease{seen: tc.seen, rate: tc.rate, rated: tc.rate > 0}
-		if tc.window > 0 {
-			l.since = t0.Add(-tc.window)
-		}
-		if got := ls.grant(l, t0, tc.requested); got != tc.want {
-			t.Errorf("rate %v, then %d requests of %d in %v: wants %d, want %d", tc.rate, tc.seen, tc.requested, tc.window, got, tc.want)
-		}
-		if restarted := l.seen == 0 && l.since.Equal(t0); restarted != (tc.window == 0 || tc.rate == 0 || tc.window >= 50*time.Millisecond) {
-			t.Errorf("window %v: restarted %v (%d seen since %v)", tc.window, restarted, l.seen, l.since)
-		}
-	}
-}
-
 // leasesSettled waits until no call of h's leases is in flight.
 func leasesSettled(t *testing.T, h *Handler) {
 	t.Helper()
 	eventually(t, 3*time.Second, "the lease calls landed", func() bool {
-		for i := range h.leases.shards {
-			s := &h.leases.shards[i]
-			s.mu.Lock()
-			for _, l := range s.byKey {
-				if l.flight != nil {
-					s.mu.Unlock()
-					return false
-				}
-			}
-			s.mu.Unlock()
-		}
-		return true
+		return !h.leases.Flying()
 	})
 }
 
@@ -999,13 +711,10 @@ func TestLeaseGiveBackLandingAfterANewerTakeKeepsItsLease(t *testing.T) {
 	// The loop's pick at the end of the hold, made now: the loop itself
 	// picks the lease half a hold after its end at the latest, so the
 	// test's give-back leaves when the test says.
-	sh := &h.leases.shards[h.leases.shardIndex(key)]
-	sh.mu.Lock()
-	until := sh.byKey[key].until
-	sh.mu.Unlock()
-	back, seq := h.leases.take(until, false)
-	if back.len() != 1 {
-		t.Fatalf("picked %d leases to give back, want the one on %s", back.len(), key)
+	until := h.leases.Until(key)
+	picked, giveBack := h.leases.PickGiveBacks(until)
+	if picked != 1 {
+		t.Fatalf("picked %d leases to give back, want the one on %s", picked, key)
 	}
 	start := log.now()
 	if status, _, _ := hit(h, "k"); status != 200 {
@@ -1016,8 +725,8 @@ func TestLeaseGiveBackLandingAfterANewerTakeKeepsItsLease(t *testing.T) {
 	if lent == 0 {
 		t.Fatal("the request after the pick was lent nothing: no lease for the give-back to erase")
 	}
-	h.giveBackLeases(back, seq)
-	if counted := leaseRecords(t, rdb, key)[h.leases.id].tokens; counted < lent {
+	giveBack()
+	if counted := leaseRecords(t, rdb, key)[h.leases.ID()].tokens; counted < lent {
 		t.Errorf("after the give-back Redis counts %d tokens lent to the instance, which holds %d", counted, lent)
 	}
 	// The bucket refills meanwhile, up to what Redis counts as lent; then
@@ -1059,16 +768,13 @@ func TestLeaseGiveBackPickedBeforeANewTakeLosesNoToken(t *testing.T) {
 	scriptsLoaded(t, rdb)
 	key := limitKey(t, h, "", "k")
 	admitted := warmLease(t, h, "k", key)
-	sh := &h.leases.shards[h.leases.shardIndex(key)]
-	sh.mu.Lock()
-	until := sh.byKey[key].until
-	sh.mu.Unlock()
-	back, seq := h.leases.take(until, false) // the give-back loop's pick, ahead of time
+	until := h.leases.Until(key)
+	_, giveBack := h.leases.PickGiveBacks(until) // the give-back loop's pick, ahead of time
 	if status, _, _ := hit(h, "k"); status != 200 {
 		t.Fatalf("the request after the pick: %d", status)
 	}
 	admitted++
-	h.giveBackLeases(back, seq)
+	giveBack()
 	leasesSettled(t, h)
 	unused := leaseHeld(h, key)
 	expectTokens(t, rdb, key, 100, float64(100-admitted)-float64(unused),
@@ -1272,7 +978,7 @@ func TestLeaseUsedUntilItsHoldEndsWhileRedisIsDown(t *testing.T) {
 	key := limitKey(t, h, "", "a")
 	warmLease(t, h, "a", key)
 	leasesSettled(t, h)
-	until := h.leases.get(key).until
+	until := h.leases.Until(key)
 	srv.Stop(t)
 	for i := 0; !standaloneBreaker(h).isOpen(); i++ {
 		if status, _, _ := hit(h, fmt.Sprint("other", i)); status != 503 {
@@ -1337,7 +1043,7 @@ func TestLeaseGiveBackReachesAnotherInstancesDenyCache(t *testing.T) {
 	}
 	t.Logf("x denied with Retry-After %s while y holds a lease of %d", header.Get("Retry-After"), lent)
 	// y's hold ends: its lease goes back, and x is admitted within a hold.
-	eventually(t, 2*time.Second, "y's lease given back", func() bool { return leaseRecords(t, rdb, key)[y.leases.id].tokens == 0 })
+	eventually(t, 2*time.Second, "y's lease given back", func() bool { return leaseRecords(t, rdb, key)[y.leases.ID()].tokens == 0 })
 	back := time.Now()
 	eventually(t, 2*hold, "x admitted after y gave back", func() bool {
 		status, _, _ := hit(x, "k")
@@ -1430,14 +1136,7 @@ func TestLeaseBoundWithLeasesOutOnThreeInstances(t *testing.T) {
 
 // leaseEntries counts the keys h's lease table holds.
 func leaseEntries(h *Handler) int {
-	n := 0
-	for i := range h.leases.shards {
-		s := &h.leases.shards[i]
-		s.mu.Lock()
-		n += len(s.byKey)
-		s.mu.Unlock()
-	}
-	return n
+	return h.leases.Entries()
 }
 
 // TestLeaseColdKeysCostThePlainScript: in a zone with lease, keys seen
@@ -1469,7 +1168,7 @@ func TestLeaseColdKeysCostThePlainScript(t *testing.T) {
 	if n := leaseEntries(h); n != 0 {
 		t.Errorf("%d cold keys left %d entries in the lease table; want none", keys, n)
 	}
-	if records, _ := rdb.Keys(ctx, "*"+leaseRecordSuffix+"*").Result(); len(records) != 0 {
+	if records, _ := rdb.Keys(ctx, "*"+lease.RecordSuffix+"*").Result(); len(records) != 0 {
 		t.Errorf("lease records of cold keys: %v", records)
 	}
 
@@ -1485,7 +1184,7 @@ func TestLeaseColdKeysCostThePlainScript(t *testing.T) {
 		hit(h, "hot")
 		time.Sleep(2 * hold)
 		b, _ := parseBucket(rdb.Get(ctx, hot))
-		return leaseEntries(h) == 0 && b.lent == 0 && rdb.Exists(ctx, leaseRecordKey(hot)).Val() == 0
+		return leaseEntries(h) == 0 && b.lent == 0 && rdb.Exists(ctx, lease.RecordKey(hot)).Val() == 0
 	})
 	for range 3 {
 		hit(h, "hot")

@@ -1,7 +1,7 @@
 package ratelimit
 
 // lease.lua against Redis, call by call, and the keys of lease records
-// (leasecall.go). The handler's use of them is in lease_test.go.
+// (internal/lease). The handler's use of them is in lease_test.go.
 
 import (
 	"context"
@@ -12,7 +12,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/caddy-redis/ratelimit/internal/redisbatch"
+	"github.com/caddy-redis/ratelimit/internal/lease"
 	"github.com/caddy-redis/ratelimit/internal/redistest"
 	"github.com/redis/go-redis/v9"
 )
@@ -40,7 +40,7 @@ func evalLease(t *testing.T, rdb *redis.Client, mode, id string, seq int64, life
 	var keys []string
 	args := []any{mode, id, seq, life.Microseconds()}
 	for _, b := range bs {
-		keys = append(keys, b.key, leaseRecordKey(b.key))
+		keys = append(keys, b.key, lease.RecordKey(b.key))
 		args = append(args, strconv.FormatFloat(b.rate, 'f', -1, 64), b.burst, b.requested, b.held, b.want)
 	}
 	v, err := rdb.Eval(context.Background(), leaseSource, keys, args...).Int64Slice()
@@ -69,7 +69,7 @@ type leaseRecord struct {
 // leaseRecords reads the lease record of the bucket at key, by instance.
 func leaseRecords(t *testing.T, rdb *redis.Client, key string) map[string]leaseRecord {
 	t.Helper()
-	text, err := rdb.Get(context.Background(), leaseRecordKey(key)).Result()
+	text, err := rdb.Get(context.Background(), lease.RecordKey(key)).Result()
 	if err == redis.Nil {
 		return nil
 	}
@@ -110,7 +110,7 @@ func setLeaseRecord(t *testing.T, rdb *redis.Client, key string, now int64, leas
 		last = max(last, now+in.Microseconds())
 	}
 	if last > now {
-		if err := rdb.Set(ctx, leaseRecordKey(key), strings.Join(entries, ","), time.Duration(last-now)*time.Microsecond).Err(); err != nil {
+		if err := rdb.Set(ctx, lease.RecordKey(key), strings.Join(entries, ","), time.Duration(last-now)*time.Microsecond).Err(); err != nil {
 			t.Fatal(err)
 		}
 	}
@@ -201,7 +201,7 @@ func TestLeaseScriptCountsWhatItLends(t *testing.T) {
 	if r.remaining[0] != 95 || leaseRecords(t, rdb, a.key) != nil {
 		t.Fatalf("i1 gives back 50 of its 8: %d left, records %v; want 95, none", r.remaining[0], leaseRecords(t, rdb, a.key))
 	}
-	if err := rdb.Get(context.Background(), leaseRecordKey(a.key)).Err(); err != redis.Nil {
+	if err := rdb.Get(context.Background(), lease.RecordKey(a.key)).Err(); err != redis.Nil {
 		t.Errorf("the record key of a bucket that lends nothing: %v; want none", err)
 	}
 	held("100")
@@ -294,7 +294,7 @@ func TestLeaseScriptMarksTheBucketOnlyWhileItLends(t *testing.T) {
 	if c["get"] != 1 || c["set"] != 1 || c["del"] != 0 || c["pexpire"] != 0 {
 		t.Errorf("a take on a bucket without leases ran get %d, set %d, del %d; want one GET and one SET", c["get"], c["set"], c["del"])
 	}
-	if n, _ := rdb.Exists(ctx, leaseRecordKey(a.key)).Result(); n != 0 {
+	if n, _ := rdb.Exists(ctx, lease.RecordKey(a.key)).Result(); n != 0 {
 		t.Error("a bucket that never lent has a lease record")
 	}
 	if b, err := parseBucket(rdb.Get(ctx, a.key)); err != nil || b.lent != 0 || math.Floor(b.tokens) != 99 {
@@ -310,7 +310,7 @@ func TestLeaseScriptMarksTheBucketOnlyWhileItLends(t *testing.T) {
 	if err != nil || b.lent != 10 || b.until < now+50_000_000 || b.until > now+60_000_000 {
 		t.Errorf("the bucket that lent 10 for a minute: %+v %v; want its mark: 10 lent for a minute", b, err)
 	}
-	if ttl := rdb.PTTL(ctx, leaseRecordKey(a.key)).Val(); ttl < 50*time.Second || ttl > time.Minute {
+	if ttl := rdb.PTTL(ctx, lease.RecordKey(a.key)).Val(); ttl < 50*time.Second || ttl > time.Minute {
 		t.Errorf("the lease record lives %v; want as long as its lease, a minute", ttl)
 	}
 
@@ -321,7 +321,7 @@ func TestLeaseScriptMarksTheBucketOnlyWhileItLends(t *testing.T) {
 	if b, err := parseBucket(rdb.Get(ctx, a.key)); err != nil || b.lent != 0 || math.Floor(b.tokens) != 98 {
 		t.Errorf("after the give-back: %+v %v; want 98 tokens, no mark", b, err)
 	}
-	if n, _ := rdb.Exists(ctx, leaseRecordKey(a.key)).Result(); n != 0 {
+	if n, _ := rdb.Exists(ctx, lease.RecordKey(a.key)).Result(); n != 0 {
 		t.Error("the lease record outlived its last lease")
 	}
 	c = calls(func() { evalLease(t, rdb, "take", "i1", 4, time.Minute, a) })
@@ -694,27 +694,6 @@ func TestLeaseScriptStateIsScriptLuas(t *testing.T) {
 	}
 	if r := evalLease(t, rdb, "renew", "probe", 1, time.Minute, leaseArg{key: a.key, rate: a.rate, burst: a.burst, requested: 1}); r.remaining[0] != 88 {
 		t.Errorf("lease.lua on script.lua's bucket: %d left, want 88", r.remaining[0])
-	}
-}
-
-// TestLeaseRecordKeySharesTheBucketsSlot: a lease record lives in its
-// bucket's Redis Cluster hash slot, tagged or not (the slot function
-// is Redis's: redisbatch's TestSlotIsRedisClusters).
-func TestLeaseRecordKeySharesTheBucketsSlot(t *testing.T) {
-	for i := range 20000 {
-		key := fmt.Sprintf("rate_limit:zone|tag|client%d", i)
-		if i%2 == 1 {
-			key = fmt.Sprintf("rate_limit:{zone|tag|client%d}|second", i)
-		}
-		record := leaseRecordKey(key)
-		if redisbatch.Slot(record) != redisbatch.Slot(key) || !strings.HasPrefix(record, key+leaseRecordSuffix) {
-			t.Fatalf("record %q of %q: slot %d, want %d", record, key, redisbatch.Slot(record), redisbatch.Slot(key))
-		}
-	}
-	for slot, tag := range hashSlotTags() {
-		if redisbatch.Slot(tag) != slot || len(tag) > 3 {
-			t.Fatalf("tag %q for slot %d: its slot is %d", tag, slot, redisbatch.Slot(tag))
-		}
 	}
 }
 

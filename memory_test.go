@@ -11,6 +11,7 @@ import (
 	"time"
 
 	"github.com/caddy-redis/ratelimit/internal/keys"
+	"github.com/caddy-redis/ratelimit/internal/lease"
 	"github.com/caddy-redis/ratelimit/internal/redistest"
 	"github.com/redis/go-redis/v9"
 )
@@ -129,7 +130,7 @@ func TestRedisMemoryPerLeasingBucket(t *testing.T) {
 	}
 	perLeasing := float64(afterLeasing-before) / float64(n)
 	sample := prefix + ipv4Key(n/2)
-	record := leaseRecordKey(sample)
+	record := lease.RecordKey(sample)
 	t.Logf("bytes per bucket at %d keys: %.1f plain, %.1f leasing (bucket %q, record %q = %q): %.2f× a plain one",
 		n, perPlain, perLeasing, rdb.Get(ctx, sample).Val(), record, rdb.Get(ctx, record).Val(), perLeasing/perPlain)
 	if perLeasing > maxBytesPerLeasingBucket {
@@ -142,7 +143,7 @@ func TestRedisMemoryPerLeasingBucket(t *testing.T) {
 	// A short lease: its record goes when it expires; the bucket, taken
 	// from after, has no mark left.
 	short := prefix + "short"
-	keys := []string{short, leaseRecordKey(short)}
+	keys := []string{short, lease.RecordKey(short)}
 	if err := leasing.EvalSha(ctx, rdb, keys, "take", id, 3, 200_000, "0.01", "100", "1", 0, 8).Err(); err != nil {
 		t.Fatal(err)
 	}
@@ -172,7 +173,7 @@ func leaseAll(t *testing.T, rdb *redis.Client, sha, prefix string, n int, args [
 		cmds := make([]*redis.Cmd, 0, batch)
 		for i := lo; i < min(lo+batch, n); i++ {
 			key := prefix + ipv4Key((i+rotate)%n)
-			cmds = append(cmds, pipe.EvalSha(ctx, sha, []string{key, leaseRecordKey(key)}, args...))
+			cmds = append(cmds, pipe.EvalSha(ctx, sha, []string{key, lease.RecordKey(key)}, args...))
 		}
 		if _, err := pipe.Exec(ctx); err != nil {
 			t.Fatal(err)

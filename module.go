@@ -9,6 +9,7 @@ import (
 	"time"
 
 	"github.com/caddy-redis/ratelimit/internal/layer"
+	"github.com/caddy-redis/ratelimit/internal/lease"
 	"github.com/caddy-redis/ratelimit/internal/limit"
 	"github.com/caddy-redis/ratelimit/internal/logs"
 	"github.com/caddy-redis/ratelimit/internal/memstore"
@@ -280,7 +281,7 @@ type Handler struct {
 	memory        *memstore.Store    // with store memory: the buckets
 	local         *memstore.Store    // with on_error local: the buckets while Redis fails
 	limiter       *redisstore.Client // nil when no limit ever asks Redis
-	leases        *leases            // with lease
+	leases        *lease.Leases      // with lease
 	charging      *charging          // when a limit charges by the response (charge.go)
 	request       *bodyValueStep     // with request_body (requestbody.go)
 	before        []preStep          // what runs before a request's buckets are resolved (steps.go)
@@ -467,7 +468,7 @@ func (h *Handler) Cleanup() error {
 		return nil
 	}
 	if h.leases != nil {
-		h.leases.close() // gives back what they hold
+		h.leases.Close() // gives back what they hold
 	}
 	h.limiter.Unwatch(h.redisReport())
 	if h.metrics != nil {

@@ -14,8 +14,9 @@ import (
 	"github.com/caddy-redis/ratelimit/internal/redisstore"
 )
 
-// The Redis store's scripts, as the tests here send them by hand, read
-// from the package's files: the same text, so the same SHA as the store's.
+// The Redis store's scripts and the leases' lease.lua, as the tests here
+// send them by hand, read from their packages' files: the same text, so
+// the same SHA as the packages' own.
 // settleScript is the store's own, since a settlement is known by it.
 var (
 	scriptSource     = readStoreScript("script.lua")
@@ -24,11 +25,13 @@ var (
 	settleSource     = readStoreScript("settle.lua")
 	concurrentSource = readStoreScript("concurrent.lua")
 	peekSlotsSource  = readStoreScript("peekslots.lua")
+	leaseSource      = readScript("internal/lease/lease.lua")
 
 	takeScript       = redisbatch.NewScript(scriptSource)
 	giveBackScript   = redisbatch.NewScript(giveBackSource)
 	settleScript     = redisstore.Settlements.Script // the one settlements merge by (MergedKind.Is)
 	concurrentScript = redisbatch.NewScript(concurrentSource)
+	leaseScript      = redisbatch.NewScript(leaseSource) // the leases' own, by its SHA
 	scriptSHA        = takeScript.SHA()
 )
 
@@ -43,7 +46,11 @@ func TestLongestWaitOfAReplyCoversEveryKind(t *testing.T) {
 }
 
 func readStoreScript(name string) string {
-	text, err := os.ReadFile(filepath.Join("internal", "redisstore", name))
+	return readScript(filepath.Join("internal", "redisstore", name))
+}
+
+func readScript(file string) string {
+	text, err := os.ReadFile(file)
 	if err != nil {
 		panic(err)
 	}

@@ -1,4 +1,4 @@
-package ratelimit
+package lease
 
 import (
 	"context"
@@ -6,12 +6,9 @@ import (
 	"fmt"
 	"time"
 
-	"github.com/caddy-redis/ratelimit/internal/kind/tokenbucket"
 	"github.com/caddy-redis/ratelimit/internal/limit"
-	"github.com/caddy-redis/ratelimit/internal/logs"
 	"github.com/caddy-redis/ratelimit/internal/redisbatch"
 	"github.com/caddy-redis/ratelimit/internal/redisstore"
-	"go.uber.org/zap"
 )
 
 // The calls of a handler with lease: a request whose leases fall short
@@ -39,164 +36,46 @@ var (
 // instance's leases when it can (checkLeased), else in Redis with
 // lease.lua, where its call lends the leases more. Its calls are its
 // own, not the store's below it: it takes the place of a layer below
-// that keeps refusals, and asks those itself (leases.refused).
+// that keeps refusals, and asks those itself (Leases.refused).
 type leaseLayer struct {
 	limit.Store // below: its holds and peeks are the layer's
-	h           *Handler
+	ls          *Leases
 }
 
-// withLeases puts the lease layer over below: the leases decide first.
-func (h *Handler) withLeases(below limit.Store) limit.Store {
-	below, h.leases.refused = limit.TakeRefusals(below)
+// Layer is the lease layer over below: with lease, the leases decide
+// first. It takes the place of a layer below that keeps refusals
+// (limit.TakeRefusals), and asks those itself.
+func (ls *Leases) Layer(below limit.Store) limit.Store {
+	below, ls.refused = limit.TakeRefusals(below)
 	// Leases given back or reported spent may refill a bucket sooner
 	// than its wait: a refusal is kept at most a hold.
-	h.leases.refused.KeepAtMost(h.leases.hold)
-	return leaseLayer{Store: below, h: h}
+	ls.refused.KeepAtMost(ls.hold)
+	return leaseLayer{Store: below, ls: ls}
 }
 
 // Settle settles in the leases first (settleLeased).
 func (l leaseLayer) Settle(r *limit.Call, items []limit.Settling) {
-	l.h.settleLeased(r.Buckets, r.LayerMarks, items)
+	l.ls.settleLeased(r.Buckets, r.LayerMarks, items)
 }
 
 // Reset makes a bucket full less what its leases hold (deleting it would
 // drop its mark, and with it what is lent), after this instance's
 // refusals of it are forgotten.
 func (l leaseLayer) Reset(ctx context.Context, b limit.Bucket) error {
-	l.h.leases.refused.Forget(b.Key)
-	return l.h.leases.reset(ctx, l.h.limiter, b)
+	l.ls.refused.Forget(b.Key)
+	return l.ls.reset(ctx, b)
 }
 
 func (l leaseLayer) Take(ctx context.Context, r *limit.Call) (bool, error) {
-	h := l.h
-	allowed, asked, err := h.checkLeased(ctx, r.Sent, r.Buckets, r.ClearLayerMarks())
+	ls := l.ls
+	allowed, asked, err := ls.checkLeased(ctx, r.Sent, r.Buckets, r.ClearLayerMarks())
 	if asked {
-		redisstore.Answered(ctx, r, allowed, err, h.redisReport())
+		redisstore.Answered(ctx, r, allowed, err, ls.report)
 		if err == nil {
-			h.leases.refused.Answered(r.Buckets, r.Sent, allowed)
+			ls.refused.Answered(r.Buckets, r.Sent, allowed)
 		}
 	}
 	return allowed, err
-}
-
-// checkLeased decides a request of a handler with lease: from its
-// buckets' leases when they hold its tokens; else, when a call for one
-// of its buckets is in flight, after that call, which it shares a
-// failure with; else from the refusals kept; else with a call of its own,
-// which takes its tokens and lends its leases more (asked: the caller
-// records it as a Redis call). A cold request (no lease, no hot key:
-// leases.acquire) is decided as without lease, by the plain script,
-// which refills a bucket only up to what its leases leave; on a Cluster
-// whose hash slots its buckets span, by lease.lua, which refunds the groups
-// before a refusal under that cap (giveback.lua would not know it).
-// marks are the request's (see acquire), all 0.
-func (h *Handler) checkLeased(clientCtx context.Context, sent time.Time, buckets []limit.Bucket, marks []int64) (allowed, asked bool, err error) {
-	ls := h.leases
-	now, counted, lead := sent, false, false
-	for {
-		outcome, f := ls.acquire(now, buckets, marks, &counted, lead)
-		switch {
-		case outcome == leaseAdmitted:
-			if f != nil {
-				go h.renewLeases(f)
-			}
-			return true, false, nil
-		case outcome == leaseCold && h.groups == nil:
-			if ls.refused.Answer(buckets, sent) {
-				return false, false, nil
-			}
-			allowed, err = h.limiter.Take(clientCtx, now, buckets)
-			return allowed, true, err
-		case outcome == leaseWait:
-			select {
-			case <-f.done:
-			case <-clientCtx.Done():
-				return false, false, clientCtx.Err()
-			}
-			if f.err != nil {
-				return false, false, f.err
-			}
-			now, lead = time.Now(), false
-		case !lead:
-			if ls.refused.Answer(buckets, sent) {
-				return false, false, nil
-			}
-			lead = true
-		default:
-			// A request that waited for a flight has its own timeout from
-			// now: the batch of its call ends at its earliest deadline.
-			allowed, err = h.leaseTake(clientCtx, now, f, buckets)
-			return allowed, true, err
-		}
-	}
-}
-
-// leaseTake is a request's own call, flight f: it takes the request's
-// tokens from every bucket, all or none, and lends the leases more. On a
-// Cluster where the buckets span several slot groups, each group is a
-// call, in order, and when one refuses or fails, the groups before it get
-// back the request's tokens (their leases stay).
-func (h *Handler) leaseTake(clientCtx context.Context, sent time.Time, f *leaseFlight, buckets []limit.Bucket) (allowed bool, err error) {
-	ls := h.leases
-	var back leaseReturns
-	if h.groups == nil {
-		allowed, err = ls.call(clientCtx, h.limiter, sent, leaseModeTake, ls.seq.Add(1), buckets, f.states)
-		back = ls.land(f, buckets, f.states, time.Now(), err)
-	} else {
-		allowed, err, back = h.leaseTakeGroups(clientCtx, sent, f, buckets)
-	}
-	shared := err
-	if clientCtx.Err() != nil {
-		shared = nil // the leader's client left: the requests that waited ask again
-	}
-	seq := giveBackSeq(ls, back)
-	ls.finish(f, buckets, shared)
-	if back.len() > 0 {
-		go h.giveBackLeases(back, seq)
-	}
-	return allowed, err
-}
-
-// leaseTakeGroups is leaseTake over the slot groups of a Cluster.
-func (h *Handler) leaseTakeGroups(clientCtx context.Context, sent time.Time, f *leaseFlight, buckets []limit.Bucket) (allowed bool, err error, back leaseReturns) {
-	ls := h.leases
-	var inline, given [limit.MaxInline]limit.Bucket
-	var inlineStates, givenStates [limit.MaxInline]leaseState
-	taken, takenStates := given[:0], givenStates[:0]
-	ended := -1 // the group that refused or failed
-	for g := range h.groups {
-		group, states := groupOf(buckets, f.states, g, inline[:0], inlineStates[:0])
-		if len(group) == 0 {
-			continue
-		}
-		allowed, err = ls.call(clientCtx, h.limiter, sent, leaseModeTake, ls.seq.Add(1), group, states)
-		back.addAll(ls.land(f, group, states, time.Now(), err))
-		j := 0
-		for i := range buckets {
-			if buckets[i].Limit.Group == g {
-				buckets[i].Remaining, buckets[i].RetryAfter = group[j].Remaining, group[j].RetryAfter
-				j++
-			}
-		}
-		if err != nil || !allowed {
-			ended = g
-			break
-		}
-		taken, takenStates = append(taken, group...), append(takenStates, states...)
-	}
-	if ended < 0 {
-		return true, nil, back
-	}
-	h.refundGroups(taken, takenStates)
-	for i := range buckets {
-		switch g := buckets[i].Limit.Group; {
-		case g < ended:
-			buckets[i].Remaining += buckets[i].Values.Requested // refunded
-		case g > ended:
-			buckets[i].Unknown = true // never asked
-		}
-	}
-	return false, err, back
 }
 
 // groupOf appends to dst the buckets of slot group g, in order, and to
@@ -210,63 +89,11 @@ func groupOf(buckets []limit.Bucket, states []leaseState, g int, dst []limit.Buc
 	return dst, dstStates
 }
 
-// refundGroups returns what a request took from earlier slot groups, a
-// call per group (one hash slot each), whether or not the client is still
-// there: the tokens must not stay taken. A failure is logged; those
-// buckets then stay short until they refill. states are taken's.
-func (h *Handler) refundGroups(taken []limit.Bucket, states []leaseState) {
-	for start := 0; start < len(taken); {
-		end := start + 1
-		for end < len(taken) && taken[end].Limit.Group == taken[start].Limit.Group {
-			end++
-		}
-		if _, err := h.leases.call(context.Background(), h.limiter, time.Now(), leaseModeRefund, h.leases.seq.Add(1), taken[start:end], states[start:end]); err != nil {
-			h.warnGiveBack(err)
-		}
-		start = end
-	}
-}
-
-// renewLeases sends renewal f in the background: it reports what the
-// leases hold and lends them up to what their rate wants.
-func (h *Handler) renewLeases(f *leaseFlight) {
-	ls := h.leases
-	// From when the call leaves, not when the request that started it
-	// came: on a busy instance this goroutine may start much later, and
-	// the call's timeout and the new hold count from its send.
-	f.sent = time.Now()
-	var err error
-	var back leaseReturns
-	if h.groups == nil {
-		_, err = ls.call(context.Background(), h.limiter, f.sent, leaseModeRenew, ls.seq.Add(1), f.buckets, f.states)
-		back = ls.land(f, f.buckets, f.states, time.Now(), err)
-	} else {
-		var inline [limit.MaxInline]limit.Bucket
-		var inlineStates [limit.MaxInline]leaseState
-		for g := range h.groups {
-			group, states := groupOf(f.buckets, f.states, g, inline[:0], inlineStates[:0])
-			if len(group) == 0 {
-				continue
-			}
-			_, gerr := ls.call(context.Background(), h.limiter, f.sent, leaseModeRenew, ls.seq.Add(1), group, states)
-			back.addAll(ls.land(f, group, states, time.Now(), gerr))
-			if err == nil {
-				err = gerr
-			}
-		}
-	}
-	seq := giveBackSeq(ls, back)
-	ls.finish(f, f.buckets, err)
-	if back.len() > 0 {
-		h.giveBackLeases(back, seq)
-	}
-}
-
 // giveBackSeq is the sequence number of the give-back of what a flight's
 // calls landed after the leases closed (land), or 0 when there is none;
 // taken before the flight finishes, while no other call of its buckets
 // can start: later calls of those buckets come after it (see take).
-func giveBackSeq(ls *leases, back leaseReturns) int64 {
+func giveBackSeq(ls *Leases, back leaseReturns) int64 {
 	if back.len() == 0 {
 		return 0
 	}
@@ -294,50 +121,217 @@ func (r *leaseReturns) len() int { return len(r.buckets) }
 // without serving anyone else.
 const maxGiveBack = 64
 
+// checkLeased decides a request of a handler with lease: from its
+// buckets' leases when they hold its tokens; else, when a call for one
+// of its buckets is in flight, after that call, which it shares a
+// failure with; else from the refusals kept; else with a call of its own,
+// which takes its tokens and lends its leases more (asked: the caller
+// records it as a Redis call). A cold request (no lease, no hot key:
+// Leases.acquire) is decided as without lease, by the plain script,
+// which refills a bucket only up to what its leases leave; on a Cluster
+// whose hash slots its buckets span, by lease.lua, which refunds the groups
+// before a refusal under that cap (giveback.lua would not know it).
+// marks are the request's (see acquire), all 0.
+func (ls *Leases) checkLeased(clientCtx context.Context, sent time.Time, buckets []limit.Bucket, marks []int64) (allowed, asked bool, err error) {
+	now, counted, lead := sent, false, false
+	for {
+		outcome, f := ls.acquire(now, buckets, marks, &counted, lead)
+		switch {
+		case outcome == Admitted:
+			if f != nil {
+				go ls.renewLeases(f)
+			}
+			return true, false, nil
+		case outcome == Cold && ls.groups == nil:
+			if ls.refused.Answer(buckets, sent) {
+				return false, false, nil
+			}
+			allowed, err = ls.client.Take(clientCtx, now, buckets)
+			return allowed, true, err
+		case outcome == Wait:
+			select {
+			case <-f.done:
+			case <-clientCtx.Done():
+				return false, false, clientCtx.Err()
+			}
+			if f.err != nil {
+				return false, false, f.err
+			}
+			now, lead = time.Now(), false
+		case !lead:
+			if ls.refused.Answer(buckets, sent) {
+				return false, false, nil
+			}
+			lead = true
+		default:
+			// A request that waited for a flight has its own timeout from
+			// now: the batch of its call ends at its earliest deadline.
+			allowed, err = ls.leaseTake(clientCtx, now, f, buckets)
+			return allowed, true, err
+		}
+	}
+}
+
+// leaseTake is a request's own call, flight f: it takes the request's
+// tokens from every bucket, all or none, and lends the leases more. On a
+// Cluster where the buckets span several slot groups, each group is a
+// call, in order, and when one refuses or fails, the groups before it get
+// back the request's tokens (their leases stay).
+func (ls *Leases) leaseTake(clientCtx context.Context, sent time.Time, f *leaseFlight, buckets []limit.Bucket) (allowed bool, err error) {
+	var back leaseReturns
+	if ls.groups == nil {
+		allowed, err = ls.call(clientCtx, sent, leaseModeTake, ls.seq.Add(1), buckets, f.states)
+		back = ls.land(f, buckets, f.states, time.Now(), err)
+	} else {
+		allowed, err, back = ls.leaseTakeGroups(clientCtx, sent, f, buckets)
+	}
+	shared := err
+	if clientCtx.Err() != nil {
+		shared = nil // the leader's client left: the requests that waited ask again
+	}
+	seq := giveBackSeq(ls, back)
+	ls.finish(f, buckets, shared)
+	if back.len() > 0 {
+		go ls.giveBackLeases(back, seq)
+	}
+	return allowed, err
+}
+
+// leaseTakeGroups is leaseTake over the slot groups of a Cluster.
+func (ls *Leases) leaseTakeGroups(clientCtx context.Context, sent time.Time, f *leaseFlight, buckets []limit.Bucket) (allowed bool, err error, back leaseReturns) {
+	var inline, given [limit.MaxInline]limit.Bucket
+	var inlineStates, givenStates [limit.MaxInline]leaseState
+	taken, takenStates := given[:0], givenStates[:0]
+	ended := -1 // the group that refused or failed
+	for g := range ls.groups {
+		group, states := groupOf(buckets, f.states, g, inline[:0], inlineStates[:0])
+		if len(group) == 0 {
+			continue
+		}
+		allowed, err = ls.call(clientCtx, sent, leaseModeTake, ls.seq.Add(1), group, states)
+		back.addAll(ls.land(f, group, states, time.Now(), err))
+		j := 0
+		for i := range buckets {
+			if buckets[i].Limit.Group == g {
+				buckets[i].Remaining, buckets[i].RetryAfter = group[j].Remaining, group[j].RetryAfter
+				j++
+			}
+		}
+		if err != nil || !allowed {
+			ended = g
+			break
+		}
+		taken, takenStates = append(taken, group...), append(takenStates, states...)
+	}
+	if ended < 0 {
+		return true, nil, back
+	}
+	ls.refundGroups(taken, takenStates)
+	for i := range buckets {
+		switch g := buckets[i].Limit.Group; {
+		case g < ended:
+			buckets[i].Remaining += buckets[i].Values.Requested // refunded
+		case g > ended:
+			buckets[i].Unknown = true // never asked
+		}
+	}
+	return false, err, back
+}
+
+// refundGroups returns what a request took from earlier slot groups, a
+// call per group (one hash slot each), whether or not the client is still
+// there: the tokens must not stay taken. A failure is logged; those
+// buckets then stay short until they refill. states are taken's.
+func (ls *Leases) refundGroups(taken []limit.Bucket, states []leaseState) {
+	for start := 0; start < len(taken); {
+		end := start + 1
+		for end < len(taken) && taken[end].Limit.Group == taken[start].Limit.Group {
+			end++
+		}
+		if _, err := ls.call(context.Background(), time.Now(), leaseModeRefund, ls.seq.Add(1), taken[start:end], states[start:end]); err != nil {
+			ls.warnGiveBack(err)
+		}
+		start = end
+	}
+}
+
+// renewLeases sends renewal f in the background: it reports what the
+// leases hold and lends them up to what their rate wants.
+func (ls *Leases) renewLeases(f *leaseFlight) {
+	// From when the call leaves, not when the request that started it
+	// came: on a busy instance this goroutine may start much later, and
+	// the call's timeout and the new hold count from its send.
+	f.sent = time.Now()
+	var err error
+	var back leaseReturns
+	if ls.groups == nil {
+		_, err = ls.call(context.Background(), f.sent, leaseModeRenew, ls.seq.Add(1), f.buckets, f.states)
+		back = ls.land(f, f.buckets, f.states, time.Now(), err)
+	} else {
+		var inline [limit.MaxInline]limit.Bucket
+		var inlineStates [limit.MaxInline]leaseState
+		for g := range ls.groups {
+			group, states := groupOf(f.buckets, f.states, g, inline[:0], inlineStates[:0])
+			if len(group) == 0 {
+				continue
+			}
+			_, gerr := ls.call(context.Background(), f.sent, leaseModeRenew, ls.seq.Add(1), group, states)
+			back.addAll(ls.land(f, group, states, time.Now(), gerr))
+			if err == nil {
+				err = gerr
+			}
+		}
+	}
+	seq := giveBackSeq(ls, back)
+	ls.finish(f, f.buckets, err)
+	if back.len() > 0 {
+		ls.giveBackLeases(back, seq)
+	}
+}
+
 // giveBackLeases gives leases back: in calls of up to maxGiveBack
 // buckets, or a bucket per call on a Cluster, where they may live on
 // different masters, each call with sequence number seq, taken when the
 // leases were picked (see take). This instance's cached denials of those
 // buckets go: the bucket may hold tokens again. What fails counts as
 // spent once the lease expires in Redis.
-func (h *Handler) giveBackLeases(back leaseReturns, seq int64) {
+func (ls *Leases) giveBackLeases(back leaseReturns, seq int64) {
 	size := maxGiveBack
-	if h.limiter.IsCluster() {
+	if ls.client.IsCluster() {
 		size = 1
 	}
 	for start := 0; start < back.len(); start += size {
 		end := min(start+size, back.len())
 		chunk := back.buckets[start:end]
-		_, _ = h.leases.call(context.Background(), h.limiter, time.Now(), leaseModeGive, seq, chunk, back.states[start:end])
+		_, _ = ls.call(context.Background(), time.Now(), leaseModeGive, seq, chunk, back.states[start:end])
 		keys := make([]string, len(chunk))
 		for i := range chunk {
 			keys[i] = chunk[i].Key
 		}
-		h.leases.refused.ForgetKeys(keys)
+		ls.refused.ForgetKeys(keys)
 	}
 }
 
-// giveBackEvery gives back, every half hold, the leases whose hold ended,
+// GiveBackEvery gives back, every half hold, the leases whose hold ended,
 // until stop; then all of them.
-func (h *Handler) giveBackEvery() {
-	ls := h.leases
+func (ls *Leases) GiveBackEvery() {
 	defer close(ls.done)
 	tick := time.NewTicker(max(ls.hold/2, time.Millisecond)) // a hold of 1ns is valid; a ticker of 0 panics
 	defer tick.Stop()
 	for {
 		select {
 		case <-ls.stop:
-			h.giveBackLeases(ls.take(time.Now(), true))
+			ls.giveBackLeases(ls.take(time.Now(), true))
 			return
 		case now := <-tick.C:
-			h.giveBackLeases(ls.take(now, false))
+			ls.giveBackLeases(ls.take(now, false))
 		}
 	}
 }
 
-// close gives back what the leases hold and stops. From then on nothing
+// Close gives back what the leases hold and stops. From then on nothing
 // is lent (want), and what a call in flight lands goes back (land).
-func (ls *leases) close() {
+func (ls *Leases) Close() {
 	ls.closed.Store(true)
 	close(ls.stop)
 	<-ls.done
@@ -346,22 +340,19 @@ func (ls *leases) close() {
 // reset makes the bucket b full less what it has lent (lease.lua's
 // reset; deleting it would drop its mark, and the plain script would then
 // refill it into lent tokens), and has every instance forget its cached
-// denials of it, as limiter.reset does.
-func (ls *leases) reset(ctx context.Context, l *redisstore.Client, b limit.Bucket) error {
-	b.Args = tokenbucket.Args(b.Values)
-	states := []leaseState{{lease: &lease{record: leaseRecordKey(b.Key)}}}
-	if _, err := ls.call(ctx, l, time.Now(), leaseModeReset, ls.seq.Add(1), []limit.Bucket{b}, states); err != nil {
+// denials of it, as the Redis store's reset does.
+func (ls *Leases) reset(ctx context.Context, b limit.Bucket) error {
+	b.Args = limit.Plain.ScriptArgs(b.Values)
+	states := []leaseState{{lease: &lease{record: RecordKey(b.Key)}}}
+	if _, err := ls.call(ctx, time.Now(), leaseModeReset, ls.seq.Add(1), []limit.Bucket{b}, states); err != nil {
 		return err
 	}
-	return l.AnnounceReset(ctx, b.Key)
+	return ls.client.AnnounceReset(ctx, b.Key)
 }
 
 // warnGiveBack logs a failed refund, throttled.
-func (h *Handler) warnGiveBack(err error) {
-	if ok, suppressed := h.redisWarns.Allow(); ok {
-		h.logger.Warn("Redis failed while giving tokens back; those buckets stay short until they refill",
-			zap.String("zone", h.Zone), zap.Error(err), logs.Suppressed(suppressed))
-	}
+func (ls *Leases) warnGiveBack(err error) {
+	ls.report.Warn("Redis failed while giving tokens back; those buckets stay short until they refill", err)
 }
 
 // call runs lease.lua in mode over the buckets (of one hash slot),
@@ -371,7 +362,7 @@ func (h *Handler) warnGiveBack(err error) {
 // reads each bucket's answer: remaining and retryAfter into the bucket,
 // and into its state leased, what Redis counts as lent to this instance
 // now.
-func (ls *leases) call(clientCtx context.Context, l *redisstore.Client, sent time.Time, mode any, seq int64, buckets []limit.Bucket, states []leaseState) (allowed bool, err error) {
+func (ls *Leases) call(clientCtx context.Context, sent time.Time, mode any, seq int64, buckets []limit.Bucket, states []leaseState) (allowed bool, err error) {
 	c := redisbatch.NewCall()
 	for i := range buckets {
 		c.Keys = append(c.Keys, buckets[i].Key, states[i].lease.record)
@@ -382,7 +373,7 @@ func (ls *leases) call(clientCtx context.Context, l *redisstore.Client, sent tim
 		b, st := &buckets[i], &states[i]
 		c.Args = append(c.Args, b.Args[0], b.Args[1], b.Args[2], st.held, st.want)
 	}
-	c, err = l.Batcher().Send(clientCtx, sent, c)
+	c, err = ls.client.Batcher().Send(clientCtx, sent, c)
 	if err == nil {
 		allowed, err = redisstore.ReadTake(c.Reply, buckets, true)
 		for i := range states {
@@ -399,14 +390,14 @@ func (ls *leases) call(clientCtx context.Context, l *redisstore.Client, sent tim
 }
 
 // settleLeased settles the costs of a lending handler's responses
-// (charge.go) with lease.lua, in the background: a lending bucket refills
+// (charged by the response) with lease.lua, in the background: a lending bucket refills
 // only up to what its leases leave, and settle.lua, which knows nothing
 // of leases, would refill and give back into lent tokens. One call per
 // bucket: a bucket and its lease record share a hash slot, two
 // buckets may not. A request admitted from a lease settles in that lease
-// when it can (leases.settle), without a call; marks are the request's
+// when it can (Leases.settle), without a call; marks are the request's
 // (see acquire).
-func (h *Handler) settleLeased(buckets []limit.Bucket, marks []int64, items []limit.Settling) {
+func (ls *Leases) settleLeased(buckets []limit.Bucket, marks []int64, items []limit.Settling) {
 	type settled struct {
 		limit                *limit.Limit
 		key, record          string
@@ -417,11 +408,11 @@ func (h *Handler) settleLeased(buckets []limit.Bucket, marks []int64, items []li
 	now := time.Now()
 	for _, it := range items {
 		b := &buckets[it.Bucket]
-		if it.Bucket < len(marks) && marks[it.Bucket] != 0 && h.leases.settle(b, marks[it.Bucket], it.Diff, now) {
-			h.countCharged(b.Limit, float64(it.Cost), 0)
+		if it.Bucket < len(marks) && marks[it.Bucket] != 0 && ls.settle(b, marks[it.Bucket], it.Diff, now) {
+			ls.report.Charged(b.Limit, float64(it.Cost), 0)
 			continue
 		}
-		parts = append(parts, settled{limit: b.Limit, key: b.Key, record: leaseRecordKey(b.Key),
+		parts = append(parts, settled{limit: b.Limit, key: b.Key, record: RecordKey(b.Key),
 			rate: b.Args[0], burst: b.Args[1], maxDebt: b.Limit.Charge.MaxDebtArg(b.Values.Burst, b.Values.Rate, b.Args[1]),
 			cost: it.Cost, reserved: b.Values.Requested, diff: it.Diff})
 	}
@@ -429,22 +420,21 @@ func (h *Handler) settleLeased(buckets []limit.Bucket, marks []int64, items []li
 		return
 	}
 	go func() {
-		ls := h.leases
 		for _, p := range parts {
 			c := redisbatch.NewCall()
 			c.Keys = append(c.Keys, p.key, p.record)
 			c.Command(leaseScript)
 			c.Args = append(c.Args, leaseModeSettle, ls.idArg, ls.seq.Add(1), ls.lifeArg, p.rate, p.burst, redisstore.DiffArg(p.diff), p.maxDebt, 0)
-			c, err := h.limiter.Batcher().Send(context.Background(), time.Now(), c)
+			c, err := ls.client.Batcher().Send(context.Background(), time.Now(), c)
 			if err == nil && (len(c.Reply) != 4 || c.Reply[3] < 0) {
 				err = fmt.Errorf("unexpected settle reply %v", c.Reply)
 			}
 			if err != nil {
-				h.countSettleFailure(nil, nil, err)
-				h.countCharged(p.limit, float64(p.reserved), 0)
+				ls.report.SettleFailed(err)
+				ls.report.Charged(p.limit, float64(p.reserved), 0)
 			} else {
 				forgiven := float64(c.Reply[3])
-				h.countCharged(p.limit, float64(p.cost)-forgiven, forgiven)
+				ls.report.Charged(p.limit, float64(p.cost)-forgiven, forgiven)
 				if p.diff < 0 {
 					ls.refused.Forget(p.key)
 				}
@@ -465,7 +455,7 @@ func (h *Handler) settleLeased(buckets []limit.Bucket, marks []int64, items []li
 // lease would hold had the request not taken them), a larger one takes
 // the rest from the lease when it holds it. It reports whether it
 // settled; otherwise the settlement goes to Redis.
-func (ls *leases) settle(b *limit.Bucket, fromLease, diff int64, now time.Time) bool {
+func (ls *Leases) settle(b *limit.Bucket, fromLease, diff int64, now time.Time) bool {
 	sh := &ls.shards[ls.shardIndex(b.Key)]
 	sh.mu.Lock()
 	defer sh.mu.Unlock()

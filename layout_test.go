@@ -123,6 +123,18 @@ func TestEachInternalPackageImportsOnlyWhatItsLayerMay(t *testing.T) {
 	}
 }
 
+// TestTheLayoutHasItsParts: the vocabulary, the kinds, the stores, the
+// lease and the layers are packages of their own, not files of the root.
+func TestTheLayoutHasItsParts(t *testing.T) {
+	imports := internalImports(t)
+	for _, pkg := range []string{"limit", "kind/tokenbucket", "kind/quota", "kind/concurrent",
+		"memstore", "redisstore", "lease", "layer", "cost", "keys", "logs", "requestbody"} {
+		if _, ok := imports[pkg]; !ok {
+			t.Errorf("no package internal/%s", pkg)
+		}
+	}
+}
+
 func contains(list []string, s string) bool {
 	for _, x := range list {
 		if x == s {

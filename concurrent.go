@@ -1,6 +1,6 @@
 package ratelimit
 
-// Concurrency limits (issue 23): at most n requests of a key in flight,
+// Concurrency limits: at most n requests of a key in flight,
 // across every instance that shares the Redis. A request takes a slot of
 // each concurrent limit together with the tokens of the other limits, in
 // the same script call, all or nothing (script.lua), and gives it back

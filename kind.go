@@ -95,7 +95,7 @@ func (h *Handler) buildLimits(keyPrefix string) ([]*limit.Limit, error) {
 		if c.charges && l.Charged == nil {
 			return nil, fmt.Errorf("%s %s: its kind of limit settles no charge", c.what, c.Name)
 		}
-		key := or(c.Key, h.Key)
+		key := cmp.Or(c.Key, h.Key)
 		l.KeyText = key
 		if l.Template, err = keys.Parse(key); err != nil {
 			return nil, err
@@ -147,9 +147,6 @@ func (h *Handler) buildLimits(keyPrefix string) ([]*limit.Limit, error) {
 	}
 	return limits, nil
 }
-
-// or is the first of its values that is set.
-func or[T ~string](values ...T) T { return cmp.Or(values...) }
 
 // checkLimits judges the limits as configured, before provisioning: the
 // parser calls it at the end of the directive, Validate for JSON.

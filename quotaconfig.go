@@ -1,6 +1,7 @@
 package ratelimit
 
 import (
+	"cmp"
 	"fmt"
 	"time"
 
@@ -19,7 +20,7 @@ func quotaConfigs(h *Handler) []limitConfig {
 	configs := make([]limitConfig, 0, len(h.Quotas))
 	for _, q := range h.Quotas {
 		configs = append(configs, limitConfig{
-			Limit: Limit{Name: q.Name, Key: q.Key, BurstCapacity: q.Count, RequestedTokens: or(unset(q.RequestedTokens), unset(h.RequestedTokens)),
+			Limit: Limit{Name: q.Name, Key: q.Key, BurstCapacity: q.Count, RequestedTokens: cmp.Or(unset(q.RequestedTokens), unset(h.RequestedTokens)),
 				IPv4Prefix: q.IPv4Prefix, IPv6Prefix: q.IPv6Prefix, Charge: q.Charge, ChargeStatus: q.ChargeStatus, MaxDebt: q.MaxDebt},
 			what: "quota", charges: true, // a quota's debt is paid back at its boundary: no checkDebt
 			newKind: func() (limit.Kind, error) {
@@ -63,7 +64,7 @@ func (h *Handler) checkQuotas(names map[string]bool) error {
 			_, err = calendar.New(q.Per, q.TimeZone, q.MonthDay, q.WeekStarts)
 		}
 		if err == nil {
-			err = quota.CheckValues(q.Count, or(unset(q.RequestedTokens), unset(h.RequestedTokens)))
+			err = quota.CheckValues(q.Count, cmp.Or(unset(q.RequestedTokens), unset(h.RequestedTokens)))
 		}
 		if err != nil {
 			return fmt.Errorf("quota %s: %w", q.Name, err)

@@ -1,6 +1,7 @@
 package ratelimit
 
 import (
+	"cmp"
 	"fmt"
 
 	"github.com/caddy-redis/ratelimit/internal/cost"
@@ -28,8 +29,8 @@ func bucketConfigs(h *Handler) []limitConfig {
 	}
 	configs := make([]limitConfig, 0, len(limits))
 	for _, c := range limits {
-		c.ReplenishRate, c.BurstCapacity = or(unset(c.ReplenishRate), unset(h.ReplenishRate)), or(c.BurstCapacity, h.BurstCapacity)
-		c.RequestedTokens = or(unset(c.RequestedTokens), unset(h.RequestedTokens))
+		c.ReplenishRate, c.BurstCapacity = cmp.Or(unset(c.ReplenishRate), unset(h.ReplenishRate)), cmp.Or(c.BurstCapacity, h.BurstCapacity)
+		c.RequestedTokens = cmp.Or(unset(c.RequestedTokens), unset(h.RequestedTokens))
 		rate := c.ReplenishRate
 		configs = append(configs, limitConfig{
 			Limit: c, what: what, own: what == "", charges: true,
@@ -68,8 +69,8 @@ func checkBuckets(h *Handler, names map[string]bool) error {
 			_, err = keys.Parse(l.Key)
 		}
 		if err == nil {
-			err = tokenbucket.CheckValues(or(unset(l.ReplenishRate), unset(h.ReplenishRate)), or(l.BurstCapacity, h.BurstCapacity),
-				or(unset(l.RequestedTokens), unset(h.RequestedTokens)), true)
+			err = tokenbucket.CheckValues(cmp.Or(unset(l.ReplenishRate), unset(h.ReplenishRate)), cmp.Or(l.BurstCapacity, h.BurstCapacity),
+				cmp.Or(unset(l.RequestedTokens), unset(h.RequestedTokens)), true)
 		}
 		if err != nil {
 			return fmt.Errorf("limit %s: %w", l.Name, err)

@@ -1006,3 +1006,9 @@ func decide(ctx context.Context, h *Handler, buckets []limit.Bucket) (bool, erro
 	copy(buckets, r.Buckets)
 	return allowed, err
 }
+
+// resolveBuckets is resolveBucketsWith without a weight memo: a
+// request's buckets, as the tests look at them.
+func (h *Handler) resolveBuckets(r *http.Request, repl *caddy.Replacer, buckets []limit.Bucket) (_ []limit.Bucket, skipped limit.Decision, err error) {
+	return h.resolveBucketsWith(r, repl, buckets, nil)
+}

@@ -89,15 +89,11 @@ func (h *Handler) asksRedis() bool {
 	return false
 }
 
-// resolveBuckets finds a request's bucket for each limit that applies to
-// it: the Redis key from the key template, and the values, resolved from
-// placeholders where the config has them. skipped is the decision when no
-// limit applies: `exempt`, or `empty_key` (with deny_empty_key false).
-func (h *Handler) resolveBuckets(r *http.Request, repl *caddy.Replacer, buckets []limit.Bucket) (_ []limit.Bucket, skipped limit.Decision, err error) {
-	return h.resolveBucketsWith(r, repl, buckets, nil)
-}
-
-// resolveBucketsWith is resolveBuckets remembering the weights it
+// resolveBucketsWith finds a request's bucket for each limit that
+// applies to it: the Redis key from the key template, and the values,
+// resolved from placeholders where the config has them. skipped is the
+// decision when no limit applies: `exempt`, or `empty_key` (with
+// deny_empty_key false). It remembers the weights it
 // resolves in memo (nil: none), for the rest of the request.
 func (h *Handler) resolveBucketsWith(r *http.Request, repl *caddy.Replacer, buckets []limit.Bucket, memo *cost.Memo) (_ []limit.Bucket, skipped limit.Decision, err error) {
 	return h.resolveLimits(h.limits, r, repl, buckets, memo)

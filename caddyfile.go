@@ -8,7 +8,6 @@ import (
 
 	"github.com/caddy-redis/ratelimit/internal/calendar"
 	"github.com/caddy-redis/ratelimit/internal/keys"
-	"github.com/caddy-redis/ratelimit/internal/kind/quota"
 	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
 	"github.com/caddyserver/caddy/v2/caddyconfig/httpcaddyfile"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
@@ -288,7 +287,7 @@ func (h *Handler) unmarshalQuota(d *caddyfile.Dispenser) error {
 		}
 		return err
 	}
-	if err := inBlock(quota.CheckValues(q.Count, "")); err != nil {
+	if err := inBlock(checkQuotaValues(q.Count, "")); err != nil {
 		return d.WrapErr(err)
 	}
 	if err := inBlock(calendar.CheckPer(q.Per)); err != nil {

@@ -8,7 +8,6 @@ import (
 
 	"github.com/caddy-redis/ratelimit/internal/cost"
 	"github.com/caddy-redis/ratelimit/internal/keys"
-	"github.com/caddy-redis/ratelimit/internal/kind/tokenbucket"
 	"github.com/caddy-redis/ratelimit/internal/limit"
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
@@ -195,11 +194,11 @@ func (f limitFields) setValue(sub, v string) error {
 		return setPrefix(f.ipv6, sub, v, 128)
 	case "replenish_rate":
 		if !p.PerRequest() && v != limit.Unlimited {
-			rate, err := tokenbucket.ParseRate(v)
+			rate, err := parseRate(v)
 			if err != nil {
 				return limit.BadValue(sub, v, ": "+err.Error())
 			}
-			p = tokenbucket.RateParam(rate)
+			p = rateParam(rate)
 		}
 		*f.rate = p
 	case "burst_capacity":

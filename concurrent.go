@@ -15,7 +15,6 @@ import (
 	"time"
 
 	"github.com/caddy-redis/ratelimit/internal/keys"
-	"github.com/caddy-redis/ratelimit/internal/kind/concurrent"
 	"github.com/caddy-redis/ratelimit/internal/limit"
 	"github.com/caddyserver/caddy/v2"
 	"github.com/prometheus/client_golang/prometheus"
@@ -110,7 +109,7 @@ func checkConcurrentValues(c Concurrent) error {
 		return errors.New("slots is required: the most requests of a key in flight at once")
 	}
 	if !c.Slots.PerRequest() && c.Slots != limit.Unlimited {
-		if _, err := concurrent.ParseSlots(string(c.Slots)); err != nil {
+		if err := checkSlots(string(c.Slots)); err != nil {
 			return err
 		}
 	}
@@ -161,7 +160,7 @@ func concurrentConfigs(h *Handler) []limitConfig {
 			what:      "concurrent",
 			keySuffix: keys.Separator + "slots",
 			newKind: func() (limit.Kind, error) {
-				return concurrent.New(hold, time.Duration(retry)*time.Second), nil
+				return newConcurrent(hold, time.Duration(retry)*time.Second)
 			},
 		})
 	}

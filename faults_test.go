@@ -418,7 +418,7 @@ func TestOverloadFollowsOnErrorWithoutOpeningBreaker(t *testing.T) {
 		100*time.Millisecond)
 	shared := h.limiter
 	h.limiter = full
-	h.buildStore()
+	h.store = h.withFallback(redisstore.NewStore(full, nil, false, h.redisReport()))
 	t.Cleanup(func() { h.limiter = shared }) // before the handler's own cleanup
 
 	for range 2 * redisbatch.BreakerThreshold {

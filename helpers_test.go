@@ -346,7 +346,7 @@ var redisStores sync.Map // *Handler -> *redisstore.Store
 // holdSlots is what h's Redis store holds of an admitted request's
 // buckets while it is served (Store.Hold); nil when nothing.
 func holdSlots(h *Handler, buckets []limit.Bucket) limit.Holding {
-	s, _ := redisStores.LoadOrStore(h, redisstore.NewStore(h.limiter, h.groups, h.holding, h.redisReport()))
+	s, _ := redisStores.LoadOrStore(h, redisstore.NewStore(h.limiter, h.groups, true, h.redisReport()))
 	return s.(*redisstore.Store).Hold(&limit.Call{Buckets: buckets})
 }
 

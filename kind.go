@@ -7,7 +7,6 @@ import (
 
 	"github.com/caddy-redis/ratelimit/internal/cost"
 	"github.com/caddy-redis/ratelimit/internal/keys"
-	"github.com/caddy-redis/ratelimit/internal/kind/tokenbucket"
 	"github.com/caddy-redis/ratelimit/internal/limit"
 )
 
@@ -136,11 +135,11 @@ func (h *Handler) buildLimits(keyPrefix string) ([]*limit.Limit, error) {
 			}
 			l.Args, l.BurstValue = l.Kind.ScriptArgs(l.Values), l.Values.Burst
 		}
-		if _, bucket := l.Kind.(tokenbucket.Kind); bucket && !l.Fixed && l.CostTerms != nil && !l.Rate.PerRequest() && !l.Burst.PerRequest() {
+		if l.Rechecked != nil && !l.Fixed && l.CostTerms != nil && !l.Rate.PerRequest() && !l.Burst.PerRequest() {
 			// As resolve would find them, with a cost of 1 for now; a
 			// rate or burst out of range is left to resolve to refuse.
 			if base, exempt, err := l.Kind.ResolveValues(string(l.Rate), string(l.Burst), ""); err == nil && !exempt && base.Burst > 0 {
-				l.CostOnly, l.Base, l.BaseArgs, l.CheckCost = true, base, l.Kind.ScriptArgs(base), tokenbucket.Check
+				l.CostOnly, l.Base, l.BaseArgs = true, base, l.Kind.ScriptArgs(base)
 			}
 		}
 		limits[i] = l

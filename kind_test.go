@@ -152,7 +152,7 @@ func (fixedWindow) BucketInfo(b limit.Bucket, v limit.View) limit.BucketInfo {
 // that Provision chose, and redoes what Provision derived from the kind:
 // the limit's fixed values and script arguments (buildLimits) and the
 // headers' fixed values (newRateLimitHeaders). What else Provision asks
-// of a kind is whether it is held while served, for h.holding and the
+// of a kind is whether it is held while served, for its steps and the
 // metrics: false for a token bucket, and k must say the same.
 func withKind(t *testing.T, h *Handler, k limit.Kind) {
 	t.Helper()

@@ -45,7 +45,7 @@ var mayImport = map[string][]string{
 	"redisstore": {"limit", "cost", "keys", "logs", "scan", "redisbatch", "redisresets"},
 	// Leases are a strategy over the Redis store; layers wrap any store.
 	"lease": {"limit", "cost", "keys", "logs", "scan", "redisbatch", "redisstore"},
-	"layer": {"limit", "cost", "keys", "logs", "scan", "memstore"},
+	"layer": {"limit", "cost", "keys", "logs", "scan"},
 	// Test support: processes and shared store tests.
 	"caddyproc": {"testproc"},
 	"redistest": {"testproc"},
@@ -131,6 +131,40 @@ func TestTheLayoutHasItsParts(t *testing.T) {
 		"memstore", "redisstore", "lease", "layer", "cost", "keys", "logs", "requestbody"} {
 		if _, ok := imports[pkg]; !ok {
 			t.Errorf("no package internal/%s", pkg)
+		}
+	}
+}
+
+// concreteParts are the kinds, stores, the lease and the layers: the
+// root meets them in its composition file only.
+var concreteParts = []string{"kind/", "memstore", "redisstore", "lease", "layer"}
+
+// TestOnlyTheCompositionNamesConcreteParts: of the root's files, only
+// compose.go imports a kind, a store, the lease or a layer; every other
+// file speaks internal/limit's words, so that adding a kind or a store
+// changes what compose.go lists, not the request path, the headers or
+// the admin API.
+func TestOnlyTheCompositionNamesConcreteParts(t *testing.T) {
+	files, err := filepath.Glob("*.go")
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, file := range files {
+		if file == "compose.go" || strings.HasSuffix(file, "_test.go") {
+			continue
+		}
+		parsed, err := parser.ParseFile(token.NewFileSet(), file, nil, parser.ImportsOnly)
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, imp := range parsed.Imports {
+			p, _ := strconv.Unquote(imp.Path.Value)
+			part := strings.TrimPrefix(p, modulePath+"/internal/")
+			for _, c := range concreteParts {
+				if part == c || strings.HasSuffix(c, "/") && strings.HasPrefix(part, c) {
+					t.Errorf("%s imports internal/%s: only compose.go names a concrete kind, store, lease or layer", file, part)
+				}
+			}
 		}
 	}
 }

@@ -4,8 +4,6 @@ import (
 	"fmt"
 	"time"
 
-	"github.com/caddy-redis/ratelimit/internal/lease"
-	"github.com/caddy-redis/ratelimit/internal/redisbatch"
 	"github.com/caddyserver/caddy/v2"
 )
 
@@ -45,28 +43,9 @@ type Lease struct {
 func (l *Lease) check() error {
 	switch {
 	case l == nil:
+		return nil
 	case l.MaxTokens < 1:
 		return fmt.Errorf("lease '%d': want the most tokens a call may lease, 1 or more", l.MaxTokens)
-	case l.Hold < 0 || time.Duration(l.Hold) > lease.MaxHold:
-		return fmt.Errorf("lease hold '%v': want a duration of at most %v (default %v)", time.Duration(l.Hold), lease.MaxHold, lease.DefaultHold)
 	}
-	return nil
-}
-
-// provisionLeases sets lease up: the leases and their give-back loop.
-// On a Cluster, a bucket's lease record must share its hash slot, which
-// a key_prefix with unbalanced braces prevents.
-func (h *Handler) provisionLeases(keyPrefix string) error {
-	if h.limiter.IsCluster() {
-		for _, l := range h.limits {
-			if probe := l.KeyPrefix + "x" + l.KeySuffix; redisbatch.Slot(lease.RecordKey(probe)) != redisbatch.Slot(probe) {
-				return fmt.Errorf("lease with key_prefix '%s': its braces keep a bucket's lease record out of the bucket's Redis Cluster hash slot; "+
-					"use a key_prefix without braces, or with a hash tag such as '{rl}:'", keyPrefix)
-			}
-		}
-	}
-	h.leases = lease.New(lease.Options{MaxTokens: h.Lease.MaxTokens, Hold: time.Duration(h.Lease.Hold), Timeout: h.limiter.Timeout(),
-		Client: h.limiter, Groups: h.groups, Report: h.redisReport()})
-	go h.leases.GiveBackEvery()
-	return nil
+	return checkLeaseHold(time.Duration(l.Hold))
 }

@@ -3,17 +3,12 @@ package ratelimit
 import (
 	"github.com/caddy-redis/ratelimit/internal/limit"
 	"github.com/caddy-redis/ratelimit/internal/logs"
-	"github.com/caddy-redis/ratelimit/internal/memstore"
 	"go.uber.org/zap"
 )
 
 // storeMemory is store's value for the memory store (internal/memstore):
 // the buckets in the Caddy process.
 const storeMemory = "memory"
-
-// errMemoryFull refuses a request whose bucket would be new while the
-// memory store holds max_keys live buckets.
-var errMemoryFull = memstore.ErrFull
 
 // storeReports is what a memory store reports to the handler that uses
 // it (memstore.Reporter): the handler's warnings and metrics.

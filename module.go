@@ -6,14 +6,11 @@ package ratelimit
 import (
 	"fmt"
 	"net/http"
+	"slices"
 	"time"
 
-	"github.com/caddy-redis/ratelimit/internal/layer"
-	"github.com/caddy-redis/ratelimit/internal/lease"
 	"github.com/caddy-redis/ratelimit/internal/limit"
 	"github.com/caddy-redis/ratelimit/internal/logs"
-	"github.com/caddy-redis/ratelimit/internal/memstore"
-	"github.com/caddy-redis/ratelimit/internal/redisstore"
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 	"go.uber.org/zap"
@@ -277,23 +274,14 @@ type Handler struct {
 	Redis *RedisConfig `json:"redis,omitempty"`
 
 	logger        *zap.Logger
-	store         limit.Store        // the stack that decides requests (buildStore)
-	memory        *memstore.Store    // with store memory: the buckets
-	local         *memstore.Store    // with on_error local: the buckets while Redis fails
-	limiter       *redisstore.Client // nil when no limit ever asks Redis
-	leases        *lease.Leases      // with lease
-	charging      *charging          // when a limit charges by the response (charge.go)
-	request       *bodyValueStep     // with request_body (requestbody.go)
-	before        []preStep          // what runs before a request's buckets are resolved (steps.go)
-	beforeBody    *beforeBody        // refusals known before request_body reads a body (beforebody.go)
-	steps         []step             // what an admitted request registers for after its response (steps.go)
-	chargeWeights bool               // some charge json weight has placeholders (charge.go)
-	limiterKey    string
+	stack                        // the store and layers that decide requests (compose.go)
+	charging      *charging      // when a limit charges by the response (charge.go)
+	request       *bodyValueStep // with request_body (requestbody.go)
+	before        []preStep      // what runs before a request's buckets are resolved (steps.go)
+	beforeBody    *beforeBody    // refusals known before request_body reads a body (beforebody.go)
+	steps         []step         // what an admitted request registers for after its response (steps.go)
+	chargeWeights bool           // some charge json weight has placeholders (charge.go)
 	limits        []*limit.Limit
-	groups        [][]*limit.Limit // on Cluster, limits by hash slot, when they span several
-	useDenyCache  bool             // see takeGroups
-	perRequest    bool             // some limit's values come from the request
-	holding       bool             // some limit is held while a request is served (heldKind)
 	denyEmpty     bool
 	failOpen      bool
 	headers       rateLimitHeaders
@@ -301,13 +289,12 @@ type Handler struct {
 	errEmptyKey   caddyhttp.HandlerError
 	errBlocked    caddyhttp.HandlerError
 	errRedis      caddyhttp.HandlerError // Redis failed, on_error deny: the cause goes to the log, not to clients
-	denied        *layer.DenyCache
-	redisWarns    *logs.Throttle    // Redis failures: a line per 10 s
-	overloaded    *logs.Throttle    // calls this instance could not send in time: the same
-	fullWarns     *logs.Throttle    // the in-memory store full: the same
-	paramWarns    *logs.Throttle    // values out of range in requests: the same
-	shadowKeys    *logs.KeyThrottle // shadow denials: a line per key per 5 s ...
-	shadowLines   *logs.Throttle    // ... and at most ten a second
+	redisWarns    *logs.Throttle         // Redis failures: a line per 10 s
+	overloaded    *logs.Throttle         // calls this instance could not send in time: the same
+	fullWarns     *logs.Throttle         // the in-memory store full: the same
+	paramWarns    *logs.Throttle         // values out of range in requests: the same
+	shadowKeys    *logs.KeyThrottle      // shadow denials: a line per key per 5 s ...
+	shadowLines   *logs.Throttle         // ... and at most ten a second
 	metrics       *zoneMetrics
 	zoneValue     any // the zone as a placeholder value, boxed once (BenchmarkServeHTTPDenied 6 -> 5 allocs)
 }
@@ -325,7 +312,6 @@ func (Handler) CaddyModule() caddy.ModuleInfo {
 func (h *Handler) Provision(ctx caddy.Context) (err error) {
 	defer func() {
 		if err == nil {
-			h.buildStore()
 			h.setUpBeforeBody()
 			registerZone(h) // for the admin API
 		}
@@ -356,10 +342,7 @@ func (h *Handler) Provision(ctx caddy.Context) (err error) {
 	if err := h.setUpRequestBody(); err != nil {
 		return err
 	}
-	for _, l := range h.limits {
-		h.holding = h.holding || l.Held != nil
-	}
-	if h.holding { // after the charge's step: a charge is settled before slots are given back
+	if slices.ContainsFunc(h.limits, func(l *limit.Limit) bool { return l.Held != nil }) { // after the charge's step: a charge is settled before slots are given back
 		h.addStep(holdStep{h})
 	}
 	style := h.Headers
@@ -368,11 +351,6 @@ func (h *Handler) Provision(ctx caddy.Context) (err error) {
 	}
 	h.headers = newRateLimitHeaders(style, h.limits)
 	h.zoneValue = h.Zone
-	h.denied = layer.NewDenyCache()
-	h.useDenyCache = true
-	for _, l := range h.limits {
-		h.perRequest = h.perRequest || !l.Fixed
-	}
 	h.redisWarns = &logs.Throttle{Every: 10 * time.Second}
 	h.fullWarns = &logs.Throttle{Every: 10 * time.Second}
 	h.overloaded = &logs.Throttle{Every: 10 * time.Second}
@@ -393,43 +371,7 @@ func (h *Handler) Provision(ctx caddy.Context) (err error) {
 		}
 	}
 
-	if h.Store == storeMemory {
-		if h.memory, err = memstore.Acquire(storeMemory, redisConfig.KeyPrefix, h.Zone, h.MaxKeys); err != nil {
-			return fmt.Errorf("setting up the in-memory store: %w", err)
-		}
-		return nil
-	}
-	if h.OnError == onErrorLocal {
-		if h.local, err = memstore.Acquire(onErrorLocal, redisConfig.KeyPrefix, h.Zone, h.MaxKeys); err != nil {
-			return fmt.Errorf("setting up the local buckets of on_error local: %w", err)
-		}
-	}
-	if !h.asksRedis() {
-		return nil // hard blocks only: nothing ever asks Redis
-	}
-	if h.limiter, h.limiterKey, err = acquireLimiter(redisConfig); err != nil {
-		return fmt.Errorf("setting up the Redis client: %w", err)
-	}
-	if h.limiter.IsCluster() {
-		h.groups = redisstore.HashSlotGroups(h.limits)
-		// Buckets of a later group can refuse after an earlier group took
-		// its tokens, which are then given back: a denial seen meanwhile
-		// says nothing about the time tokens come back, so none is cached.
-		h.useDenyCache = len(h.groups) < 2
-		if len(h.groups) < 2 {
-			h.groups = nil
-		}
-	}
-	h.limiter.Watch(h.redisReport())
-	if h.metrics != nil {
-		watchBreakers(h.Zone, h.limiter)
-	}
-	if h.Lease != nil {
-		if err := h.provisionLeases(redisConfig.KeyPrefix); err != nil {
-			return err
-		}
-	}
-	return nil
+	return h.buildStack(redisConfig)
 }
 
 // Validate refuses what no default can fix. Its checks are the parser's,
@@ -458,23 +400,7 @@ func (h *Handler) Validate() error {
 // Cleanup releases the shared Redis client or in-memory store.
 func (h *Handler) Cleanup() error {
 	unregisterZone(h)
-	if h.memory != nil {
-		return h.memory.Release()
-	}
-	if h.local != nil {
-		_ = h.local.Release()
-	}
-	if h.limiter == nil {
-		return nil
-	}
-	if h.leases != nil {
-		h.leases.Close() // gives back what they hold
-	}
-	h.limiter.Unwatch(h.redisReport())
-	if h.metrics != nil {
-		unwatchBreakers(h.Zone, h.limiter)
-	}
-	return redisstore.Release(h.limiterKey)
+	return h.releaseStack()
 }
 
 // Interface guards

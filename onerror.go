@@ -3,8 +3,6 @@ package ratelimit
 import (
 	"fmt"
 
-	"github.com/caddy-redis/ratelimit/internal/layer"
-	"github.com/caddy-redis/ratelimit/internal/limit"
 	"github.com/caddy-redis/ratelimit/internal/logs"
 	"go.uber.org/zap"
 )
@@ -28,15 +26,6 @@ func (h *Handler) fallbackDefault() {
 	if h.OnError == "" {
 		h.OnError = onErrorAllow
 	}
-}
-
-// withFallback puts the on_error layer over the handler's store.
-func (h *Handler) withFallback(below limit.Store) limit.Store {
-	o := layer.OnErrorOptions{FailOpen: h.failOpen, Full: errMemoryFull}
-	if h.local != nil {
-		o.Local = h.local.For(storeReports{h}, false)
-	}
-	return layer.OnError(below, o)
 }
 
 // warnFailed logs, for a store that could not decide a request, what

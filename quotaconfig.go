@@ -7,12 +7,12 @@ import (
 
 	"github.com/caddy-redis/ratelimit/internal/calendar"
 	"github.com/caddy-redis/ratelimit/internal/keys"
-	"github.com/caddy-redis/ratelimit/internal/kind/quota"
 	"github.com/caddy-redis/ratelimit/internal/limit"
 )
 
 // The quota's config: its limits as the handler's config gives them,
-// and their judgment (internal/kind/quota holds the kind).
+// and their judgment (internal/kind/quota holds the kind, which compose.go
+// makes).
 
 // quotaConfigs are the handler's quotas as the limits they are built
 // into: the count in the burst's place, no rate.
@@ -24,7 +24,7 @@ func quotaConfigs(h *Handler) []limitConfig {
 				IPv4Prefix: q.IPv4Prefix, IPv6Prefix: q.IPv6Prefix, Charge: q.Charge, ChargeStatus: q.ChargeStatus, MaxDebt: q.MaxDebt},
 			what: "quota", charges: true, // a quota's debt is paid back at its boundary: no checkDebt
 			newKind: func() (limit.Kind, error) {
-				k, err := quota.New(q.Per, q.TimeZone, q.MonthDay, q.WeekStarts)
+				k, err := newQuota(q)
 				if err != nil {
 					return nil, fmt.Errorf("quota %s: %w", q.Name, err)
 				}
@@ -64,7 +64,7 @@ func (h *Handler) checkQuotas(names map[string]bool) error {
 			_, err = calendar.New(q.Per, q.TimeZone, q.MonthDay, q.WeekStarts)
 		}
 		if err == nil {
-			err = quota.CheckValues(q.Count, cmp.Or(unset(q.RequestedTokens), unset(h.RequestedTokens)))
+			err = checkQuotaValues(q.Count, cmp.Or(unset(q.RequestedTokens), unset(h.RequestedTokens)))
 		}
 		if err != nil {
 			return fmt.Errorf("quota %s: %w", q.Name, err)

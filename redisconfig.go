@@ -5,7 +5,6 @@ import (
 	"crypto/tls"
 	"crypto/x509"
 	"encoding/hex"
-	"encoding/json"
 	"errors"
 	"fmt"
 	"net"
@@ -16,7 +15,6 @@ import (
 	"time"
 
 	"github.com/caddy-redis/ratelimit/internal/logs"
-	"github.com/caddy-redis/ratelimit/internal/redisstore"
 	"github.com/caddyserver/caddy/v2"
 	"github.com/redis/go-redis/v9"
 )
@@ -418,34 +416,4 @@ func (t *RedisTLS) config(f tlsFiles) (*tls.Config, error) {
 		tc.Certificates = []tls.Certificate{cert}
 	}
 	return tc, nil
-}
-
-// acquireLimiter returns the shared Redis client for the configuration
-// and the key that redisstore.Release takes. The TLS files are read on
-// every call, so a config load after rotating them gets a new client.
-func acquireLimiter(c RedisConfig) (*redisstore.Client, string, error) {
-	files, err := c.TLS.readFiles()
-	if err != nil {
-		return nil, "", err
-	}
-	raw, err := json.Marshal(c)
-	if err != nil {
-		return nil, "", err
-	}
-	key := string(raw) + files.digest()
-	l, err := redisstore.Acquire(key, func() (redisstore.Options, error) { return c.storeOptions(files) })
-	if err != nil {
-		return nil, "", err
-	}
-	return l, key, nil
-}
-
-// storeOptions are the Redis client's options of the configuration.
-func (c RedisConfig) storeOptions(files tlsFiles) (redisstore.Options, error) {
-	opts, err := c.options(files)
-	if err != nil {
-		return redisstore.Options{}, err
-	}
-	return redisstore.Options{Redis: opts, Timeout: time.Duration(c.Timeout),
-		DialTimeout: time.Duration(c.DialTimeout), KeyPrefix: c.KeyPrefix}, nil
 }

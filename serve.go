@@ -196,7 +196,7 @@ func (h *Handler) answerFailed(w http.ResponseWriter, r *http.Request, repl *cad
 	switch {
 	case pass:
 		return true, nil
-	case err == errMemoryFull:
+	case err == limit.ErrFull:
 		return false, reject(w, r, prebuiltError(http.StatusServiceUnavailable, err))
 	}
 	// Not err: a Redis error names internal addresses ("dial tcp

@@ -6,12 +6,11 @@ import (
 
 	"github.com/caddy-redis/ratelimit/internal/cost"
 	"github.com/caddy-redis/ratelimit/internal/keys"
-	"github.com/caddy-redis/ratelimit/internal/kind/tokenbucket"
-	"github.com/caddy-redis/ratelimit/internal/limit"
 )
 
 // The token bucket's config: its limits as the handler's config gives
-// them, and their judgment (internal/kind/tokenbucket holds the kind).
+// them, and their judgment (internal/kind/tokenbucket holds the kind,
+// which compose.go makes).
 
 // Bounds of a limit: token counts stay exact in the script's doubles,
 // and an empty bucket fills within a year.
@@ -35,7 +34,7 @@ func bucketConfigs(h *Handler) []limitConfig {
 		configs = append(configs, limitConfig{
 			Limit: c, what: what, own: what == "", charges: true,
 			checkDebt: func(maxDebt int64) error { return checkDebtRefill(maxDebt, rate) },
-			newKind:   func() (limit.Kind, error) { return tokenbucket.Kind{}, nil },
+			newKind:   newTokenBucket,
 		})
 	}
 	return configs
@@ -44,7 +43,7 @@ func bucketConfigs(h *Handler) []limitConfig {
 // checkDebtRefill judges a max_debt against the rate that pays it back:
 // within a year.
 func checkDebtRefill(maxDebt int64, rate Param) error {
-	if r, err := tokenbucket.ParseRate(string(rate)); err == nil && float64(maxDebt)/r > maxFillSeconds {
+	if r, err := parseRate(string(rate)); err == nil && float64(maxDebt)/r > maxFillSeconds {
 		return fmt.Errorf("max_debt '%d': a debt that large takes more than a year to pay back at replenish_rate '%v'; lower it to at most %d",
 			maxDebt, r, int64(r*maxFillSeconds))
 	}
@@ -53,7 +52,7 @@ func checkDebtRefill(maxDebt int64, rate Param) error {
 
 // checkBuckets judges the handler's own limit and its `limits`.
 func checkBuckets(h *Handler, names map[string]bool) error {
-	if err := tokenbucket.CheckValues(unset(h.ReplenishRate), h.BurstCapacity, unset(h.RequestedTokens), h.hasOwnLimit()); err != nil {
+	if err := checkTokenBucketValues(unset(h.ReplenishRate), h.BurstCapacity, unset(h.RequestedTokens), h.hasOwnLimit()); err != nil {
 		return err
 	}
 	for _, l := range h.Limits {
@@ -69,7 +68,7 @@ func checkBuckets(h *Handler, names map[string]bool) error {
 			_, err = keys.Parse(l.Key)
 		}
 		if err == nil {
-			err = tokenbucket.CheckValues(cmp.Or(unset(l.ReplenishRate), unset(h.ReplenishRate)), cmp.Or(l.BurstCapacity, h.BurstCapacity),
+			err = checkTokenBucketValues(cmp.Or(unset(l.ReplenishRate), unset(h.ReplenishRate)), cmp.Or(l.BurstCapacity, h.BurstCapacity),
 				cmp.Or(unset(l.RequestedTokens), unset(h.RequestedTokens)), true)
 		}
 		if err != nil {

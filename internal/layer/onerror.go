@@ -17,9 +17,6 @@ type OnErrorOptions struct {
 	// FailOpen admits a request decided without its buckets (on_error
 	// allow); else it is refused.
 	FailOpen bool
-	// Full is the error of a store in the process that has no room for
-	// a new bucket: a request it refuses so is decided as an overflow.
-	Full error
 }
 
 // onErrorLayer decides, as on_error says, a request that the store below
@@ -31,13 +28,12 @@ type onErrorLayer struct {
 	limit.Store             // below: asked first
 	local       limit.Store // on_error local: the buckets in the process while Redis fails
 	failOpen    bool        // on_error allow
-	full        error       // a store in the process that has no room for a new bucket
 }
 
 // OnError puts the fallback over below: it decides, as o says, what
 // below could not.
 func OnError(below limit.Store, o OnErrorOptions) limit.Store {
-	return &onErrorLayer{Store: below, local: o.Local, failOpen: o.FailOpen, full: o.Full}
+	return &onErrorLayer{Store: below, local: o.Local, failOpen: o.FailOpen}
 }
 
 func (e *onErrorLayer) Take(ctx context.Context, r *limit.Call) (bool, error) {
@@ -59,7 +55,7 @@ func (e *onErrorLayer) Take(ctx context.Context, r *limit.Call) (bool, error) {
 		return allowed, nil
 	}
 	switch {
-	case err == e.full:
+	case err == limit.ErrFull: // a store in the process with no room for a new bucket
 		r.Fail(limit.DecisionOverflow)
 	case e.failOpen:
 		r.Fail(limit.DecisionFailedAllowed)

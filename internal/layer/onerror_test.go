@@ -28,7 +28,7 @@ func (answering) Reset(context.Context, limit.Bucket) error { return nil }
 // local store when there is one; a take that succeeds below, or whose
 // client left, passes as it is.
 func TestOnErrorDecidesWhatTheStoreBelowCouldNot(t *testing.T) {
-	down, full := errors.New("down"), errors.New("full")
+	down, full := errors.New("down"), limit.ErrFull
 	local := answering{allowed: false}
 	canceled, cancel := context.WithCancel(context.Background())
 	cancel()
@@ -42,13 +42,13 @@ func TestOnErrorDecidesWhatTheStoreBelowCouldNot(t *testing.T) {
 		wantFailure limit.Decision // 0: not failed
 		wantTaken   bool
 	}{
-		{"answered below", context.Background(), answering{allowed: true}, OnErrorOptions{Full: full}, true, nil, 0, false},
-		{"allow", context.Background(), answering{err: down}, OnErrorOptions{FailOpen: true, Full: full}, true, down, limit.DecisionFailedAllowed, false},
-		{"deny", context.Background(), answering{err: down}, OnErrorOptions{Full: full}, false, down, limit.DecisionFailedDenied, false},
-		{"full below", context.Background(), answering{err: full}, OnErrorOptions{Full: full}, false, full, limit.DecisionOverflow, false},
-		{"client left", canceled, answering{err: down}, OnErrorOptions{FailOpen: true, Full: full}, false, down, 0, false},
-		{"local", context.Background(), answering{err: down}, OnErrorOptions{Local: local, Full: full}, false, nil, 0, true},
-		{"local full", context.Background(), answering{err: down}, OnErrorOptions{Local: answering{err: full}, Full: full}, true, nil, limit.DecisionFailedAllowed, false},
+		{"answered below", context.Background(), answering{allowed: true}, OnErrorOptions{}, true, nil, 0, false},
+		{"allow", context.Background(), answering{err: down}, OnErrorOptions{FailOpen: true}, true, down, limit.DecisionFailedAllowed, false},
+		{"deny", context.Background(), answering{err: down}, OnErrorOptions{}, false, down, limit.DecisionFailedDenied, false},
+		{"full below", context.Background(), answering{err: full}, OnErrorOptions{}, false, full, limit.DecisionOverflow, false},
+		{"client left", canceled, answering{err: down}, OnErrorOptions{FailOpen: true}, false, down, 0, false},
+		{"local", context.Background(), answering{err: down}, OnErrorOptions{Local: local}, false, nil, 0, true},
+		{"local full", context.Background(), answering{err: down}, OnErrorOptions{Local: answering{err: full}}, true, nil, limit.DecisionFailedAllowed, false},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			var c limit.Call

@@ -160,6 +160,15 @@ func JitterRefusal(buckets []Bucket, jitter time.Duration) {
 	}
 }
 
+// Rechecked is what a kind whose resolved values it can judge again,
+// with another cost, does (the token bucket): a limit of it whose rate
+// and burst are fixed resolves them once, and per request only its cost
+// (Limit.CostOnly).
+type Rechecked interface {
+	// Recheck judges values resolved once but for their cost.
+	Recheck(v Values) error
+}
+
 // Held is a kind of limit whose bucket a request holds while its
 // response is served, and gives back once it has ended: its store says
 // what the request holds (store.hold), and the handler's holdStep gives

@@ -24,6 +24,7 @@ func (l *Limit) SetKind(k Kind) {
 	l.Remembered, _ = k.(Remembered)
 	l.Held, _ = k.(Held)
 	l.Jittered, _ = k.(Jittered)
+	l.Rechecked, _ = k.(Rechecked)
 }
 
 // Limit is one limit of a handler, ready for requests.
@@ -41,17 +42,15 @@ type Limit struct {
 	// CostTerms: requested_tokens as a weighted sum with placeholders
 	// (internal/cost); nil for one value.
 	CostTerms []cost.Term
-	// CostOnly: a token bucket whose rate and burst are fixed and whose
-	// requested_tokens is a weighted sum with placeholders: its values
-	// and arguments are base's but for the cost, not parsed and
-	// formatted again per request (5 allocs less per request of make
-	// bench's llm@64: BenchmarkServeHTTPLLM/llm 23 -> 18).
+	// CostOnly: a limit of a kind that rechecks its values (Rechecked)
+	// whose rate and burst are fixed and whose requested_tokens is a
+	// weighted sum with placeholders: its values and arguments are base's
+	// but for the cost, not parsed and formatted again per request (5
+	// allocs less per request of make bench's llm@64:
+	// BenchmarkServeHTTPLLM/llm 23 -> 18).
 	CostOnly bool
 	Base     Values
 	BaseArgs [3]any
-	// CheckCost judges Base with a resolved cost, for CostOnly: the
-	// kind's checks of its values.
-	CheckCost func(Values) error
 	// Fixed: no placeholders, so the values (and arguments) are known.
 	Fixed      bool
 	Values     Values
@@ -78,6 +77,7 @@ type Limit struct {
 	Remembered Remembered
 	Held       Held
 	Jittered   Jittered
+	Rechecked  Rechecked
 	InFlight   prometheus.Gauge
 }
 
@@ -92,7 +92,7 @@ func (l *Limit) Resolve(repl *caddy.Replacer, memo *cost.Memo) (Values, bool, er
 		}
 		v := l.Base
 		v.Requested = n
-		return v, false, l.CheckCost(v)
+		return v, false, l.Rechecked.Recheck(v)
 	}
 	var text [3]string
 	for i, p := range [3]struct {

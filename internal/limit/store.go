@@ -2,6 +2,7 @@ package limit
 
 import (
 	"context"
+	"errors"
 	"time"
 )
 
@@ -177,3 +178,8 @@ func (c *Call) Reset(buckets []Bucket) {
 	c.Buckets, c.LayerMarks = buckets, c.inlineMarks[:0]
 	c.Admitted, c.Refused, c.Failed, c.TakenBy = DecisionAllowed, DecisionDenied, false, nil
 }
+
+// ErrFull is a store's refusal of a request whose bucket would be new
+// while the store has no room for one (the in-process store at
+// max_keys): the request is decided as an overflow, as on_error says.
+var ErrFull = errors.New("the in-memory store holds max_keys buckets; a new client's request follows on_error")

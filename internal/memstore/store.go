@@ -6,7 +6,6 @@
 package memstore
 
 import (
-	"errors"
 	"hash/maphash"
 	"slices"
 	"strings"
@@ -59,7 +58,7 @@ type shard struct {
 // ErrFull refuses a request whose bucket would be new while the
 // store holds max_keys live buckets: no live bucket is dropped to make
 // room, which would hand its client a full bucket.
-var ErrFull = errors.New("the in-memory store holds max_keys buckets; a new client's request follows on_error")
+var ErrFull = limit.ErrFull
 
 // stores holds the stores in use by name, so that handlers of one
 // zone share buckets, also across config reloads.

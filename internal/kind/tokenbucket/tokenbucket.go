@@ -137,6 +137,7 @@ var (
 	_ limit.Arithmetic = Kind{}
 	_ limit.Charged    = Kind{}
 	_ limit.Remembered = Kind{}
+	_ limit.Rechecked  = Kind{}
 )
 
 func (Kind) BurstName() string { return "burst_capacity" }
@@ -146,6 +147,9 @@ func (Kind) ResolveValues(rate, burst, requested string) (limit.Values, bool, er
 }
 
 func (Kind) ScriptArgs(v limit.Values) [3]any { return Args(v) }
+
+// Recheck judges values resolved once but for their cost (limit.Rechecked).
+func (Kind) Recheck(v limit.Values) error { return Check(v) }
 
 // Begin adds nothing: a token bucket is the same for every request.
 func (Kind) Begin(b limit.Bucket, shared limit.Shared) (limit.Bucket, limit.Shared) {

@@ -2319,11 +2319,16 @@ func monitorArgs(t *testing.T, line string) []string {
 type answerRecorder struct {
 	reply []int64
 	err   error
+	// answered, when set, gets a value once the answer is in.
+	answered chan struct{}
 }
 
 func (a *answerRecorder) TakeAnswer(c *redisbatch.Call) {
 	a.reply, a.err = append([]int64(nil), c.Reply...), c.Err
 	c.Release()
+	if a.answered != nil {
+		a.answered <- struct{}{}
+	}
 }
 
 // newSettleCall is a settlement call of the buckets in diffs (each
@@ -2341,6 +2346,38 @@ func newSettleCall(rec redisbatch.AnswerTaker, args [3]any, diffs map[string]int
 	return c
 }
 
+// queueAsOneBatch queues calls on l so that one worker takes them all
+// as one batch, as under load: a proxy between l and Redis (proxy, its
+// address l's) holds back a pipeline of each of l's two workers, whose
+// calls (keys "hold:<n>") must stand for nothing else, until all of
+// calls are queued. It waits for the held pipelines' answers.
+func queueAsOneBatch(t *testing.T, l *redisstore.Client, proxy *redisProxy, calls []*redisbatch.Call) {
+	t.Helper()
+	proxy.delayMatching("hold:", time.Second)
+	defer proxy.delayMatching("", 0)
+	held := proxy.delayHeld.Load()
+	var holders []*redisbatch.Call
+	for i := range redisbatch.PipelinesInFlight {
+		c := newTestCall(fmt.Sprint("hold:", i), limitArgs(1, 10, 1), time.Time{})
+		if err := l.Batcher().Enqueue(c, time.Now()); err != nil {
+			t.Fatal(err)
+		}
+		holders = append(holders, c)
+		eventually(t, 5*time.Second, "a worker's pipeline is held", func() bool { return proxy.delayHeld.Load() == held+int64(i)+1 })
+	}
+	for _, c := range calls { // both workers busy: these wait in the queue, and the first free worker takes them all
+		if err := l.Batcher().Enqueue(c, time.Now()); err != nil {
+			t.Fatal(err)
+		}
+	}
+	for _, c := range holders {
+		if answered, _ := c.Wait(); !answered || c.Err != nil {
+			t.Fatalf("a held call: answered %v, %v", answered, c.Err)
+		}
+		c.Release()
+	}
+}
+
 // TestSettlementsOfABatchShareOneScriptCall: the settlement calls that
 // one batch sends go to Redis as one call (redisbatch.MergedKind), where the
 // first of them stood (not after every other call of the batch, where a
@@ -2349,35 +2386,33 @@ func newSettleCall(rec redisbatch.AnswerTaker, args [3]any, diffs map[string]int
 func TestSettlementsOfABatchShareOneScriptCall(t *testing.T) {
 	srv := redistest.Start(t)
 	rdb := srv.Client(t)
-	l := newTestLimiter(t, srv.Addr, 2*time.Second)
+	proxy := startRedisProxy(t, srv.Addr)
+	l := newTestLimiter(t, proxy.addr, 5*time.Second)
 	v := limit.Values{Rate: 0.001, Burst: 100, Requested: 10}
 	args := tokenbucket.Args(v)
-	settle := func(rec *answerRecorder, diffs map[string]int64) *redisbatch.Call {
-		return newSettleCall(rec, args, diffs)
-	}
 	// m:bad holds a list: its settlement fails, and only its own.
 	if err := rdb.LPush(context.Background(), "m:bad", "x").Err(); err != nil {
 		t.Fatal(err)
 	}
 	var a, b, bad answerRecorder
-	take := newTestCall("m:take", args, time.Now().Add(time.Second))
-	batch := []*redisbatch.Call{settle(&a, map[string]int64{"m:a": 30, "m:b": -5}), take, settle(&bad, map[string]int64{"m:bad": 3}),
-		settle(&b, map[string]int64{"m:c": 200})}
-	send := l.Batcher().Merge(batch, redisstore.Settlements)
-	if len(send) != 2 || len(send[0].Keys) != 4 || send[1] != take {
-		t.Fatalf("merged into %d calls, want one settlement of 4 buckets where the first stood, then the take", len(send))
-	}
-	scriptsLoaded(t, rdb) // the limiter loads them in the background; this pipeline sends by SHA only
+	a.answered, b.answered, bad.answered = make(chan struct{}, 1), make(chan struct{}, 1), make(chan struct{}, 1)
+	take := newTestCall("m:take", args, time.Time{})
+	batch := []*redisbatch.Call{newSettleCall(&a, args, map[string]int64{"m:a": 30, "m:b": -5}), take,
+		newSettleCall(&bad, args, map[string]int64{"m:bad": 3}), newSettleCall(&b, args, map[string]int64{"m:c": 200})}
+	scriptsLoaded(t, rdb)
 	before := commandCalls(t, rdb)["evalsha"]
-	l.Batcher().Pipeline(context.Background(), send, false)
-	for _, c := range send {
-		c.Answer()
-	}
+	queueAsOneBatch(t, l, proxy, batch)
 	if answered, _ := take.Wait(); !answered {
 		t.Fatal("the take was not answered")
 	}
-	if calls := commandCalls(t, rdb)["evalsha"] - before; calls != 2 {
-		t.Errorf("%d script calls, want 2", calls)
+	for _, rec := range []*answerRecorder{&a, &b, &bad} {
+		<-rec.answered
+	}
+	// The held calls, then the batch: one settlement of 4 buckets where
+	// the first stood, then the take.
+	if calls := commandCalls(t, rdb)["evalsha"] - before; calls != redisbatch.PipelinesInFlight+2 {
+		t.Errorf("%d script calls, want %d: one for each held call, then the settlements merged into one, and the take",
+			calls, redisbatch.PipelinesInFlight+2)
 	}
 	// a: 100 - 30 = 70, and a full bucket given back 5 stays full; b:
 	// 100 - 200 is -5 at most, 95 forgiven.
@@ -2405,25 +2440,20 @@ func TestSettlementsOfABatchShareOneScriptCall(t *testing.T) {
 func TestMergedSettlementsNeverPassACallOfTheirBucket(t *testing.T) {
 	srv := redistest.Start(t)
 	rdb := srv.Client(t)
-	l := newTestLimiter(t, srv.Addr, 2*time.Second)
+	proxy := startRedisProxy(t, srv.Addr)
+	l := newTestLimiter(t, proxy.addr, 5*time.Second)
 	args := limitArgs(0.001, 100, 60)
 	for _, key := range []string{"o:x", "o:y"} {
 		mustTake(t, l, key, args) // 40 left
 	}
 	var refunds, debt answerRecorder
-	deadline := time.Now().Add(time.Second)
-	takeX, takeY := newTestCall("o:x", args, deadline), newTestCall("o:y", args, deadline)
+	takeX, takeY := newTestCall("o:x", args, time.Time{}), newTestCall("o:y", args, time.Time{})
 	refundX, refundY := newSettleCall(&refunds, args, map[string]int64{"o:x": -50}), newSettleCall(&refunds, args, map[string]int64{"o:y": -50})
 	debtX := newSettleCall(&debt, args, map[string]int64{"o:x": 30})
-	send := l.Batcher().Merge([]*redisbatch.Call{refundX, takeX, refundY, debtX, takeY}, redisstore.Settlements)
-	if len(send) != 4 || len(send[0].Keys) != 2 || send[1] != takeX || send[2] != debtX || send[3] != takeY {
-		t.Errorf("merged into %d calls, want the refunds of x and y where x's stood, the take of x, the debt of x, the take of y", len(send))
-	}
+	debt.answered = make(chan struct{}, 1)
 	scriptsLoaded(t, rdb)
-	l.Batcher().Pipeline(context.Background(), send, false)
-	for _, c := range send {
-		c.Answer()
-	}
+	before := commandCalls(t, rdb)["evalsha"]
+	queueAsOneBatch(t, l, proxy, []*redisbatch.Call{refundX, takeX, refundY, debtX, takeY})
 	for _, take := range []*redisbatch.Call{takeX, takeY} {
 		if answered, _ := take.Wait(); !answered {
 			t.Fatalf("the take of %s was not answered", take.Keys[0])
@@ -2433,6 +2463,11 @@ func TestMergedSettlementsNeverPassACallOfTheirBucket(t *testing.T) {
 			t.Errorf("the take of %s after its refund: %v, %v with %d left; want admitted with 90 - 60 = 30 left", take.Keys[0], allowed, err, b[0].Remaining)
 		}
 		take.Release()
+	}
+	<-debt.answered
+	if calls := commandCalls(t, rdb)["evalsha"] - before; calls != redisbatch.PipelinesInFlight+4 {
+		t.Errorf("%d script calls, want %d: one for each held call, then the refunds of x and y merged where x's stood, "+
+			"the take of x, the debt of x and the take of y", calls, redisbatch.PipelinesInFlight+4)
 	}
 	if st, err := parseBucket(rdb.Get(context.Background(), "o:x")); err != nil || math.Abs(st.tokens) > 0.01 {
 		t.Errorf("o:x holds %+v %v, want 30 - 30 = 0: the debt after the take", st, err)

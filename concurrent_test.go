@@ -973,7 +973,12 @@ func TestConcurrentReleaseAfterTheLimiterClosedIsNotLeftPending(t *testing.T) {
 	logs := observeLogs(h, zapcore.WarnLevel)
 	l := h.limiter
 	eventually(t, 5*time.Second, "the unloaded limiter closed", func() bool {
-		return l.Batcher().Closed()
+		select {
+		case <-l.Batcher().Done():
+			return true
+		default:
+			return false
+		}
 	})
 	holdSlots(h, requestBuckets(t, h, "k")).Release()
 	if n := l.PendingReleases(); n != 0 {

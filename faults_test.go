@@ -8,10 +8,9 @@ import (
 	"strconv"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
-
-	"github.com/caddy-redis/ratelimit/internal/redisstore"
 
 	"github.com/caddy-redis/ratelimit/internal/caddyproc"
 	"github.com/caddy-redis/ratelimit/internal/redisbatch"
@@ -41,12 +40,12 @@ func openBreaker(t *testing.T, h *Handler) {
 		if took > stallBound {
 			t.Errorf("request %d to a stalled Redis took %v, more than %v (timeout 100ms)", i, took, stallBound)
 		}
-		if opened = standaloneBreaker(h).isOpen(); opened {
+		if opened = standaloneBreakerOpen(h); opened {
 			t.Logf("breaker opened after %d failed requests", i)
 		}
 	}
 	if !opened {
-		t.Fatalf("breaker still closed after 10 failed requests (failures %d)", standaloneBreaker(h).failures)
+		t.Fatal("breaker still closed after 10 failed requests")
 	}
 	// The next probe is redisbatch.BreakerCooldown (500ms) away: these skip Redis,
 	// but for one probe per cooldown that passes meanwhile (on a loaded
@@ -116,7 +115,7 @@ func TestRedisStallOpensAndClosesBreaker(t *testing.T) {
 		return status == 200 && remaining != "-1"
 	})
 	t.Logf("limiting resumed %v after the stall ended", took.Round(time.Millisecond))
-	if standaloneBreaker(h).isOpen() {
+	if standaloneBreakerOpen(h) {
 		t.Fatal("breaker still open after Redis answered")
 	}
 	if n := countLogs(logs, "circuit breaker opened"); n != 1 {
@@ -139,7 +138,7 @@ func TestRedisBlackholeOpensBreaker(t *testing.T) {
 	if status, remaining, took := hit(h, "stalled"); status != 200 || remaining != "-1" || took > stallBound {
 		t.Fatalf("probe: %d remaining %q in %v, want 200 with -1 within %v", status, remaining, took, stallBound)
 	}
-	if !standaloneBreaker(h).isOpen() {
+	if !standaloneBreakerOpen(h) {
 		t.Fatal("breaker closed after a failed probe")
 	}
 
@@ -185,9 +184,10 @@ func TestCanceledRequestsDoNotTripBreaker(t *testing.T) {
 	wg.Wait()
 	// Let abandoned calls finish in the batcher: they must not count either.
 	time.Sleep(timeout + 100*time.Millisecond)
-	if standaloneBreaker(h).isOpen() || standaloneBreaker(h).failures != 0 {
-		t.Fatalf("breaker open %v with %d failures after canceled requests; a client going away is no Redis failure",
-			standaloneBreaker(h).isOpen(), standaloneBreaker(h).failures)
+	// (That their calls count no failure toward it is the batcher's
+	// TestCallsWhoseClientsLeftCountNoFailure.)
+	if standaloneBreakerOpen(h) {
+		t.Fatal("breaker open after canceled requests; a client going away is no Redis failure")
 	}
 	if n := logs.FilterLevelExact(zap.WarnLevel).Len(); n != 0 {
 		t.Fatalf("%d warnings for canceled requests: %v", n, logs.All())
@@ -351,22 +351,9 @@ func TestOutOfMemoryIsRedisFailure(t *testing.T) {
 	expectRefused(t, srv.Addr, "OOM")
 }
 
-// standaloneBreaker is the breaker of the one Redis node h uses.
-func standaloneBreaker(h *Handler) breakerCount { return nodeBreakerOf(h.limiter) }
-
-// breakerCount is what a node's breaker counts at one moment.
-type breakerCount struct {
-	failures int64
-	open     bool
-}
-
-func (b breakerCount) isOpen() bool { return b.open }
-
-// nodeBreakerOf is the breaker of the one Redis node l uses.
-func nodeBreakerOf(l *redisstore.Client) breakerCount {
-	failures, open, _ := l.Batcher().BreakerState(l.Batcher().Node())
-	return breakerCount{failures, open}
-}
+// standaloneBreakerOpen says whether the breaker of the one Redis node h
+// uses is open, as the breaker_open gauge reads it.
+func standaloneBreakerOpen(h *Handler) bool { return h.limiter.OpenBreakers() > 0 }
 
 func TestOutageWithOnErrorDenyLogsAHandfulOfLines(t *testing.T) {
 	srv := redistest.Start(t)
@@ -407,24 +394,44 @@ http://localhost:9080 {
 
 // TestOverloadFollowsOnErrorWithoutOpeningBreaker: calls this instance
 // could not send (a full queue, a deadline that passed in the queue)
-// follow on_error and are logged as overload, but count against no Redis
-// node's breaker.
+// follow on_error and are logged as overload, not as Redis failures, and
+// count against no Redis node's breaker. A proxy holds back both
+// workers' pipelines for half the timeout, and the queue behind them
+// fills: the requests beyond it are refused at once, and those queued
+// with too little time left once a worker is free are answered unsent;
+// Redis answers everything it gets. (That overload counts no failure
+// toward a breaker is also the batcher's
+// TestOverloadedCallsCountAgainstNoBreaker.)
 func TestOverloadFollowsOnErrorWithoutOpeningBreaker(t *testing.T) {
-	h := caddyfileHandler(t, "rate_limit 1 1 {\n\tkey {http.request.header.X-Key}\n\tredis 127.0.0.1:1\n}")
+	srv := redistest.Start(t)
+	proxy := startRedisProxy(t, srv.Addr)
+	const timeout = 4 * time.Second
+	h := caddyfileHandler(t, fmt.Sprintf("rate_limit 1 1 {\n\tkey {http.request.header.X-Key}\n\tredis %s {\n\t\ttimeout %v\n\t}\n}", proxy.addr, timeout))
+	expectBurstThenDeny(t, h, "warm-up", 1) // the script is loaded, a connection open
 	logs := observeLogs(h, zap.DebugLevel)
-	// A limiter with no worker and no room in its queue: every call is
-	// refused at once, as when Redis is far behind.
-	full := redisstore.NewOver(redisbatch.NewStalled(redisbatch.Config{Node: "overloaded-node", Timeout: 100 * time.Millisecond}, 0),
-		100*time.Millisecond)
-	shared := h.limiter
-	h.limiter = full
-	h.store = h.withFallback(redisstore.NewStore(full, nil, false, h.redisReport()))
-	t.Cleanup(func() { h.limiter = shared }) // before the handler's own cleanup
-
-	for range 2 * redisbatch.BreakerThreshold {
-		if status, remaining, _ := hit(h, "a"); status != 200 || remaining != "-1" {
-			t.Fatalf("overloaded: %d remaining %q, want on_error allow (200, -1)", status, remaining)
-		}
+	proxy.stalledUntil.Store(time.Now().Add(timeout / 2).UnixNano())
+	// More than the queue and both workers' batches hold.
+	n := redisbatch.QueueLength + 2*redisbatch.PipelinesInFlight*128
+	var wg sync.WaitGroup
+	var overloaded, wrong atomic.Int64
+	for i := range n {
+		wg.Go(func() {
+			status, remaining, _ := hit(h, "k"+strconv.Itoa(i))
+			switch {
+			case status != 200:
+				wrong.Add(1)
+			case remaining == "-1":
+				overloaded.Add(1)
+			}
+		})
+	}
+	wg.Wait()
+	t.Logf("%d of %d requests overloaded", overloaded.Load(), n)
+	if w := wrong.Load(); w != 0 {
+		t.Errorf("%d of %d requests refused; want every one admitted, by Redis (each key's first) or by on_error allow", w, n)
+	}
+	if overloaded.Load() == 0 {
+		t.Fatal("no request was overloaded")
 	}
 	if n := countLogs(logs, "overloaded"); n != 1 {
 		t.Errorf("%d overload lines, want 1 (throttled): %v", n, logs.All())
@@ -432,15 +439,7 @@ func TestOverloadFollowsOnErrorWithoutOpeningBreaker(t *testing.T) {
 	if n := countLogs(logs, "Redis failed"); n != 0 {
 		t.Errorf("overload logged as a Redis failure %d times", n)
 	}
-
-	// A call whose deadline passed while it waited is answered unsent.
-	c := redisbatch.NewCall()
-	c.Deadline, c.ClientCtx = time.Now().Add(-time.Millisecond), context.Background()
-	full.Batcher().SendBatch([]*redisbatch.Call{c})
-	if c.Err != redisbatch.ErrExpiredInQueue {
-		t.Errorf("expired call: err %v, want %v", c.Err, redisbatch.ErrExpiredInQueue)
-	}
-	if b := nodeBreakerOf(full); b.failures != 0 || b.isOpen() {
-		t.Errorf("overload counted against the node: %d failures, open %v", b.failures, b.isOpen())
+	if standaloneBreakerOpen(h) || countLogs(logs, "circuit breaker opened") != 0 {
+		t.Errorf("the breaker opened: overload counted against the node")
 	}
 }

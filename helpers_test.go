@@ -382,7 +382,12 @@ func mustTake(t *testing.T, l *redisstore.Client, key string, args [3]any) takeR
 // newTestCall is a check-and-take call on one bucket, as the limiter
 // queues it, due by deadline.
 func newTestCall(key string, args [3]any, deadline time.Time) *redisbatch.Call {
-	return redisbatch.TestCall(takeScript, []string{key}, args[:], deadline)
+	c := redisbatch.NewCall()
+	c.Keys = append(c.Keys[:0], key)
+	c.Deadline, c.ClientCtx = deadline, context.Background()
+	c.Command(takeScript)
+	c.Args = append(c.Args, args[:]...)
+	return c
 }
 
 // infoStat reads one integer field of INFO.

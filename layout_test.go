@@ -33,7 +33,7 @@ var mayImport = map[string][]string{
 	"keys":        {"logs"},
 	"cost":        {"scan", "logs"},
 	"requestbody": {"scan", "logs"},
-	"redisbatch":  nil,
+	"redisbatch":  {"redistest", "testproc"}, // (its tests)
 	"redisresets": nil,
 	// The vocabulary every part speaks.
 	"limit": {"cost", "keys", "logs", "scan"},

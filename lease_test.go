@@ -980,7 +980,7 @@ func TestLeaseUsedUntilItsHoldEndsWhileRedisIsDown(t *testing.T) {
 	leasesSettled(t, h)
 	until := h.leases.Until(key)
 	srv.Stop(t)
-	for i := 0; !standaloneBreaker(h).isOpen(); i++ {
+	for i := 0; !standaloneBreakerOpen(h); i++ {
 		if status, _, _ := hit(h, fmt.Sprint("other", i)); status != 503 {
 			t.Fatalf("another client, Redis down: %d, want 503 (on_error deny)", status)
 		}

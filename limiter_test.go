@@ -11,7 +11,6 @@ import (
 
 	"github.com/caddy-redis/ratelimit/internal/redisstore"
 
-	"github.com/caddy-redis/ratelimit/internal/limit"
 	"github.com/caddy-redis/ratelimit/internal/redisbatch"
 	"github.com/caddy-redis/ratelimit/internal/redistest"
 	"github.com/caddyserver/caddy/v2"
@@ -190,43 +189,6 @@ func TestScriptReloadedAfterScriptFlush(t *testing.T) {
 	exists, err := rdb.ScriptExists(context.Background(), scriptSHA).Result()
 	if err != nil || !exists[0] {
 		t.Fatalf("script not cached again after the reload: %v %v", exists, err)
-	}
-}
-
-func TestScriptBatchKeepsResultsApart(t *testing.T) {
-	srv := redistest.Start(t)
-	b := newTestLimiter(t, srv.Addr, time.Second)
-	// One batch, built by hand: 3 buckets, one of them asked for more than
-	// its burst, and a malformed call whose error must stay its own.
-	deadline := time.Now().Add(time.Second)
-	batch := []*redisbatch.Call{
-		newTestCall("a", limitArgs(1, 2, 1), deadline),
-		newTestCall("b", limitArgs(1, 5, 5), deadline),
-		newTestCall("a", limitArgs(1, 2, 1), deadline),
-		newTestCall("bad", [3]any{"not-a-number", "x", "y"}, deadline),
-		newTestCall("a", limitArgs(1, 2, 1), deadline),
-	}
-	b.Batcher().SendBatch(batch) // as worker 0, which is idle: nothing else is queued
-	want := []struct {
-		allowed   bool
-		remaining int64
-		err       bool
-	}{{true, 1, false}, {true, 0, false}, {true, 0, false}, {false, 0, true}, {false, 0, false}}
-	for i, c := range batch {
-		if answered, _ := c.Wait(); !answered {
-			t.Fatalf("call %d not delivered", i)
-		}
-		if (c.Err != nil) != want[i].err {
-			t.Fatalf("call %d: err %v, want error %v", i, c.Err, want[i].err)
-		}
-		if c.Err != nil {
-			continue
-		}
-		b := []limit.Bucket{{}}
-		allowed, err := redisstore.ReadTake(c.Reply, b, false)
-		if err != nil || allowed != want[i].allowed || b[0].Remaining != want[i].remaining {
-			t.Fatalf("call %d: reply %v (%v), want %+v", i, c.Reply, err, want[i])
-		}
 	}
 }
 

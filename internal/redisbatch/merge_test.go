@@ -17,7 +17,7 @@ var (
 )
 
 func testCallOf(script *Script, keys ...string) *Call {
-	return TestCall(script, keys, []any{"arg:" + keys[0]}, time.Now().Add(time.Second))
+	return newTestCall(script, keys, []any{"arg:" + keys[0]}, time.Now().Add(time.Second))
 }
 
 // TestMergeJoinsCallsWhereTheFirstStoodUnlessACallBetweenHasTheirKey:

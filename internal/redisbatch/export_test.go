@@ -5,9 +5,8 @@ import (
 	"time"
 )
 
-// The batcher's insides, for the tests of the package above, which build
-// batches by hand and send them to real Redis processes through handlers
-// of theirs.
+// The batcher's insides, for the package's tests, which build batches
+// by hand and send them to real Redis processes.
 
 // Node is the name of the one node, when the client is not a Cluster's.
 func (b *Batcher) Node() string { return b.node }
@@ -54,9 +53,9 @@ func NewStalled(c Config, queued int) *Batcher {
 	return b
 }
 
-// TestCall is a call of script over keys with args, due by deadline,
+// newTestCall is a call of script over keys with args, due by deadline,
 // made as a caller makes one (Command).
-func TestCall(script *Script, keys []string, args []any, deadline time.Time) *Call {
+func newTestCall(script *Script, keys []string, args []any, deadline time.Time) *Call {
 	c := &Call{Keys: keys, Deadline: deadline, ClientCtx: context.Background(), done: make(chan struct{}, 1)}
 	c.Command(script)
 	c.Args = append(c.Args, args...)

@@ -19,9 +19,6 @@ import (
 // written, so the message gets the line; Validate calls them for JSON
 // configs.
 
-// storeRedis is store's default value.
-const storeRedis = "redis"
-
 // defaultMaxKeys is max_keys when the config leaves it out.
 const defaultMaxKeys = 1_000_000
 
@@ -52,20 +49,6 @@ func checkMaxKeys(n int64) error {
 	return nil
 }
 
-// checkStore judges store with what depends on it: a redis block, and
-// on_error local.
-func checkStore(store string, redis bool, onError string) error {
-	switch {
-	case store != storeRedis && store != storeMemory:
-		return fmt.Errorf("store '%s': want 'redis' or 'memory'", store)
-	case store == storeMemory && redis:
-		return errors.New("store 'memory' keeps the buckets in this Caddy process, so the 'redis' block has nothing to do: remove it, or use store redis")
-	case store == storeMemory && onError == onErrorLocal:
-		return errors.New("on_error 'local' with store 'memory': the buckets are local already; use on_error allow or deny for a full store")
-	}
-	return nil
-}
-
 // checkLease judges lease: that there is a Redis to lease from, then
 // its size and hold.
 func checkLease(l *Lease, store string) error {
@@ -89,14 +72,6 @@ func (h *Handler) checkLayersWith(plural string, n int) error {
 		return errors.New("lease with concurrent limits: a lease admits requests without asking Redis, where the slots are; remove lease, or the concurrent limits")
 	}
 	return nil
-}
-
-func checkHeaders(v string) error {
-	switch v {
-	case headersSpring, headersIETF, headersBoth, headersNone:
-		return nil
-	}
-	return fmt.Errorf("headers '%s': want spring, ietf, both or none", v)
 }
 
 // derivedZone names the buckets of a handler without a zone, the same on

@@ -2,6 +2,7 @@ package ratelimit
 
 import (
 	"encoding/json"
+	"errors"
 	"fmt"
 	"time"
 
@@ -72,6 +73,28 @@ func newConcurrent(hold, retryAfter time.Duration) (limit.Kind, error) {
 func checkSlots(slots string) error {
 	_, err := concurrent.ParseSlots(slots)
 	return err
+}
+
+// The stores, by their value of `store`: the Redis store (the default)
+// and the in-process store, which keeps the buckets in this Caddy
+// process.
+const (
+	storeRedis  = "redis"
+	storeMemory = "memory"
+)
+
+// checkStore judges store with what depends on it: a redis block, and
+// on_error local.
+func checkStore(store string, redis bool, onError string) error {
+	switch {
+	case store != storeRedis && store != storeMemory:
+		return fmt.Errorf("store '%s': want 'redis' or 'memory'", store)
+	case store == storeMemory && redis:
+		return errors.New("store 'memory' keeps the buckets in this Caddy process, so the 'redis' block has nothing to do: remove it, or use store redis")
+	case store == storeMemory && onError == onErrorLocal:
+		return errors.New("on_error 'local' with store 'memory': the buckets are local already; use on_error allow or deny for a full store")
+	}
+	return nil
 }
 
 // stack is what Provision built to decide a handler's requests: the

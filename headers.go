@@ -1,6 +1,7 @@
 package ratelimit
 
 import (
+	"fmt"
 	"net/http"
 	"strconv"
 	"sync/atomic"
@@ -296,4 +297,13 @@ func countText(n int64) string {
 // ceilSeconds rounds a duration up to whole seconds.
 func ceilSeconds(d time.Duration) int64 {
 	return int64((d + time.Second - 1) / time.Second)
+}
+
+// checkHeaders judges headers: one of the dialects above.
+func checkHeaders(v string) error {
+	switch v {
+	case headersSpring, headersIETF, headersBoth, headersNone:
+		return nil
+	}
+	return fmt.Errorf("headers '%s': want spring, ietf, both or none", v)
 }

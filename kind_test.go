@@ -148,25 +148,13 @@ func (fixedWindow) BucketInfo(b limit.Bucket, v limit.View) limit.BucketInfo {
 	return limit.TokenInfo(b, v)
 }
 
-// withKind gives h's only limit the kind k in place of the token bucket
-// that Provision chose, and redoes what Provision derived from the kind:
-// the limit's fixed values and script arguments (buildLimits) and the
-// headers' fixed values (newRateLimitHeaders). What else Provision asks
-// of a kind is whether it is held while served, for its steps and the
-// metrics: false for a token bucket, and k must say the same.
-func withKind(t *testing.T, h *Handler, k limit.Kind) {
-	t.Helper()
-	if _, held := k.(limit.Held); len(h.limits) != 1 || !h.limits[0].Fixed || held {
-		t.Fatalf("withKind: want one limit with fixed values, and a kind not held while served")
-	}
-	l := h.limits[0]
-	l.SetKind(k)
-	var err error
-	if l.Values, l.Exempt, err = k.ResolveValues(string(l.Rate), string(l.Burst), string(l.Cost)); err != nil {
-		t.Fatalf("withKind: resolving the values: %v", err)
-	}
-	l.Args, l.BurstValue = k.ScriptArgs(l.Values), l.Values.Burst
-	h.headers = newRateLimitHeaders(h.Headers, h.limits)
+// withKindConfig adds k, a kind's way to read its limits from a
+// handler's config, to kindConfigs for the test, after the built-in
+// kinds, as a new kind's line in compose.go would.
+func withKindConfig(t *testing.T, k kindConfig) {
+	saved := kindConfigs
+	t.Cleanup(func() { kindConfigs = saved })
+	kindConfigs = append(kindConfigs[:len(kindConfigs):len(kindConfigs)], k)
 }
 
 // adminGet is the admin API's answer to GET path, in this process.
@@ -191,8 +179,20 @@ func adminGet(t *testing.T, path string, v any) {
 func TestKindDefinedInATestRunsEndToEndThroughMemoryStore(t *testing.T) {
 	const zone, count = "fixedwindow", 3
 	window := time.Second
-	h := memoryHandler(t, "1 3", "zone "+zone+"\nkey {http.request.header.X-Key}\nheaders both")
-	withKind(t, h, fixedWindow{window: window})
+	// The handler of zone fixedwindow, and of it alone, has the fixed
+	// window as its own limit (no `limits`, no rate or burst of its own),
+	// read from its config as a built-in kind's limits are.
+	withKindConfig(t, kindConfig{
+		configs: func(h *Handler) []limitConfig {
+			if h.Zone != zone {
+				return nil
+			}
+			return []limitConfig{{Limit: Limit{BurstCapacity: Param(strconv.Itoa(count))}, own: true,
+				newKind: func() (limit.Kind, error) { return fixedWindow{window: window}, nil }}}
+		},
+		check: func(*Handler, map[string]bool) error { return nil },
+	})
+	h := provision(t, &Handler{Zone: zone, Key: "{http.request.header.X-Key}", Store: storeMemory, Headers: "both"})
 
 	var zones []struct {
 		Zone   string

@@ -9,6 +9,10 @@ import (
 	"go.uber.org/zap"
 )
 
+// What the stores report to the handler that uses them: warnings,
+// metrics, breakers, denials to forget. The stores (internal/redisstore,
+// internal/memstore) call these through their Reporter interfaces.
+
 // redisReport is the handler as the Redis store and its client tell it
 // what to log and count (redisstore.Reporter and Watcher): a type of its
 // own, so that those methods are not the module's.
@@ -102,4 +106,26 @@ func (h *Handler) breakerDropped(node string) {
 		msg = "circuit breaker closed: the Cluster's slot map is known again; requests go to its masters"
 	}
 	h.logger.Info(msg, zap.String("zone", h.Zone), zap.String("node", node))
+}
+
+// storeReports is what a memory store reports to the handler that uses
+// it (memstore.Reporter): the handler's warnings and metrics.
+type storeReports struct{ h *Handler }
+
+func (r storeReports) Full() { r.h.warnFull() }
+
+func (r storeReports) Charged(l *limit.Limit, charged, forgiven float64) {
+	r.h.countCharged(l, charged, forgiven)
+}
+
+func (r storeReports) Unsettled(buckets []limit.Bucket, items []limit.Settling, err error) {
+	r.h.countSettleFailure(buckets, items, err)
+}
+
+// warnFull is throttled, as a store's warnings of a failed take are.
+func (h *Handler) warnFull() {
+	if ok, suppressed := h.fullWarns.Allow(); ok {
+		h.logger.Warn("in-memory store full: a new client's request "+followsFallback, zap.String("zone", h.Zone),
+			zap.Int64("max_keys", h.MaxKeys), h.fallbackField(), logs.Suppressed(suppressed))
+	}
 }

@@ -55,9 +55,9 @@ type Bucket struct {
 	Remaining int64
 	// RetryAfter is how long until the bucket holds the requested tokens;
 	// negative when never (burst 0). For a bucket the request may wait
-	// for (Waits) that refused, it is how long until a take would go on
-	// at once: the request fits within its max wait RetryAfter - MaxWait
-	// from now (FitsIn).
+	// for (Waits) that refused, it is the wait a take now would have had
+	// (the same, but for a lent bucket's cap): the request fits within
+	// its max wait RetryAfter - MaxWait from now (FitsIn).
 	RetryAfter time.Duration
 	// Wait is how long an admitted request waits for the bucket before it
 	// goes on (its go-time, less the time of the take): the bucket

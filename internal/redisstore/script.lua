@@ -83,9 +83,10 @@
 -- take at most burst + rate * T (the argument is in the token bucket
 -- kind's memory.go, TakeWaitingAt, whose arithmetic is this one's). A
 -- request that would wait longer takes nothing, from any bucket; its
--- wait word then says how long until a take would go on at once (it
--- fits within its max wait that much sooner). A bucket that does not
--- wait reads and answers as it always has.
+-- wait word then is the wait a take now would have had (the time until
+-- the bucket holds its tokens, but for a lent bucket's cap): it fits
+-- within its max wait that much less its max wait from now. A bucket
+-- that does not wait reads and answers as it always has.
 
 -- Redis time, not the caller's, so instances with skewed clocks agree.
 -- 1.7e15 microseconds is well inside a double's exact integers (2^53).
@@ -322,7 +323,7 @@ local function takeBucket(i)
   end
   local wait
   if allowed ~= 1 and waits and waits[i] then
-    -- Refused, it may wait: how long until a take would go on at once.
+    -- Refused, it may wait: the wait a take now would have had.
     wait = waits[i]
   else
     wait = untilHolds(i, tokens[i], requested[i])

@@ -58,7 +58,7 @@ func TestWaitingTakeGoesBelowZeroWithinMaxWait(t *testing.T) {
 		state                  limit.State
 		took                   bool
 		tokens                 float64
-		remaining, wait, go_at int64
+		remaining, wait, goAt int64
 	}{
 		{"holds them: goes at once", limit.State{Tokens: 3, At: t0}, true, 1, 1, 100_000, 0},
 		{"short by 1.5 tokens: waits 150 ms", empty, true, -1.5, 0, 350_000, 150_000},
@@ -66,9 +66,9 @@ func TestWaitingTakeGoesBelowZeroWithinMaxWait(t *testing.T) {
 		{"a microsecond past the max wait: refused, takes nothing", limit.State{Tokens: -3.00001, At: t0}, false, -3.00001, 0, 500_001, 0},
 	} {
 		after, took, remaining, wait, goWait := TakeWaitingAt(tc.state, t0, v, true)
-		if took != tc.took || after.Tokens != tc.tokens || remaining != tc.remaining || wait != tc.wait || goWait != tc.go_at {
+		if took != tc.took || after.Tokens != tc.tokens || remaining != tc.remaining || wait != tc.wait || goWait != tc.goAt {
 			t.Errorf("%s: took %v, %v tokens, remaining %d, wait %d µs, goes in %d µs; want %v, %v, %d, %d, %d",
-				tc.name, took, after.Tokens, remaining, wait, goWait, tc.took, tc.tokens, tc.remaining, tc.wait, tc.go_at)
+				tc.name, took, after.Tokens, remaining, wait, goWait, tc.took, tc.tokens, tc.remaining, tc.wait, tc.goAt)
 		}
 	}
 	// A refusal's wait less the max wait is when the request fits: then

@@ -54,10 +54,10 @@ func TestWaitingTakeGoesBelowZeroWithinMaxWait(t *testing.T) {
 	v := limit.Values{Rate: 10, Burst: 10, Requested: 2, MaxWait: 500 * time.Millisecond}
 	empty := limit.State{Tokens: 0.5, At: t0, Expires: t0 + 10_000_000}
 	for _, tc := range []struct {
-		name                   string
-		state                  limit.State
-		took                   bool
-		tokens                 float64
+		name                  string
+		state                 limit.State
+		took                  bool
+		tokens                float64
 		remaining, wait, goAt int64
 	}{
 		{"holds them: goes at once", limit.State{Tokens: 3, At: t0}, true, 1, 1, 100_000, 0},

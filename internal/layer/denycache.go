@@ -48,7 +48,8 @@ type DenyCache struct {
 const forgetShares = 64
 
 // denial is until when a bucket cannot hold the tokens a request asks,
-// for requests with these values: another rate, burst or cost asks Redis.
+// for requests with these values: another rate, burst, cost or max wait
+// asks Redis.
 // Denials are answered from the cache until ask, at most until.
 type denial struct {
 	until, ask time.Time
@@ -91,8 +92,11 @@ func (c *DenyCache) answer(buckets []limit.Bucket, now time.Time) bool {
 }
 
 // put records Redis's denial of a request sent at sent: each bucket that
-// was short stays so for its wait, unless it was forgotten since. The
-// script rounds waits up to the microsecond, hence one taken off.
+// was short stays so for its wait, unless it was forgotten since; it is
+// answered from the cache for as long as its kind says it refuses
+// (limit.Remembered.DenialTTL: a request that may wait for it fits its
+// max wait sooner than its wait). The script rounds waits up to the
+// microsecond, hence one taken off.
 func (c *DenyCache) put(buckets []limit.Bucket, sent time.Time) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
@@ -115,8 +119,8 @@ func (c *DenyCache) put(buckets []limit.Bucket, sent time.Time) {
 		if len(c.entries) >= denyCacheSize {
 			c.makeRoom(sent)
 		}
-		d := denial{until: sent.Add(ttl - time.Microsecond), values: b.Values, remaining: b.Remaining}
-		d.ask = d.until
+		d := denial{until: sent.Add(max(ttl, b.RetryAfter) - time.Microsecond), values: b.Values, remaining: b.Remaining}
+		d.ask = sent.Add(ttl - time.Microsecond)
 		if c.maxWait > 0 && ttl > c.maxWait {
 			d.ask = sent.Add(c.maxWait)
 		}

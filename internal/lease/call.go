@@ -68,12 +68,49 @@ func (l leaseLayer) Reset(ctx context.Context, b limit.Bucket) error {
 
 func (l leaseLayer) Take(ctx context.Context, r *limit.Call) (bool, error) {
 	ls := l.ls
+	if waits(r.Buckets) {
+		return l.takeWaiting(ctx, r)
+	}
 	allowed, asked, err := ls.checkLeased(ctx, r.Sent, r.Buckets, r.ClearLayerMarks())
 	if asked {
 		redisstore.Answered(ctx, r, allowed, err, ls.report)
 		if err == nil {
 			ls.refused.Answered(r.Buckets, r.Sent, allowed)
 		}
+	}
+	return allowed, err
+}
+
+// waits says whether the request may wait for one of its buckets
+// (limit.Bucket.Waits).
+func waits(buckets []limit.Bucket) bool {
+	for i := range buckets {
+		if buckets[i].Waits() {
+			return true
+		}
+	}
+	return false
+}
+
+// takeWaiting decides a request that may wait for one of its buckets
+// (max_wait) as without lease: in Redis, by the store below, never from
+// a lease (lease.lua knows no waiting). The plain script reads a lent
+// bucket as its leases leave it, and counts its wait with their cap, so
+// the bound holds with what is lent as with debt. On a Cluster whose hash
+// slots the buckets span, a refusal by a later group gives the earlier
+// ones back with giveback.lua, which leaves a lent bucket (its mark)
+// short of what it took until it refills: never more admitted, at worst
+// a request refused that would have fit. Its marks stay 0: it settles
+// in Redis.
+func (l leaseLayer) takeWaiting(ctx context.Context, r *limit.Call) (bool, error) {
+	ls := l.ls
+	r.ClearLayerMarks()
+	if ls.refused.Answer(r.Buckets, r.Sent) {
+		return false, nil
+	}
+	allowed, err := l.Store.Take(ctx, r) // the store's take says what Redis answered (redisstore.Answered)
+	if err == nil {
+		ls.refused.Answered(r.Buckets, r.Sent, allowed)
 	}
 	return allowed, err
 }

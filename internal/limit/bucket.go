@@ -54,8 +54,17 @@ type Bucket struct {
 	// failed.
 	Remaining int64
 	// RetryAfter is how long until the bucket holds the requested tokens;
-	// negative when never (burst 0).
+	// negative when never (burst 0). For a bucket the request may wait
+	// for (Waits) that refused, it is the wait a take now would have had
+	// (the same, but for a lent bucket's cap): the request fits within
+	// its max wait RetryAfter - MaxWait from now (FitsIn).
 	RetryAfter time.Duration
+	// Wait is how long an admitted request waits for the bucket before it
+	// goes on (its go-time, less the time of the take): the bucket
+	// took its tokens at once, below zero, and holds them again then. 0
+	// when it went on at once, when refused, and for a bucket that does
+	// not wait.
+	Wait time.Duration
 	// Unknown: a refusal a layer remembered (refusals) says nothing of
 	// this bucket.
 	Unknown bool
@@ -126,6 +135,43 @@ func RetryAfter(buckets []Bucket) time.Duration {
 	for i := range buckets {
 		if !buckets[i].Unknown {
 			wait = max(wait, buckets[i].RetryAfter)
+		}
+	}
+	return wait
+}
+
+// Waits says whether a request may wait for the bucket: a max wait, of a
+// kind that waits (Waiter; a bucket of no limit is a token bucket, which
+// does). The kind's script arguments and its reply say so too: a store
+// reads the reply's waits when some bucket of the call waits.
+func (b *Bucket) Waits() bool {
+	return b.Values.MaxWait > 0 && (b.Limit == nil || b.Limit.Waiter != nil)
+}
+
+// Wait is how long an admitted request waits before it goes on: the
+// longest of its buckets' waits.
+func Wait(buckets []Bucket) time.Duration {
+	var wait time.Duration
+	for i := range buckets {
+		wait = max(wait, buckets[i].Wait)
+	}
+	return wait
+}
+
+// FitsIn is how long until a refused request would be admitted, waiting
+// where it may: of each known bucket its wait, less the bucket's max wait
+// where the request may wait for it (Waits); the longest of them. It is
+// RetryAfter when no bucket waits.
+func FitsIn(buckets []Bucket) time.Duration {
+	var wait time.Duration
+	for i := range buckets {
+		b := &buckets[i]
+		switch {
+		case b.Unknown:
+		case b.Waits():
+			wait = max(wait, b.RetryAfter-b.Values.MaxWait)
+		default:
+			wait = max(wait, b.RetryAfter)
 		}
 	}
 	return wait

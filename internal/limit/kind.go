@@ -169,6 +169,17 @@ type Rechecked interface {
 	Recheck(v Values) error
 }
 
+// Waiter is what a kind whose requests may wait for their bucket does
+// (max_wait, Values.MaxWait): the token bucket. A request its bucket
+// cannot admit now, but could within its max wait, is admitted to go on
+// later (Bucket.Wait), instead of refused. A kind without it ignores a
+// max wait: its requests are refused as without one.
+type Waiter interface {
+	// WaitArg is a max wait as the kind's script takes it, boxed, for a
+	// limit whose max wait is fixed to keep (Limit.SetWait).
+	WaitArg(d time.Duration) any
+}
+
 // Held is a kind of limit whose bucket a request holds while its
 // response is served, and gives back once it has ended: its store says
 // what the request holds (store.hold), and the handler's holdStep gives

@@ -2,6 +2,7 @@ package limit
 
 import (
 	"strconv"
+	"time"
 
 	"github.com/caddy-redis/ratelimit/internal/cost"
 	"github.com/caddy-redis/ratelimit/internal/keys"
@@ -25,6 +26,7 @@ func (l *Limit) SetKind(k Kind) {
 	l.Held, _ = k.(Held)
 	l.Jittered, _ = k.(Jittered)
 	l.Rechecked, _ = k.(Rechecked)
+	l.Waiter, _ = k.(Waiter)
 }
 
 // Limit is one limit of a handler, ready for requests.
@@ -78,7 +80,25 @@ type Limit struct {
 	Held       Held
 	Jittered   Jittered
 	Rechecked  Rechecked
+	Waiter     Waiter
 	InFlight   prometheus.Gauge
+
+	// Wait is the limit's max wait when it is fixed (Values.MaxWait of
+	// each of its buckets), and WaitArg the same as its kind's script
+	// argument, boxed once (SetWait); nil when the limit has none, or when
+	// each request resolves its own (then boxed per request).
+	Wait    time.Duration
+	WaitArg any
+}
+
+// SetWait gives the limit a fixed max wait d (after SetKind): its
+// buckets' script argument is then boxed once. The caller still puts d in
+// each bucket's Values.MaxWait (Values, when the limit is fixed).
+func (l *Limit) SetWait(d time.Duration) {
+	l.Wait, l.WaitArg = d, nil
+	if d > 0 && l.Waiter != nil {
+		l.WaitArg = l.Waiter.WaitArg(d)
+	}
 }
 
 // Resolve resolves the limit's values from a request's placeholders. A

@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"strconv"
 	"strings"
+	"time"
 
 	"github.com/caddy-redis/ratelimit/internal/logs"
 )
@@ -50,11 +51,17 @@ func (p Param) PerRequest() bool { return strings.Contains(string(p), "{") }
 // Unlimited is the rate (and burst) that exempts a request from a limit.
 const Unlimited = "unlimited"
 
-// Values are one limit's rate, burst and cost, resolved.
+// Values are one limit's rate, burst and cost, resolved, and how long a
+// request may wait for its bucket.
 type Values struct {
 	Rate      float64
 	Burst     int64
 	Requested int64
+	// MaxWait is how long a request that the bucket cannot admit now may
+	// wait for it instead of being refused (max_wait): 0 for none. Only a
+	// kind that waits (Waiter) honours it (Bucket.Waits); another, a
+	// quota, is refused as without it.
+	MaxWait time.Duration
 }
 
 // ParamError says which value of a limit was wrong: a request's

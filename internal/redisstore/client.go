@@ -436,9 +436,11 @@ const longestPeriod = 3650 * 24 * time.Hour
 // remaining, microseconds until it holds its requested tokens; from a
 // layer's script (layerWords), then a count per bucket, at least 0,
 // which the layer reads from the reply itself; then each kind's
-// replyWords (a calendar period counted in)}, into the buckets. A kind's
-// words that decide nothing are its kindError (readReply). Anything else
-// is no answer at all: never read as a denial.
+// replyWords (a calendar period counted in); then, when some bucket
+// waits (limit.Bucket.Waits: its arguments were the waiting form), per
+// bucket the microseconds the request waits for it}, into the buckets. A
+// kind's words that decide nothing are its kindError (readReply).
+// Anything else is no answer at all: never read as a denial.
 func ReadTake(reply []int64, buckets []limit.Bucket, layerWords bool) (allowed bool, err error) {
 	n := len(buckets)
 	want := 1 + 2*n
@@ -446,8 +448,14 @@ func ReadTake(reply []int64, buckets []limit.Bucket, layerWords bool) (allowed b
 		want += n
 	}
 	kindWords := want
+	waits := false
 	for i := range buckets {
 		want += buckets[i].Kind().ReplyWords()
+		waits = waits || buckets[i].Waits()
+	}
+	waitWords := want
+	if waits {
+		want += n
 	}
 	if len(reply) != want || reply[0]>>1 != 0 {
 		return false, fmt.Errorf("unexpected script reply %v", reply)
@@ -471,7 +479,17 @@ func ReadTake(reply []int64, buckets []limit.Bucket, layerWords bool) (allowed b
 		if remaining < 0 || wait < 0 || wait > MaxRetryMicros {
 			return false, fmt.Errorf("unexpected script reply %v", reply)
 		}
+		var goWait int64
+		if waits {
+			// Never more than the max wait; and no wait, of a bucket that
+			// does not wait or of a refused request.
+			goWait = reply[waitWords+i]
+			if goWait < 0 || goWait > MaxRetryMicros || goWait > 0 && (reply[0] != 1 || !buckets[i].Waits()) {
+				return false, fmt.Errorf("unexpected script reply %v", reply)
+			}
+		}
 		buckets[i].Remaining, buckets[i].RetryAfter = remaining, time.Duration(wait)*time.Microsecond
+		buckets[i].Wait = time.Duration(goWait) * time.Microsecond
 	}
 	return reply[0] == 1, nil
 }

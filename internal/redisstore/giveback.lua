@@ -6,7 +6,8 @@
 -- KEYS[i]      bucket i (only the buckets given: no key is built here)
 -- ARGV         read per key as script.lua reads them, the requested
 --              tokens being the tokens to give back: a token bucket's
---              rate, burst and tokens (3), or a quota's "q", count,
+--              rate, burst and tokens (3; 5 in the waiting form, "w"
+--              first and the max wait last), or a quota's "q", count,
 --              tokens and four boundaries (7)
 --
 -- Buckets are stored as script.lua stores them; a missing (expired)
@@ -40,10 +41,17 @@ for i = 1, #KEYS do
       end
     end
   else
+    local waiting = ARGV[a] == 'w' -- the waiting form: its max wait follows
+    if waiting then
+      a = a + 1
+    end
     local rate = tonumber(ARGV[a])
     local burst = tonumber(ARGV[a + 1])
     local given = tonumber(ARGV[a + 2])
     a = a + 3
+    if waiting then
+      a = a + 1
+    end
     if state then
       local stored, at = string.match(state, '^(%S+) (%d+)$')
       stored, at = tonumber(stored), tonumber(at)

@@ -73,6 +73,7 @@ func (s *Store) takeGroups(clientCtx context.Context, sent time.Time, buckets []
 		for i := range buckets {
 			if buckets[i].Limit.Group == g {
 				buckets[i].Remaining, buckets[i].RetryAfter, buckets[i].KindN = group[j].Remaining, group[j].RetryAfter, group[j].KindN
+				buckets[i].Wait = group[j].Wait
 				j++
 			} else if buckets[i].Limit.Group > g {
 				buckets[i].Unknown = !allowed || err != nil
@@ -87,6 +88,13 @@ func (s *Store) takeGroups(clientCtx context.Context, sent time.Time, buckets []
 			if buckets[i].Limit.Group < g {
 				// Given back: it holds the request's tokens again, so its
 				// wait after the take is no reason to come back later.
+				// One that the request would have waited for holds them
+				// when the request would have gone on (its remaining
+				// stays the take's 0, at most what it holds).
+				if buckets[i].Wait > 0 {
+					buckets[i].RetryAfter, buckets[i].Wait = buckets[i].Wait, 0
+					continue
+				}
 				buckets[i].Remaining += buckets[i].Values.Requested
 				buckets[i].RetryAfter = 0
 			}

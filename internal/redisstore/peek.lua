@@ -3,8 +3,10 @@
 --
 -- KEYS[i]      bucket i (only the buckets given: no key is built here)
 -- ARGV         read per key as script.lua reads them: a token bucket's
---              rate, burst and requested tokens (3), or a quota's "q",
---              count, requested tokens and four boundaries (7)
+--              rate, burst and requested tokens (3; or 5 in the
+--              waiting form, "w" first and the max wait last, which
+--              changes nothing here), or a quota's "q", count,
+--              requested tokens and four boundaries (7)
 --
 -- Buckets are read as script.lua stores them and reads them; a missing
 -- (expired) one is full; a bucket that has lent (`lease`, lease.lua's
@@ -48,10 +50,17 @@ for i = 1, #KEYS do
       wait = math.max(1, stop - now)
     end
   else
+    local waiting = ARGV[a] == 'w' -- the waiting form: its max wait follows
+    if waiting then
+      a = a + 1
+    end
     local rate = tonumber(ARGV[a])
     local burst = tonumber(ARGV[a + 1])
     local requested = tonumber(ARGV[a + 2])
     a = a + 3
+    if waiting then
+      a = a + 1
+    end
     tokens = burst
     local till
     if state then

@@ -9,6 +9,10 @@
 --     its replenish rate, tokens per second (may be fractional)
 --     its burst capacity, whole tokens (at least 1)
 --     its requested tokens, whole tokens (1..burst)
+--   a token bucket the request may wait for (5 arguments, max_wait):
+--     "w"
+--     its replenish rate, burst capacity and requested tokens, as above
+--     the request's max wait, whole microseconds (at least 0)
 --   a quota (7 arguments, quota.go):
 --     "q"
 --     its count, whole tokens per period (at least 1)
@@ -64,8 +68,25 @@
 -- (a charged quota's settlement names that one, settle.lua), or Redis
 -- time (Unix microseconds) when it lies outside them all: that quota
 -- counts in none, and the call takes nothing (allowed 0, and the quota's
--- remaining and wait 0)}. (Buckets with `lease` use lease.lua while
--- their instance holds or wants a lease; it reads and writes them alike.)
+-- remaining and wait 0); then, only when some bucket is in the waiting
+-- form, for each key: the microseconds the request waits for it before it
+-- goes on (0 for one that is not, and all 0 when refused)}. (Buckets with
+-- `lease` use lease.lua while their instance holds or wants a lease; it
+-- reads and writes them alike.)
+--
+-- Waiting (issue 40): a bucket in the waiting form that does not hold
+-- the request's tokens now admits it when the bucket, less its tokens,
+-- would be back to zero within the max wait. The take then takes them
+-- now, below zero, and the request waits until then: its go-time. The
+-- wait is counted on what the take leaves, so requests go on in the
+-- order of their takes, and over any interval T the go-times of a bucket
+-- take at most burst + rate * T (the argument is in the token bucket
+-- kind's memory.go, TakeWaitingAt, whose arithmetic is this one's). A
+-- request that would wait longer takes nothing, from any bucket; its
+-- wait word then is the wait a take now would have had (the time until
+-- the bucket holds its tokens, but for a lent bucket's cap): it fits
+-- within its max wait that much less its max wait from now. A bucket
+-- that does not wait reads and answers as it always has.
 
 -- Redis time, not the caller's, so instances with skewed clocks agree.
 -- 1.7e15 microseconds is well inside a double's exact integers (2^53).
@@ -74,6 +95,10 @@ local now = tonumber(time[1]) * 1000000 + tonumber(time[2])
 
 local n = #KEYS
 local rate, burst, requested, tokens, rewound, present = {}, {}, {}, {}, {}, {}
+-- waits: by key of a bucket in the waiting form, the microseconds until
+-- it, less the request's tokens, is back to zero (0 when it holds them).
+-- Made for the first such bucket of a call only.
+local waits
 -- lent and till: the mark of a bucket whose leases live past now (made
 -- for the first such bucket of a call only).
 local lent, till
@@ -179,9 +204,31 @@ local function takeSlot(i)
   return math.max(0, slots[i] - used[i]), 0
 end
 
+-- untilHolds is the microseconds until bucket i, holding t tokens now,
+-- holds want (rounded up; 0 when it does now). A lent bucket (its mark)
+-- refills only up to its burst less what is lent until its last lease
+-- expires.
+local function untilHolds(i, t, want)
+  local wait = 0
+  if t < want then
+    wait = math.ceil((want - t) * 1000000 / rate[i])
+    if lent and lent[i] then
+      -- The cap holds the refill back until the last lease expires.
+      local cap = burst[i] - lent[i]
+      local by = t + (till[i] - now) * rate[i] / 1000000
+      if cap < want or by < want then
+        t = math.min(math.max(t, cap), by)
+        wait = till[i] - now + math.max(0, math.ceil((want - t) * 1000000 / rate[i]))
+      end
+    end
+  end
+  return wait
+end
+
 -- A token bucket: checkBucket refills key i by the time elapsed and
--- checks it holds the request's tokens.
-local function checkBucket(i)
+-- checks it holds the request's tokens, or, with a max wait (the waiting
+-- form), would be back to zero within it once they are taken.
+local function checkBucket(i, maxwait)
   rate[i] = tonumber(ARGV[a])
   burst[i] = tonumber(ARGV[a + 1])
   requested[i] = tonumber(ARGV[a + 2])
@@ -235,7 +282,14 @@ local function checkBucket(i)
     end
   end
   if tokens[i] < requested[i] then
-    allowed = 0
+    if maxwait then
+      waits[i] = untilHolds(i, tokens[i] - requested[i], 0)
+      if waits[i] > maxwait then
+        allowed = 0
+      end
+    else
+      allowed = 0
+    end
   end
 end
 -- takeBucket takes the request's tokens when all keys held theirs, and
@@ -267,18 +321,12 @@ local function takeBucket(i)
       redis.call('PEXPIRE', KEYS[i], math.max(1000, fill))
     end
   end
-  local wait = 0
-  if tokens[i] < requested[i] then
-    wait = math.ceil((requested[i] - tokens[i]) * 1000000 / rate[i])
-    if marked then
-      -- The cap holds the refill back until the last lease expires.
-      local t, cap = tokens[i], burst[i] - lent[i]
-      local by = t + (till[i] - now) * rate[i] / 1000000
-      if cap < requested[i] or by < requested[i] then
-        t = math.min(math.max(t, cap), by)
-        wait = till[i] - now + math.max(0, math.ceil((requested[i] - t) * 1000000 / rate[i]))
-      end
-    end
+  local wait
+  if allowed ~= 1 and waits and waits[i] then
+    -- Refused, it may wait: the wait a take now would have had.
+    wait = waits[i]
+  else
+    wait = untilHolds(i, tokens[i], requested[i])
   end
   return math.max(0, math.floor(tokens[i])), wait
 end
@@ -290,6 +338,15 @@ for i = 1, n do
     checkQuota(i)
   elseif kind == 'c' then
     checkSlots(i)
+  elseif kind == 'w' then
+    if not waits then
+      waits = {}
+    end
+    waits[i] = 0
+    local maxwait = tonumber(ARGV[a + 4])
+    a = a + 1
+    checkBucket(i, maxwait)
+    a = a + 1
   else
     checkBucket(i)
   end
@@ -311,6 +368,12 @@ if quota then
       k = k + 1
       reply[k] = picked[i]
     end
+  end
+end
+if waits then
+  local k = #reply
+  for i = 1, n do
+    reply[k + i] = (allowed == 1 and waits[i]) or 0
   end
 end
 return reply

@@ -13,16 +13,27 @@ import (
 // and takeBucket, and settle.lua's: these are the oracle the scripts are
 // tested against.
 
-// Holds says whether the bucket has the requested tokens at t.
+// Holds says whether the bucket has the requested tokens at t, or, when
+// the request may wait for it, would have them within its max wait
+// (Admits).
 func (Kind) Holds(state limit.State, ok bool, _ time.Time, t int64, b limit.Bucket) (limit.Bucket, bool) {
 	current, at := Current(state, ok, t, b.Values)
-	return b, Refill(current, at, b.Values) >= float64(b.Values.Requested)
+	tokens := Refill(current, at, b.Values)
+	if !b.Waits() {
+		return b, tokens >= float64(b.Values.Requested)
+	}
+	admits, _ := Admits(tokens, b.Values)
+	return b, admits
 }
 
-// Take is the bucket's part of a take at t (Answer).
+// Take is the bucket's part of a take at t (AnswerWaiting).
 func (Kind) Take(state limit.State, ok bool, _ time.Time, t int64, b limit.Bucket, allowed bool) (limit.Bucket, limit.State, bool) {
-	after, store, remaining, wait := Answer(state, ok, t, b.Values, allowed)
-	b.Remaining, b.RetryAfter = remaining, time.Duration(wait)*time.Microsecond
+	v := b.Values
+	if !b.Waits() {
+		v.MaxWait = 0 // a bucket of a kind of limit that does not wait (Bucket.Waits)
+	}
+	after, store, remaining, wait, goWait := AnswerWaiting(state, ok, t, v, allowed)
+	b.Remaining, b.RetryAfter, b.Wait = remaining, time.Duration(wait)*time.Microsecond, time.Duration(goWait)*time.Microsecond
 	return b, after, store
 }
 
@@ -75,12 +86,19 @@ func SettleAt(state limit.State, t int64, v limit.Values, diff, maxDebt int64) (
 // to be allowed or not: the state to store, if store, and the answer.
 // state is the bucket as held, if ok.
 func Answer(state limit.State, ok bool, t int64, v limit.Values, allowed bool) (after limit.State, store bool, remaining, wait int64) {
+	after, store, remaining, wait, _ = AnswerWaiting(state, ok, t, v, allowed)
+	return after, store, remaining, wait
+}
+
+// AnswerWaiting is Answer with the request's wait for the bucket
+// (TakeWaitingAt): v.MaxWait is the request's max wait, 0 for none.
+func AnswerWaiting(state limit.State, ok bool, t int64, v limit.Values, allowed bool) (after limit.State, store bool, remaining, wait, goWait int64) {
 	current, at := Current(state, ok, t, v)
-	after, _, remaining, wait = TakeAt(current, at, v, allowed)
+	after, _, remaining, wait, goWait = TakeWaitingAt(current, at, v, allowed)
 	if !allowed && ok {
 		after = extendOnDenial(state, after, at, v)
 	}
-	return after, allowed || ok && after != state, remaining, wait
+	return after, allowed || ok && after != state, remaining, wait, goWait
 }
 
 // Current is a bucket's state for a take at t, and the time of the
@@ -107,18 +125,75 @@ func Refill(state limit.State, t int64, v limit.Values) float64 {
 // when the bucket would be full again. Every step is the script's, in the
 // same order, so that both agree to the bit (script_test.go checks it).
 func TakeAt(state limit.State, t int64, v limit.Values, take bool) (after limit.State, took bool, remaining, wait int64) {
+	after, took, remaining, wait, _ = TakeWaitingAt(state, t, v, take)
+	return after, took, remaining, wait
+}
+
+// TakeWaitingAt is TakeAt for a request that may wait up to v.MaxWait
+// (0: none, TakeAt's) for the bucket: one it cannot admit now, but
+// could within its max wait (Admits), takes its tokens now all the same,
+// below zero, and goWait is the microseconds until the request goes on,
+// when the bucket is back to zero. A refused one takes nothing, and
+// wait is then how long until a take would go on at once (the request
+// fits within its max wait that much sooner). script.lua's waiting form
+// ("w"), step for step.
+//
+// The bound stays exact, counted at the go-times (g = a + d, the time
+// a of the take plus its wait d = -level/rate just after it, rounded up
+// to the microsecond): over any interval [s, s+T], the requests whose
+// go-times fall in it take at most burst + rate*T. Go-times follow the
+// takes' order (a later take finds the level lower by its tokens less
+// the refill in between, so its bucket is back to zero no sooner). Let
+// i be the first of them, m the last; every take between them goes in
+// the interval too. From just before i's take to just after m's, the
+// level rose by at most rate*(a_m - a_i) (refill) and fell by the sum S
+// of their tokens: S <= L(a_i-) - L(a_m+) + rate*(a_m - a_i). After m's
+// take -L(a_m+) <= rate*(g_m - a_m) (m waits until its level is back to
+// zero; one that went at once left it at zero or above). And either i
+// went at once, L(a_i-) <= burst and g_i = a_i, or it waited, L(a_i-) =
+// r_i - rate*(g_i - a_i) with r_i <= burst. Either way S <= burst +
+// rate*(g_m - g_i) <= burst + rate*T (to the microsecond the wait is
+// rounded up to). A take that went on later than its go-time could break
+// it: each request must go on at its wait, not later than the next.
+func TakeWaitingAt(state limit.State, t int64, v limit.Values, take bool) (after limit.State, took bool, remaining, wait, goWait int64) {
 	tokens := Refill(state, t, v)
 	requested := float64(v.Requested)
-	if take && tokens >= requested {
-		tokens -= requested
-		took = true
+	if take {
+		switch {
+		case tokens >= requested:
+			tokens -= requested
+			took = true
+		case v.MaxWait > 0:
+			if admits, d := Admits(tokens, v); admits {
+				tokens -= requested
+				took, goWait = true, d
+			}
+		}
 	}
 	if tokens < requested {
 		wait = int64(math.Ceil((requested - tokens) * 1000000 / v.Rate))
 	}
 	ttl := math.Max(1000, math.Ceil((float64(v.Burst)-tokens)*1000/v.Rate)) // milliseconds, as the key's TTL
-	return limit.State{Tokens: tokens, At: t, Expires: t + int64(ttl)*1000}, took, max(0, int64(math.Floor(tokens))), wait
+	return limit.State{Tokens: tokens, At: t, Expires: t + int64(ttl)*1000}, took, max(0, int64(math.Floor(tokens))), wait, goWait
 }
+
+// Admits says whether a bucket holding tokens admits a request that may
+// wait up to v.MaxWait: at once, or within its max wait; wait is the
+// microseconds until the bucket, less the request's tokens, is back to
+// zero (0 when it holds them), rounded up, as script.lua's untilHolds
+// counts it: the request's wait if taken now, and the wait of a refusal.
+func Admits(tokens float64, v limit.Values) (admits bool, wait int64) {
+	after := tokens - float64(v.Requested)
+	if after >= 0 {
+		return true, 0
+	}
+	wait = int64(math.Ceil((0 - after) * 1000000 / v.Rate))
+	return wait <= MaxWaitMicros(v.MaxWait), wait
+}
+
+// MaxWaitMicros is a max wait as the script counts it: whole
+// microseconds, rounded down.
+func MaxWaitMicros(d time.Duration) int64 { return int64(d / time.Microsecond) }
 
 // extendOnDenial is what a denial at t leaves of a held bucket: its
 // state, unchanged, unless the values now in force (a slower plan than

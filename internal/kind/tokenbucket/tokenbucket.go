@@ -138,6 +138,7 @@ var (
 	_ limit.Charged    = Kind{}
 	_ limit.Remembered = Kind{}
 	_ limit.Rechecked  = Kind{}
+	_ limit.Waiter     = Kind{}
 )
 
 func (Kind) BurstName() string { return "burst_capacity" }
@@ -156,8 +157,33 @@ func (Kind) Begin(b limit.Bucket, shared limit.Shared) (limit.Bucket, limit.Shar
 	return b, shared
 }
 
-// AppendArgs appends rate, burst and cost.
-func (Kind) AppendArgs(args []any, b limit.Bucket) []any { return append(args, b.Args[:]...) }
+// AppendArgs appends rate, burst and cost; for a request that may wait
+// for the bucket (Bucket.Waits), the waiting form: "w", rate, burst,
+// cost and the max wait in microseconds (script.lua). A request that
+// does not wait sends what it always has.
+func (Kind) AppendArgs(args []any, b limit.Bucket) []any {
+	if !b.Waits() {
+		return append(args, b.Args[:]...)
+	}
+	return append(append(append(args, waitingArg), b.Args[:]...), waitArg(b))
+}
+
+// waitingArg leads a bucket's arguments in the waiting form, boxed once.
+var waitingArg any = "w"
+
+// WaitArg is a max wait as the script takes it: microseconds, rounded
+// down (MaxWaitMicros).
+func (Kind) WaitArg(d time.Duration) any { return strconv.FormatInt(MaxWaitMicros(d), 10) }
+
+// waitArg is the bucket's max wait as a script argument: its limit's,
+// boxed once, when the bucket's is that one (Limit.SetWait); else boxed
+// now.
+func waitArg(b limit.Bucket) any {
+	if l := b.Limit; l != nil && l.WaitArg != nil && l.Wait == b.Values.MaxWait {
+		return l.WaitArg
+	}
+	return Kind{}.WaitArg(b.Values.MaxWait)
+}
 
 // ReplyWords is 0: a token bucket's answer is its remaining and wait.
 func (Kind) ReplyWords() int { return 0 }
@@ -194,8 +220,15 @@ func (Kind) Facts(b limit.Bucket) limit.Facts {
 // Refused: the store's answer is the whole answer.
 func (Kind) Refused(b limit.Bucket) limit.Bucket { return b }
 
-// DenialTTL is the bucket's wait: it refills by time.
-func (Kind) DenialTTL(b limit.Bucket) time.Duration { return b.RetryAfter }
+// DenialTTL is the bucket's wait: it refills by time. A request that may
+// wait for it is refused only until it would fit within its max wait:
+// the wait less the max wait (0: not remembered when it fits so soon).
+func (Kind) DenialTTL(b limit.Bucket) time.Duration {
+	if b.Waits() {
+		return max(0, b.RetryAfter-b.Values.MaxWait)
+	}
+	return b.RetryAfter
+}
 
 // CachedRemaining is what the bucket refilled since its refusal: it
 // holds requested - wait*rate tokens.

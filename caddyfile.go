@@ -83,6 +83,8 @@ func parseCaddyfile(h httpcaddyfile.Helper) (caddyhttp.MiddlewareHandler, error)
 //		store            redis|memory
 //		lease            <max_tokens> [<hold>]
 //		max_keys         <n>
+//		max_wait         <duration>
+//		max_waiting      <n>
 //		headers          spring|ietf|both|none
 //		shadow
 //		log_key
@@ -165,6 +167,17 @@ func (h *Handler) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 			})
 		case "request_body":
 			err = h.unmarshalRequestBody(d) // requestbody.go
+		case "max_wait":
+			err = value(func(v string) error { h.MaxWait = Param(v); return checkMaxWait(h.MaxWait) })
+		case "max_waiting":
+			err = value(func(v string) error {
+				n, err := strconv.Atoi(v)
+				if err != nil || n < 1 {
+					return fmt.Errorf("max_waiting '%s': want a whole number of requests, 1 or more", v)
+				}
+				h.MaxWaiting = n
+				return nil
+			})
 		case "max_keys":
 			err = value(func(v string) error {
 				n, err := strconv.ParseInt(v, 10, 64)
@@ -230,6 +243,7 @@ func (h *Handler) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 //		charge           header <name> | json <path>[*<weight>]... | json { <field> <path>[*<weight>]... } | placeholder <{placeholder}>
 //		charge_status    <code|class>...
 //		max_debt         <tokens>
+//		max_wait         <duration>
 //	}
 func (h *Handler) unmarshalLimit(d *caddyfile.Dispenser) error {
 	args := d.RemainingArgs()
@@ -252,9 +266,17 @@ func (h *Handler) unmarshalLimit(d *caddyfile.Dispenser) error {
 		return err
 	}
 	err := blockSubdirectives(d, block, seen, func(sub string) error {
+		if sub == "max_wait" {
+			return oneValue(d, block, func(v string) error {
+				if l.MaxWait = Param(v); checkMaxWait(l.MaxWait) != nil {
+					return fmt.Errorf("%s: %w", block, checkMaxWait(l.MaxWait))
+				}
+				return nil
+			})
+		}
 		known, err := fields.set(d, block, sub)
 		if !known {
-			return d.Errf("unrecognized %s subdirective '%s' (a limit takes key, replenish_rate, burst_capacity, requested_tokens, ipv4_prefix, ipv6_prefix, charge, charge_status and max_debt)", block, sub)
+			return d.Errf("unrecognized %s subdirective '%s' (a limit takes key, replenish_rate, burst_capacity, requested_tokens, max_wait, ipv4_prefix, ipv6_prefix, charge, charge_status and max_debt)", block, sub)
 		}
 		return err
 	})

@@ -91,7 +91,7 @@ func (h *Handler) warnScanStopped(l *limit.Limit) {
 
 // countCharged counts what a limit charged and forgave, in tokens.
 func (h *Handler) countCharged(l *limit.Limit, charged, forgiven float64) {
-	if h.metrics == nil {
+	if h.metrics == nil || h.metrics.charged[l.Index] == nil { // a limit that does not charge (its tokens given back: wait.go)
 		return
 	}
 	h.metrics.charged[l.Index].Add(charged)
@@ -108,7 +108,7 @@ func (h *Handler) countSettleFailure(buckets []limit.Bucket, items []limit.Settl
 		b := &buckets[it.Bucket]
 		h.countCharged(b.Limit, float64(b.Values.Requested), 0)
 	}
-	if h.metrics != nil {
+	if h.metrics != nil && h.metrics.settleFailures != nil {
 		h.metrics.settleFailures.Inc()
 	}
 	if err == redisbatch.ErrBreakerOpen {

@@ -122,6 +122,9 @@ func (h *Handler) applyDefaults() {
 	if h.MaxKeys == 0 {
 		h.MaxKeys = defaultMaxKeys
 	}
+	if h.MaxWaiting == 0 {
+		h.MaxWaiting = defaultMaxWaiting
+	}
 	if h.Zone == "" {
 		h.Zone = h.derivedZone()
 	}

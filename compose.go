@@ -154,7 +154,7 @@ func (h *Handler) buildStack(redisConfig RedisConfig) (err error) {
 	holding, perRequest := false, false
 	for _, l := range h.limits {
 		holding = holding || l.Held != nil
-		perRequest = perRequest || !l.Fixed
+		perRequest = perRequest || !l.Fixed || l.WaitText != ""
 	}
 	var s limit.Store = redisstore.NewStore(h.limiter, h.groups, holding, h.redisReport())
 	if h.useDenyCache { // the deny cache, unless a request's Cluster groups are taken one by one

@@ -30,10 +30,13 @@ func (h *Handler) record(repl *caddy.Replacer, d limit.Decision, buckets []limit
 		p.limit, p.burst, p.remaining = b.Limit, b.Values.Burst, b.Remaining
 		p.refused = d == limit.DecisionDenied || d == limit.DecisionShadowDenied || d == limit.DecisionFallbackDenied
 		if p.refused {
-			p.retryAfter, label = ceilSeconds(limit.RetryAfter(buckets)), b.Limit.Index+1
+			p.retryAfter, label = ceilSeconds(limit.FitsIn(buckets)), b.Limit.Index+1
 		}
 		if h.LogKey {
 			p.key = b.ClientKey()
+		}
+		if d == limit.DecisionWaited || d == limit.DecisionLeftWaiting {
+			p.waitedMs = int32(limit.Wait(buckets) / time.Millisecond)
 		}
 	}
 	// A provider, not repl.Set: the request's replacer map then holds
@@ -92,6 +95,7 @@ type placeholders struct {
 	retryAfter int64 // seconds, on a refusal
 	decision   limit.Decision
 	refused    bool
+	waitedMs   int32 // with max_wait: how long the request waited (in the word decision and refused leave: the same 80 bytes)
 }
 
 // placeholderSeq numbers the placeholders as they are made: of two for
@@ -150,6 +154,8 @@ func (p placeholders) value(name string) (any, bool) {
 		return p.burst, true
 	case "remaining":
 		return p.remaining, true
+	case "waited":
+		return int64(p.waitedMs), true
 	case "retry_after":
 		if p.refused && p.retryAfter > 0 {
 			return p.retryAfter, true
@@ -174,7 +180,7 @@ func (h *Handler) logShadowDenial(buckets []limit.Bucket, described int) {
 		return
 	}
 	fields := []zap.Field{zap.String("zone", h.Zone), zap.Int64("remaining", b.Remaining),
-		zap.Int64("retry_after", ceilSeconds(limit.RetryAfter(buckets)))}
+		zap.Int64("retry_after", ceilSeconds(limit.FitsIn(buckets)))}
 	if b.Limit.Name != "" {
 		fields = append(fields, zap.String("limit", b.Limit.Name))
 	}

@@ -157,7 +157,7 @@ func (rh *rateLimitHeaders) set(hdr http.Header, buckets []limit.Bucket, describ
 	}
 	v := new(headerValues)
 	if denied {
-		v.put(hdr, "Retry-After", countText(ceilSeconds(limit.RetryAfter(buckets))))
+		v.put(hdr, "Retry-After", countText(ceilSeconds(limit.FitsIn(buckets))))
 	}
 	if rh.spring {
 		rh.setSpring(hdr, v, &buckets[described])

@@ -142,6 +142,9 @@ func (h *Handler) buildLimits(keyPrefix string) ([]*limit.Limit, error) {
 				l.CostOnly, l.Base, l.BaseArgs = true, base, l.Kind.ScriptArgs(base)
 			}
 		}
+		if err := h.setWait(l, c.MaxWait); err != nil {
+			return nil, err
+		}
 		limits[i] = l
 	}
 	return limits, nil

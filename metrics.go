@@ -20,6 +20,9 @@ var collectors = struct {
 	charged, forgiven, settleFailures *prometheus.CounterVec
 	// request_body (requestbody.go): values left empty, by reason.
 	requestUnread *prometheus.CounterVec
+	// max_wait (wait.go): how long requests waited, and how many wait now.
+	waitSeconds *prometheus.HistogramVec
+	waiting     *prometheus.GaugeVec
 }{}
 
 // zoneMetrics are one zone's series, looked up once at provision time so
@@ -34,6 +37,8 @@ type zoneMetrics struct {
 	// By limit index, for the limits that charge by the response.
 	charged, forgiven []prometheus.Counter
 	settleFailures    prometheus.Counter
+	waitSeconds       prometheus.Observer
+	waiting           prometheus.Gauge
 }
 
 // metricParts are the collectors that parts of the package make of
@@ -81,9 +86,19 @@ func newZoneMetrics(registry prometheus.Registerer, zone string, limits []*limit
 			Namespace: ns, Subsystem: sub, Name: "request_body_unread_total",
 			Help: "Requests whose request_body values were left empty, by zone and reason (encoded, not_json, too_large, cut_off, repeated, nested, invalid_utf8).",
 		}, []string{"zone", "reason"})
+		collectors.waitSeconds = prometheus.NewHistogramVec(prometheus.HistogramOpts{
+			Namespace: ns, Subsystem: sub, Name: "wait_seconds",
+			Help:    "How long requests admitted for a later moment (max_wait) waited before they went on, by zone.",
+			Buckets: []float64{.001, .005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30, 60, 300, 3600},
+		}, []string{"zone"})
+		collectors.waiting = prometheus.NewGaugeVec(prometheus.GaugeOpts{
+			Namespace: ns, Subsystem: sub, Name: "waiting",
+			Help: "Requests of this instance that wait now for tokens taken ahead (max_wait), by zone.",
+		}, []string{"zone"})
 	})
 	all := []prometheus.Collector{collectors.requests, collectors.redisDuration, collectors.breakerOpen,
-		collectors.charged, collectors.forgiven, collectors.settleFailures, collectors.requestUnread}
+		collectors.charged, collectors.forgiven, collectors.settleFailures, collectors.requestUnread,
+		collectors.waitSeconds, collectors.waiting}
 	for _, p := range metricParts {
 		all = append(all, p.collector)
 	}
@@ -92,7 +107,8 @@ func newZoneMetrics(registry prometheus.Registerer, zone string, limits []*limit
 			return nil, err
 		}
 	}
-	m := &zoneMetrics{redisDuration: collectors.redisDuration.WithLabelValues(zone)}
+	m := &zoneMetrics{redisDuration: collectors.redisDuration.WithLabelValues(zone),
+		waitSeconds: collectors.waitSeconds.WithLabelValues(zone), waiting: collectors.waiting.WithLabelValues(zone)}
 	m.charged, m.forgiven, m.settleFailures = chargeCounters(zone, limits)
 	for _, p := range metricParts {
 		p.zone(zone, limits)

@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"net/http"
 	"slices"
+	"sync/atomic"
 	"time"
 
 	"github.com/caddy-redis/ratelimit/internal/limit"
@@ -124,6 +125,25 @@ type Handler struct {
 	// malformed term (an empty factor, a brace without its pair) is
 	// refused at load. Default: 1.
 	RequestedTokens Param `json:"requested_tokens,omitempty"`
+
+	// MaxWait lets a request that its token buckets cannot admit now,
+	// but could within this long, wait for its tokens instead of being
+	// refused: they are taken at once for the moment they will be there
+	// (the bucket goes below zero, never deeper than the wait allows),
+	// and the request goes on then, holding nothing but a timer. The
+	// bound stays exact: counted at the moments requests go on, a bucket
+	// admits at most `burst_capacity + replenish_rate × T` over any T.
+	// One that would have to wait longer is refused at once and takes
+	// nothing; its `Retry-After` says when it would fit. A duration with
+	// its unit (`500ms`, `30s`), at most 1h, or placeholders resolved per
+	// request (a plan's wait from `map`: a paying plan waits, a free one
+	// is refused first). A quota never waits. Default: 0, no wait.
+	MaxWait Param `json:"max_wait,omitempty"`
+
+	// MaxWaiting is the most requests this handler holds waiting at once
+	// on this instance (`max_wait`); beyond it a request that would wait
+	// is refused at once. Default: 1,000.
+	MaxWaiting int `json:"max_waiting,omitempty"`
 
 	// IPv4Prefix and IPv6Prefix cut every client address in a key
 	// template (`{client_ip}`, `{http.vars.client_ip}`, `{remote_host}`,
@@ -274,6 +294,8 @@ type Handler struct {
 	Redis *RedisConfig `json:"redis,omitempty"`
 
 	logger        *zap.Logger
+	waits         bool           // some limit may make requests wait (max_wait, wait.go)
+	waiting       *atomic.Int64  // requests that wait now, against max_waiting (with waits)
 	stack                        // the store and layers that decide requests (compose.go)
 	charging      *charging      // when a limit charges by the response (charge.go)
 	request       *bodyValueStep // with request_body (requestbody.go)
@@ -385,6 +407,7 @@ func (h *Handler) Validate() error {
 		checkOnError(h.OnError),
 		checkStore(h.Store, h.Redis != nil, h.OnError),
 		checkMaxKeys(h.MaxKeys),
+		checkMaxWaiting(h.MaxWaiting),
 		checkLease(h.Lease, h.Store),
 		h.checkLimits(),
 		h.checkCharging(),

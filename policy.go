@@ -38,6 +38,9 @@ type Limit struct {
 	BurstCapacity   Param `json:"burst_capacity,omitempty"`
 	RequestedTokens Param `json:"requested_tokens,omitempty"`
 
+	// MaxWait is as the handler's, and defaults to the handler's.
+	MaxWait Param `json:"max_wait,omitempty"`
+
 	// IPv4Prefix and IPv6Prefix are as the handler's, and default to the
 	// handler's values.
 	IPv4Prefix *int `json:"ipv4_prefix,omitempty"`
@@ -125,6 +128,16 @@ func (h *Handler) resolveLimits(limits []*limit.Limit, r *http.Request, repl *ca
 		if exempt {
 			skipped = limit.DecisionExempt
 			continue
+		}
+		if l.WaitText != "" {
+			if values.MaxWait, err = l.ResolveWait(repl); err != nil {
+				if l.Name != "" {
+					err = fmt.Errorf("limit %s: %w", l.Name, err)
+				}
+				return nil, skipped, err
+			}
+		} else if !l.Fixed {
+			values.MaxWait = l.Wait
 		}
 		key := l.Template.Key(&rv, l.KeyPrefix, l.KeySuffix)
 		if key == "" {

@@ -132,8 +132,13 @@ func (h *Handler) limit(w http.ResponseWriter, r *http.Request) (_ *request, pas
 		req.free()
 		return nil, pass, err
 	}
+	waits := h.waits && h.mayWait(req) // wait.go
 	req.Sent = time.Now()
 	allowed, err := h.store.Take(r.Context(), &req.Call)
+	if waits && (err != nil || !allowed || req.Failed || limit.Wait(req.Buckets) == 0) {
+		h.doneWaiting() // it does not wait
+		waits = false
+	}
 	switch {
 	case req.Failed:
 		pass, err = h.answerFailed(w, r, repl, req, allowed, err)
@@ -142,6 +147,9 @@ func (h *Handler) limit(w http.ResponseWriter, r *http.Request) (_ *request, pas
 		pass, err = false, caddyhttp.Error(499, r.Context().Err())
 	default:
 		pass, err = h.answer(w, r, repl, req, allowed)
+	}
+	if waits {
+		h.doneWaiting()
 	}
 	if pass && req.registered {
 		return req, true, nil
@@ -218,7 +226,17 @@ func (h *Handler) answer(w http.ResponseWriter, r *http.Request, repl *caddy.Rep
 	h.headers.set(w.Header(), buckets, described, !allowed && !h.Shadow)
 	switch {
 	case allowed:
-		h.record(repl, req.Admitted, buckets, described)
+		d := req.Admitted
+		if wait := limit.Wait(buckets); wait > 0 {
+			if !h.await(r, req, wait) { // wait.go
+				h.record(repl, limit.DecisionLeftWaiting, buckets, described)
+				return false, errLeftWaiting
+			}
+			if d == limit.DecisionAllowed {
+				d = limit.DecisionWaited
+			}
+		}
+		h.record(repl, d, buckets, described)
 	case h.Shadow:
 		h.record(repl, limit.DecisionShadowDenied, buckets, described)
 		h.logShadowDenial(buckets, described)
@@ -285,7 +303,7 @@ func (h *Handler) refuseInvalid(w http.ResponseWriter, r *http.Request, repl *ca
 	status := http.StatusInternalServerError
 	var pe *limit.ParamError
 	var ve *cost.ValueError
-	if errors.As(err, &pe) && pe.Param == "requested_tokens" || errors.As(err, &ve) && ve.FromRequest {
+	if errors.As(err, &pe) && (pe.Param == "requested_tokens" || pe.Param == "max_wait") || errors.As(err, &ve) && ve.FromRequest {
 		status = http.StatusBadRequest
 	}
 	if ok, suppressed := h.paramWarns.Allow(); ok {

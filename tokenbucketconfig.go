@@ -6,6 +6,7 @@ import (
 
 	"github.com/caddy-redis/ratelimit/internal/cost"
 	"github.com/caddy-redis/ratelimit/internal/keys"
+	"github.com/caddy-redis/ratelimit/internal/limit"
 )
 
 // The token bucket's config: its limits as the handler's config gives
@@ -30,6 +31,7 @@ func bucketConfigs(h *Handler) []limitConfig {
 	for _, c := range limits {
 		c.ReplenishRate, c.BurstCapacity = cmp.Or(unset(c.ReplenishRate), unset(h.ReplenishRate)), cmp.Or(c.BurstCapacity, h.BurstCapacity)
 		c.RequestedTokens = cmp.Or(unset(c.RequestedTokens), unset(h.RequestedTokens))
+		c.MaxWait = cmp.Or(c.MaxWait, h.MaxWait)
 		rate := c.ReplenishRate
 		configs = append(configs, limitConfig{
 			Limit: c, what: what, own: what == "", charges: true,
@@ -50,9 +52,22 @@ func checkDebtRefill(maxDebt int64, rate Param) error {
 	return nil
 }
 
+// checkMaxWait judges a max_wait as configured: a fixed one now, one
+// with placeholders per request.
+func checkMaxWait(p Param) error {
+	if p == "" || p.PerRequest() {
+		return nil
+	}
+	_, err := limit.ParseMaxWait(string(p))
+	return err
+}
+
 // checkBuckets judges the handler's own limit and its `limits`.
 func checkBuckets(h *Handler, names map[string]bool) error {
 	if err := checkTokenBucketValues(unset(h.ReplenishRate), h.BurstCapacity, unset(h.RequestedTokens), h.hasOwnLimit()); err != nil {
+		return err
+	}
+	if err := checkMaxWait(h.MaxWait); err != nil {
 		return err
 	}
 	for _, l := range h.Limits {
@@ -66,6 +81,9 @@ func checkBuckets(h *Handler, names map[string]bool) error {
 		err := checkPrefixes(l.IPv4Prefix, l.IPv6Prefix)
 		if err == nil && l.Key != "" {
 			_, err = keys.Parse(l.Key)
+		}
+		if err == nil {
+			err = checkMaxWait(l.MaxWait)
 		}
 		if err == nil {
 			err = checkTokenBucketValues(cmp.Or(unset(l.ReplenishRate), unset(h.ReplenishRate)), cmp.Or(l.BurstCapacity, h.BurstCapacity),

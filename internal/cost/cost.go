@@ -257,7 +257,10 @@ func (r *Rule) KnownAt(status int, answered bool) bool {
 // max_debt, or its burst; never more than a year's refill, so a debt is
 // always paid back within what Retry-After can say.
 func (r *Rule) MaxDebt(burst int64, rate float64) int64 {
-	debt := r.maxDebt
+	debt := int64(-1) // no rule (a limit that does not charge, given back a request's tokens): the default
+	if r != nil {
+		debt = r.maxDebt
+	}
 	if debt < 0 {
 		debt = burst
 	}
@@ -271,7 +274,7 @@ func (r *Rule) MaxDebt(burst int64, rate float64) int64 {
 // when it is max_debt or the burst (burstArg, the bucket's argument).
 func (r *Rule) MaxDebtArg(burst int64, rate float64, burstArg any) any {
 	switch debt := r.MaxDebt(burst, rate); {
-	case debt == r.maxDebt:
+	case r != nil && debt == r.maxDebt:
 		return r.maxArg
 	case debt == burst:
 		return burstArg

@@ -129,17 +129,6 @@ func Described(buckets []Bucket, allowed bool) int {
 	return max(pick, 0)
 }
 
-// RetryAfter is how long until every bucket holds its requested tokens.
-func RetryAfter(buckets []Bucket) time.Duration {
-	var wait time.Duration
-	for i := range buckets {
-		if !buckets[i].Unknown {
-			wait = max(wait, buckets[i].RetryAfter)
-		}
-	}
-	return wait
-}
-
 // Waits says whether a request may wait for the bucket: a max wait, of a
 // kind that waits (Waiter; a bucket of no limit is a token bucket, which
 // does). The kind's script arguments and its reply say so too: a store

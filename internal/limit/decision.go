@@ -16,11 +16,13 @@ const (
 	DecisionOverflow                        // the store full: a new client's request is decided without its buckets
 	DecisionFallbackAllowed                 // the store failed; the fallback's buckets admitted it
 	DecisionFallbackDenied                  // the store failed; the fallback's buckets refused it
+	DecisionWaited                          // tokens taken for a later moment; the request waited until then (max_wait)
+	DecisionLeftWaiting                     // the client left while the request waited; its tokens were given back
 	NumDecisions
 )
 
 var decisionNames = [NumDecisions]string{"allowed", "denied", "exempt", "invalid", "empty_key", "error_allowed",
-	"error_denied", "shadow_denied", "overflow", "error_local_allowed", "error_local_denied"}
+	"error_denied", "shadow_denied", "overflow", "error_local_allowed", "error_local_denied", "waited", "left_waiting"}
 
 func (d Decision) String() string { return decisionNames[d] }
 

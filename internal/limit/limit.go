@@ -89,6 +89,22 @@ type Limit struct {
 	// each request resolves its own (then boxed per request).
 	Wait    time.Duration
 	WaitArg any
+	// WaitText is the max wait with placeholders that each request
+	// resolves (ResolveWait); "" when it is fixed.
+	WaitText Param
+}
+
+// ResolveWait is the limit's max wait for a request whose replacer is
+// repl: its fixed one, or WaitText resolved and parsed.
+func (l *Limit) ResolveWait(repl *caddy.Replacer) (time.Duration, error) {
+	if l.WaitText == "" {
+		return l.Wait, nil
+	}
+	text := repl.ReplaceAll(string(l.WaitText), "")
+	if text == "" {
+		return 0, BadValue("max_wait", string(l.WaitText), "resolved to nothing for this request")
+	}
+	return ParseMaxWait(text)
 }
 
 // SetWait gives the limit a fixed max wait d (after SetKind): its

@@ -9,6 +9,7 @@ import (
 	"time"
 
 	"github.com/caddy-redis/ratelimit/internal/logs"
+	"github.com/caddyserver/caddy/v2"
 )
 
 // Param is a limit's rate, burst or cost: a number fixed in the config,
@@ -62,6 +63,31 @@ type Values struct {
 	// kind that waits (Waiter) honours it (Bucket.Waits); another, a
 	// quota, is refused as without it.
 	MaxWait time.Duration
+}
+
+// MaxWaitLimit is the longest max_wait: a request that waits longer is
+// better told when to come back.
+const MaxWaitLimit = time.Hour
+
+// ParseMaxWait reads a max_wait as written: a duration with its unit
+// (`500ms`, `2s`, `1m`), from 0 (no wait) to MaxWaitLimit.
+func ParseMaxWait(text string) (time.Duration, error) {
+	if text == "0" {
+		return 0, nil
+	}
+	if _, err := strconv.ParseFloat(text, 64); err == nil {
+		return 0, BadValue("max_wait", text, "has no unit: want a duration such as 500ms, 2s or 1m")
+	}
+	d, err := caddy.ParseDuration(text)
+	switch {
+	case err != nil:
+		return 0, BadValue("max_wait", text, "is not a duration: want one such as 500ms, 2s or 1m")
+	case d < 0:
+		return 0, BadValue("max_wait", text, "is negative: want 0 (no wait) or a duration up to "+MaxWaitLimit.String())
+	case d > MaxWaitLimit:
+		return 0, BadValue("max_wait", text, "is more than "+MaxWaitLimit.String()+": a client is better told when to come back (Retry-After)")
+	}
+	return d, nil
 }
 
 // ParamError says which value of a limit was wrong: a request's

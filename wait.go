@@ -1,0 +1,123 @@
+package ratelimit
+
+import (
+	"context"
+	"fmt"
+	"net/http"
+	"sync/atomic"
+	"time"
+
+	"github.com/caddy-redis/ratelimit/internal/limit"
+	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
+	"go.uber.org/zap"
+)
+
+// Waiting instead of refusing (max_wait): a request that its token
+// buckets could admit within its max wait has its tokens taken at once,
+// for the moment they will be there (the store answers each bucket's
+// wait), and goes on then. Between the take and that moment it holds a
+// timer and nothing else; a client that leaves meanwhile gets its
+// tokens given back.
+
+// defaultMaxWaiting is max_waiting's default: a waiting request holds
+// its connection's goroutine and buffers, some kilobytes (see README,
+// Waiting instead of refusing).
+const defaultMaxWaiting = 1000
+
+// checkMaxWaiting judges max_waiting as JSON gives it (0 for the
+// default).
+func checkMaxWaiting(n int) error {
+	if n < 0 {
+		return fmt.Errorf("max_waiting '%d': want a whole number of requests, 1 or more", n)
+	}
+	return nil
+}
+
+// setWait gives l the max wait its config sets (text, placeholders or
+// not); none in shadow mode, whose clients must see no change.
+func (h *Handler) setWait(l *limit.Limit, text Param) error {
+	if text == "" || h.Shadow || l.Waiter == nil {
+		return nil
+	}
+	if !h.waits {
+		h.waits, h.waiting = true, new(atomic.Int64)
+	}
+	if text.PerRequest() {
+		l.WaitText = text
+		return nil
+	}
+	d, err := limit.ParseMaxWait(string(text))
+	if err != nil {
+		return err
+	}
+	l.SetWait(d)
+	l.Values.MaxWait, l.Base.MaxWait = d, d
+	return nil
+}
+
+// h.waiting counts a handler's requests that wait now, against
+// max_waiting: a request takes its place before its take (mayWait) and
+// leaves it once it no longer waits (doneWaiting).
+
+// mayWait takes a place for a request that may wait, if one is free;
+// else the request's buckets lose their max wait, and it is refused at
+// once where it would have waited.
+func (h *Handler) mayWait(req *request) bool {
+	if h.waiting.Add(1) <= int64(h.MaxWaiting) {
+		return true
+	}
+	h.waiting.Add(-1)
+	for i := range req.Buckets {
+		req.Buckets[i].Values.MaxWait = 0
+	}
+	return false
+}
+
+func (h *Handler) doneWaiting() { h.waiting.Add(-1) }
+
+// await waits wait for an admitted request whose tokens were taken for
+// then: true once it may go on, false when its client left first, whose
+// tokens are then given back where they were taken.
+func (h *Handler) await(r *http.Request, req *request, wait time.Duration) bool {
+	if h.metrics != nil {
+		h.metrics.waiting.Inc()
+		defer h.metrics.waiting.Dec()
+	}
+	if ce := h.logger.Check(zap.DebugLevel, "waiting for tokens taken ahead"); ce != nil {
+		ce.Write(zap.String("zone", h.Zone), zap.Duration("wait", wait))
+	}
+	t := time.NewTimer(wait)
+	select {
+	case <-t.C:
+		if h.metrics != nil {
+			h.metrics.waitSeconds.Observe(wait.Seconds())
+		}
+		return true
+	case <-r.Context().Done():
+		t.Stop()
+		h.giveBack(req)
+		return false
+	}
+}
+
+// giveBack gives a request that left while it waited its tokens back,
+// in every bucket that settles (what a kind holds while served, a slot,
+// is released), where they were taken.
+func (h *Handler) giveBack(req *request) {
+	items := req.settling[:0]
+	for i := range req.Buckets {
+		b := &req.Buckets[i]
+		if b.Charged() != nil {
+			items = append(items, limit.Settling{Bucket: i, Diff: -b.Values.Requested})
+		}
+	}
+	if len(items) > 0 {
+		h.store.Settle(&req.Call, items)
+	}
+	if hold := h.store.Hold(&req.Call); hold != nil {
+		hold.Release()
+	}
+}
+
+// errLeftWaiting ends a request whose client left while it waited.
+var errLeftWaiting = caddyhttp.Error(499, context.Canceled)

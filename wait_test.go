@@ -1,0 +1,185 @@
+package ratelimit
+
+import (
+	"context"
+	"fmt"
+	"net/http"
+	"slices"
+	"strconv"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/caddy-redis/ratelimit/internal/redistest"
+	"github.com/caddyserver/caddy/v2"
+	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
+)
+
+// waitHandlers are a handler of rate 2/s, burst 2 and a max wait of
+// 1.2s on a key, with each store: in this process, and in Redis.
+func waitHandlers(t *testing.T) map[string]*Handler {
+	const body = "key {http.request.header.X-Key}\nmax_wait 1200ms"
+	srv := redistest.Start(t)
+	return map[string]*Handler{
+		"memory": memoryHandler(t, "2 2", body),
+		"redis":  caddyfileHandler(t, "rate_limit 2 2 {\n\tredis "+srv.Addr+"\n\t"+body+"\n}"),
+	}
+}
+
+// wentOn serves a request of key through h and says when it reached the
+// next handler (zero when it did not), its status and its
+// {http.rate_limit.waited} and result.
+func wentOn(ctx context.Context, h *Handler, key string) (at time.Time, status int, waited, result string) {
+	r, w := newRequest("192.0.2.1", key)
+	r = r.WithContext(mergeCancel(r.Context(), ctx))
+	err := h.ServeHTTP(w, r, caddyhttp.HandlerFunc(func(w http.ResponseWriter, r *http.Request) error {
+		at = time.Now()
+		w.WriteHeader(http.StatusOK)
+		return nil
+	}))
+	repl := r.Context().Value(caddy.ReplacerCtxKey).(*caddy.Replacer)
+	waited, _ = repl.GetString("http.rate_limit.waited")
+	result, _ = repl.GetString("http.rate_limit.result")
+	return at, statusOf(err, w.Code), waited, result
+}
+
+// TestMaxWaitAdmitsWhatFitsWithinItAndRefusesTheRest: 7 requests at once
+// on one key of rate 2/s, burst 2, max wait 1.2s: two go on at once, the
+// next two wait 500ms and 1s for their tokens, and the last three, which
+// would wait 1.5s and more, are refused at once. Counted at the moments
+// they went on, no interval of length T held more than 2 + 2·T of them,
+// but for how late the timers woke, which is measured and allowed for.
+func TestMaxWaitAdmitsWhatFitsWithinItAndRefusesTheRest(t *testing.T) {
+	for name, h := range waitHandlers(t) {
+		t.Run(name, func(t *testing.T) {
+			const n = 7
+			var mu sync.Mutex
+			var went []time.Time
+			var statuses, results []string
+			start := time.Now()
+			var wg sync.WaitGroup
+			for range n {
+				wg.Go(func() {
+					at, status, waited, result := wentOn(t.Context(), h, "k")
+					mu.Lock()
+					defer mu.Unlock()
+					statuses = append(statuses, strconv.Itoa(status))
+					results = append(results, result+"/"+waited)
+					if !at.IsZero() {
+						went = append(went, at)
+					}
+				})
+			}
+			wg.Wait()
+			took := time.Since(start)
+			slices.Sort(statuses)
+			if want := []string{"200", "200", "200", "200", "429", "429", "429"}; !slices.Equal(statuses, want) {
+				t.Fatalf("statuses %v (%v), want %v", statuses, results, want)
+			}
+			slices.SortFunc(went, func(a, b time.Time) int { return a.Compare(b) })
+			t.Logf("went on after %v; results %v; all done in %v", mapSince(went, start), results, took)
+			// The go-times are 500ms apart; a timer wakes no earlier than its
+			// go-time, and late by as much as the machine makes it.
+			late := went[len(went)-1].Sub(start) - time.Second
+			for i := range went {
+				for j := i; j < len(went); j++ {
+					T := went[j].Sub(went[i])
+					if most := 2 + 2*(T+max(late, 0)).Seconds(); float64(j-i+1) > most+1e-9 {
+						t.Errorf("%d requests went on within %v: more than 2 + 2·(T + %v late)", j-i+1, T, late)
+					}
+				}
+			}
+			if last := went[len(went)-1].Sub(start); last < time.Second-10*time.Millisecond {
+				t.Errorf("the fourth request went on %v after the first: before its tokens were there (1s)", last)
+			}
+			// The waits are what the tokens took to come, less the moments
+			// between the requests' takes: at most 500ms and 1s.
+			var waits []int
+			for _, r := range results {
+				if ms, ok := strings.CutPrefix(r, "waited/"); ok {
+					n, _ := strconv.Atoi(ms)
+					waits = append(waits, n)
+				}
+			}
+			slices.Sort(waits)
+			if len(waits) != 2 || waits[0] <= 400 || waits[0] > 500 || waits[1] <= 900 || waits[1] > 1000 {
+				t.Errorf("waits %vms, want two: of at most 500ms and 1s (results %v)", waits, results)
+			}
+		})
+	}
+}
+
+func mapSince(ts []time.Time, start time.Time) []time.Duration {
+	d := make([]time.Duration, len(ts))
+	for i, t := range ts {
+		d[i] = t.Sub(start).Round(time.Millisecond)
+	}
+	return d
+}
+
+// TestRequestThatLeavesWhileWaitingGivesItsTokensBack: a request waiting
+// for its tokens whose client leaves is not served, and its tokens go
+// back: the next request waits no longer than it would have without it.
+func TestRequestThatLeavesWhileWaitingGivesItsTokensBack(t *testing.T) {
+	for name, h := range waitHandlers(t) {
+		t.Run(name, func(t *testing.T) {
+			for range 2 { // the burst
+				if _, status, _, _ := wentOn(t.Context(), h, "leave"); status != 200 {
+					t.Fatalf("burst request: %d", status)
+				}
+			}
+			ctx, cancel := context.WithTimeout(t.Context(), 30*time.Millisecond)
+			defer cancel()
+			at, status, waited, result := wentOn(ctx, h, "leave")
+			if !at.IsZero() || status != 499 || result != "left_waiting" {
+				t.Fatalf("a request whose client left while it waited: served %v, %d, %s after waiting %s; want not served, 499, left_waiting",
+					!at.IsZero(), status, result, waited)
+			}
+			// Its token is back: the next request waits at most 500ms, what a
+			// token takes to come, not 1s.
+			_, status, waited, _ = wentOn(t.Context(), h, "leave")
+			if ms, _ := strconv.Atoi(waited); status != 200 || ms > 500 {
+				t.Errorf("the request after it: %d, waited %sms; want at most 500ms (the leaver's token given back)", status, waited)
+			}
+		})
+	}
+}
+
+// TestMaxWaitingRefusesBeyondIt: with max_waiting 1, a second request
+// that would wait while one waits is refused at once.
+func TestMaxWaitingRefusesBeyondIt(t *testing.T) {
+	h := memoryHandler(t, "2 2", "key {http.request.header.X-Key}\nmax_wait 2s\nmax_waiting 1")
+	wentOn(t.Context(), h, "q") // the burst
+	wentOn(t.Context(), h, "q")
+	done := make(chan string)
+	go func() {
+		_, status, _, result := wentOn(t.Context(), h, "q") // waits 500ms
+		done <- fmt.Sprint(status, result)
+	}()
+	eventually(t, time.Second, "the first request waits", func() bool { return h.waiting.Load() == 1 })
+	if _, status, _, result := wentOn(t.Context(), h, "q"); status != 429 || result != "denied" {
+		t.Errorf("a request beyond max_waiting: %d %s, want 429 denied at once", status, result)
+	}
+	if got := <-done; got != "200waited" {
+		t.Errorf("the waiting request: %s, want 200 waited", got)
+	}
+}
+
+// TestMaxWaitBadValuesRefusedAtLoad: max_wait without a unit, negative,
+// or more than an hour, and max_waiting 0, are refused naming them.
+func TestMaxWaitBadValuesRefusedAtLoad(t *testing.T) {
+	for _, tc := range []struct{ body, want string }{
+		{"max_wait 5", "max_wait '5' has no unit"},
+		{"max_wait -1s", "max_wait '-1s' is negative"},
+		{"max_wait 2h", "max_wait '2h' is more than 1h0m0s"},
+		{"max_wait soon", "max_wait 'soon' is not a duration"},
+		{"max_waiting 0", "max_waiting '0': want a whole number of requests, 1 or more"},
+		{"limit a 1 1 {\n max_wait 3h\n}", "limit a: max_wait '3h' is more than 1h0m0s"},
+	} {
+		_, err := parseTestCaddyfile("rate_limit 1 1 {\n" + tc.body + "\n}")
+		if err == nil || !strings.Contains(err.Error(), tc.want) {
+			t.Errorf("%q: %v, want an error with %q", tc.body, err, tc.want)
+		}
+	}
+}

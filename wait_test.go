@@ -3,14 +3,18 @@ package ratelimit
 import (
 	"context"
 	"fmt"
+	"io"
 	"net/http"
+	"net/http/httptest"
 	"slices"
 	"strconv"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
+	"github.com/caddy-redis/ratelimit/internal/caddyproc"
 	"github.com/caddy-redis/ratelimit/internal/redistest"
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
@@ -181,5 +185,144 @@ func TestMaxWaitBadValuesRefusedAtLoad(t *testing.T) {
 		if err == nil || !strings.Contains(err.Error(), tc.want) {
 			t.Errorf("%q: %v, want an error with %q", tc.body, err, tc.want)
 		}
+	}
+}
+
+// waitBoundSite waits up to 500ms for tokens on one key shared by every
+// instance, and proxies to the test's upstream, telling it the wait.
+const waitBoundSite = `
+http://127.0.0.1:{{http_port}} {
+	rate_limit {
+		zone waitbound
+		key {http.request.header.X-Key}
+		replenish_rate %v
+		burst_capacity %d
+		max_wait %v
+		on_error deny
+		redis {
+			address %s
+			timeout 5s
+		}
+	}
+	reverse_proxy %s {
+		header_up X-Waited {http.rate_limit.waited}
+	}
+}`
+
+// TestWaitingKeepsTheBoundAcrossInstances: two Caddy instances sharing
+// Redis, clients offering three times the rate on one key. Counted at
+// the moments requests reach the upstream, no interval of length T holds
+// more than burst + rate·T of them, but for how late they came after
+// their go-time (timers and the proxy; measured, and allowed for); every
+// admitted request waited at most max_wait; and the bucket admitted
+// what it could within max_wait, nearly burst + rate·(D + max_wait) over
+// the D the clients sent for: nothing that could have waited was
+// refused in bulk.
+func TestWaitingKeepsTheBoundAcrossInstances(t *testing.T) {
+	const (
+		rate     = 20.0
+		burst    = 20
+		maxWait  = 500 * time.Millisecond
+		duration = 3 * time.Second
+	)
+	var mu sync.Mutex
+	type arrival struct {
+		at     time.Time
+		waited time.Duration
+		late   time.Duration // at most: from the send to the arrival, less the wait
+	}
+	var arrivals []arrival
+	upstream := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		now := time.Now()
+		ms, err := strconv.Atoi(r.Header.Get("X-Waited"))
+		if err != nil {
+			t.Errorf("X-Waited %q: %v", r.Header.Get("X-Waited"), err)
+		}
+		sentNs, _ := strconv.ParseInt(r.Header.Get("X-Sent"), 10, 64)
+		waited := time.Duration(ms) * time.Millisecond
+		mu.Lock()
+		arrivals = append(arrivals, arrival{now, waited, now.Sub(time.Unix(0, sentNs)) - waited})
+		mu.Unlock()
+	}))
+	t.Cleanup(upstream.Close)
+	srv := redistest.Start(t)
+	site := caddyproc.Caddyfile(fmt.Sprintf(waitBoundSite, rate, burst, maxWait, srv.Addr, upstream.URL))
+	urls := []string{caddyproc.Start(t, site).URL, caddyproc.Start(t, site).URL}
+	client := caddyClient(t)
+	for _, u := range urls {
+		mustGet(t, client, u, "warm")
+	}
+	mu.Lock()
+	arrivals = arrivals[:0]
+	mu.Unlock()
+
+	// Three times the rate, each request on its own goroutine (a waiting
+	// one holds its connection), round robin over the instances.
+	var sent, refused, failed atomic.Int64
+	var wg sync.WaitGroup
+	interval := time.Second / time.Duration(3*rate)
+	start := time.Now()
+	for i := 0; time.Since(start) < duration; i++ {
+		wg.Go(func() {
+			sent.Add(1)
+			req, _ := http.NewRequest(http.MethodGet, urls[i%len(urls)], nil)
+			req.Header.Set("X-Key", "one")
+			req.Header.Set("X-Sent", strconv.FormatInt(time.Now().UnixNano(), 10))
+			resp, err := client.Do(req)
+			if err == nil {
+				_, _ = io.Copy(io.Discard, resp.Body)
+				resp.Body.Close()
+			}
+			switch {
+			case err != nil:
+				failed.Add(1)
+				t.Errorf("GET: %v", err)
+			case resp.StatusCode == 429:
+				refused.Add(1)
+			case resp.StatusCode != 200:
+				failed.Add(1)
+				t.Errorf("GET: %d", resp.StatusCode)
+			}
+		})
+		time.Sleep(interval)
+	}
+	elapsed := time.Since(start) // D: while the clients sent
+	wg.Wait()
+	mu.Lock()
+	defer mu.Unlock()
+	slices.SortFunc(arrivals, func(a, b arrival) int { return a.at.Compare(b.at) })
+	// How late a request came past its go-time is at most the time from
+	// its send to its arrival, less its wait: the longest is the
+	// allowance, in tokens rate × lateness.
+	var late time.Duration
+	for _, a := range arrivals {
+		if a.waited > maxWait {
+			t.Errorf("a request waited %v, more than max_wait %v", a.waited, maxWait)
+		}
+		late = max(late, a.late)
+	}
+	worst := 0.0
+	for i := range arrivals {
+		for j := i; j < len(arrivals); j++ {
+			T := arrivals[j].at.Sub(arrivals[i].at)
+			most := burst + rate*(T+late).Seconds()
+			if n := float64(j - i + 1); n/most > worst {
+				worst = n / most
+			}
+			if float64(j-i+1) > most+1e-9 {
+				t.Errorf("%d requests reached the upstream within %v: more than burst + rate·(T + %v late) = %.1f", j-i+1, T, late, most)
+				return
+			}
+		}
+	}
+	admitted := len(arrivals)
+	could := burst + rate*(elapsed+maxWait).Seconds()
+	t.Logf("%d sent in %v, %d admitted, %d refused, %d failed; latest arrival past its go-time at most %v; fullest interval %.3f of its bound; admitted %.3f of burst + rate·(D + max_wait) = %.1f",
+		sent.Load(), elapsed.Round(time.Millisecond), admitted, refused.Load(), failed.Load(), late.Round(time.Millisecond), worst, float64(admitted)/could, could)
+	if float64(admitted) > could+1e-9 {
+		t.Errorf("admitted %d, more than burst + rate·(D + max_wait) = %.1f", admitted, could)
+	}
+	if float64(admitted) < 0.9*could {
+		t.Errorf("admitted %d, less than 0.9 of burst + rate·(D + max_wait) = %.1f: requests that could have waited were refused", admitted, could)
 	}
 }

@@ -59,9 +59,10 @@ func init() {
 // Placeholder | Description
 // ------------|-------------
 // `{http.rate_limit.zone}` | the zone
-// `{http.rate_limit.result}` | `allowed`, `denied`, `exempt`, `invalid`, `empty_key`, `error_allowed`, `error_denied`, `error_local_allowed`, `error_local_denied`, `overflow` or `shadow_denied`; once the response settles, `charge_missing` when its cost could not be read
+// `{http.rate_limit.result}` | `allowed`, `waited`, `denied`, `exempt`, `invalid`, `empty_key`, `error_allowed`, `error_denied`, `error_local_allowed`, `error_local_denied`, `overflow`, `shadow_denied` or `left_waiting`; once the response settles, `charge_missing` when its cost could not be read
 // `{http.rate_limit.limit_name}` | the limit that refused (with `limits`); empty when admitted
 // `{http.rate_limit.remaining}` | whole tokens left; `-1` when Redis failed
+// `{http.rate_limit.waited}` | with `max_wait`: the milliseconds the request waited for its tokens
 // `{http.rate_limit.limit}` | the burst capacity
 // `{http.rate_limit.retry_after}` | on denial, seconds until a retry can succeed, as in `Retry-After`
 // `{http.rate_limit.key}` | the client key as stored (escaped, or hashed when long), only with `log_key` (else empty)

@@ -20,8 +20,6 @@ import (
 	"testing"
 	"time"
 
-	"github.com/caddy-redis/ratelimit/internal/redisstore"
-
 	"github.com/caddy-redis/ratelimit/internal/limit"
 	"github.com/caddy-redis/ratelimit/internal/memstore"
 	"github.com/caddy-redis/ratelimit/internal/testproc"
@@ -87,13 +85,6 @@ func lastResult(t *testing.T, logs *observer.ObservedLogs) string {
 		t.Fatal("no decision logged")
 	}
 	return fmt.Sprint(lines[len(lines)-1]["result"])
-}
-
-// redisClientsInUse counts the shared Redis clients (limiters) in use.
-func redisClientsInUse() int {
-	n := 0
-	n = redisstore.ClientsInUse()
-	return n
 }
 
 // memoryHandler provisions a rate_limit directive whose block body is

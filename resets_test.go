@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"net"
 	"runtime"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -55,6 +56,27 @@ func waitSubscribed(t *testing.T, rdb *redis.Client) {
 	})
 }
 
+// subscribers names the connections subscribed to a channel of the
+// Redis that rdb reaches (their ids): a subscription established again
+// is on a connection of a new id.
+func subscribers(t *testing.T, rdb *redis.Client) string {
+	t.Helper()
+	list, err := rdb.ClientList(context.Background()).Result()
+	if err != nil {
+		t.Fatal(err)
+	}
+	var ids []string
+	for _, line := range strings.Split(list, "\n") {
+		fields := strings.Fields(line)
+		if len(fields) == 0 || !slices.ContainsFunc(fields, func(f string) bool { return strings.HasPrefix(f, "sub=") && f != "sub=0" }) {
+			continue
+		}
+		ids = append(ids, fields[0]) // id=...
+	}
+	slices.Sort(ids)
+	return strings.Join(ids, " ")
+}
+
 // denyAndCache empties key's bucket (burst 1) and has its denial cached.
 func denyAndCache(t *testing.T, h *Handler, key string) {
 	t.Helper()
@@ -86,7 +108,9 @@ func resetAndWait(t *testing.T, h *Handler, key string) time.Duration {
 // bound allows for a loaded two-core one): before messages were bounded,
 // such a message held the cache's lock for 0.8 s, 1.8 s with -race (which
 // make test uses), and longer on a loaded machine. Handling it allocates
-// no more than a few MiB (it took 409 MiB).
+// no more than a few MiB (it took 409 MiB). (That the message is dropped
+// unread and counted is internal/redisresets's
+// TestOversizedMessageIsDroppedAndCounted.)
 func TestResetFloodDoesNotStallRequests(t *testing.T) {
 	const (
 		flood      = 24 << 20
@@ -97,7 +121,8 @@ func TestResetFloodDoesNotStallRequests(t *testing.T) {
 	srv := redistest.Start(t)
 	h := caddyfileHandler(t, fmt.Sprintf("rate_limit 0.01 1 {\n\tzone resetflood\n\tkey {http.request.header.X-Key}\n\tredis %s\n}", srv.Addr))
 	channel := defaultKeyPrefix + "reset"
-	waitSubscribed(t, srv.Client(t))
+	rdb := srv.Client(t)
+	waitSubscribed(t, rdb)
 	for w := range workers {
 		denyAndCache(t, h, "d"+strconv.Itoa(w))
 	}
@@ -132,9 +157,12 @@ func TestResetFloodDoesNotStallRequests(t *testing.T) {
 	before := time.Duration(slowest.Swap(0))
 	var handled time.Duration
 	for attempt := 1; ; attempt++ {
+		subscribed := subscribers(t, rdb)
 		publishNewlines(t, srv.Addr, channel, flood)
 		handled = resetAndWait(t, h, "probe")
-		if h.limiter.Resets().Dropped() > 0 {
+		// Heard: the probe's reset, published after the flood, came on the
+		// connection subscribed before it, which read the flood first.
+		if subscribers(t, rdb) == subscribed {
 			break
 		}
 		// Not heard: the subscription was being renewed when the flood
@@ -154,9 +182,6 @@ func TestResetFloodDoesNotStallRequests(t *testing.T) {
 	if during > maxLatency {
 		t.Errorf("a request waited %v while the flood was handled, more than %v", during, maxLatency)
 	}
-	if n := h.limiter.Resets().Dropped(); n != 1 {
-		t.Errorf("%d messages counted as too large, want 1", n)
-	}
 
 	// Memory, without the requests' own allocations: a second flood.
 	denyAndCache(t, h, "probe2")
@@ -173,8 +198,9 @@ func TestResetFloodDoesNotStallRequests(t *testing.T) {
 }
 
 // TestResetOfForeignKeysIsIgnored publishes keys without the instance's
-// key prefix: they are counted and touch no cached denial, while the
-// instance's own keys in the same message are reset.
+// key prefix: the instance's own keys in the same message are reset.
+// (That the others are counted and ignored is internal/redisresets's
+// TestForeignKeysAreCountedAndIgnored.)
 func TestResetOfForeignKeysIsIgnored(t *testing.T) {
 	srv := redistest.Start(t)
 	h := caddyfileHandler(t, fmt.Sprintf("rate_limit 0.01 1 {\n\tzone resetforeign\n\tkey {http.request.header.X-Key}\n\tredis %s\n}", srv.Addr))
@@ -192,9 +218,6 @@ func TestResetOfForeignKeysIsIgnored(t *testing.T) {
 		status, _, _ := hit(h, "mine")
 		return status == 200
 	})
-	if n := h.limiter.Resets().Foreign(); n != 2 {
-		t.Errorf("%d foreign keys counted, want 2", n)
-	}
 }
 
 // TestDeadResetSubscriptionDropsCachedDenials: a reset published while

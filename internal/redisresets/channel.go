@@ -82,11 +82,6 @@ func New(client redis.UniversalClient, name, keyPrefix string, r Receiver) *Chan
 // Name is the channel's name.
 func (c *Channel) Name() string { return c.name }
 
-// Dropped is how many messages were dropped for their size; Foreign how
-// many keys were ignored for their prefix.
-func (c *Channel) Dropped() int64 { return c.tooLarge.Load() }
-func (c *Channel) Foreign() int64 { return c.foreign.Load() }
-
 // open starts a new subscription, none once the channel closed.
 func (c *Channel) open(ctx context.Context) *redis.PubSub {
 	c.mu.Lock()

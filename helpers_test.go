@@ -23,7 +23,7 @@ import (
 	"net/http/httptest"
 	"net/url"
 	"os"
-	"runtime"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -340,26 +340,12 @@ func newTestLimiter(tb testing.TB, addr string, timeout time.Duration) *redissto
 	return b
 }
 
-// redisClientsInUse counts the Redis clients in use in this process (a
-// config holds them), as a goroutine dump shows them: each client
-// listens on its reset channel, in a goroutine of its own, from a moment
-// after it is made until it has closed, and one released by its last config
-// closes in another once its requests are done (redisstore.LingerIdle),
-// a while later. (A client that has just closed may still listen for a
-// moment: none is counted below zero.)
-func redisClientsInUse() int {
-	buf := make([]byte, 1<<20)
-	for {
-		n := runtime.Stack(buf, true)
-		if n < len(buf) {
-			buf = buf[:n]
-			break
-		}
-		buf = make([]byte, 2*len(buf))
-	}
-	listening := bytes.Count(buf, []byte("/internal/redisresets.(*Channel).Listen("))
-	closing := bytes.Count(buf, []byte("/internal/redisstore.(*Client).Destruct.func1("))
-	return max(listening-closing, 0)
+// zoneAsksRedis says whether a handler of zone, of the configs loaded
+// in this process, has a Redis client.
+func zoneAsksRedis(zone string) bool {
+	loadedZones.Lock()
+	defer loadedZones.Unlock()
+	return slices.ContainsFunc(loadedZones.byZone[zone], func(h *Handler) bool { return h.limiter != nil })
 }
 
 // redisStores are the handlers' Redis stores as holdSlots made them, one

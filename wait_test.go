@@ -326,3 +326,28 @@ func TestWaitingKeepsTheBoundAcrossInstances(t *testing.T) {
 		t.Errorf("admitted %d, less than 0.9 of burst + rate·(D + max_wait) = %.1f: requests that could have waited were refused", admitted, could)
 	}
 }
+
+// TestRefusedWaitingRequestRetryAfterSaysWhenItWouldFit: rate 1/s,
+// burst 1, max wait 2.5s; with one request gone and two waiting 1s and
+// 2s, a fourth would wait 3s: refused at once, its Retry-After is when
+// it would fit by waiting (3s - 2.5s, rounded up: 1), not when its
+// tokens are there (3).
+func TestRefusedWaitingRequestRetryAfterSaysWhenItWouldFit(t *testing.T) {
+	h := memoryHandler(t, "1 1", "key {http.request.header.X-Key}\nmax_wait 2500ms")
+	ctx, cancel := context.WithCancel(t.Context())
+	defer cancel()
+	if _, status, _, _ := wentOn(ctx, h, "r"); status != 200 {
+		t.Fatalf("first request: %d", status)
+	}
+	var wg sync.WaitGroup
+	for range 2 {
+		wg.Go(func() { wentOn(ctx, h, "r") })
+	}
+	eventually(t, time.Second, "two requests wait", func() bool { return h.waiting.Load() == 2 })
+	status, header := serve(t.Context(), h, "r")
+	if status != 429 || header.Get("Retry-After") != "1" {
+		t.Errorf("the fourth request: %d, Retry-After %q; want 429, 1", status, header.Get("Retry-After"))
+	}
+	cancel() // the waiting ones leave
+	wg.Wait()
+}

@@ -456,11 +456,11 @@ func TestAdminInspectBuckets(t *testing.T) {
 			t.Errorf("retry_after %v, while the denial said Retry-After %s", b.RetryAfter, retry)
 		}
 		// Still empty for the next request, which the deny cache answers.
-		calls := scriptCalls(t, rdb)
+		calls := redistest.ScriptCalls(t, rdb)
 		if again := expectDenied(t, client, caddytestSite, "X-Key", value); again != retry {
 			t.Errorf("the next request: Retry-After %s, want %s", again, retry)
 		}
-		if n := scriptCalls(t, rdb) - calls; n != 0 {
+		if n := redistest.ScriptCalls(t, rdb) - calls; n != 0 {
 			t.Errorf("the denial after the read made %d script calls, want 0 (the deny cache)", n)
 		}
 	})
@@ -522,11 +522,11 @@ func TestAdminResetReachesEveryInstance(t *testing.T) {
 			expectAdmitted(t, c.admitBy.client, c.admitBy.url, "0", "X-Key", c.key)
 			for _, in := range []instance{c.resetBy, c.admitBy} {
 				expectDenied(t, in.client, in.url, "X-Key", c.key)
-				calls := scriptCalls(t, rdb)
+				calls := redistest.ScriptCalls(t, rdb)
 				if retry := expectDenied(t, in.client, in.url, "X-Key", c.key); retry != "100" {
 					t.Fatalf("%s: Retry-After %s, want 100", in.name, retry)
 				}
-				if n := scriptCalls(t, rdb) - calls; n != 0 {
+				if n := redistest.ScriptCalls(t, rdb) - calls; n != 0 {
 					t.Fatalf("%s denied again with %d script calls, want 0: the denial is not cached", in.name, n)
 				}
 			}
@@ -1224,7 +1224,7 @@ func TestAdminCluster(t *testing.T) {
 	scriptCallsAll := func() int64 {
 		var n int64
 		for _, m := range masters {
-			n += scriptCalls(t, m)
+			n += redistest.ScriptCalls(t, m)
 		}
 		return n
 	}

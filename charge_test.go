@@ -1222,7 +1222,7 @@ http://127.0.0.1:{{http_port}} {
 	srv.Restart(t)
 	rdb := srv.Client(t)
 	time.Sleep(time.Second)
-	if n := scriptCalls(t, rdb); n != 0 {
+	if n := redistest.ScriptCalls(t, rdb); n != 0 {
 		t.Fatalf("%d script calls reached the restarted Redis, want none: the lost settlement was sent again", n)
 	}
 	if resp, _ := c.get(t, "/?format=raw&ct=text/plain&body=ok&cost=100", "X-Key", "k"); resp.StatusCode != 200 ||

@@ -117,7 +117,7 @@ func TestDenyCacheAnswersFloodWithoutRedis(t *testing.T) {
 	if status, _ := serve(context.Background(), h, "one"); status != 200 {
 		t.Fatalf("first request: %d", status)
 	}
-	before := scriptCalls(t, rdb)
+	before := redistest.ScriptCalls(t, rdb)
 	for i := range 1000 {
 		status, header := serve(context.Background(), h, "one")
 		retry := header.Get("Retry-After")
@@ -126,7 +126,7 @@ func TestDenyCacheAnswersFloodWithoutRedis(t *testing.T) {
 		}
 	}
 	// One Redis call learned the retry time (10 s); the rest were local.
-	if calls := scriptCalls(t, rdb) - before; calls != 1 {
+	if calls := redistest.ScriptCalls(t, rdb) - before; calls != 1 {
 		t.Fatalf("1000 denials cost %d script calls, want 1", calls)
 	}
 }
@@ -145,10 +145,10 @@ func TestDenyCacheReportsTheBucketAsItIsNow(t *testing.T) {
 	if got := send().Get("X-RateLimit-Remaining"); got != "0" { // denied by Redis, and cached
 		t.Fatalf("first denial: remaining %q, want 0", got)
 	}
-	calls := scriptCalls(t, rdb)
+	calls := redistest.ScriptCalls(t, rdb)
 	time.Sleep(1100 * time.Millisecond) // 2.2 tokens back, 0.9 s to go
 	hdr := send()
-	if n := scriptCalls(t, rdb) - calls; n != 0 {
+	if n := redistest.ScriptCalls(t, rdb) - calls; n != 0 {
 		t.Fatalf("the cached denial asked Redis %d times", n)
 	}
 	if got := hdr.Get("X-RateLimit-Remaining"); got != "2" {

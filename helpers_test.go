@@ -419,27 +419,6 @@ func infoStat(t *testing.T, rdb *redis.Client, field string) int64 {
 	return 0
 }
 
-// scriptCalls counts the script commands (EVAL, EVALSHA and their _RO
-// forms) Redis has served.
-func scriptCalls(t *testing.T, rdb *redis.Client) int64 {
-	t.Helper()
-	info, err := rdb.Info(context.Background(), "commandstats").Result()
-	if err != nil {
-		t.Fatal(err)
-	}
-	var total int64
-	for _, line := range strings.Split(info, "\n") {
-		if !strings.HasPrefix(line, "cmdstat_eval") {
-			continue
-		}
-		_, rest, _ := strings.Cut(line, "calls=")
-		n, _, _ := strings.Cut(rest, ",")
-		v, _ := strconv.ParseInt(n, 10, 64)
-		total += v
-	}
-	return total
-}
-
 // ---- A proxy in front of Redis
 
 // redisProxy forwards TCP connections to a Redis server and misbehaves on

@@ -164,9 +164,9 @@ func TestLeaseBoundAtRandom(t *testing.T) {
 		}
 		s.rate = float64(s.burst) * []float64{0.2, 1}[rng.IntN(2)]
 		s.cost = []int64{1, 1, 2}[rng.IntN(3)]
-		before := scriptCalls(t, rdb)
+		before := redistest.ScriptCalls(t, rdb)
 		log, counts := runSchedule(t, rng, fmt.Sprint("random", n), srv.Addr, s)
-		calls += scriptCalls(t, rdb) - before
+		calls += redistest.ScriptCalls(t, rdb) - before
 		w, tight := log.check(t, float64(s.burst)/float64(s.cost), s.rate/float64(s.cost))
 		t.Logf("schedule %d (%v): %d admitted, %d denied, %d failed; %d windows, the tightest %+.2f of its bound",
 			n, s, log.len(), counts[0], counts[1], w, tight)

@@ -154,9 +154,9 @@ func scriptsLoaded(t *testing.T, rdbs ...*redis.Client) {
 // callsOf counts the script calls a function costs.
 func callsOf(t *testing.T, rdb *redis.Client, f func()) int64 {
 	t.Helper()
-	before := scriptCalls(t, rdb)
+	before := redistest.ScriptCalls(t, rdb)
 	f()
-	return scriptCalls(t, rdb) - before
+	return redistest.ScriptCalls(t, rdb) - before
 }
 
 // loadResult is what leaseLoad's requests got.

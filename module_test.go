@@ -176,7 +176,7 @@ http://localhost:9080 {
 		t.Fatalf("got %d, want 429", resp.StatusCode)
 	}
 	assertHeaders(t, resp, map[string]string{"X-RateLimit-Remaining": "0", "X-RateLimit-Burst-Capacity": "0", "Retry-After": ""})
-	if calls := scriptCalls(t, srv.Client(t)); calls != 0 {
+	if calls := redistest.ScriptCalls(t, srv.Client(t)); calls != 0 {
 		t.Fatalf("a hard block called Redis: %d script calls", calls)
 	}
 }

@@ -23,7 +23,7 @@ func clusterScriptCalls(t *testing.T, clients []*redis.Client) int64 {
 	t.Helper()
 	var n int64
 	for _, rdb := range clients {
-		n += scriptCalls(t, rdb)
+		n += redistest.ScriptCalls(t, rdb)
 	}
 	return n
 }

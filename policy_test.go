@@ -736,7 +736,7 @@ func TestPolicyCostFromHeaderTakesThatManyAndOnlyFromItsClient(t *testing.T) {
 	expectStoredTokens(t, rdb, tenantKey, 97, 97.5, "the tenant after three admitted requests of cost 1")
 
 	// Above the burst: 400 before Redis, for a fresh client and for a.
-	calls := scriptCalls(t, rdb)
+	calls := redistest.ScriptCalls(t, rdb)
 	stateA, _ := rdb.Get(ctx, limitKey(t, h, "client", "a")).Result()
 	for _, key := range []string{"b", "a"} {
 		a := send(key, "11")
@@ -744,7 +744,7 @@ func TestPolicyCostFromHeaderTakesThatManyAndOnlyFromItsClient(t *testing.T) {
 			t.Errorf("client %s, cost 11 over the burst of 10: %v; want 400 invalid", key, a)
 		}
 	}
-	if n := scriptCalls(t, rdb) - calls; n != 0 {
+	if n := redistest.ScriptCalls(t, rdb) - calls; n != 0 {
 		t.Errorf("costs above the burst cost %d script calls, want none", n)
 	}
 	if n, _ := rdb.Exists(ctx, limitKey(t, h, "client", "b")).Result(); n != 0 {
@@ -809,7 +809,7 @@ func TestPolicyInvalidValuesFromRequestRefusedWithoutTakingTokens(t *testing.T) 
 		}
 		return fmt.Sprint(vals)
 	}
-	before, calls := state(), scriptCalls(t, rdb)
+	before, calls := state(), redistest.ScriptCalls(t, rdb)
 
 	for _, tc := range []struct {
 		header, value string
@@ -853,7 +853,7 @@ func TestPolicyInvalidValuesFromRequestRefusedWithoutTakingTokens(t *testing.T) 
 			t.Errorf("%s: warning's status %v, want %d", name, fields["status"], tc.status)
 		}
 	}
-	if n := scriptCalls(t, rdb) - calls; n != 0 {
+	if n := redistest.ScriptCalls(t, rdb) - calls; n != 0 {
 		t.Errorf("invalid values cost %d script calls, want none", n)
 	}
 	if after := state(); after != before {
@@ -978,7 +978,7 @@ http://localhost:9080 {
 		respond "{http.rate_limit.result}"
 	}
 }`, srv.Addr)
-	before, calls := scrapeMetrics(t), scriptCalls(t, rdb)
+	before, calls := scrapeMetrics(t), redistest.ScriptCalls(t, rdb)
 	for i := range 5 {
 		resp, body := getWith(t, tester.Client, "/one", "X-Key", "staff", "X-Plan", "internal")
 		if resp.StatusCode != 200 || body != "exempt" {
@@ -988,7 +988,7 @@ http://localhost:9080 {
 			t.Errorf("internal plan, request %d: rate-limit headers %v; no bucket was consulted", i+1, n)
 		}
 	}
-	if n := scriptCalls(t, rdb) - calls; n != 0 {
+	if n := redistest.ScriptCalls(t, rdb) - calls; n != 0 {
 		t.Errorf("5 exempt requests cost %d script calls, want none", n)
 	}
 	if n, _ := rdb.DBSize(ctx).Result(); n != 0 {
@@ -1014,7 +1014,7 @@ http://localhost:9080 {
 	})
 
 	// In a policy, the plan limit is skipped, the global one taken.
-	before, calls = scrapeMetrics(t), scriptCalls(t, rdb)
+	before, calls = scrapeMetrics(t), redistest.ScriptCalls(t, rdb)
 	for i := range 3 {
 		resp, body := getWith(t, tester.Client, "/policy", "X-Key", "staff", "X-Plan", "internal")
 		if resp.StatusCode != 200 || body != "allowed" || resp.Header.Get("X-RateLimit-Remaining") != strconv.Itoa(99-i) {
@@ -1022,7 +1022,7 @@ http://localhost:9080 {
 				i+1, resp.StatusCode, body, resp.Header.Get("X-RateLimit-Remaining"), 99-i)
 		}
 	}
-	if n := scriptCalls(t, rdb) - calls; n != 3 {
+	if n := redistest.ScriptCalls(t, rdb) - calls; n != 3 {
 		t.Errorf("3 requests with one limit exempt cost %d script calls, want 3", n)
 	}
 	if n, _ := rdb.Exists(ctx, namedKey("expolicy", "{http.request.header.X-Key}", "staff", "plan")).Result(); n != 0 {
@@ -1173,9 +1173,9 @@ func TestPolicyRateLimitPolicyListsEveryLimitOnACachedDenial(t *testing.T) {
 		}
 	}
 	first := servePolicy(h, "X-Key", "k") // Redis answers, and the cache keeps it
-	calls := scriptCalls(t, rdb)
+	calls := redistest.ScriptCalls(t, rdb)
 	cached := servePolicy(h, "X-Key", "k")
-	if n := scriptCalls(t, rdb) - calls; n != 0 {
+	if n := redistest.ScriptCalls(t, rdb) - calls; n != 0 {
 		t.Fatalf("the second denial asked Redis (%d calls): the deny cache did not answer", n)
 	}
 	for what, a := range map[string]policyAnswer{"denial by Redis": first, "denial by the deny cache": cached} {

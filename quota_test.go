@@ -1173,9 +1173,9 @@ func TestQuotaResetJitterAppliesToRetryAfterRateLimitAndPlaceholderAlike(t *test
 		key := fmt.Sprintf("client-%d", i)
 		servePolicy(h, "X-Key", key)
 		for _, from := range []string{"Redis", "the deny cache"} {
-			calls := scriptCalls(t, rdb)
+			calls := redistest.ScriptCalls(t, rdb)
 			a := servePolicy(h, "X-Key", key)
-			if asked := scriptCalls(t, rdb) > calls; asked != (from == "Redis") {
+			if asked := redistest.ScriptCalls(t, rdb) > calls; asked != (from == "Redis") {
 				t.Fatalf("%s: Redis asked %v, want the refusal from %s", key, asked, from)
 			}
 			toBoundary := int64((time.Until(end) + time.Second - 1) / time.Second)

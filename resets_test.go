@@ -251,8 +251,8 @@ func TestDeadResetSubscriptionDropsCachedDenials(t *testing.T) {
 			rdb := srv.Client(t)
 			waitSubscribed(t, rdb)
 			denyAndCache(t, h, "x")
-			calls := scriptCalls(t, rdb)
-			if status, _, _ := hit(h, "x"); status != 429 || scriptCalls(t, rdb) != calls {
+			calls := redistest.ScriptCalls(t, rdb)
+			if status, _, _ := hit(h, "x"); status != 429 || redistest.ScriptCalls(t, rdb) != calls {
 				t.Fatalf("x: %d, want 429 from the deny cache", status)
 			}
 

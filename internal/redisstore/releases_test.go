@@ -3,7 +3,6 @@ package redisstore_test
 import (
 	"context"
 	"fmt"
-	"strconv"
 	"strings"
 	"sync"
 	"testing"
@@ -128,27 +127,6 @@ func eventually(t *testing.T, timeout time.Duration, what string, cond func() bo
 	}
 }
 
-// scriptCalls counts the script commands (EVAL, EVALSHA and their _RO
-// forms) Redis has served.
-func scriptCalls(t *testing.T, rdb *redis.Client) int64 {
-	t.Helper()
-	info, err := rdb.Info(context.Background(), "commandstats").Result()
-	if err != nil {
-		t.Fatal(err)
-	}
-	var total int64
-	for _, line := range strings.Split(info, "\n") {
-		if !strings.HasPrefix(line, "cmdstat_eval") {
-			continue
-		}
-		_, rest, _ := strings.Cut(line, "calls=")
-		n, _, _ := strings.Cut(rest, ",")
-		v, _ := strconv.ParseInt(n, 10, 64)
-		total += v
-	}
-	return total
-}
-
 // A release that meets a closed client is answered (a warning; the slot
 // expires with its hold), and counts as pending no more, rather than
 // waiting in a queue that no worker reads any more. (A client closes
@@ -255,13 +233,13 @@ func TestRefusalWaitsForNoReleaseOfAnotherKey(t *testing.T) {
 		c.AddPendingReleases([]string{other}, -1)
 	}()
 	defer func() { <-answered }()
-	calls := scriptCalls(t, rdb)
+	calls := redistest.ScriptCalls(t, rdb)
 	start := time.Now()
 	if take(t, s, request(l, victim)) {
 		t.Fatal("with the victim's slot held: admitted, want refused")
 	}
 	took := time.Since(start)
-	if n := scriptCalls(t, rdb) - calls; n != 1 {
+	if n := redistest.ScriptCalls(t, rdb) - calls; n != 1 {
 		t.Errorf("the refusal took %d script calls (in %v), want 1: it waited for another key's release and asked again",
 			n, took.Round(time.Microsecond))
 	}

@@ -439,3 +439,24 @@ func StartBlackhole(tb testing.TB) string {
 	})
 	return l.Addr().String()
 }
+
+// ScriptCalls counts the script commands (EVAL, EVALSHA and their _RO
+// forms) the Redis of rdb has served.
+func ScriptCalls(tb testing.TB, rdb *redis.Client) int64 {
+	tb.Helper()
+	info, err := rdb.Info(context.Background(), "commandstats").Result()
+	if err != nil {
+		tb.Fatal(err)
+	}
+	var total int64
+	for _, line := range strings.Split(info, "\n") {
+		if !strings.HasPrefix(line, "cmdstat_eval") {
+			continue
+		}
+		_, rest, _ := strings.Cut(line, "calls=")
+		n, _, _ := strings.Cut(rest, ",")
+		v, _ := strconv.ParseInt(n, 10, 64)
+		total += v
+	}
+	return total
+}

@@ -227,7 +227,7 @@ func (h *Handler) answer(w http.ResponseWriter, r *http.Request, repl *caddy.Rep
 	switch {
 	case allowed:
 		d := req.Admitted
-		if wait := limit.Wait(buckets); wait > 0 {
+		if wait := h.waitOf(buckets); wait > 0 {
 			if !h.await(r, req, wait) { // wait.go
 				h.record(repl, limit.DecisionLeftWaiting, buckets, described)
 				return false, errLeftWaiting

@@ -75,6 +75,15 @@ func (h *Handler) mayWait(req *request) bool {
 
 func (h *Handler) doneWaiting() { h.waiting.Add(-1) }
 
+// waitOf is how long an admitted request waits before it goes on: 0
+// for a handler whose limits never wait, which need not ask its buckets.
+func (h *Handler) waitOf(buckets []limit.Bucket) time.Duration {
+	if !h.waits {
+		return 0
+	}
+	return limit.Wait(buckets)
+}
+
 // await waits wait for an admitted request whose tokens were taken for
 // then: true once it may go on, false when its client left first, whose
 // tokens are then given back where they were taken.

@@ -2,19 +2,18 @@ package ratelimit
 
 // Tests of `store memory` (internal/memstore): the buckets in the Caddy
 // process. Through a real Caddy (caddytest) for what a client and an
-// operator see; through a provisioned Handler, with no process, for the
-// store's own behaviour (the -short tier); and a measurement of what a
-// bucket costs the heap, behind -short like TestRedisMemoryPerBucket.
+// operator see; through a provisioned Handler, with no process, for what
+// a client sees of the store (the -short tier), read as the admin API
+// reads it (the store's Peek). The store's insides (when it forgets a
+// bucket, its count, the heap a bucket costs) are internal/memstore's
+// tests'.
 
 import (
 	"context"
 	"encoding/json"
 	"fmt"
 	"net/http"
-	"os"
 	"path/filepath"
-	"runtime"
-	"strconv"
 	"strings"
 	"sync"
 	"testing"
@@ -22,34 +21,31 @@ import (
 
 	"github.com/caddy-redis/ratelimit/internal/limit"
 	"github.com/caddy-redis/ratelimit/internal/memstore"
-	"github.com/caddy-redis/ratelimit/internal/testproc"
-	"github.com/caddyserver/caddy/v2"
 	"go.uber.org/zap/zapcore"
 	"go.uber.org/zap/zaptest/observer"
 )
 
 // ---- Helpers of the memory store's tests (onerror_local_test.go uses them too)
 
-// storedBuckets is how many buckets s holds, swept or not, counted in
-// its shards' maps; the store's own count must agree.
-func storedBuckets(tb testing.TB, s *memstore.Store) int {
-	tb.Helper()
-	live, n := s.Count()
-	if live != int64(n) {
-		tb.Errorf("the store counts %d live buckets; its maps hold %d", live, n)
+// heldView is what the memory store s shows of the bucket b, as the
+// admin API reads it (the store's Peek): a token bucket's ExpiresIn is 0
+// when s holds none.
+func heldView(t *testing.T, h *Handler, s *memstore.Store, b limit.Bucket) limit.View {
+	t.Helper()
+	v, err := s.For(storeReports{h}, false).Peek(t.Context(), b)
+	if err != nil {
+		t.Fatalf("peek of %s: %v", b.Key, err)
 	}
-	return n
+	return v
 }
 
-// storedBucket is the state s holds for the bucket whose key is key.
-func storedBucket(s *memstore.Store, key string) (limit.State, bool) { return s.Lookup(key) }
-
-// sweepAt is sweep at store time t (microseconds, limit.Micros): every
-// shard once, each locked while it is swept.
-func sweepAt(s *memstore.Store, t int64) { s.SweepAt(t) }
-
-// storeTime is the wall time of store time t, for take.
-func storeTime(t int64) time.Time { return limit.ClockStart.Add(time.Duration(t) * time.Microsecond) }
+// clientView is heldView of client's bucket of h's limit i, with the
+// limit's values.
+func clientView(t *testing.T, h *Handler, s *memstore.Store, i int, client string) limit.View {
+	t.Helper()
+	l := h.limits[i]
+	return heldView(t, h, s, limit.Bucket{Limit: l, Key: keyOf(h, i, client), Values: l.Values})
+}
 
 // keyOf is the key of client's bucket for h's limit i, as the handler
 // builds it for a key template of one plain placeholder.
@@ -269,74 +265,6 @@ func TestMemoryStoreProvisionsNoRedisClient(t *testing.T) {
 	expectBurstThenDeny(t, h, "nora", 10)
 }
 
-func TestMemoryStoreForgetsABucketOnceItWouldBeFullAgain(t *testing.T) {
-	// Two handlers of one zone (one store), with key templates of their
-	// own: fay takes 1 of 10 tokens at 10/s, full again after 0.1 s and
-	// kept for the 1 s minimum, as the Redis key's TTL; sam takes 5 of 10
-	// at 1/s, full again after 5 s.
-	fast := memoryHandler(t, "10 10", "zone mforget\nkey {http.request.header.X-Key}")
-	slow := memoryHandler(t, "1 10", "zone mforget\nkey _{http.request.header.X-Key}")
-	s := fast.memory
-	if slow.memory != s {
-		t.Fatal("two handlers of one zone have stores of their own")
-	}
-	if status, rem, _ := hit(fast, "fay"); status != 200 || rem != "9" {
-		t.Fatalf("fay: %d remaining %q, want 200 9", status, rem)
-	}
-	if n := storedBuckets(t, s); n != 1 {
-		t.Fatalf("after one request the store holds %d buckets, want 1", n)
-	}
-	for range 5 {
-		hit(slow, "sam")
-	}
-	fayKey, samKey := keyOf(fast, 0, "fay"), keyOf(slow, 0, "_sam")
-	fay, ok1 := storedBucket(s, fayKey)
-	sam, ok2 := storedBucket(s, samKey)
-	if !ok1 || !ok2 {
-		t.Fatalf("buckets present: fay %v, sam %v", ok1, ok2)
-	}
-	if got := fay.Expires - fay.At; got != 1_000_000 {
-		t.Errorf("fay's bucket expires %d µs after its last take, want 1 s", got)
-	}
-	// (less the refill during the five requests, in whole milliseconds)
-	if got := sam.Expires - sam.At; got > 5_000_000 || got < 4_900_000 {
-		t.Errorf("sam's bucket expires %d µs after its last take, want 5 s", got)
-	}
-
-	// Now (the sweep in the background does this every 5 s): nothing is
-	// full yet.
-	s.Sweep()
-	if n := storedBuckets(t, s); n != 2 {
-		t.Fatalf("a sweep now left %d buckets, want both", n)
-	}
-	// A request on a bucket past its expiry, not yet swept, finds it full
-	// (as an expired Redis key) and takes no second place in the count.
-	var b = []limit.Bucket{{Key: fayKey, Values: fast.limits[0].Values}}
-	if allowed, err := s.Take(storeTime(fay.Expires), b); !allowed || err != nil || b[0].Remaining != 9 {
-		t.Fatalf("take on fay's expired bucket: %v %v remaining %d, want allowed with 9", allowed, err, b[0].Remaining)
-	}
-	if n := storedBuckets(t, s); n != 2 {
-		t.Fatalf("after a take on an expired bucket the store holds %d, want 2", n)
-	}
-	fay, _ = storedBucket(s, fayKey)
-
-	sweepAt(s, fay.Expires-1)
-	if n := storedBuckets(t, s); n != 2 {
-		t.Fatalf("a sweep just before fay's bucket is full left %d buckets, want 2", n)
-	}
-	sweepAt(s, fay.Expires)
-	if _, ok := storedBucket(s, fayKey); ok {
-		t.Error("fay's bucket, full again, was not forgotten")
-	}
-	if _, ok := storedBucket(s, samKey); !ok || storedBuckets(t, s) != 1 {
-		t.Fatal("sam's bucket, not full yet, was forgotten")
-	}
-	sweepAt(s, sam.Expires)
-	if n := storedBuckets(t, s); n != 0 {
-		t.Fatalf("once both are full again the store holds %d buckets, want 0", n)
-	}
-}
-
 func TestMemoryStoreMaxKeysSendsNewClientsToOnErrorWithoutDroppingLiveBuckets(t *testing.T) {
 	t.Run("on_error allow", func(t *testing.T) {
 		h := memoryHandler(t, "0.01 2", "zone mkeys-allow\nkey {http.request.header.X-Key}\nmax_keys 3")
@@ -364,32 +292,27 @@ func TestMemoryStoreMaxKeysSendsNewClientsToOnErrorWithoutDroppingLiveBuckets(t 
 				t.Errorf("warning %v %v, want warn with max_keys 3 and on_error allow", w[0].Level, ctx)
 			}
 		}
-		if n := storedBuckets(t, h.memory); n != 3 {
-			t.Fatalf("the store holds %d buckets, want the 3 of max_keys", n)
+		// The store holds the buckets of the 3 of max_keys, and none of
+		// the new clients'.
+		for _, k := range []string{"ann", "ben", "cal"} {
+			if v := clientView(t, h, h.memory, 0, k); v.ExpiresIn == 0 {
+				t.Fatalf("the store holds no bucket of %s, one of the 3 of max_keys", k)
+			}
+		}
+		for _, k := range []string{"dan", "eve"} {
+			if v := clientView(t, h, h.memory, 0, k); v.ExpiresIn != 0 {
+				t.Fatalf("the store holds a bucket of %s, a new client past max_keys: %+v", k, v)
+			}
 		}
 		// No live bucket was dropped for them: each of the three has
-		// exactly one token left.
+		// exactly one token left. (Once their buckets would be full again,
+		// the sweep makes room for new clients: internal/memstore's
+		// TestMemoryStoreMaxKeysMakesRoomOnlyOnceTheSweepForgetsFullBuckets.)
 		for _, k := range []string{"ann", "ben", "cal"} {
 			expectBurst(t, k, 1, func() (int, string) {
 				status, rem, _ := hit(h, k)
 				return status, rem
 			})
-		}
-		// Once their buckets would be full again (2 tokens at 0.01/s:
-		// 200 s), the sweep forgets them, and new clients fit.
-		var last int64
-		for _, k := range []string{"ann", "ben", "cal"} {
-			b, _ := storedBucket(h.memory, keyOf(h, 0, k))
-			last = max(last, b.Expires)
-		}
-		sweepAt(h.memory, last)
-		for _, k := range []string{"dan", "eve", "fin"} {
-			if status, rem, _ := hit(h, k); status != 200 || rem != "1" {
-				t.Fatalf("after the sweep, %s: %d remaining %q, want 200 1", k, status, rem)
-			}
-		}
-		if status, rem, _ := hit(h, "gus"); status != 200 || rem != "-1" || lastResult(t, logs) != "overflow" {
-			t.Fatalf("a fourth new client: %d remaining %q result %s, want 200 -1 overflow", status, rem, lastResult(t, logs))
 		}
 	})
 
@@ -417,7 +340,7 @@ func TestMemoryStoreMaxKeysSendsNewClientsToOnErrorWithoutDroppingLiveBuckets(t 
 		const maxKeys, workers, perWorker = 50, 8, 40
 		h := memoryHandler(t, "0.01 2", fmt.Sprintf("zone mkeys-race\nkey {http.request.header.X-Key}\nmax_keys %d", maxKeys))
 		var mu sync.Mutex
-		var admitted []string
+		admitted := map[string]bool{}
 		var wg sync.WaitGroup
 		for w := range workers {
 			wg.Go(func() {
@@ -425,7 +348,7 @@ func TestMemoryStoreMaxKeysSendsNewClientsToOnErrorWithoutDroppingLiveBuckets(t 
 					k := fmt.Sprintf("c%d-%d", w, i)
 					if status, rem, _ := hit(h, k); status == 200 && rem == "1" {
 						mu.Lock()
-						admitted = append(admitted, k)
+						admitted[k] = true
 						mu.Unlock()
 					} else if status != 200 || rem != "-1" {
 						t.Errorf("%s: %d remaining %q, want 200 with 1 or -1", k, status, rem)
@@ -434,8 +357,31 @@ func TestMemoryStoreMaxKeysSendsNewClientsToOnErrorWithoutDroppingLiveBuckets(t 
 			})
 		}
 		wg.Wait()
-		if n := storedBuckets(t, h.memory); n > maxKeys || n != len(admitted) {
-			t.Errorf("the store holds %d buckets for %d admitted clients, want as many, at most %d", n, len(admitted), maxKeys)
+		// The store holds a bucket of each admitted client (the one token
+		// it took), none of the others': as many as were admitted, and no
+		// more than max_keys. (Its count agrees with its maps under
+		// concurrent takes: internal/memstore's
+		// TestMemoryStoreMaxKeysHoldsUnderConcurrentNewBuckets.)
+		if len(admitted) > maxKeys {
+			t.Errorf("%d clients admitted with a bucket of their own, want at most %d", len(admitted), maxKeys)
+		}
+		held := 0
+		for w := range workers {
+			for i := range perWorker {
+				k := fmt.Sprintf("c%d-%d", w, i)
+				v := clientView(t, h, h.memory, 0, k)
+				if v.ExpiresIn != 0 {
+					held++
+				}
+				if admitted[k] && (v.ExpiresIn == 0 || v.Tokens < 1 || v.Tokens >= 1.5) {
+					t.Errorf("%s was admitted; its bucket: %+v, want it held with the one token it took", k, v)
+				} else if !admitted[k] && v.ExpiresIn != 0 {
+					t.Errorf("%s was not admitted, and the store holds its bucket: %+v", k, v)
+				}
+			}
+		}
+		if held > maxKeys || held != len(admitted) {
+			t.Errorf("the store holds %d buckets for %d admitted clients, want as many, at most %d", held, len(admitted), maxKeys)
 		}
 		if len(admitted) == 0 {
 			t.Error("no client admitted")
@@ -572,8 +518,10 @@ limit tenant 0.01 3 {
 		}
 		// small refuses ann: big and tenant keep their tokens exactly.
 		bigKey, tenantKey := keyOf(h, 1, "ann"), keyOf(h, 2, "acme")
-		big, _ := storedBucket(h.memory, bigKey)
-		tenant, _ := storedBucket(h.memory, tenantKey)
+		bigBucket := limit.Bucket{Limit: h.limits[1], Key: bigKey, Values: h.limits[1].Values}
+		tenantBucket := limit.Bucket{Limit: h.limits[2], Key: tenantKey, Values: h.limits[2].Values}
+		peeked := time.Now()
+		big, tenant := heldView(t, h, h.memory, bigBucket), heldView(t, h, h.memory, tenantBucket)
 		status, header := send("ann")
 		if status != 429 || header.Get("X-RateLimit-Burst-Capacity") != "2" || header.Get("X-RateLimit-Remaining") != "0" ||
 			header.Get("Retry-After") != "100" {
@@ -585,12 +533,17 @@ limit tenant 0.01 3 {
 		if l := decisionLines(logs); l[len(l)-1]["limit"] != "small" {
 			t.Errorf("ann 3 refused by %v, want small", l[len(l)-1]["limit"])
 		}
-		if b, _ := storedBucket(h.memory, bigKey); b != big {
-			t.Errorf("a refused request changed big's bucket: %+v, was %+v", b, big)
+		// Read again, each holds what it held, and what refilled since
+		// (0.01/s): a take would have left a token less.
+		unchanged := func(name string, b limit.Bucket, was limit.View) {
+			t.Helper()
+			now := heldView(t, h, h.memory, b)
+			if refilled := now.Tokens - was.Tokens; now.ExpiresIn == 0 || refilled < 0 || refilled > 0.01*time.Since(peeked).Seconds()+1e-6 {
+				t.Errorf("a refused request changed %s's bucket: %+v, was %+v", name, now, was)
+			}
 		}
-		if b, _ := storedBucket(h.memory, tenantKey); b != tenant {
-			t.Errorf("a refused request changed tenant's bucket: %+v, was %+v", b, tenant)
-		}
+		unchanged("big", bigBucket, big)
+		unchanged("tenant", tenantBucket, tenant)
 		// The tenant's last token goes to bob; then the tenant refuses cat,
 		// and cat's own buckets are not even created.
 		if status, _ := send("bob"); status != 200 {
@@ -600,12 +553,18 @@ limit tenant 0.01 3 {
 			t.Fatalf("cat: %d burst %q, want 429 described by tenant (3)", status, header.Get("X-RateLimit-Burst-Capacity"))
 		}
 		for i := range 2 {
-			if _, ok := storedBucket(h.memory, keyOf(h, i, "cat")); ok {
+			if v := clientView(t, h, h.memory, i, "cat"); v.ExpiresIn != 0 {
 				t.Errorf("a refused request stored cat's bucket of limit %s", h.limits[i].Name)
 			}
 		}
-		if n := storedBuckets(t, h.memory); n != 5 { // ann's and bob's small and big, and the tenant's
-			t.Errorf("the store holds %d buckets, want 5", n)
+		// The store holds ann's and bob's small and big, and the tenant's.
+		for _, held := range []struct {
+			limit  int
+			client string
+		}{{0, "ann"}, {1, "ann"}, {0, "bob"}, {1, "bob"}, {2, "acme"}} {
+			if clientView(t, h, h.memory, held.limit, held.client).ExpiresIn == 0 {
+				t.Errorf("the store holds no bucket of %s's limit %s", held.client, h.limits[held.limit].Name)
+			}
 		}
 	})
 
@@ -646,20 +605,24 @@ requested_tokens {http.request.header.X-Cost}`)
 		if status, _ := send("free", "unlimited", "1"); status != 200 {
 			t.Fatalf("exempt client: %d", status)
 		}
-		if _, ok := storedBucket(h.memory, keyOf(h, 0, "free")); ok || storedBuckets(t, h.memory) != 1 {
+		v := limit.Values{Rate: 0.01, Burst: 5, Requested: 1} // ann's last plan
+		peek := func(client string) limit.View {
+			return heldView(t, h, h.memory, limit.Bucket{Limit: h.limits[0], Key: keyOf(h, 0, client), Values: v})
+		}
+		if peek("free").ExpiresIn != 0 || peek("ann").ExpiresIn == 0 {
 			t.Error("an exempt request created a bucket")
 		}
 	})
 
 	t.Run("fixed unlimited", func(t *testing.T) {
-		h := memoryHandler(t, "", "zone mfree\nreplenish_rate unlimited")
+		h := memoryHandler(t, "", "zone mfree\nkey {http.request.header.X-Key}\nreplenish_rate unlimited")
 		for range 3 {
 			if status, header := serve(t.Context(), h, "x"); status != 200 || header.Get("X-RateLimit-Remaining") != "" {
 				t.Fatalf("unlimited: %d with headers %v, want 200 without", status, header)
 			}
 		}
-		if n := storedBuckets(t, h.memory); n != 0 {
-			t.Errorf("unlimited stored %d buckets", n)
+		if v := heldView(t, h, h.memory, limit.Bucket{Limit: h.limits[0], Key: keyOf(h, 0, "x"), Values: limit.Values{Rate: 1, Burst: 1, Requested: 1}}); v.ExpiresIn != 0 {
+			t.Errorf("unlimited stored a bucket: %+v", v)
 		}
 	})
 }
@@ -699,140 +662,5 @@ func TestStoreMemoryRefusedCombinationsInJSON(t *testing.T) {
 			}
 			_ = h.Cleanup() // Caddy cleans up a module that failed to validate
 		})
-	}
-}
-
-// ---- Measurement
-
-// maxHeapBytesPerBucket is the issue's target for what one bucket of the
-// memory store costs the Go heap, its key included.
-const maxHeapBytesPerBucket = 128
-
-// TestMemoryStoreHeapPerBucket inserts many buckets (100,000, or
-// RATELIMIT_MEMORY_KEYS) into a memory store through take, with keys as
-// a handler keyed by {client_ip} builds them (its key template, from a
-// request's address), and measures the heap per live bucket, then the
-// time of a full sweep when nothing has expired and when everything has.
-func TestMemoryStoreHeapPerBucket(t *testing.T) {
-	testproc.SkipShort(t, "a few seconds and some 100 MB of heap")
-	n := 100_000
-	if s := os.Getenv("RATELIMIT_MEMORY_KEYS"); s != "" {
-		v, err := strconv.Atoi(s)
-		if err != nil || v < 1000 {
-			t.Fatalf("RATELIMIT_MEMORY_KEYS=%q: want a whole number of at least 1000", s)
-		}
-		n = v
-	}
-	// Rate 0.01/s with burst 100: each bucket, after its two takes, is
-	// full again 200 s later, so none expires while it is measured; the
-	// store is sized so that n fits.
-	h := memoryHandler(t, "0.01 100", fmt.Sprintf("zone api\nkey {http.vars.client_ip}\nmax_keys %d", n))
-	s, l := h.memory, h.limits[0]
-	repl := caddy.NewReplacer()
-	key := func(i int) string {
-		repl.Set("http.vars.client_ip", ipv4Key(i))
-		return l.Template.ReplacerKey(repl, l.KeyPrefix, l.KeySuffix)
-	}
-	if k, want := key(1), l.KeyPrefix+"10.0.0.1"; k != want {
-		t.Fatalf("key %q, want %q", k, want)
-	}
-
-	// Two passes: the first creates each bucket, the second, with keys
-	// built anew as the next request of each client builds them, updates
-	// it. The bound is checked after the second: what a bucket costs in
-	// steady state, whatever key buffer its last request had.
-	var before, afterFirst, after runtime.MemStats
-	runtime.GC()
-	runtime.ReadMemStats(&before)
-	now := time.Now()
-	b := make([]limit.Bucket, 1)
-	var inserted time.Duration
-	for pass := range 2 {
-		start := time.Now()
-		for i := range n {
-			b[0] = limit.Bucket{Key: key(i), Values: l.Values}
-			if allowed, err := s.Take(now.Add(time.Duration(pass)*time.Millisecond), b); !allowed || err != nil {
-				t.Fatalf("pass %d, bucket %d: allowed %v, %v", pass+1, i, allowed, err)
-			}
-		}
-		if pass == 0 {
-			inserted = time.Since(start)
-			runtime.GC()
-			runtime.ReadMemStats(&afterFirst)
-		}
-	}
-	runtime.GC()
-	runtime.ReadMemStats(&after)
-	if got := storedBuckets(t, s); got != n {
-		t.Fatalf("the store holds %d buckets, want %d", got, n)
-	}
-	perFirst := float64(int64(afterFirst.HeapAlloc)-int64(before.HeapAlloc)) / float64(n)
-	perBucket := float64(int64(after.HeapAlloc)-int64(before.HeapAlloc)) / float64(n)
-
-	start := time.Now()
-	s.Sweep()
-	sweepNone := time.Since(start)
-	if got := storedBuckets(t, s); got != n {
-		t.Fatalf("a sweep before any bucket is full forgot %d", n-got)
-	}
-	start = time.Now()
-	sweepAt(s, limit.Micros(now)+10_001_000_000) // an empty bucket is full again in 10,000 s
-	sweepAll := time.Since(start)
-	if got := storedBuckets(t, s); got != 0 {
-		t.Fatalf("a sweep after every bucket is full left %d", got)
-	}
-	var swept runtime.MemStats
-	runtime.GC()
-	runtime.ReadMemStats(&swept)
-	runtime.KeepAlive(s)
-
-	t.Logf("%d buckets inserted through take in %v (%.0f ns each)", n, inserted.Round(time.Millisecond),
-		float64(inserted.Nanoseconds())/float64(n))
-	t.Logf("heap: %d bytes before, %d with the buckets, %d after they were swept (maps keep their tables)",
-		before.HeapAlloc, after.HeapAlloc, swept.HeapAlloc)
-	t.Logf("heap per live bucket: %.1f bytes once created, %.1f once updated (key %q, %d bytes; stored as %d)",
-		perFirst, perBucket, key(n/2), len(key(n/2)), len(s.StoredKey(key(n/2))))
-	t.Logf("full sweep of %d buckets: %v when none is full again, %v when all are (%d shards, one lock at a time)",
-		n, sweepNone.Round(time.Microsecond), sweepAll.Round(time.Microsecond), memstore.Shards)
-	if perBucket > maxHeapBytesPerBucket || perFirst > maxHeapBytesPerBucket {
-		t.Errorf("a bucket costs %.1f bytes of heap (%.1f once created), over the target of %d", perBucket, perFirst, maxHeapBytesPerBucket)
-	}
-}
-
-func TestMemoryStoreTakesOutOfClockOrderKeepTheBound(t *testing.T) {
-	// A request reads the clock before it locks its shards, so concurrent
-	// requests can reach a bucket out of their clocks' order. Over [t0,
-	// t0+2s] a bucket of burst 10 at 1/s admits at most 12.
-	h := memoryHandler(t, "1 10", "zone morder\nkey {http.request.header.X-Key}")
-	s, v, key := h.memory, h.limits[0].Values, keyOf(h, 0, "olga")
-	t0 := limit.Micros(time.Now())
-	admitted, lastAt := 0, int64(0)
-	take := func(at int64) {
-		t.Helper()
-		b := []limit.Bucket{{Key: key, Values: v}}
-		allowed, err := s.Take(storeTime(at), b)
-		if err != nil {
-			t.Fatal(err)
-		}
-		if allowed {
-			admitted++
-		}
-		state, _ := storedBucket(s, key)
-		if state.At < lastAt {
-			t.Errorf("the bucket's time went back from %d to %d", lastAt, state.At)
-		}
-		lastAt = state.At
-	}
-	for range 10 {
-		take(t0)
-	}
-	// 2 s later, two tokens are back. A request whose clock read t0+2s
-	// takes first; then one that read t0+1s and waited for the lock; then
-	// two more at t0+2s.
-	for _, at := range []int64{t0 + 2_000_000, t0 + 1_000_000, t0 + 2_000_000, t0 + 2_000_000} {
-		take(at)
-	}
-	if admitted != 12 {
-		t.Errorf("%d admitted over 2 s, want burst + rate*T = 12", admitted)
 	}
 }

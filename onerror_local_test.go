@@ -78,8 +78,10 @@ func TestOnErrorLocalDecidesWithInProcessBucketsWhileRedisFails(t *testing.T) {
 	if status, header := serve(t.Context(), other, "lena"); status != 429 || header.Get("Retry-After") != "10" {
 		t.Fatalf("lena through the zone's other handler: %d Retry-After %q, want 429 10", status, header.Get("Retry-After"))
 	}
-	if n := storedBuckets(t, h.local); n != 2 {
-		t.Errorf("the local buckets hold %d buckets, want lena's and milo's", n)
+	for _, client := range []string{"lena", "milo"} {
+		if v := clientView(t, h, h.local, 0, client); v.ExpiresIn == 0 {
+			t.Errorf("the local buckets hold no bucket of %s, want lena's and milo's", client)
+		}
 	}
 	if refs, ok := memstore.References(onErrorLocal, defaultKeyPrefix, "lshort"); !ok || refs != 2 {
 		t.Errorf("the zone's local buckets have %d references (present: %v), want 2", refs, ok)

@@ -341,8 +341,9 @@ func TestQuotaOnErrorLocalDecidesWhileRedisFails(t *testing.T) {
 	observeLogs(h, zapcore.ErrorLevel)
 	end := startOfPeriod(t, 2*time.Second)
 	expectQuotaPeriod(t, h, "a", 3, end)
-	if n := storedBuckets(t, h.local); n != 1 {
-		t.Errorf("the local buckets hold %d, want the quota's", n)
+	// The local buckets hold the quota's, which the period's 3 used up.
+	if v := heldView(t, h, h.local, policyBuckets(t, h, "X-Key", "a")["q"]); v.ExpiresIn == 0 || v.Tokens != 0 {
+		t.Errorf("the local buckets show the quota as %+v, want it held, with nothing left of its 3", v)
 	}
 }
 
@@ -897,17 +898,6 @@ func sendCosting(h *Handler, next caddyhttp.Handler) int {
 	return statusOf(h.ServeHTTP(w, r, next), w.Code)
 }
 
-// quotaState is a quota's stored state in a memory store: what it used,
-// and the start of the period it counts (Unix microseconds).
-func quotaState(t *testing.T, s *memstore.Store, key string) (used float64, start int64) {
-	t.Helper()
-	state, ok := storedBucket(s, key)
-	if !ok {
-		t.Fatalf("the store holds no quota %s", key)
-	}
-	return state.Tokens, state.At
-}
-
 // TestQuotaChargeSettlesInThePeriodItsReservationWasTakenIn: Caddy
 // names the period by its clock when the request arrives; a call that
 // reaches the store after the boundary takes its reservation in the next
@@ -982,12 +972,18 @@ func TestQuotaChargeSettlesInThePeriodItsReservationWasTakenIn(t *testing.T) {
 		// Redis does not answer within the timeout: the local buckets
 		// decide, after the boundary.
 		end := crossing(t, h, 100*time.Millisecond, func() { proxy.stall(time.Second) })
-		used, start := quotaState(t, h.local, limitKey(t, h, "tokens", "a"))
-		if used != 600 || start != end.UnixMicro() {
-			t.Errorf("local quota used %v in the period starting %d, want 600 in the one starting %d (where the reservation was taken)", used, start, end.UnixMicro())
+		// The local buckets, read now (in the period starting at end), show
+		// what the quota used in it (its count less what they show).
+		v := heldView(t, h, h.local, policyBuckets(t, h, "X-Key", "a")["tokens"])
+		inPeriod := time.Since(end) < 2*time.Second
+		if used := 1000 - v.Tokens; inPeriod && used != 600 {
+			t.Errorf("local quota used %v in the period starting %d, want 600 in it (where the reservation was taken)", used, end.UnixMicro())
 		}
 		if got := counterValue(t, charged("quota_cross_local")) - before; got != 600 {
 			t.Errorf("caddy_rate_limit_charged_total rose by %v, want 600", got)
+		}
+		if !inPeriod {
+			t.Skip("too slow to read the local quota in the period after the boundary")
 		}
 	})
 
@@ -1002,9 +998,12 @@ func TestQuotaChargeSettlesInThePeriodItsReservationWasTakenIn(t *testing.T) {
 			t.Fatalf("take: %v %v, want admitted", allowed, err)
 		}
 		h.memory.For(storeReports{h}, true).Settle(&limit.Call{Buckets: buckets}, []limit.Settling{{Bucket: 0, Cost: 600, Diff: 500}})
-		used, start := quotaState(t, h.memory, buckets[0].Key)
-		if want := buckets[0].KindRef.(*quota.Period).Bounds()[2]; used != 600 || start != want {
-			t.Errorf("quota used %v in the period starting %d, want 600 in the one starting %d (where the reservation was taken)", used, start, want)
+		// A take of 100 more in that period leaves what the quota used in
+		// it: 1000 - 600 - 100.
+		probe := []limit.Bucket{policyBuckets(t, h, "X-Key", "a")["tokens"]}
+		if allowed, err := h.memory.Take(next, probe); err != nil || !allowed || probe[0].Remaining != 300 {
+			t.Errorf("a take of 100 in the period starting %d: %v %v, %d left; want 300 left, 600 used in it (where the reservation was taken)",
+				buckets[0].KindRef.(*quota.Period).Bounds()[2], allowed, err, probe[0].Remaining)
 		}
 		if got := counterValue(t, charged("quota_cross_memory")) - before; got != 600 {
 			t.Errorf("caddy_rate_limit_charged_total rose by %v, want 600", got)
@@ -1134,18 +1133,29 @@ func TestQuotaInProcessTakeLongAfterItsPeriodCountsInThePeriodItIsIn(t *testing.
 	b := policyBuckets(t, h, "X-Key", "a")["q"]
 	later := time.UnixMicro(b.KindRef.(*quota.Period).Bounds()[3]).Add(5 * time.Second) // two periods past the last one the request named
 	start := later.Truncate(2 * time.Second)
+	// What a take leaves is the count less what the quota used in the
+	// period its clock is in: 1, then 0, then a refusal. Had a take
+	// counted in a period its clock has left, the next would find nothing
+	// used.
 	for i := range 3 {
 		buckets := []limit.Bucket{b}
 		allowed, err := h.memory.Take(later, buckets)
 		if err != nil || allowed != (i < 2) {
 			t.Fatalf("take %d: %v %v, want admitted twice, then refused", i+1, allowed, err)
 		}
+		if left := buckets[0].Remaining; i < 2 && left != int64(1-i) {
+			t.Errorf("take %d leaves %d, want %d: the quota used %d in the period starting %d", i+1, left, 1-i, i+1, start.UnixMicro())
+		}
 		if wait := buckets[0].RetryAfter; i == 2 && (wait <= 0 || wait > start.Add(2*time.Second).Sub(later)) {
 			t.Errorf("a refusal waits %v, want the time to the end of the period its clock is in (%v)", wait, start.Add(2*time.Second).Sub(later))
 		}
 	}
-	if used, at := quotaState(t, h.memory, b.Key); used != 2 || at != start.UnixMicro() {
-		t.Errorf("the quota used %v in the period starting %d, want 2 in the one starting %d", used, at, start.UnixMicro())
+	// The period after it starts with nothing used: the 2 counted in the
+	// one starting at start.
+	buckets := []limit.Bucket{b}
+	if allowed, err := h.memory.Take(start.Add(2*time.Second), buckets); err != nil || !allowed || buckets[0].Remaining != 1 {
+		t.Errorf("a take in the next period: %v %v, %d left; want admitted with 1 left (the 2 used in the period starting %d)",
+			allowed, err, buckets[0].Remaining, start.UnixMicro())
 	}
 }
 

@@ -2,8 +2,8 @@ package memstore
 
 import "github.com/caddy-redis/ratelimit/internal/limit"
 
-// What the handler's tests read of a store: they run the store through a
-// handler, with its kinds, which this package's tests cannot build.
+// What this package's tests read of a store's insides, and do to it
+// (go-redis's pattern: test-only API lives in the package's tests).
 
 // Lookup is the state the store holds for the bucket whose key is key.
 func (s *Store) Lookup(key string) (limit.State, bool) {

@@ -110,7 +110,8 @@
 -- its free slots to its head at once (pump, here and in concurrent.lua:
 -- at every release of a queueing limit's slot, every take in the
 -- queueing form, every renewal of a waiter): the head's slot is taken
--- under its slot id, for its hold, and its id published on its channel.
+-- under its slot id, for its hold, and "<slot id> <slot key>" published
+-- on its channel.
 -- Expired members (of a dead instance's waiters) are dropped first. A
 -- request queues for one limit at most: two full queueing limits refuse
 -- it. A take in the plain form does not look at the queue.

@@ -370,6 +370,8 @@ func (h *Handler) unmarshalQuota(d *caddyfile.Dispenser) error {
 //		ipv6_prefix <bits>
 //		hold        <duration>
 //		retry_after <seconds>
+//		max_wait    <duration>
+//		priority    <value>
 //	}
 func (h *Handler) unmarshalConcurrent(d *caddyfile.Dispenser) error {
 	args := d.RemainingArgs()
@@ -400,8 +402,12 @@ func (h *Handler) unmarshalConcurrent(d *caddyfile.Dispenser) error {
 			return oneValue(d, block, func(v string) error {
 				return setCount(&c.RetryAfter, sub, v, 1, fmt.Sprintf("want whole seconds from 1 to %d", maxSlotRetry))
 			})
+		case "max_wait": // at most maxSlotWait: checkConcurrentValues
+			return oneValue(d, block, func(v string) error { return setDuration(&c.MaxWait, sub, v) })
+		case "priority":
+			return oneValue(d, block, func(v string) error { c.Priority = Param(v); return nil })
 		}
-		return d.Errf("unrecognized %s subdirective '%s' (a concurrent limit takes key, ipv4_prefix, ipv6_prefix, hold and retry_after)", block, sub)
+		return d.Errf("unrecognized %s subdirective '%s' (a concurrent limit takes key, ipv4_prefix, ipv6_prefix, hold, retry_after, max_wait and priority)", block, sub)
 	})
 	if err != nil {
 		return err

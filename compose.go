@@ -66,8 +66,8 @@ func checkQuotaValues(count, requested Param) error { return quota.CheckValues(c
 
 // The concurrent limit (internal/kind/concurrent): `concurrent`.
 
-func newConcurrent(hold, retryAfter time.Duration) (limit.Kind, error) {
-	return concurrent.New(hold, retryAfter), nil
+func newConcurrent(hold, retryAfter, maxWait time.Duration) (limit.Kind, error) {
+	return concurrent.New(hold, retryAfter).WithMaxWait(maxWait), nil
 }
 
 func checkSlots(slots string) error {

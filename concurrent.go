@@ -15,6 +15,7 @@ import (
 	"time"
 
 	"github.com/caddy-redis/ratelimit/internal/keys"
+	"github.com/caddy-redis/ratelimit/internal/kind/concurrent"
 	"github.com/caddy-redis/ratelimit/internal/limit"
 	"github.com/caddyserver/caddy/v2"
 	"github.com/prometheus/client_golang/prometheus"
@@ -55,6 +56,24 @@ type Concurrent struct {
 	// slot was taken, in seconds: slots come back when responses end, not
 	// at a time the limiter knows. Default: 1.
 	RetryAfter int `json:"retry_after,omitempty"`
+
+	// MaxWait is how long a request that finds every slot of its key
+	// taken waits for one, instead of being refused: it waits in a queue
+	// kept in Redis (or in the process, with its buckets in memory),
+	// shared by every instance, and a slot given back goes to the head of
+	// the queue at once. A request still waiting when it runs out, or
+	// whose client leaves, leaves the queue, takes no slot, and gets its
+	// other limits' tokens back; one that ran out is refused as without
+	// it. A fixed duration, from 0 (the default: refused at once) to 1h.
+	// The handler bounds how many of its requests wait at once.
+	MaxWait caddy.Duration `json:"max_wait,omitempty"`
+
+	// Priority orders the queue: higher first, then by arrival. A whole
+	// number from -1000000 to 1000000, or placeholders resolved per
+	// request to one (a plan's, from `map`), which then refuses a request
+	// whose priority is not one as a bad requested_tokens is. Default: 0.
+	// Only with max_wait.
+	Priority Param `json:"priority,omitempty"`
 }
 
 // Bounds and defaults of a concurrent limit.
@@ -64,6 +83,7 @@ const (
 	maxSlotHold      = 24 * time.Hour
 	defaultSlotRetry = 1
 	maxSlotRetry     = 86400
+	maxSlotWait      = time.Hour
 )
 
 // inFlightGauge counts the slots of concurrent limits that this
@@ -128,6 +148,19 @@ func checkConcurrentValues(c Concurrent) error {
 	if c.RetryAfter < 0 || c.RetryAfter > maxSlotRetry {
 		return fmt.Errorf("retry_after '%d': want whole seconds from 1 to %d (default %d)", c.RetryAfter, maxSlotRetry, defaultSlotRetry)
 	}
+	if wait := time.Duration(c.MaxWait); wait < 0 || wait > maxSlotWait {
+		return fmt.Errorf("max_wait '%v': want a duration from 0 (refused at once) to %v", wait, maxSlotWait)
+	}
+	if c.Priority != "" {
+		if c.MaxWait == 0 {
+			return fmt.Errorf("priority '%s': orders the requests that wait for a slot; it needs max_wait", c.Priority)
+		}
+		if !c.Priority.PerRequest() {
+			if _, err := concurrent.ParsePriority(string(c.Priority)); err != nil {
+				return err
+			}
+		}
+	}
 	return nil
 }
 
@@ -156,11 +189,14 @@ func concurrentConfigs(h *Handler) []limitConfig {
 			retry = defaultSlotRetry
 		}
 		configs = append(configs, limitConfig{
-			Limit:     Limit{Name: c.Name, Key: c.Key, BurstCapacity: c.Slots, IPv4Prefix: c.IPv4Prefix, IPv6Prefix: c.IPv6Prefix},
+			// The priority stands in the rate's place (the kind reads it
+			// there), as the slots in the burst's.
+			Limit: Limit{Name: c.Name, Key: c.Key, ReplenishRate: c.Priority, BurstCapacity: c.Slots,
+				IPv4Prefix: c.IPv4Prefix, IPv6Prefix: c.IPv6Prefix},
 			what:      "concurrent",
 			keySuffix: keys.Separator + "slots",
 			newKind: func() (limit.Kind, error) {
-				return newConcurrent(hold, time.Duration(retry)*time.Second)
+				return newConcurrent(hold, time.Duration(retry)*time.Second, time.Duration(c.MaxWait))
 			},
 		})
 	}

@@ -180,6 +180,30 @@ type Waiter interface {
 	WaitArg(d time.Duration) any
 }
 
+// Queuer is a kind held while served whose requests may wait in a
+// queue for its bucket (the concurrent limit with max_wait): a request
+// that finds every slot taken waits for one, up to its max wait
+// (Values.MaxWait), ordered by Values.Priority then arrival, instead of
+// being refused. The stores keep the queue (in Redis across instances,
+// or in the process).
+type Queuer interface {
+	Held
+	// AppendQueueArgs appends the bucket's arguments of a take that may
+	// queue for it, in place of AppendArgs: channel is where the store
+	// learns that a queued request was granted its slot (its instance's).
+	AppendQueueArgs(args []any, b Bucket, channel any) []any
+	// QueueHold is how long a queue entry lives unless its waiter renews
+	// it (a dead instance's waiters leave within it), and the same as a
+	// script argument.
+	QueueHold() (time.Duration, any)
+}
+
+// Queues says whether a request may queue for the bucket when it is
+// full: a max wait, of a kind that queues (Queuer).
+func (b *Bucket) Queues() bool {
+	return b.Values.MaxWait > 0 && b.Limit != nil && b.Limit.Queuer != nil
+}
+
 // Held is a kind of limit whose bucket a request holds while its
 // response is served, and gives back once it has ended: its store says
 // what the request holds (store.hold), and the handler's holdStep gives

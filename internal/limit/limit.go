@@ -27,6 +27,7 @@ func (l *Limit) SetKind(k Kind) {
 	l.Jittered, _ = k.(Jittered)
 	l.Rechecked, _ = k.(Rechecked)
 	l.Waiter, _ = k.(Waiter)
+	l.Queuer, _ = k.(Queuer)
 }
 
 // Limit is one limit of a handler, ready for requests.
@@ -81,6 +82,7 @@ type Limit struct {
 	Jittered   Jittered
 	Rechecked  Rechecked
 	Waiter     Waiter
+	Queuer     Queuer
 	InFlight   prometheus.Gauge
 
 	// Wait is the limit's max wait when it is fixed (Values.MaxWait of
@@ -145,7 +147,11 @@ func (l *Limit) Resolve(repl *caddy.Replacer, memo *cost.Memo) (Values, bool, er
 		}
 		text[i] = repl.ReplaceAll(string(p.value), "")
 		if text[i] == "" && p.value != "" {
-			return Values{}, false, BadValue(p.name, string(p.value), "resolved to nothing for this request")
+			name := p.name
+			if n, ok := l.Kind.(interface{ RateName() string }); ok && i == 0 {
+				name = n.RateName() // a kind whose rate's place another value takes (the concurrent limit's priority)
+			}
+			return Values{}, false, BadValue(name, string(p.value), "resolved to nothing for this request")
 		}
 	}
 	return l.Kind.ResolveValues(text[0], text[1], text[2])

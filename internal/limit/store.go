@@ -3,6 +3,7 @@ package limit
 import (
 	"context"
 	"errors"
+	"sync/atomic"
 	"time"
 )
 
@@ -54,6 +55,15 @@ type Call struct {
 	// maxInlineBuckets, as the buckets are.
 	LayerMarks  []int64
 	inlineMarks [MaxInline]int64
+	// MayQueue says the request may wait in a queue for a slot of a
+	// concurrent limit that queues (Bucket.Queues) when every slot is
+	// taken: the handler sets it, false when it already has max_waiting
+	// requests waiting; when false such a request is refused at once, as
+	// without max_wait. Reset leaves it and Waiting as they are.
+	MayQueue bool
+	// Waiting, when set, counts the handler's requests waiting in a slot
+	// queue: the store adds 1 while this one waits.
+	Waiting *atomic.Int64
 }
 
 // Fail records that a layer decided the request without its buckets.

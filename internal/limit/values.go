@@ -61,8 +61,14 @@ type Values struct {
 	// MaxWait is how long a request that the bucket cannot admit now may
 	// wait for it instead of being refused (max_wait): 0 for none. Only a
 	// kind that waits (Waiter) honours it (Bucket.Waits); another, a
-	// quota, is refused as without it.
+	// quota, is refused as without it. A kind whose requests queue for
+	// its bucket (Queuer: the concurrent limit) honours it too, as the
+	// longest a request waits in its queue; the kind sets it (max_wait of
+	// its block, fixed).
 	MaxWait time.Duration
+	// Priority orders a queue for a bucket (Queuer): higher first, then
+	// by arrival. 0 for other kinds.
+	Priority int64
 }
 
 // MaxWaitLimit is the longest max_wait: a request that waits longer is

@@ -37,8 +37,14 @@ type handlerStore struct {
 	warnsFull bool
 }
 
-func (p handlerStore) Take(_ context.Context, r *limit.Call) (bool, error) {
-	allowed, err := p.s.Take(r.Sent, r.Buckets)
+func (p handlerStore) Take(ctx context.Context, r *limit.Call) (bool, error) {
+	var allowed bool
+	var err error
+	if r.MayQueue && queueIndex(r.Buckets) >= 0 {
+		allowed, err = p.s.takeQueueing(ctx, r) // may wait for a slot (slotwait.go)
+	} else {
+		allowed, err = p.s.Take(r.Sent, r.Buckets)
+	}
 	if err == ErrFull && p.warnsFull {
 		p.r.Full() // also when the client left: the store is full all the same
 	}

@@ -20,6 +20,10 @@ type heldCounts struct {
 	mu      sync.Mutex
 	entries map[string]*slotEntry
 	gen     uint64
+	// queues are the requests waiting for a slot, by stored key
+	// (slotwait.go); seq counts their arrivals.
+	queues map[string]*slotQueue
+	seq    uint64
 }
 
 type slotEntry struct {
@@ -50,9 +54,21 @@ func (s *Store) refuses(now time.Time, buckets []limit.Bucket) bool {
 // decide is Take, which takes nothing when take is false and the request
 // would be admitted (decideTokens).
 func (s *Store) decide(now time.Time, buckets []limit.Bucket, take bool) (bool, error) {
+	allowed, _, err := s.decideQueueing(now, buckets, take, false)
+	return allowed, err
+}
+
+// decideQueueing is decide, which with mayQueue queues a request (take)
+// whose one full concurrent limit queues (limit.Bucket.Queues) and whose
+// other buckets admit it: those are taken, and w is its place in the
+// queue (allowed false until it is granted: waitForSlot). Without take,
+// such a request is not refused: whether it may queue is its take's
+// to say.
+func (s *Store) decideQueueing(now time.Time, buckets []limit.Bucket, take, mayQueue bool) (allowed bool, w *slotWaiter, err error) {
 	k := limit.FirstHeld(buckets)
 	if k == len(buckets) {
-		return s.decideTokens(now, buckets, take)
+		allowed, err = s.decideTokens(now, buckets, take)
+		return allowed, nil, err
 	}
 	sc := &s.inUse
 	sc.mu.Lock()
@@ -61,6 +77,7 @@ func (s *Store) decide(now time.Time, buckets []limit.Bucket, take bool) (bool, 
 		sc.entries = make(map[string]*slotEntry)
 	}
 	free := true
+	queueAt, full := -1, 0
 	for i := k; i < len(buckets); i++ {
 		b := &buckets[i]
 		used := int64(0)
@@ -68,51 +85,83 @@ func (s *Store) decide(now time.Time, buckets []limit.Bucket, take bool) (bool, 
 			used = e.used
 		}
 		b.Remaining, b.RetryAfter = max(0, b.Values.Burst-used), 0
-		free = free && used < b.Values.Burst
+		if used >= b.Values.Burst {
+			free = false
+			full++
+			if queueAt < 0 && b.Queues() && (mayQueue || !take) {
+				queueAt = i
+			}
+		}
+	}
+	if full == 1 && queueAt >= 0 {
+		allowed, w, err = s.queue(now, buckets, k, queueAt, take)
+		return allowed, w, err
 	}
 	if !free {
 		for i := range k {
 			buckets[i].Unknown = true // not asked: the slots refused first
 		}
 		limit.CompleteRefusal(buckets)
-		return false, nil
+		return false, nil, nil
 	}
-	allowed := true
+	allowed = true
 	if k > 0 {
-		var err error
 		if allowed, err = s.decideTokens(now, buckets[:k], take); err != nil || !allowed {
-			return allowed, err
+			return allowed, nil, err
 		}
 	}
 	if !take {
-		return true, nil
+		return true, nil, nil
 	}
+	s.takeSlots(buckets, k, -1)
+	return true, nil, nil
+}
+
+// takeSlots takes a slot of each of buckets[k:] but buckets[except],
+// under the counts' lock, each bucket with the generation of its count.
+func (s *Store) takeSlots(buckets []limit.Bucket, k, except int) {
+	sc := &s.inUse
 	for i := k; i < len(buckets); i++ {
-		b := &buckets[i]
-		key := s.storedKey(b.Key)
-		e := sc.entries[key]
-		if e == nil {
-			sc.gen++
-			e = &slotEntry{gen: sc.gen}
-			sc.entries[key] = e
+		if i == except {
+			continue
 		}
-		e.used++
+		b := &buckets[i]
+		e := sc.take(s.storedKey(b.Key))
 		b.Remaining--
 		b.KindN = int64(e.gen)
 	}
-	return true, nil
 }
 
-// releaseSlot gives back a slot taken in generation gen.
+// take counts a slot taken of the stored key, under the lock.
+func (c *heldCounts) take(key string) *slotEntry {
+	e := c.entries[key]
+	if e == nil {
+		c.gen++
+		e = &slotEntry{gen: c.gen}
+		c.entries[key] = e
+	}
+	e.used++
+	return e
+}
+
+// releaseSlot gives back a slot taken in generation gen; a request
+// waiting for one gets it (pump).
 func (s *Store) releaseSlot(key string, gen uint64) {
 	key = s.storedKey(key)
 	s.inUse.mu.Lock()
 	defer s.inUse.mu.Unlock()
-	if e := s.inUse.entries[key]; e != nil && e.gen == gen {
+	s.inUse.release(key, gen)
+}
+
+// release gives back a slot of the stored key, taken in generation gen,
+// under the lock, and hands what is free to the waiters.
+func (c *heldCounts) release(key string, gen uint64) {
+	if e := c.entries[key]; e != nil && e.gen == gen {
 		if e.used--; e.used <= 0 {
-			delete(s.inUse.entries, key)
+			delete(c.entries, key)
 		}
 	}
+	c.pump(key)
 }
 
 // InUse is how many slots of a key are held.
@@ -130,6 +179,7 @@ func (c *heldCounts) free(key string) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	delete(c.entries, key)
+	c.pump(key)
 }
 
 // Hold is the slots that an admitted request took in the process, to

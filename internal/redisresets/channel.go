@@ -68,7 +68,26 @@ type Channel struct {
 	// tooLarge counts the messages dropped for their size, lastSize is
 	// the latest one's; foreign counts the keys ignored for their prefix.
 	tooLarge, lastSize, foreign atomic.Int64
+
+	// also is another channel the subscription listens to (Also), and
+	// alsoSubscribed whether it was subscribed before (the listening
+	// goroutine's).
+	also           *Also
+	alsoSubscribed bool
 }
+
+// Also is another channel on the same subscription: its messages
+// (bounded by MaxMessage as the resets' are) go to Message, unjudged, and
+// Missed is told when the subscription was established again, as the
+// receiver is. Both run in the listening goroutine.
+type Also struct {
+	Name    string
+	Message func(payload string)
+	Missed  func()
+}
+
+// Listen on another channel too (call before Listen).
+func (c *Channel) ListenAlso(a Also) { c.also = &a }
 
 // New makes the channel name of client, for the buckets of keyPrefix,
 // and gives its subscription's connections their filter: call it before
@@ -137,7 +156,11 @@ func (c *Channel) Listen(stop <-chan struct{}) {
 // closed (false) or its connection has stopped answering (true).
 // subscribed says whether the channel was subscribed before.
 func (c *Channel) receive(ctx context.Context, ps *redis.PubSub, subscribed *bool, stop <-chan struct{}) (dead bool) {
-	_ = ps.Subscribe(ctx, c.name) // on failure, the next receive dials and subscribes again
+	names := []string{c.name}
+	if c.also != nil {
+		names = append(names, c.also.Name)
+	}
+	_ = ps.Subscribe(ctx, names...) // on failure, the next receive dials and subscribes again
 	pinged := false
 	for {
 		wait := resetsPingAfter
@@ -172,11 +195,24 @@ func (c *Channel) receive(ctx context.Context, ps *redis.PubSub, subscribed *boo
 			if m.Kind != "subscribe" {
 				break
 			}
+			if c.also != nil && m.Channel == c.also.Name {
+				if c.alsoSubscribed {
+					c.also.Missed()
+				}
+				c.alsoSubscribed = true
+				break
+			}
 			if *subscribed {
 				c.receiver.Missed()
 			}
 			*subscribed = true
 		case *redis.Message:
+			if c.also != nil && m.Channel == c.also.Name {
+				if m.Payload != oversizedReset {
+					c.also.Message(m.Payload)
+				}
+				break
+			}
 			c.apply(m.Payload)
 		}
 	}

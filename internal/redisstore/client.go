@@ -192,6 +192,7 @@ func New(o Options) *Client {
 		l.parts = append(l.parts, p())
 	}
 	l.resets = redisresets.New(l.client, o.KeyPrefix+"reset", o.KeyPrefix, newResetReceiver(l)) // before the first dial
+	l.listenForGrants(o.KeyPrefix)
 	node := opts.Addrs[0]
 	if opts.MasterName != "" {
 		node = "master " + opts.MasterName

@@ -54,7 +54,7 @@ func (s *Store) giveBackGroups(clientCtx context.Context, taken []limit.Bucket) 
 // taken, capped at its burst, is never fuller than it would have been, so
 // the bound holds; a request that meets such a bucket meanwhile may be
 // refused, briefly, when it would otherwise fit.
-func (s *Store) takeGroups(clientCtx context.Context, sent time.Time, buckets []limit.Bucket) (bool, error) {
+func (s *Store) takeGroups(clientCtx context.Context, r *limit.Call, sent time.Time, buckets []limit.Bucket) (bool, error) {
 	var inline [limit.MaxInline]limit.Bucket
 	var given [limit.MaxInline]limit.Bucket
 	taken := given[:0]
@@ -68,7 +68,7 @@ func (s *Store) takeGroups(clientCtx context.Context, sent time.Time, buckets []
 		if len(group) == 0 {
 			continue
 		}
-		allowed, err := s.client.Take(clientCtx, sent, group)
+		allowed, err := s.take(clientCtx, r, sent, group)
 		j := 0
 		for i := range buckets {
 			if buckets[i].Limit.Group == g {

@@ -27,8 +27,19 @@ import (
 type redisSlots struct {
 	releases     pendingReleases
 	releaseQueue slotQueue
-	renewQueue   slotQueue
-	renewals     slotRenewals
+	// queuedReleases are the releases of slots of limits that queue
+	// (slotHold.queues), sent as "releaseq".
+	queuedReleases slotQueue
+	renewQueue     slotQueue
+	renewals       slotRenewals
+}
+
+// releaseQueueOf is the queue of the hold's releases.
+func (p *redisSlots) releaseQueueOf(s *slotHold) *slotQueue {
+	if s.queues {
+		return &p.queuedReleases
+	}
+	return &p.releaseQueue
 }
 
 // slotsPart is the index of the clients' redisSlots in their parts.
@@ -45,7 +56,9 @@ func (l *Client) slots() *redisSlots { return l.parts[slotsPart].(*redisSlots) }
 // a take of its key in the same batch is free for it; each batch takes
 // at most maxSlotsPerCall of them.
 func (p *redisSlots) firstCalls(l *Client, now time.Time, batch []*redisbatch.Call) ([]*redisbatch.Call, bool) {
-	return p.releaseQueue.calls(l, releaseArg, now, batch)
+	batch, more := p.releaseQueue.calls(l, releaseArg, now, batch)
+	batch, moreQueued := p.queuedReleases.calls(l, releaseQueuedArg, now, batch)
+	return batch, more || moreQueued
 }
 
 // lastCalls: queued renewals go last, at most maxSlotsPerCall a batch.
@@ -59,7 +72,9 @@ func (p *redisSlots) lastCalls(l *Client, now time.Time, batch []*redisbatch.Cal
 // queued then sees.
 func (p *redisSlots) inUse() bool { return p.renewals.holding() }
 
-func (p *redisSlots) queued() bool { return p.releaseQueue.queued() || p.renewQueue.queued() }
+func (p *redisSlots) queued() bool {
+	return p.releaseQueue.queued() || p.queuedReleases.queued() || p.renewQueue.queued()
+}
 
 // returning says whether a release of one of the buckets' slots is on
 // its way, or failed and waits to be sent again: a refusal of the
@@ -80,7 +95,7 @@ func (p *redisSlots) returning(buckets []limit.Bucket) bool { return p.releases.
 // queued before the client closed is answered; one that meets it
 // closed is answered as failed.
 func (l *Client) queueRelease(s *slotHold) {
-	if !l.batcher.WhileOpen(func() { l.slots().releaseQueue.addReleases(s) }) {
+	if !l.batcher.WhileOpen(func() { l.slots().releaseQueueOf(s).addReleases(s) }) {
 		l.slots().releases.add(s.keys, -1)
 		s.store.slotsFailed(releaseArg, redisbatch.ErrClosed)
 	}
@@ -96,7 +111,7 @@ func (l *Client) queueRetries(due []slotRetry) {
 	}
 	if !l.batcher.WhileOpen(func() {
 		for _, x := range due {
-			l.slots().releaseQueue.addRelease(x.key[0], x.hold)
+			l.slots().releaseQueueOf(x.hold).addRelease(x.key[0], x.hold)
 		}
 	}) {
 		for i := range due {
@@ -275,7 +290,7 @@ var slotBatches = sync.Pool{New: func() any { return new(slotBatch) }}
 
 func (b *slotBatch) TakeAnswer(c *redisbatch.Call) {
 	l := b.client
-	if b.op == releaseArg {
+	if b.op == releaseArg || b.op == releaseQueuedArg {
 		l.slots().renewals.answerReleases(l, c.Keys, b.holds, c.Reply, c.Err)
 	}
 	for i, s := range b.holds {

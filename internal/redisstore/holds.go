@@ -58,9 +58,13 @@ type slotHold struct {
 	due          bool
 	gone         bool
 	lost         bool
-	renewing     int16
-	prev, next   *slotHold
-	renewedAt    time.Duration
+	// queues: some of its limits queue (limit.Bucket.Queues): its release
+	// hands the slot to the head of the queue (concurrent.lua's
+	// "releaseq").
+	queues     bool
+	renewing   int16
+	prev, next *slotHold
+	renewedAt  time.Duration
 }
 
 // slotN is the slots n of held slot i, as script argument.
@@ -75,12 +79,17 @@ func (s *slotHold) slotN(i int) any {
 // held while served: a refusal while a release of one of their slots is
 // on its way waits for it, then asks once more; a take whose reply was
 // lost gives back the slots it may have taken (releaseLostTake).
-func (s *Store) takeHolding(ctx context.Context, sent time.Time, buckets []limit.Bucket) (bool, error) {
+//
+// A request that may queue for a slot does not wait for the releases:
+// a release of a slot of a limit that queues hands it to the head of
+// the queue, in which the request waits.
+func (s *Store) takeHolding(ctx context.Context, r *limit.Call) (bool, error) {
+	sent, buckets := r.Sent, r.Buckets
 	slots := s.client.slots()
-	returning := slots.returning(buckets)
-	allowed, err := s.takeAll(ctx, sent, buckets)
+	returning := slots.returning(buckets) && !(r.MayQueue && queueIndex(buckets) >= 0)
+	allowed, err := s.takeAll(ctx, r, sent, buckets)
 	if returning && err == nil && !allowed && slots.awaitReturns(s.client, buckets, sent.Add(s.client.timeout/2)) {
-		allowed, err = s.takeAll(ctx, sent, buckets) // what its key held was on its way back
+		allowed, err = s.takeAll(ctx, r, sent, buckets) // what its key held was on its way back
 	}
 	if err != nil {
 		s.releaseLostTake(buckets, err)
@@ -100,26 +109,38 @@ func (s *Store) Hold(r *limit.Call) limit.Holding {
 // holdSlots records the slots in Redis a request was admitted with, and
 // starts their renewal; nil when it holds none.
 func (s *Store) holdSlots(buckets []limit.Bucket) *slotHold {
+	return s.holdSlotsExcept(buckets, -1)
+}
+
+// holdSlotsExcept is holdSlots but for the slot of buckets[except] (a
+// waiting request's other slots: waitForSlot).
+func (s *Store) holdSlotsExcept(buckets []limit.Bucket, except int) *slotHold {
 	k := limit.FirstHeld(buckets)
-	if k == len(buckets) {
+	if k == len(buckets) || k == except && k == len(buckets)-1 {
 		return nil
 	}
 	hold := &slotHold{store: s}
 	hold.keys, hold.limits = hold.inlineKeys[:0], hold.inlineLimits[:0]
 	perRequest := false
 	for i := k; i < len(buckets); i++ {
+		if i == except {
+			continue
+		}
 		b := &buckets[i]
 		hold.id = b.Args[2].(*string)
 		hold.keys = append(hold.keys, b.Key)
 		hold.limits = append(hold.limits, b.Limit)
 		perRequest = perRequest || !b.Limit.Fixed
+		hold.queues = hold.queues || b.Queues()
 		if every := holdOf(b.Limit) / 3; hold.every == 0 || every < hold.every {
 			hold.every = every
 		}
 	}
 	if perRequest {
 		for i := k; i < len(buckets); i++ {
-			hold.slots = append(hold.slots, buckets[i].Args[1])
+			if i != except {
+				hold.slots = append(hold.slots, buckets[i].Args[1])
+			}
 		}
 	}
 	s.client.slots().renewals.add(hold)
@@ -223,6 +244,19 @@ func (r *slotRenewals) leave(s *slotHold) bool {
 		return false
 	}
 	return true
+}
+
+// forget takes a hold out of the ring without releasing its slots: a
+// waiting request's other slots, which its hold holds from its grant on
+// (waitForSlot).
+func (r *slotRenewals) forget(s *slotHold) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if s.next != nil {
+		s.prev.next, s.next.prev = s.next, s.prev
+		s.prev, s.next = nil, nil
+	}
+	r.held--
 }
 
 // left counts a hold whose release is queued.
@@ -373,4 +407,15 @@ func holdArgOf(l *limit.Limit) any        { _, arg := l.Held.HoldFor(); return a
 var (
 	renewArg   any = "renew"
 	releaseArg any = "release"
+	// releaseQueuedArg releases slots of limits that queue: each goes to
+	// the head of its queue.
+	releaseQueuedArg any = "releaseq"
 )
+
+// releaseOp is the release op of the hold's slots.
+func (s *slotHold) releaseOp() any {
+	if s.queues {
+		return releaseQueuedArg
+	}
+	return releaseArg
+}

@@ -33,7 +33,7 @@ func (s *slotHold) call(start, end int) *redisbatch.Call {
 	c := redisbatch.NewCall()
 	c.Keys = append(c.Keys, s.keys[start:end]...)
 	c.Command(concurrentScript)
-	c.Args = append(c.Args, releaseArg)
+	c.Args = append(c.Args, s.releaseOp())
 	for range s.keys[start:end] {
 		c.Args = append(c.Args, s.id)
 	}
@@ -181,6 +181,7 @@ func (s *Store) releaseTaken(taken []limit.Bucket) []limit.Bucket {
 		hold.id = b.Args[2].(*string)
 		hold.keys = append(hold.keys, b.Key)
 		hold.limits = append(hold.limits, b.Limit)
+		hold.queues = hold.queues || b.Queues()
 		if every := holdOf(b.Limit) / 3; hold.every == 0 || every < hold.every {
 			hold.every = every
 		}
@@ -220,6 +221,7 @@ func (s *Store) releaseLostTake(buckets []limit.Bucket, err error) {
 		hold.id = b.Args[2].(*string)
 		hold.keys = append(hold.keys, b.Key)
 		hold.limits = append(hold.limits, b.Limit)
+		hold.queues = hold.queues || b.Queues()
 		if every := holdOf(b.Limit) / 3; hold.every == 0 || every < hold.every {
 			hold.every = every
 		}

@@ -27,6 +27,11 @@
 --     its slots n (at least 1)
 --     the request's slot id
 --     the slot's hold, microseconds
+--   a concurrent limit the request may queue for (6 arguments, max_wait):
+--     "cq"
+--     its slots n, the slot id and the hold, as above
+--     the request's priority, a whole number (higher goes first)
+--     the channel on which its instance learns that it got its slot
 --
 -- A bucket is one string "<tokens> <microseconds>": the tokens it held at
 -- that Redis time, below zero when a response cost more than it reserved
@@ -70,7 +75,8 @@
 -- counts in none, and the call takes nothing (allowed 0, and the quota's
 -- remaining and wait 0); then, only when some bucket is in the waiting
 -- form, for each key: the microseconds the request waits for it before it
--- goes on (0 for one that is not, and all 0 when refused)}. (Buckets with
+-- goes on (0 for one that is not, and all 0 when refused)}; allowed is 2
+-- when the request was queued (below). (Buckets with
 -- `lease` use lease.lua while their instance holds or wants a lease; it
 -- reads and writes them alike.)
 --
@@ -87,6 +93,28 @@
 -- the bucket holds its tokens, but for a lent bucket's cap): it fits
 -- within its max wait that much less its max wait from now. A bucket
 -- that does not wait reads and answers as it always has.
+
+-- Queueing for a slot (issue 40): a concurrent limit in the queueing
+-- form ("cq") whose slots are all taken, when every other bucket of the
+-- request admits it, queues the request instead of refusing it: the
+-- others are taken now (all or nothing, as ever), and the request enters
+-- the limit's queue, two sorted sets beside its slots (the slot key with
+-- "|q" and "|t": the same hash tag, so the same Cluster hash slot), of
+-- one member per waiter, "<arrival> <n> <hold> <slot id> <channel>":
+-- "|q" scores it minus its priority (so the head is the highest
+-- priority, then the earliest arrival: members of one score sort by
+-- their bytes, and the arrival is Redis time in 16 digits), "|t" its
+-- expiry (Redis time plus the hold; the waiter renews it, concurrent.lua
+-- 'wait'). The reply's allowed is then 2, the queued limit's remaining 0
+-- and its wait word the arrival, which names the member. A queue grants
+-- its free slots to its head at once (pump, here and in concurrent.lua:
+-- at every release of a queueing limit's slot, every take in the
+-- queueing form, every renewal of a waiter): the head's slot is taken
+-- under its slot id, for its hold, and "<slot id> <slot key>" published
+-- on its channel.
+-- Expired members (of a dead instance's waiters) are dropped first. A
+-- request queues for one limit at most: two full queueing limits refuse
+-- it. A take in the plain form does not look at the queue.
 
 -- Redis time, not the caller's, so instances with skewed clocks agree.
 -- 1.7e15 microseconds is well inside a double's exact integers (2^53).
@@ -164,10 +192,51 @@ local function takeQuota(i)
   end
   return math.max(0, math.floor(burst[i] - tokens[i])), wait
 end
+-- expireAtLeast makes key live at least ms milliseconds.
+local function expireAtLeast(key, ms)
+  if redis.call('PTTL', key) < ms then
+    redis.call('PEXPIRE', key, ms)
+  end
+end
+-- pump grants the free slots of the set at key (used of them held, its
+-- expired ones purged) to the heads of its queue, after dropping its
+-- expired members, and answers the slots held then.
+local function pump(key, used)
+  local q, t = key .. '|q', key .. '|t'
+  if redis.call('ZCARD', t) == 0 then
+    return used
+  end
+  local gone = redis.call('ZRANGEBYSCORE', t, '-inf', now, 'LIMIT', 0, 1000)
+  for j = 1, #gone do
+    redis.call('ZREM', q, gone[j])
+    redis.call('ZREM', t, gone[j])
+  end
+  while true do
+    local head = redis.call('ZRANGE', q, 0, 0)
+    if #head == 0 then
+      break
+    end
+    local n, h, id, channel = string.match(head[1], '^%d+ (%d+) (%d+) (%S+) (.+)$')
+    n, h = tonumber(n), tonumber(h)
+    if not n or used >= n then
+      break
+    end
+    redis.call('ZREM', q, head[1])
+    redis.call('ZREM', t, head[1])
+    redis.call('ZADD', key, now + h, id)
+    expireAtLeast(key, math.ceil(h / 1000))
+    redis.call('PUBLISH', channel, id .. ' ' .. key)
+    used = used + 1
+  end
+  return used
+end
+
 -- concurrent (issue 23): slots, hold and slot id by key; used is the
 -- slots held now. Made for the first concurrent limit of a call only.
-local slots, hold, slot, used
-local function checkSlots(i)
+-- priority and channel: of a limit in the queueing form, by key;
+-- queuedAt: the key whose queue the request enters, if any.
+local slots, hold, slot, used, priority, channel, queuedAt
+local function checkSlots(i, queues)
   if not slots then
     slots, hold, slot, used = {}, {}, {}, {}
   end
@@ -183,13 +252,44 @@ local function checkSlots(i)
   if used[i] > 0 then -- expired slots are free
     used[i] = used[i] - redis.call('ZREMRANGEBYSCORE', KEYS[i], '-inf', now)
   end
+  if queues then
+    if not priority then
+      priority, channel = {}, {}
+    end
+    priority[i], channel[i] = tonumber(ARGV[a]), ARGV[a + 1]
+    a = a + 2
+    -- Those waiting go first.
+    used[i] = pump(KEYS[i], used[i])
+    if used[i] >= slots[i] and not queuedAt then
+      queuedAt = i
+      return
+    end
+  end
   if used[i] >= slots[i] then
     allowed = 0
   end
 end
+-- enqueue puts the request in key i's queue, and answers its arrival.
+local function enqueue(i)
+  local q, t = KEYS[i] .. '|q', KEYS[i] .. '|t'
+  local member = string.format('%016d %d %d %s %s', now, slots[i], hold[i], slot[i], channel[i])
+  redis.call('ZADD', q, -priority[i], member)
+  redis.call('ZADD', t, now + hold[i], member)
+  local ms = math.ceil(hold[i] / 1000)
+  expireAtLeast(q, ms)
+  expireAtLeast(t, ms)
+  return now
+end
 -- takeSlot takes the slot checkSlots found free, and answers the free
--- slots left (and no wait: slots come back by release).
+-- slots left (and no wait: slots come back by release); the key whose
+-- queue the request enters answers 0 and the arrival.
 local function takeSlot(i)
+  if i == queuedAt then
+    if allowed == 1 then
+      return 0, enqueue(i)
+    end
+    return 0, 0
+  end
   if allowed == 1 then
     local expires = now + hold[i]
     redis.call('ZADD', KEYS[i], expires, slot[i])
@@ -338,6 +438,8 @@ for i = 1, n do
     checkQuota(i)
   elseif kind == 'c' then
     checkSlots(i)
+  elseif kind == 'cq' then
+    checkSlots(i, true)
   elseif kind == 'w' then
     if not waits then
       waits = {}
@@ -375,5 +477,8 @@ if waits then
   for i = 1, n do
     reply[k + i] = (allowed == 1 and waits[i]) or 0
   end
+end
+if queuedAt and allowed == 1 then
+  reply[1] = 2
 end
 return reply

@@ -51,9 +51,9 @@ type Reporter interface {
 // served, as what requests hold of them needs (takeHolding).
 func (s *Store) Take(ctx context.Context, r *limit.Call) (allowed bool, err error) {
 	if s.holding {
-		allowed, err = s.takeHolding(ctx, r.Sent, r.Buckets)
+		allowed, err = s.takeHolding(ctx, r)
 	} else {
-		allowed, err = s.takeAll(ctx, r.Sent, r.Buckets)
+		allowed, err = s.takeAll(ctx, r, r.Sent, r.Buckets)
 	}
 	Answered(ctx, r, allowed, err, s.report)
 	return allowed, err
@@ -61,11 +61,23 @@ func (s *Store) Take(ctx context.Context, r *limit.Call) (allowed bool, err erro
 
 // takeAll takes a request's buckets in Redis: in one call, or on a
 // Cluster whose hash slots they span, a call per slot group.
-func (s *Store) takeAll(ctx context.Context, sent time.Time, buckets []limit.Bucket) (bool, error) {
+func (s *Store) takeAll(ctx context.Context, r *limit.Call, sent time.Time, buckets []limit.Bucket) (bool, error) {
 	if s.groups == nil {
-		return s.client.Take(ctx, sent, buckets)
+		return s.take(ctx, r, sent, buckets)
 	}
-	return s.takeGroups(ctx, sent, buckets)
+	return s.takeGroups(ctx, r, sent, buckets)
+}
+
+// take takes buckets (a request's, or on a Cluster one slot group of
+// them) in one call: one that may queue for a slot (queueIndex) waits
+// for it in the call's place (takeQueueing).
+func (s *Store) take(ctx context.Context, r *limit.Call, sent time.Time, buckets []limit.Bucket) (bool, error) {
+	if s.holding && r.MayQueue {
+		if q := queueIndex(buckets); q >= 0 {
+			return s.takeQueueing(ctx, r, sent, buckets, q)
+		}
+	}
+	return s.client.Take(ctx, sent, buckets)
 }
 
 // Answered completes what Redis answered to a request's take (sent at

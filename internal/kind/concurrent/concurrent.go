@@ -28,6 +28,9 @@ type Kind struct {
 	hold       time.Duration
 	holdArg    any // the hold in microseconds as script argument, boxed once
 	retryAfter time.Duration
+	// maxWait is how long a request that finds every slot taken waits in
+	// the key's queue for one (max_wait); 0: it is refused at once.
+	maxWait time.Duration
 }
 
 // New is the kind of a concurrent limit whose slot a request holds for
@@ -36,13 +39,41 @@ func New(hold, retryAfter time.Duration) *Kind {
 	return &Kind{hold: hold, holdArg: strconv.FormatInt(hold.Microseconds(), 10), retryAfter: retryAfter}
 }
 
-// It has none of the optional interfaces but Held. Its slots in the
+// WithMaxWait makes the limit's requests that find every slot taken
+// wait up to maxWait for one, in a queue (limit.Queuer); 0 refuses them
+// at once, as without it.
+func (s *Kind) WithMaxWait(maxWait time.Duration) *Kind {
+	s.maxWait = maxWait
+	return s
+}
+
+// MaxPriority bounds a priority, either way.
+const MaxPriority = 1_000_000
+
+// ParsePriority reads a queue priority: a whole number from -MaxPriority
+// to MaxPriority; "" is 0.
+func ParsePriority(s string) (int64, error) {
+	if s == "" {
+		return 0, nil
+	}
+	n, err := strconv.ParseInt(s, 10, 64)
+	if err != nil || n < -MaxPriority || n > MaxPriority {
+		return 0, limit.BadValue("priority", s, "is not a whole number from -1000000 to 1000000")
+	}
+	return n, nil
+}
+
+// RateName is "priority": the priority stands in the rate's place, as
+// the slots stand in the burst's.
+func (*Kind) RateName() string { return "priority" }
+
+// It has none of the optional interfaces but Held, and Queuer. Its slots in the
 // process are counts of the store's own, never bucket states: it has no
 // limit.Arithmetic, and a take in the process gives the kinds only the
 // token buckets before the slots. It charges nothing (a response costs
 // it its slot): no limit.Charged. Its slots come back by release, not by
 // time: a layer remembers none of its refusals (no limit.Remembered).
-var _ limit.Held = (*Kind)(nil)
+var _ limit.Queuer = (*Kind)(nil)
 
 // ParseSlots reads a number of slots.
 func ParseSlots(s string) (int64, error) {
@@ -57,13 +88,18 @@ func ParseSlots(s string) (int64, error) {
 func (*Kind) BurstName() string { return "slots" }
 
 // ResolveValues reads its slots, in the burst's place: n as the burst,
-// one slot per request.
-func (*Kind) ResolveValues(_, slots, _ string) (v limit.Values, isUnlimited bool, err error) {
+// one slot per request; and its priority, in the rate's place. Its max
+// wait is its own (fixed).
+func (s *Kind) ResolveValues(priority, slots, _ string) (v limit.Values, isUnlimited bool, err error) {
 	if slots == limit.Unlimited {
 		return v, true, nil
 	}
 	n, err := ParseSlots(slots)
-	return limit.Values{Burst: n, Requested: 1}, false, err
+	if err != nil {
+		return limit.Values{}, false, err
+	}
+	p, err := ParsePriority(priority)
+	return limit.Values{Burst: n, Requested: 1, MaxWait: s.maxWait, Priority: p}, false, err
 }
 
 // ScriptArgs are "c" and n; the request's slot id follows (Begin).
@@ -86,6 +122,19 @@ func (*Kind) Begin(b limit.Bucket, shared limit.Shared) (limit.Bucket, limit.Sha
 func (s *Kind) AppendArgs(args []any, b limit.Bucket) []any {
 	return append(append(args, b.Args[:]...), s.holdArg)
 }
+
+// kindQueueArg is the queueing form's kind (script.lua).
+var kindQueueArg any = "cq"
+
+// AppendQueueArgs appends the queueing form: "cq", n, the slot id, the
+// hold, the priority, and the channel that learns of the grant.
+func (s *Kind) AppendQueueArgs(args []any, b limit.Bucket, channel any) []any {
+	return append(args, kindQueueArg, b.Args[1], b.Args[2], s.holdArg, strconv.FormatInt(b.Values.Priority, 10), channel)
+}
+
+// QueueHold is the slot's hold: a waiter renews its queue entry as a
+// request renews its slot.
+func (s *Kind) QueueHold() (time.Duration, any) { return s.hold, s.holdArg }
 
 // HoldFor is how long a request holds its slot unless it renews it, and
 // the same as a script argument: a request holds its slot until its

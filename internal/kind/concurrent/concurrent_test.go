@@ -26,7 +26,7 @@ func TestResolveValuesReadsSlotsInTheBurstsPlace(t *testing.T) {
 		{"-1", limit.Values{}, false, "slots '-1' is not a whole number"},
 		{"2.5", limit.Values{}, false, "slots '2.5' is not a whole number"},
 	} {
-		v, unlimited, err := k.ResolveValues("ignored", tc.slots, "ignored")
+		v, unlimited, err := k.ResolveValues("", tc.slots, "ignored")
 		if tc.err != "" {
 			var pe *limit.ParamError
 			if !errors.As(err, &pe) || pe.Param != "slots" || !strings.HasPrefix(err.Error(), tc.err) {
@@ -37,6 +37,42 @@ func TestResolveValuesReadsSlotsInTheBurstsPlace(t *testing.T) {
 		if err != nil || unlimited != tc.unlimited || v != tc.want {
 			t.Errorf("%s: %+v, %v, %v; want %+v, %v", tc.slots, v, unlimited, err, tc.want, tc.unlimited)
 		}
+	}
+}
+
+func TestResolveValuesReadsPriorityInTheRatesPlaceAndItsMaxWait(t *testing.T) {
+	k := New(30*time.Second, time.Second).WithMaxWait(5 * time.Second)
+	for _, tc := range []struct {
+		priority string
+		want     int64
+		err      string
+	}{
+		{"", 0, ""}, {"0", 0, ""}, {"10", 10, ""}, {"-7", -7, ""},
+		{"1000000", 1000000, ""}, {"-1000000", -1000000, ""},
+		{"1000001", 0, "priority '1000001' is not a whole number"},
+		{"1.5", 0, "priority '1.5' is not a whole number"},
+		{"high", 0, "priority 'high' is not a whole number"},
+	} {
+		v, _, err := k.ResolveValues(tc.priority, "4", "")
+		if tc.err != "" {
+			var pe *limit.ParamError
+			if !errors.As(err, &pe) || pe.Param != "priority" || !strings.HasPrefix(err.Error(), tc.err) {
+				t.Errorf("%q: error %v, want %q", tc.priority, err, tc.err)
+			}
+			continue
+		}
+		want := limit.Values{Burst: 4, Requested: 1, MaxWait: 5 * time.Second, Priority: tc.want}
+		if err != nil || v != want {
+			t.Errorf("%q: %+v, %v; want %+v", tc.priority, v, err, want)
+		}
+	}
+	if k.RateName() != "priority" {
+		t.Errorf("rate name %q", k.RateName())
+	}
+	b, _ := k.Begin(limit.Bucket{Args: k.ScriptArgs(limit.Values{Burst: 4}), Values: limit.Values{Burst: 4, Priority: -3}}, limit.Shared{})
+	got := k.AppendQueueArgs(nil, b, "chan")
+	if len(got) != 6 || got[0] != "cq" || got[1] != "4" || got[2] != b.Args[2] || got[3] != "30000000" || got[4] != "-3" || got[5] != "chan" {
+		t.Errorf("queue arguments %v", got)
 	}
 }
 

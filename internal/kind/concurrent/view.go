@@ -5,14 +5,21 @@ import "github.com/caddy-redis/ratelimit/internal/limit"
 // limitInfo is what the admin API lists of a concurrent limit beyond
 // every limit's: its slots and hold.
 type limitInfo struct {
-	Slots limit.Param `json:"slots,omitempty"`
-	Hold  string      `json:"hold,omitempty"`
+	Slots    limit.Param `json:"slots,omitempty"`
+	Hold     string      `json:"hold,omitempty"`
+	MaxWait  string      `json:"max_wait,omitempty"`
+	Priority limit.Param `json:"priority,omitempty"`
 }
 
-// LimitInfo lists its slots and hold.
+// LimitInfo lists its slots and hold, and its max wait and priority (in
+// the rate's place) when it queues.
 func (s *Kind) LimitInfo(l *limit.Limit) limit.LimitInfo {
 	li := l.Info()
-	li.KindView = limitInfo{Slots: l.Burst, Hold: s.hold.String()}
+	view := limitInfo{Slots: l.Burst, Hold: s.hold.String(), Priority: l.Rate}
+	if s.maxWait > 0 {
+		view.MaxWait = s.maxWait.String()
+	}
+	li.KindView = view
 	return li
 }
 

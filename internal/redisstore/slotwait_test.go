@@ -67,9 +67,9 @@ func newInstance(t *testing.T, srv *redistest.Server) instance {
 	return instance{client: c, store: redisstore.NewStore(c, nil, true, quietReport{})}
 }
 
-// slotLimit is a concurrent limit of n slots whose requests wait up to
+// queueLimit is a concurrent limit of n slots whose requests wait up to
 // maxWait, with its slots held for hold.
-func slotLimit(name string, n int64, hold, maxWait time.Duration) *limit.Limit {
+func queueLimit(name string, n int64, hold, maxWait time.Duration) *limit.Limit {
 	k := concurrent.New(hold, time.Second).WithMaxWait(maxWait)
 	l := &limit.Limit{Name: name, Burst: limit.Param(fmt.Sprint(n)), KeyPrefix: "t:{", KeySuffix: "}|" + name + "|slots", Fixed: true}
 	l.SetKind(k)
@@ -129,7 +129,7 @@ func TestSlotWaitersServedByPriorityThenArrivalAcrossInstances(t *testing.T) {
 	srv := redistest.Start(t)
 	rdb := srv.Client(t)
 	a, b := newInstance(t, srv), newInstance(t, srv)
-	l := slotLimit("gen", 1, 30*time.Second, 20*time.Second)
+	l := queueLimit("gen", 1, 30*time.Second, 20*time.Second)
 	key := l.KeyPrefix + "k" + l.KeySuffix
 
 	holder, ok, err := ask(context.Background(), a.store, []limit.Bucket{slotBucket(l, "k", 0)}, true, nil)
@@ -197,7 +197,7 @@ func TestSlotWaiterThatLeavesTakesNoSlot(t *testing.T) {
 	tb.SetKind(tokenbucket.Kind{})
 	tb.Values = limit.Values{Rate: 0.001, Burst: 10, Requested: 4}
 	tb.Args = tokenbucket.Args(tb.Values)
-	l := slotLimit("gen", 1, 30*time.Second, 20*time.Second)
+	l := queueLimit("gen", 1, 30*time.Second, 20*time.Second)
 	key := l.KeyPrefix + "k" + l.KeySuffix
 	request := func(priority int64) []limit.Bucket {
 		s := slotBucket(l, "k", priority)
@@ -293,7 +293,7 @@ func TestSlotGrantedToAWaiterThatJustLeftGoesToTheNext(t *testing.T) {
 	srv := redistest.Start(t)
 	rdb := srv.Client(t)
 	a := newInstance(t, srv)
-	l := slotLimit("gen", 1, 30*time.Second, 20*time.Second)
+	l := queueLimit("gen", 1, 30*time.Second, 20*time.Second)
 	key := l.KeyPrefix + "k" + l.KeySuffix
 	holder, ok, err := ask(context.Background(), a.store, []limit.Bucket{slotBucket(l, "k", 0)}, true, nil)
 	if err != nil || !ok {
@@ -343,7 +343,7 @@ func TestSlotWaitersOfADeadInstanceLeaveWithinAHold(t *testing.T) {
 	rdb := srv.Client(t)
 	a := newInstance(t, srv)
 	const hold = time.Second
-	l := slotLimit("gen", 1, hold, 20*time.Second)
+	l := queueLimit("gen", 1, hold, 20*time.Second)
 	key := l.KeyPrefix + "k" + l.KeySuffix
 	holder, ok, err := ask(context.Background(), a.store, []limit.Bucket{slotBucket(l, "k", 0)}, true, nil)
 	if err != nil || !ok {
@@ -397,7 +397,7 @@ func TestSlotWaitersNeverMoreThanNInFlight(t *testing.T) {
 	srv := redistest.Start(t)
 	a, b := newInstance(t, srv), newInstance(t, srv)
 	const n, requests = 3, 40
-	l := slotLimit("gen", n, 30*time.Second, 30*time.Second)
+	l := queueLimit("gen", n, 30*time.Second, 30*time.Second)
 	var inFlight, most, served atomic.Int64
 	var waiting atomic.Int64
 	var wg sync.WaitGroup
@@ -434,7 +434,7 @@ func TestSlotRequestThatMayNotQueueOrOutwaitsItsMaxWaitIsRefused(t *testing.T) {
 	srv := redistest.Start(t)
 	rdb := srv.Client(t)
 	a := newInstance(t, srv)
-	l := slotLimit("gen", 1, 30*time.Second, 100*time.Millisecond)
+	l := queueLimit("gen", 1, 30*time.Second, 100*time.Millisecond)
 	key := l.KeyPrefix + "k" + l.KeySuffix
 	holder, ok, err := ask(context.Background(), a.store, []limit.Bucket{slotBucket(l, "k", 0)}, true, nil)
 	if err != nil || !ok {

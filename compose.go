@@ -70,6 +70,11 @@ func newConcurrent(hold, retryAfter, maxWait time.Duration) (limit.Kind, error) 
 	return concurrent.New(hold, retryAfter).WithMaxWait(maxWait), nil
 }
 
+func checkPriority(priority string) error {
+	_, err := concurrent.ParsePriority(priority)
+	return err
+}
+
 func checkSlots(slots string) error {
 	_, err := concurrent.ParseSlots(slots)
 	return err

@@ -15,7 +15,6 @@ import (
 	"time"
 
 	"github.com/caddy-redis/ratelimit/internal/keys"
-	"github.com/caddy-redis/ratelimit/internal/kind/concurrent"
 	"github.com/caddy-redis/ratelimit/internal/limit"
 	"github.com/caddyserver/caddy/v2"
 	"github.com/prometheus/client_golang/prometheus"
@@ -156,7 +155,7 @@ func checkConcurrentValues(c Concurrent) error {
 			return fmt.Errorf("priority '%s': orders the requests that wait for a slot; it needs max_wait", c.Priority)
 		}
 		if !c.Priority.PerRequest() {
-			if _, err := concurrent.ParsePriority(string(c.Priority)); err != nil {
+			if err := checkPriority(string(c.Priority)); err != nil {
 				return err
 			}
 		}

@@ -11,7 +11,6 @@ import (
 	"testing"
 	"time"
 
-	"github.com/caddy-redis/ratelimit/internal/limit"
 	"github.com/caddy-redis/ratelimit/internal/redistest"
 	"github.com/caddyserver/caddy/v2"
 )
@@ -19,25 +18,9 @@ import (
 // Waiting for a concurrency slot (issue 40, item 3), end to end through
 // handlers: `concurrent <name> <slots> { max_wait; priority }`.
 
-// mayQueue lets the handler's requests queue for a slot, counting those
-// waiting, as the handler's own bound (max_waiting) will: the stores
-// queue only the requests it lets (limit.Call.MayQueue).
-type mayQueue struct {
-	limit.Store
-	waiting *atomic.Int64
-}
-
-func (m mayQueue) Take(ctx context.Context, r *limit.Call) (bool, error) {
-	r.MayQueue, r.Waiting = true, m.waiting
-	return m.Store.Take(ctx, r)
-}
-
-// letQueue puts mayQueue over h's store.
-func letQueue(h *Handler) *atomic.Int64 {
-	waiting := new(atomic.Int64)
-	h.store = mayQueue{Store: h.store, waiting: waiting}
-	return waiting
-}
+// letQueue is the handler's count of its requests waiting now (which
+// the stores count in while a request waits for a slot).
+func letQueue(h *Handler) *atomic.Int64 { return h.waitingNow }
 
 // waitHandler is a handler with a queueing concurrent limit gen of n
 // slots; redis is its redis block (distinct blocks: distinct clients, as

@@ -3,6 +3,7 @@ package ratelimit
 import (
 	"errors"
 	"sync"
+	"sync/atomic"
 
 	"github.com/caddy-redis/ratelimit/internal/limit"
 	"github.com/prometheus/client_golang/prometheus"
@@ -22,7 +23,7 @@ var collectors = struct {
 	requestUnread *prometheus.CounterVec
 	// max_wait (wait.go): how long requests waited, and how many wait now.
 	waitSeconds *prometheus.HistogramVec
-	waiting     *prometheus.GaugeVec
+	waiting     *waitingCollector
 }{}
 
 // zoneMetrics are one zone's series, looked up once at provision time so
@@ -38,7 +39,6 @@ type zoneMetrics struct {
 	charged, forgiven []prometheus.Counter
 	settleFailures    prometheus.Counter
 	waitSeconds       prometheus.Observer
-	waiting           prometheus.Gauge
 }
 
 // metricParts are the collectors that parts of the package make of
@@ -91,10 +91,12 @@ func newZoneMetrics(registry prometheus.Registerer, zone string, limits []*limit
 			Help:    "How long requests admitted for a later moment (max_wait) waited before they went on, by zone.",
 			Buckets: []float64{.001, .005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30, 60, 300, 3600},
 		}, []string{"zone"})
-		collectors.waiting = prometheus.NewGaugeVec(prometheus.GaugeOpts{
-			Namespace: ns, Subsystem: sub, Name: "waiting",
-			Help: "Requests of this instance that wait now for tokens taken ahead (max_wait), by zone.",
-		}, []string{"zone"})
+		collectors.waiting = &waitingCollector{
+			desc: prometheus.NewDesc(prometheus.BuildFQName(ns, sub, "waiting"),
+				"Requests of this instance that wait now (max_wait): for tokens taken ahead, or in a queue for a concurrent limit's slot, by zone.",
+				[]string{"zone"}, nil),
+			zones: make(map[string]map[*atomic.Int64]int),
+		}
 	})
 	all := []prometheus.Collector{collectors.requests, collectors.redisDuration, collectors.breakerOpen,
 		collectors.charged, collectors.forgiven, collectors.settleFailures, collectors.requestUnread,
@@ -108,7 +110,7 @@ func newZoneMetrics(registry prometheus.Registerer, zone string, limits []*limit
 		}
 	}
 	m := &zoneMetrics{redisDuration: collectors.redisDuration.WithLabelValues(zone),
-		waitSeconds: collectors.waitSeconds.WithLabelValues(zone), waiting: collectors.waiting.WithLabelValues(zone)}
+		waitSeconds: collectors.waitSeconds.WithLabelValues(zone)}
 	m.charged, m.forgiven, m.settleFailures = chargeCounters(zone, limits)
 	for _, p := range metricParts {
 		p.zone(zone, limits)
@@ -166,6 +168,43 @@ func unwatchBreakers(zone string, l breakers) {
 	}
 	if len(c.zones[zone]) == 0 {
 		delete(c.zones, zone)
+	}
+}
+
+// waitingCollector reports caddy_rate_limit_waiting when scraped: per
+// zone, the requests its handlers count as waiting now (Handler's
+// waitingNow, which the stores count in too).
+type waitingCollector struct {
+	desc  *prometheus.Desc
+	mu    sync.Mutex
+	zones map[string]map[*atomic.Int64]int // zone -> a handler's count -> handlers with it
+}
+
+func (c *waitingCollector) watch(zone string, n *atomic.Int64, add int) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.zones[zone] == nil {
+		c.zones[zone] = make(map[*atomic.Int64]int)
+	}
+	if c.zones[zone][n] += add; c.zones[zone][n] <= 0 {
+		delete(c.zones[zone], n)
+	}
+	if len(c.zones[zone]) == 0 {
+		delete(c.zones, zone)
+	}
+}
+
+func (c *waitingCollector) Describe(ch chan<- *prometheus.Desc) { ch <- c.desc }
+
+func (c *waitingCollector) Collect(ch chan<- prometheus.Metric) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	for zone, counts := range c.zones {
+		var n int64
+		for count := range counts {
+			n += count.Load()
+		}
+		ch <- prometheus.MustNewConstMetric(c.desc, prometheus.GaugeValue, float64(n), zone)
 	}
 }
 

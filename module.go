@@ -296,7 +296,8 @@ type Handler struct {
 
 	logger        *zap.Logger
 	waits         bool           // some limit may make requests wait (max_wait, wait.go)
-	waiting       *atomic.Int64  // requests that wait now, against max_waiting (with waits)
+	waiting       *atomic.Int64  // requests that wait now or may, against max_waiting (with waits)
+	waitingNow    *atomic.Int64  // requests that wait now, for caddy_rate_limit_waiting (with waits)
 	stack                        // the store and layers that decide requests (compose.go)
 	charging      *charging      // when a limit charges by the response (charge.go)
 	request       *bodyValueStep // with request_body (requestbody.go)
@@ -393,6 +394,7 @@ func (h *Handler) Provision(ctx caddy.Context) (err error) {
 			h.request.unread = unreadCounters(h.Zone)
 		}
 	}
+	h.setUpWaiting() // wait.go: after the metrics
 
 	return h.buildStack(redisConfig)
 }
@@ -424,6 +426,7 @@ func (h *Handler) Validate() error {
 // Cleanup releases the shared Redis client or in-memory store.
 func (h *Handler) Cleanup() error {
 	unregisterZone(h)
+	h.cleanUpWaiting()
 	return h.releaseStack()
 }
 

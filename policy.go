@@ -136,8 +136,8 @@ func (h *Handler) resolveLimits(limits []*limit.Limit, r *http.Request, repl *ca
 				}
 				return nil, skipped, err
 			}
-		} else if !l.Fixed {
-			values.MaxWait = l.Wait
+		} else if l.Wait > 0 && !l.Fixed {
+			values.MaxWait = l.Wait // a kind that waits by its own values (a concurrent limit's queue) has set its own
 		}
 		key := l.Template.Key(&rv, l.KeyPrefix, l.KeySuffix)
 		if key == "" {

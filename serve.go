@@ -133,6 +133,7 @@ func (h *Handler) limit(w http.ResponseWriter, r *http.Request) (_ *request, pas
 		return nil, pass, err
 	}
 	waits := h.waits && h.mayWait(req) // wait.go
+	req.MayQueue, req.Waiting = waits, h.waitingNow
 	req.Sent = time.Now()
 	allowed, err := h.store.Take(r.Context(), &req.Call)
 	if waits && (err != nil || !allowed || req.Failed || limit.Wait(req.Buckets) == 0) {
@@ -303,7 +304,7 @@ func (h *Handler) refuseInvalid(w http.ResponseWriter, r *http.Request, repl *ca
 	status := http.StatusInternalServerError
 	var pe *limit.ParamError
 	var ve *cost.ValueError
-	if errors.As(err, &pe) && (pe.Param == "requested_tokens" || pe.Param == "max_wait") || errors.As(err, &ve) && ve.FromRequest {
+	if errors.As(err, &pe) && (pe.Param == "requested_tokens" || pe.Param == "max_wait" || pe.Param == "priority") || errors.As(err, &ve) && ve.FromRequest {
 		status = http.StatusBadRequest
 	}
 	if ok, suppressed := h.paramWarns.Allow(); ok {

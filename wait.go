@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"net/http"
+	"slices"
 	"sync/atomic"
 	"time"
 
@@ -39,9 +40,6 @@ func (h *Handler) setWait(l *limit.Limit, text Param) error {
 	if text == "" || h.Shadow || l.Waiter == nil {
 		return nil
 	}
-	if !h.waits {
-		h.waits, h.waiting = true, new(atomic.Int64)
-	}
 	if text.PerRequest() {
 		l.WaitText = text
 		return nil
@@ -53,6 +51,30 @@ func (h *Handler) setWait(l *limit.Limit, text Param) error {
 	l.SetWait(d)
 	l.Values.MaxWait, l.Base.MaxWait = d, d
 	return nil
+}
+
+// setUpWaiting makes the counts of a handler some of whose limits may
+// make requests wait: for tokens (setWait), or in a concurrent limit's
+// queue for a slot. None in shadow mode, whose clients must see no
+// change: a concurrent limit's request is then refused, and passes, as
+// without max_wait.
+func (h *Handler) setUpWaiting() {
+	waits := slices.ContainsFunc(h.limits, func(l *limit.Limit) bool { return l.Wait > 0 || l.WaitText != "" })
+	queues := slices.ContainsFunc(h.Concurrent, func(c Concurrent) bool { return c.MaxWait > 0 })
+	if h.Shadow || !waits && !queues {
+		return
+	}
+	h.waits, h.waiting, h.waitingNow = true, new(atomic.Int64), new(atomic.Int64)
+	if h.metrics != nil {
+		collectors.waiting.watch(h.Zone, h.waitingNow, 1)
+	}
+}
+
+// cleanUpWaiting stops reporting the handler's waiting requests.
+func (h *Handler) cleanUpWaiting() {
+	if h.waitingNow != nil && h.metrics != nil {
+		collectors.waiting.watch(h.Zone, h.waitingNow, -1)
+	}
 }
 
 // h.waiting counts a handler's requests that wait now, against
@@ -88,10 +110,8 @@ func (h *Handler) waitOf(buckets []limit.Bucket) time.Duration {
 // then: true once it may go on, false when its client left first, whose
 // tokens are then given back where they were taken.
 func (h *Handler) await(r *http.Request, req *request, wait time.Duration) bool {
-	if h.metrics != nil {
-		h.metrics.waiting.Inc()
-		defer h.metrics.waiting.Dec()
-	}
+	h.waitingNow.Add(1)
+	defer h.waitingNow.Add(-1)
 	if ce := h.logger.Check(zap.DebugLevel, "waiting for tokens taken ahead"); ce != nil {
 		ce.Write(zap.String("zone", h.Zone), zap.Duration("wait", wait))
 	}

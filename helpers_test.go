@@ -969,7 +969,7 @@ func forceReload(t *testing.T, caddyfile string) {
 }
 
 // readmeExample is the first Caddyfile block of the README's section
-// titled title (a "## " heading), as written.
+// titled title (a "## " or "### " heading), as written.
 func readmeExample(t *testing.T, title string) string {
 	t.Helper()
 	raw, err := os.ReadFile("README.md")
@@ -977,6 +977,9 @@ func readmeExample(t *testing.T, title string) string {
 		t.Fatal(err)
 	}
 	_, section, ok := strings.Cut(string(raw), "\n## "+title+"\n")
+	if !ok {
+		_, section, ok = strings.Cut(string(raw), "\n### "+title+"\n")
+	}
 	if !ok {
 		t.Fatalf("README.md has no %q section", title)
 	}

@@ -1,16 +1,16 @@
 package ratelimit
 
-// Leases (internal/lease): the lease table, admission without
-// Redis, one call in flight per bucket, renewal ahead of need, sizing to
-// a key's rate, give-back when the hold ends, at Cleanup and reload,
-// failures of one bucket, the deny cache, the estimate in the headers,
-// and the exact bound across instances, standalone and on Cluster (and
-// at random: lease_random_test.go). lease.lua alone is tested in
-// leasecall_test.go; the lease table alone, what it holds, and the
-// give-back loop's pick crossing a new take, in internal/lease (which
-// reads the table; these tests read Redis, the headers and the metrics). The
-// parser's and Validate's refusals are rows of the tables in
-// caddyfile_test.go; the forms that load are here.
+// Leases (internal/lease): admission without Redis, one call in flight
+// per bucket, renewal ahead of need, give-back when the hold ends, at
+// Cleanup and reload, failures of one bucket, the deny cache, the
+// estimate in the headers, and the exact bound across instances,
+// standalone and on Cluster (and at random: lease_random_test.go), as
+// Redis, the headers and the metrics show them. lease.lua alone is
+// tested in leasecall_test.go; the lease table alone, sizing to a key's
+// rate, the give-back loop's pick crossing a new take, and what a lease
+// holds, in internal/lease, which reads the table. The parser's and
+// Validate's refusals are rows of the tables in caddyfile_test.go; the
+// forms that load are here.
 
 import (
 	"cmp"
@@ -462,49 +462,6 @@ func TestLeaseRenewsAheadOfNeed(t *testing.T) {
 	}
 }
 
-// TestLeaseSizedToTheKeysRate: a key seen less than once per hold on an
-// instance is lent nothing, so it costs one script call per request (as
-// without lease), none given back; a key at about 5 requests per hold is
-// lent about 5 at a time, its lease holding at most that and half the
-// grant before (7), not max_tokens (32). (Before, each request of the
-// first took a lease of 32 and gave it back, two calls per request.)
-// Requests 20 ms apart put up to 3 in a window of half a hold, which
-// reads as 6 per hold, granted on top of what the lease still holds: the
-// test allows twice the rate (10), which a loaded machine's uneven timing
-// reaches, and is still far from 32.
-func TestLeaseSizedToTheKeysRate(t *testing.T) {
-	srv := redistest.Start(t)
-	rdb := srv.Client(t)
-	h := leaseHandler(t, "sized", "replenish_rate 1000\n\tburst_capacity 1000\n\tlease 32 100ms", srv.Addr)
-	scriptsLoaded(t, rdb)
-
-	rare := limitKey(t, h, "", "rare")
-	if n := callsOf(t, rdb, func() {
-		for i := range 4 {
-			if status, _, _ := hit(h, "rare"); status != 200 || leaseHeld(h, rare) != 0 {
-				t.Fatalf("rare request %d: %d, lease %d; want 200 and no lease", i+1, status, leaseHeld(h, rare))
-			}
-			time.Sleep(300 * time.Millisecond)
-		}
-	}); n != 4 {
-		t.Errorf("4 requests 300ms apart, hold 100ms: %d script calls, want 4 (nothing lent, nothing given back)", n)
-	}
-
-	steady := limitKey(t, h, "", "steady")
-	var most int64
-	for range 40 {
-		if status, _, _ := hit(h, "steady"); status != 200 {
-			t.Fatalf("status %d", status)
-		}
-		most = max(most, leaseHeld(h, steady))
-		time.Sleep(20 * time.Millisecond) // 50 a second: 5 per hold of 100ms
-	}
-	t.Logf("a key at 50 requests a second, hold 100ms: the lease held at most %d", most)
-	if most < 1 || most > 10 {
-		t.Errorf("a key at 50 requests a second, hold 100ms, lease 32: the lease held at most %d; want 1 to 10 (twice 5, not 32)", most)
-	}
-}
-
 // TestLeaseSpikeOnAFullBucketIsAdmittedWithinTheBound: 64 concurrent
 // requests of one client on a full bucket of 100 with lease 8 1s are all
 // admitted: concurrent misses join the one call in flight for the bucket
@@ -659,7 +616,8 @@ func TestLeaseOfOneLimitDoesNotStarveAPolicy(t *testing.T) {
 // fills a bucket past its burst, even one that an instance without lease
 // refilled meanwhile (a rolling change). What the lease holds is whatever
 // Redis counts: sized to the key's rate, it is smaller when a loaded
-// machine held the warming requests apart.
+// machine held the warming requests apart. (What the lease holds
+// meanwhile: internal/lease's test of the same name.)
 func TestLeaseGivesBackWhenTheHoldEnds(t *testing.T) {
 	srv := redistest.Start(t)
 	rdb := srv.Client(t)
@@ -712,7 +670,8 @@ func TestLeaseGivesBackWhenTheHoldEnds(t *testing.T) {
 
 // TestLeaseDenialsComeFromRedis: a spent lease admits nothing: Redis
 // decides, and a denial is Redis's (with its remaining and Retry-After),
-// then the deny cache's; leases lend whole requests' worth.
+// then the deny cache's; leases lend whole requests' worth. (That the
+// spent lease holds nothing: internal/lease's test of the same name.)
 func TestLeaseDenialsComeFromRedis(t *testing.T) {
 	srv := redistest.Start(t)
 	rdb := srv.Client(t)
@@ -867,7 +826,8 @@ http://localhost:9080 {
 // read) fails that request only: another client's lease stays, and
 // keeps admitting without Redis. (Before, any error dropped every lease
 // of the handler: a client with burst 100 was refused after 40 requests
-// because another client's bucket failed.)
+// because another client's bucket failed.) (What the lease holds after:
+// internal/lease's test of the same name.)
 func TestLeaseOneFailingBucketLeavesOtherLeases(t *testing.T) {
 	srv := redistest.Start(t)
 	rdb := srv.Client(t)

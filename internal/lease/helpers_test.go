@@ -19,6 +19,7 @@ import (
 	"github.com/caddy-redis/ratelimit/internal/lease"
 	"github.com/caddy-redis/ratelimit/internal/limit"
 	"github.com/caddy-redis/ratelimit/internal/redisstore"
+	"github.com/caddy-redis/ratelimit/internal/redistest"
 	"github.com/redis/go-redis/v9"
 	"go.uber.org/zap"
 )
@@ -70,16 +71,55 @@ func newInstance(t *testing.T, addr, zone string, values limit.Values, max int64
 // key is the bucket key of client in the instance's zone.
 func (in *instance) key(client string) string { return "rate_limit:" + in.zone + "|" + client }
 
-// hit sends one request of client through the instance's stack, and
-// says whether it was admitted.
+// take sends one request of client through the instance's stack, and
+// says whether it was admitted, and the whole tokens the answer says
+// remain (what the handler's X-RateLimit-Remaining shows).
+func (in *instance) take(client string) (allowed bool, remaining int64, err error) {
+	b := limit.Bucket{Key: in.key(client), Values: in.values, Args: tokenbucket.Args(in.values)}
+	r := &limit.Call{Sent: time.Now(), Buckets: []limit.Bucket{b}}
+	allowed, err = in.store.Take(context.Background(), r)
+	return allowed, r.Buckets[0].Remaining, err
+}
+
+// hit is take of a request that Redis must not fail.
 func (in *instance) hit(t *testing.T, client string) bool {
 	t.Helper()
-	b := limit.Bucket{Key: in.key(client), Values: in.values, Args: tokenbucket.Args(in.values)}
-	allowed, err := in.store.Take(context.Background(), &limit.Call{Sent: time.Now(), Buckets: []limit.Bucket{b}})
+	allowed, _, err := in.take(client)
 	if err != nil {
 		t.Fatalf("request of %s: %v", client, err)
 	}
 	return allowed
+}
+
+// callsOf counts the script calls a function costs.
+func callsOf(t *testing.T, rdb *redis.Client, f func()) int64 {
+	t.Helper()
+	before := redistest.ScriptCalls(t, rdb)
+	f()
+	return redistest.ScriptCalls(t, rdb) - before
+}
+
+// setBucket stores the bucket at key holding tokens now, by Redis's
+// clock, with the mark it had while that lives (what is lent, until
+// when), as the script stores it.
+func setBucket(t *testing.T, rdb *redis.Client, key string, tokens float64) {
+	t.Helper()
+	ctx := context.Background()
+	now, err := rdb.Time(ctx).Result()
+	if err != nil {
+		t.Fatal(err)
+	}
+	state := fmt.Sprintf("%.17g %d", tokens, now.UnixMicro())
+	if old, err := rdb.Get(ctx, key).Result(); err == nil {
+		if f := strings.Fields(old); len(f) == 4 {
+			if until, _ := strconv.ParseInt(f[3], 10, 64); until > now.UnixMicro() {
+				state += " " + f[2] + " " + f[3]
+			}
+		}
+	}
+	if err := rdb.Set(ctx, key, state, time.Minute).Err(); err != nil {
+		t.Fatal(err)
+	}
 }
 
 // warm sends requests of client until its lease holds tokens (the first

@@ -35,3 +35,61 @@ func (ls *Leases) Renewal(b limit.Bucket) func(context.Context) error {
 		return err
 	}
 }
+
+// Held is what the lease on the bucket at key holds (0: none).
+func (ls *Leases) Held(key string) int64 {
+	sh := &ls.shards[ls.shardIndex(key)]
+	sh.mu.Lock()
+	defer sh.mu.Unlock()
+	if l := sh.byKey[key]; l != nil {
+		return l.tokens
+	}
+	return 0
+}
+
+// Until is when the hold of the lease on the bucket at key ends (zero:
+// no lease).
+func (ls *Leases) Until(key string) time.Time {
+	sh := &ls.shards[ls.shardIndex(key)]
+	sh.mu.Lock()
+	defer sh.mu.Unlock()
+	if l := sh.byKey[key]; l != nil {
+		return l.until
+	}
+	return time.Time{}
+}
+
+// ID names this instance in the buckets' lease records.
+func (ls *Leases) ID() string { return ls.id }
+
+// Flying says whether a call of the leases is in flight.
+func (ls *Leases) Flying() (flying bool) {
+	for i := range ls.shards {
+		sh := &ls.shards[i]
+		sh.mu.Lock()
+		for _, l := range sh.byKey {
+			flying = flying || l.flight != nil
+		}
+		sh.mu.Unlock()
+	}
+	return flying
+}
+
+// Entries is how many buckets the leases know (a lease each).
+func (ls *Leases) Entries() (n int) {
+	for i := range ls.shards {
+		sh := &ls.shards[i]
+		sh.mu.Lock()
+		n += len(sh.byKey)
+		sh.mu.Unlock()
+	}
+	return n
+}
+
+// PickGiveBacks picks the leases whose hold ended by now, as the
+// give-back loop does, and returns how many it picked and the give-back
+// of them, to send when the caller says.
+func (ls *Leases) PickGiveBacks(now time.Time) (n int, giveBack func()) {
+	back, seq := ls.take(now, false)
+	return back.len(), func() { ls.giveBackLeases(back, seq) }
+}

@@ -20,7 +20,13 @@ var emptyValue any = ""
 // line. buckets[described] is the bucket the placeholders describe; none
 // when no bucket was consulted (described < 0).
 func (h *Handler) record(repl *caddy.Replacer, d limit.Decision, buckets []limit.Bucket, described int) {
-	p := placeholders{h: h, repl: repl, seq: placeholderSeq.Add(1), decision: d}
+	h.recordWaited(repl, d, buckets, described, 0)
+}
+
+// recordWaited is record for a request that waited (max_wait), in a slot
+// queue and for its tokens, waited in all.
+func (h *Handler) recordWaited(repl *caddy.Replacer, d limit.Decision, buckets []limit.Bucket, described int, waited time.Duration) {
+	p := placeholders{h: h, repl: repl, seq: placeholderSeq.Add(1), decision: d, waitedMs: int32(waited / time.Millisecond)}
 	var b *limit.Bucket
 	if described >= 0 && described < len(buckets) {
 		b = &buckets[described]
@@ -34,9 +40,6 @@ func (h *Handler) record(repl *caddy.Replacer, d limit.Decision, buckets []limit
 		}
 		if h.LogKey {
 			p.key = b.ClientKey()
-		}
-		if d == limit.DecisionWaited || d == limit.DecisionLeftWaiting {
-			p.waitedMs = int32(limit.Wait(buckets) / time.Millisecond)
 		}
 	}
 	// A provider, not repl.Set: the request's replacer map then holds

@@ -145,6 +145,9 @@ func (h *Handler) limit(w http.ResponseWriter, r *http.Request) (_ *request, pas
 		pass, err = h.answerFailed(w, r, repl, req, allowed, err)
 	case err != nil:
 		// The client went away; that says nothing about Redis.
+		if req.Queued > 0 { // while it waited for a slot
+			h.recordWaited(repl, limit.DecisionLeftWaiting, req.Buckets, 0, req.Queued)
+		}
 		pass, err = false, caddyhttp.Error(499, r.Context().Err())
 	default:
 		pass, err = h.answer(w, r, repl, req, allowed)
@@ -227,17 +230,21 @@ func (h *Handler) answer(w http.ResponseWriter, r *http.Request, repl *caddy.Rep
 	h.headers.set(w.Header(), buckets, described, !allowed && !h.Shadow)
 	switch {
 	case allowed:
-		d := req.Admitted
+		d, waited := req.Admitted, req.Queued
 		if wait := h.waitOf(buckets); wait > 0 {
+			waited += wait
 			if !h.await(r, req, wait) { // wait.go
-				h.record(repl, limit.DecisionLeftWaiting, buckets, described)
+				h.recordWaited(repl, limit.DecisionLeftWaiting, buckets, described, waited)
 				return false, errLeftWaiting
 			}
+		}
+		if waited > 0 {
+			h.observeWait(waited)
 			if d == limit.DecisionAllowed {
 				d = limit.DecisionWaited
 			}
 		}
-		h.record(repl, d, buckets, described)
+		h.recordWaited(repl, d, buckets, described, waited)
 	case h.Shadow:
 		h.record(repl, limit.DecisionShadowDenied, buckets, described)
 		h.logShadowDenial(buckets, described)

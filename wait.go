@@ -118,14 +118,19 @@ func (h *Handler) await(r *http.Request, req *request, wait time.Duration) bool 
 	t := time.NewTimer(wait)
 	select {
 	case <-t.C:
-		if h.metrics != nil {
-			h.metrics.waitSeconds.Observe(wait.Seconds())
-		}
 		return true
 	case <-r.Context().Done():
 		t.Stop()
 		h.giveBack(req)
 		return false
+	}
+}
+
+// observeWait counts how long an admitted request waited, in a slot
+// queue and for its tokens, in caddy_rate_limit_wait_seconds.
+func (h *Handler) observeWait(waited time.Duration) {
+	if h.metrics != nil {
+		h.metrics.waitSeconds.Observe(waited.Seconds())
 	}
 }
 

@@ -18,6 +18,8 @@ import (
 	"github.com/caddy-redis/ratelimit/internal/redistest"
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
+	"github.com/prometheus/client_golang/prometheus"
+	dto "github.com/prometheus/client_model/go"
 )
 
 // waitHandlers are a handler of rate 2/s, burst 2 and a max wait of
@@ -350,4 +352,45 @@ func TestRefusedWaitingRequestRetryAfterSaysWhenItWouldFit(t *testing.T) {
 	}
 	cancel() // the waiting ones leave
 	wg.Wait()
+}
+
+// TestSlotWaitIsReportedAsWaited: a request that waited in a concurrent
+// limit's queue for a slot is admitted with the result waited, its wait
+// in {http.rate_limit.waited} and in caddy_rate_limit_wait_seconds.
+func TestSlotWaitIsReportedAsWaited(t *testing.T) {
+	h := caddyfileHandler(t, `rate_limit {
+		zone slotwaited
+		key {http.request.header.X-Key}
+		store memory
+		concurrent gen 1 {
+			max_wait 5s
+		}
+	}`)
+	release := make(chan struct{})
+	holding := make(chan struct{})
+	go func() {
+		r, w := newRequest("192.0.2.1", "k")
+		_ = h.ServeHTTP(w, r, caddyhttp.HandlerFunc(func(w http.ResponseWriter, r *http.Request) error {
+			close(holding)
+			<-release
+			return nil
+		}))
+	}()
+	<-holding
+	waits := func() uint64 {
+		var m dto.Metric
+		if err := collectors.waitSeconds.WithLabelValues("slotwaited").(prometheus.Histogram).Write(&m); err != nil {
+			t.Fatal(err)
+		}
+		return m.GetHistogram().GetSampleCount()
+	}
+	before := waits()
+	time.AfterFunc(100*time.Millisecond, func() { close(release) })
+	_, status, waited, result := wentOn(t.Context(), h, "k")
+	if ms, _ := strconv.Atoi(waited); status != 200 || result != "waited" || ms < 50 {
+		t.Errorf("the request that waited for the slot: %d, %s, waited %sms; want 200, waited, about 100ms", status, result, waited)
+	}
+	if n := waits() - before; n != 1 {
+		t.Errorf("caddy_rate_limit_wait_seconds counted %d waits, want 1", n)
+	}
 }

@@ -64,6 +64,9 @@ type Call struct {
 	// Waiting, when set, counts the handler's requests waiting in a slot
 	// queue: the store adds 1 while this one waits.
 	Waiting *atomic.Int64
+	// Queued is how long the request waited in a slot queue within Take:
+	// 0 when it did not.
+	Queued time.Duration
 }
 
 // Fail records that a layer decided the request without its buckets.
@@ -186,7 +189,7 @@ func (NoRefusals) KeepAtMost(time.Duration) {}
 // (empty, with the room the caller keeps for them): nothing decided yet.
 func (c *Call) Reset(buckets []Bucket) {
 	c.Buckets, c.LayerMarks = buckets, c.inlineMarks[:0]
-	c.Admitted, c.Refused, c.Failed, c.TakenBy = DecisionAllowed, DecisionDenied, false, nil
+	c.Admitted, c.Refused, c.Failed, c.TakenBy, c.Queued = DecisionAllowed, DecisionDenied, false, nil, 0
 }
 
 // ErrFull is a store's refusal of a request whose bucket would be new

@@ -171,6 +171,7 @@ func (s *Store) takeQueueing(ctx context.Context, r *limit.Call) (bool, error) {
 	case <-timer.C:
 	}
 	waited := time.Since(start)
+	r.Queued = waited
 	if granted {
 		b.KindN, b.Remaining = int64(w.gen), 0
 		for i := range buckets {

@@ -360,7 +360,7 @@ func (s *Store) waitForSlot(ctx context.Context, r *limit.Call, buckets []limit.
 	case <-timer.C:
 	}
 	waited := time.Since(start)
-	r.Sent = r.Sent.Add(waited) // the store's answer took that much less
+	r.Sent, r.Queued = r.Sent.Add(waited), waited // the store's answer took that much less
 	if granted {
 		w.drop(wt)
 		if others != nil {

@@ -146,7 +146,7 @@ func TestMemoryStoreForgetsABucketOnceItWouldBeFullAgain(t *testing.T) {
 
 // TestMemoryStoreMaxKeysMakesRoomOnlyOnceTheSweepForgetsFullBuckets: at
 // max_keys a new bucket is refused (ErrFull, which sends its client to
-// on_error: the root's TestMemoryStoreMaxKeysSendsNewClientsToOnError...),
+// on_error: the root's TestMemoryStoreMaxKeysSendsNewClientsToOnErrorWithoutDroppingLiveBuckets),
 // no live one dropped for it; once the held buckets would be full again
 // (2 tokens at 0.01/s: 200 s), the sweep forgets them, and new clients
 // fit, up to max_keys again.

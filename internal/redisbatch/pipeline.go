@@ -57,7 +57,7 @@ func (r *roundTrips) estimate() time.Duration {
 // reply (a key of another type) fails its own call only; a reply of
 // another shape, which none of our scripts gives, would also fail the
 // calls after it in the pipeline, and go-redis drops that connection
-// (TestScriptReplyOfAnotherShapeFailsItsCall).
+// (TestReplyOfAnotherShapeFailsItsCall).
 type onceCmd struct{ *redis.IntSliceCmd }
 
 func (onceCmd) NoRetry() bool { return true }

@@ -6,6 +6,7 @@ import (
 	"io"
 	"net/http"
 	"net/http/httptest"
+	"runtime"
 	"slices"
 	"strconv"
 	"strings"
@@ -20,6 +21,7 @@ import (
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 	"github.com/prometheus/client_golang/prometheus"
 	dto "github.com/prometheus/client_model/go"
+	"go.uber.org/zap"
 )
 
 // waitHandlers are a handler of rate 2/s, burst 2 and a max wait of
@@ -393,4 +395,35 @@ func TestSlotWaitIsReportedAsWaited(t *testing.T) {
 	if n := waits() - before; n != 1 {
 		t.Errorf("caddy_rate_limit_wait_seconds counted %d waits, want 1", n)
 	}
+}
+
+// BenchmarkWaitingRequest measures what a request waiting for its tokens
+// holds in this process (its goroutine's stack and the heap it keeps),
+// with b.N of them waiting at once: the figure behind max_waiting's
+// default. A request through Caddy holds its connection's buffers too
+// (net/http: a 4 KiB reader and a 4 KiB writer). go test -run xxx -bench
+// WaitingRequest -benchtime 1000x .
+func BenchmarkWaitingRequest(b *testing.B) {
+	h := memoryHandler(b, "1 1", "key {http.request.header.X-Key}\nmax_wait 1h\nmax_waiting 100000")
+	h.logger = zap.NewNop()     // a debug line per wait, else
+	wentOn(b.Context(), h, "w") // the burst: every request after it waits
+	ctx, cancel := context.WithCancel(b.Context())
+	var before, after runtime.MemStats
+	runtime.GC()
+	runtime.ReadMemStats(&before)
+	var wg sync.WaitGroup
+	b.ResetTimer()
+	for range b.N {
+		wg.Go(func() { wentOn(ctx, h, "w") })
+	}
+	for h.waitingNow.Load() < int64(b.N) {
+		time.Sleep(time.Millisecond)
+	}
+	b.StopTimer()
+	runtime.GC()
+	runtime.ReadMemStats(&after)
+	held := float64(after.HeapInuse+after.StackInuse) - float64(before.HeapInuse+before.StackInuse)
+	b.ReportMetric(held/float64(b.N), "bytes/waiting")
+	cancel()
+	wg.Wait()
 }

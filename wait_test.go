@@ -427,3 +427,37 @@ func BenchmarkWaitingRequest(b *testing.B) {
 	cancel()
 	wg.Wait()
 }
+
+// TestLeasingBucketWaitsInRedis: with lease and max_wait, requests that
+// find the bucket short wait for their tokens instead of a 429, within
+// the bound, each decided in Redis with one script call (a lease lends
+// only tokens that are there: see takeWaiting): 25 requests one after
+// another on a bucket of rate 10/s and burst 10 take at least 1.5s, none
+// is refused, and they cost 25 script calls.
+func TestLeasingBucketWaitsInRedis(t *testing.T) {
+	srv := redistest.Start(t)
+	h := leaseHandler(t, "leasewait", "replenish_rate 10\n\tburst_capacity 10\n\tmax_wait 3s\n\tlease 5", srv.Addr)
+	rdb := srv.Client(t)
+	before := redistest.ScriptCalls(t, rdb)
+	start := time.Now()
+	var results []string
+	for range 25 {
+		_, status, waited, result := wentOn(t.Context(), h, "k")
+		if status != 200 {
+			t.Fatalf("request %d: %d (%s), want 200: it could wait", len(results)+1, status, result)
+		}
+		results = append(results, result+"/"+waited)
+	}
+	took := time.Since(start)
+	calls := redistest.ScriptCalls(t, rdb) - before
+	t.Logf("25 requests in %v with %d script calls: %v", took.Round(time.Millisecond), calls, results)
+	if took < 1500*time.Millisecond-10*time.Millisecond {
+		t.Errorf("25 requests went on within %v: more than burst + rate·T allows (at least 1.5s)", took)
+	}
+	if calls != 25 {
+		t.Errorf("%d script calls for 25 requests, want one each", calls)
+	}
+	if !slices.ContainsFunc(results, func(r string) bool { return strings.HasPrefix(r, "waited/") }) {
+		t.Errorf("no request waited: %v", results)
+	}
+}

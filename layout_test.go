@@ -50,6 +50,7 @@ var mayImport = map[string][]string{
 	"caddyproc": {"testproc"},
 	"redistest": {"testproc"},
 	"testproc":  nil,
+	"boundtest": nil,
 	"storetest": {"limit", "cost", "keys", "logs", "scan", "redistest", "testproc"},
 	// A command, not a part: the tests' Caddy, built with the plugin.
 	"caddyproc/caddy": {"root"},

@@ -12,87 +12,15 @@ import (
 	"math"
 	"math/rand/v2"
 	"os"
-	"slices"
 	"strconv"
 	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
 
+	"github.com/caddy-redis/ratelimit/internal/boundtest"
 	"github.com/caddy-redis/ratelimit/internal/redistest"
 )
-
-// admissionLog records admissions from many goroutines, each as the span
-// within which it was decided: from before the request to after its
-// answer, in nanoseconds since the log's first reading.
-type admissionLog struct {
-	mu     sync.Mutex
-	origin time.Time
-	spans  [][2]int64
-}
-
-// now is the time since the log's first reading.
-func (l *admissionLog) now() int64 {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	if l.origin.IsZero() {
-		l.origin = time.Now()
-	}
-	return int64(time.Since(l.origin))
-}
-
-// add records an admission decided between start and now.
-func (l *admissionLog) add(start int64) {
-	end := l.now()
-	l.mu.Lock()
-	l.spans = append(l.spans, [2]int64{start, end})
-	l.mu.Unlock()
-}
-
-func (l *admissionLog) len() int {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return len(l.spans)
-}
-
-// check asserts that every window [x, y] holds at most burst + rate ×
-// (y - x) admissions (burst and rate in requests: tokens over the
-// requests' cost), and returns how many windows it checked and the
-// tightest: the most admissions a window held beyond its bound (at most
-// 0 when none broke it). Only an
-// admission whose whole span lies in a window surely counts in it, so the
-// check never blames a limiter for the time its answers take; windows
-// start where a span starts and end where one ends.
-func (l *admissionLog) check(t *testing.T, burst, rate float64) (windows int, tightest float64) {
-	t.Helper()
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	byEnd := slices.Clone(l.spans)
-	slices.SortFunc(byEnd, func(a, b [2]int64) int { return int(a[1] - b[1]) })
-	failures := 0
-	tightest = math.Inf(-1)
-	for _, from := range l.spans {
-		x, in := from[0], 0
-		for _, s := range byEnd {
-			if s[0] < x {
-				continue
-			}
-			in++
-			windows++
-			bound := burst + rate*float64(s[1]-x)/1e9
-			tightest = max(tightest, float64(in)-bound)
-			if float64(in) > bound+1e-9 {
-				if failures++; failures <= 3 {
-					t.Errorf("%d admitted within %v: more than burst + rate × T = %.2f", in, time.Duration(s[1]-x), bound)
-				}
-			}
-		}
-	}
-	if failures > 3 {
-		t.Errorf("... and %d more windows over the bound", failures-3)
-	}
-	return windows, tightest
-}
 
 // randomSchedule is one run: its limit, its instances and their faults.
 type randomSchedule struct {
@@ -167,12 +95,12 @@ func TestLeaseBoundAtRandom(t *testing.T) {
 		before := redistest.ScriptCalls(t, rdb)
 		log, counts := runSchedule(t, rng, fmt.Sprint("random", n), srv.Addr, s)
 		calls += redistest.ScriptCalls(t, rdb) - before
-		w, tight := log.check(t, float64(s.burst)/float64(s.cost), s.rate/float64(s.cost))
+		w, tight := log.Check(t, float64(s.burst)/float64(s.cost), s.rate/float64(s.cost))
 		t.Logf("schedule %d (%v): %d admitted, %d denied, %d failed; %d windows, the tightest %+.2f of its bound",
-			n, s, log.len(), counts[0], counts[1], w, tight)
+			n, s, log.Len(), counts[0], counts[1], w, tight)
 		tightest = max(tightest, tight)
 		windows += int64(w)
-		admitted += int64(log.len())
+		admitted += int64(log.Len())
 		denied += counts[0]
 		failed += counts[1]
 		if t.Failed() {
@@ -190,7 +118,7 @@ func TestLeaseBoundAtRandom(t *testing.T) {
 // bucket to refill while leases are out; in a phase a worker sends as
 // fast as it can, or a request every few ms, so that leases lent in a
 // calm phase may still hold tokens when a busy one comes.
-func runSchedule(t *testing.T, rng *rand.Rand, zone, redisAddr string, s randomSchedule) (*admissionLog, [2]int64) {
+func runSchedule(t *testing.T, rng *rand.Rand, zone, redisAddr string, s randomSchedule) (*boundtest.AdmissionLog, [2]int64) {
 	const length = 3 * time.Second
 	type phase struct {
 		from, to time.Duration
@@ -265,10 +193,10 @@ func runSchedule(t *testing.T, rng *rand.Rand, zone, redisAddr string, s randomS
 		faults = append(faults, fault{at: time.Duration(rng.Int64N(int64(length))), instance: rng.IntN(s.instances), death: true})
 	}
 
-	var log admissionLog
+	var log boundtest.AdmissionLog
 	var denied, failed atomic.Int64
 	var wg sync.WaitGroup
-	log.now()
+	log.Now()
 	began := time.Now()
 	stop := began.Add(length)
 	for _, f := range faults {
@@ -310,11 +238,11 @@ func runSchedule(t *testing.T, rng *rand.Rand, zone, redisAddr string, s randomS
 						hit(in.h, "c"+strconv.Itoa(r.IntN(1_000_000))) // not the key checked
 						continue
 					}
-					start := log.now()
+					start := log.Now()
 					status, _, _ := hit(in.h, "k")
 					switch {
 					case status == 200:
-						log.add(start)
+						log.Add(start)
 					case status == 429:
 						denied.Add(1)
 					default:

@@ -25,6 +25,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/caddy-redis/ratelimit/internal/boundtest"
 	"github.com/caddy-redis/ratelimit/internal/caddyproc"
 	"github.com/caddy-redis/ratelimit/internal/keys"
 	"github.com/caddy-redis/ratelimit/internal/lease"
@@ -478,12 +479,12 @@ func TestLeaseSpikeOnAFullBucketIsAdmittedWithinTheBound(t *testing.T) {
 	h := leaseHandler(t, "spike", fmt.Sprintf("replenish_rate %v\n\tburst_capacity %d\n\tlease 8 1s", rate, burst), srv.Addr)
 	scriptsLoaded(t, rdb)
 	key := limitKey(t, h, "", "hot")
-	var log admissionLog
+	var log boundtest.AdmissionLog
 	send := func() bool {
-		start := log.now()
+		start := log.Now()
 		status, _, _ := hit(h, "hot")
 		if status == 200 {
-			log.add(start)
+			log.Add(start)
 		} else if status != 429 {
 			t.Errorf("status %d", status)
 		}
@@ -519,7 +520,7 @@ func TestLeaseSpikeOnAFullBucketIsAdmittedWithinTheBound(t *testing.T) {
 		t.Errorf("the lease holds %d, more than max_tokens 8", held)
 	}
 
-	time.Sleep(900*time.Millisecond - time.Duration(log.now()))
+	time.Sleep(900*time.Millisecond - time.Duration(log.Now()))
 	stop := time.Now().Add(100 * time.Millisecond)
 	for range 8 {
 		wg.Add(1)
@@ -531,8 +532,8 @@ func TestLeaseSpikeOnAFullBucketIsAdmittedWithinTheBound(t *testing.T) {
 		}()
 	}
 	wg.Wait()
-	windows, _ := log.check(t, burst, rate)
-	t.Logf("%d admitted over %v; %d windows checked against burst + rate × T", log.len(), time.Duration(log.now()).Round(time.Millisecond), windows)
+	windows, _ := log.Check(t, burst, rate)
+	t.Logf("%d admitted over %v; %d windows checked against burst + rate × T", log.Len(), time.Duration(log.Now()).Round(time.Millisecond), windows)
 }
 
 // TestLeasePolicyLendsInLockstep: with several limits, a request is
@@ -982,25 +983,25 @@ func TestLeaseGiveBackNeverOverfills(t *testing.T) {
 	warmLease(t, a, "k", key)
 	lent := leaseHeld(a, key)
 	time.Sleep(600 * time.Millisecond) // the bucket would be full again: 20 - 2 - 8 tokens at 20 a second
-	var log admissionLog
+	var log boundtest.AdmissionLog
 	drain := func() {
 		for range 30 {
-			start := log.now()
+			start := log.Now()
 			status, _, _ := hit(b, "k")
 			if status == 200 {
-				log.add(start)
+				log.Add(start)
 			}
 		}
 	}
 	drain()
-	first := log.len()
+	first := log.Len()
 	if err := a.Cleanup(); err != nil { // gives back what a's lease holds, unused
 		t.Fatal(err)
 	}
 	time.Sleep(60 * time.Millisecond) // past b's cached denial: a token's wait
 	drain()
-	t.Logf("b admitted %d before a gave back %d, %d after, in %v", first, lent, log.len()-first, time.Duration(log.now()).Round(time.Millisecond))
-	log.check(t, burst, rate)
+	t.Logf("b admitted %d before a gave back %d, %d after, in %v", first, lent, log.Len()-first, time.Duration(log.Now()).Round(time.Millisecond))
+	log.Check(t, burst, rate)
 }
 
 // TestLeaseBoundWithLeasesOutOnThreeInstances: three instances hold
@@ -1020,18 +1021,18 @@ func TestLeaseBoundWithLeasesOutOnThreeInstances(t *testing.T) {
 	}
 	scriptsLoaded(t, rdb)
 	key := limitKey(t, hs[0], "", "k")
-	var log admissionLog
+	var log boundtest.AdmissionLog
 	var lent int64
 	for _, h := range hs {
 		for range warmLease(t, h, "k", key) {
-			log.add(log.now())
+			log.Add(log.Now())
 		}
 	}
 	lent = leaseHeld(hs[0], key)       // on every instance
 	time.Sleep(850 * time.Millisecond) // the bucket would be full again; the leases hold a while yet
 	hitTogether(hs, "k", 100*time.Millisecond, &log)
-	windows, _ := log.check(t, burst, rate)
-	t.Logf("%d lent on three instances; %d admitted in all; %d windows checked", lent, log.len(), windows)
+	windows, _ := log.Check(t, burst, rate)
+	t.Logf("%d lent on three instances; %d admitted in all; %d windows checked", lent, log.Len(), windows)
 }
 
 // TestLeaseColdKeysCostThePlainScript: in a zone with lease, keys seen
@@ -1107,18 +1108,18 @@ func TestLeaseBoundWithAPlainInstanceBeside(t *testing.T) {
 	plain := leaseHandler(t, "plainbeside", body, srv.Addr) // no lease
 	scriptsLoaded(t, rdb)
 	key := limitKey(t, hs[0], "", "k")
-	var log admissionLog
+	var log boundtest.AdmissionLog
 	var lent int64
 	for _, h := range hs {
 		for range warmLease(t, h, "k", key) {
-			log.add(log.now())
+			log.Add(log.Now())
 		}
 	}
 	lent = leaseHeld(hs[0], key)       // on every instance
 	time.Sleep(850 * time.Millisecond) // the bucket would be full again; the leases hold a while yet
 	hitTogether([]*Handler{hs[0], hs[1], plain}, "k", 100*time.Millisecond, &log)
-	windows, _ := log.check(t, burst, rate)
-	t.Logf("%d lent on two instances, a third without lease; %d admitted in all; %d windows checked", lent, log.len(), windows)
+	windows, _ := log.Check(t, burst, rate)
+	t.Logf("%d lent on two instances, a third without lease; %d admitted in all; %d windows checked", lent, log.Len(), windows)
 }
 
 // TestLeaseBoundAcrossInstances: instances with leases hammer one key
@@ -1245,33 +1246,33 @@ func TestLeaseBurstLoweredByMapHoldsOnLeasingAndPlainInstances(t *testing.T) {
 	}
 
 	// Free: 200 requests, two clients on each instance.
-	var log admissionLog
+	var log boundtest.AdmissionLog
 	var admitted [2]atomic.Int64
 	var sent atomic.Int64
 	var wg sync.WaitGroup
 	urls := []string{leasing.URL, plain.URL}
-	log.now()
+	log.Now()
 	for w := range 4 {
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
 			for sent.Add(1) <= 200 {
-				start := log.now()
+				start := log.Now()
 				status, err := sendPlanned(client, urls[w%2], "moved", "free")
 				switch {
 				case err != nil || status != 200 && status != 429:
 					t.Errorf("free request on %s: %d %v; want 200 or 429", urls[w%2], status, err)
 				case status == 200:
-					log.add(start)
+					log.Add(start)
 					admitted[w%2].Add(1)
 				}
 			}
 		}()
 	}
 	wg.Wait()
-	windows, tightest := log.check(t, 5, 1)
+	windows, tightest := log.Check(t, 5, 1)
 	t.Logf("%d lent under burst 1000; under burst 5, 1/s: %d of 200 admitted (%d on the leasing instance, %d on the plain one); %d windows, the tightest %+.2f of burst + rate × T",
-		lent, log.len(), admitted[0].Load(), admitted[1].Load(), windows, tightest)
+		lent, log.Len(), admitted[0].Load(), admitted[1].Load(), windows, tightest)
 }
 
 // TestLeaseRollingReloadToALowerBurstHoldsTheBound: two leasing
@@ -1302,12 +1303,12 @@ func TestLeaseRollingReloadToALowerBurstHoldsTheBound(t *testing.T) {
 	// Two clients per instance: one request every 25 ms each until both
 	// instances run the new config (the bucket stays far above 5, its
 	// key hot and leased on both), then as fast as they can for 1.5 s.
-	var log admissionLog
+	var log boundtest.AdmissionLog
 	var after atomic.Int64 // log time from which admissions count; 0 until both reloaded
 	var admitted, refused atomic.Int64
 	stop := make(chan struct{})
 	var wg sync.WaitGroup
-	log.now()
+	log.Now()
 	for w := range 4 {
 		wg.Add(1)
 		go func() {
@@ -1322,7 +1323,7 @@ func TestLeaseRollingReloadToALowerBurstHoldsTheBound(t *testing.T) {
 				if from == 0 {
 					time.Sleep(25 * time.Millisecond)
 				}
-				start := log.now()
+				start := log.Now()
 				status, _, _, err := caddyGet(client, instances[w%2].URL, "k")
 				if err != nil || status != 200 && status != 429 {
 					t.Errorf("request on %s: %d %v; want 200 or 429", instances[w%2].URL, status, err)
@@ -1332,7 +1333,7 @@ func TestLeaseRollingReloadToALowerBurstHoldsTheBound(t *testing.T) {
 					continue
 				}
 				if status == 200 {
-					log.add(start)
+					log.Add(start)
 					admitted.Add(1)
 				} else {
 					refused.Add(1)
@@ -1344,11 +1345,11 @@ func TestLeaseRollingReloadToALowerBurstHoldsTheBound(t *testing.T) {
 	for _, inst := range instances {
 		inst.Reload(t, low)
 	}
-	after.Store(max(1, log.now()))
+	after.Store(max(1, log.Now()))
 	time.Sleep(1500 * time.Millisecond)
 	close(stop)
 	wg.Wait()
-	windows, tightest := log.check(t, 5, 1)
+	windows, tightest := log.Check(t, 5, 1)
 	t.Logf("after both reloads to burst 5 at 1/s: %d admitted, %d refused in 1.5 s; %d windows, the tightest %+.2f of burst + rate × T",
 		admitted.Load(), refused.Load(), windows, tightest)
 	if refused.Load() == 0 {
@@ -1500,7 +1501,7 @@ func TestLeaseOnCluster(t *testing.T) {
 
 // hitTogether sends requests for key through the handlers, four clients
 // on each, one after another for d, and logs each admission's start.
-func hitTogether(hs []*Handler, key string, d time.Duration, log *admissionLog) {
+func hitTogether(hs []*Handler, key string, d time.Duration, log *boundtest.AdmissionLog) {
 	var wg sync.WaitGroup
 	stop := time.Now().Add(d)
 	for w := range 4 * len(hs) {
@@ -1508,9 +1509,9 @@ func hitTogether(hs []*Handler, key string, d time.Duration, log *admissionLog) 
 		go func() {
 			defer wg.Done()
 			for time.Now().Before(stop) {
-				start := log.now()
+				start := log.Now()
 				if status, _, _ := hit(hs[w%len(hs)], key); status == 200 {
-					log.add(start)
+					log.Add(start)
 				}
 			}
 		}()

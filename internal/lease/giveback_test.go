@@ -11,6 +11,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/caddy-redis/ratelimit/internal/boundtest"
 	"github.com/caddy-redis/ratelimit/internal/limit"
 	"github.com/caddy-redis/ratelimit/internal/redistest"
 )
@@ -32,9 +33,9 @@ func TestLeaseGiveBackLandingAfterANewerTakeKeepsItsLease(t *testing.T) {
 	h := newInstance(t, srv.Addr, "givebackorder", values, 32, time.Second)
 	other := newInstance(t, srv.Addr, "givebackorder", values, 32, time.Second)
 	key := h.key("k")
-	var log admissionLog
+	var log boundtest.AdmissionLog
 	for range h.warm(t, "k") {
-		log.add(log.now())
+		log.Add(log.Now())
 	}
 	// The loop's pick at the end of the hold, made now: the loop itself
 	// picks the lease half a hold after its end at the latest, so the
@@ -44,11 +45,11 @@ func TestLeaseGiveBackLandingAfterANewerTakeKeepsItsLease(t *testing.T) {
 	if picked != 1 {
 		t.Fatalf("picked %d leases to give back, want the one on %s", picked, key)
 	}
-	start := log.now()
+	start := log.Now()
 	if !h.hit(t, "k") {
 		t.Fatal("the request after the pick was refused")
 	}
-	log.add(start)
+	log.Add(start)
 	lent := h.ls.Held(key)
 	if lent == 0 {
 		t.Fatal("the request after the pick was lent nothing: no lease for the give-back to erase")
@@ -68,16 +69,16 @@ func TestLeaseGiveBackLandingAfterANewerTakeKeepsItsLease(t *testing.T) {
 		go func() {
 			defer wg.Done()
 			for time.Now().Before(stop) {
-				start := log.now()
+				start := log.Now()
 				if []*instance{h, other}[w%2].hit(t, "k") {
-					log.add(start)
+					log.Add(start)
 				}
 			}
 		}()
 	}
 	wg.Wait()
-	windows, tightest := log.check(t, burst, rate)
-	t.Logf("%d lent to the new lease; %d admitted in all; %d windows checked, the tightest %.1f over its bound", lent, log.len(), windows, tightest)
+	windows, tightest := log.Check(t, burst, rate)
+	t.Logf("%d lent to the new lease; %d admitted in all; %d windows checked, the tightest %.1f over its bound", lent, log.Len(), windows, tightest)
 }
 
 // TestLeaseGiveBackPickedBeforeANewTakeLosesNoToken: a lease picked for a

@@ -7,11 +7,8 @@ package lease_test
 import (
 	"context"
 	"fmt"
-	"math"
-	"slices"
 	"strconv"
 	"strings"
-	"sync"
 	"testing"
 	"time"
 
@@ -209,74 +206,4 @@ func expectTokens(t *testing.T, rdb *redis.Client, key string, burst int64, want
 	if got < want-leaseSlack || got > want+leaseSlack {
 		t.Errorf("%s: bucket %s holds %.4f tokens, want %v", why, key, got, want)
 	}
-}
-
-// admissionLog records admissions from many goroutines, each as the span
-// within which it was decided: from before the request to after its
-// answer, in nanoseconds since the log's first reading.
-type admissionLog struct {
-	mu     sync.Mutex
-	origin time.Time
-	spans  [][2]int64
-}
-
-// now is the time since the log's first reading.
-func (l *admissionLog) now() int64 {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	if l.origin.IsZero() {
-		l.origin = time.Now()
-	}
-	return int64(time.Since(l.origin))
-}
-
-// add records an admission decided between start and now.
-func (l *admissionLog) add(start int64) {
-	end := l.now()
-	l.mu.Lock()
-	l.spans = append(l.spans, [2]int64{start, end})
-	l.mu.Unlock()
-}
-
-func (l *admissionLog) len() int {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return len(l.spans)
-}
-
-// check asserts that every window [x, y] holds at most burst + rate ×
-// (y - x) admissions, and returns how many windows it checked and the
-// tightest: the most admissions a window held beyond its bound. Only an
-// admission whose whole span lies in a window surely counts in it;
-// windows start where a span starts and end where one ends (the root's
-// admissionLog, lease_random_test.go).
-func (l *admissionLog) check(t *testing.T, burst, rate float64) (windows int, tightest float64) {
-	t.Helper()
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	byEnd := slices.Clone(l.spans)
-	slices.SortFunc(byEnd, func(a, b [2]int64) int { return int(a[1] - b[1]) })
-	failures := 0
-	tightest = math.Inf(-1)
-	for _, from := range l.spans {
-		x, in := from[0], 0
-		for _, s := range byEnd {
-			if s[0] < x {
-				continue
-			}
-			in++
-			windows++
-			bound := burst + rate*float64(s[1]-x)/1e9
-			tightest = max(tightest, float64(in)-bound)
-			if float64(in) > bound+1e-9 {
-				if failures++; failures <= 3 {
-					t.Errorf("%d admitted within %v: more than burst + rate × T = %.2f", in, time.Duration(s[1]-x), bound)
-				}
-			}
-		}
-	}
-	if failures > 3 {
-		t.Errorf("... and %d more windows over the bound", failures-3)
-	}
-	return windows, tightest
 }

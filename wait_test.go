@@ -461,3 +461,57 @@ func TestLeasingBucketWaitsInRedis(t *testing.T) {
 		t.Errorf("no request waited: %v", results)
 	}
 }
+
+// TestRedisStoppedWhileRequestsWaitFollowsOnError: with Redis gone
+// while requests wait, those waiting for their tokens (taken already)
+// go on when their time comes, and one waiting in a slot queue follows
+// on_error (deny: 503) once it can wait no longer; none is served twice,
+// none more than the slots allow.
+func TestRedisStoppedWhileRequestsWaitFollowsOnError(t *testing.T) {
+	srv := redistest.Start(t)
+	h := caddyfileHandler(t, `rate_limit {
+		zone redisgone
+		key {http.request.header.X-Key}
+		on_error deny
+		concurrent gen 1 {
+			max_wait 2s
+		}
+		redis `+srv.Addr+`
+	}`)
+	var served atomic.Int64
+	release := make(chan struct{})
+	holding := make(chan struct{})
+	go func() {
+		r, w := newRequest("192.0.2.1", "k")
+		_ = h.ServeHTTP(w, r, caddyhttp.HandlerFunc(func(w http.ResponseWriter, r *http.Request) error {
+			served.Add(1)
+			close(holding)
+			<-release
+			return nil
+		}))
+	}()
+	<-holding
+	done := make(chan int)
+	go func() {
+		r, w := newRequest("192.0.2.1", "k")
+		err := h.ServeHTTP(w, r, caddyhttp.HandlerFunc(func(w http.ResponseWriter, r *http.Request) error {
+			served.Add(1)
+			return nil
+		}))
+		done <- statusOf(err, w.Code)
+	}()
+	eventually(t, 5*time.Second, "the second request waits for the slot", func() bool { return h.waitingNow.Load() == 1 })
+	srv.Stop(t)
+	close(release) // the holder ends; its release cannot reach Redis
+	select {
+	case status := <-done:
+		if status != http.StatusServiceUnavailable {
+			t.Errorf("the waiter with Redis gone: %d, want 503 (on_error deny)", status)
+		}
+	case <-time.After(10 * time.Second):
+		t.Fatal("the waiter with Redis gone never ended")
+	}
+	if n := served.Load(); n != 1 {
+		t.Errorf("%d requests served, want 1: the holder alone", n)
+	}
+}

@@ -404,9 +404,11 @@ func TestSlotWaitIsReportedAsWaited(t *testing.T) {
 // (net/http: a 4 KiB reader and a 4 KiB writer). go test -run xxx -bench
 // WaitingRequest -benchtime 1000x .
 func BenchmarkWaitingRequest(b *testing.B) {
-	h := memoryHandler(b, "1 1", "key {http.request.header.X-Key}\nmax_wait 1h\nmax_waiting 100000")
+	h := memoryHandler(b, "10 10", "key {http.request.header.X-Key}\nmax_wait 1h\nmax_waiting 100000")
 	h.logger = zap.NewNop()     // a debug line per wait, else
-	wentOn(b.Context(), h, "w") // the burst: every request after it waits
+	for range 10 { // the burst: every request after it waits (up to 36,000 within the hour)
+		wentOn(b.Context(), h, "w")
+	}
 	ctx, cancel := context.WithCancel(b.Context())
 	var before, after runtime.MemStats
 	runtime.GC()

@@ -201,6 +201,7 @@ CASES=(
 	"memfloor@64 memfloor 200 -"
 	"allowed@64 allowed 200 -"
 	"concurrent@64 concurrent 200 -"
+	"wait@64 wait 200 -"
 	"multi@64 multi 200 -"
 	"quota@64 quota 200 -"
 	"memory@64 memory 200 -"

@@ -405,8 +405,8 @@ func TestSlotWaitIsReportedAsWaited(t *testing.T) {
 // WaitingRequest -benchtime 1000x .
 func BenchmarkWaitingRequest(b *testing.B) {
 	h := memoryHandler(b, "10 10", "key {http.request.header.X-Key}\nmax_wait 1h\nmax_waiting 100000")
-	h.logger = zap.NewNop()     // a debug line per wait, else
-	for range 10 { // the burst: every request after it waits (up to 36,000 within the hour)
+	h.logger = zap.NewNop() // a debug line per wait, else
+	for range 10 {          // the burst: every request after it waits (up to 36,000 within the hour)
 		wentOn(b.Context(), h, "w")
 	}
 	ctx, cancel := context.WithCancel(b.Context())

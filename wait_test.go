@@ -399,15 +399,17 @@ func TestSlotWaitIsReportedAsWaited(t *testing.T) {
 
 // BenchmarkWaitingRequest measures what a request waiting for its tokens
 // holds in this process (its goroutine's stack and the heap it keeps),
-// with b.N of them waiting at once: the figure behind max_waiting's
-// default. A request through Caddy holds its connection's buffers too
-// (net/http: a 4 KiB reader and a 4 KiB writer). go test -run xxx -bench
-// WaitingRequest -benchtime 1000x .
+// with b.N of them waiting at once, each on a key of its own whose token
+// is 1,000 s away: the figure behind max_waiting's default. A request
+// through Caddy holds its connection's buffers too (net/http: a 4 KiB
+// reader and a 4 KiB writer). go test -run xxx -bench WaitingRequest
+// -benchtime 10000x .
 func BenchmarkWaitingRequest(b *testing.B) {
-	h := memoryHandler(b, "10 10", "key {http.request.header.X-Key}\nmax_wait 1h\nmax_waiting 100000")
-	h.logger = zap.NewNop() // a debug line per wait, else
-	for range 10 {          // the burst: every request after it waits (up to 36,000 within the hour)
-		wentOn(b.Context(), h, "w")
+	h := memoryHandler(b, "0.001 1", "key {http.request.header.X-Key}\nmax_wait 1h\nmax_waiting 1000000")
+	h.logger = zap.NewNop()                              // a debug line per wait, else
+	zone := strconv.FormatInt(time.Now().UnixNano(), 36) // a run's keys of its own: the store outlives a run's handler
+	for i := range b.N {                                 // each key's token: its next request waits 1,000 s
+		wentOn(b.Context(), h, zone+strconv.Itoa(i))
 	}
 	ctx, cancel := context.WithCancel(b.Context())
 	var before, after runtime.MemStats
@@ -415,8 +417,8 @@ func BenchmarkWaitingRequest(b *testing.B) {
 	runtime.ReadMemStats(&before)
 	var wg sync.WaitGroup
 	b.ResetTimer()
-	for range b.N {
-		wg.Go(func() { wentOn(ctx, h, "w") })
+	for i := range b.N {
+		wg.Go(func() { wentOn(ctx, h, zone+strconv.Itoa(i)) })
 	}
 	for h.waitingNow.Load() < int64(b.N) {
 		time.Sleep(time.Millisecond)

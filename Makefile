@@ -71,7 +71,7 @@ test: deps ## go vet, go test -race, a few seconds of each fuzzer, then check th
 
 fuzz: ## Run each fuzz test for FUZZTIME (5s)
 	@for target in $(FUZZ_TARGETS); do \
-		go test -run '^$$' -fuzz "^$${target#*:}\$$" -fuzztime $(FUZZTIME) "$${target%%:*}" || exit 1; \
+		bash scripts/fuzz-one.sh "$${target%%:*}" "$${target#*:}" "$(FUZZTIME)" || exit 1; \
 	done
 
 bench: bin/caddy-bench bin/caddy-mholt ## Load benchmark, side by side (BENCH_ROUNDS=5 BENCH_DURATION=3s BENCH_WARMUP=1s BENCH_CASES="bare@64 memory@64 lease-keys@64 lease-mixed@64" BENCH_KEYS=10000 BENCH_HOT=8 BENCH_HOT_SHARE=0.9 BENCH_GOGC=100 BENCH_PROFILE=dir BENCH_PROFILE_CASE=allowed BENCH_BASELINE=<rev> BENCH_BASELINE_CASES="lease-mixed@64")
